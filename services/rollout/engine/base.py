@@ -1,0 +1,85 @@
+"""The engine contract every inference backend implements (torch built-in, vLLM).
+
+The rollout worker drives an engine by polling: it adds requests, calls
+``step()`` until nothing is left, and dispatches the returned chunks to its
+episodes. An engine never knows about Redis, episodes or tools.
+
+Resumability rests on two promises:
+- ``abort`` returns every token generated for a request that ``step`` has not
+  yet returned, so the caller can record them before they are lost;
+- sampling is a pure function of (seed, position in the response): a request
+  restarted from prompt + the first k response tokens, with the same seed and
+  ``start_index=k``, draws the same random numbers as the uninterrupted run did
+  from position k on. Same weights + same seed => same tokens, aborted or not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_k: int = 0  # 0 means no top-k cut
+    max_tokens: int = 64  # response budget of the whole episode turn
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "max_tokens": self.max_tokens, "stop_token_ids": list(self.stop_token_ids), "seed": self.seed}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        return cls(temperature=float(d.get("temperature", 1.0)), top_p=float(d.get("top_p", 1.0)),
+                   top_k=int(d.get("top_k", 0)), max_tokens=int(d.get("max_tokens", 64)),
+                   stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())), seed=int(d.get("seed", 0)))
+
+
+@dataclass(slots=True)
+class Chunk:
+    """New tokens of one request since the last chunk for it."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # log-prob of each sampled token under the sampling distribution
+    version: int = 0  # policy version of the weights that produced these tokens
+    finish_reason: str | None = None  # None while running; "stop", "length" or "abort" when done
+
+
+class EngineError(Exception):
+    """A request the engine cannot serve (prompt too long, bad parameters)."""
+
+
+class Engine(Protocol):
+    version: int  # policy version of the loaded weights
+    max_model_len: int  # prompt + response tokens one request may hold
+
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                    max_new_tokens: int, start_index: int = 0) -> None:
+        """Queue a generation continuing ``token_ids`` (prompt + response so far).
+
+        ``max_new_tokens`` is the remaining budget; ``start_index`` is how many
+        response tokens ``token_ids`` already holds (the sampling position).
+        Raises EngineError when the request cannot fit ``max_model_len``.
+        """
+
+    def step(self) -> list[Chunk]:
+        """Run one scheduling step (prefill of new requests and/or one decode step
+        for the running batch); return the new tokens per request. Finished
+        requests appear once with ``finish_reason`` set and then leave."""
+
+    def abort(self, request_id: str) -> Chunk | None:
+        """Stop one request; return its not-yet-returned tokens with finish_reason="abort"."""
+
+    def abort_all(self) -> list[Chunk]:
+        """Stop every request (waiting or running)."""
+
+    def has_unfinished(self) -> bool: ...
+
+    def load_weights(self, path: str, version: int) -> None:
+        """Replace the weights with a safetensors file/folder; tag them ``version``.
+        Only allowed when no request is running."""

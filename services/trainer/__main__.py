@@ -1,0 +1,16 @@
+"""`python -m services.trainer`: placeholder loop until the trainer issue lands; it joins the run,
+heartbeats, and stops cleanly on SIGTERM."""
+
+from shared.service import Service
+
+
+def main(argv=None) -> None:
+    svc = Service("trainer", argv)
+    svc.log.info("ready")
+    while not svc.stopping:
+        svc.heartbeat()
+        svc.idle(1.0)
+
+
+if __name__ == "__main__":
+    main()

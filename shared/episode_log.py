@@ -1,0 +1,155 @@
+"""The episode log: batched, fenced appends to ``ep:<id>`` streams, and replay.
+
+A writer buffers events per episode and sends them in one pipeline when an
+episode has ``flush_tokens`` tokens pending or the oldest pending event is
+``flush_ms`` old (``maybe_flush``), or when asked (``flush``). Consecutive
+token chunks of one policy version coalesce into one ``tokens`` event.
+
+Every append is fenced: a server-side script checks that the stream's last
+``seq`` is the one this writer expects before adding. Two writers can never
+interleave in one episode (a worker presumed dead that wakes up, say): the
+loser gets ``Fenced`` and must drop the episode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from shared.events import Event, encode
+from shared.fold import Episode, fold
+from shared.keys import Keys
+
+_APPEND = """
+local nextseq = 0
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #last > 0 then
+  nextseq = nil
+  local f = last[1][2]
+  for i = 1, #f, 2 do
+    if f[i] == 'seq' then nextseq = tonumber(f[i + 1]) end
+  end
+  if nextseq == nil then return redis.error_reply('FENCED last entry has no numeric seq') end
+  nextseq = nextseq + 1
+end
+if nextseq ~= tonumber(ARGV[1]) then
+  return redis.error_reply('FENCED stream is at seq ' .. nextseq .. ', writer expected ' .. ARGV[1])
+end
+local ids = {}
+for i = 2, #ARGV, 6 do
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'type', ARGV[i], 'v', ARGV[i + 1], 'policy', ARGV[i + 2],
+                             'worker', ARGV[i + 3], 'seq', ARGV[i + 4], 'data', ARGV[i + 5])
+end
+return ids
+"""
+
+
+class Fenced(RuntimeError):
+    """Another writer appended to this episode; this writer no longer owns it."""
+
+    def __init__(self, episode_id: str, detail: str):
+        self.episode_id = episode_id
+        super().__init__(f"episode {episode_id}: {detail}")
+
+
+@dataclass
+class _Pending:
+    next_seq: int  # seq of the first event not yet written
+    events: list[Event] = field(default_factory=list)
+    num_tokens: int = 0
+    since: float | None = None  # clock time of the oldest unwritten event
+
+
+class EpisodeLog:
+    def __init__(self, client: redis.Redis, keys: Keys, worker: str, flush_tokens: int = 16,
+                 flush_ms: float = 50.0, clock=time.monotonic):
+        self.client, self.keys, self.worker = client, keys, worker
+        self.flush_tokens, self.flush_ms, self.clock = flush_tokens, flush_ms, clock
+        self._append = client.register_script(_APPEND)
+        self._pending: dict[str, _Pending] = {}
+        self.entries_written = 0
+
+    # --- writing
+    def open(self, episode_id: str, next_seq: int = 0) -> None:
+        """Start writing an episode whose stream holds ``next_seq`` events."""
+        self._pending[episode_id] = _Pending(next_seq)
+
+    def close(self, episode_id: str) -> None:
+        self._pending.pop(episode_id, None)
+
+    def append(self, episode_id: str, kind: str, data: dict, policy: int) -> None:
+        p = self._pending[episode_id]
+        seq = p.next_seq + len(p.events)
+        p.events.append(Event(kind=kind, policy=policy, worker=self.worker, seq=seq, data=data))
+        if p.since is None:
+            p.since = self.clock()
+
+    def append_tokens(self, episode_id: str, ids: list[int], logprobs: list[float], policy: int) -> None:
+        if not ids:
+            return
+        p = self._pending[episode_id]
+        last = p.events[-1] if p.events else None
+        if last is not None and last.kind == "tokens" and last.policy == policy:
+            last.data["ids"] += ids
+            last.data["logprobs"] += logprobs
+        else:
+            self.append(episode_id, "tokens", {"ids": list(ids), "logprobs": list(logprobs)}, policy)
+        p.num_tokens += len(ids)
+
+    def pending_tokens(self, episode_id: str) -> int:
+        return self._pending[episode_id].num_tokens
+
+    def due(self) -> bool:
+        now = self.clock()
+        return any(p.num_tokens >= self.flush_tokens or
+                   (p.since is not None and (now - p.since) * 1000 >= self.flush_ms)
+                   for p in self._pending.values())
+
+    def maybe_flush(self) -> dict[str, Exception]:
+        return self.flush() if self.due() else {}
+
+    def flush(self, episode_ids: list[str] | None = None) -> dict[str, Exception]:
+        """Write pending events (of all episodes, or those named) in one pipeline.
+
+        Returns {episode_id: error} for episodes that could not be written;
+        a fenced episode is closed (its pending events dropped).
+        """
+        targets = [(e, p) for e, p in self._pending.items()
+                   if p.events and (episode_ids is None or e in episode_ids)]
+        if not targets:
+            return {}
+        pipe = self.client.pipeline(transaction=False)
+        for episode_id, p in targets:
+            args: list = [p.next_seq]
+            for ev in p.events:
+                f = encode(ev)
+                args += [f["type"], f["v"], f["policy"], f["worker"], f["seq"], f["data"]]
+            self._append(keys=[self.keys.episode(episode_id)], args=args, client=pipe)
+        results = pipe.execute(raise_on_error=False)
+        errors: dict[str, Exception] = {}
+        for (episode_id, p), result in zip(targets, results):
+            if isinstance(result, Exception):
+                if "FENCED" in str(result):
+                    errors[episode_id] = Fenced(episode_id, str(result))
+                    self.close(episode_id)
+                else:
+                    errors[episode_id] = result
+                continue
+            self.entries_written += len(result)
+            p.next_seq += len(p.events)
+            p.events, p.num_tokens, p.since = [], 0, None
+        return errors
+
+    def flush_or_raise(self, episode_ids: list[str] | None = None) -> None:
+        errors = self.flush(episode_ids)
+        if errors:
+            raise next(iter(errors.values()))
+
+    # --- reading
+    def read(self, episode_id: str) -> list[tuple]:
+        return self.client.xrange(self.keys.episode(episode_id))
+
+    def replay(self, episode_id: str) -> Episode:
+        return fold(self.read(episode_id))

@@ -1,0 +1,29 @@
+"""Every Redis key streamrl uses, namespaced by run: ``streamrl:<run>:<name>``."""
+
+from __future__ import annotations
+
+PREFIX = "streamrl"
+
+
+class Keys:
+    def __init__(self, run: str):
+        self.run = run
+        self.base = f"{PREFIX}:{run}:"
+
+    def episode(self, episode_id: str) -> str:
+        return f"{self.base}ep:{episode_id}"
+
+    def episode_id(self, key: str | bytes) -> str:
+        key = key.decode() if isinstance(key, bytes) else key
+        return key.removeprefix(f"{self.base}ep:")
+
+    @property
+    def pattern(self) -> str:
+        return f"{self.base}*"
+
+    prompts = property(lambda self: f"{self.base}prompts")
+    samples = property(lambda self: f"{self.base}samples")
+    versions = property(lambda self: f"{self.base}versions")
+    control = property(lambda self: f"{self.base}control")
+    metrics = property(lambda self: f"{self.base}metrics")
+    dead_letters = property(lambda self: f"{self.base}dead")

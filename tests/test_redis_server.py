@@ -1,0 +1,72 @@
+import os
+import time
+
+import pytest
+import redis
+
+from shared.connection import connect, redact
+from shared.episode_log import EpisodeLog
+from shared.keys import Keys
+from shared.redis_server import EmbeddedRedis, ServerError
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); its state letter says otherwise
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().split(")")[1].split()[0] != "Z"
+
+
+def test_start_and_stop_leave_no_process(tmp_path):
+    server = EmbeddedRedis(tmp_path).start()
+    pid, url = server.proc.pid, server.url
+    assert connect(url).ping()
+    server.stop()
+    assert not _alive(pid)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+
+
+def test_binds_loopback_with_aof_everysec(tmp_path):
+    with EmbeddedRedis(tmp_path) as server:
+        c = connect(server.url)
+        assert c.config_get("appendonly")["appendonly"] == "yes"
+        assert c.config_get("appendfsync")["appendfsync"] == "everysec"
+        assert c.config_get("bind")["bind"].split()[0] == "127.0.0.1"
+
+
+def test_password_in_url(tmp_path):
+    with EmbeddedRedis(tmp_path, password="s3cret") as server:
+        assert ":s3cret@" in server.url and "s3cret" not in redact(server.url)
+        assert connect(server.url).ping()
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(host=server.host, port=server.port).ping()
+
+
+def test_port_in_use_is_a_clear_error(tmp_path):
+    with EmbeddedRedis(tmp_path / "a") as first:
+        with pytest.raises(ServerError, match=f"port {first.port}"):
+            EmbeddedRedis(tmp_path / "b", port=first.port).start(timeout=5)
+
+
+def test_events_older_than_a_second_survive_kill_9(tmp_path):
+    server = EmbeddedRedis(tmp_path).start()
+    keys = Keys("aof")
+    log = EpisodeLog(connect(server.url), keys, "w")
+    log.open("e1")
+    log.append("e1", "started", {"episode_id": "e1", "group_id": "g", "index": 0, "prompt_ids": [1],
+                                 "sampling": {}}, 0)
+    log.append_tokens("e1", list(range(100)), [0.0] * 100, 0)
+    log.flush_or_raise()
+    time.sleep(2.2)  # appendfsync everysec: acknowledged and over a second old => on disk
+    port = server.port
+    server.kill()
+    restarted = EmbeddedRedis(tmp_path, port=port).start()
+    try:
+        ep = EpisodeLog(connect(restarted.url), keys, "w").replay("e1")
+        assert ep.tokens == list(range(100))
+    finally:
+        restarted.stop()

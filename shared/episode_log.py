@@ -67,7 +67,7 @@ class EpisodeLog:
                  flush_ms: float = 50.0, clock=time.monotonic):
         self.client, self.keys, self.worker = client, keys, worker
         self.flush_tokens, self.flush_ms, self.clock = flush_tokens, flush_ms, clock
-        self._append = client.register_script(_APPEND)
+        self._sha = client.script_load(_APPEND)
         self._pending: dict[str, _Pending] = {}
         self.entries_written = 0
 
@@ -120,14 +120,10 @@ class EpisodeLog:
                    if p.events and (episode_ids is None or e in episode_ids)]
         if not targets:
             return {}
-        pipe = self.client.pipeline(transaction=False)
-        for episode_id, p in targets:
-            args: list = [p.next_seq]
-            for ev in p.events:
-                f = encode(ev)
-                args += [f["type"], f["v"], f["policy"], f["worker"], f["seq"], f["data"]]
-            self._append(keys=[self.keys.episode(episode_id)], args=args, client=pipe)
-        results = pipe.execute(raise_on_error=False)
+        results = self._send(targets)
+        if any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
+            self._sha = self.client.script_load(_APPEND)  # the server restarted and forgot the script
+            results = self._send(targets)
         errors: dict[str, Exception] = {}
         for (episode_id, p), result in zip(targets, results):
             if isinstance(result, Exception):
@@ -141,6 +137,17 @@ class EpisodeLog:
             p.next_seq += len(p.events)
             p.events, p.num_tokens, p.since = [], 0, None
         return errors
+
+    def _send(self, targets: list[tuple[str, _Pending]]) -> list:
+        """One pipeline, one EVALSHA per episode (no SCRIPT EXISTS round trip)."""
+        pipe = self.client.pipeline(transaction=False)
+        for episode_id, p in targets:
+            args: list = [p.next_seq]
+            for ev in p.events:
+                f = encode(ev)
+                args += [f["type"], f["v"], f["policy"], f["worker"], f["seq"], f["data"]]
+            pipe.evalsha(self._sha, 1, self.keys.episode(episode_id), *args)
+        return pipe.execute(raise_on_error=False)
 
     def flush_or_raise(self, episode_ids: list[str] | None = None) -> None:
         errors = self.flush(episode_ids)

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import tomllib
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, Mapping
 
 
@@ -33,9 +34,56 @@ class Config:
     # model
     model_dir: str = "models/tiny"  # HF-format causal LM folder (config, safetensors, tokenizer)
     tokenizer: str = ""  # folder for decoding text in `streamrl replay`; empty means model_dir
+    # rollout
+    engine: str = "torch"  # torch | vllm
+    device: str = "cpu"  # cpu | cuda
+    max_batch_size: int = 64  # sequences decoded together by the engine
+    max_groups_in_flight: int = 8  # prompt groups one rollout worker holds at once
+    group_size: int = 4  # episodes per prompt group (GRPO n)
+    max_tokens: int = 32  # generated-token budget per episode
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0  # base sampling seed; each episode derives its own
+    tools: str = "calc"  # comma-separated tool names the model may call (empty: single-turn)
+    tool_timeout: float = 10.0  # seconds one tool call may run (rq job timeout)
+    max_tool_calls: int = 4  # per episode; one more ends it with reason 'tool_limit'
+    reward_fn: str = "services.rollout.rewards:arithmetic"  # module:function(episode_text, task) -> float | (float, dict)
+    step_delay_ms: float = 0.0  # sleep after each engine step: a slow engine for fault drills and demos
+    heartbeat_ttl: float = 5.0  # seconds after its last heartbeat a worker counts as dead
+    # trainer
+    batch_groups: int = 4  # prompt groups per optimizer step
+    steps_per_version: int = 1  # optimizer steps between weight publishes
+    lr: float = 1e-3
+    loss: str = "decoupled"  # decoupled (AReaL's off-policy PPO) | ppo (plain PPO-clip vs behaviour)
+    agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    is_cap: float = 5.0  # truncate proximal/behaviour importance weights here; 0 disables
+    max_grad_norm: float = 1.0
+    weights_dir: str = ""  # published versions; empty: /dev/shm/streamrl/<run> when /dev/shm exists
+    # staleness and sync
+    max_staleness: int = 1  # versions a trained token may lag the trainer; 0 with mode=sync is synchronous RL
+    mode: str = "async"  # async | sync (rollout waits for the trainer, trainer for a full batch)
+    sync_timeout: float = 30.0  # seconds the syncer waits for a worker's ack before going on without it
+    # the run (driver)
+    dataset: str = "arithmetic"  # built-in task, or a .jsonl / .parquet file with prompt and answer fields
+    max_versions: int = 40  # the driver ends the run at this version; 0: no limit
+    max_minutes: float = 10.0  # ... or after this long; 0: no limit
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir) / self.run
+
+    @property
+    def weights_path(self) -> Path:
+        if self.weights_dir:
+            return Path(self.weights_dir)
+        shm = Path("/dev/shm")
+        return shm / "streamrl" / self.run if shm.is_dir() else self.run_path / "weights"
 
 
 FIELDS = {f.name: f for f in fields(Config)}
@@ -97,6 +145,29 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'flush_tokens': expected an integer >= 1, got {cfg.flush_tokens}")
     if cfg.flush_ms < 0:
         raise ConfigError(f"config key 'flush_ms': expected a number >= 0, got {cfg.flush_ms}")
+    for key in ("max_batch_size", "max_groups_in_flight", "group_size", "max_tokens"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"config key {key!r}: expected an integer >= 1, got {getattr(cfg, key)}")
+    if cfg.engine not in ("torch", "vllm"):
+        raise ConfigError(f"config key 'engine': expected 'torch' or 'vllm', got {cfg.engine!r}")
+    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
+        raise ConfigError(f"config keys temperature/top_p/top_k: expected temperature >= 0, 0 < top_p <= 1, "
+                          f"top_k >= 0, got {cfg.temperature}, {cfg.top_p}, {cfg.top_k}")
+    if cfg.tool_timeout <= 0 or cfg.heartbeat_ttl <= 0:
+        raise ConfigError("config keys tool_timeout and heartbeat_ttl: expected seconds > 0")
+    for key in ("batch_groups", "steps_per_version"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"config key {key!r}: expected an integer >= 1, got {getattr(cfg, key)}")
+    if cfg.loss not in ("decoupled", "ppo"):
+        raise ConfigError(f"config key 'loss': expected 'decoupled' or 'ppo', got {cfg.loss!r}")
+    if cfg.mode not in ("async", "sync"):
+        raise ConfigError(f"config key 'mode': expected 'async' or 'sync', got {cfg.mode!r}")
+    if cfg.max_staleness < 0:
+        raise ConfigError(f"config key 'max_staleness': expected an integer >= 0, got {cfg.max_staleness}")
+    if cfg.lr <= 0 or cfg.clip_low < 0 or cfg.clip_high < 0 or cfg.is_cap < 0:
+        raise ConfigError("config keys lr, clip_low, clip_high, is_cap: expected lr > 0 and the others >= 0")
+    if ":" not in cfg.reward_fn:
+        raise ConfigError(f"config key 'reward_fn': expected 'module:function', got {cfg.reward_fn!r}")
     if not cfg.run or any(c in cfg.run for c in " :*?[]"):
         raise ConfigError(f"config key 'run': expected a name without spaces, ':' or glob characters, got {cfg.run!r}")
 

@@ -17,6 +17,10 @@ class Keys:
         key = key.decode() if isinstance(key, bytes) else key
         return key.removeprefix(f"{self.base}ep:")
 
+    def alive(self, service: str, worker_id: str) -> str:
+        """Heartbeat key: exists while the process is alive (TTL)."""
+        return f"{self.base}alive:{service}:{worker_id}"
+
     @property
     def pattern(self) -> str:
         return f"{self.base}*"
@@ -26,4 +30,6 @@ class Keys:
     versions = property(lambda self: f"{self.base}versions")
     control = property(lambda self: f"{self.base}control")
     metrics = property(lambda self: f"{self.base}metrics")
+    gate = property(lambda self: f"{self.base}gate")
+    gate_started = property(lambda self: f"{self.base}gate:started")
     dead_letters = property(lambda self: f"{self.base}dead")

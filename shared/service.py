@@ -51,7 +51,7 @@ class Service:
         self.log.info("stopping", signal=signal.Signals(signum).name)
 
     def heartbeat(self, ttl: float = 5.0, **fields) -> None:
-        key = f"{self.keys.base}alive:{self.name}:{self.worker_id}"
+        key = self.keys.alive(self.name, self.worker_id)
         pipe = self.client.pipeline()
         pipe.hset(key, mapping={"time": time.time(), **{k: str(v) for k, v in fields.items()}})
         pipe.pexpire(key, int(ttl * 1000))

@@ -41,3 +41,10 @@ def keys() -> Keys:
 def cli_env(redis_url, keys) -> dict:
     """Environment for `streamrl` subprocesses pointed at the test server and run."""
     return {**os.environ, "REDIS_URL": redis_url, "STREAMRL_RUN": keys.run, "STREAMRL_LOG_LEVEL": "warning"}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from shared.tiny_model import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))

@@ -1,15 +1,28 @@
-"""`python -m services.rollout`: placeholder loop until the rollout issue lands; it joins the run,
-heartbeats, and stops cleanly on SIGTERM."""
+"""`python -m services.rollout`: one rollout worker process."""
 
+from __future__ import annotations
+
+import sys
+
+from services.rollout.engine import EngineError, make_engine
+from services.rollout.worker import RolloutWorker
 from shared.service import Service
 
 
 def main(argv=None) -> None:
     svc = Service("rollout", argv)
-    svc.log.info("ready")
-    while not svc.stopping:
-        svc.heartbeat()
-        svc.idle(1.0)
+    from transformers import AutoTokenizer
+
+    try:
+        engine = make_engine(svc.cfg.engine, svc.cfg.model_dir, device=svc.cfg.device,
+                             max_batch_size=svc.cfg.max_batch_size)
+        tokenizer = AutoTokenizer.from_pretrained(svc.cfg.model_dir)
+    except (EngineError, OSError) as exc:
+        svc.log.error("cannot start the engine", model_dir=svc.cfg.model_dir, error=str(exc))
+        sys.exit(2)
+    worker = RolloutWorker(svc.cfg, svc.client, svc.worker_id, engine, tokenizer, svc.log)
+    svc.log.info("ready", engine=svc.cfg.engine, model_dir=svc.cfg.model_dir, version=engine.version)
+    worker.run(should_stop=lambda: svc.stopping)
 
 
 if __name__ == "__main__":

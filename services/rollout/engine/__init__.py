@@ -1,0 +1,30 @@
+"""Inference engines behind one contract (see ``base``)."""
+
+from __future__ import annotations
+
+from services.rollout.engine.base import Chunk, Engine, EngineError, SamplingParams
+
+__all__ = ["SamplingParams", "Chunk", "Engine", "EngineError", "TorchEngine", "make_engine"]
+
+
+def __getattr__(name: str):
+    # torch and transformers load only when the torch engine is asked for.
+    if name == "TorchEngine":
+        from services.rollout.engine.torch_engine import TorchEngine
+
+        return TorchEngine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def make_engine(kind: str, model_dir: str, device: str = "cpu", **kw) -> Engine:
+    if kind == "torch":
+        from services.rollout.engine.torch_engine import TorchEngine
+
+        return TorchEngine(model_dir, device=device, **kw)
+    if kind == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as exc:
+            raise EngineError("engine 'vllm' selected but vllm is not installed: pip install '.[vllm]'") from exc
+        raise EngineError("engine 'vllm' is not available yet in this build")
+    raise EngineError(f"unknown engine {kind!r}: expected 'torch' or 'vllm'")

@@ -1,0 +1,67 @@
+"""One episode as a rollout worker drives it: the in-memory mirror of its stream."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from enum import Enum
+
+from services.rollout.engine import SamplingParams
+from shared.fold import Episode
+
+
+class State(Enum):
+    GENERATING = "generating"  # a request is in the engine
+    TOOL = "tool"  # waiting for a tool job
+    PAUSED = "paused"  # needs a generation request on resume
+    DONE = "done"  # finished or failed, in the stream
+
+
+def episode_seed(base: int, group_id: str, index: int) -> int:
+    """Stable across processes and runs (unlike hash())."""
+    return zlib.crc32(f"{base}:{group_id}:{index}".encode()) & 0x7FFFFFFF
+
+
+@dataclass
+class LiveEpisode:
+    episode_id: str
+    group_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    task: dict
+    tokens: list[int] = field(default_factory=list)  # response so far, tool output included
+    num_generated: int = 0
+    turn_start: int = 0  # index in tokens where the current generation turn began
+    num_tool_calls: int = 0
+    state: State = State.PAUSED
+    job_id: str | None = None
+    call_id: str | None = None
+    job_deadline: float = 0.0
+
+    @classmethod
+    def from_fold(cls, ep: Episode, params: SamplingParams) -> "LiveEpisode":
+        live = cls(ep.episode_id, ep.group_id, ep.index, ep.prompt_ids, params, ep.task, list(ep.tokens),
+                   ep.num_generated, num_tool_calls=len(ep.tool_calls))
+        if ep.tool_results:  # the current turn starts after the last tool result's tokens
+            live.turn_start = _index_after_seq(ep, ep.tool_results[-1]["seq"])
+        return live
+
+    @property
+    def context_ids(self) -> list[int]:
+        return self.prompt_ids + self.tokens
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - self.num_generated
+
+
+def _index_after_seq(ep: Episode, seq: int) -> int:
+    """Number of response tokens written by events up to and including ``seq``."""
+    count = 0
+    for ev in ep.events:
+        if ev.seq > seq:
+            break
+        if ev.kind == "tokens" or ev.kind == "tool_result":
+            count += len(ev.data["ids"])
+    return count

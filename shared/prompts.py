@@ -1,0 +1,83 @@
+"""Prompt groups: what the ``prompts`` stream holds, one entry per group.
+
+Entry fields: ``group_id`` (plain), ``n`` (plain, episodes to roll out), ``v``
+(schema version "1") and ``data``, a msgpack map with ``prompt`` (text, tokenized
+by the worker) or ``prompt_ids`` (token ids), ``task`` (map handed to the
+reward function) and optional ``sampling`` overrides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from shared.events import EventError
+
+
+@dataclass
+class PromptGroup:
+    group_id: str
+    n: int
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    task: dict[str, Any] = field(default_factory=dict)
+    sampling: dict[str, Any] = field(default_factory=dict)
+    entry_id: str = ""
+
+    def episode_ids(self) -> list[str]:
+        return [f"{self.group_id}-{i}" for i in range(self.n)]
+
+
+def encode_group(g: PromptGroup) -> dict:
+    data: dict[str, Any] = {"task": g.task, "sampling": g.sampling}
+    if g.prompt_ids is not None:
+        data["prompt_ids"] = list(g.prompt_ids)
+    else:
+        data["prompt"] = g.prompt
+    return {"group_id": g.group_id, "n": str(g.n), "v": "1", "data": msgpack.packb(data)}
+
+
+def _s(v) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def decode_group(entry_id, fields: dict) -> PromptGroup:
+    entry_id = _s(entry_id)
+    f = {_s(k): v for k, v in fields.items()}
+    group_id = _s(f.get("group_id", ""))
+    if not group_id or any(c in group_id for c in " :*"):
+        raise EventError(entry_id, "group_id", f"expected a non-empty id without spaces, ':' or '*', got {group_id!r}")
+    if _s(f.get("v", "1")) != "1":
+        raise EventError(entry_id, "v", f"unknown prompt schema version {_s(f['v'])!r}; expected '1'")
+    try:
+        n = int(_s(f.get("n", "")))
+        if n < 1:
+            raise ValueError
+    except ValueError:
+        raise EventError(entry_id, "n", f"expected an integer >= 1, got {_s(f.get('n'))!r}") from None
+    try:
+        data = msgpack.unpackb(f["data"], raw=False) if "data" in f else None
+    except Exception as exc:
+        raise EventError(entry_id, "data", f"not decodable as msgpack ({exc})") from None
+    if not isinstance(data, dict):
+        raise EventError(entry_id, "data", "expected a msgpack map")
+    prompt, ids = data.get("prompt"), data.get("prompt_ids")
+    if (prompt is None) == (ids is None):
+        raise EventError(entry_id, "data.prompt", "expected exactly one of 'prompt' (text) or 'prompt_ids'")
+    if prompt is not None and not isinstance(prompt, str):
+        raise EventError(entry_id, "data.prompt", f"expected str, got {type(prompt).__name__}")
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) and i >= 0 for i in ids)):
+        raise EventError(entry_id, "data.prompt_ids", "expected a list of non-negative ints")
+    for name in ("task", "sampling"):
+        if not isinstance(data.get(name, {}), dict):
+            raise EventError(entry_id, f"data.{name}", "expected a map")
+    return PromptGroup(group_id, n, prompt, ids, data.get("task", {}), data.get("sampling", {}), entry_id)
+
+
+def enqueue(client, keys, groups: list[PromptGroup]) -> list[str]:
+    pipe = client.pipeline(transaction=False)
+    for g in groups:
+        pipe.xadd(keys.prompts, encode_group(g))
+    return [i.decode() for i in pipe.execute()]

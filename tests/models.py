@@ -1,0 +1,47 @@
+"""Real tiny torch models for tests: random init, or overfit on a few scripts
+so that greedy decoding writes exactly what a test needs (e.g. a tool call)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shared.tiny_model import make_tiny_model
+
+
+def overfit(model_dir: str | Path, texts: list[tuple[str, str]], steps: int = 300, lr: float = 3e-3) -> str:
+    """Train the model at ``model_dir`` in place on (prompt, response) pairs,
+    response followed by <eos>, until greedy decoding reproduces them."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    rows = []
+    for prompt, response in texts:
+        p = tok.encode(prompt, add_special_tokens=False)
+        r = tok.encode(response, add_special_tokens=False) + [tok.eos_token_id]
+        rows.append((p + r, len(p)))
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (row, plen) in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+        labels[i, plen:len(row)] = torch.tensor(row[plen:])
+        mask[i, :len(row)] = 1
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    model.save_pretrained(model_dir)
+    return str(model_dir)
+
+
+def scripted_model(out_dir: str | Path, texts: list[tuple[str, str]]) -> str:
+    make_tiny_model(str(out_dir), seed=1)
+    return overfit(out_dir, texts)

@@ -1,0 +1,57 @@
+"""Drive a real RolloutWorker in-process, tick by tick, against the test server."""
+
+from __future__ import annotations
+
+import time
+
+from transformers import AutoTokenizer
+
+from services.rollout.engine import make_engine
+from services.rollout.worker import RolloutWorker
+from shared import control, logs
+from shared.config import Config
+from shared.episode_log import EpisodeLog
+from shared.fold import fold
+
+
+def make_worker(cfg: Config, client, worker_id: str = "w1", engine=None) -> RolloutWorker:
+    engine = engine or make_engine(cfg.engine, cfg.model_dir, max_batch_size=cfg.max_batch_size)
+    tok = AutoTokenizer.from_pretrained(cfg.model_dir)
+    worker = RolloutWorker(cfg, client, worker_id, engine, tok, logs.get("rollout-test"))
+    worker.start()
+    return worker
+
+
+def tick_until(worker: RolloutWorker, done, timeout: float = 60.0, on_tick=None) -> int:
+    deadline = time.monotonic() + timeout
+    ticks = 0
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met after {timeout}s ({ticks} ticks)")
+        worker.tick(block_ms=5)
+        ticks += 1
+        if on_tick:
+            on_tick(ticks)
+    return ticks
+
+
+def samples(client, keys) -> list[dict]:
+    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(keys.samples)]
+
+
+def episodes(client, keys, group_ids) -> dict:
+    log = EpisodeLog(client, keys, "reader")
+    return {eid: fold(log.read(eid)) for gid, n in group_ids for eid in (f"{gid}-{i}" for i in range(n))}
+
+
+def send(client, keys, cmd: str, sync: str = "s1", **kw) -> None:
+    client.xadd(keys.control, control.encode_command(control.Command(cmd, sync, **kw)))
+
+
+def acks(client, keys, cmd: str) -> list[dict]:
+    out = []
+    for entry_id, fields in client.xrange(keys.control):
+        entry = control.decode_entry(entry_id, fields)
+        if isinstance(entry, dict) and entry["cmd"] == cmd:
+            out.append(entry)
+    return out

@@ -1,43 +1,133 @@
-"""`streamrl drive`: the process that steers a run and ends it.
+"""`streamrl drive`: the process that feeds a run, shows it, and ends it.
 
-For now it waits until every service is alive, writes one demonstration
-episode through the episode log, prints its replay and the run's streams,
-and exits (which makes honcho stop the other processes)."""
+It keeps the prompts stream topped up with prompt groups from the task,
+prints one progress line every couple of seconds (version, reward, samples/s,
+staleness, workers), and exits after ``max_versions`` versions or
+``max_minutes`` minutes, which makes honcho stop the other processes.
+"""
 
 from __future__ import annotations
 
+import json
 import time
 
+from shared import tasks
 from shared.config import Config
 from shared.connection import connect
-from shared.episode_log import EpisodeLog
 from shared.keys import Keys
-from shared.views import format_streams, format_timeline, run_streams
+from shared.prompts import PromptGroup, enqueue
 
 SERVICES = ("rollout", "trainer", "syncer")
 
 
-def alive_services(client, keys: Keys) -> set[str]:
-    return {k.decode().split(":")[3] for k in client.scan_iter(match=f"{keys.base}alive:*")}
+def alive_services(client, keys: Keys) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in client.scan_iter(match=f"{keys.base}alive:*"):
+        service = k.decode().split(":")[3]
+        out[service] = out.get(service, 0) + 1
+    return out
 
 
-def drive(cfg: Config, timeout: float = 120.0) -> int:
-    client = connect(cfg.redis_url, wait=60)
-    keys = Keys(cfg.run)
-    deadline = time.monotonic() + timeout
-    while (missing := set(SERVICES) - alive_services(client, keys)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if missing:
-        print(f"driver: services not alive after {timeout:.0f}s: {', '.join(sorted(missing))}")
-        return 1
-    print(f"driver: services alive: {', '.join(SERVICES)}")
-    log = EpisodeLog(client, keys, "driver", cfg.flush_tokens, cfg.flush_ms)
-    log.open("demo-0")
-    log.append("demo-0", "started", {"episode_id": "demo-0", "group_id": "demo", "index": 0,
-                                     "prompt_ids": [20, 21, 22], "sampling": {"max_tokens": 8}, "task": {}}, 0)
-    log.append_tokens("demo-0", [30, 31, 32], [-0.5, -0.25, -1.0], 0)
-    log.append("demo-0", "finished", {"reason": "stop", "reward": 1.0}, 0)
-    log.flush_or_raise()
-    print(format_timeline(log.replay("demo-0")))
-    print(format_streams(run_streams(client, keys), keys))
-    return 0
+def load_task(cfg: Config) -> list[dict]:
+    if cfg.dataset == "arithmetic":
+        return tasks.arithmetic(4096, seed=cfg.seed)
+    return tasks.load_file(cfg.dataset)
+
+
+def last_metrics(client, keys: Keys, kind: str = "train") -> dict | None:
+    for _, f in client.xrevrange(keys.metrics, count=50):
+        if f.get(b"kind", b"").decode() == kind:
+            return json.loads(f[b"json"])
+    return None
+
+
+def latest_version(client, keys: Keys) -> int:
+    last = client.xrevrange(keys.versions, count=1)
+    return int(last[0][1][b"version"]) if last else 0
+
+
+class Driver:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.client = connect(cfg.redis_url, wait=120)
+        self.keys = Keys(cfg.run)
+        self.rows = load_task(cfg)
+        self.enqueued = int(self.client.get(f"{self.keys.base}driver:enqueued") or 0)
+
+    def top_up(self, depth: int) -> None:
+        """Keep ``depth`` groups waiting beyond what has been delivered."""
+        try:
+            info = {g["name"].decode(): g for g in self.client.xinfo_groups(self.keys.prompts)}
+            lag = info["rollout"]["lag"] if "rollout" in info else self.client.xlen(self.keys.prompts)
+        except Exception:  # no stream or group yet
+            lag = self.client.xlen(self.keys.prompts) if self.client.exists(self.keys.prompts) else 0
+        missing = depth - (lag or 0)
+        if missing <= 0:
+            return
+        groups = []
+        for _ in range(missing):
+            row = self.rows[self.enqueued % len(self.rows)]
+            task = {k: v for k, v in row.items() if k != "prompt"}
+            groups.append(PromptGroup(f"q{self.enqueued:07d}", self.cfg.group_size, prompt=row["prompt"], task=task))
+            self.enqueued += 1
+        enqueue(self.client, self.keys, groups)
+        self.client.set(f"{self.keys.base}driver:enqueued", self.enqueued)
+
+    def wait_for_services(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while set(SERVICES) - set(alive_services(self.client, self.keys)):
+            if time.monotonic() > deadline:
+                missing = set(SERVICES) - set(alive_services(self.client, self.keys))
+                raise RuntimeError(f"services not alive after {timeout:.0f}s: {', '.join(sorted(missing))}")
+            time.sleep(0.2)
+
+    def progress_line(self, t0: float, samples0: int) -> str:
+        m = last_metrics(self.client, self.keys) or {}
+        alive = alive_services(self.client, self.keys)
+        samples = self.client.xlen(self.keys.samples)
+        rate = (samples - samples0) * self.cfg.group_size / max(time.monotonic() - t0, 1e-9)
+        val = last_metrics(self.client, self.keys, "validation")
+        return (f"[{time.monotonic() - t0:6.0f}s] version {latest_version(self.client, self.keys):3d}  "
+                f"step {m.get('step', 0):4d}  reward {m.get('reward_mean', float('nan')):.3f}"
+                + (f"  val {val['reward_mean']:.3f}" if val else "")
+                + f"  samples/s {rate:5.1f}  staleness max {m.get('staleness_max', 0)}  "
+                f"dropped {m.get('stale_dropped', 0)}  rollout workers {alive.get('rollout', 0)}")
+
+    def run(self) -> int:
+        self.wait_for_services()
+        print(f"driver: run {self.cfg.run!r} started; ends after {self.cfg.max_versions or 'unlimited'} versions "
+              f"or {self.cfg.max_minutes or 'unlimited'} minutes", flush=True)
+        t0 = time.monotonic()
+        samples0 = self.client.xlen(self.keys.samples) if self.client.exists(self.keys.samples) else 0
+        depth = 2 * self.cfg.max_groups_in_flight * max(1, alive_services(self.client, self.keys).get("rollout", 1))
+        next_print = 0.0
+        while True:
+            self.top_up(depth)
+            now = time.monotonic()
+            if now >= next_print:
+                print(self.progress_line(t0, samples0), flush=True)
+                next_print = now + 2.0
+            version = latest_version(self.client, self.keys)
+            if self.cfg.max_versions and version >= self.cfg.max_versions:
+                print(f"driver: reached version {version}; ending the run", flush=True)
+                break
+            if self.cfg.max_minutes and now - t0 >= self.cfg.max_minutes * 60:
+                print(f"driver: {self.cfg.max_minutes:g} minutes are up at version {version}; ending the run",
+                      flush=True)
+                break
+            time.sleep(0.2)
+        self.finish()
+        return 0
+
+    def finish(self) -> None:
+        try:
+            from shared.plots import write_plots
+        except ImportError:
+            return
+        paths = write_plots(self.cfg)
+        for p in paths:
+            print(f"driver: wrote {p}", flush=True)
+
+
+def drive(cfg: Config) -> int:
+    return Driver(cfg).run()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from honcho.environ import parse_procfile
@@ -23,10 +24,19 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
         raise FileNotFoundError(f"no Procfile at {path.resolve()}")
     entries = parse_procfile(path.read_text()).processes
     server = None
-    env = {**os.environ, **(extra_env or {}), "STREAMRL_RUN": cfg.run, "PYTHONUNBUFFERED": "1"}
+    # every process gets the very same config: each key as STREAMRL_<KEY>
+    env = {**os.environ, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
+    env.pop("STREAMRL_CONFIG", None)
+    for f in fields(Config):
+        env[f"STREAMRL_{f.name.upper()}"] = str(getattr(cfg, f.name))
     if "REDIS_URL" not in os.environ:
         server = EmbeddedRedis(Path(cfg.run_dir) / cfg.run / "redis").start()
-        env["REDIS_URL"] = server.url
+        env["REDIS_URL"] = env["STREAMRL_REDIS_URL"] = server.url
+    if not Path(cfg.model_dir, "config.json").exists():
+        from shared.tiny_model import make_tiny_model
+
+        print(f"streamrl run: no model at {cfg.model_dir}; creating the default tiny model", file=sys.stderr)
+        make_tiny_model(cfg.model_dir)
     print(f"streamrl run: run {cfg.run!r} on {redact(env['REDIS_URL'])}"
           f"{' (embedded, append-only)' if server else ''}", file=sys.stderr, flush=True)
     manager = Manager()

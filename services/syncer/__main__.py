@@ -1,15 +1,13 @@
-"""`python -m services.syncer`: placeholder loop until the syncer issue lands; it joins the run,
-heartbeats, and stops cleanly on SIGTERM."""
+"""`python -m services.syncer`: weight sync and the staleness gate."""
 
+from services.syncer.syncer import Syncer
 from shared.service import Service
 
 
 def main(argv=None) -> None:
     svc = Service("syncer", argv)
-    svc.log.info("ready")
-    while not svc.stopping:
-        svc.heartbeat()
-        svc.idle(1.0)
+    svc.heartbeat(ttl=3600)
+    Syncer(svc.cfg, svc.client, svc.log).run(should_stop=lambda: svc.stopping)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,128 @@
+"""The syncer: moves each published version to the rollout workers and holds
+the staleness gate.
+
+For every new version event: pause every live rollout worker, wait for each
+ack (a worker whose heartbeat lapses, or that stays silent past
+``sync_timeout``, is logged and not waited on), tell them to load the version,
+wait, resume them, wait. Each phase's duration goes to the metrics stream.
+Only generation pauses: rq tool jobs keep running in their own processes.
+
+The gate is a hash ``gate`` {version, limit}: how many prompt groups may have
+started in total under the current version (AReaL's admission control,
+``shared.staleness.group_capacity``); rollout workers reserve starts against it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import redis
+
+from shared import control
+from shared.config import Config
+from shared.keys import Keys
+from shared.staleness import group_capacity
+
+
+def groups_per_version(cfg: Config) -> int:
+    return cfg.batch_groups * cfg.steps_per_version
+
+
+class Syncer:
+    def __init__(self, cfg: Config, client: redis.Redis, log):
+        self.cfg, self.client, self.log = cfg, client, log
+        self.keys = Keys(cfg.run)
+        self.version = 0
+        self.cursor = "0-0"
+
+    def live_workers(self) -> dict[str, dict]:
+        out = {}
+        for key in self.client.scan_iter(match=self.keys.alive("rollout", "*")):
+            info = {k.decode(): v.decode() for k, v in self.client.hgetall(key).items()}
+            if info:
+                out[key.decode().rsplit(":", 1)[1]] = info
+        return out
+
+    def set_gate(self, version: int) -> None:
+        limit = group_capacity(version, self.cfg.max_staleness, groups_per_version(self.cfg), started_groups=0)
+        self.client.hset(self.keys.gate, mapping={"version": version, "limit": limit,
+                                                  "max_staleness": self.cfg.max_staleness})
+
+    def start(self) -> None:
+        last = self.client.xrevrange(self.keys.versions, count=1)
+        if last:
+            self.cursor = last[0][0].decode()
+            f = {k.decode(): v.decode() for k, v in last[0][1].items()}
+            self.version = int(f["version"])
+            behind = [w for w, info in self.live_workers().items() if int(info.get("version", -1)) < self.version]
+            if behind:  # restarted mid-sync, or workers missed a round
+                self.sync(self.version, f["path"], f.get("sha256", ""))
+        self.set_gate(self.version)
+
+    def run(self, should_stop=lambda: False) -> None:
+        self.start()
+        self.log.info("ready", version=self.version)
+        while not should_stop():
+            reply = self.client.xread({self.keys.versions: self.cursor}, count=100, block=200)
+            entries = [e for _, es in reply or [] for e in es]
+            if not entries:
+                continue
+            self.cursor = entries[-1][0].decode()
+            f = {k.decode(): v.decode() for k, v in entries[-1][1].items()}  # only the newest matters
+            if int(f["version"]) > self.version:
+                self.sync(int(f["version"]), f["path"], f.get("sha256", ""))
+
+    def sync(self, version: int, path: str, sha256: str) -> dict:
+        sync_id = f"v{version}-{uuid.uuid4().hex[:6]}"
+        log = self.log.bind(version=version, sync=sync_id)
+        workers = set(self.live_workers())
+        durations, missing = {}, set()
+        t_start = time.monotonic()
+        for cmd in ("pause", "load", "resume"):
+            t0 = time.monotonic()
+            sent = self.client.xadd(self.keys.control, control.encode_command(
+                control.Command(cmd, sync_id, version, path if cmd == "load" else "", sha256 if cmd == "load" else "")))
+            acked, failed, silent = self._wait_acks(sync_id, cmd, workers - missing, sent.decode())
+            durations[f"{cmd}_s"] = time.monotonic() - t0
+            for worker, error in failed.items():
+                log.error("worker refused the version; it keeps its old weights", worker=worker, error=error)
+            if silent:
+                log.warning("workers did not acknowledge; going on without them", cmd=cmd, workers=sorted(silent))
+                missing |= silent
+        self.version = version
+        self.set_gate(version)
+        record = {"version": version, "sync": sync_id, "workers": len(workers), "missing": sorted(missing),
+                  "total_s": time.monotonic() - t_start, **durations}
+        self.client.xadd(self.keys.metrics, {"kind": "sync", "json": json.dumps(record)}, maxlen=100_000,
+                         approximate=True)
+        log.info("synced", workers=len(workers), missing=len(missing),
+                 **{k: round(v, 4) for k, v in durations.items()})
+        return record
+
+    def _wait_acks(self, sync_id: str, cmd: str, workers: set[str], cursor: str):
+        """Acks from ``workers`` for (sync, cmd); a worker that dies or stays
+        silent past the timeout is returned in ``silent``."""
+        acked: set[str] = set()
+        failed: dict[str, str] = {}
+        deadline = time.monotonic() + self.cfg.sync_timeout
+        next_alive_check = 0.0
+        while workers - acked:
+            reply = self.client.xread({self.keys.control: cursor}, count=1000, block=50)
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    cursor = entry_id.decode()
+                    f = {k.decode(): v.decode(errors="replace") for k, v in fields.items()}
+                    if f.get("type") == "ack" and f.get("sync") == sync_id and f.get("cmd") == cmd:
+                        acked.add(f.get("worker", ""))
+                        if f.get("ok") == "0":
+                            failed[f.get("worker", "")] = f.get("error", "")
+            now = time.monotonic()
+            if now > deadline:
+                break
+            if now > next_alive_check:  # a dead worker's heartbeat key lapses: stop waiting for it
+                next_alive_check = now + 0.25
+                alive = set(self.live_workers())
+                workers = {w for w in workers if w in alive or w in acked}
+        return acked, failed, workers - acked

@@ -1,0 +1,62 @@
+"""Atomic checkpoints and the ledger of committed samples.
+
+A checkpoint holds model, optimizer, RNG, step, version and the ids of every
+prompt group whose training it includes. It is written to a temporary file,
+fsynced and renamed, so a crash leaves the old or the new one, never half.
+Samples are acknowledged in Redis only after the checkpoint including them is
+durable; the ledger (``trained.jsonl``) lists, per commit, the groups it
+includes: each id appears there exactly once across crashes and restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write) -> None:
+    """``write(tmp_path)``, fsync, rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def save(directory: Path, state: dict) -> None:
+    atomic_write(directory / "checkpoint.pt", lambda tmp: torch.save(state, tmp))
+
+
+def load(directory: Path) -> dict | None:
+    path = directory / "checkpoint.pt"
+    if not path.exists():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def append_ledger(directory: Path, record: dict) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "trained.jsonl", "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_ledger(directory: Path) -> list[dict]:
+    path = directory / "trained.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

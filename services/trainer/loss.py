@@ -1,0 +1,163 @@
+"""Policy-gradient losses for GRPO/PPO with off-policy correction. Pure torch, no I/O.
+
+Conventions: ``logp``, ``old_logp``, ``prox_logp``, ``behav_logp`` and ``mask`` are [B, T];
+``advantages`` is [B] (one per sequence, broadcast over tokens) or [B, T]. ``mask`` is 1 on
+policy-generated tokens and 0 on prompt, tool-output and padding tokens. Masked positions are
+replaced with ``torch.where`` *before* any arithmetic, so garbage there (NaN, inf) never reaches the
+loss value nor the gradient, and the gradient at a masked position is exactly 0.
+
+Aggregations of a per-token objective o (loss = -aggregate(o)), with m the mask:
+
+- ``token-mean``: sum(o·m) / sum(m) over the whole batch;
+- ``seq-mean-token-mean``: per sequence sum_t(o·m) / sum_t(m), then mean over sequences with sum_t(m) ≥ 1;
+- ``seq-mean-token-sum``: per sequence sum_t(o·m), then mean over sequences with sum_t(m) ≥ 1.
+
+An all-masked batch gives a loss of 0 (still attached to the graph).
+
+Stats (python floats, token-level over unmasked tokens): ``clip_fraction``; ``approx_kl``, the k3
+estimator of KL(behaviour ‖ current) from tokens sampled by the behaviour policy,
+mean(r − 1 − log r) with log r = logp − behav_logp (unbiased, ≥ 0 per token); and, for the
+decoupled loss only, ``is_weight_mean``, ``is_weight_max`` (after truncation) and
+``is_truncated_fraction``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def grpo_advantages(rewards: Tensor | Sequence[Sequence[float]], eps: float = 1e-6,
+                    normalize_std: bool = True) -> Tensor:
+    """Group-normalised advantages A = (r − mean_g) / (std_g + eps), std the population std.
+
+    ``normalize_std=False`` gives A = r − mean_g. A group whose rewards are all equal gets exact zeros.
+    A [G, n] tensor gives [G, n]; a list of groups (sizes may differ) gives their advantages
+    concatenated in order, 1-D.
+    """
+    if isinstance(rewards, Tensor):
+        if rewards.dim() != 2:
+            raise ValueError(f"grpo_advantages: rewards must be [G, n], got shape {tuple(rewards.shape)}")
+        r = rewards.float() if not rewards.is_floating_point() else rewards
+        if not torch.isfinite(r).all():
+            raise ValueError("grpo_advantages: rewards must be finite")
+        centred = r - r.mean(dim=1, keepdim=True)
+        adv = centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps) if normalize_std else centred
+        constant = (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True))
+        return torch.where(constant, torch.zeros_like(adv), adv)
+    groups = [torch.as_tensor(g, dtype=torch.float32).reshape(1, -1) for g in rewards]
+    if any(g.numel() == 0 for g in groups):
+        raise ValueError("grpo_advantages: every group needs at least one reward")
+    return torch.cat([grpo_advantages(g, eps, normalize_std)[0] for g in groups]) if groups else torch.zeros(0)
+
+
+def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
+    """log softmax(logits / temperature)[..., token_ids]: [B, T, V], [B, T] -> [B, T].
+
+    ``temperature`` is a float or a [B] tensor (one per sequence).
+    """
+    if isinstance(temperature, Tensor) and temperature.dim() == 1:
+        temperature = temperature[:, None, None]
+    scaled = logits.float() / temperature
+    picked = scaled.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def entropy_from_logits(logits: Tensor, mask: Tensor) -> Tensor:
+    """Masked token-mean entropy: H_t = logsumexp(l_t) − Σ_v softmax(l_t)_v · l_t,v; 0 if nothing is unmasked."""
+    keep = mask.bool()
+    logits = torch.where(keep.unsqueeze(-1), logits.float(), 0.0)
+    probs = torch.softmax(logits, dim=-1)
+    ent = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+    return torch.where(keep, ent, 0.0).sum() / keep.sum().clamp(min=1)
+
+
+def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 0.2,
+                  clip_high: float = 0.2, agg: str = "token-mean") -> tuple[Tensor, dict[str, float]]:
+    """On-policy PPO-clip: r = exp(logp − old_logp), o = min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A),
+    loss = −aggregate(o). Stats: clip_fraction, approx_kl (to ``old_logp``)."""
+    keep, adv = _prepare(logp, advantages, mask, agg, old_logp=old_logp)
+    logp, old_logp = _clean(logp, keep), _clean(old_logp, keep)
+    obj, clipped = _clipped_objective(logp, old_logp, adv, clip_low, clip_high)
+    loss = -_aggregate(obj, keep, agg)
+    return loss, _stats(logp, old_logp, keep, clipped)
+
+
+def decoupled_ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
+                       clip_low: float = 0.2, clip_high: float = 0.2, is_cap: float | None = 5.0,
+                       agg: str = "token-mean") -> tuple[Tensor, dict[str, float]]:
+    """AReaL's decoupled PPO: o = w · min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A) with
+    r = exp(logp − prox_logp) and w = min(exp(prox_logp − behav_logp), is_cap), detached
+    (``is_cap=None``: no truncation); loss = −aggregate(o). With prox == behav, w = 1 and the loss
+    equals ``ppo_clip_loss(logp, prox_logp, ...)``. Stats: clip_fraction, approx_kl (to behaviour),
+    is_weight_mean, is_weight_max, is_truncated_fraction."""
+    if is_cap is not None and not is_cap >= 1:
+        raise ValueError(f"decoupled_ppo_loss: is_cap must be >= 1 (or None: no truncation), got {is_cap!r}")
+    keep, adv = _prepare(logp, advantages, mask, agg, prox_logp=prox_logp, behav_logp=behav_logp)
+    logp, prox, behav = _clean(logp, keep), _clean(prox_logp, keep), _clean(behav_logp, keep)
+    raw_w = torch.exp(prox - behav).detach()
+    w = raw_w if is_cap is None else raw_w.clamp(max=is_cap)
+    obj, clipped = _clipped_objective(logp, prox, adv, clip_low, clip_high)
+    loss = -_aggregate(w * obj, keep, agg)
+    stats = _stats(logp, behav, keep, clipped)
+    n = max(int(keep.sum()), 1)
+    truncated = int((keep & (raw_w > is_cap)).sum()) if is_cap is not None else 0
+    stats |= {"is_weight_mean": float(torch.where(keep, w, 0.0).sum()) / n,
+              "is_weight_max": float(torch.where(keep, w, 0.0).max()) if keep.any() else 0.0,
+              "is_truncated_fraction": truncated / n}
+    return loss, stats
+
+
+def _prepare(logp: Tensor, advantages: Tensor, mask: Tensor, agg: str, **others: Tensor) -> tuple[Tensor, Tensor]:
+    """Validate shapes and ``agg``; return the boolean mask and [B, T] advantages (0 where masked)."""
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown agg {agg!r}; expected one of {', '.join(AGGREGATIONS)}")
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
+    for name, t in {"mask": mask, **others}.items():
+        if t.shape != logp.shape:
+            raise ValueError(f"{name} must have the shape of logp {tuple(logp.shape)}, got {tuple(t.shape)}")
+    if advantages.shape == logp.shape[:1]:
+        advantages = advantages[:, None].expand_as(logp)
+    elif advantages.shape != logp.shape:
+        raise ValueError(f"advantages must be [B] or [B, T] for logp {tuple(logp.shape)}, "
+                         f"got {tuple(advantages.shape)}")
+    keep = mask.bool()
+    return keep, _clean(advantages.detach().to(logp.dtype), keep)
+
+
+def _clean(x: Tensor, keep: Tensor) -> Tensor:
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _clipped_objective(logp: Tensor, ref_logp: Tensor, adv: Tensor, clip_low: float,
+                       clip_high: float) -> tuple[Tensor, Tensor]:
+    """min(r·A, clip(r)·A) per token, r = exp(logp − ref_logp) with ref detached; also where the clip won."""
+    ratio = torch.exp(logp - ref_logp.detach())
+    unclipped = ratio * adv
+    clipped_obj = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    clipped = clipped_obj < unclipped
+    return torch.where(clipped, clipped_obj, unclipped), clipped
+
+
+def _aggregate(obj: Tensor, keep: Tensor, agg: str) -> Tensor:
+    obj = torch.where(keep, obj, 0.0)
+    if agg == "token-mean":
+        return obj.sum() / keep.sum().clamp(min=1)
+    per_seq = obj.sum(dim=1)
+    counts = keep.sum(dim=1)
+    if agg == "seq-mean-token-mean":
+        per_seq = per_seq / counts.clamp(min=1)
+    return per_seq.sum() / (counts > 0).sum().clamp(min=1)
+
+
+@torch.no_grad()
+def _stats(logp: Tensor, behav: Tensor, keep: Tensor, clipped: Tensor) -> dict[str, float]:
+    n = max(int(keep.sum()), 1)
+    log_r = logp - behav
+    k3 = torch.where(keep, torch.exp(log_r) - 1.0 - log_r, 0.0)
+    return {"clip_fraction": int((clipped & keep).sum()) / n, "approx_kl": float(k3.sum()) / n}

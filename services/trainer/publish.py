@@ -1,0 +1,50 @@
+"""Publishing a policy version: safetensors file (atomic rename, sha256) and a
+version event on the ``versions`` stream (plain fields: version, path, sha256,
+step, time)."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from services.trainer.checkpoint import atomic_write
+
+
+def write_weights(model, directory: Path, version: int) -> tuple[Path, str]:
+    path = directory / f"v{version:06d}.safetensors"
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata={"version": str(version)}))
+    return path, sha256(path)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def publish(client, versions_key: str, version: int, path: Path, digest: str, step: int) -> None:
+    client.xadd(versions_key, {"version": str(version), "path": str(path.resolve()), "sha256": digest,
+                               "step": str(step), "time": f"{time.time():.3f}"})
+
+
+def latest(client, versions_key: str) -> dict | None:
+    last = client.xrevrange(versions_key, count=1)
+    if not last:
+        return None
+    return {k.decode(): v.decode() for k, v in last[0][1].items()}
+
+
+def prune(directory: Path, keep_from: int) -> None:
+    """Delete published files older than ``keep_from`` (no worker can still need them)."""
+    for path in directory.glob("v*.safetensors"):
+        try:
+            if int(path.stem[1:]) < keep_from:
+                path.unlink(missing_ok=True)
+        except ValueError:
+            continue

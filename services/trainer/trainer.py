@@ -1,0 +1,237 @@
+"""The trainer loop, top to bottom:
+
+    restore checkpoint -> loop { collect groups -> replay their streams ->
+    drop too-stale -> build batch -> loss -> step -> every N steps commit }
+
+A commit writes the weights (new version), the checkpoint (with the ids of
+the groups it includes), the ledger line, then acknowledges those samples and
+publishes the version. A crash anywhere replays from the last commit: groups
+acknowledged are in the checkpoint, groups not acknowledged come back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import redis
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.trainer import checkpoint, publish
+from services.trainer.batch import Batch, build_batch
+from services.trainer.loss import decoupled_ppo_loss, entropy_from_logits, ppo_clip_loss, token_logprobs
+from shared.config import Config
+from shared.episode_log import EpisodeLog
+from shared.events import EventError
+from shared.fold import Episode, fold
+from shared.keys import Keys
+from shared.staleness import is_too_stale, staleness_histogram
+
+GROUP = "trainer"
+CONSUMER = "trainer"  # one trainer per run: a stable name gets its own pending entries back after a restart
+
+
+class Trainer:
+    def __init__(self, cfg: Config, client: redis.Redis, log):
+        self.cfg, self.client, self.log = cfg, client, log
+        self.keys = Keys(cfg.run)
+        self.episodes = EpisodeLog(client, self.keys, "trainer")
+        self.ckpt_dir = cfg.run_path / "trainer"
+        self.weights_dir = cfg.weights_path
+        self.metrics_path = cfg.run_path / "metrics.jsonl"
+        torch.manual_seed(cfg.seed)
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, torch_dtype=torch.float32)
+        self.model.to(cfg.device).train()
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.step, self.version = 0, 0
+        self.consumed: set[str] = set()  # group ids included in the last checkpoint
+        self.uncommitted: list[tuple[str, str, bool]] = []  # (samples entry, group id, trained?) since the last commit
+        self.buffer: list[tuple[str, str, list[str]]] = []  # (entry id, group id, episode ids) not yet trained
+        self.stale_dropped = 0
+        self.wait_s = 0.0
+
+    # --- startup
+    def restore(self) -> None:
+        state = checkpoint.load(self.ckpt_dir)
+        if state is not None:
+            self.model.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["rng"])
+            self.step, self.version = state["step"], state["version"]
+            self.consumed = set(state["consumed"])
+            self.stale_dropped = state.get("stale_dropped", 0)
+            self.log.info("restored checkpoint", step=self.step, version=self.version, consumed=len(self.consumed))
+        try:
+            self.client.xgroup_create(self.keys.samples, GROUP, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._republish_if_needed()
+        self._read(pending=True)  # entries delivered before a crash come back first
+
+    def _republish_if_needed(self) -> None:
+        """A crash between checkpoint and publish leaves the version unpublished."""
+        latest = publish.latest(self.client, self.keys.versions)
+        if self.version > 0 and (latest is None or int(latest["version"]) < self.version):
+            path, digest = publish.write_weights(self.model, self.weights_dir, self.version)
+            publish.publish(self.client, self.keys.versions, self.version, path, digest, self.step)
+            self.log.info("republished version after restart", version=self.version)
+
+    # --- reading samples
+    def _read(self, pending: bool = False, block_ms: int | None = None) -> int:
+        reply = self.client.xreadgroup(GROUP, CONSUMER, {self.keys.samples: "0" if pending else ">"},
+                                       count=100, block=block_ms)
+        added = 0
+        acks = []
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                entry_id = entry_id.decode()
+                f = {k.decode(): v.decode(errors="replace") for k, v in fields.items()}
+                group_id, eids = f.get("group_id"), f.get("episodes", "")
+                if not group_id or not eids:
+                    self._dead_letter(entry_id, "samples entry needs 'group_id' and 'episodes' fields")
+                    acks.append(entry_id)
+                elif group_id in self.consumed or any(g == group_id for _, g, _ in self.buffer):
+                    acks.append(entry_id)  # already trained (or queued): exactly once
+                else:
+                    self.buffer.append((entry_id, group_id, eids.split(",")))
+                    added += 1
+        if acks:
+            self.client.xack(self.keys.samples, GROUP, *acks)
+        return added
+
+    def _dead_letter(self, entry_id: str, reason: str) -> None:
+        self.log.error("bad samples entry sent to dead letters", entry=entry_id, reason=reason)
+        self.client.xadd(self.keys.dead_letters, {"stream": self.keys.samples, "entry": entry_id, "reason": reason,
+                                                  "by": "trainer"})
+
+    def collect(self, should_stop) -> list[tuple[str, str, list[Episode]]] | None:
+        """Block until ``batch_groups`` trainable groups are ready; replay their streams."""
+        ready: list[tuple[str, str, list[Episode]]] = []
+        t0 = time.monotonic()
+        while len(ready) < self.cfg.batch_groups:
+            if not self.buffer:
+                if should_stop():
+                    return None
+                if not self._read(block_ms=200):
+                    self._settle_skipped()
+                continue
+            entry_id, group_id, eids = self.buffer.pop(0)
+            group = self._replay_group(entry_id, group_id, eids)
+            if group is not None:
+                ready.append((entry_id, group_id, group))
+        self.wait_s = time.monotonic() - t0
+        return ready
+
+    def _replay_group(self, entry_id: str, group_id: str, eids: list[str]) -> list[Episode] | None:
+        episodes = []
+        for eid in eids:
+            try:
+                ep = fold(self.episodes.read(eid))
+            except EventError as exc:
+                self.log.error("episode stream unreadable; episode skipped", episode=eid, error=str(exc))
+                continue
+            if ep.status == "finished" and ep.num_generated > 0:
+                episodes.append(ep)
+        versions = [v for ep in episodes for v in ep.versions]
+        if not episodes or is_too_stale(self.version, versions, self.cfg.max_staleness):
+            reason = "too stale" if episodes else "no finished episodes"
+            self.stale_dropped += bool(episodes)
+            self.log.warning("group not trained", group=group_id, reason=reason, trainer_version=self.version,
+                             oldest=min((v for v in versions if v >= 0), default=None))
+            self.uncommitted.append((entry_id, group_id, False))  # acknowledged with the next commit, never trained
+            return None
+        return episodes
+
+    # --- learning
+    def train_step(self, groups: list[tuple[str, str, list[Episode]]]) -> dict:
+        t0 = time.monotonic()
+        batch = build_batch([eps for _, _, eps in groups], self.pad_id)
+        dev = self.cfg.device
+        ids, attn, targets = batch.input_ids.to(dev), batch.attention_mask.to(dev), batch.targets.to(dev)
+        mask, behav, adv = batch.loss_mask.to(dev), batch.behav_logp.to(dev), batch.advantages.to(dev)
+        temp = batch.temperature.to(dev)[:, None, None]
+        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temp
+        logp = token_logprobs(logits, targets)
+        if self.cfg.loss == "decoupled":
+            loss, stats = decoupled_ppo_loss(logp, logp.detach(), behav, adv, mask, self.cfg.clip_low,
+                                             self.cfg.clip_high, self.cfg.is_cap or None, self.cfg.agg)
+        else:
+            loss, stats = ppo_clip_loss(logp, behav, adv, mask, self.cfg.clip_low, self.cfg.clip_high, self.cfg.agg)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        self.opt.step()
+        self.step += 1
+        self.uncommitted += [(e, g, True) for e, g, _ in groups]
+        with torch.no_grad():
+            entropy = float(entropy_from_logits(logits.detach(), mask))
+        return self._metrics(batch, groups, float(loss.detach()), float(grad_norm), entropy, stats, time.monotonic() - t0)
+
+    def _metrics(self, batch: Batch, groups, loss, grad_norm, entropy, stats, seconds) -> dict:
+        eps = [ep for _, _, g in groups for ep in g]
+        hist = staleness_histogram(self.version, [ep.versions for ep in eps])
+        lengths = torch.tensor([float(ep.num_generated) for ep in eps])
+        return {"step": self.step, "version": self.version, "time": time.time(), "loss": loss,
+                "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std(unbiased=False)),
+                "response_len": float(lengths.mean()), "samples": len(eps), "groups": len(groups),
+                "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(seconds, 1e-9),
+                "wait_s": self.wait_s, "train_s": seconds, "grad_norm": grad_norm, "entropy": entropy,
+                "staleness": {str(k): v for k, v in sorted(hist.items())},
+                "staleness_max": max(hist, default=0), "stale_dropped": self.stale_dropped, **stats}
+
+    def record(self, metrics: dict) -> None:
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "a") as fh:
+            fh.write(json.dumps(metrics) + "\n")
+        self.client.xadd(self.keys.metrics, {"kind": "train", "json": json.dumps(metrics)}, maxlen=100_000,
+                         approximate=True)
+        self.log.info("step", step=metrics["step"], version=metrics["version"], reward=round(metrics["reward_mean"], 3),
+                      loss=round(metrics["loss"], 4), tokens_per_s=round(metrics["tokens_per_s"]),
+                      staleness_max=metrics["staleness_max"])
+
+    # --- committing
+    def commit(self) -> None:
+        """New version: weights, checkpoint, ledger, ack, publish — in that order."""
+        self.version += 1
+        path, digest = publish.write_weights(self.model, self.weights_dir, self.version)
+        trained = [g for _, g, t in self.uncommitted if t]
+        skipped = [g for _, g, t in self.uncommitted if not t]
+        self.consumed.update(trained + skipped)
+        checkpoint.save(self.ckpt_dir, {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                                        "rng": torch.get_rng_state(), "step": self.step, "version": self.version,
+                                        "consumed": sorted(self.consumed), "stale_dropped": self.stale_dropped})
+        checkpoint.append_ledger(self.ckpt_dir, {"version": self.version, "step": self.step, "groups": trained,
+                                                 "skipped": skipped})
+        if self.uncommitted:
+            self.client.xack(self.keys.samples, GROUP, *[e for e, _, _ in self.uncommitted])
+        self.uncommitted = []
+        publish.publish(self.client, self.keys.versions, self.version, path, digest, self.step)
+        publish.prune(self.weights_dir, keep_from=self.version - self.cfg.max_staleness - 2)
+        self.log.info("version published", version=self.version, path=str(path), sha256=digest[:12])
+
+    def _settle_skipped(self) -> None:
+        """Acknowledge groups judged untrainable when no training step is pending to carry them: a
+        skipped group is never trained, so its acknowledgement needs no checkpoint; it stays in its stream."""
+        if not self.uncommitted or any(trained for _, _, trained in self.uncommitted):
+            return
+        skipped = [g for _, g, _ in self.uncommitted]
+        checkpoint.append_ledger(self.ckpt_dir, {"version": self.version, "step": self.step, "groups": [],
+                                                 "skipped": skipped})
+        self.consumed.update(skipped)
+        self.client.xack(self.keys.samples, GROUP, *[e for e, _, _ in self.uncommitted])
+        self.uncommitted = []
+
+    def run(self, should_stop=lambda: False) -> None:
+        self.restore()
+        while not should_stop():
+            groups = self.collect(should_stop)
+            if groups is None:
+                break
+            self.record(self.train_step(groups))
+            if self.step % self.cfg.steps_per_version == 0:
+                self.commit()

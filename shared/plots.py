@@ -1,0 +1,98 @@
+"""PNG plots of a run, from the trainer's metrics file and the metrics stream."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+from shared.config import Config
+from shared.connection import connect
+from shared.keys import Keys
+
+
+def read_metrics(cfg: Config) -> tuple[list[dict], list[dict], list[dict]]:
+    """(train steps, rollout reports, validation rounds)."""
+    path = cfg.run_path / "metrics.jsonl"
+    train = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rollout, validation = [], []
+    try:
+        client = connect(cfg.redis_url, wait=2)
+        for _, f in client.xrange(Keys(cfg.run).metrics):
+            kind = f.get(b"kind", b"").decode()
+            if kind == "rollout":
+                rollout.append(json.loads(f[b"json"]))
+            elif kind == "validation":
+                validation.append(json.loads(f[b"json"]))
+    except Exception:  # plots from the file alone when the server is gone
+        pass
+    return train, rollout, validation
+
+
+def write_plots(cfg: Config, out_dir: Path | None = None) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, rollout, validation = read_metrics(cfg)
+    if not train:
+        return []
+    out_dir = out_dir or cfg.run_path / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = train[0]["time"] - train[0].get("train_s", 0) - train[0].get("wait_s", 0)
+    minutes = [(m["time"] - t0) / 60 for m in train]
+    samples, total = [], 0
+    for m in train:
+        total += m["samples"]
+        samples.append(total)
+    reward = [m["reward_mean"] for m in train]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax = axes[0][0]
+    ax.plot(minutes, reward, label="train reward (batch mean)")
+    if validation:
+        ax.plot([(v["time"] - t0) / 60 for v in validation], [v["reward_mean"] for v in validation], "o-",
+                label="validation reward")
+    ax.set(xlabel="minutes", ylabel="reward", title="Reward over time", ylim=(-0.05, 1.05))
+    ax.legend()
+    ax = axes[0][1]
+    ax.plot(samples, reward)
+    ax.set(xlabel="samples trained", ylabel="reward", title="Reward over samples", ylim=(-0.05, 1.05))
+    ax = axes[1][0]
+    hist: Counter = Counter()
+    for m in train:
+        for k, v in m.get("staleness", {}).items():
+            hist[int(k)] += v
+    keys = sorted(hist)
+    ax.bar([str(k) for k in keys], [hist[k] for k in keys])
+    ax.set(xlabel="versions behind the trainer", ylabel="trained tokens", title="Staleness of trained tokens")
+    ax = axes[1][1]
+    per_version: Counter = Counter()
+    for m in train:
+        per_version[m["version"]] += m["tokens"]
+    vs = sorted(per_version)
+    ax.bar(vs, [per_version[v] for v in vs])
+    ax.set(xlabel="policy version (trainer)", ylabel="trained tokens", title="Tokens per version")
+    fig.tight_layout()
+    main = out_dir / "training.png"
+    fig.savefig(main, dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    busy = sum(m.get("train_s", 0) for m in train)
+    idle = sum(m.get("wait_s", 0) for m in train)
+    bars = [("trainer", busy, idle)]
+    last_by_worker: dict[str, dict] = {}
+    for r in rollout:
+        last_by_worker[r["worker"]] = r
+    bars += [(w[:18], r["busy_s"], r["idle_s"]) for w, r in sorted(last_by_worker.items())]
+    names = [b[0] for b in bars]
+    ax.barh(names, [b[1] for b in bars], label="busy")
+    ax.barh(names, [b[2] for b in bars], left=[b[1] for b in bars], label="idle / waiting")
+    ax.set(xlabel="seconds", title="Busy and idle time per process")
+    ax.legend()
+    fig.tight_layout()
+    util = out_dir / "utilization.png"
+    fig.savefig(util, dpi=100)
+    plt.close(fig)
+    return [main, util]

@@ -92,10 +92,54 @@ def cmd_replay(cfg, args) -> int:
     except EventError as exc:
         raise CLIError(f"episode {args.episode}: {exc}") from None
     decode_text = None if args.no_text else _decoder(cfg)
+    if args.cont:
+        return _replay_continue(cfg, args, log, entries, ep, decode_text)
+    if args.from_seq is not None or args.version is not None or args.weights:
+        raise CLIError("--from-seq, --version and --weights go with --continue")
     if args.json:
         print(json.dumps(timeline_json(ep, decode_text), default=str))
     else:
         print(format_timeline(ep, decode_text))
+    return 0
+
+
+def _replay_continue(cfg, args, log, entries, ep, decode_text) -> int:
+    """`replay --continue`: generate the episode's continuation in-process; writes nothing to Redis."""
+    from services.rollout import continuation as cont
+    from services.rollout import rewards
+    from services.rollout.engine import EngineError, make_engine
+
+    try:
+        prefix = cont.prefix_at(entries, args.from_seq)
+        version = prefix.policy if args.version is None else args.version
+        if args.weights:
+            if args.version is None:
+                raise cont.ContinuationError("--weights PATH needs --version V: the version to tag its tokens with")
+            if not Path(args.weights).exists():
+                raise cont.ContinuationError(f"--weights {args.weights}: no such file or folder")
+            path, sha, label = args.weights, "", f"{args.weights} (tagged v{version})"
+        else:
+            versions = [{k.decode(): v.decode() for k, v in f.items()}
+                        for _, f in log.client.xrange(Keys(cfg.run).versions)]
+            path, sha = cont.resolve_version(versions, version, cfg.model_dir)
+            label = f"v{version} ({path or cfg.model_dir})"
+        reward_fn = rewards.load(cfg.reward_fn)
+        try:
+            engine = make_engine(cfg.engine, cfg.model_dir, device=cfg.device, max_batch_size=1)
+        except EngineError as exc:
+            raise cont.ContinuationError(f"model_dir {cfg.model_dir}: {exc}") from None
+        cont.load_version(engine, version, path, sha)
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model_dir)
+        tool_names = {t.strip() for t in cfg.tools.split(",") if t.strip()}
+        result = cont.continue_from(prefix, engine, tok, reward_fn, tool_names, cfg.max_tool_calls, cfg.tool_timeout)
+    except (cont.ContinuationError, ValueError) as exc:
+        raise CLIError(f"episode {args.episode}: {exc}") from None
+    if args.json:
+        print(json.dumps(cont.as_dict(prefix, result, decode_text), default=str))
+    else:
+        print(cont.format_result(prefix, result, label, ep, decode_text))
     return 0
 
 
@@ -152,6 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("episode", help="episode id (the part after ep: in the key)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-text", action="store_true", help="do not decode tokens to text")
+    p.add_argument("--continue", dest="cont", action="store_true",
+                   help="re-run the episode's continuation in-process (engine, tools, reward); writes nothing")
+    p.add_argument("--from-seq", type=int, metavar="N",
+                   help="--continue from the state after event N (default: the last event before the finish)")
+    p.add_argument("--version", type=int, metavar="V",
+                   help="--continue with policy version V's published weights (0: model_dir; default: the "
+                        "version in effect at the event)")
+    p.add_argument("--weights", metavar="PATH", help="--continue with this safetensors file (needs --version)")
     p = add("run", cmd_run, "run the whole job: embedded Redis + every Procfile process, until the driver ends")
     p.add_argument("--procfile", default="Procfile")
     add("drive", cmd_drive, "steer a run (the Procfile's driver line) and end it")

@@ -1,0 +1,294 @@
+"""`streamrl replay <episode> --continue`: re-run an episode's continuation from
+any of its events with a chosen policy version, for debugging.
+
+    entries --prefix_at(seq)--> Prefix --continue_from(engine)--> Continuation
+
+``prefix_at`` is pure: it folds the events up to and including ``from_seq``
+and says what the model would continue from (prompt + response so far), with
+which sampling parameters, remaining budget and sampling position. The
+continuation drives an in-process engine exactly like the rollout worker does
+(same seed, ``start_index`` = response tokens so far, so the same weights give
+the same tokens), runs tool calls in-process (same parser and tools as the rq
+jobs, with ``tool_timeout``) and scores the result with the reward function.
+
+It writes nothing to Redis: the original episode's stream is the record of
+what happened and is never touched; the continuation is printed only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from services.rollout import rewards, tools
+from services.rollout.engine import EngineError, SamplingParams
+from services.rollout.episode import _index_after_seq
+from shared.events import TERMINAL_KINDS, EventError, decode
+from shared.fold import Episode, fold
+
+
+class ContinuationError(ValueError):
+    """Bad input for a continuation: which input, what was expected."""
+
+
+@dataclass
+class Prefix:
+    episode: Episode  # folded up to and including from_seq
+    from_seq: int
+    last_seq: int  # of the whole stream
+    policy: int  # policy version in effect at event from_seq
+    params: SamplingParams
+    turn_start: int  # index in episode.tokens where the current generation turn began
+
+    @property
+    def context_ids(self) -> list[int]:
+        return self.episode.context_ids
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - self.episode.num_generated
+
+    @property
+    def pending_call(self) -> dict | None:
+        pending = self.episode.pending_tool_calls
+        return pending[-1] if pending else None
+
+
+@dataclass
+class Continuation:
+    from_seq: int
+    version: int  # policy version of the weights that generated the new tokens
+    prefix_tokens: int  # response tokens kept from the stream
+    tokens: list[int] = field(default_factory=list)  # new response tokens (tool output included)
+    logprobs: list[float] = field(default_factory=list)  # 0.0 for tool output
+    versions: list[int] = field(default_factory=list)  # per new token; -1 for tool output
+    mask: list[int] = field(default_factory=list)  # 1 = generated, 0 = tool output
+    tool_calls: list[dict] = field(default_factory=list)  # {call_id, name, args, ok, output}
+    finish_reason: str = ""
+    reward: float | None = None
+    reward_details: dict = field(default_factory=dict)
+    error: str | None = None  # reward function or engine failure
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.mask)
+
+
+def prefix_at(entries, from_seq: int | None = None) -> Prefix:
+    """The state after event ``from_seq`` (default: the last non-terminal event)."""
+    if not entries:
+        raise ContinuationError("empty stream: no such episode")
+    events = [decode(*e) if isinstance(e, tuple) else e for e in entries]
+    full = fold(events)  # validates the whole stream first (gaps, duplicates, schema)
+    last = full.last_seq
+    if from_seq is None:
+        from_seq = last - 1 if full.done else last
+    if not 0 <= from_seq <= last:
+        raise ContinuationError(f"--from-seq {from_seq}: out of range; episode {full.episode_id} holds events "
+                                f"0..{last}")
+    kind = events[from_seq].kind
+    if kind in TERMINAL_KINDS:
+        raise ContinuationError(f"--from-seq {from_seq}: that is the episode's {kind!r} event; continue from an "
+                                f"event before it (0..{from_seq - 1})")
+    ep = fold(events[:from_seq + 1])
+    params = SamplingParams.from_dict(ep.sampling)
+    turn_start = _index_after_seq(ep, ep.tool_results[-1]["seq"]) if ep.tool_results else 0
+    return Prefix(ep, from_seq, last, events[from_seq].policy, params, turn_start)
+
+
+def resolve_version(versions: list[dict], version: int, model_dir: str) -> tuple[str | None, str]:
+    """(weights path, sha256) of a policy version: None for version 0 (the
+    weights in ``model_dir``), else the entry of the ``versions`` stream."""
+    if version == 0:
+        return None, ""
+    for v in versions:
+        if int(v.get("version", -1)) == version:
+            path = v.get("path", "")
+            if not Path(path).exists():
+                raise ContinuationError(f"--version {version}: its weights file {path} no longer exists (pruned "
+                                        f"by the trainer?); pass --weights PATH or another version")
+            return path, v.get("sha256", "")
+    known = sorted(int(v.get("version", -1)) for v in versions)
+    listed = ", ".join(map(str, [0, *known[-10:]]))
+    raise ContinuationError(f"--version {version}: unknown policy version; published versions: {listed}")
+
+
+def load_version(engine, version: int, path: str | None, sha256: str = "") -> None:
+    """Put ``path``'s weights (checked against ``sha256`` when given) into the engine, tagged ``version``."""
+    if path is None:
+        engine.version = version
+        return
+    if sha256:
+        from services.rollout.worker import sha256_file
+
+        actual = sha256_file(Path(path))
+        if actual != sha256:
+            raise ContinuationError(f"weights {path}: sha256 {actual[:12]}... does not match the published "
+                                    f"{sha256[:12]}... (corrupt or truncated file)")
+    try:
+        engine.load_weights(path, version)
+    except EngineError as exc:
+        raise ContinuationError(f"--weights {path}: {exc}") from None
+
+
+def _run_tool_inline(name: str, args: str, timeout: float) -> tuple[bool, str]:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        output = pool.submit(tools.run_tool, name, args).result(timeout=timeout)
+        return True, output
+    except concurrent.futures.TimeoutError:
+        return False, f"tool timed out after {timeout:g}s"
+    except Exception as exc:  # a tool can raise anything; the rq path reports the last line of it
+        return False, f"{exc.__class__.__name__}: {exc}"
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def continue_from(prefix: Prefix, engine, tokenizer, reward_fn: Callable, tool_names: set[str] = frozenset(),
+                  max_tool_calls: int = 4, tool_timeout: float = 10.0,
+                  request_id: str = "continuation") -> Continuation:
+    """Generate from ``prefix`` with the engine's current weights until the episode
+    ends (stop, budget, context, tool limit), running tool calls in-process."""
+    ep = prefix.episode
+    tokens = list(ep.tokens)  # the whole response, prefix + new
+    num_generated, turn_start = ep.num_generated, prefix.turn_start
+    num_calls = len(ep.tool_calls)
+    out = Continuation(prefix.from_seq, engine.version, len(ep.tokens))
+
+    def add(ids, logprobs, version, generated):
+        nonlocal num_generated
+        tokens.extend(ids)
+        out.tokens += ids
+        out.logprobs += logprobs
+        out.versions += [version] * len(ids)
+        out.mask += [1 if generated else 0] * len(ids)
+        num_generated += len(ids) if generated else 0
+
+    def tool_result(call_id, name, args, ok, output):
+        nonlocal turn_start
+        out.tool_calls.append({"call_id": call_id, "name": name, "args": args, "ok": ok, "output": output})
+        ids = tokenizer.encode(tools.format_result(ok, output[:tools.MAX_OUTPUT_CHARS]), add_special_tokens=False)
+        add(ids, [0.0] * len(ids), -1, False)
+        turn_start = len(tokens)
+
+    def run_call(call_id, name, args):
+        if name not in tool_names:
+            return tool_result(call_id, name, args, False,
+                               f"unknown tool {name!r}; available: {', '.join(sorted(tool_names))}")
+        tool_result(call_id, name, args, *_run_tool_inline(name, args, tool_timeout))
+
+    pending = prefix.pending_call
+    if pending is not None:  # the stream stopped between a call and its result: answer it first
+        run_call(pending["call_id"], pending["name"], pending["args"])
+
+    stop_ids = set(prefix.params.stop_token_ids)
+    finish = None
+    if pending is None and tokens and ep.mask and ep.mask[-1] and tokens[-1] in stop_ids:
+        finish = "stop"  # the prefix already ends the episode
+    while finish is None:
+        remaining = prefix.params.max_tokens - num_generated
+        if remaining <= 0:
+            finish = "length"
+            break
+        context = ep.prompt_ids + tokens
+        if len(context) >= engine.max_model_len:
+            finish = "context"
+            break
+        try:
+            engine.add_request(request_id, context, prefix.params, remaining, start_index=len(tokens))
+        except EngineError as exc:
+            out.error, finish = f"engine: {exc}", "failed"
+            break
+        call, reason = None, None
+        while reason is None:
+            for chunk in engine.step():
+                if chunk.request_id != request_id:
+                    continue
+                add(chunk.token_ids, chunk.logprobs, chunk.version, True)
+                call = _detect_call(tokenizer, tokens, turn_start) if tool_names else None
+                if call is not None and chunk.finish_reason is None:
+                    rest = engine.abort(request_id)
+                    if rest is not None:
+                        add(rest.token_ids, rest.logprobs, rest.version, True)
+                    reason = "call"
+                elif call is not None:
+                    reason = "call"
+                elif chunk.finish_reason is not None:
+                    reason = chunk.finish_reason
+        if call is not None:
+            if num_calls >= max_tool_calls:
+                finish = "tool_limit"
+                break
+            num_calls += 1
+            if isinstance(call, str):  # malformed
+                tool_result(f"c{num_calls}", "?", "", False, call)
+            else:
+                run_call(f"c{num_calls}", *call)
+            continue
+        finish = "context" if reason == "length" and prefix.params.max_tokens - num_generated > 0 else reason
+    out.finish_reason = finish
+    if finish != "failed":
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        try:
+            out.reward, out.reward_details = rewards.score(reward_fn, text, ep.task)
+        except Exception as exc:  # a user's reward function can raise anything
+            out.error = f"reward function raised {exc.__class__.__name__}: {exc}"
+    return out
+
+
+def _detect_call(tokenizer, tokens: list[int], turn_start: int):
+    """(name, args), a str describing a malformed call, or None: as the worker detects calls."""
+    tail = tokenizer.decode(tokens[max(turn_start, len(tokens) - 16):])
+    if tools.CALL_CLOSE not in tail:
+        return None
+    try:
+        return tools.parse_call(tokenizer.decode(tokens[turn_start:])) or \
+            "malformed tool call: '</call>' without '<call>'"
+    except tools.ToolError as exc:
+        return str(exc)
+
+
+def as_dict(prefix: Prefix, result: Continuation, decode_text=None) -> dict:
+    out = {"episode_id": prefix.episode.episode_id, "from_seq": result.from_seq, "stream_last_seq": prefix.last_seq,
+           "policy_at_event": prefix.policy, "version": result.version, "prefix_tokens": result.prefix_tokens,
+           "tokens": result.tokens, "logprobs": result.logprobs, "versions": result.versions, "mask": result.mask,
+           "tool_calls": result.tool_calls, "finish_reason": result.finish_reason, "reward": result.reward,
+           "reward_details": result.reward_details, "error": result.error}
+    if decode_text:
+        out["prefix_text"] = decode_text(prefix.episode.tokens)
+        out["text"] = decode_text(result.tokens)
+    return out
+
+
+def format_result(prefix: Prefix, result: Continuation, label: str, original: Episode | None = None,
+                  decode_text=None) -> str:
+    ep = prefix.episode
+    lines = [f"continuation of episode {ep.episode_id} from seq {result.from_seq} ({ep.events[-1].kind}, "
+             f"policy v{prefix.policy}) of 0..{prefix.last_seq}, weights {label}; nothing written to Redis",
+             f"prefix: {len(ep.prompt_ids)} prompt + {result.prefix_tokens} response tokens "
+             f"({ep.num_generated} generated), budget left {prefix.remaining}"]
+    versions = sorted({v for v, m in zip(result.versions, result.mask) if m})
+    lines.append(f"continued: {len(result.tokens)} tokens, {result.num_generated} generated "
+                 f"(versions {', '.join(f'v{v}' for v in versions) or 'none'}), "
+                 f"{len(result.tool_calls)} tool calls")
+    for c in result.tool_calls:
+        lines.append(f"  tool {c['call_id']} {c['name']}({c['args']}) -> {'ok' if c['ok'] else 'ERROR'} "
+                     f"{c['output']!r}")
+    reward = "none" if result.reward is None else f"{result.reward:.3f} {result.reward_details or ''}".rstrip()
+    lines.append(f"finish: {result.finish_reason}, reward {reward}" + (f"; error: {result.error}"
+                                                                         if result.error else ""))
+    if original is not None and original.done:
+        orig_tail = original.tokens[result.prefix_tokens:]
+        same = orig_tail == result.tokens
+        lines.append(f"original: {original.status} ({original.finish_reason or original.error}), reward "
+                     f"{original.reward}; its tail after the prefix is {len(orig_tail)} tokens, "
+                     + ("identical" if same else f"differs from token {_first_diff(orig_tail, result.tokens)}"))
+    if decode_text:
+        lines.append(f"text: {decode_text(ep.prompt_ids + ep.tokens)!r} + {decode_text(result.tokens)!r}")
+    return "\n".join(lines)
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -6,8 +6,10 @@ from shared.service import Service
 
 def main(argv=None) -> None:
     svc = Service("syncer", argv)
-    svc.heartbeat(ttl=3600)
-    Syncer(svc.cfg, svc.client, svc.log).run(should_stop=lambda: svc.stopping)
+    ttl = max(10.0, 2 * svc.cfg.heartbeat_ttl)
+    svc.heartbeat(ttl=ttl)
+    Syncer(svc.cfg, svc.client, svc.log, heartbeat=lambda: svc.heartbeat(ttl=ttl)).run(
+        should_stop=lambda: svc.stopping)
 
 
 if __name__ == "__main__":

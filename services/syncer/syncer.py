@@ -26,13 +26,18 @@ from shared.keys import Keys
 from shared.staleness import group_capacity
 
 
+CONTROL_MAXLEN = 10_000  # control entries kept (approximately): commands and acks of the recent syncs
+
+
 def groups_per_version(cfg: Config) -> int:
     return cfg.batch_groups * cfg.steps_per_version
 
 
 class Syncer:
-    def __init__(self, cfg: Config, client: redis.Redis, log):
+    def __init__(self, cfg: Config, client: redis.Redis, log, heartbeat=lambda: None):
         self.cfg, self.client, self.log = cfg, client, log
+        self.heartbeat = heartbeat  # refreshes this process's alive key; called often, also while waiting
+        self._next_beat = 0.0
         self.keys = Keys(cfg.run)
         self.version = 0
         self.cursor = "0-0"
@@ -65,6 +70,7 @@ class Syncer:
         self.start()
         self.log.info("ready", version=self.version)
         while not should_stop():
+            self._beat()
             reply = self.client.xread({self.keys.versions: self.cursor}, count=100, block=200)
             entries = [e for _, es in reply or [] for e in es]
             if not entries:
@@ -78,34 +84,41 @@ class Syncer:
         sync_id = f"v{version}-{uuid.uuid4().hex[:6]}"
         log = self.log.bind(version=version, sync=sync_id)
         workers = set(self.live_workers())
-        durations, missing = {}, set()
+        durations, missing, refused = {}, set(), {}
         t_start = time.monotonic()
         for cmd in ("pause", "load", "resume"):
             t0 = time.monotonic()
             sent = self.client.xadd(self.keys.control, control.encode_command(
-                control.Command(cmd, sync_id, version, path if cmd == "load" else "", sha256 if cmd == "load" else "")))
-            acked, failed, silent = self._wait_acks(sync_id, cmd, workers - missing, sent.decode())
+                control.Command(cmd, sync_id, version, path if cmd == "load" else "", sha256 if cmd == "load" else "")),
+                maxlen=CONTROL_MAXLEN, approximate=True)
+            acked, failed, silent, dead = self._wait_acks(sync_id, cmd, workers - missing, sent.decode())
             durations[f"{cmd}_s"] = time.monotonic() - t0
             for worker, error in failed.items():
                 log.error("worker refused the version; it keeps its old weights", worker=worker, error=error)
+            refused.update({f"{worker}": f"{cmd}: {error}" for worker, error in failed.items()})
+            if dead:
+                log.warning("workers died (heartbeat lapsed) before acknowledging; going on without them", cmd=cmd,
+                            workers=sorted(dead))
             if silent:
-                log.warning("workers did not acknowledge; going on without them", cmd=cmd, workers=sorted(silent))
-                missing |= silent
+                log.warning(f"workers did not acknowledge within sync_timeout={self.cfg.sync_timeout:g}s; going on "
+                            "without them", cmd=cmd, workers=sorted(silent))
+            missing |= silent | dead
         self.version = version
         self.set_gate(version)
         record = {"version": version, "sync": sync_id, "workers": len(workers), "missing": sorted(missing),
-                  "total_s": time.monotonic() - t_start, **durations}
+                  "refused": refused, "total_s": time.monotonic() - t_start, **durations}
         self.client.xadd(self.keys.metrics, {"kind": "sync", "json": json.dumps(record)}, maxlen=100_000,
                          approximate=True)
-        log.info("synced", workers=len(workers), missing=len(missing),
+        log.info("synced", workers=len(workers), missing=len(missing), refused=len(refused),
                  **{k: round(v, 4) for k, v in durations.items()})
         return record
 
     def _wait_acks(self, sync_id: str, cmd: str, workers: set[str], cursor: str):
         """Acks from ``workers`` for (sync, cmd); a worker that dies or stays
-        silent past the timeout is returned in ``silent``."""
+        silent past the timeout is returned in ``dead`` or ``silent``."""
         acked: set[str] = set()
         failed: dict[str, str] = {}
+        dead: set[str] = set()
         deadline = time.monotonic() + self.cfg.sync_timeout
         next_alive_check = 0.0
         while workers - acked:
@@ -119,10 +132,18 @@ class Syncer:
                         if f.get("ok") == "0":
                             failed[f.get("worker", "")] = f.get("error", "")
             now = time.monotonic()
+            self._beat()
             if now > deadline:
                 break
             if now > next_alive_check:  # a dead worker's heartbeat key lapses: stop waiting for it
                 next_alive_check = now + 0.25
                 alive = set(self.live_workers())
-                workers = {w for w in workers if w in alive or w in acked}
-        return acked, failed, workers - acked
+                dead |= {w for w in workers if w not in alive and w not in acked}
+                workers -= dead
+        return acked, failed, workers - acked, dead
+
+    def _beat(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self._next_beat = now + 1.0
+            self.heartbeat()

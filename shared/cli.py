@@ -171,6 +171,14 @@ def cmd_run(cfg, args) -> int:
     return run(cfg, args.procfile)
 
 
+def cmd_check(cfg, args) -> int:
+    from shared.checker import check, format_report, read_run
+
+    report = check(read_run(_client(cfg), Keys(cfg.run), cfg.run_path))
+    print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report, cfg.run))
+    return 0 if report.ok else 1
+
+
 def cmd_drive(cfg, args) -> int:
     from shared.driver import drive
 
@@ -207,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("run", cmd_run, "run the whole job: embedded Redis + every Procfile process, until the driver ends")
     p.add_argument("--procfile", default="Procfile")
     add("drive", cmd_drive, "steer a run (the Procfile's driver line) and end it")
+    p = add("check", cmd_check, "count what exactly-once forbids in a run: groups lost, finished or trained "
+                                "twice, tokens generated again (exit 1 when a count that must be 0 is not)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     add("schema", cmd_schema, "print the episode event schema")
     p = add("redis-cli", cmd_redis_cli, "run redis-cli (valkey-cli) against the run's server: streamrl redis-cli -- XRANGE ...")
     p.add_argument("args", nargs=argparse.REMAINDER, help="redis-cli arguments, after --")

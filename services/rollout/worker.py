@@ -133,13 +133,15 @@ class RolloutWorker:
         if now >= self._next_report:
             self.report()
 
-    def report(self) -> None:
-        """Throughput and busy/idle time, on the metrics stream every few seconds."""
+    def report(self, final: bool = False) -> None:
+        """Throughput and busy/idle time, on the metrics stream every few seconds; ``final``
+        marks the last record of a process (its counters are complete: `streamrl check` reads them)."""
         self._next_report = time.monotonic() + 5.0
         elapsed = time.monotonic() - self.started_at
         self.client.xadd(self.keys.metrics, {"kind": "rollout", "json": json.dumps({
             "worker": self.worker_id, "time": time.time(), "version": self.engine.version, "busy_s": self.busy_s,
-            "idle_s": max(elapsed - self.busy_s, 0.0), **self.stats})}, maxlen=100_000, approximate=True)
+            "idle_s": max(elapsed - self.busy_s, 0.0), "final": final, **self.stats})},
+            maxlen=100_000, approximate=True)
 
     def heartbeat(self) -> None:
         self._next_heartbeat = time.monotonic() + min(1.0, self.cfg.heartbeat_ttl / 3)
@@ -156,6 +158,7 @@ class RolloutWorker:
         self._abort_generation("shutdown")
         self._check_flush(self.events.flush())
         self.client.delete(self.keys.alive("rollout", self.worker_id))
+        self.report(final=True)
         self.log.info("stopped", **self.stats)
 
     # --- prompt groups

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import tomllib
 from dataclasses import dataclass, fields
@@ -36,6 +37,7 @@ class Config:
     tokenizer: str = ""  # folder for decoding text in `streamrl replay`; empty means model_dir
     # rollout
     engine: str = "torch"  # torch | vllm
+    vllm_args: str = ""  # engine=vllm: JSON object of extra vllm.EngineArgs, e.g. {"gpu_memory_utilization": 0.8}
     device: str = "cpu"  # cpu | cuda
     max_batch_size: int = 64  # sequences decoded together by the engine
     max_groups_in_flight: int = 8  # prompt groups one rollout worker holds at once
@@ -150,6 +152,15 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r}: expected an integer >= 1, got {getattr(cfg, key)}")
     if cfg.engine not in ("torch", "vllm"):
         raise ConfigError(f"config key 'engine': expected 'torch' or 'vllm', got {cfg.engine!r}")
+    if cfg.vllm_args:
+        try:
+            vllm_args = json.loads(cfg.vllm_args)
+        except ValueError as exc:
+            raise ConfigError(f"config key 'vllm_args': expected a JSON object of vllm.EngineArgs, got "
+                              f"{cfg.vllm_args!r} ({exc})") from None
+        if not isinstance(vllm_args, dict):
+            raise ConfigError(f"config key 'vllm_args': expected a JSON object of vllm.EngineArgs, got "
+                              f"{type(vllm_args).__name__} {cfg.vllm_args!r}")
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
         raise ConfigError(f"config keys temperature/top_p/top_k: expected temperature >= 0, 0 < top_p <= 1, "
                           f"top_k >= 0, got {cfg.temperature}, {cfg.top_p}, {cfg.top_k}")

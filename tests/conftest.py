@@ -48,3 +48,12 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from shared.tiny_model import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_hd32(tmp_path_factory) -> str:
+    """The tiny Llama with head size 32 (hidden 128, 4 heads): the smallest vLLM's CPU
+    attention accepts (16 is refused), so both engines can run the same model."""
+    from shared.tiny_model import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny-hd32")), hidden_size=128)

@@ -55,3 +55,15 @@ def acks(client, keys, cmd: str) -> list[dict]:
         if isinstance(entry, dict) and entry["cmd"] == cmd:
             out.append(entry)
     return out
+
+
+# vLLM in tests: float32 (the trainer's dtype; the CPU build would pick bfloat16), a small KV cache,
+# blocks of 32 tokens (CPU default 128) so short test prompts fill blocks the prefix cache keeps.
+VLLM_TEST_ARGS = '{"dtype": "float32", "kv_cache_memory_bytes": 67108864, "block_size": 32}'
+
+
+def make_vllm_engine(model_dir: str, max_batch_size: int = 32):
+    """One in-process vLLM engine, meant to be shared by a test module (start-up is the cost)."""
+    from services.rollout.engine import make_engine
+
+    return make_engine("vllm", model_dir, max_batch_size=max_batch_size, vllm_args=VLLM_TEST_ARGS)

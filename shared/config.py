@@ -47,7 +47,7 @@ class Config:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0  # base sampling seed; each episode derives its own
-    tools: str = "calc"  # comma-separated tool names the model may call (empty: single-turn)
+    tools: str = ""  # comma-separated tool names the model may call (empty: single-turn); "calc": multi-turn variant
     tool_timeout: float = 10.0  # seconds one tool call may run (rq job timeout)
     max_tool_calls: int = 4  # per episode; one more ends it with reason 'tool_limit'
     reward_fn: str = "services.rollout.rewards:arithmetic"  # module:function(episode_text, task) -> float | (float, dict)
@@ -173,6 +173,10 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'loss': expected 'decoupled' or 'ppo', got {cfg.loss!r}")
     if cfg.mode not in ("async", "sync"):
         raise ConfigError(f"config key 'mode': expected 'async' or 'sync', got {cfg.mode!r}")
+    if cfg.mode == "sync" and cfg.max_staleness != 0:
+        raise ConfigError(f"config key 'max_staleness': mode 'sync' (rollout waits for the trainer) trains every "
+                          f"token under the version that generated it, so it needs max_staleness = 0, got "
+                          f"{cfg.max_staleness}")
     if cfg.max_staleness < 0:
         raise ConfigError(f"config key 'max_staleness': expected an integer >= 0, got {cfg.max_staleness}")
     if cfg.lr <= 0 or cfg.clip_low < 0 or cfg.clip_high < 0 or cfg.is_cap < 0:

@@ -29,8 +29,8 @@ def alive_services(client, keys: Keys) -> dict[str, int]:
 
 
 def load_task(cfg: Config) -> list[dict]:
-    if cfg.dataset == "arithmetic":
-        return tasks.arithmetic(4096, seed=cfg.seed)
+    if cfg.dataset in tasks.BUILTIN:
+        return tasks.builtin(cfg.dataset, 4096, seed=cfg.seed)
     return tasks.load_file(cfg.dataset)
 
 

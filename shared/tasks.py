@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 
@@ -18,6 +19,52 @@ def arithmetic(n: int, seed: int = 0, max_operand: int = 9, ops: str = "+") -> l
         answer = {"+": a + b, "-": a - b, "*": a * b}[op]
         out.append({"prompt": f"{a}{op}{b}=", "answer": str(answer)})
     return out
+
+
+def chain_sum(n: int, seed: int = 0, max_terms: int = 24, tail: float = 1.5) -> list[dict]:
+    """``n`` sums of 2..``max_terms`` one-digit numbers like ``3+4+5=``, answer ``12``. The number of terms
+    is long-tailed (P(k) ∝ (k-1)^-``tail``): most prompts have 2 or 3 terms, a few have many, and the
+    reference response writes every running sum (``7,12``), so response lengths are long-tailed too.
+    The asynchronous-vs-synchronous benchmark uses it."""
+    rng = random.Random(seed)
+    ks = list(range(2, max_terms + 1))
+    weights = [(k - 1) ** -tail for k in ks]
+    out = []
+    for _ in range(n):
+        terms = [rng.randint(0, 9) for _ in range(rng.choices(ks, weights)[0])]
+        out.append({"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms))})
+    return out
+
+
+def reference(row: dict, tools: bool = False) -> list[tuple[str, bool]]:
+    """The reference response to a built-in task row, as (text, written by the model?) parts, for the
+    warm start. A chain sum writes its running sums; with ``tools`` the model calls ``calc`` on the
+    prompt's expression, the worker inserts ``<result>...</result>`` (not the model's), then the model
+    writes the answer."""
+    expr = row["prompt"].removesuffix("=")
+    terms = re.findall(r"-?\d+|[-+*]", expr)
+    if tools:
+        return [(f"<call>calc: {expr}</call>", True), (f"<result>{row['answer']}</result>", False),
+                (row["answer"], True)]
+    if len(terms) > 3 and all(t == "+" for t in terms[1::2]):
+        total, sums = int(terms[0]), []
+        for t in terms[2::2]:
+            total += int(t)
+            sums.append(str(total))
+        return [(",".join(sums), True)]
+    return [(row["answer"], True)]
+
+
+BUILTIN = ("arithmetic", "chain_sum")
+
+
+def builtin(name: str, n: int, seed: int = 0) -> list[dict]:
+    """``n`` rows of the built-in task ``name`` (one of :data:`BUILTIN`)."""
+    if name == "arithmetic":
+        return arithmetic(n, seed=seed)
+    if name == "chain_sum":
+        return chain_sum(n, seed=seed)
+    raise ValueError(f"dataset {name!r}: expected one of {', '.join(BUILTIN)} or a .jsonl / .parquet file")
 
 
 def load_file(path: str, prompt_field: str = "prompt", answer_field: str = "answer") -> list[dict]:

@@ -48,3 +48,122 @@ def make_tiny_model(out_dir: str | Path, hidden_size: int = 64, num_layers: int 
     model.save_pretrained(str(out_dir))
     tok.save_pretrained(str(out_dir))
     return str(out_dir)
+
+
+# --- the default model: random init + a short supervised warm start on the task ---------------------------
+
+DEFAULT_MODEL = dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=256, max_position_embeddings=256)
+DEFAULT_WARM_STEPS = 100
+
+
+def sft_examples(rows: list[dict], tokenizer, tools: bool = False) -> list[tuple[list[int], list[int]]]:
+    """(input ids, labels) per task row: prompt, then the reference response (``shared.tasks.reference``)
+    and <eos>. Labels are -100 on the prompt and on tool results (the worker inserts those, the model
+    never writes them), so the warm start teaches exactly what the policy generates."""
+    from shared.tasks import reference
+
+    out = []
+    for row in rows:
+        ids = tokenizer.encode(row["prompt"], add_special_tokens=False)
+        labels = [-100] * len(ids)
+        for text, learn in reference(row, tools=tools):
+            part = tokenizer.encode(text, add_special_tokens=False)
+            ids += part
+            labels += part if learn else [-100] * len(part)
+        ids.append(tokenizer.eos_token_id)
+        labels.append(tokenizer.eos_token_id)
+        out.append((ids, labels))
+    return out
+
+
+def warm_start(model_dir: str | Path, examples: list[tuple[list[int], list[int]]], steps: int,
+               batch_size: int = 32, lr: float = 3e-3, seed: int = 0, log=None) -> float:
+    """Supervised steps on ``examples`` (sampled with replacement); saves the model in place.
+    Returns the last step's loss."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).train()
+    pad = model.config.pad_token_id or 0
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    loss = torch.tensor(float("nan"))
+    for step in range(steps):
+        batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (x, y) in enumerate(batch):
+            ids[i, :len(x)], labels[i, :len(y)], mask[i, :len(x)] = torch.tensor(x), torch.tensor(y), 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if log and (step + 1) % 50 == 0:
+            log(f"warm start step {step + 1}/{steps}: loss {float(loss):.3f}")
+    model.eval().save_pretrained(str(model_dir))
+    return float(loss.detach())
+
+
+def greedy_accuracy(model_dir: str | Path, rows: list[dict], max_tokens: int = 16) -> float:
+    """Share of ``rows`` whose greedy single-turn answer the default reward accepts (no tools)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.rollout.rewards import arithmetic
+
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    right = 0
+    with torch.inference_mode():
+        for row in rows:
+            ids = torch.tensor([tok.encode(row["prompt"], add_special_tokens=False)])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            right += arithmetic(text, row)[0] == 1.0
+    return right / max(len(rows), 1)
+
+
+def make_default_model(out_dir: str | Path, dataset: str = "arithmetic", tools: bool = False,
+                       warm_steps: int = 100, seed: int = 0, log=None) -> str:
+    """The default model of ``streamrl run``: :func:`make_tiny_model` plus a short supervised warm
+    start (``warm_steps`` steps of 32) on the built-in task's response format. Brief on purpose: the
+    model writes answers in the right shape but gets most of them wrong, so the reward has room to
+    rise, and it is RL that lifts it. ``tools`` warm-starts on the calculator-tool format instead."""
+    from shared.tasks import builtin
+
+    make_tiny_model(out_dir, **DEFAULT_MODEL, seed=seed)
+    if warm_steps > 0:
+        rows = builtin(dataset, 4096, seed=seed + 12345)  # another draw than the run's prompts (seeded by cfg.seed)
+        warm_start(out_dir, sft_examples(rows, load_tokenizer(out_dir), tools=tools), warm_steps, seed=seed,
+                   log=log)
+    return str(out_dir)
+
+
+def ensure_default_model(cfg, warm_steps: int | None = None, force: bool = False) -> bool:
+    """Create the default model at ``cfg.model_dir`` unless one is there (or ``force``): warm-started on
+    ``cfg.dataset`` when it is a built-in task (else on arithmetic), on the calculator-tool format when
+    ``cfg.tools`` names ``calc``. Returns whether it created one. Done once; later runs reuse it."""
+    import sys
+    import time
+
+    from shared.tasks import BUILTIN
+
+    if Path(cfg.model_dir, "config.json").exists() and not force:
+        return False
+    tools = "calc" in {t.strip() for t in cfg.tools.split(",")}
+    dataset = cfg.dataset if cfg.dataset in BUILTIN else "arithmetic"
+    steps = DEFAULT_WARM_STEPS if warm_steps is None else warm_steps
+    print(f"streamrl: creating the default model at {cfg.model_dir}: random-init {DEFAULT_MODEL['num_layers']}-layer "
+          f"Llama + {steps} supervised warm-start steps on {dataset}{' with the calc tool' if tools else ''}",
+          file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    make_default_model(cfg.model_dir, dataset=dataset, tools=tools, warm_steps=steps, seed=cfg.seed)
+    print(f"streamrl: model ready in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+    return True

@@ -181,9 +181,14 @@ class RolloutWorker:
         self._gated = False
         if want <= 0:
             return 0
-        limit = self.client.hget(self.keys.gate, "limit")
+        limit, gate_version = self.client.hmget(self.keys.gate, "limit", "version")
         if limit is None:
-            return want
+            return 0 if self.cfg.mode == "sync" else want  # sync: nothing starts before the syncer opens the gate
+        if self.cfg.mode == "sync" and int(gate_version) != self.engine.version:
+            # sync: a group starts only under the very version the gate admits it for
+            if int(gate_version) > self.engine.version and not self.paused:
+                self._catch_up_version()  # this worker missed a sync
+            return 0
         self._gated = True
         started = self.client.incrby(self.keys.gate_started, want)
         over = min(want, started - int(limit))

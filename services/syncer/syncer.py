@@ -44,7 +44,8 @@ class Syncer:
 
     def live_workers(self) -> dict[str, dict]:
         out = {}
-        for key in self.client.scan_iter(match=self.keys.alive("rollout", "*")):
+        # SCAN walks the whole keyspace (one key per episode): big pages, or a sync costs 100s of ms late in a run
+        for key in self.client.scan_iter(match=self.keys.alive("rollout", "*"), count=10_000):
             info = {k.decode(): v.decode() for k, v in self.client.hgetall(key).items()}
             if info:
                 out[key.decode().rsplit(":", 1)[1]] = info

@@ -144,6 +144,9 @@ class Trainer:
             self.log.warning("group not trained", group=group_id, reason=reason, trainer_version=self.version,
                              oldest=min((v for v in versions if v >= 0), default=None))
             self.uncommitted.append((entry_id, group_id, False))  # acknowledged with the next commit, never trained
+            # give its start back to the staleness gate (which counts starts): a replacement group may start.
+            # Without it a synchronous run (exactly batch_groups starts per version) would wait forever.
+            self.client.decr(self.keys.gate_started)
             return None
         return episodes
 

@@ -102,7 +102,7 @@ def test_other_version_tags_every_new_token_and_writes_nothing(finished_run, cli
     (["nope", "--continue"], "no episode 'nope'"),
     (["e1", "--continue", "--from-seq", "9"], "--from-seq 9: out of range; episode e1 holds events 0..2"),
     (["e1", "--continue", "--from-seq", "2"], "that is the episode's 'finished' event"),
-    (["e1", "--continue", "--version", "4"], "--version 4: unknown policy version; published versions: 0"),
+    (["e1", "--continue", "--version", "4"], "--version 4: unknown policy version; published versions: none yet (0 is model_dir)"),
     (["e1", "--continue", "--weights", "/no/such.safetensors", "--version", "1"], "no such file"),
     (["e1", "--from-seq", "1"], "go with --continue"),
 ])

@@ -111,7 +111,12 @@ def resolve_version(versions: list[dict], version: int, model_dir: str) -> tuple
                                         f"by the trainer?); pass --weights PATH or another version")
             return path, v.get("sha256", "")
     known = sorted(int(v.get("version", -1)) for v in versions)
-    listed = ", ".join(map(str, [0, *known[-10:]]))
+    if not known:
+        listed = "none yet (0 is model_dir)"
+    elif known == list(range(known[0], known[-1] + 1)):
+        listed = f"{known[0]} to {known[-1]} (0 is model_dir)"
+    else:
+        listed = ", ".join(map(str, known[-10:])) + (", ..." if len(known) > 10 else "") + " (0 is model_dir)"
     raise ContinuationError(f"--version {version}: unknown policy version; published versions: {listed}")
 
 
@@ -284,7 +289,8 @@ def format_result(prefix: Prefix, result: Continuation, label: str, original: Ep
         same = orig_tail == result.tokens
         lines.append(f"original: {original.status} ({original.finish_reason or original.error}), reward "
                      f"{original.reward}; its tail after the prefix is {len(orig_tail)} tokens, "
-                     + ("identical" if same else f"differs from token {_first_diff(orig_tail, result.tokens)}"))
+                     + ("identical" if same else f"first difference at its token {_first_diff(orig_tail, result.tokens)} "
+                        "(0-based)"))
     if decode_text:
         lines.append(f"text: {decode_text(ep.prompt_ids + ep.tokens)!r} + {decode_text(result.tokens)!r}")
     return "\n".join(lines)

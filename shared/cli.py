@@ -165,6 +165,23 @@ def cmd_schema(cfg, args) -> int:
     return 0
 
 
+def cmd_status(cfg, args) -> int:
+    import time
+
+    from shared.status import format_line, snapshot
+
+    client, keys = _client(cfg), Keys(cfg.run)
+    if not client.exists(keys.versions, keys.prompts, keys.samples, keys.metrics):
+        raise CLIError(f"run {cfg.run!r} has no streams on {cfg.redis_url.split('@')[-1]}")
+    while True:
+        snap = snapshot(client, keys)
+        print(json.dumps(snap, default=str) if args.json else
+              f"{time.strftime('%H:%M:%S')} run {cfg.run}: {format_line(snap)}", flush=True)
+        if not args.watch:
+            return 0
+        time.sleep(args.interval)
+
+
 def cmd_make_model(cfg, args) -> int:
     from shared.tiny_model import ensure_default_model
 
@@ -220,9 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--continue with policy version V's published weights (0: model_dir; default: the "
                         "version in effect at the event)")
     p.add_argument("--weights", metavar="PATH", help="--continue with this safetensors file (needs --version)")
+    p = add("status", cmd_status, "the live view of a run (version, reward, validation, samples/s, staleness, workers)")
+    p.add_argument("--watch", action="store_true", help="print a line every --interval seconds until interrupted")
+    p.add_argument("--interval", type=float, default=2.0)
+    p.add_argument("--json", action="store_true")
     p = add("make-model", cmd_make_model, "create the default tiny model at model_dir: random init + a short "
                                           "supervised warm start on the task (calc-tool format with --tools calc)")
-    p.add_argument("--warm-steps", type=int, default=None, help="supervised steps of 32 examples (default 100)")
+    p.add_argument("--warm-steps", type=int, default=None, help="supervised steps of 32 examples (default 150)")
     p.add_argument("--force", action="store_true", help="replace a model already at model_dir")
     p = add("run", cmd_run, "run the whole job: embedded Redis + every Procfile process, until the driver ends")
     p.add_argument("--procfile", default="Procfile")

@@ -41,7 +41,7 @@ class Config:
     device: str = "cpu"  # cpu | cuda
     max_batch_size: int = 64  # sequences decoded together by the engine
     max_groups_in_flight: int = 8  # prompt groups one rollout worker holds at once
-    group_size: int = 4  # episodes per prompt group (GRPO n)
+    group_size: int = 8  # episodes per prompt group (GRPO n); docs/training.md says why the defaults
     max_tokens: int = 32  # generated-token budget per episode
     temperature: float = 1.0
     top_p: float = 1.0
@@ -54,9 +54,9 @@ class Config:
     step_delay_ms: float = 0.0  # sleep after each engine step: a slow engine for fault drills and demos
     heartbeat_ttl: float = 5.0  # seconds after its last heartbeat a worker counts as dead
     # trainer
-    batch_groups: int = 4  # prompt groups per optimizer step
+    batch_groups: int = 8  # prompt groups per optimizer step
     steps_per_version: int = 1  # optimizer steps between weight publishes
-    lr: float = 1e-3
+    lr: float = 3e-4
     loss: str = "decoupled"  # decoupled (AReaL's off-policy PPO) | ppo (plain PPO-clip vs behaviour)
     agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     clip_low: float = 0.2
@@ -70,8 +70,12 @@ class Config:
     sync_timeout: float = 30.0  # seconds the syncer waits for a worker's ack before going on without it
     # the run (driver)
     dataset: str = "arithmetic"  # built-in task, or a .jsonl / .parquet file with prompt and answer fields
-    max_versions: int = 40  # the driver ends the run at this version; 0: no limit
+    max_versions: int = 1000  # the driver ends the run at this version; 0: no limit
     max_minutes: float = 10.0  # ... or after this long; 0: no limit
+    val_every: int = 5  # a validation round every this many versions (held-out prompts, greedy + sampled); 0: none
+    val_size: int = 16  # held-out prompts per validation round
+    val_fraction: float = 0.1  # share of the task's distinct prompts held out for validation, never trained on
+    tensorboard: bool = False  # also write metrics as TensorBoard event files to <run_dir>/<run>/tensorboard
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -183,6 +187,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("config keys lr, clip_low, clip_high, is_cap: expected lr > 0 and the others >= 0")
     if ":" not in cfg.reward_fn:
         raise ConfigError(f"config key 'reward_fn': expected 'module:function', got {cfg.reward_fn!r}")
+    if cfg.val_every < 0 or cfg.val_size < 1 or not 0 <= cfg.val_fraction < 1:
+        raise ConfigError(f"config keys val_every/val_size/val_fraction: expected val_every >= 0, val_size >= 1, "
+                          f"0 <= val_fraction < 1, got {cfg.val_every}, {cfg.val_size}, {cfg.val_fraction}")
     if not cfg.run or any(c in cfg.run for c in " :*?[]"):
         raise ConfigError(f"config key 'run': expected a name without spaces, ':' or glob characters, got {cfg.run!r}")
 

@@ -16,29 +16,17 @@ from shared.config import Config
 from shared.connection import connect
 from shared.keys import Keys
 from shared.prompts import PromptGroup, enqueue
+from shared.status import alive_services, format_line, snapshot
+from shared.tensorboard import TensorBoard
+from shared.validation import Validator, split
 
 SERVICES = ("rollout", "trainer", "syncer")
-
-
-def alive_services(client, keys: Keys) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for k in client.scan_iter(match=f"{keys.base}alive:*"):
-        service = k.decode().split(":")[3]
-        out[service] = out.get(service, 0) + 1
-    return out
 
 
 def load_task(cfg: Config) -> list[dict]:
     if cfg.dataset in tasks.BUILTIN:
         return tasks.builtin(cfg.dataset, 4096, seed=cfg.seed)
     return tasks.load_file(cfg.dataset)
-
-
-def last_metrics(client, keys: Keys, kind: str = "train") -> dict | None:
-    for _, f in client.xrevrange(keys.metrics, count=50):
-        if f.get(b"kind", b"").decode() == kind:
-            return json.loads(f[b"json"])
-    return None
 
 
 def latest_version(client, keys: Keys) -> int:
@@ -51,7 +39,10 @@ class Driver:
         self.cfg = cfg
         self.client = connect(cfg.redis_url, wait=120)
         self.keys = Keys(cfg.run)
-        self.rows = load_task(cfg)
+        self.rows, held_out = split(load_task(cfg), cfg.val_fraction if cfg.val_every else 0.0)
+        self.tensorboard = TensorBoard(cfg, "driver")
+        self.validator = Validator(self.client, self.keys, held_out, cfg.val_every, cfg.val_size,
+                                   on_result=lambda r: self.tensorboard.scalars("validation", r, r["version"]))
         self.enqueued = int(self.client.get(f"{self.keys.base}driver:enqueued") or 0)
 
     def top_up(self, depth: int) -> None:
@@ -81,33 +72,27 @@ class Driver:
                 raise RuntimeError(f"services not alive after {timeout:.0f}s: {', '.join(sorted(missing))}")
             time.sleep(0.2)
 
-    def progress_line(self, t0: float, samples0: int) -> str:
-        m = last_metrics(self.client, self.keys) or {}
-        alive = alive_services(self.client, self.keys)
-        samples = self.client.xlen(self.keys.samples)
-        rate = (samples - samples0) * self.cfg.group_size / max(time.monotonic() - t0, 1e-9)
-        val = last_metrics(self.client, self.keys, "validation")
-        return (f"[{time.monotonic() - t0:6.0f}s] version {latest_version(self.client, self.keys):3d}  "
-                f"step {m.get('step', 0):4d}  reward {m.get('reward_mean', float('nan')):.3f}"
-                + (f"  val {val['reward_mean']:.3f}" if val else "")
-                + f"  samples/s {rate:5.1f}  staleness max {m.get('staleness_max', 0)}  "
-                f"dropped {m.get('stale_dropped', 0)}  rollout workers {alive.get('rollout', 0)}")
+    def progress_line(self, t0: float) -> str:
+        return f"[{time.monotonic() - t0:6.0f}s] " + format_line(snapshot(self.client, self.keys))
 
     def run(self) -> int:
         self.wait_for_services()
         print(f"driver: run {self.cfg.run!r} started; ends after {self.cfg.max_versions or 'unlimited'} versions "
               f"or {self.cfg.max_minutes or 'unlimited'} minutes", flush=True)
         t0 = time.monotonic()
-        samples0 = self.client.xlen(self.keys.samples) if self.client.exists(self.keys.samples) else 0
         depth = 2 * self.cfg.max_groups_in_flight * max(1, alive_services(self.client, self.keys).get("rollout", 1))
         next_print = 0.0
         while True:
             self.top_up(depth)
             now = time.monotonic()
             if now >= next_print:
-                print(self.progress_line(t0, samples0), flush=True)
+                print(self.progress_line(t0), flush=True)
                 next_print = now + 2.0
             version = latest_version(self.client, self.keys)
+            self.validator.maybe_request(version)
+            for r in self.validator.poll():
+                print(f"driver: validation at version {r['version']}: reward {r['reward_mean']:.3f} sampled, "
+                      f"{r['reward_greedy']:.3f} greedy ({r['n']} episodes)", flush=True)
             if self.cfg.max_versions and version >= self.cfg.max_versions:
                 print(f"driver: reached version {version}; ending the run", flush=True)
                 break

@@ -27,6 +27,8 @@ class Keys:
 
     prompts = property(lambda self: f"{self.base}prompts")
     samples = property(lambda self: f"{self.base}samples")
+    val_prompts = property(lambda self: f"{self.base}prompts:val")  # held-out prompt groups, served first, never trained
+    val_samples = property(lambda self: f"{self.base}samples:val")  # their finished groups (read by the driver)
     versions = property(lambda self: f"{self.base}versions")
     control = property(lambda self: f"{self.base}control")
     metrics = property(lambda self: f"{self.base}metrics")

@@ -52,7 +52,9 @@ def write_plots(cfg: Config, out_dir: Path | None = None) -> list[Path]:
     ax.plot(minutes, reward, label="train reward (batch mean)")
     if validation:
         ax.plot([(v["time"] - t0) / 60 for v in validation], [v["reward_mean"] for v in validation], "o-",
-                label="validation reward")
+                label="validation reward (sampled)")
+        ax.plot([(v["time"] - t0) / 60 for v in validation], [v["reward_greedy"] for v in validation], "s--",
+                label="validation reward (greedy)")
     ax.set(xlabel="minutes", ylabel="reward", title="Reward over time", ylim=(-0.05, 1.05))
     ax.legend()
     ax = axes[0][1]

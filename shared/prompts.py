@@ -76,8 +76,9 @@ def decode_group(entry_id, fields: dict) -> PromptGroup:
     return PromptGroup(group_id, n, prompt, ids, data.get("task", {}), data.get("sampling", {}), entry_id)
 
 
-def enqueue(client, keys, groups: list[PromptGroup]) -> list[str]:
+def enqueue(client, keys, groups: list[PromptGroup], stream: str | None = None) -> list[str]:
+    """Add groups to ``stream`` (default: the training prompts stream)."""
     pipe = client.pipeline(transaction=False)
     for g in groups:
-        pipe.xadd(keys.prompts, encode_group(g))
+        pipe.xadd(stream or keys.prompts, encode_group(g))
     return [i.decode() for i in pipe.execute()]

@@ -9,7 +9,6 @@ same operation: replay the stream, then continue from prompt + tokens so far.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
@@ -25,6 +24,7 @@ from services.rollout import rewards, tools
 from services.rollout.engine import Chunk, Engine, EngineError, SamplingParams
 from services.rollout.episode import LiveEpisode, State, episode_seed
 from shared import control
+from shared.checksum import sha256_file
 from shared.config import Config
 from shared.episode_log import EpisodeLog, Fenced
 from shared.events import EventError
@@ -48,14 +48,7 @@ class GroupRun:
     group: PromptGroup
     episodes: list[str] = field(default_factory=list)
     done: set[str] = field(default_factory=set)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    source: str = ""  # the prompts stream the group came from (training or validation)
 
 
 class RolloutWorker:
@@ -74,6 +67,7 @@ class RolloutWorker:
         self.control_cursor = "$"
         self.stop_token_ids = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
         self._next_heartbeat = self._next_takeover = 0.0
+        self._missing_since: dict[str, float] = {}  # worker -> when its heartbeat key was first seen missing
         self._gated = False
         self._next_claim = 0.0
         self._next_report = time.monotonic() + 5.0
@@ -83,11 +77,12 @@ class RolloutWorker:
 
     # --- setup
     def start(self) -> None:
-        try:
-            self.client.xgroup_create(self.keys.prompts, GROUP, id="0", mkstream=True)
-        except redis.exceptions.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for stream in (self.keys.val_prompts, self.keys.prompts):
+            try:
+                self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except redis.exceptions.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
         last = self.client.xrevrange(self.keys.control, count=1)
         self.control_cursor = last[0][0].decode() if last else "0-0"
         self._catch_up_version()
@@ -163,6 +158,12 @@ class RolloutWorker:
 
     # --- prompt groups
     def _claim_groups(self) -> None:
+        # validation groups first: they are served with priority and pass no staleness gate (never trained)
+        room = self.cfg.max_groups_in_flight - len(self.groups)
+        if room > 0:
+            reply = self.client.xreadgroup(GROUP, self.worker_id, {self.keys.val_prompts: ">"}, count=room)
+            for entry_id, fields in (e for _, es in reply or [] for e in es):
+                self._open_group(entry_id, fields, source=self.keys.val_prompts)
         free = self._reserve(self.cfg.max_groups_in_flight - len(self.groups))
         if free <= 0:
             self._next_claim = time.monotonic() + 0.05
@@ -174,7 +175,8 @@ class RolloutWorker:
         if len(entries) < free and self._gated:
             self.client.decrby(self.keys.gate_started, free - len(entries))
         for entry_id, fields in entries:
-            self._open_group(entry_id, fields)
+            if self._open_group(entry_id, fields) is False and self._gated:
+                self.client.decr(self.keys.gate_started)  # a dead-lettered entry starts no group: its slot back
 
     def _reserve(self, want: int) -> int:
         """Starts the staleness gate allows now (all of them when no syncer set a gate)."""
@@ -196,14 +198,15 @@ class RolloutWorker:
             self.client.decrby(self.keys.gate_started, over)
         return want - max(over, 0)
 
-    def _open_group(self, entry_id, fields, takeover_from: str | None = None) -> None:
+    def _open_group(self, entry_id, fields, takeover_from: str | None = None, source: str | None = None) -> None:
+        source = source or self.keys.prompts
         try:
             group = decode_group(entry_id, fields)
         except EventError as exc:
-            self._dead_letter(self.keys.prompts, entry_id, str(exc))
-            self.client.xack(self.keys.prompts, GROUP, entry_id)
-            return
-        run = GroupRun(group, group.episode_ids())
+            self._dead_letter(source, entry_id, str(exc))
+            self.client.xack(source, GROUP, entry_id)
+            return False
+        run = GroupRun(group, group.episode_ids(), source=source)
         self.groups[group.group_id] = run
         self.log.info("group claimed", group=group.group_id, n=group.n, takeover_from=takeover_from)
         for index, episode_id in enumerate(run.episodes):
@@ -443,7 +446,8 @@ class RolloutWorker:
         if len(run.done) < len(run.episodes) or self.groups.get(run.group.group_id) is not run:
             return
         g = run.group
-        self._publish(keys=[f"{self.keys.base}sampled:{g.group_id}", self.keys.samples, self.keys.prompts],
+        samples = self.keys.val_samples if run.source == self.keys.val_prompts else self.keys.samples
+        self._publish(keys=[f"{self.keys.base}sampled:{g.group_id}", samples, run.source],
                       args=[g.group_id, ",".join(run.episodes), self.worker_id, g.n, GROUP, g.entry_id])
         del self.groups[g.group_id]
         self.stats["groups"] += 1
@@ -479,24 +483,31 @@ class RolloutWorker:
         free = self.cfg.max_groups_in_flight - len(self.groups)
         if free <= 0:
             return
-        pending = self.client.xpending_range(self.keys.prompts, GROUP, min="-", max="+", count=100)
         min_idle = int(self.cfg.heartbeat_ttl * 1000)
-        dead: dict[str, list] = {}
-        for p in pending:
-            owner = p["consumer"].decode()
-            if owner != self.worker_id and p["time_since_delivered"] >= min_idle:
-                dead.setdefault(owner, []).append(p["message_id"])
-        for owner, ids in dead.items():
-            if self.client.exists(self.keys.alive("rollout", owner)):
-                continue
-            claimed = self.client.xclaim(self.keys.prompts, GROUP, self.worker_id, min_idle, ids[:free])
-            for entry_id, fields in claimed:
-                if fields:
-                    self.stats["takeovers"] += 1
-                    self._open_group(entry_id, fields, takeover_from=owner)
-            free -= len(claimed)
-            if free <= 0:
-                return
+        for stream in (self.keys.val_prompts, self.keys.prompts):
+            pending = self.client.xpending_range(stream, GROUP, min="-", max="+", count=100)
+            dead: dict[str, list] = {}
+            for p in pending:
+                owner = p["consumer"].decode()
+                if owner != self.worker_id and p["time_since_delivered"] >= min_idle:
+                    dead.setdefault(owner, []).append(p["message_id"])
+            for owner, ids in dead.items():
+                if self.client.exists(self.keys.alive("rollout", owner)):
+                    self._missing_since.pop(owner, None)
+                    continue
+                # dead once its heartbeat has been missing for a whole heartbeat_ttl: after a Redis restart every
+                # heartbeat key lapses at once, and live workers write theirs again within heartbeat_ttl / 3
+                first_missing = self._missing_since.setdefault(owner, time.monotonic())
+                if time.monotonic() - first_missing < self.cfg.heartbeat_ttl:
+                    continue
+                claimed = self.client.xclaim(stream, GROUP, self.worker_id, min_idle, ids[:free])
+                for entry_id, fields in claimed:
+                    if fields:
+                        self.stats["takeovers"] += 1
+                        self._open_group(entry_id, fields, takeover_from=owner, source=stream)
+                free -= len(claimed)
+                if free <= 0:
+                    return
 
     # --- control: pause / load / resume
     def _handle_control(self, block_ms: int) -> None:

@@ -4,13 +4,13 @@ step, time)."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
 from safetensors.torch import save_file
 
 from services.trainer.checkpoint import atomic_write
+from shared.checksum import sha256_file
 
 
 def write_weights(model, directory: Path, version: int) -> tuple[Path, str]:
@@ -20,12 +20,7 @@ def write_weights(model, directory: Path, version: int) -> tuple[Path, str]:
     return path, sha256(path)
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+sha256 = sha256_file
 
 
 def publish(client, versions_key: str, version: int, path: Path, digest: str, step: int) -> None:

@@ -29,6 +29,7 @@ from shared.events import EventError
 from shared.fold import Episode, fold
 from shared.keys import Keys
 from shared.staleness import is_too_stale, staleness_histogram
+from shared.tensorboard import TensorBoard
 
 GROUP = "trainer"
 CONSUMER = "trainer"  # one trainer per run: a stable name gets its own pending entries back after a restart
@@ -42,6 +43,7 @@ class Trainer:
         self.ckpt_dir = cfg.run_path / "trainer"
         self.weights_dir = cfg.weights_path
         self.metrics_path = cfg.run_path / "metrics.jsonl"
+        self.tensorboard = TensorBoard(cfg, "trainer")
         torch.manual_seed(cfg.seed)
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, torch_dtype=torch.float32)
         self.model.to(cfg.device).train()
@@ -188,6 +190,7 @@ class Trainer:
                 "staleness_max": max(hist, default=0), "stale_dropped": self.stale_dropped, **stats}
 
     def record(self, metrics: dict) -> None:
+        self.tensorboard.scalars("train", metrics, metrics["step"])
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(metrics) + "\n")

@@ -1,0 +1,62 @@
+"""The live view of a run (the driver's progress line and `streamrl status`), read from Redis alone.
+
+``snapshot`` gathers the numbers; ``format_line`` is pure. Rates come from stream entry ids (their millisecond
+timestamps), so any process, started at any time, shows the same view.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from shared.keys import Keys
+
+
+def _last(client, keys: Keys, kind: str, scan: int = 200) -> dict | None:
+    for _, f in client.xrevrange(keys.metrics, count=scan):
+        if f.get(b"kind", b"").decode() == kind:
+            return json.loads(f[b"json"])
+    return None
+
+
+def alive_services(client, keys: Keys) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in client.scan_iter(match=f"{keys.base}alive:*"):
+        service = k.decode().split(":")[3]
+        out[service] = out.get(service, 0) + 1
+    return out
+
+
+def samples_per_s(client, keys: Keys, window_s: float = 30.0) -> float:
+    """Finished episodes per second over the last ``window_s`` seconds (from the samples stream's entry ids)."""
+    now_ms = int(time.time() * 1000)
+    entries = client.xrange(keys.samples, min=f"{now_ms - int(window_s * 1000)}-0")
+    if not entries:
+        return 0.0
+    first_ms = int(entries[0][0].split(b"-")[0])
+    span = max((now_ms - first_ms) / 1000, 1.0) if len(entries) > 1 else window_s
+    return sum(int(f.get(b"n", b"1")) for _, f in entries) / span
+
+
+def snapshot(client, keys: Keys) -> dict:
+    last = client.xrevrange(keys.versions, count=1)
+    return {"version": int(last[0][1][b"version"]) if last else 0, "train": _last(client, keys, "train") or {},
+            "validation": _last(client, keys, "validation"), "sync": _last(client, keys, "sync"),
+            "samples_per_s": samples_per_s(client, keys), "alive": alive_services(client, keys),
+            "dead_letters": client.xlen(keys.dead_letters)}
+
+
+def format_line(s: dict) -> str:
+    m, val, sync = s["train"], s["validation"], s["sync"]
+    parts = [f"version {s['version']:3d}", f"step {m.get('step', 0):4d}",
+             f"reward {m.get('reward_mean', float('nan')):.3f}"]
+    if val:
+        parts.append(f"val@v{val['version']} {val['reward_mean']:.3f} (greedy {val['reward_greedy']:.3f})")
+    parts += [f"samples/s {s['samples_per_s']:5.1f}", f"staleness max {m.get('staleness_max', 0)}",
+              f"dropped {m.get('stale_dropped', 0)}"]
+    if sync:
+        parts.append(f"last sync {sync.get('total_s', 0) * 1000:.0f} ms")
+    parts.append(f"rollout workers {s['alive'].get('rollout', 0)}")
+    if s["dead_letters"]:
+        parts.append(f"dead letters {s['dead_letters']}")
+    return "  ".join(parts)

@@ -1,0 +1,154 @@
+"""Validation rounds: a held-out split rolled out with the current version, never trained on.
+
+Every ``val_every`` versions the driver enqueues one round on the ``prompts:val`` stream: each held-out prompt
+twice, once greedy (temperature 0) and once sampled with the run's settings. Rollout workers serve that stream
+before the training one and publish its finished groups to ``samples:val``, which the trainer never reads. When every
+group of a round is back, the round's rewards go to the metrics stream as a ``validation`` entry (and to TensorBoard
+when enabled). Group ids name the round: ``val-v<version>-g<i>`` (greedy) and ``val-v<version>-s<i>`` (sampled).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+
+from shared.episode_log import EpisodeLog
+from shared.events import EventError
+from shared.fold import fold
+from shared.keys import Keys
+from shared.prompts import PromptGroup, enqueue
+
+
+def split(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
+    """(train, held out): a row is held out when the hash of its prompt falls under ``fraction``, so a prompt that
+    occurs several times is always on one side, and the split does not depend on row order."""
+    if not 0 <= fraction < 1:
+        raise ValueError(f"validation fraction must be in [0, 1), got {fraction}")
+    if fraction == 0 or not rows:
+        return list(rows), []
+    h = {row["prompt"]: int.from_bytes(hashlib.sha256(row["prompt"].encode()).digest()[:8], "big") / 2**64
+         for row in rows}
+    if len(h) == 1:
+        return list(rows), []  # one distinct prompt: nothing to hold out
+    # tiny datasets: hold out at least the lowest-hashed prompt and train on at least the highest-hashed one
+    cut = min(max(fraction, min(h.values())), max(h.values()) - 1e-12)
+    return [r for r in rows if h[r["prompt"]] > cut], [r for r in rows if h[r["prompt"]] <= cut]
+
+
+def round_groups(version: int, rows: list[dict], size: int) -> list[PromptGroup]:
+    """One validation round: the first ``size`` distinct held-out prompts, each greedy and sampled."""
+    seen, out = set(), []
+    for row in rows:
+        if row["prompt"] in seen:
+            continue
+        seen.add(row["prompt"])
+        task = {k: v for k, v in row.items() if k != "prompt"}
+        i = len(seen) - 1
+        out.append(PromptGroup(f"val-v{version:05d}-g{i:03d}", 1, prompt=row["prompt"], task=task,
+                               sampling={"temperature": 0.0}))
+        out.append(PromptGroup(f"val-v{version:05d}-s{i:03d}", 1, prompt=row["prompt"], task=task))
+        if len(seen) >= size:
+            break
+    return out
+
+
+def parse_group_id(group_id: str) -> tuple[int, str] | None:
+    """``val-v00005-g003`` -> (5, "greedy"); None for anything else."""
+    parts = group_id.split("-")
+    if len(parts) != 3 or parts[0] != "val" or not parts[1].startswith("v") or parts[2][:1] not in ("g", "s"):
+        return None
+    try:
+        return int(parts[1][1:]), "greedy" if parts[2][0] == "g" else "sampled"
+    except ValueError:
+        return None
+
+
+def summarize(version: int, rewards: dict[str, list[float]], token_versions: list[int]) -> dict:
+    """The metrics entry of one finished round."""
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {"version": version, "time": time.time(), "reward_mean": mean(rewards.get("sampled", [])),
+            "reward_greedy": mean(rewards.get("greedy", [])),
+            "n": sum(len(v) for v in rewards.values()),
+            "token_version_min": min(token_versions, default=version),
+            "token_version_max": max(token_versions, default=version)}
+
+
+@dataclass
+class Round:
+    expected: int
+    rewards: dict[str, list[float]] = field(default_factory=dict)
+    token_versions: list[int] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+
+
+class Validator:
+    """The driver's side: enqueue rounds, gather their samples, report each round once."""
+
+    def __init__(self, client, keys: Keys, rows: list[dict], every: int, size: int, log=None, on_result=None):
+        self.client, self.keys, self.rows, self.every, self.size = client, keys, rows, every, size
+        self.log, self.on_result = log, on_result
+        self.episodes = EpisodeLog(client, keys, "validator")
+        self.rounds: dict[int, Round] = {}
+        self.cursor = "0-0"
+        self.reported = {json.loads(f[b"json"])["version"] for _, f in client.xrange(keys.metrics)
+                         if f.get(b"kind") == b"validation"}
+        self.requested = {int(v) for v in client.smembers(self._requested_key)}
+
+    @property
+    def _requested_key(self) -> str:
+        return f"{self.keys.base}validation:requested"
+
+    def maybe_request(self, version: int) -> bool:
+        """Enqueue the round of ``version`` when it is due and not requested before (also across driver restarts)."""
+        if not self.every or not self.rows or version % self.every or version in self.requested:
+            return False
+        if not self.client.sadd(self._requested_key, version):
+            self.requested.add(version)
+            return False
+        groups = round_groups(version, self.rows, self.size)
+        enqueue(self.client, self.keys, groups, stream=self.keys.val_prompts)
+        self.requested.add(version)
+        self.rounds[version] = Round(expected=len(groups))
+        return True
+
+    def poll(self) -> list[dict]:
+        """Read newly finished validation groups; return the summaries of rounds that just completed."""
+        done = []
+        reply = self.client.xread({self.keys.val_samples: self.cursor}, count=500)
+        for _, entries in reply or []:
+            for entry_id, f in entries:
+                self.cursor = entry_id.decode()
+                group_id = f.get(b"group_id", b"").decode(errors="replace")
+                parsed = parse_group_id(group_id)
+                if parsed is None:
+                    continue
+                version, kind = parsed
+                rnd = self.rounds.setdefault(version, Round(expected=2 * min(self.size, len(self.rows))))
+                if group_id in rnd.seen:
+                    continue
+                rnd.seen.add(group_id)
+                for eid in f.get(b"episodes", b"").decode().split(","):
+                    try:
+                        ep = fold(self.episodes.read(eid))
+                    except EventError:
+                        ep = None
+                    reward = ep.reward if ep is not None and ep.status == "finished" else 0.0
+                    rnd.rewards.setdefault(kind, []).append(float(reward or 0.0))
+                    rnd.token_versions += [v for v in (ep.versions if ep else []) if v >= 0]
+                if len(rnd.seen) >= rnd.expected and version not in self.reported:
+                    done.append(self._report(version, rnd))
+        return done
+
+    def _report(self, version: int, rnd: Round) -> dict:
+        summary = summarize(version, rnd.rewards, rnd.token_versions)
+        self.client.xadd(self.keys.metrics, {"kind": "validation", "json": json.dumps(summary)}, maxlen=100_000,
+                         approximate=True)
+        self.reported.add(version)
+        if self.on_result:
+            self.on_result(summary)
+        if self.log:
+            self.log.info("validation", version=version, reward_sampled=round(summary["reward_mean"], 3),
+                          reward_greedy=round(summary["reward_greedy"], 3))
+        return summary

@@ -129,3 +129,36 @@ def test_prefix_at_defaults_and_pending_tool_call():
     assert cont.prefix_at(entries[:5]).from_seq == 4  # unfinished: default is the last event
     with pytest.raises(cont.ContinuationError, match="out of range"):
         cont.prefix_at(entries, -1)
+
+
+@pytest.fixture(scope="module")
+def calc_model_dir(tmp_path_factory) -> str:
+    from tests.models import overfit
+
+    out = make_tiny_model(tmp_path_factory.mktemp("calc"), seed=1)
+    return overfit(out, [("C:", "<call>calc: 6*7</call><result>42</result>answer: 42")], steps=100)  # one script
+
+
+def test_tool_calls_run_in_process_also_from_a_pending_call(calc_model_dir):
+    tok = AutoTokenizer.from_pretrained(calc_model_dir)
+    engine = make_engine("torch", calc_model_dir, max_batch_size=1)
+    prompt = tok.encode("C:", add_special_tokens=False)
+    sampling = {"temperature": 0.0, "max_tokens": 80, "stop_token_ids": [tok.eos_token_id], "seed": 1}
+    start = Event("started", 0, "w", 0, {"episode_id": "c", "group_id": "c", "index": 0, "prompt_ids": prompt,
+                                         "sampling": sampling, "task": {"answer": "42"}})
+    reward = rewards.load("services.rollout.rewards:arithmetic")
+    fresh = cont.continue_from(cont.prefix_at(raw([start]), 0), engine, tok, reward, {"calc"})
+    assert [(c["name"], c["args"], c["ok"], c["output"]) for c in fresh.tool_calls] == [("calc", "6*7", True, "42")]
+    assert fresh.finish_reason == "stop" and fresh.reward == 1.0
+    assert tok.decode(fresh.tokens, skip_special_tokens=True) == "<call>calc: 6*7</call><result>42</result>answer: 42"
+    assert 0 < fresh.mask.count(0) == len(tok.encode("<result>42</result>", add_special_tokens=False))
+    # the stream stopped between the call and its result: the continuation answers the call first
+    call = tok.encode("<call>calc: 6*7</call>", add_special_tokens=False)
+    events = [start, tokens(1, call), Event("tool_call", 0, "w", 2, {"call_id": "c1", "name": "calc", "args": "6*7"})]
+    pending = cont.continue_from(cont.prefix_at(raw(events)), engine, tok, reward, {"calc"})
+    assert pending.tool_calls[0]["call_id"] == "c1" and pending.tool_calls[0]["output"] == "42"
+    assert tok.decode(pending.tokens, skip_special_tokens=True) == "<result>42</result>answer: 42"
+    assert pending.reward == 1.0
+    # without the tool enabled the call is an error result, and the episode goes on
+    unknown = cont.continue_from(cont.prefix_at(raw(events)), engine, tok, reward, set())
+    assert unknown.tool_calls[0]["ok"] is False and "unknown tool 'calc'" in unknown.tool_calls[0]["output"]

@@ -24,7 +24,7 @@ from shared.episode_log import EpisodeLog
 from shared.fold import fold
 from shared.prompts import PromptGroup, enqueue
 
-HEARTBEAT_TTL = 1.5
+HEARTBEAT_TTL = 3.0
 
 
 def _worker(redis_url, keys, model_dir, worker_id):
@@ -105,9 +105,10 @@ def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, r
     try:
         _wait(lambda: {w for _, w, _ in _token_events(client, keys)} == set(procs), 90, "all three generating",
               procs.values())
-        # C freezes (alive by its heartbeat key, but silent), then dies with kill -9 once the pause is out
-        os.kill(procs["C"].pid, signal.SIGSTOP)
         path, digest = _weights(tiny_model_dir, tmp_path, 1)
+        # C freezes (alive by its heartbeat key for up to HEARTBEAT_TTL, but silent), then dies with kill -9
+        # once the pause is out
+        os.kill(procs["C"].pid, signal.SIGSTOP)
         published_at = time.monotonic()
         publish(client, keys.versions, 1, path, digest, step=1)
         _wait(lambda: any(f.get(b"cmd") == b"pause" for _, f in client.xrange(keys.control)), 10, "the pause")

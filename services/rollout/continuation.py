@@ -126,7 +126,7 @@ def load_version(engine, version: int, path: str | None, sha256: str = "") -> No
         engine.version = version
         return
     if sha256:
-        from services.rollout.worker import sha256_file
+        from shared.checksum import sha256_file
 
         actual = sha256_file(Path(path))
         if actual != sha256:

@@ -99,7 +99,7 @@ class VLLMEngine:
         if max_model_len:
             args["max_model_len"] = max_model_len
         if current_platform.is_cpu():
-            # float32: the trainer's dtype, and on CPUs without bf16 units 6x faster than the bfloat16 "auto" picks
+            # float32, the trainer's dtype ("auto" would pick bfloat16 for a float32 checkpoint on CPU)
             args.update(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, enforce_eager=True, dtype="float32")
             if not multiprocessing:
                 args["distributed_executor_backend"] = "uni"

@@ -62,8 +62,10 @@ class Syncer:
             self.cursor = last[0][0].decode()
             f = {k.decode(): v.decode() for k, v in last[0][1].items()}
             self.version = int(f["version"])
-            behind = [w for w, info in self.live_workers().items() if int(info.get("version", -1)) < self.version]
-            if behind:  # restarted mid-sync, or workers missed a round
+            # restarted mid-sync (workers left paused, or not at the newest version), or workers missed a round
+            behind = [w for w, info in self.live_workers().items()
+                      if int(info.get("version", -1)) < self.version or info.get("paused") == "1"]
+            if behind:
                 self.sync(self.version, f["path"], f.get("sha256", ""))
         self.set_gate(self.version)
 

@@ -186,8 +186,10 @@ def episode_stats(entries: list[tuple[str, dict]]) -> EpisodeStats:
         elif ev.kind == "resumed":
             if ev.data.get("takeover_from"):
                 st.takeovers += 1
-            elif previous is not None and previous.kind != "aborted":
-                st.tail_resumes += 1  # resumed without an abort or a takeover: the stream was behind the writer
+            elif previous is not None and previous.kind not in ("aborted", "tool_result"):
+                # not after an abort, nor a tool result that came back during a pause, nor a takeover:
+                # the writer found the stream behind what it had written and continued from the stream
+                st.tail_resumes += 1
         previous = ev
     try:
         st.status = fold(entries).status
@@ -208,8 +210,16 @@ def tokens_generated_again(reports: dict[str, dict], stats: dict[str, EpisodeSta
 
 
 def token_writers(episodes: dict[str, list[tuple[str, dict]]]) -> set[str]:
-    return {_s(f.get("worker", b"")) for entries in episodes.values() for _, f in entries
-            if _s(f.get("type", b"")) == "tokens"}
+    """Workers that wrote (well-formed) tokens events."""
+    out = set()
+    for entries in episodes.values():
+        for entry_id, f in entries:
+            if _s(f.get("type", b"")) == "tokens":
+                try:
+                    out.add(decode(entry_id, f).worker)
+                except EventError:
+                    pass
+    return out
 
 
 def dead_lettered(dead: list[dict], stream: str, entry_id: str | None = None) -> bool:

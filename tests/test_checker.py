@@ -133,6 +133,10 @@ def test_resume_kinds_takeover_and_tail():
     assert (st.takeovers, st.tail_resumes) == (0, 0)
     tail = base + [Event("resumed", 0, "w", 2, {"num_tokens": 3}), finished(3)]
     assert episode_stats(checker._entries(raw(tail))).tail_resumes == 1
+    tool = base + [Event("tool_call", 0, "w", 2, {"call_id": "c1", "name": "calc", "args": "1+1"}),
+                   Event("tool_result", 0, "w", 3, {"call_id": "c1", "ok": True, "output": "2", "ids": [9]}),
+                   Event("resumed", 1, "w", 4, {"num_tokens": 4}), finished(5)]  # result came back while paused
+    assert episode_stats(checker._entries(raw(tool))).tail_resumes == 0
 
 
 def test_trained_group_whose_episode_lost_its_finish_counts():

@@ -1,0 +1,175 @@
+"""A live run for fault drills: the embedded Redis (append-only, fsync every
+second) and every Procfile process kind as real subprocesses, each one
+killable (kill -9) and restartable the way a supervisor restarts it.
+
+It mirrors shared/runner.py (every process gets the same config as
+STREAMRL_<KEY> environment variables) but keeps a handle per process.
+Rollout workers run as ``python -m tests.fault_worker`` (the real worker plus
+a probe, see that module).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from shared.config import FIELDS, Config
+from shared.connection import connect
+from shared.keys import Keys
+from shared.redis_server import EmbeddedRedis
+
+COMMANDS = {
+    "rollout": [sys.executable, "-m", "tests.fault_worker"],
+    "tools": [sys.executable, "-m", "services.rollout.tools_worker"],
+    "trainer": [sys.executable, "-m", "services.trainer"],
+    "syncer": [sys.executable, "-m", "services.syncer"],
+    "driver": [sys.executable, "-m", "shared.cli", "drive"],
+}
+
+
+class LiveRun:
+    def __init__(self, root: Path, **config):
+        self.root = Path(root)
+        self.server = EmbeddedRedis(self.root / "redis")
+        self.cfg = Config(**{k: v for k, v in config.items() if k in FIELDS},
+                          run_dir=str(self.root / "runs"), weights_dir=str(self.root / "weights"),
+                          redis_url=self.server.url)
+        self.keys = Keys(self.cfg.run)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: list[Path] = []
+        self.count: dict[str, int] = {}
+        self.expected_dead: set[str] = set()  # killed on purpose
+        self.client = None
+
+    # --- processes
+    def env(self) -> dict:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
+        # one torch thread per process: six processes on a small box, more threads only fight each other
+        env.update({"PYTHONUNBUFFERED": "1", "REDIS_URL": self.server.url, "OMP_NUM_THREADS": "1"})
+        for name in FIELDS:
+            env[f"STREAMRL_{name.upper()}"] = str(getattr(self.cfg, name))
+        return env
+
+    def start(self, rollout_workers: int = 2) -> "LiveRun":
+        self.server.start()
+        self.client = connect(self.server.url)
+        for kind in ("tools", "trainer", "syncer"):
+            self.spawn(kind)
+        for _ in range(rollout_workers):
+            self.spawn("rollout")
+        self.spawn("driver")
+        return self
+
+    def spawn(self, kind: str) -> str:
+        n = self.count[kind] = self.count.get(kind, 0) + 1
+        name = f"{kind}-{n}"
+        cmd = list(COMMANDS[kind])
+        if kind in ("rollout", "tools"):
+            cmd += ["--worker-id", name]
+        log = self.root / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.logs.append(log)
+        with open(log, "ab") as fh:
+            self.procs[name] = subprocess.Popen(cmd, env=self.env(), stdout=fh, stderr=subprocess.STDOUT,
+                                                start_new_session=True, cwd=Path(__file__).resolve().parents[1])
+        return name
+
+    def names(self, kind: str) -> list[str]:
+        return [n for n, p in self.procs.items() if n.startswith(kind + "-") and p.poll() is None]
+
+    def kill(self, name: str) -> None:
+        """kill -9 (the process group: nothing of it survives)."""
+        proc = self.procs[name]
+        self.expected_dead.add(name)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(30)
+
+    def probe_and_kill(self, name: str, timeout: float = 30.0) -> dict:
+        """Rollout worker: SIGUSR1 (it records its counters and stops itself), then kill -9."""
+        since = self.client.xrevrange(self.keys.metrics, count=1)
+        cursor = since[0][0].decode() if since else "0-0"
+        os.kill(self.procs[name].pid, signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for entry_id, f in self.client.xrange(self.keys.metrics, min=f"({cursor}"):
+                if f.get(b"kind") == b"fault_probe":
+                    rec = json.loads(f[b"json"])
+                    if rec["worker"] == name:
+                        self.kill(name)
+                        return rec
+            time.sleep(0.02)
+        self.kill(name)
+        raise AssertionError(f"{name} did not answer the probe within {timeout}s\n{self.tail()}")
+
+    def stop(self, timeout: float = 60.0) -> dict[str, int]:
+        """Warm stop of every process (SIGTERM, as honcho does), then kill -9 what is left."""
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill(name)
+                codes[name] = -9
+        return codes
+
+    def close(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                self.kill(name)
+        if self.client is not None:
+            self.client.close()
+        self.server.stop()
+
+    def check_alive(self) -> None:
+        dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None and p.returncode != 0
+                and n not in self.expected_dead}
+        if dead:
+            raise AssertionError(f"processes died: {dead}\n{self.tail()}")
+
+    # --- Redis
+    def redis_stop(self) -> None:
+        self.server.stop()
+
+    def redis_kill(self) -> None:
+        self.server.kill()
+
+    def redis_start(self) -> None:
+        self.server.start()
+
+    # --- waiting
+    def version(self) -> int:
+        last = self.client.xrevrange(self.keys.versions, count=1)
+        return int(last[0][1][b"version"]) if last else 0
+
+    def wait(self, condition, what: str, timeout: float = 120.0, poll: float = 0.05):
+        deadline = time.monotonic() + timeout
+        while True:
+            value = condition()
+            if value:
+                return value
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{self.tail()}")
+            time.sleep(poll)
+
+    def wait_version(self, at_least: int, timeout: float = 120.0) -> int:
+        return self.wait(lambda: self.version() >= at_least and self.version(), f"version {at_least}", timeout)
+
+    def tail(self, lines: int = 15) -> str:
+        out = []
+        for log in self.logs:
+            text = log.read_text(errors="replace").splitlines() if log.exists() else []
+            out.append(f"--- {log.name}\n" + "\n".join(text[-lines:]))
+        return "\n".join(out)

@@ -1,0 +1,50 @@
+"""`python -m tests.fault_worker`: exactly `python -m services.rollout`, plus a fault probe.
+
+On SIGUSR1 the worker, at the next tick boundary where some episode holds
+generated tokens not yet flushed (or after 10 s), writes its final counters
+(a ``rollout`` metrics record with ``final: true``, what a warm shutdown
+writes) and a ``fault_probe`` record (episodes in flight, tokens generated
+but not yet flushed to their streams), then stops itself with SIGSTOP. The
+fault suite then sends SIGKILL: the process dies with exactly that state, so
+the tokens a kill -9 loses are known and `streamrl check` can compare them
+with the tokens generated again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from services.rollout import __main__ as rollout_main
+from services.rollout.worker import RolloutWorker
+
+_run = RolloutWorker.run
+
+
+def _run_with_probe(self: RolloutWorker, should_stop=lambda: False) -> None:
+    asked = {"probe": False}
+    signal.signal(signal.SIGUSR1, lambda *_: asked.update(probe=True))
+
+    def probed() -> bool:
+        if asked["probe"]:
+            asked.setdefault("since", time.monotonic())
+            unflushed = {eid: self.events.pending_tokens(eid) for eid in self.live if eid in self.events._pending}
+            if not sum(unflushed.values()) and time.monotonic() - asked["since"] < 10:
+                return should_stop()  # wait (up to 10 s) for a tick with tokens generated but not yet flushed
+            self.report(final=True)
+            self.client.xadd(self.keys.metrics, {"kind": "fault_probe", "json": json.dumps({
+                "worker": self.worker_id, "time": time.time(), "in_flight": len(self.live),
+                "unflushed_tokens": sum(unflushed.values()), "unflushed": unflushed,
+                "tokens": self.stats["tokens"], "flush_tokens": self.cfg.flush_tokens})})
+            os.kill(os.getpid(), signal.SIGSTOP)  # the kill -9 arrives while stopped here
+        return should_stop()
+
+    return _run(self, should_stop=probed)
+
+
+RolloutWorker.run = _run_with_probe
+
+if __name__ == "__main__":
+    rollout_main.main()

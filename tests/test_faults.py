@@ -1,0 +1,230 @@
+"""Fault drills on live runs: real processes (embedded Redis with append-only
+persistence, two rollout workers, an rq tools worker, trainer, syncer,
+driver), each process kind killed with kill -9 mid-work and restarted as a
+supervisor would, garbage written into every stream a person can reach, and
+the Redis server stopped and restarted. After each run, `streamrl check`'s
+counts (shared/checker.py) must be 0, and the tokens generated again after a
+rollout worker kill must be exactly the tokens it had not flushed, at most
+one flush interval per episode in flight.
+
+docs/faults.md describes the drills and the checker's definitions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from shared import control
+from shared.checker import check, format_report, read_run
+from shared.redis_server import find_binary
+from tests.fault_run import LiveRun
+from shared.tiny_model import make_tiny_model
+from tests.models import overfit
+
+pytestmark = pytest.mark.timeout(900)  # a few live runs on a shared 2-core box
+
+FLUSH_TOKENS = 8
+MAX_VERSIONS = 10
+TOOL_SECONDS = 0.4
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory) -> str:
+    """A tiny model overfit to call the (slow) sleep tool before answering, so tool jobs are in flight."""
+    import torch
+
+    texts = [(f"{a}+{b}=", f"<call>sleep: {TOOL_SECONDS}</call><result>{TOOL_SECONDS}</result>answer: 7")
+             for a, b in [(1, 2), (3, 4), (5, 5), (9, 0), (2, 8), (6, 1)]]
+    out = tmp_path_factory.mktemp("tool-model")
+    make_tiny_model(str(out), seed=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a busy 2-core box: more threads only fight each other
+    try:
+        return overfit(out, texts, steps=80, lr=1e-2)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _dataset(root: Path) -> str:
+    rng = random.Random(1)
+    path = root / "sums.jsonl"
+    with open(path, "w") as fh:
+        for _ in range(400):
+            a, b = rng.randint(0, 9), rng.randint(0, 9)
+            fh.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+    return str(path)
+
+
+def _config(root: Path, model_dir: str, run: str, **kw) -> dict:
+    return {"run": run, "model_dir": model_dir, "dataset": _dataset(root), "tools": "sleep,calc",
+            "tool_timeout": 1.0, "max_tokens": 48, "group_size": 2, "batch_groups": 2, "max_staleness": 1,
+            "flush_tokens": FLUSH_TOKENS, "flush_ms": 250.0, "step_delay_ms": 25.0, "heartbeat_ttl": 2.0,
+            "max_groups_in_flight": 4, "sync_timeout": 10.0, "max_minutes": 4.0, "log_level": "info",
+            "val_every": 0, **kw}
+
+
+def _redis_cli(run: LiveRun, *args: str, stdin: bytes | None = None) -> str:
+    """What a person types: redis-cli (valkey-cli) against the run's server."""
+    server = Path(find_binary())
+    cli = next(p for p in (server.with_name("valkey-cli"), server.with_name("redis-cli")) if p.exists())
+    out = subprocess.run([str(cli), "-p", str(run.server.port), *args], input=stdin, capture_output=True,
+                         timeout=30, check=True)
+    return out.stdout.decode().strip()
+
+
+def _heartbeat(run: LiveRun, name: str) -> dict:
+    return {k.decode(): v.decode() for k, v in run.client.hgetall(run.keys.alive("rollout", name)).items()}
+
+
+def _pending_of(run: LiveRun, consumer: str) -> int:
+    consumers = run.client.xinfo_consumers(run.keys.prompts, "rollout")
+    return sum(c["pending"] for c in consumers if c["name"].decode() == consumer)
+
+
+def _tool_jobs_started(run: LiveRun) -> int:
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    queue = Queue(f"tools-{run.cfg.run}", connection=run.client, serializer=JSONSerializer)
+    return queue.started_job_registry.count
+
+
+def _inject_garbage(run: LiveRun) -> dict[str, list[tuple[str, str]]]:
+    """Garbage in prompts, samples, a future episode stream and control; returns {stream: [(entry, why)]}."""
+    k = run.keys
+    got: dict[str, list[tuple[str, str]]] = {k.prompts: [], k.samples: [], k.control: []}
+    got[k.prompts].append((_redis_cli(run, "XADD", k.prompts, "*", "hello", "world"), "group_id"))
+    got[k.prompts].append((_redis_cli(run, "XADD", k.prompts, "*", "group_id", "junk1", "n", "2", "v", "7",
+                                      "data", "x"), "schema version"))
+    got[k.prompts].append((_redis_cli(run, "-x", "XADD", k.prompts, "*", "group_id", "junk2", "n", "2", "data",
+                                      stdin=b"\xc1\xff not msgpack"), "msgpack"))
+    got[k.prompts].append((run.client.xadd(k.prompts, {"group_id": "junk3", "n": "2", "data": msgpack.packb(
+        {"prompt": 42})}).decode(), "data.prompt"))
+    got[k.samples].append((_redis_cli(run, "XADD", k.samples, "*", "garbage", "1"), "group_id"))
+    got[k.samples].append((_redis_cli(run, "XADD", k.samples, "*", "group_id", "nope"), "episodes"))
+    got[k.control].append((_redis_cli(run, "XADD", k.control, "*", "type", "cmd", "cmd", "explode", "sync", "x"),
+                           "cmd"))
+    got[k.control].append((_redis_cli(run, "XADD", k.control, "*", "type", "bogus"), "type"))
+    got[k.control].append((_redis_cli(run, "XADD", k.control, "*", "type", "cmd", "cmd", "load", "sync", "y",
+                                      "version", "two"), "version"))
+    # an episode stream a worker will open later (the driver names groups q0000000, q0000001, ...)
+    opened = [k.episode_id(key) for key in run.client.scan_iter(match=k.episode("q*"), count=1000)]
+    future = max(int(e[1:].split("-")[0]) for e in opened) + 3
+    episode = f"q{future:07d}-1"
+    got[k.episode(episode)] = [(_redis_cli(run, "XADD", k.episode(episode), "*", "type", "tokens", "v", "9",
+                                           "policy", "0", "worker", "someone", "seq", "0", "data", "zz"),
+                                "schema version")]
+    return got
+
+
+@pytest.fixture(scope="module")
+def process_drill(tmp_path_factory, tool_model):
+    """One live run; kill -9 a rollout worker, the tools worker, the trainer and the syncer, one after the
+    other, restarting each; garbage injected early. Returns what happened and the checker's report."""
+    root = tmp_path_factory.mktemp("drill")
+    run = LiveRun(root, **_config(root, tool_model, "drill", max_versions=MAX_VERSIONS)).start()
+    seen: dict = {"times": {}}
+    t0 = time.monotonic()
+
+    def mark(what: str) -> None:
+        seen["times"][what] = round(time.monotonic() - t0, 1)
+
+    try:
+        run.wait_version(1)
+        mark("version 1")
+        seen["garbage"] = _inject_garbage(run)
+
+        # 1. a rollout worker, mid-episode: its unflushed tokens die with it; another worker takes over
+        victim = run.wait(lambda: next((w for w in run.names("rollout")
+                                        if int(_heartbeat(run, w).get("episodes", 0)) >= 2), None),
+                          "a rollout worker with episodes in flight", poll=0.01)
+        seen["probe"] = run.probe_and_kill(victim)
+        run.spawn("rollout")
+        run.wait(lambda: _pending_of(run, victim) == 0, f"takeover of {victim}'s groups")
+        mark("rollout worker killed and taken over")
+
+        # 2. the tools worker, with a tool job running
+        run.wait(lambda: _tool_jobs_started(run) >= 1, "a tool job running", poll=0.01)
+        seen["tool_jobs_at_kill"] = _tool_jobs_started(run)
+        run.kill("tools-1")
+        run.spawn("tools")
+        mark("tools worker killed")
+
+        # 3. the trainer, somewhere in its loop
+        v = run.wait_version(run.version() + 1)
+        time.sleep(random.uniform(0.0, 0.5))
+        run.kill("trainer-1")
+        seen["trainer_killed_at"] = v
+        run.spawn("trainer")
+        mark("trainer killed")
+
+        # 4. the syncer, dead between its pause and its resume: workers are left paused
+        run.wait_version(run.version() + 1)
+        run.kill("syncer-1")
+        sent = run.client.xadd(run.keys.control, control.encode_command(control.Command("pause", "dead-syncer")))
+        workers = run.names("rollout")
+        run.wait(lambda: all(_heartbeat(run, w).get("paused") == "1" for w in workers), "workers paused")
+        seen["paused_at"] = run.version()
+        run.spawn("syncer")
+        run.wait_version(seen["paused_at"] + 1, timeout=90)
+        mark("syncer killed, paused workers resumed")
+        assert sent
+
+        # 5. the Redis server: stopped (SIGTERM: it fsyncs the append-only file) and started again on the
+        # same port and data; every process waits for it and goes on
+        v = run.version()
+        run.redis_stop()
+        time.sleep(1.0)
+        run.redis_start()
+        run.wait_version(v + 1, timeout=90)
+        mark("redis restarted")
+
+        run.wait(lambda: run.procs["driver-1"].poll() is not None, "the driver ending the run", timeout=180)
+        seen["driver_rc"] = run.procs["driver-1"].returncode
+        seen["final_version"] = run.version()
+        mark("run ended")
+        seen["exit_codes"] = run.stop()
+        seen["report"] = check(read_run(run.client, run.keys, run.cfg.run_path))
+        seen["dead"] = [{k.decode(): v.decode() for k, v in f.items()} for _, f in run.client.xrange(run.keys.dead_letters)]
+        seen["run"] = run
+        print(format_report(seen["report"], run.cfg.run), seen["times"], seen["probe"])
+        yield seen
+    finally:
+        run.close()
+
+
+def test_kill_9_each_process_kind_loses_nothing(process_drill):
+    seen = process_drill
+    report, probe = seen["report"], seen["probe"]
+    assert seen["driver_rc"] == 0 and seen["final_version"] >= MAX_VERSIONS
+    assert report.ok, format_report(report, "drill")
+    assert report.groups_lost == report.episodes_finished_twice == report.samples_trained_twice == 0
+    # the rollout kill: the only tokens generated twice are the ones it had not flushed, <= one flush per episode
+    assert probe["in_flight"] >= 1
+    assert report.tokens_generated_again == probe["unflushed_tokens"], report.details["tokens_generated"]
+    assert probe["unflushed_tokens"] <= FLUSH_TOKENS * probe["in_flight"]
+    assert report.takeovers >= 1  # its episodes continued from their streams on another worker
+    assert seen["tool_jobs_at_kill"] >= 1
+    assert report.groups_trained >= 2 * MAX_VERSIONS
+
+
+def test_garbage_in_every_stream_is_dead_lettered_and_the_run_goes_on(process_drill):
+    seen = process_drill
+    assert seen["driver_rc"] == 0 and seen["final_version"] >= MAX_VERSIONS  # the run went on to the end
+    assert seen["report"].bad_input_not_dead_lettered == 0
+    for stream, entries in seen["garbage"].items():
+        for entry_id, why in entries:
+            letters = [d for d in seen["dead"] if d["stream"] == stream and
+                       (d["entry"] == entry_id or stream.rsplit(":", 2)[-2] == "ep")]
+            assert letters, f"no dead letter for {stream} {entry_id}"
+            assert any(why in d["reason"] for d in letters), (why, letters)

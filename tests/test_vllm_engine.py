@@ -81,6 +81,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
 @needs_vllm
+def test_a_head_size_the_cpu_build_cannot_serve_is_refused_up_front(tiny_model_dir):
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the head-size check is the CPU build's")
+    with pytest.raises(EngineError, match=r"attention head size 16; vLLM's CPU attention supports \[32, "):
+        make_engine("vllm", tiny_model_dir)  # the default tiny model: hidden 64, 4 heads
+
+
+@needs_vllm
 def test_generation_abort_and_continuation(vllm):
     prompt = [1, 20, 21, 22, 23]
     vllm.add_request("full", prompt, GREEDY, 12)

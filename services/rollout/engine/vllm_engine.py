@@ -99,6 +99,7 @@ class VLLMEngine:
         if max_model_len:
             args["max_model_len"] = max_model_len
         if current_platform.is_cpu():
+            _check_cpu_head_size(Path(model_dir))
             # float32, the trainer's dtype ("auto" would pick bfloat16 for a float32 checkpoint on CPU)
             args.update(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, enforce_eager=True, dtype="float32")
             if not multiprocessing:
@@ -216,6 +217,23 @@ class VLLMEngine:
         shutdown = getattr(self.llm.engine_core, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _check_cpu_head_size(model_dir: Path) -> None:
+    """vLLM's CPU attention serves a fixed set of head sizes; a model outside it would
+    start and then kill the engine on its first step, so refuse it up front."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+        cfg = json.loads((model_dir / "config.json").read_text())
+        head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    except (ImportError, AttributeError, OSError, KeyError, ValueError, ZeroDivisionError):
+        return  # another layout of vLLM or of the config: vLLM checks what it can
+    if head not in supported:
+        raise EngineError(f"model at {str(model_dir)!r} has attention head size {head}; vLLM's CPU attention "
+                          f"supports {supported}: use engine 'torch', or a model with a supported head size "
+                          f"(e.g. shared.tiny_model.make_tiny_model(dir, hidden_size=128))")
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -41,6 +41,7 @@ class Syncer:
         self.keys = Keys(cfg.run)
         self.version = 0
         self.cursor = "0-0"
+        self._next_stuck_check, self._stuck = 0.0, set()  # workers seen paused between syncs
 
     def live_workers(self) -> dict[str, dict]:
         out = {}
@@ -77,11 +78,28 @@ class Syncer:
             reply = self.client.xread({self.keys.versions: self.cursor}, count=100, block=200)
             entries = [e for _, es in reply or [] for e in es]
             if not entries:
+                self._resume_if_stuck()
                 continue
             self.cursor = entries[-1][0].decode()
             f = {k.decode(): v.decode() for k, v in entries[-1][1].items()}  # only the newest matters
             if int(f["version"]) > self.version:
                 self.sync(int(f["version"]), f["path"], f.get("sha256", ""))
+
+    def _resume_if_stuck(self) -> None:
+        """Between syncs no worker should be paused. One that is, seen twice 2 s apart, lost a command of a
+        sync (a Redis restart that lost its last second): it gets the newest version's sync again."""
+        now = time.monotonic()
+        if now < self._next_stuck_check:
+            return
+        self._next_stuck_check = now + 2.0
+        stuck = {w for w, info in self.live_workers().items() if info.get("paused") == "1"}
+        latest = self.client.xrevrange(self.keys.versions, count=1)
+        if stuck & self._stuck and latest:
+            f = {k.decode(): v.decode() for k, v in latest[0][1].items()}
+            self.log.warning("workers paused with no sync under way; syncing again", workers=sorted(stuck))
+            self.sync(int(f["version"]), f["path"], f.get("sha256", ""))
+            stuck = set()
+        self._stuck = stuck
 
     def sync(self, version: int, path: str, sha256: str) -> dict:
         sync_id = f"v{version}-{uuid.uuid4().hex[:6]}"
@@ -140,8 +158,11 @@ class Syncer:
                 break
             if now > next_alive_check:  # a dead worker's heartbeat key lapses: stop waiting for it
                 next_alive_check = now + 0.25
-                alive = set(self.live_workers())
-                dead |= {w for w in workers if w not in alive and w not in acked}
+                waiting = sorted(workers - acked)  # EXISTS per awaited worker, not a SCAN of the keyspace
+                pipe = self.client.pipeline(transaction=False)
+                for w in waiting:
+                    pipe.exists(self.keys.alive("rollout", w))
+                dead |= {w for w, alive in zip(waiting, pipe.execute()) if not alive}
                 workers -= dead
         return acked, failed, workers - acked, dead
 

@@ -383,6 +383,8 @@ class RolloutWorker:
             return
         jobs = Job.fetch_many([l.job_id for l in waiting], connection=self.client, serializer=JSONSerializer)
         for live, job in zip(waiting, jobs):
+            if self.live.get(live.episode_id) is not live:
+                continue  # dropped with its group (fenced) by an earlier result in this loop
             status = job.get_status(refresh=False) if job is not None else None
             if status == JobStatus.FINISHED:
                 self._tool_result(live, live.call_id, True, str(job.return_value()))
@@ -486,6 +488,20 @@ class RolloutWorker:
         min_idle = int(self.cfg.heartbeat_ttl * 1000)
         for stream in (self.keys.val_prompts, self.keys.prompts):
             pending = self.client.xpending_range(stream, GROUP, min="-", max="+", count=100)
+            # pending under this worker but held by nobody: a group dropped after its stream refused an append
+            # because a Redis restart lost the stream's last second, or one published and then forgotten by
+            # Redis (its samples entry and acknowledgement lost together). Re-open it from its streams.
+            held = {run.group.entry_id for run in self.groups.values()}
+            orphans = [p["message_id"] for p in pending
+                       if p["consumer"].decode() == self.worker_id and p["message_id"].decode() not in held]
+            if orphans:
+                for entry_id, fields in self.client.xclaim(stream, GROUP, self.worker_id, 0, orphans[:free]):
+                    if fields:
+                        self.log.warning("re-opening a group this worker no longer held", entry=entry_id.decode())
+                        self._open_group(entry_id, fields, source=stream)
+                        free -= 1
+                if free <= 0:
+                    return
             dead: dict[str, list] = {}
             for p in pending:
                 owner = p["consumer"].decode()

@@ -53,6 +53,7 @@ class Trainer:
         self.consumed: set[str] = set()  # group ids included in the last checkpoint
         self.uncommitted: list[tuple[str, str, bool]] = []  # (samples entry, group id, trained?) since the last commit
         self.buffer: list[tuple[str, str, list[str]]] = []  # (entry id, group id, episode ids) not yet trained
+        self.taken: dict[str, str] = {}  # group id -> samples entry, for groups read but not yet committed
         self.stale_dropped = 0
         self.wait_s = 0.0
 
@@ -97,10 +98,14 @@ class Trainer:
                 if not group_id or not eids:
                     self._dead_letter(entry_id, "samples entry needs 'group_id' and 'episodes' fields")
                     acks.append(entry_id)
-                elif group_id in self.consumed or any(g == group_id for _, g, _ in self.buffer):
-                    acks.append(entry_id)  # already trained (or queued): exactly once
+                elif group_id in self.consumed or group_id in self.taken:
+                    # already trained, or in hand since the last commit: exactly once. The very entry in hand
+                    # can come again when Redis restarts and forgets its delivery: it stays unacknowledged
+                    if self.taken.get(group_id) != entry_id:
+                        acks.append(entry_id)
                 else:
                     self.buffer.append((entry_id, group_id, eids.split(",")))
+                    self.taken[group_id] = entry_id
                     added += 1
         if acks:
             self.client.xack(self.keys.samples, GROUP, *acks)
@@ -208,6 +213,8 @@ class Trainer:
         trained = [g for _, g, t in self.uncommitted if t]
         skipped = [g for _, g, t in self.uncommitted if not t]
         self.consumed.update(trained + skipped)
+        for g in trained + skipped:
+            self.taken.pop(g, None)
         checkpoint.save(self.ckpt_dir, {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                                         "rng": torch.get_rng_state(), "step": self.step, "version": self.version,
                                         "consumed": sorted(self.consumed), "stale_dropped": self.stale_dropped})
@@ -229,6 +236,8 @@ class Trainer:
         checkpoint.append_ledger(self.ckpt_dir, {"version": self.version, "step": self.step, "groups": [],
                                                  "skipped": skipped})
         self.consumed.update(skipped)
+        for g in skipped:
+            self.taken.pop(g, None)
         self.client.xack(self.keys.samples, GROUP, *[e for e, _, _ in self.uncommitted])
         self.uncommitted = []
 

@@ -148,6 +148,28 @@ class LiveRun:
     def redis_start(self) -> None:
         self.server.start()
 
+    def current_aof(self) -> Path:
+        folder = self.server.data_dir / "appendonlydir"
+        manifest = next(folder.glob("*.manifest")).read_text().split("\n")
+        name = [line.split()[1] for line in manifest if line.endswith("type i")][-1]
+        return folder / name
+
+    def redis_crash(self, lose_seconds: float = 1.0, before_kill=None) -> tuple[float, int]:
+        """What a machine crash does under `appendfsync everysec`: the server dies (kill -9) and its
+        append-only file is cut back to where it stood ``lose_seconds`` earlier (the writes the OS had not
+        put on disk yet); then it starts again from that file. A kill -9 of the server process alone loses
+        nothing: its writes are already in the OS's page cache. Returns (unix ms of the cut, bytes cut)."""
+        aof = self.current_aof()
+        size, cut_ms = aof.stat().st_size, time.time() * 1000
+        time.sleep(lose_seconds)
+        if before_kill:
+            before_kill()
+        self.server.kill()
+        cut = aof.stat().st_size - size
+        os.truncate(aof, size)
+        self.server.start()
+        return cut_ms, cut
+
     # --- waiting
     def version(self) -> int:
         last = self.client.xrevrange(self.keys.versions, count=1)

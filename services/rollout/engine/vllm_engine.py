@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -95,7 +96,8 @@ class VLLMEngine:
         self.device = device
         self._reference = _checkpoint_shapes(Path(model_dir))
         args = {"model": self.model_dir, "max_num_seqs": max_batch_size, "seed": 0,
-                "logprobs_mode": "processed_logprobs", "disable_log_stats": True}
+                "logprobs_mode": "processed_logprobs", "disable_log_stats": True,
+                "use_tqdm_on_load": False}  # no progress bar on every weight load
         if max_model_len:
             args["max_model_len"] = max_model_len
         if current_platform.is_cpu():
@@ -116,6 +118,9 @@ class VLLMEngine:
             self.llm = LLMEngine.from_engine_args(engine_args)
         except (ValueError, OSError, RuntimeError) as exc:
             raise EngineError(f"vLLM could not start on {self.model_dir!r}: {exc}") from exc
+        # every reload warns "RotaryEmbedding: Failed to load weights": its cos/sin cache is a buffer no
+        # checkpoint holds, and the loader puts it back as it was; the log line is noise
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.max_model_len = int(self.llm.model_config.max_model_len)
         self.version = 0
         self._running: set[str] = set()

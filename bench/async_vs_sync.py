@@ -1,0 +1,215 @@
+"""Asynchronous vs synchronous RL, side by side in one run: the same task, model and sample budget under
+``mode=sync`` (``max_staleness=0``: generate a batch with version v, train, publish v+1, sync, repeat) and
+``mode=async`` with ``max_staleness`` 1 and 2. Each variant is a whole ``streamrl run`` (embedded Redis and
+every Procfile process) on a fresh run namespace.
+
+The task is ``chain_sum`` (``shared/tasks.py``): sums of 2..24 one-digit numbers whose reference response
+writes every running sum, with a long-tailed number of terms, so response lengths are long-tailed (median
+~2 tokens, a few percent 40+). The model is the default tiny Llama warm-started on that task once, shared by
+every variant (each run reads it and publishes its own versions).
+
+Reported per variant, from the trainer's metrics file and the driver's output:
+  trained samples/s  samples in trained batches / (last step - driver start), startup excluded
+  time to target     seconds from driver start until the mean reward of the last ``--window`` steps
+                     reaches the target (the same target for all variants)
+  final reward       mean training reward over the last 20% of trained samples
+  eval               greedy accuracy of the last version of the budget on 200 fixed chain_sum problems (the
+                     same for every variant; the training reward is measured on different samples)
+  tokens/s           trained (response) tokens per second: async trains shorter responses on average
+                     (groups are trained in finish order and long ones may age past max_staleness and be
+                     dropped, column 'dropped'), so samples/s flatters it; tokens/s does not
+and the ratios async/sync. Usage:
+
+    python bench/async_vs_sync.py            # ~3-6 min on a 2-core CPU box
+    python bench/async_vs_sync.py --quick    # ~2 min smoke run, smaller budget
+
+The async variants sync weights every ``--async-steps-per-version`` (default 4) optimizer steps; the sync
+variant syncs after every step, as the classic loop does. Each variant runs alone, one after the other, on
+the same machine: on a shared box, other load moves the ratios (see bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from shared.config import FIELDS  # noqa: E402
+
+VARIANTS = [("sync", 0), ("async", 1), ("async", 2)]
+
+
+def make_model(path: Path, warm_steps: int) -> float:
+    from shared.tasks import chain_sum
+    from shared.tiny_model import greedy_accuracy, make_default_model
+
+    t0 = time.monotonic()
+    make_default_model(path, dataset="chain_sum", warm_steps=warm_steps, seed=0)
+    print(f"model: tiny Llama + {warm_steps} warm-start steps on chain_sum in {time.monotonic() - t0:.0f}s; "
+          f"greedy accuracy {greedy_accuracy(path, chain_sum(100, seed=777), max_tokens=80):.2f} on 100 problems",
+          flush=True)
+    return time.monotonic() - t0
+
+
+def evaluate(model_dir: Path, weights: Path | None, rows: list[dict], max_tokens: int) -> float:
+    """Greedy accuracy of ``model_dir`` (with ``weights`` swapped in) on ``rows``: the same problems for every
+    variant, unlike the training reward, which is measured on whatever each variant happened to train."""
+    from shared.tiny_model import greedy_accuracy
+
+    if weights is None:
+        return greedy_accuracy(model_dir, rows, max_tokens=max_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in model_dir.iterdir():
+            if f.is_file() and f.suffix != ".safetensors":
+                shutil.copy(f, tmp)
+        shutil.copy(weights, Path(tmp) / "model.safetensors")
+        return greedy_accuracy(tmp, rows, max_tokens=max_tokens)
+
+
+def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str) -> dict:
+    run = f"bench-{tag}-{mode}{staleness}"
+    flags = {"run": run, "mode": mode, "max_staleness": staleness, "dataset": "chain_sum",
+             "model_dir": str(model_dir), "max_minutes": args.max_minutes,
+             "max_versions": args.versions // (1 if mode == "sync" else args.async_steps_per_version),
+             "group_size": args.group_size, "batch_groups": args.batch_groups, "max_tokens": args.max_tokens,
+             "max_groups_in_flight": args.in_flight, "max_batch_size": args.group_size * args.in_flight,
+             "lr": args.lr, "tools": "", "log_level": "warning", "seed": 0,
+             "steps_per_version": 1 if mode == "sync" else args.async_steps_per_version}
+    if "val_every" in FIELDS:
+        flags["val_every"] = 0  # validation rounds would cost both modes the same rollout time; leave them out
+    cmd = [sys.executable, "-m", "shared.cli", "run"]
+    for k, v in flags.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("STREAMRL_")}
+    print(f"\n== {mode} max_staleness={staleness}: {' '.join(cmd[2:])}", flush=True)
+    t_start, last_line = None, ""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if "driver" in line and "started;" in line and t_start is None:
+            t_start = time.time()
+        if "driver" in line and ("[" in line or "ending the run" in line or "up at version" in line):
+            last_line = line.rstrip()
+            if args.verbose or "ending" in line or "up at" in line:
+                print("   " + last_line, flush=True)
+    rc = proc.wait()
+    if rc != 0 or t_start is None:
+        raise SystemExit(f"{run}: streamrl run exited {rc} (driver started: {t_start is not None}); last: {last_line}")
+    steps = [json.loads(x) for x in (ROOT / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    per_version = 1 if mode == "sync" else args.async_steps_per_version
+    versions = args.versions // per_version
+    steps = [s for s in steps if s["step"] <= versions * per_version]  # the budget; steps after the end don't count
+    weights = Path(f"/dev/shm/streamrl/{run}") if Path("/dev/shm").is_dir() else ROOT / "runs" / run / "weights"
+    t0 = time.monotonic()
+    # the trainer goes on for a step or few while the run shuts down and prunes old files: the first kept
+    # version at or past the budget (printed; at most a few steps past it)
+    kept = sorted(p for p in weights.glob("v*.safetensors") if int(p.stem[1:]) >= versions)
+    if not kept:
+        raise SystemExit(f"{run}: no published weights at or past version {versions} in {weights}")
+    eval_version = int(kept[0].stem[1:])
+    final_eval = evaluate(model_dir, kept[0], args.eval_rows, args.max_tokens)
+    print(f"   greedy accuracy of version {eval_version} on {len(args.eval_rows)} fixed problems: {final_eval:.3f} "
+          f"({time.monotonic() - t0:.0f}s)", flush=True)
+    shutil.rmtree(weights, ignore_errors=True)
+    return summarize(steps, t_start, args.window) | {"run": run, "mode": mode, "max_staleness": staleness,
+                                                     "final_eval": final_eval, "eval_version": eval_version}
+
+
+def summarize(steps: list[dict], t_start: float, window: int) -> dict:
+    samples = sum(s["samples"] for s in steps)
+    elapsed = steps[-1]["time"] - t_start
+    rewards = [s["reward_mean"] for s in steps]
+    curve = [(s["time"] - t_start, sum(rewards[max(0, i - window + 1):i + 1]) / len(rewards[max(0, i - window + 1):i + 1]))
+             for i, s in enumerate(steps)]
+    tail = steps[int(len(steps) * 0.8):]
+    final = sum(s["reward_mean"] * s["samples"] for s in tail) / sum(s["samples"] for s in tail)
+    first = steps[:max(1, len(steps) // 10)]
+    start = sum(s["reward_mean"] * s["samples"] for s in first) / sum(s["samples"] for s in first)
+    stale = {}
+    for s in steps:
+        for k, v in s["staleness"].items():
+            stale[k] = stale.get(k, 0) + v
+    tokens = sum(s["tokens"] for s in steps)
+    return {"steps": len(steps), "samples": samples, "seconds": elapsed, "samples_per_s": samples / elapsed,
+            "tokens": tokens, "tokens_per_s": tokens / elapsed, "start_reward": start, "final_reward": final,
+            "curve": curve, "response_len": sum(s["response_len"] for s in steps) / len(steps),
+            "trainer_wait_s": sum(s["wait_s"] for s in steps), "staleness_tokens": stale,
+            "stale_dropped": steps[-1].get("stale_dropped", 0)}
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    return next((t for t, r in curve if r >= target), None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smaller sample budget, for a smoke run (~3 min)")
+    p.add_argument("--budget", type=int, default=None, help="trained samples per variant (default 12288; quick 3072)")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--batch-groups", type=int, default=16)
+    p.add_argument("--in-flight", type=int, default=32, help="max_groups_in_flight of the rollout worker")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warm-steps", type=int, default=400)
+    p.add_argument("--target", type=float, default=None,
+                   help="reward target for time-to-target (default: 0.95 x the lowest final reward of the variants)")
+    p.add_argument("--window", type=int, default=10, help="steps in the moving mean used for time-to-target")
+    p.add_argument("--max-minutes", type=float, default=8.0, help="cap per variant")
+    p.add_argument("--eval-size", type=int, default=200, help="fixed problems for the greedy evaluation")
+    p.add_argument("--async-steps-per-version", type=int, default=4,
+                   help="optimizer steps between weight syncs in the async variants (sync always syncs every step)")
+    p.add_argument("--verbose", action="store_true", help="echo the driver's progress lines")
+    p.add_argument("--json", action="store_true", help="print every figure as JSON at the end")
+    args = p.parse_args()
+    budget = args.budget or (3072 if args.quick else 12288)
+    per_version = args.group_size * args.batch_groups
+    args.versions = max(2, budget // per_version)
+    tag = uuid.uuid4().hex[:6]
+    model_dir = ROOT / "runs" / f"bench-{tag}-model"
+    t0 = time.monotonic()
+    print(f"async vs sync: chain_sum, budget {args.versions * per_version} trained samples per variant "
+          f"({args.versions} versions x {args.batch_groups} groups x {args.group_size}), max_tokens {args.max_tokens}, "
+          f"lr {args.lr}, {os.cpu_count()} CPUs", flush=True)
+    make_model(model_dir, args.warm_steps)
+    from shared.tasks import chain_sum
+
+    args.eval_rows = chain_sum(args.eval_size, seed=777)
+    start_eval = evaluate(model_dir, None, args.eval_rows, args.max_tokens)
+    print(f"greedy accuracy before RL on {args.eval_size} fixed problems: {start_eval:.3f}", flush=True)
+    results = [run_variant(args, mode, eta, model_dir, tag) for mode, eta in VARIANTS]
+    shutil.rmtree(model_dir, ignore_errors=True)
+    target = args.target if args.target is not None else 0.95 * min(r["final_reward"] for r in results)
+    sync = results[0]
+    sync_ttt = time_to(sync["curve"], target)
+    print(f"\nresults (target reward {target:.3f}{'' if args.target is not None else ' = 0.95 x lowest final'}; "
+          f"moving mean over {args.window} steps)")
+    print(f"{'variant':<22}{'samples':>8}{'seconds':>9}{'samples/s':>11}{'x sync':>8}{'to target s':>13}{'x sync':>8}"
+          f"{'start r':>9}{'final r':>9}{'- sync':>8}{'eval':>7}{'- sync':>8}{'resp len':>9}{'tok/s':>8}{'x sync':>7}{'dropped':>8}"
+          f"{'stale tok 0/1/2':>18}")
+    for r in results:
+        ttt = time_to(r["curve"], target)
+        st = r["staleness_tokens"]
+        speed = sync_ttt / ttt if ttt and sync_ttt else float("nan")
+        print(f"{r['mode'] + ' max_staleness=' + str(r['max_staleness']):<22}{r['samples']:>8}{r['seconds']:>9.1f}"
+              f"{r['samples_per_s']:>11.1f}{r['samples_per_s'] / sync['samples_per_s']:>8.2f}"
+              f"{(f'{ttt:.1f}' if ttt is not None else 'never'):>13}{speed:>8.2f}"
+              f"{r['start_reward']:>9.3f}{r['final_reward']:>9.3f}{r['final_reward'] - sync['final_reward']:>+8.3f}"
+              f"{r['final_eval']:>7.3f}{r['final_eval'] - sync['final_eval']:>+8.3f}"
+              f"{r['response_len']:>9.1f}{r['tokens_per_s']:>8.0f}{r['tokens_per_s'] / sync['tokens_per_s']:>7.2f}"
+              f"{r['stale_dropped']:>8}{'/'.join(str(st.get(k, 0)) for k in ('0', '1', '2')):>18}")
+    print(f"(x sync of 'to target' is sync's time / this variant's time: > 1 is faster; total {time.monotonic() - t0:.0f}s)")
+    if args.json:
+        print(json.dumps({"target": target, "start_eval": start_eval, "results": results}, default=str))
+
+
+if __name__ == "__main__":
+    main()

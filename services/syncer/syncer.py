@@ -87,11 +87,17 @@ class Syncer:
 
     def _resume_if_stuck(self) -> None:
         """Between syncs no worker should be paused. One that is, seen twice 2 s apart, lost a command of a
-        sync (a Redis restart that lost its last second): it gets the newest version's sync again."""
+        sync (a Redis restart that lost its last second): it gets the newest version's sync again. The gate
+        lost with such a restart is set again too."""
         now = time.monotonic()
         if now < self._next_stuck_check:
             return
         self._next_stuck_check = now + 2.0
+        gate_version = self.client.hget(self.keys.gate, "version")
+        if gate_version is None or int(gate_version) != self.version:  # a Redis restart lost the gate's update
+            self.log.warning("staleness gate behind the synced version; set again", gate=gate_version,
+                             version=self.version)
+            self.set_gate(self.version)
         stuck = {w for w, info in self.live_workers().items() if info.get("paused") == "1"}
         latest = self.client.xrevrange(self.keys.versions, count=1)
         if stuck & self._stuck and latest:

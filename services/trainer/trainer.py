@@ -54,6 +54,7 @@ class Trainer:
         self.uncommitted: list[tuple[str, str, bool]] = []  # (samples entry, group id, trained?) since the last commit
         self.buffer: list[tuple[str, str, list[str]]] = []  # (entry id, group id, episode ids) not yet trained
         self.taken: dict[str, str] = {}  # group id -> samples entry, for groups read but not yet committed
+        self._next_version_check = 0.0
         self.stale_dropped = 0
         self.wait_s = 0.0
 
@@ -83,6 +84,20 @@ class Trainer:
             path, digest = publish.write_weights(self.model, self.weights_dir, self.version)
             publish.publish(self.client, self.keys.versions, self.version, path, digest, self.step)
             self.log.info("republished version after restart", version=self.version)
+
+    def _republish_if_lost(self) -> None:
+        """While idle, every 2 s: a Redis restart that lost its last second can lose the newest version
+        event, and then nobody syncs it (the staleness gate stays at the old version and rollout waits for
+        a version that never comes). Publish the committed file again when the stream is behind."""
+        now = time.monotonic()
+        if now < self._next_version_check or self.version == 0:
+            return
+        self._next_version_check = now + 2.0
+        latest = publish.latest(self.client, self.keys.versions)
+        path = self.weights_dir / f"v{self.version:06d}.safetensors"
+        if (latest is None or int(latest["version"]) < self.version) and path.exists():
+            publish.publish(self.client, self.keys.versions, self.version, path, publish.sha256(path), self.step)
+            self.log.warning("version event lost by Redis; published again", version=self.version)
 
     # --- reading samples
     def _read(self, pending: bool = False, block_ms: int | None = None) -> int:
@@ -126,6 +141,7 @@ class Trainer:
                     return None
                 if not self._read(block_ms=200):
                     self._settle_skipped()
+                    self._republish_if_lost()
                 continue
             entry_id, group_id, eids = self.buffer.pop(0)
             group = self._replay_group(entry_id, group_id, eids)

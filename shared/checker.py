@@ -5,7 +5,8 @@ The counts (definitions; docs/faults.md has the long form):
 groups_lost
     prompt groups enqueued in ``prompts`` (valid entries) that are not in
     ``samples``, not pending in the rollout consumer group (delivered to a
-    worker, not acknowledged) and not still waiting to be delivered. Plus
+    worker, not acknowledged) and not still waiting to be delivered (the same
+    for validation groups, ``prompts:val`` -> ``samples:val``). Plus
     ``samples`` entries the trainer acknowledged whose group is in no ledger
     record (acknowledged but never trained nor judged untrainable).
 episodes_finished_twice
@@ -23,10 +24,12 @@ tokens_generated_again
     crash, or dropped with a fenced or Redis-lost tail) and generated again.
     ``None`` when a worker that wrote tokens has no final record (a crash with
     no probe: its last counter is stale, so the count is unknown).
-trained_unfinished
+trained_unfinished (informational)
     trained groups (ledger) whose episodes are, in the stream now, neither
-    finished nor failed: the trainer would have trained on a tail that Redis
-    no longer has.
+    finished nor failed: the trainer trained them (finished: it reads nothing
+    else) and then a Redis restart lost their last second; they are being
+    generated again and will not be trained again (the ledger has them).
+    0 on a run without a Redis crash.
 bad_input_not_dead_lettered
     undecodable entries of ``prompts`` (delivered), ``samples`` (read by the
     trainer) and ``control``, and unreadable episode streams that a service
@@ -54,8 +57,7 @@ from shared.fold import fold
 from shared.keys import Keys
 from shared.prompts import decode_group
 
-MUST_BE_ZERO = ("groups_lost", "episodes_finished_twice", "samples_trained_twice", "trained_unfinished",
-                "bad_input_not_dead_lettered")
+MUST_BE_ZERO = ("groups_lost", "episodes_finished_twice", "samples_trained_twice", "bad_input_not_dead_lettered")
 ROLLOUT_GROUP, TRAINER_GROUP = "rollout", "trainer"
 
 
@@ -94,6 +96,9 @@ class RunData:
     ledger: list[dict] = field(default_factory=list)
     dead: list[dict] = field(default_factory=list)  # {stream, entry, reason, by}
     reports: dict[str, dict] = field(default_factory=dict)  # worker -> its last rollout metrics record
+    val_prompts: list[tuple[str, dict]] = field(default_factory=list)  # validation rounds (never trained)
+    val_rollout: ConsumerGroup = field(default_factory=ConsumerGroup)
+    val_samples: list[tuple[str, dict]] = field(default_factory=list)
     prompts_key: str = "prompts"
     samples_key: str = "samples"
     control_key: str = "control"
@@ -136,17 +141,25 @@ def ledger_counts(ledger: list[dict]) -> tuple[Counter, set[str]]:
     return trained, skipped
 
 
-def count_lost(data: RunData) -> tuple[list[str], list[str]]:
-    """(prompt groups lost between prompts and samples, samples groups lost between samples and the ledger)."""
-    groups, _ = valid_groups(data.prompts)
-    published, _ = sample_groups(data.samples)
-    lost_in_rollout = []
+def _lost_in_rollout(prompts, rollout: ConsumerGroup, samples, prefix: str = "") -> list[str]:
+    groups, _ = valid_groups(prompts)
+    published, _ = sample_groups(samples)
+    lost = []
     for group_id, entry_ids in groups.items():
         if group_id in published:
             continue
-        if any(e in data.rollout.pending or not data.rollout.delivered(e) for e in entry_ids):
+        if any(e in rollout.pending or not rollout.delivered(e) for e in entry_ids):
             continue  # still in flight, or still waiting for a worker: not lost
-        lost_in_rollout.append(group_id)
+        lost.append(prefix + group_id)
+    return lost
+
+
+def count_lost(data: RunData) -> tuple[list[str], list[str]]:
+    """(prompt groups lost between prompts and samples, samples groups lost between samples and the ledger).
+    Validation groups (``prompts:val`` -> ``samples:val``, never trained) count in the first, as ``val:<id>``."""
+    published, _ = sample_groups(data.samples)
+    lost_in_rollout = _lost_in_rollout(data.prompts, data.rollout, data.samples)
+    lost_in_rollout += _lost_in_rollout(data.val_prompts, data.val_rollout, data.val_samples, "val:")
     trained, skipped = ledger_counts(data.ledger)
     lost_in_training = []
     for group_id, entries in published.items():
@@ -329,7 +342,7 @@ def format_report(r: Report, run: str) -> str:
             ("samples trained twice", r.samples_trained_twice, True),
             ("tokens generated again", "unknown" if r.tokens_generated_again is None else r.tokens_generated_again,
              False),
-            ("trained on an unfinished tail", r.trained_unfinished, True),
+            ("trained, then lost by Redis", r.trained_unfinished, False),
             ("bad input not dead-lettered", r.bad_input_not_dead_lettered, True)]
     lines = [f"run {run!r}: {r.groups_enqueued} groups enqueued, {r.groups_published} finished, "
              f"{r.groups_trained} trained, {r.groups_skipped} judged untrainable, {r.groups_in_flight} in flight; "
@@ -377,6 +390,10 @@ def read_run(client, keys: Keys, run_path: Path) -> RunData:
     data.samples = _entries(client.xrange(keys.samples))
     data.trainer = _consumer_group(client, keys.samples, TRAINER_GROUP)
     data.control = _entries(client.xrange(keys.control))
+    if hasattr(keys, "val_prompts"):
+        data.val_prompts = _entries(client.xrange(keys.val_prompts))
+        data.val_rollout = _consumer_group(client, keys.val_prompts, ROLLOUT_GROUP)
+        data.val_samples = _entries(client.xrange(keys.val_samples))
     for key in client.scan_iter(match=keys.episode("*"), count=1000, _type="stream"):
         data.episodes[keys.episode_id(key)] = _entries(client.xrange(key))
     data.ledger = read_ledger(Path(run_path) / "trainer")

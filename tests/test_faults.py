@@ -209,6 +209,7 @@ def test_kill_9_each_process_kind_loses_nothing(process_drill):
     assert seen["driver_rc"] == 0 and seen["final_version"] >= MAX_VERSIONS
     assert report.ok, format_report(report, "drill")
     assert report.groups_lost == report.episodes_finished_twice == report.samples_trained_twice == 0
+    assert report.trained_unfinished == 0  # no Redis crash here: every trained episode is finished in its stream
     # the rollout kill: the only tokens generated twice are the ones it had not flushed, <= one flush per episode
     assert probe["in_flight"] >= 1
     assert report.tokens_generated_again == probe["unflushed_tokens"], report.details["tokens_generated"]

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import redis
@@ -39,12 +40,17 @@ def cmd_redis(cfg, args) -> int:
         raise CLIError(f"redis_url {redact(cfg.redis_url)} is not on loopback; the embedded server binds to loopback only")
     data_dir = Path(args.data_dir or Path(cfg.run_dir) / "redis")
     server = EmbeddedRedis(data_dir, port=url.port or 6379, host="127.0.0.1", password=url.password)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))  # handled below, in the main thread
     server.start(quiet=False)
     print(f"streamrl redis: serving {redact(server.url)} (append-only, fsync every second) in {data_dir}",
           file=sys.stderr, flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
     try:
-        server.proc.wait()
+        while not stopping and server.proc.poll() is None:
+            time.sleep(0.1)
+        if stopping:
+            # honcho stops every process at once: give the services a moment to flush and disconnect first
+            server.drain(args.grace)
     except KeyboardInterrupt:
         pass
     finally:
@@ -125,7 +131,8 @@ def _replay_continue(cfg, args, log, entries, ep, decode_text) -> int:
             label = f"v{version} ({path or cfg.model_dir})"
         reward_fn = rewards.load(cfg.reward_fn)
         try:
-            engine = make_engine(cfg.engine, cfg.model_dir, device=cfg.device, max_batch_size=1)
+            engine = make_engine(cfg.engine, cfg.model_dir, device=cfg.device, max_batch_size=1,
+                                 vllm_args=cfg.vllm_args)
         except EngineError as exc:
             raise cont.ContinuationError(f"model_dir {cfg.model_dir}: {exc}") from None
         cont.load_version(engine, version, path, sha)
@@ -166,7 +173,6 @@ def cmd_schema(cfg, args) -> int:
 
 
 def cmd_status(cfg, args) -> int:
-    import time
 
     from shared.status import format_line, snapshot
 
@@ -222,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("redis", cmd_redis, "run the embedded Redis-protocol server in the foreground (port from redis_url)")
     p.add_argument("--data-dir", help="append-only files go here (default <run_dir>/redis)")
+    p.add_argument("--grace", type=float, default=3.0,
+                   help="on SIGTERM, seconds to wait for clients to disconnect before stopping (default 3)")
     p = add("inspect", cmd_inspect, "list a run's streams with lengths, consumer groups and pending counts")
     p.add_argument("--episodes", action="store_true", help="list every episode stream too")
     p.add_argument("--json", action="store_true")

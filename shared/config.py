@@ -28,7 +28,7 @@ class Config:
     run: str = "demo"  # namespaces every Redis key: streamrl:<run>:...
     redis_url: str = "redis://127.0.0.1:6390/0"  # password: redis://:secret@host:port/0
     run_dir: str = "runs"  # Redis data, weights, checkpoints, metrics, plots
-    log_level: str = "info"
+    log_level: str = "info"  # debug | info | warning | error (`streamrl run` runs the services at warning when info)
     # episode log
     flush_tokens: int = 16  # flush an episode's buffered tokens once this many are pending
     flush_ms: float = 50.0  # ... or once the oldest pending token is this old

@@ -21,6 +21,7 @@ from shared.tensorboard import TensorBoard
 from shared.validation import Validator, split
 
 SERVICES = ("rollout", "trainer", "syncer")
+ENDED = "ENDED"  # file in the run's folder once the driver ended the run: `streamrl run` starts the next one afresh
 
 
 def load_task(cfg: Config) -> list[dict]:
@@ -79,6 +80,9 @@ class Driver:
         self.wait_for_services()
         print(f"driver: run {self.cfg.run!r} started; ends after {self.cfg.max_versions or 'unlimited'} versions "
               f"or {self.cfg.max_minutes or 'unlimited'} minutes", flush=True)
+        if self.cfg.max_versions and latest_version(self.client, self.keys) >= self.cfg.max_versions:
+            print(f"driver: run {self.cfg.run!r} is already at version {self.cfg.max_versions}; start another with "
+                  f"--run NAME (or raise --max-versions)", flush=True)
         t0 = time.monotonic()
         depth = 2 * self.cfg.max_groups_in_flight * max(1, alive_services(self.client, self.keys).get("rollout", 1))
         next_print = 0.0
@@ -105,13 +109,17 @@ class Driver:
         return 0
 
     def finish(self) -> None:
-        try:
-            from shared.plots import write_plots
-        except ImportError:
-            return
-        paths = write_plots(self.cfg)
-        for p in paths:
+        from shared.checker import check, format_report, read_run
+        from shared.plots import write_plots
+
+        for p in write_plots(self.cfg):
             print(f"driver: wrote {p}", flush=True)
+        report = check(read_run(self.client, self.keys, self.cfg.run_path))
+        print("driver: streamrl check at the end of the run (groups still in flight are not lost):\n"
+              + format_report(report, self.cfg.run), flush=True)
+        self.cfg.run_path.mkdir(parents=True, exist_ok=True)
+        (self.cfg.run_path / ENDED).write_text(json.dumps({"version": latest_version(self.client, self.keys),
+                                                           "time": time.time()}))
 
 
 def drive(cfg: Config) -> int:

@@ -85,6 +85,21 @@ class EmbeddedRedis:
         client.close()
         return self
 
+    def drain(self, grace: float) -> int:
+        """Wait up to ``grace`` seconds for every other client to disconnect (services flushing their last events
+        when a whole Procfile stops at once); returns how many were still connected."""
+        deadline = time.monotonic() + grace
+        try:
+            client = redis.Redis.from_url(self.url, socket_timeout=1.0)
+            while True:
+                others = client.info("clients")["connected_clients"] - 1
+                if others <= 0 or time.monotonic() > deadline:
+                    client.close()
+                    return max(others, 0)
+                time.sleep(0.05)
+        except redis.exceptions.RedisError:
+            return 0
+
     def stop(self, timeout: float = 10.0) -> None:
         """Graceful stop: SIGTERM makes the server fsync the AOF and exit."""
         if self.proc and self.proc.poll() is None:

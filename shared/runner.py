@@ -6,7 +6,9 @@ skipped), runs every other line under honcho, and ends when the driver ends."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -16,6 +18,23 @@ from honcho.manager import Manager
 from shared.config import Config
 from shared.connection import redact
 from shared.redis_server import EmbeddedRedis
+
+
+def archive_ended_run(cfg: Config) -> Path | None:
+    """A run the driver ended is done: move its folder aside (runs/<run>.<time>) so this one starts afresh.
+    A run that was interrupted (no ENDED file) is continued from its streams and checkpoint instead."""
+    from shared.driver import ENDED
+
+    if not (cfg.run_path / ENDED).exists():
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((cfg.run_path / ENDED).stat().st_mtime))
+    dest = cfg.run_path.with_name(f"{cfg.run}.{stamp}")
+    cfg.run_path.rename(dest)
+    if not cfg.weights_dir:  # the default weights folder belongs to the run
+        shutil.rmtree(cfg.weights_path, ignore_errors=True)
+    print(f"streamrl run: run {cfg.run!r} had ended; its files are now in {dest}; starting it afresh",
+          file=sys.stderr, flush=True)
+    return dest
 
 
 def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) -> int:
@@ -32,6 +51,7 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
     for f in fields(Config):
         env[f"STREAMRL_{f.name.upper()}"] = str(getattr(cfg, f.name))
     if "REDIS_URL" not in os.environ:
+        archive_ended_run(cfg)
         server = EmbeddedRedis(Path(cfg.run_dir) / cfg.run / "redis").start()
         env["REDIS_URL"] = env["STREAMRL_REDIS_URL"] = server.url
     if not Path(cfg.model_dir, "config.json").exists():
@@ -41,9 +61,11 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
     print(f"streamrl run: run {cfg.run!r} on {redact(env['REDIS_URL'])}"
           f"{' (embedded, append-only)' if server else ''}", file=sys.stderr, flush=True)
     manager = Manager()
+    # the driver's progress lines are the view; the services' per-step info lines would bury them
+    quiet = {**env, "STREAMRL_LOG_LEVEL": "warning"} if cfg.log_level == "info" else env
     for name, cmd in entries.items():
         if name != "redis":
-            manager.add_process(name, cmd, env=env)
+            manager.add_process(name, cmd, env=env if name == "driver" else quiet)
     try:
         manager.loop()
     finally:

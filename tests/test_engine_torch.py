@@ -7,14 +7,14 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from services.rollout.engine import Chunk, EngineError, SamplingParams, TorchEngine, make_engine
 from services.rollout.engine.sampler import final_logprobs, sample
-from shared.tiny_model import CHARACTERS, load_tokenizer, make_tiny_model
+from shared.tiny_model import CHARACTERS, SPECIAL_TOKENS, load_tokenizer, make_tiny_model
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22]]
 
@@ -109,6 +109,8 @@ def test_tokenizer_vocab_and_special_ids(tok):
 @settings(max_examples=60, deadline=None)
 @given(text=st.text(alphabet=CHARACTERS, max_size=80))
 def test_tokenizer_round_trip(tok, text):
+    # the text of a special token ("<eos>") encodes as that token, as with every HF tokenizer
+    assume(not any(special in text for special in SPECIAL_TOKENS))
     ids = tok.encode(text, add_special_tokens=False)
     assert len(ids) == len(text)
     assert tok.decode(ids) == text

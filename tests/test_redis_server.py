@@ -70,3 +70,26 @@ def test_events_older_than_a_second_survive_kill_9(tmp_path):
         assert ep.tokens == list(range(100))
     finally:
         restarted.stop()
+
+
+
+def test_drain_waits_for_clients_to_leave_then_returns(tmp_path):
+    """Under honcho every process gets SIGTERM at once: `streamrl redis` drains before it stops."""
+    import threading
+
+    with EmbeddedRedis(tmp_path) as server:
+        client = connect(server.url)
+        client.ping()  # a connection is open
+        t0 = time.monotonic()
+        assert server.drain(0.3) == 1 and time.monotonic() - t0 >= 0.3  # a client stayed: waited the whole grace
+
+        def last_words():
+            time.sleep(0.5)
+            client.xadd("last-words", {"k": "v"})  # a service flushing after the SIGTERM
+            client.close()
+
+        threading.Thread(target=last_words).start()
+        t0 = time.monotonic()
+        assert server.drain(10) == 0
+        assert 0.4 < time.monotonic() - t0 < 5  # returned when the client left, not after the grace
+        assert connect(server.url).xlen("last-words") == 1

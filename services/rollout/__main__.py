@@ -15,7 +15,7 @@ def main(argv=None) -> None:
 
     try:
         engine = make_engine(svc.cfg.engine, svc.cfg.model_dir, device=svc.cfg.device,
-                             max_batch_size=svc.cfg.max_batch_size)
+                             max_batch_size=svc.cfg.max_batch_size, vllm_args=svc.cfg.vllm_args)
         tokenizer = AutoTokenizer.from_pretrained(svc.cfg.model_dir)
     except (EngineError, OSError) as exc:
         svc.log.error("cannot start the engine", model_dir=svc.cfg.model_dir, error=str(exc))

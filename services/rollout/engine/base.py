@@ -54,6 +54,23 @@ class EngineError(Exception):
     """A request the engine cannot serve (prompt too long, bad parameters)."""
 
 
+def check_request(request_id: str, token_ids: list[int], params: SamplingParams, max_new_tokens: int,
+                  max_model_len: int, known: bool) -> None:
+    """What every engine refuses in ``add_request``, with the same message (``known``: the id is in the engine)."""
+    if known:
+        raise EngineError(f"request {request_id!r} is already in the engine")
+    if not token_ids:
+        raise EngineError(f"request {request_id!r}: empty prompt")
+    if len(token_ids) + 1 > max_model_len:
+        raise EngineError(f"request {request_id!r}: prompt of {len(token_ids)} tokens leaves no room to generate "
+                          f"within max_model_len={max_model_len}")
+    if max_new_tokens < 1:
+        raise EngineError(f"request {request_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
+    if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
+        raise EngineError(f"request {request_id!r}: bad sampling params temperature={params.temperature} "
+                          f"top_p={params.top_p} top_k={params.top_k}")
+
+
 class Engine(Protocol):
     version: int  # policy version of the loaded weights
     max_model_len: int  # prompt + response tokens one request may hold

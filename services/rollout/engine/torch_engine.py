@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.rollout.engine.base import Chunk, EngineError, SamplingParams
+from services.rollout.engine.base import Chunk, EngineError, SamplingParams, check_request
 from services.rollout.engine.model_runner import ModelRunner
 from services.rollout.engine.sampler import sample
 from services.rollout.engine.scheduler import Scheduler
@@ -25,16 +25,7 @@ class TorchEngine:
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                     max_new_tokens: int, start_index: int = 0) -> None:
-        if request_id in self.scheduler:
-            raise EngineError(f"request {request_id!r} is already in the engine")
-        if not token_ids:
-            raise EngineError(f"request {request_id!r}: empty prompt")
-        if len(token_ids) + 1 > self.max_model_len:
-            raise EngineError(f"request {request_id!r}: prompt of {len(token_ids)} tokens leaves no room to generate "
-                              f"within max_model_len={self.max_model_len}")
-        if max_new_tokens < 1:
-            raise EngineError(f"request {request_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
-        _check_params(request_id, params)
+        check_request(request_id, token_ids, params, max_new_tokens, self.max_model_len, request_id in self.scheduler)
         self.scheduler.add(Sequence(request_id, list(token_ids), params, max_new_tokens, start_index))
 
     def step(self) -> list[Chunk]:
@@ -81,12 +72,6 @@ class TorchEngine:
     def _chunk(self, seq: Sequence) -> Chunk:
         tokens, logprobs = seq.take_new()
         return Chunk(seq.request_id, tokens, logprobs, self.version, seq.finish_reason)
-
-
-def _check_params(request_id: str, p: SamplingParams) -> None:
-    if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
-        raise EngineError(f"request {request_id!r}: bad sampling params temperature={p.temperature} "
-                          f"top_p={p.top_p} top_k={p.top_k}")
 
 
 def _read_safetensors(path: Path) -> dict:

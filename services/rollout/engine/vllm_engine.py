@@ -44,7 +44,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from services.rollout.engine.base import Chunk, EngineError, SamplingParams
+from services.rollout.engine.base import Chunk, EngineError, SamplingParams, check_request
 
 CPU_KV_CACHE_BYTES = 256 << 20  # default KV cache on the CPU build (vLLM would otherwise take half the RAM)
 
@@ -133,18 +133,7 @@ class VLLMEngine:
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        if request_id in self._running:
-            raise EngineError(f"request {request_id!r} is already in the engine")
-        if not token_ids:
-            raise EngineError(f"request {request_id!r}: empty prompt")
-        if len(token_ids) + 1 > self.max_model_len:
-            raise EngineError(f"request {request_id!r}: prompt of {len(token_ids)} tokens leaves no room to generate "
-                              f"within max_model_len={self.max_model_len}")
-        if max_new_tokens < 1:
-            raise EngineError(f"request {request_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
-        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
-            raise EngineError(f"request {request_id!r}: bad sampling params temperature={params.temperature} "
-                              f"top_p={params.top_p} top_k={params.top_k}")
+        check_request(request_id, token_ids, params, max_new_tokens, self.max_model_len, request_id in self._running)
         greedy = params.temperature <= 0
         vparams = VSamplingParams(
             n=1, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,

@@ -86,6 +86,9 @@ class MemoryLog(EpisodeLog):
     def read(self, episode_id: str) -> list[tuple]:
         return [(f"{i + 1}-0", encode(ev)) for i, ev in enumerate(self.store.get(episode_id, []))]
 
+    def read_many(self, episode_ids: list[str]) -> list[list[tuple]]:
+        return [self.read(episode_id) for episode_id in episode_ids]
+
 
 def server_cpu(client) -> float:
     """CPU seconds the Redis server has used (user + sys, all its threads)."""

@@ -158,5 +158,12 @@ class EpisodeLog:
     def read(self, episode_id: str) -> list[tuple]:
         return self.client.xrange(self.keys.episode(episode_id))
 
+    def read_many(self, episode_ids: list[str]) -> list[list[tuple]]:
+        """``read`` of several episodes in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for episode_id in episode_ids:
+            pipe.xrange(self.keys.episode(episode_id))
+        return pipe.execute()
+
     def replay(self, episode_id: str) -> Episode:
         return fold(self.read(episode_id))

@@ -123,3 +123,13 @@ def test_event_after_tokens_keeps_order(client, keys):
 
 def test_event_dataclass_time_from_entry_id():
     assert Event("tokens", 0, "w", 0, {}, entry_id="1700000000123-4").time_ms == 1700000000123
+
+
+def test_read_many_equals_read_of_each(client, keys):
+    log = EpisodeLog(client, keys, "w1")
+    for eid in ("a", "b"):
+        _start(log, eid)
+    log.append_tokens("b", [3, 4], [-0.1, -0.2], 0)
+    log.flush_or_raise()
+    assert log.read_many(["b", "missing", "a"]) == [log.read("b"), [], log.read("a")]
+    assert len(log.read("b")) == 2

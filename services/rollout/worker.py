@@ -209,8 +209,18 @@ class RolloutWorker:
         run = GroupRun(group, group.episode_ids(), source=source)
         self.groups[group.group_id] = run
         self.log.info("group claimed", group=group.group_id, n=group.n, takeover_from=takeover_from)
-        for index, episode_id in enumerate(run.episodes):
-            self._open_episode(run, index, episode_id, takeover_from)
+        # one round trip reads every episode stream, one more makes every new episode's start durable
+        fresh = []
+        for index, (episode_id, entries) in enumerate(zip(run.episodes, self.events.read_many(run.episodes))):
+            if entries:
+                self._resume_from_stream(run, episode_id, entries, takeover_from)
+            elif (live := self._open_episode(run, index, episode_id)) is not None:
+                fresh.append(live)
+        if fresh:
+            self._check_flush(self.events.flush([live.episode_id for live in fresh]))
+        for live in fresh:
+            if live.episode_id in self.live:
+                self._generate(live)
         self._maybe_publish(run)
 
     def _params(self, group: PromptGroup, index: int) -> SamplingParams:
@@ -221,10 +231,9 @@ class RolloutWorker:
                               stop_token_ids=self.stop_token_ids,
                               seed=int(o.get("seed", episode_seed(self.cfg.seed, group.group_id, index))))
 
-    def _open_episode(self, run: GroupRun, index: int, episode_id: str, takeover_from: str | None) -> None:
-        entries = self.events.read(episode_id)
-        if entries:
-            return self._resume_from_stream(run, episode_id, entries, takeover_from)
+    def _open_episode(self, run: GroupRun, index: int, episode_id: str) -> LiveEpisode | None:
+        """Start a new episode (its stream is empty): the ``started`` event, buffered; the caller flushes it and
+        starts generation. None when the episode failed at once (prompt too long)."""
         group = run.group
         prompt_ids = group.prompt_ids if group.prompt_ids is not None else \
             self.tok.encode(group.prompt, add_special_tokens=False)
@@ -236,12 +245,10 @@ class RolloutWorker:
             "episode_id": episode_id, "group_id": group.group_id, "index": index, "prompt_ids": live.prompt_ids,
             "sampling": params.to_dict(), "task": group.task}, self.engine.version)
         if len(prompt_ids) + 1 > self.engine.max_model_len:
-            return self._fail(live, f"prompt of {len(prompt_ids)} tokens does not fit the model's context of "
-                                    f"{self.engine.max_model_len} tokens (prompt group entry {group.entry_id})",
-                              "prompt")
-        self._check_flush(self.events.flush([episode_id]))
-        if episode_id in self.live:
-            self._generate(live)
+            self._fail(live, f"prompt of {len(prompt_ids)} tokens does not fit the model's context of "
+                             f"{self.engine.max_model_len} tokens (prompt group entry {group.entry_id})", "prompt")
+            return None
+        return live
 
     def _resume_from_stream(self, run: GroupRun, episode_id: str, entries, takeover_from) -> None:
         try:

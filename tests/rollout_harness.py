@@ -40,6 +40,14 @@ def samples(client, keys) -> list[dict]:
     return [{k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(keys.samples)]
 
 
+def snapshot(client, keys, group_ids) -> dict:
+    """The episodes of ``group_ids`` whose streams exist so far, folded."""
+    log = EpisodeLog(client, keys, "reader")
+    reads = log.read_many([f"{gid}-{i}" for gid, n in group_ids for i in range(n)])
+    names = [f"{gid}-{i}" for gid, n in group_ids for i in range(n)]
+    return {eid: fold(entries) for eid, entries in zip(names, reads) if entries}
+
+
 def episodes(client, keys, group_ids) -> dict:
     log = EpisodeLog(client, keys, "reader")
     return {eid: fold(log.read(eid)) for gid, n in group_ids for eid in (f"{gid}-{i}" for i in range(n))}

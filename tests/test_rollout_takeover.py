@@ -9,10 +9,8 @@ import sys
 import time
 
 from shared.config import Config
-from shared.episode_log import EpisodeLog
-from shared.fold import fold
 from shared.prompts import PromptGroup, enqueue
-from tests.rollout_harness import episodes, make_worker, samples, tick_until
+from tests.rollout_harness import episodes, make_worker, samples, snapshot, tick_until
 
 GROUPS = [(f"g{i}", 2) for i in range(6)]
 
@@ -26,14 +24,7 @@ def _worker_proc(redis_url, keys, model_dir, worker_id):
 
 
 def _snapshot(client, keys):
-    log = EpisodeLog(client, keys, "reader")
-    out = {}
-    for gid, n in GROUPS:
-        for i in range(n):
-            entries = log.read(f"{gid}-{i}")
-            if entries:
-                out[f"{gid}-{i}"] = fold(entries)
-    return out
+    return snapshot(client, keys, GROUPS)
 
 
 def test_kill_9_mid_episodes_another_worker_finishes_all(client, keys, redis_url, tiny_model_dir):

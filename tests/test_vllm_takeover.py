@@ -18,10 +18,8 @@ import time
 import pytest
 
 from shared.config import Config
-from shared.episode_log import EpisodeLog
-from shared.fold import fold
 from shared.prompts import PromptGroup, enqueue
-from tests.rollout_harness import acks, episodes, make_vllm_engine, make_worker, samples, send, tick_until
+from tests.rollout_harness import acks, episodes, make_vllm_engine, make_worker, samples, send, snapshot, tick_until
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm not installed (CI runs it in its own venv)")
@@ -40,14 +38,7 @@ def _worker_proc(redis_url, keys, model_dir, worker_id):
 
 
 def _snapshot(client, keys):
-    log = EpisodeLog(client, keys, "reader")
-    out = {}
-    for gid, n in GROUPS:
-        for i in range(n):
-            entries = log.read(f"{gid}-{i}")
-            if entries:
-                out[f"{gid}-{i}"] = fold(entries)
-    return out
+    return snapshot(client, keys, GROUPS)
 
 
 def test_kill_9_a_vllm_worker_then_another_takes_over_through_a_pause(client, keys, redis_url,

@@ -125,7 +125,9 @@ class Validator:
                 if parsed is None:
                     continue
                 version, kind = parsed
-                rnd = self.rounds.setdefault(version, Round(expected=2 * min(self.size, len(self.rows))))
+                if version not in self.rounds:  # requested by an earlier driver process: same groups
+                    self.rounds[version] = Round(expected=len(round_groups(version, self.rows, self.size)))
+                rnd = self.rounds[version]
                 if group_id in rnd.seen:
                     continue
                 rnd.seen.add(group_id)

@@ -77,6 +77,14 @@ def test_worker_serves_validation_first_past_a_closed_gate_and_never_into_sample
     again = validation.Validator(client, keys, ROWS, every=5, size=8)  # a restarted driver
     assert not again.maybe_request(0) and again.poll() == []
 
+    # a round requested by a driver that then restarted completes in the new one, duplicate prompts or not
+    first = validation.Validator(client, keys, ROWS + ROWS, every=5, size=8)
+    assert first.maybe_request(5)
+    restarted = validation.Validator(client, keys, ROWS + ROWS, every=5, size=8)
+    done.clear()
+    tick_until(worker, lambda: done.extend(restarted.poll()) or done)
+    assert [d["version"] for d in done] == [5] and done[0]["n"] == 4
+
 
 def test_status_line_and_cli(client, keys, cli_env):
     client.xadd(keys.versions, {"version": "3", "path": "/x", "sha256": "0", "step": "3", "time": "0"})

@@ -3,7 +3,7 @@
 ``mode=async`` with ``max_staleness`` 1 and 2. Each variant is a whole ``streamrl run`` (embedded Redis and
 every Procfile process) on a fresh run namespace.
 
-The task is ``chain_sum`` (``shared/tasks.py``): sums of 2..24 one-digit numbers whose reference response
+The task is ``chain_sum`` (``services/driver/tasks.py``): sums of 2..24 one-digit numbers whose reference response
 writes every running sum, with a long-tailed number of terms, so response lengths are long-tailed (median
 ~2 tokens, a few percent 40+). The model is the default tiny Llama warm-started on that task once, shared by
 every variant (each run reads it and publishes its own versions).
@@ -44,14 +44,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shared.config import FIELDS  # noqa: E402
+from shared.runtime.config import FIELDS  # noqa: E402
 
 VARIANTS = [("sync", 0), ("async", 1), ("async", 2)]
 
 
 def make_model(path: Path, warm_steps: int) -> float:
-    from shared.tasks import chain_sum
-    from shared.tiny_model import greedy_accuracy, make_default_model
+    from services.driver.tasks import chain_sum
+    from services.ops.tiny_model import greedy_accuracy, make_default_model
 
     t0 = time.monotonic()
     make_default_model(path, dataset="chain_sum", warm_steps=warm_steps, seed=0)
@@ -64,7 +64,7 @@ def make_model(path: Path, warm_steps: int) -> float:
 def evaluate(model_dir: Path, weights: Path | None, rows: list[dict], max_tokens: int) -> float:
     """Greedy accuracy of ``model_dir`` (with ``weights`` swapped in) on ``rows``: the same problems for every
     variant, unlike the training reward, which is measured on whatever each variant happened to train."""
-    from shared.tiny_model import greedy_accuracy
+    from services.ops.tiny_model import greedy_accuracy
 
     if weights is None:
         return greedy_accuracy(model_dir, rows, max_tokens=max_tokens)
@@ -87,7 +87,7 @@ def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str) -> d
              "steps_per_version": 1 if mode == "sync" else args.async_steps_per_version}
     if "val_every" in FIELDS:
         flags["val_every"] = 0  # validation rounds would cost both modes the same rollout time; leave them out
-    cmd = [sys.executable, "-m", "shared.cli", "run"]
+    cmd = [sys.executable, "-m", "services.ops.cli", "run"]
     for k, v in flags.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("STREAMRL_")}
@@ -180,7 +180,7 @@ def main() -> None:
           f"({args.versions} versions x {args.batch_groups} groups x {args.group_size}), max_tokens {args.max_tokens}, "
           f"lr {args.lr}, {os.cpu_count()} CPUs", flush=True)
     make_model(model_dir, args.warm_steps)
-    from shared.tasks import chain_sum
+    from services.driver.tasks import chain_sum
 
     args.eval_rows = chain_sum(args.eval_size, seed=777)
     start_eval = evaluate(model_dir, None, args.eval_rows, args.max_tokens)

@@ -31,11 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.connection import connect  # noqa: E402
-from shared.episode_log import EpisodeLog  # noqa: E402
-from shared.events import Event, encode  # noqa: E402
-from shared.keys import Keys  # noqa: E402
-from shared.redis_server import EmbeddedRedis  # noqa: E402
+from shared.runtime.connection import connect  # noqa: E402
+from shared.protocol.episode_log import EpisodeLog  # noqa: E402
+from shared.protocol.events import Event, encode  # noqa: E402
+from shared.protocol.keys import Keys  # noqa: E402
+from services.ops.redis_server import EmbeddedRedis  # noqa: E402
 
 CHUNKS = (1, 16, 64)
 REPLAY_TOKENS = 4096

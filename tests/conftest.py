@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-from shared.connection import connect
-from shared.keys import Keys
-from shared.redis_server import EmbeddedRedis
+from shared.runtime.connection import connect
+from shared.protocol.keys import Keys
+from services.ops.redis_server import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +45,7 @@ def cli_env(redis_url, keys) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    from shared.tiny_model import make_tiny_model
+    from services.ops.tiny_model import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
 
@@ -54,6 +54,6 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def tiny_model_dir_hd32(tmp_path_factory) -> str:
     """The tiny Llama with head size 32 (hidden 128, 4 heads): the smallest vLLM's CPU
     attention accepts (16 is refused), so both engines can run the same model."""
-    from shared.tiny_model import make_tiny_model
+    from services.ops.tiny_model import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny-hd32")), hidden_size=128)

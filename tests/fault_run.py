@@ -2,7 +2,7 @@
 second) and every Procfile process kind as real subprocesses, each one
 killable (kill -9) and restartable the way a supervisor restarts it.
 
-It mirrors shared/runner.py (every process gets the same config as
+It mirrors services/ops/runner.py (every process gets the same config as
 STREAMRL_<KEY> environment variables) but keeps a handle per process.
 Rollout workers run as ``python -m tests.fault_worker`` (the real worker plus
 a probe, see that module).
@@ -18,17 +18,17 @@ import sys
 import time
 from pathlib import Path
 
-from shared.config import FIELDS, Config
-from shared.connection import connect
-from shared.keys import Keys
-from shared.redis_server import EmbeddedRedis
+from shared.runtime.config import FIELDS, Config
+from shared.runtime.connection import connect
+from shared.protocol.keys import Keys
+from services.ops.redis_server import EmbeddedRedis
 
 COMMANDS = {
     "rollout": [sys.executable, "-m", "tests.fault_worker"],
     "tools": [sys.executable, "-m", "services.rollout.tools_worker"],
     "trainer": [sys.executable, "-m", "services.trainer"],
     "syncer": [sys.executable, "-m", "services.syncer"],
-    "driver": [sys.executable, "-m", "shared.cli", "drive"],
+    "driver": [sys.executable, "-m", "services.ops.cli", "drive"],
 }
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shared.tiny_model import make_tiny_model
+from services.ops.tiny_model import make_tiny_model
 
 
 def overfit(model_dir: str | Path, texts: list[tuple[str, str]], steps: int = 300, lr: float = 3e-3) -> str:

@@ -8,10 +8,11 @@ from transformers import AutoTokenizer
 
 from services.rollout.engine import make_engine
 from services.rollout.worker import RolloutWorker
-from shared import control, logs
-from shared.config import Config
-from shared.episode_log import EpisodeLog
-from shared.fold import fold
+from shared.protocol import control
+from shared.runtime import logs
+from shared.runtime.config import Config
+from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.fold import fold
 
 
 def make_worker(cfg: Config, client, worker_id: str = "w1", engine=None) -> RolloutWorker:

@@ -6,10 +6,10 @@ import json
 import subprocess
 import sys
 
-from shared import checker
-from shared.checker import ConsumerGroup, RunData, check, episode_stats
-from shared.events import Event
-from shared.prompts import PromptGroup, encode_group
+from services.ops import checker
+from services.ops.checker import ConsumerGroup, RunData, check, episode_stats
+from shared.protocol.events import Event
+from shared.protocol.prompts import PromptGroup, encode_group
 from tests.helpers import finished, raw, started, tokens
 
 
@@ -198,7 +198,7 @@ def test_streamrl_check_on_a_real_server(cli_env, client, keys, tmp_path):
     ledger = tmp_path / keys.run / "trainer" / "trained.jsonl"
     ledger.parent.mkdir(parents=True)
     ledger.write_text(json.dumps({"version": 1, "groups": ["g1"], "skipped": []}) + "\n")
-    out = subprocess.run([sys.executable, "-m", "shared.cli", "check", "--json"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "check", "--json"], env=env, capture_output=True,
                          timeout=60)
     report = json.loads(out.stdout)
     assert out.returncode == 1, out.stderr  # g2 was delivered, never published, not pending: lost
@@ -208,7 +208,7 @@ def test_streamrl_check_on_a_real_server(cli_env, client, keys, tmp_path):
     with open(ledger, "a") as fh:
         fh.write(json.dumps({"version": 2, "groups": ["g2"], "skipped": []}) + "\n")
     client.xgroup_setid(keys.samples, "trainer", id="$")
-    out = subprocess.run([sys.executable, "-m", "shared.cli", "check"], env=env, capture_output=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "check"], env=env, capture_output=True, timeout=60)
     assert out.returncode == 0, out.stdout.decode() + out.stderr.decode()
     text = out.stdout.decode()
     assert "prompt groups lost" in text and "samples trained twice" in text and text.rstrip().endswith("ok")

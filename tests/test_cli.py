@@ -6,12 +6,12 @@ import sys
 
 import msgpack
 
-from shared.episode_log import EpisodeLog
+from shared.protocol.episode_log import EpisodeLog
 from tests.helpers import finished, raw, started, tokens
 
 
 def streamrl(env, *args, stdin: bytes | None = None):
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], env=env, input=stdin,
+    return subprocess.run([sys.executable, "-m", "services.ops.cli", *args], env=env, input=stdin,
                           capture_output=True, timeout=60)
 
 

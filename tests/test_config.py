@@ -1,6 +1,6 @@
 import pytest
 
-from shared.config import Config, ConfigError, load
+from shared.runtime.config import Config, ConfigError, load
 
 
 def test_precedence_file_env_flag(tmp_path):

@@ -14,17 +14,17 @@ from services.rollout import continuation as cont
 from services.rollout import rewards
 from services.rollout.engine import make_engine
 from services.trainer.publish import publish, sha256
-from shared.config import Config
-from shared.episode_log import EpisodeLog
-from shared.events import Event
-from shared.prompts import PromptGroup, enqueue
-from shared.tiny_model import make_tiny_model
+from shared.runtime.config import Config
+from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.events import Event
+from shared.protocol.prompts import PromptGroup, enqueue
+from services.ops.tiny_model import make_tiny_model
 from tests.helpers import finished, raw, started, tokens
 from tests.rollout_harness import make_worker, samples, tick_until
 
 
 def streamrl(env, *args):
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], env=env, capture_output=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "services.ops.cli", *args], env=env, capture_output=True, timeout=120)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from services.rollout.engine import Chunk, EngineError, SamplingParams, TorchEngine, make_engine
 from services.rollout.engine.sampler import final_logprobs, sample
-from shared.tiny_model import CHARACTERS, SPECIAL_TOKENS, load_tokenizer, make_tiny_model
+from services.ops.tiny_model import CHARACTERS, SPECIAL_TOKENS, load_tokenizer, make_tiny_model
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22]]
 

@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from shared.episode_log import EpisodeLog, Fenced
-from shared.events import Event
+from shared.protocol.episode_log import EpisodeLog, Fenced
+from shared.protocol.events import Event
 from tests.helpers import started
 
 

@@ -3,7 +3,7 @@ persistence, two rollout workers, an rq tools worker, trainer, syncer,
 driver), each process kind killed with kill -9 mid-work and restarted as a
 supervisor would, garbage written into every stream a person can reach, and
 the Redis server stopped and restarted. After each run, `streamrl check`'s
-counts (shared/checker.py) must be 0, and the tokens generated again after a
+counts (services/ops/checker.py) must be 0, and the tokens generated again after a
 rollout worker kill must be exactly the tokens it had not flushed, at most
 one flush interval per episode in flight.
 
@@ -24,11 +24,11 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from shared import control
-from shared.checker import check, format_report, read_run
-from shared.redis_server import find_binary
+from shared.protocol import control
+from services.ops.checker import check, format_report, read_run
+from services.ops.redis_server import find_binary
 from tests.fault_run import LiveRun
-from shared.tiny_model import make_tiny_model
+from services.ops.tiny_model import make_tiny_model
 from tests.models import overfit
 
 pytestmark = pytest.mark.timeout(900)  # a few live runs on a shared 2-core box

@@ -1,8 +1,8 @@
 import msgpack
 import pytest
 
-from shared.events import Event, EventError
-from shared.fold import PROMPT_VERSION, fold
+from shared.protocol.events import Event, EventError
+from shared.protocol.fold import PROMPT_VERSION, fold
 from tests.helpers import finished, raw, started, tokens
 
 

@@ -4,10 +4,10 @@ import time
 import pytest
 import redis
 
-from shared.connection import connect, redact
-from shared.episode_log import EpisodeLog
-from shared.keys import Keys
-from shared.redis_server import EmbeddedRedis, ServerError
+from shared.runtime.connection import connect, redact
+from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.keys import Keys
+from services.ops.redis_server import EmbeddedRedis, ServerError
 
 
 def _alive(pid: int) -> bool:

@@ -21,9 +21,9 @@ from transformers import AutoModelForCausalLM
 
 from services.rollout.worker import sha256_file
 from services.trainer.loss import token_logprobs
-from shared.config import Config
-from shared.keys import Keys
-from shared.prompts import PromptGroup, enqueue
+from shared.runtime.config import Config
+from shared.protocol.keys import Keys
+from shared.protocol.prompts import PromptGroup, enqueue
 from tests.rollout_harness import acks, episodes, make_vllm_engine, make_worker, samples, send, tick_until
 
 ENGINES = ["torch", pytest.param("vllm", marks=pytest.mark.skipif(

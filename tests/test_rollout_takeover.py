@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
-from shared.config import Config
-from shared.prompts import PromptGroup, enqueue
+from shared.runtime.config import Config
+from shared.protocol.prompts import PromptGroup, enqueue
 from tests.rollout_harness import episodes, make_worker, samples, snapshot, tick_until
 
 GROUPS = [(f"g{i}", 2) for i in range(6)]

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from shared.config import Config
-from shared.episode_log import EpisodeLog
-from shared.prompts import PromptGroup, enqueue
+from shared.runtime.config import Config
+from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.prompts import PromptGroup, enqueue
 from tests.models import scripted_model
 from tests.rollout_harness import acks, episodes, make_worker, samples, send, tick_until
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import uuid
 
-from shared.config import Config
-from shared.driver import ENDED
-from shared.runner import archive_ended_run
+from shared.runtime.config import Config
+from services.driver.driver import ENDED
+from services.ops.runner import archive_ended_run
 
 
 def test_ended_run_is_moved_aside_and_interrupted_run_is_kept(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.staleness import group_capacity, is_too_stale, staleness, staleness_histogram
+from shared.protocol.staleness import group_capacity, is_too_stale, staleness, staleness_histogram
 
 versions_lists = st.lists(st.integers(-1, 20), max_size=12)
 

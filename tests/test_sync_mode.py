@@ -12,13 +12,14 @@ import pytest
 
 from services.syncer.syncer import Syncer
 from services.trainer import checkpoint
+from shared.protocol.ledger import read_ledger
 from services.trainer.trainer import Trainer
-from shared import logs
-from shared.config import Config, ConfigError, load
-from shared.connection import connect
-from shared.episode_log import EpisodeLog
-from shared.fold import fold
-from shared.prompts import PromptGroup, enqueue
+from shared.runtime import logs
+from shared.runtime.config import Config, ConfigError, load
+from shared.runtime.connection import connect
+from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.fold import fold
+from shared.protocol.prompts import PromptGroup, enqueue
 from tests.rollout_harness import make_worker, tick_until
 
 
@@ -101,7 +102,7 @@ def test_sync_run_trains_every_token_under_the_version_that_generated_it(redis_u
         t.join(30)
     assert not errors, errors
 
-    ledger = checkpoint.read_ledger(cfg.run_path / "trainer")
+    ledger = read_ledger(cfg.run_path / "trainer")
     assert [rec["version"] for rec in ledger] == list(range(1, target + 1))
     assert all(rec["skipped"] == [] for rec in ledger) and trainer.stale_dropped == 0
     reader = EpisodeLog(setup, keys, "reader")

@@ -18,11 +18,11 @@ from transformers import AutoModelForCausalLM
 
 from services.syncer.syncer import Syncer
 from services.trainer.publish import publish, write_weights
-from shared import logs
-from shared.config import Config
-from shared.episode_log import EpisodeLog
-from shared.fold import fold
-from shared.prompts import PromptGroup, enqueue
+from shared.runtime import logs
+from shared.runtime.config import Config
+from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.fold import fold
+from shared.protocol.prompts import PromptGroup, enqueue
 
 HEARTBEAT_TTL = 3.0
 

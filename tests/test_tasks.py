@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from services.rollout.rewards import arithmetic as reward
-from shared import tasks
-from shared.tiny_model import build_tokenizer, sft_examples
+from services.driver import tasks
+from services.ops.tiny_model import build_tokenizer, sft_examples
 
 
 def test_arithmetic_rows_are_right():

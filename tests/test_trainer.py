@@ -13,13 +13,14 @@ import time
 import torch
 
 from services.trainer import checkpoint
+from shared.protocol.ledger import read_ledger
 from services.trainer.batch import build_batch
 from services.trainer.publish import sha256
 from services.trainer.trainer import Trainer
-from shared import logs
-from shared.config import Config
-from shared.episode_log import EpisodeLog
-from shared.fold import fold
+from shared.runtime import logs
+from shared.runtime.config import Config
+from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.fold import fold
 from tests.helpers import finished, raw, started, tokens
 
 
@@ -74,7 +75,7 @@ def test_trains_publishes_and_acks(client, keys, tiny_model_dir, tmp_path):
     for v in versions:
         assert sha256(__import__("pathlib").Path(v["path"])) == v["sha256"]
     assert client.xpending(keys.samples, "trainer")["pending"] == 0
-    ledger = checkpoint.read_ledger(cfg.run_path / "trainer")
+    ledger = read_ledger(cfg.run_path / "trainer")
     assert sorted(g for rec in ledger for g in rec["groups"]) == ["a", "b", "c", "d"]
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     lines = [json.loads(x) for x in (cfg.run_path / "metrics.jsonl").read_text().splitlines()]
@@ -104,7 +105,7 @@ def test_only_stale_groups_are_acknowledged_without_a_training_step(client, keys
     calls = iter(range(100))
     assert trainer.collect(lambda: next(calls) > 5) is None
     assert client.xpending(keys.samples, "trainer")["pending"] == 0
-    ledger = checkpoint.read_ledger(cfg.run_path / "trainer")
+    ledger = read_ledger(cfg.run_path / "trainer")
     assert [rec["skipped"] for rec in ledger] == [["old1", "old2"]] and ledger[0]["groups"] == []
     assert trainer.step == 0
 
@@ -125,7 +126,7 @@ def test_kill_9_trains_every_sample_exactly_once(client, keys, redis_url, tiny_m
     ledger_dir = cfg.run_path / "trainer"
     try:
         deadline = time.monotonic() + 120
-        while len(checkpoint.read_ledger(ledger_dir)) < 2:
+        while len(read_ledger(ledger_dir)) < 2:
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.05)
         time.sleep(random.Random(1).random() * 0.5)
@@ -138,7 +139,7 @@ def test_kill_9_trains_every_sample_exactly_once(client, keys, redis_url, tiny_m
     try:
         deadline = time.monotonic() + 180
         while True:
-            done = [g for rec in checkpoint.read_ledger(ledger_dir) for g in rec["groups"] + rec["skipped"]]
+            done = [g for rec in read_ledger(ledger_dir) for g in rec["groups"] + rec["skipped"]]
             if len(set(done)) == len(groups):
                 break
             assert time.monotonic() < deadline, f"only {len(set(done))} groups committed"
@@ -147,7 +148,7 @@ def test_kill_9_trains_every_sample_exactly_once(client, keys, redis_url, tiny_m
     finally:
         proc.terminate()
         proc.wait(30)
-    trained = [g for rec in checkpoint.read_ledger(ledger_dir) for g in rec["groups"]]
+    trained = [g for rec in read_ledger(ledger_dir) for g in rec["groups"]]
     assert sorted(trained) == groups  # every group trained, none twice
     versions = [int(f[b"version"]) for _, f in client.xrange(keys.versions)]
     assert versions == sorted(set(versions)) and versions[-1] == len(groups) // 4

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared import validation
-from shared.config import Config
-from shared.prompts import PromptGroup, enqueue
-from shared.status import format_line, snapshot
-from shared.tensorboard import flatten
+from services.driver import validation
+from shared.runtime.config import Config
+from shared.protocol.prompts import PromptGroup, enqueue
+from services.driver.status import format_line, snapshot
+from shared.runtime.tensorboard import flatten
 from tests.models import scripted_model
 from tests.rollout_harness import make_worker, samples, tick_until
 
@@ -97,10 +97,10 @@ def test_status_line_and_cli(client, keys, cli_env):
     line = format_line(snap)
     assert "version   3" in line and "reward 0.250" in line and "val@v2 0.500 (greedy 0.750)" in line
     assert "dropped 2" in line and snap["samples_per_s"] > 0
-    out = subprocess.run([sys.executable, "-m", "shared.cli", "status"], env=cli_env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "status"], env=cli_env, capture_output=True, text=True)
     assert out.returncode == 0 and "reward 0.250" in out.stdout
     env = {**cli_env, "STREAMRL_RUN": "no-such-run"}
-    out = subprocess.run([sys.executable, "-m", "shared.cli", "status"], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "status"], env=env, capture_output=True, text=True)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "no-such-run" in out.stderr
 
 
@@ -114,7 +114,7 @@ def test_trainer_writes_tensorboard_scalars(client, keys, tiny_model_dir, tmp_pa
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from services.trainer.trainer import Trainer
-    from shared import logs
+    from shared.runtime import logs
     from tests.test_trainer import _write_group
 
     cfg = Config(run=keys.run, model_dir=tiny_model_dir, run_dir=str(tmp_path / "runs"), tensorboard=True,

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from services.rollout.engine import EngineError, SamplingParams, make_engine
 from services.rollout.engine.vllm_engine import parse_vllm_args, request_seed
-from shared.config import Config, ConfigError, _validate
+from shared.runtime.config import Config, ConfigError, _validate
 from tests.rollout_harness import make_vllm_engine
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from shared.config import Config
-from shared.prompts import PromptGroup, enqueue
+from shared.runtime.config import Config
+from shared.protocol.prompts import PromptGroup, enqueue
 from tests.rollout_harness import acks, episodes, make_vllm_engine, make_worker, samples, send, snapshot, tick_until
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

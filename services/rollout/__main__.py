@@ -6,7 +6,7 @@ import sys
 
 from services.rollout.engine import EngineError, make_engine
 from services.rollout.worker import RolloutWorker
-from shared.service import Service
+from shared.runtime.service import Service
 
 
 def main(argv=None) -> None:

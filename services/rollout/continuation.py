@@ -25,8 +25,8 @@ from typing import Callable
 from services.rollout import rewards, tools
 from services.rollout.engine import EngineError, SamplingParams
 from services.rollout.episode import _index_after_seq
-from shared.events import TERMINAL_KINDS, EventError, decode
-from shared.fold import Episode, fold
+from shared.protocol.events import TERMINAL_KINDS, EventError, decode
+from shared.protocol.fold import Episode, fold
 
 
 class ContinuationError(ValueError):
@@ -126,7 +126,7 @@ def load_version(engine, version: int, path: str | None, sha256: str = "") -> No
         engine.version = version
         return
     if sha256:
-        from shared.checksum import sha256_file
+        from shared.runtime.checksum import sha256_file
 
         actual = sha256_file(Path(path))
         if actual != sha256:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from services.rollout.engine import SamplingParams
-from shared.fold import Episode
+from shared.protocol.fold import Episode
 
 
 class State(Enum):

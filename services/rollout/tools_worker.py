@@ -7,14 +7,14 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, Worker
 
-from services.rollout.worker import TOOL_QUEUE
-from shared.service import Service
+
+from shared.runtime.service import Service
 
 
 def main(argv=None) -> None:
     svc = Service("tools", argv, extra_args=lambda p: p.add_argument(
         "--fork", action="store_true", help="fork a work horse per job (default: run jobs in-process)"))
-    queue = Queue(f"{TOOL_QUEUE}-{svc.cfg.run}", connection=svc.client, serializer=JSONSerializer)
+    queue = Queue(svc.keys.tool_queue, connection=svc.client, serializer=JSONSerializer)
     cls = Worker if svc.args.fork else SimpleWorker
     worker = cls([queue], connection=svc.client, serializer=JSONSerializer, name=svc.worker_id)
     svc.log.info("ready", queue=queue.name, worker_class=cls.__name__)

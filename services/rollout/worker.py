@@ -23,17 +23,15 @@ from rq.serializers import JSONSerializer
 from services.rollout import rewards, tools
 from services.rollout.engine import Chunk, Engine, EngineError, SamplingParams
 from services.rollout.episode import LiveEpisode, State, episode_seed
-from shared import control
-from shared.checksum import sha256_file
-from shared.config import Config
-from shared.episode_log import EpisodeLog, Fenced
-from shared.events import EventError
-from shared.fold import fold
-from shared.keys import Keys
-from shared.prompts import PromptGroup, decode_group
+from shared.protocol import control
+from shared.runtime.checksum import sha256_file
+from shared.runtime.config import Config
+from shared.protocol.episode_log import EpisodeLog, Fenced
+from shared.protocol.events import EventError
+from shared.protocol.fold import fold
+from shared.protocol.keys import ROLLOUT_GROUP as GROUP, Keys
+from shared.protocol.prompts import PromptGroup, decode_group
 
-GROUP = "rollout"  # consumer group on the prompts stream
-TOOL_QUEUE = "tools"
 
 _PUBLISH = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', 604800) then
@@ -57,7 +55,7 @@ class RolloutWorker:
         self.log = log.bind(worker=worker_id)
         self.keys = Keys(cfg.run)
         self.events = EpisodeLog(client, self.keys, worker_id, cfg.flush_tokens, cfg.flush_ms)
-        self.tool_queue = Queue(TOOL_QUEUE + "-" + cfg.run, connection=client, serializer=JSONSerializer)
+        self.tool_queue = Queue(self.keys.tool_queue, connection=client, serializer=JSONSerializer)
         self.tool_names = {t.strip() for t in cfg.tools.split(",") if t.strip()}
         self.reward_fn = rewards.load(cfg.reward_fn)
         self._publish = client.register_script(_PUBLISH)
@@ -456,7 +454,7 @@ class RolloutWorker:
             return
         g = run.group
         samples = self.keys.val_samples if run.source == self.keys.val_prompts else self.keys.samples
-        self._publish(keys=[f"{self.keys.base}sampled:{g.group_id}", samples, run.source],
+        self._publish(keys=[self.keys.sampled(g.group_id), samples, run.source],
                       args=[g.group_id, ",".join(run.episodes), self.worker_id, g.n, GROUP, g.entry_id])
         del self.groups[g.group_id]
         self.stats["groups"] += 1

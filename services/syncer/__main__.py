@@ -1,7 +1,7 @@
 """`python -m services.syncer`: weight sync and the staleness gate."""
 
 from services.syncer.syncer import Syncer
-from shared.service import Service
+from shared.runtime.service import Service
 
 
 def main(argv=None) -> None:

@@ -9,7 +9,7 @@ Only generation pauses: rq tool jobs keep running in their own processes.
 
 The gate is a hash ``gate`` {version, limit}: how many prompt groups may have
 started in total under the current version (AReaL's admission control,
-``shared.staleness.group_capacity``); rollout workers reserve starts against it.
+``shared.protocol.staleness.group_capacity``); rollout workers reserve starts against it.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import uuid
 
 import redis
 
-from shared import control
-from shared.config import Config
-from shared.keys import Keys
-from shared.staleness import group_capacity
+from shared.protocol import control
+from shared.runtime.config import Config
+from shared.protocol.keys import Keys
+from shared.protocol.staleness import group_capacity
 
 
 CONTROL_MAXLEN = 10_000  # control entries kept (approximately): commands and acks of the recent syncs
@@ -46,7 +46,7 @@ class Syncer:
     def live_workers(self) -> dict[str, dict]:
         out = {}
         # SCAN walks the whole keyspace (one key per episode): big pages, or a sync costs 100s of ms late in a run
-        for key in self.client.scan_iter(match=self.keys.alive("rollout", "*"), count=10_000):
+        for key in self.client.scan_iter(match=self.keys.alive_pattern("rollout"), count=10_000):
             info = {k.decode(): v.decode() for k, v in self.client.hgetall(key).items()}
             if info:
                 out[key.decode().rsplit(":", 1)[1]] = info

@@ -1,7 +1,7 @@
 """`python -m services.trainer`: the trainer process (one per run)."""
 
 from services.trainer.trainer import Trainer
-from shared.service import Service
+from shared.runtime.service import Service
 
 
 def main(argv=None) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from services.trainer.loss import grpo_advantages
-from shared.fold import Episode
+from shared.protocol.fold import Episode
 
 
 @dataclass

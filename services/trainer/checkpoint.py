@@ -10,7 +10,6 @@ includes: each id appears there exactly once across crashes and restarts.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -45,18 +44,3 @@ def load(directory: Path) -> dict | None:
     if not path.exists():
         return None
     return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def append_ledger(directory: Path, record: dict) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "trained.jsonl", "a") as fh:
-        fh.write(json.dumps(record) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def read_ledger(directory: Path) -> list[dict]:
-    path = directory / "trained.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

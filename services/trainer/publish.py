@@ -10,7 +10,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from services.trainer.checkpoint import atomic_write
-from shared.checksum import sha256_file
+from shared.runtime.checksum import sha256_file
 
 
 def write_weights(model, directory: Path, version: int) -> tuple[Path, str]:

@@ -21,17 +21,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.trainer import checkpoint, publish
+from shared.protocol import ledger
 from services.trainer.batch import Batch, build_batch
 from services.trainer.loss import decoupled_ppo_loss, entropy_from_logits, ppo_clip_loss, token_logprobs
-from shared.config import Config
-from shared.episode_log import EpisodeLog
-from shared.events import EventError
-from shared.fold import Episode, fold
-from shared.keys import Keys
-from shared.staleness import is_too_stale, staleness_histogram
-from shared.tensorboard import TensorBoard
+from shared.runtime.config import Config
+from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.events import EventError
+from shared.protocol.fold import Episode, fold
+from shared.protocol.keys import TRAINER_GROUP as GROUP, Keys
+from shared.protocol.staleness import is_too_stale, staleness_histogram
+from shared.runtime.tensorboard import TensorBoard
 
-GROUP = "trainer"
 CONSUMER = "trainer"  # one trainer per run: a stable name gets its own pending entries back after a restart
 
 
@@ -234,7 +234,7 @@ class Trainer:
         checkpoint.save(self.ckpt_dir, {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                                         "rng": torch.get_rng_state(), "step": self.step, "version": self.version,
                                         "consumed": sorted(self.consumed), "stale_dropped": self.stale_dropped})
-        checkpoint.append_ledger(self.ckpt_dir, {"version": self.version, "step": self.step, "groups": trained,
+        ledger.append_ledger(self.ckpt_dir, {"version": self.version, "step": self.step, "groups": trained,
                                                  "skipped": skipped})
         if self.uncommitted:
             self.client.xack(self.keys.samples, GROUP, *[e for e, _, _ in self.uncommitted])
@@ -249,7 +249,7 @@ class Trainer:
         if not self.uncommitted or any(trained for _, _, trained in self.uncommitted):
             return
         skipped = [g for _, g, _ in self.uncommitted]
-        checkpoint.append_ledger(self.ckpt_dir, {"version": self.version, "step": self.step, "groups": [],
+        ledger.append_ledger(self.ckpt_dir, {"version": self.version, "step": self.step, "groups": [],
                                                  "skipped": skipped})
         self.consumed.update(skipped)
         for g in skipped:

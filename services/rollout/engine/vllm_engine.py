@@ -227,7 +227,7 @@ def _check_cpu_head_size(model_dir: Path) -> None:
     if head not in supported:
         raise EngineError(f"model at {str(model_dir)!r} has attention head size {head}; vLLM's CPU attention "
                           f"supports {supported}: use engine 'torch', or a model with a supported head size "
-                          f"(e.g. shared.tiny_model.make_tiny_model(dir, hidden_size=128))")
+                          f"(e.g. services.ops.tiny_model.make_tiny_model(dir, hidden_size=128))")
 
 
 def _safetensors_files(path: Path) -> list[Path]:

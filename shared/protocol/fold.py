@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from shared.events import TERMINAL_KINDS, Event, EventError, decode
+from shared.protocol.events import TERMINAL_KINDS, Event, EventError, decode
 
 PROMPT_VERSION = -1  # version tag of tokens no policy generated (tool output)
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import redis
 
-from shared.events import Event, encode
-from shared.fold import Episode, fold
-from shared.keys import Keys
+from shared.protocol.events import Event, encode
+from shared.protocol.fold import Episode, fold
+from shared.protocol.keys import Keys
 
 _APPEND = """
 local nextseq = 0

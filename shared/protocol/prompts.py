@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from shared.events import EventError
+from shared.protocol.events import EventError
 
 
 @dataclass

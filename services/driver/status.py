@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 
-from shared.keys import Keys
+from shared.protocol.keys import Keys
 
 
 def _last(client, keys: Keys, kind: str, scan: int = 200) -> dict | None:
@@ -21,7 +21,7 @@ def _last(client, keys: Keys, kind: str, scan: int = 200) -> dict | None:
 
 def alive_services(client, keys: Keys) -> dict[str, int]:
     out: dict[str, int] = {}
-    for k in client.scan_iter(match=f"{keys.base}alive:*", count=10_000):
+    for k in client.scan_iter(match=keys.alive_pattern(), count=10_000):
         service = k.decode().split(":")[3]
         out[service] = out.get(service, 0) + 1
     return out

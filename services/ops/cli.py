@@ -16,10 +16,10 @@ from pathlib import Path
 
 import redis
 
-from shared import config as configmod
-from shared.connection import connect, redact
-from shared.events import EventError
-from shared.keys import Keys
+from shared.runtime import config as configmod
+from shared.runtime.connection import connect, redact
+from shared.protocol.events import EventError
+from shared.protocol.keys import Keys
 
 
 class CLIError(Exception):
@@ -33,7 +33,7 @@ def _client(cfg, wait: float = 3.0) -> redis.Redis:
 def cmd_redis(cfg, args) -> int:
     from urllib.parse import urlparse
 
-    from shared.redis_server import EmbeddedRedis
+    from services.ops.redis_server import EmbeddedRedis
 
     url = urlparse(cfg.redis_url)
     if url.hostname not in ("127.0.0.1", "localhost", "::1"):
@@ -59,7 +59,7 @@ def cmd_redis(cfg, args) -> int:
 
 
 def cmd_inspect(cfg, args) -> int:
-    from shared.views import format_streams, run_streams
+    from services.ops.views import format_streams, run_streams
 
     keys = Keys(cfg.run)
     streams = run_streams(_client(cfg), keys)
@@ -83,15 +83,15 @@ def _decoder(cfg):
 
 
 def cmd_replay(cfg, args) -> int:
-    from shared.episode_log import EpisodeLog
-    from shared.views import format_timeline, timeline_json
+    from shared.protocol.episode_log import EpisodeLog
+    from services.ops.views import format_timeline, timeline_json
 
     keys = Keys(cfg.run)
     log = EpisodeLog(_client(cfg), keys, worker="cli")
     entries = log.read(args.episode)
     if not entries:
         raise CLIError(f"no episode {args.episode!r} in run {cfg.run!r} (stream {keys.episode(args.episode)} is empty)")
-    from shared.fold import fold
+    from shared.protocol.fold import fold
 
     try:
         ep = fold(entries)
@@ -153,7 +153,7 @@ def _replay_continue(cfg, args, log, entries, ep, decode_text) -> int:
 def cmd_redis_cli(cfg, args) -> int:
     import shutil
 
-    from shared.redis_server import find_binary
+    from services.ops.redis_server import find_binary
 
     server = Path(find_binary())
     candidates = [server.with_name("valkey-cli"), server.with_name("redis-cli"),
@@ -166,7 +166,7 @@ def cmd_redis_cli(cfg, args) -> int:
 
 
 def cmd_schema(cfg, args) -> int:
-    from shared import events
+    from shared.protocol import events
 
     print(events.describe())
     return 0
@@ -174,7 +174,7 @@ def cmd_schema(cfg, args) -> int:
 
 def cmd_status(cfg, args) -> int:
 
-    from shared.status import format_line, snapshot
+    from services.driver.status import format_line, snapshot
 
     client, keys = _client(cfg), Keys(cfg.run)
     if not client.exists(keys.versions, keys.prompts, keys.samples, keys.metrics):
@@ -189,7 +189,7 @@ def cmd_status(cfg, args) -> int:
 
 
 def cmd_make_model(cfg, args) -> int:
-    from shared.tiny_model import ensure_default_model
+    from services.ops.tiny_model import ensure_default_model
 
     if not ensure_default_model(cfg, warm_steps=args.warm_steps, force=args.force):
         print(f"streamrl make-model: {cfg.model_dir} exists; --force replaces it", file=sys.stderr)
@@ -197,13 +197,13 @@ def cmd_make_model(cfg, args) -> int:
 
 
 def cmd_run(cfg, args) -> int:
-    from shared.runner import run
+    from services.ops.runner import run
 
     return run(cfg, args.procfile)
 
 
 def cmd_check(cfg, args) -> int:
-    from shared.checker import check, format_report, read_run
+    from services.ops.checker import check, format_report, read_run
 
     report = check(read_run(_client(cfg), Keys(cfg.run), cfg.run_path))
     print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report, cfg.run))
@@ -211,7 +211,7 @@ def cmd_check(cfg, args) -> int:
 
 
 def cmd_drive(cfg, args) -> int:
-    from shared.driver import drive
+    from services.driver.driver import drive
 
     return drive(cfg)
 
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = configmod.from_args(args)
-        from shared import logs
+        from shared.runtime import logs
 
         logs.setup(cfg.log_level)
         return args.func(cfg, args) or 0

@@ -14,10 +14,10 @@ import uuid
 
 import redis
 
-from shared import config as configmod
-from shared import logs
-from shared.connection import connect, redact
-from shared.keys import Keys
+from shared.runtime import config as configmod
+from shared.runtime import logs
+from shared.runtime.connection import connect, redact
+from shared.protocol.keys import Keys
 
 
 class Service:

@@ -51,14 +51,13 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from shared import control
-from shared.events import TERMINAL_KINDS, EventError, decode
-from shared.fold import fold
-from shared.keys import Keys
-from shared.prompts import decode_group
+from shared.protocol import control
+from shared.protocol.events import TERMINAL_KINDS, EventError, decode
+from shared.protocol.fold import fold
+from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
+from shared.protocol.prompts import decode_group
 
 MUST_BE_ZERO = ("groups_lost", "episodes_finished_twice", "samples_trained_twice", "bad_input_not_dead_lettered")
-ROLLOUT_GROUP, TRAINER_GROUP = "rollout", "trainer"
 
 
 def _s(v) -> str:
@@ -381,7 +380,7 @@ def _consumer_group(client, stream: str, name: str) -> ConsumerGroup:
 
 
 def read_run(client, keys: Keys, run_path: Path) -> RunData:
-    from services.trainer.checkpoint import read_ledger
+    from shared.protocol.ledger import read_ledger
 
     data = RunData(prompts_key=keys.prompts, samples_key=keys.samples, control_key=keys.control,
                    episode_key_prefix=keys.episode(""))

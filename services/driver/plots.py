@@ -6,9 +6,9 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from shared.config import Config
-from shared.connection import connect
-from shared.keys import Keys
+from shared.runtime.config import Config
+from shared.runtime.connection import connect
+from shared.protocol.keys import Keys
 
 
 def read_metrics(cfg: Config) -> tuple[list[dict], list[dict], list[dict]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.events import EventError
+from shared.protocol.events import EventError
 
 COMMANDS = ("pause", "load", "resume")
 

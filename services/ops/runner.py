@@ -15,16 +15,15 @@ from pathlib import Path
 from honcho.environ import parse_procfile
 from honcho.manager import Manager
 
-from shared.config import Config
-from shared.connection import redact
-from shared.redis_server import EmbeddedRedis
+from shared.runtime.config import Config
+from shared.runtime.connection import redact
+from services.driver.driver import ENDED
+from services.ops.redis_server import EmbeddedRedis
 
 
 def archive_ended_run(cfg: Config) -> Path | None:
     """A run the driver ended is done: move its folder aside (runs/<run>.<time>) so this one starts afresh.
     A run that was interrupted (no ENDED file) is continued from its streams and checkpoint instead."""
-    from shared.driver import ENDED
-
     if not (cfg.run_path / ENDED).exists():
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((cfg.run_path / ENDED).stat().st_mtime))
@@ -55,7 +54,7 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
         server = EmbeddedRedis(Path(cfg.run_dir) / cfg.run / "redis").start()
         env["REDIS_URL"] = env["STREAMRL_REDIS_URL"] = server.url
     if not Path(cfg.model_dir, "config.json").exists():
-        from shared.tiny_model import ensure_default_model
+        from services.ops.tiny_model import ensure_default_model
 
         ensure_default_model(cfg)
     print(f"streamrl run: run {cfg.run!r} on {redact(env['REDIS_URL'])}"
@@ -68,7 +67,21 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
             manager.add_process(name, cmd, env=env if name == "driver" else quiet)
     try:
         manager.loop()
+        if (cfg.run_path / ENDED).exists():
+            end_of_run_check(cfg, env["REDIS_URL"])
     finally:
         if server:
             server.stop()
     return manager.returncode or 0
+
+
+def end_of_run_check(cfg: Config, redis_url: str) -> None:
+    """After every process has stopped (warm), so each worker's final record is in: every count is known."""
+    from services.ops.checker import check, format_report, read_run
+    from shared.protocol.keys import Keys
+    from shared.runtime.connection import connect
+
+    client = connect(redis_url, wait=10)
+    report = check(read_run(client, Keys(cfg.run), cfg.run_path))
+    print("streamrl run: streamrl check at the end of the run (groups still in flight are not lost):\n"
+          + format_report(report, cfg.run), file=sys.stderr, flush=True)

@@ -7,8 +7,8 @@ from typing import Any
 
 import redis
 
-from shared.fold import Episode
-from shared.keys import Keys
+from shared.protocol.fold import Episode
+from shared.protocol.keys import Keys
 
 
 def _s(value: Any) -> str:

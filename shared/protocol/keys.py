@@ -4,6 +4,11 @@ from __future__ import annotations
 
 PREFIX = "streamrl"
 
+# consumer groups and rq queues: the one place their names are written
+ROLLOUT_GROUP = "rollout"  # rollout workers on the prompts streams (training and validation)
+TRAINER_GROUP = "trainer"  # the trainer on the samples stream
+TOOL_QUEUE = "tools"  # rq queue of tool calls, per run: Keys.tool_queue
+
 
 class Keys:
     def __init__(self, run: str):
@@ -20,6 +25,20 @@ class Keys:
     def alive(self, service: str, worker_id: str) -> str:
         """Heartbeat key: exists while the process is alive (TTL)."""
         return f"{self.base}alive:{service}:{worker_id}"
+
+    def sampled(self, group_id: str) -> str:
+        """Set once when a group's samples entry is written: a second publish of the same group is a no-op."""
+        return f"{self.base}sampled:{group_id}"
+
+    def alive_pattern(self, service: str = "*") -> str:
+        return f"{self.base}alive:{service}:*"
+
+    driver_enqueued = property(lambda self: f"{self.base}driver:enqueued")  # groups the driver has enqueued so far
+    val_requested = property(lambda self: f"{self.base}validation:requested")  # validation rounds asked for
+
+    @property
+    def tool_queue(self) -> str:
+        return f"{TOOL_QUEUE}-{self.run}"
 
     @property
     def pattern(self) -> str:

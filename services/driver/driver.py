@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import time
 
-from shared import tasks
-from shared.config import Config
-from shared.connection import connect
-from shared.keys import Keys
-from shared.prompts import PromptGroup, enqueue
-from shared.status import alive_services, format_line, snapshot
-from shared.tensorboard import TensorBoard
-from shared.validation import Validator, split
+from services.driver import tasks
+from shared.runtime.config import Config
+from shared.runtime.connection import connect
+from shared.protocol.keys import ROLLOUT_GROUP, Keys
+from shared.protocol.prompts import PromptGroup, enqueue
+from services.driver.status import alive_services, format_line, snapshot
+from shared.runtime.tensorboard import TensorBoard
+from services.driver.validation import Validator, split
 
 SERVICES = ("rollout", "trainer", "syncer")
 ENDED = "ENDED"  # file in the run's folder once the driver ended the run: `streamrl run` starts the next one afresh
@@ -44,13 +44,13 @@ class Driver:
         self.tensorboard = TensorBoard(cfg, "driver")
         self.validator = Validator(self.client, self.keys, held_out, cfg.val_every, cfg.val_size,
                                    on_result=lambda r: self.tensorboard.scalars("validation", r, r["version"]))
-        self.enqueued = int(self.client.get(f"{self.keys.base}driver:enqueued") or 0)
+        self.enqueued = int(self.client.get(self.keys.driver_enqueued) or 0)
 
     def top_up(self, depth: int) -> None:
         """Keep ``depth`` groups waiting beyond what has been delivered."""
         try:
             info = {g["name"].decode(): g for g in self.client.xinfo_groups(self.keys.prompts)}
-            lag = info["rollout"]["lag"] if "rollout" in info else self.client.xlen(self.keys.prompts)
+            lag = info[ROLLOUT_GROUP]["lag"] if ROLLOUT_GROUP in info else self.client.xlen(self.keys.prompts)
         except Exception:  # no stream or group yet
             lag = self.client.xlen(self.keys.prompts) if self.client.exists(self.keys.prompts) else 0
         missing = depth - (lag or 0)
@@ -63,7 +63,7 @@ class Driver:
             groups.append(PromptGroup(f"q{self.enqueued:07d}", self.cfg.group_size, prompt=row["prompt"], task=task))
             self.enqueued += 1
         enqueue(self.client, self.keys, groups)
-        self.client.set(f"{self.keys.base}driver:enqueued", self.enqueued)
+        self.client.set(self.keys.driver_enqueued, self.enqueued)
 
     def wait_for_services(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
@@ -109,17 +109,17 @@ class Driver:
         return 0
 
     def finish(self) -> None:
-        from shared.checker import check, format_report, read_run
-        from shared.plots import write_plots
+        from services.driver.plots import write_plots
 
         for p in write_plots(self.cfg):
             print(f"driver: wrote {p}", flush=True)
-        report = check(read_run(self.client, self.keys, self.cfg.run_path))
-        print("driver: streamrl check at the end of the run (groups still in flight are not lost):\n"
-              + format_report(report, self.cfg.run), flush=True)
         self.cfg.run_path.mkdir(parents=True, exist_ok=True)
         (self.cfg.run_path / ENDED).write_text(json.dumps({"version": latest_version(self.client, self.keys),
                                                            "time": time.time()}))
+        # the end-of-run check needs every worker stopped and its final record written: `streamrl run` runs it
+        # after honcho has stopped them all; under a bare `honcho start`, run `streamrl check` afterwards
+        print(f"driver: run {self.cfg.run!r} ended; `streamrl check --run {self.cfg.run}` verifies it once every "
+              f"process has stopped", flush=True)
 
 
 def drive(cfg: Config) -> int:

@@ -57,10 +57,10 @@ DEFAULT_WARM_STEPS = 150
 
 
 def sft_examples(rows: list[dict], tokenizer, tools: bool = False) -> list[tuple[list[int], list[int]]]:
-    """(input ids, labels) per task row: prompt, then the reference response (``shared.tasks.reference``)
+    """(input ids, labels) per task row: prompt, then the reference response (``services.driver.tasks.reference``)
     and <eos>. Labels are -100 on the prompt and on tool results (the worker inserts those, the model
     never writes them), so the warm start teaches exactly what the policy generates."""
-    from shared.tasks import reference
+    from services.driver.tasks import reference
 
     out = []
     for row in rows:
@@ -148,7 +148,7 @@ def make_default_model(out_dir: str | Path, dataset: str = "arithmetic", tools: 
     start (``warm_steps`` steps of 32) on the built-in task's response format. Brief on purpose: the
     model writes answers in the right shape but gets most of them wrong, so the reward has room to
     rise, and it is RL that lifts it. ``tools`` warm-starts on the calculator-tool format instead."""
-    from shared.tasks import builtin
+    from services.driver.tasks import builtin
 
     make_tiny_model(out_dir, **DEFAULT_MODEL, seed=seed)
     if warm_steps > 0:
@@ -165,7 +165,7 @@ def ensure_default_model(cfg, warm_steps: int | None = None, force: bool = False
     import sys
     import time
 
-    from shared.tasks import BUILTIN
+    from services.driver.tasks import BUILTIN
 
     if Path(cfg.model_dir, "config.json").exists() and not force:
         return False

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from shared.config import Config, ConfigError
+from shared.runtime.config import Config, ConfigError
 
 
 class TensorBoard:

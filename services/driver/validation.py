@@ -14,11 +14,11 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from shared.episode_log import EpisodeLog
-from shared.events import EventError
-from shared.fold import fold
-from shared.keys import Keys
-from shared.prompts import PromptGroup, enqueue
+from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.events import EventError
+from shared.protocol.fold import fold
+from shared.protocol.keys import Keys
+from shared.protocol.prompts import PromptGroup, enqueue
 
 
 def split(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
@@ -98,7 +98,7 @@ class Validator:
 
     @property
     def _requested_key(self) -> str:
-        return f"{self.keys.base}validation:requested"
+        return self.keys.val_requested
 
     def maybe_request(self, version: int) -> bool:
         """Enqueue the round of ``version`` when it is due and not requested before (also across driver restarts)."""

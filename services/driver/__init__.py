@@ -1,0 +1,1 @@
+"""The driver process: feeds prompt groups, runs validation rounds, shows progress, ends the run."""

@@ -1,0 +1,1 @@
+"""The operator's side: the `streamrl` CLI, the checker, views, `streamrl run`, the embedded Redis. The composition root."""

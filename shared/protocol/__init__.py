@@ -1,0 +1,1 @@
+"""The wire protocol: every key, one codec per stream, the episode fold, the staleness gate."""

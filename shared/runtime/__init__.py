@@ -1,0 +1,1 @@
+"""Process runtime: config, connection, logs, the service lifecycle and heartbeat, files."""

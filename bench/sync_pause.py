@@ -133,7 +133,7 @@ def bench_model(client, redis_url: str, model_dir: str, label: str, weights_dir:
             write_s = time.perf_counter() - t0
             if copy is None:
                 copy = measure_copy(path, digest, reps=3)
-            publish(client, keys.versions, version, path, digest, step=version)
+            publish(client, keys, version, path, digest, step=version)
             record = syncer.sync(version, str(path), digest)
             assert record["workers"] == 1 and not record["missing"] and not record["refused"], record
             pause_ms = max(ms(i) for i, f in client.xrange(keys.control)

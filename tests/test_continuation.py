@@ -79,7 +79,7 @@ def test_other_version_tags_every_new_token_and_writes_nothing(finished_run, cli
     other = make_tiny_model(tmp_path / "other", seed=7)  # same architecture, different weights
     weights = tmp_path / "v000003.safetensors"
     (tmp_path / "other" / "model.safetensors").rename(weights)
-    publish(client, keys.versions, 3, weights, sha256(weights), step=3)
+    publish(client, keys, 3, weights, sha256(weights), step=3)
     before = {k: client.xlen(k) for k in (keys.episode("greedy-0"), keys.samples, keys.versions)}
     env = {**cli_env, "STREAMRL_MODEL_DIR": tiny_model_dir}
     out = streamrl(env, "replay", "greedy-0", "--continue", "--from-seq", "2", "--version", "3", "--json")

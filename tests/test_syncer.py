@@ -110,7 +110,7 @@ def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, r
         # once the pause is out
         os.kill(procs["C"].pid, signal.SIGSTOP)
         published_at = time.monotonic()
-        publish(client, keys.versions, 1, path, digest, step=1)
+        publish(client, keys, 1, path, digest, step=1)
         _wait(lambda: any(f.get(b"cmd") == b"pause" for _, f in client.xrange(keys.control)), 10, "the pause")
         os.killpg(procs["C"].pid, signal.SIGKILL)
         _wait(lambda: _sync_records(client, keys), 30, "the sync record")
@@ -130,7 +130,7 @@ def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, r
         assert all(info["version"] == "1" and info["paused"] == "0" for info in alive.values())
         # a second version goes through with only the live workers and no waiting
         path2, digest2 = _weights(tiny_model_dir, tmp_path, 2)
-        publish(client, keys.versions, 2, path2, digest2, step=2)
+        publish(client, keys, 2, path2, digest2, step=2)
         _wait(lambda: len(_sync_records(client, keys)) == 2, 30, "the second sync")
         rec2 = _sync_records(client, keys)[1]
         assert rec2["version"] == 2 and rec2["workers"] == 2 and rec2["missing"] == []
@@ -160,7 +160,7 @@ def test_corrupt_weights_refused_sync_records_it_and_goes_on(client, keys, redis
         _wait(lambda: _token_events(client, keys), 90, "A generating", procs)
         path, digest = _weights(tiny_model_dir, tmp_path, 1)
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated after the checksum
-        publish(client, keys.versions, 1, path, digest, step=1)
+        publish(client, keys, 1, path, digest, step=1)
         _wait(lambda: _sync_records(client, keys), 30, "the sync record", procs)
         (rec,) = _sync_records(client, keys)
         assert rec["missing"] == [] and set(rec["refused"]) == {"A"}
@@ -173,7 +173,7 @@ def test_corrupt_weights_refused_sync_records_it_and_goes_on(client, keys, redis
         assert {v for _, _, v in _token_events(client, keys)} == {0}
         # the next good version is loaded as usual
         path2, digest2 = _weights(tiny_model_dir, tmp_path, 2)
-        publish(client, keys.versions, 2, path2, digest2, step=2)
+        publish(client, keys, 2, path2, digest2, step=2)
         _wait(lambda: len(_sync_records(client, keys)) == 2, 30, "the second sync", procs)
         assert _sync_records(client, keys)[1]["refused"] == {}
         _wait(lambda: any(v == 2 for _, _, v in _token_events(client, keys)), 30, "tokens of version 2", procs)

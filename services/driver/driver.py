@@ -14,6 +14,7 @@ import time
 from services.driver import tasks
 from shared.runtime.config import Config
 from shared.runtime.connection import connect
+from shared.protocol import versions
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
 from shared.protocol.prompts import PromptGroup, enqueue
 from services.driver.status import alive_services, format_line, snapshot
@@ -31,8 +32,7 @@ def load_task(cfg: Config) -> list[dict]:
 
 
 def latest_version(client, keys: Keys) -> int:
-    last = client.xrevrange(keys.versions, count=1)
-    return int(last[0][1][b"version"]) if last else 0
+    return versions.latest_number(client, keys)
 
 
 class Driver:

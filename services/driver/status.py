@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 
+from shared.protocol import versions
 from shared.protocol.keys import Keys
 
 
@@ -39,8 +40,7 @@ def samples_per_s(client, keys: Keys, window_s: float = 30.0) -> float:
 
 
 def snapshot(client, keys: Keys) -> dict:
-    last = client.xrevrange(keys.versions, count=1)
-    return {"version": int(last[0][1][b"version"]) if last else 0, "train": _last(client, keys, "train") or {},
+    return {"version": versions.latest_number(client, keys), "train": _last(client, keys, "train") or {},
             "validation": _last(client, keys, "validation"), "sync": _last(client, keys, "sync"),
             "samples_per_s": samples_per_s(client, keys), "alive": alive_services(client, keys),
             "dead_letters": client.xlen(keys.dead_letters)}

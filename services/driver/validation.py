@@ -14,6 +14,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from shared.protocol import metrics
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError
 from shared.protocol.fold import fold
@@ -92,8 +93,7 @@ class Validator:
         self.episodes = EpisodeLog(client, keys, "validator")
         self.rounds: dict[int, Round] = {}
         self.cursor = "0-0"
-        self.reported = {json.loads(f[b"json"])["version"] for _, f in client.xrange(keys.metrics)
-                         if f.get(b"kind") == b"validation"}
+        self.reported = {r["version"] for _, r in metrics.read(client, keys, "validation")}
         self.requested = {int(v) for v in client.smembers(self._requested_key)}
 
     @property
@@ -145,8 +145,7 @@ class Validator:
 
     def _report(self, version: int, rnd: Round) -> dict:
         summary = summarize(version, rnd.rewards, rnd.token_versions)
-        self.client.xadd(self.keys.metrics, {"kind": "validation", "json": json.dumps(summary)}, maxlen=100_000,
-                         approximate=True)
+        metrics.record(self.client, self.keys, "validation", summary)
         self.reported.add(version)
         if self.on_result:
             self.on_result(summary)

@@ -125,9 +125,9 @@ def _replay_continue(cfg, args, log, entries, ep, decode_text) -> int:
                 raise cont.ContinuationError(f"--weights {args.weights}: no such file or folder")
             path, sha, label = args.weights, "", f"{args.weights} (tagged v{version})"
         else:
-            versions = [{k.decode(): v.decode() for k, v in f.items()}
-                        for _, f in log.client.xrange(Keys(cfg.run).versions)]
-            path, sha = cont.resolve_version(versions, version, cfg.model_dir)
+            from shared.protocol import versions
+
+            path, sha = cont.resolve_version(versions.read_all(log.client, Keys(cfg.run)), version, cfg.model_dir)
             label = f"v{version} ({path or cfg.model_dir})"
         reward_fn = rewards.load(cfg.reward_fn)
         try:

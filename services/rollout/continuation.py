@@ -27,6 +27,7 @@ from services.rollout.engine import EngineError, SamplingParams
 from services.rollout.episode import _index_after_seq
 from shared.protocol.events import TERMINAL_KINDS, EventError, decode
 from shared.protocol.fold import Episode, fold
+from shared.protocol.versions import Version
 
 
 class ContinuationError(ValueError):
@@ -98,19 +99,18 @@ def prefix_at(entries, from_seq: int | None = None) -> Prefix:
     return Prefix(ep, from_seq, last, events[from_seq].policy, params, turn_start)
 
 
-def resolve_version(versions: list[dict], version: int, model_dir: str) -> tuple[str | None, str]:
+def resolve_version(published: list[Version], version: int, model_dir: str) -> tuple[str | None, str]:
     """(weights path, sha256) of a policy version: None for version 0 (the
     weights in ``model_dir``), else the entry of the ``versions`` stream."""
     if version == 0:
         return None, ""
-    for v in versions:
-        if int(v.get("version", -1)) == version:
-            path = v.get("path", "")
-            if not Path(path).exists():
-                raise ContinuationError(f"--version {version}: its weights file {path} no longer exists (pruned "
+    for v in published:
+        if v.version == version:
+            if not Path(v.path).exists():
+                raise ContinuationError(f"--version {version}: its weights file {v.path} no longer exists (pruned "
                                         f"by the trainer?); pass --weights PATH or another version")
-            return path, v.get("sha256", "")
-    known = sorted(int(v.get("version", -1)) for v in versions)
+            return v.path, v.sha256
+    known = sorted(v.version for v in published)
     if not known:
         listed = "none yet (0 is model_dir)"
     elif known == list(range(known[0], known[-1] + 1)):

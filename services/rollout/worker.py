@@ -9,7 +9,6 @@ same operation: replay the stream, then continue from prompt + tokens so far.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass, field
@@ -23,7 +22,10 @@ from rq.serializers import JSONSerializer
 from services.rollout import rewards, tools
 from services.rollout.engine import Chunk, Engine, EngineError, SamplingParams
 from services.rollout.episode import LiveEpisode, State, episode_seed
-from shared.protocol import control
+from shared.protocol import control, dead_letters, metrics, versions
+from shared.protocol import gate
+from shared.protocol.gate import Gate
+from shared.protocol.samples import Publisher, Sample
 from shared.runtime.checksum import sha256_file
 from shared.runtime.config import Config
 from shared.protocol.episode_log import EpisodeLog, Fenced
@@ -31,14 +33,6 @@ from shared.protocol.events import EventError
 from shared.protocol.fold import fold
 from shared.protocol.keys import ROLLOUT_GROUP as GROUP, Keys
 from shared.protocol.prompts import PromptGroup, decode_group
-
-
-_PUBLISH = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', 604800) then
-  redis.call('XADD', KEYS[2], '*', 'group_id', ARGV[1], 'episodes', ARGV[2], 'worker', ARGV[3], 'n', ARGV[4])
-end
-return redis.call('XACK', KEYS[3], ARGV[5], ARGV[6])
-"""
 
 
 @dataclass
@@ -58,7 +52,8 @@ class RolloutWorker:
         self.tool_queue = Queue(self.keys.tool_queue, connection=client, serializer=JSONSerializer)
         self.tool_names = {t.strip() for t in cfg.tools.split(",") if t.strip()}
         self.reward_fn = rewards.load(cfg.reward_fn)
-        self._publish = client.register_script(_PUBLISH)
+        self.publisher = Publisher(client, self.keys)
+        self.gate = Gate(client, self.keys, sync_mode=cfg.mode == "sync")
         self.live: dict[str, LiveEpisode] = {}
         self.groups: dict[str, GroupRun] = {}
         self.paused = False
@@ -88,11 +83,9 @@ class RolloutWorker:
 
     def _catch_up_version(self) -> None:
         """Load the newest published version before generating anything."""
-        latest = self.client.xrevrange(self.keys.versions, count=1)
-        if latest:
-            f = {k.decode(): v.decode() for k, v in latest[0][1].items()}
-            if int(f["version"]) > self.engine.version:
-                self._load(int(f["version"]), f["path"], f.get("sha256", ""))
+        latest = versions.latest(self.client, self.keys)
+        if latest and latest.version > self.engine.version:
+            self._load(latest.version, latest.path, latest.sha256)
 
     # --- the loop
     def run(self, should_stop=lambda: False) -> None:
@@ -131,10 +124,9 @@ class RolloutWorker:
         marks the last record of a process (its counters are complete: `streamrl check` reads them)."""
         self._next_report = time.monotonic() + 5.0
         elapsed = time.monotonic() - self.started_at
-        self.client.xadd(self.keys.metrics, {"kind": "rollout", "json": json.dumps({
+        metrics.record(self.client, self.keys, "rollout", {
             "worker": self.worker_id, "time": time.time(), "version": self.engine.version, "busy_s": self.busy_s,
-            "idle_s": max(elapsed - self.busy_s, 0.0), "final": final, **self.stats})},
-            maxlen=100_000, approximate=True)
+            "idle_s": max(elapsed - self.busy_s, 0.0), "final": final, **self.stats})
 
     def heartbeat(self) -> None:
         self._next_heartbeat = time.monotonic() + min(1.0, self.cfg.heartbeat_ttl / 3)
@@ -171,30 +163,29 @@ class RolloutWorker:
         if not entries:  # nothing waiting: look again a little later, not every decode step
             self._next_claim = time.monotonic() + 0.05
         if len(entries) < free and self._gated:
-            self.client.decrby(self.keys.gate_started, free - len(entries))
+            self.gate.refund(free - len(entries))
         for entry_id, fields in entries:
             if self._open_group(entry_id, fields) is False and self._gated:
-                self.client.decr(self.keys.gate_started)  # a dead-lettered entry starts no group: its slot back
+                self.gate.refund()  # a dead-lettered entry starts no group: its slot back
 
     def _reserve(self, want: int) -> int:
         """Starts the staleness gate allows now (all of them when no syncer set a gate)."""
         self._gated = False
         if want <= 0:
             return 0
-        limit, gate_version = self.client.hmget(self.keys.gate, "limit", "version")
-        if limit is None:
-            return 0 if self.cfg.mode == "sync" else want  # sync: nothing starts before the syncer opens the gate
-        if self.cfg.mode == "sync" and int(gate_version) != self.engine.version:
+        if self.cfg.mode == "sync":
             # sync: a group starts only under the very version the gate admits it for
-            if int(gate_version) > self.engine.version and not self.paused:
+            gate_version, _ = gate.peek(self.client, self.keys)
+            if gate_version is not None and gate_version > self.engine.version and not self.paused:
                 self._catch_up_version()  # this worker missed a sync
+            if gate_version != self.engine.version:
+                return 0
+        grant = self.gate.reserve(want)
+        if grant.gated and self.cfg.mode == "sync" and grant.version != self.engine.version:
+            self.gate.refund(grant.granted)  # the gate moved on between the look and the reservation
             return 0
-        self._gated = True
-        started = self.client.incrby(self.keys.gate_started, want)
-        over = min(want, started - int(limit))
-        if over > 0:
-            self.client.decrby(self.keys.gate_started, over)
-        return want - max(over, 0)
+        self._gated = grant.gated
+        return grant.granted
 
     def _open_group(self, entry_id, fields, takeover_from: str | None = None, source: str | None = None) -> None:
         source = source or self.keys.prompts
@@ -454,8 +445,7 @@ class RolloutWorker:
             return
         g = run.group
         samples = self.keys.val_samples if run.source == self.keys.val_prompts else self.keys.samples
-        self._publish(keys=[self.keys.sampled(g.group_id), samples, run.source],
-                      args=[g.group_id, ",".join(run.episodes), self.worker_id, g.n, GROUP, g.entry_id])
+        self.publisher.publish(Sample(g.group_id, run.episodes, self.worker_id, g.n), samples, run.source, g.entry_id)
         del self.groups[g.group_id]
         self.stats["groups"] += 1
         self.log.info("group finished", group=g.group_id)
@@ -482,8 +472,7 @@ class RolloutWorker:
     def _dead_letter(self, stream: str, entry_id, reason: str) -> None:
         entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         self.log.error("bad input sent to dead letters", stream=stream, entry=entry_id, reason=reason)
-        self.client.xadd(self.keys.dead_letters, {"stream": stream, "entry": entry_id, "reason": reason,
-                                                  "by": self.worker_id})
+        dead_letters.send(self.client, self.keys, stream, entry_id, reason, self.worker_id)
 
     # --- crash takeover
     def _take_over_dead_workers(self) -> None:

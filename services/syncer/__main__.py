@@ -6,10 +6,12 @@ from shared.runtime.service import Service
 
 def main(argv=None) -> None:
     svc = Service("syncer", argv)
-    ttl = max(10.0, 2 * svc.cfg.heartbeat_ttl)
-    svc.heartbeat(ttl=ttl)
-    Syncer(svc.cfg, svc.client, svc.log, heartbeat=lambda: svc.heartbeat(ttl=ttl)).run(
-        should_stop=lambda: svc.stopping)
+    beat = svc.heartbeat(ttl=max(10.0, 2 * svc.cfg.heartbeat_ttl))
+    beat.beat()
+    try:
+        Syncer(svc.cfg, svc.client, svc.log, heartbeat=beat.beat).run(should_stop=lambda: svc.stopping)
+    finally:
+        beat.stop()
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ started in total under the current version (AReaL's admission control,
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
 import redis
 
-from shared.protocol import control
+from shared.protocol import control, gate, metrics, versions
 from shared.runtime.config import Config
 from shared.protocol.keys import Keys
 from shared.protocol.staleness import group_capacity
@@ -54,20 +53,17 @@ class Syncer:
 
     def set_gate(self, version: int) -> None:
         limit = group_capacity(version, self.cfg.max_staleness, groups_per_version(self.cfg), started_groups=0)
-        self.client.hset(self.keys.gate, mapping={"version": version, "limit": limit,
-                                                  "max_staleness": self.cfg.max_staleness})
+        gate.open(self.client, self.keys, version, limit, self.cfg.max_staleness)
 
     def start(self) -> None:
-        last = self.client.xrevrange(self.keys.versions, count=1)
+        last = versions.latest(self.client, self.keys)
         if last:
-            self.cursor = last[0][0].decode()
-            f = {k.decode(): v.decode() for k, v in last[0][1].items()}
-            self.version = int(f["version"])
+            self.cursor, self.version = last.entry_id, last.version
             # restarted mid-sync (workers left paused, or not at the newest version), or workers missed a round
             behind = [w for w, info in self.live_workers().items()
                       if int(info.get("version", -1)) < self.version or info.get("paused") == "1"]
             if behind:
-                self.sync(self.version, f["path"], f.get("sha256", ""))
+                self.sync(last.version, last.path, last.sha256)
         self.set_gate(self.version)
 
     def run(self, should_stop=lambda: False) -> None:
@@ -75,15 +71,14 @@ class Syncer:
         self.log.info("ready", version=self.version)
         while not should_stop():
             self._beat()
-            reply = self.client.xread({self.keys.versions: self.cursor}, count=100, block=200)
-            entries = [e for _, es in reply or [] for e in es]
+            entries = versions.read_after(self.client, self.keys, self.cursor, block_ms=200)
             if not entries:
                 self._resume_if_stuck()
                 continue
-            self.cursor = entries[-1][0].decode()
-            f = {k.decode(): v.decode() for k, v in entries[-1][1].items()}  # only the newest matters
-            if int(f["version"]) > self.version:
-                self.sync(int(f["version"]), f["path"], f.get("sha256", ""))
+            self.cursor = entries[-1].entry_id
+            newest = entries[-1]  # only the newest matters
+            if newest.version > self.version:
+                self.sync(newest.version, newest.path, newest.sha256)
 
     def _resume_if_stuck(self) -> None:
         """Between syncs no worker should be paused. One that is, seen twice 2 s apart, lost a command of a
@@ -93,17 +88,16 @@ class Syncer:
         if now < self._next_stuck_check:
             return
         self._next_stuck_check = now + 2.0
-        gate_version = self.client.hget(self.keys.gate, "version")
-        if gate_version is None or int(gate_version) != self.version:  # a Redis restart lost the gate's update
+        gate_version = gate.opened_version(self.client, self.keys)
+        if gate_version != self.version:  # a Redis restart lost the gate's update
             self.log.warning("staleness gate behind the synced version; set again", gate=gate_version,
                              version=self.version)
             self.set_gate(self.version)
         stuck = {w for w, info in self.live_workers().items() if info.get("paused") == "1"}
-        latest = self.client.xrevrange(self.keys.versions, count=1)
+        latest = versions.latest(self.client, self.keys)
         if stuck & self._stuck and latest:
-            f = {k.decode(): v.decode() for k, v in latest[0][1].items()}
             self.log.warning("workers paused with no sync under way; syncing again", workers=sorted(stuck))
-            self.sync(int(f["version"]), f["path"], f.get("sha256", ""))
+            self.sync(latest.version, latest.path, latest.sha256)
             stuck = set()
         self._stuck = stuck
 
@@ -134,8 +128,7 @@ class Syncer:
         self.set_gate(version)
         record = {"version": version, "sync": sync_id, "workers": len(workers), "missing": sorted(missing),
                   "refused": refused, "total_s": time.monotonic() - t_start, **durations}
-        self.client.xadd(self.keys.metrics, {"kind": "sync", "json": json.dumps(record)}, maxlen=100_000,
-                         approximate=True)
+        metrics.record(self.client, self.keys, "sync", record)
         log.info("synced", workers=len(workers), missing=len(missing), refused=len(refused),
                  **{k: round(v, 4) for k, v in durations.items()})
         return record

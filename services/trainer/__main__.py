@@ -8,8 +8,16 @@ def main(argv=None) -> None:
     svc = Service("trainer", argv)
     trainer = Trainer(svc.cfg, svc.client, svc.log)
     svc.log.info("ready", model_dir=svc.cfg.model_dir, loss=svc.cfg.loss, batch_groups=svc.cfg.batch_groups)
-    svc.heartbeat(ttl=3600)
-    trainer.run(should_stop=lambda: svc.stopping)
+    beat = svc.heartbeat(ttl=max(10.0, 2 * svc.cfg.heartbeat_ttl))
+    beat.beat()
+    try:
+        def should_stop() -> bool:  # the trainer's loop asks often: the heartbeat is refreshed there
+            beat.beat()
+            return svc.stopping
+
+        trainer.run(should_stop=should_stop)
+    finally:
+        beat.stop()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from services.trainer.checkpoint import atomic_write
+from shared.protocol import versions
+from shared.protocol.keys import Keys
 from shared.runtime.checksum import sha256_file
 
 
@@ -23,16 +25,13 @@ def write_weights(model, directory: Path, version: int) -> tuple[Path, str]:
 sha256 = sha256_file
 
 
-def publish(client, versions_key: str, version: int, path: Path, digest: str, step: int) -> None:
-    client.xadd(versions_key, {"version": str(version), "path": str(path.resolve()), "sha256": digest,
-                               "step": str(step), "time": f"{time.time():.3f}"})
+def publish(client, keys: Keys, version: int, path: Path, digest: str, step: int) -> None:
+    versions.publish(client, keys, versions.Version(version, str(path.resolve()), digest, step, time.time()))
 
 
-def latest(client, versions_key: str) -> dict | None:
-    last = client.xrevrange(versions_key, count=1)
-    if not last:
-        return None
-    return {k.decode(): v.decode() for k, v in last[0][1].items()}
+def latest_version(client, keys: Keys) -> int:
+    """The newest published version number, 0 when none."""
+    return versions.latest_number(client, keys)
 
 
 def prune(directory: Path, keep_from: int) -> None:

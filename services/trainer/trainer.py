@@ -21,7 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.trainer import checkpoint, publish
-from shared.protocol import ledger
+from shared.protocol import dead_letters, gate, ledger, samples
+from shared.protocol.metrics import record as record_metrics
 from services.trainer.batch import Batch, build_batch
 from services.trainer.loss import decoupled_ppo_loss, entropy_from_logits, ppo_clip_loss, token_logprobs
 from shared.runtime.config import Config
@@ -79,10 +80,9 @@ class Trainer:
 
     def _republish_if_needed(self) -> None:
         """A crash between checkpoint and publish leaves the version unpublished."""
-        latest = publish.latest(self.client, self.keys.versions)
-        if self.version > 0 and (latest is None or int(latest["version"]) < self.version):
+        if self.version > 0 and publish.latest_version(self.client, self.keys) < self.version:
             path, digest = publish.write_weights(self.model, self.weights_dir, self.version)
-            publish.publish(self.client, self.keys.versions, self.version, path, digest, self.step)
+            publish.publish(self.client, self.keys, self.version, path, digest, self.step)
             self.log.info("republished version after restart", version=self.version)
 
     def _republish_if_lost(self) -> None:
@@ -93,10 +93,9 @@ class Trainer:
         if now < self._next_version_check or self.version == 0:
             return
         self._next_version_check = now + 2.0
-        latest = publish.latest(self.client, self.keys.versions)
         path = self.weights_dir / f"v{self.version:06d}.safetensors"
-        if (latest is None or int(latest["version"]) < self.version) and path.exists():
-            publish.publish(self.client, self.keys.versions, self.version, path, publish.sha256(path), self.step)
+        if publish.latest_version(self.client, self.keys) < self.version and path.exists():
+            publish.publish(self.client, self.keys, self.version, path, publish.sha256(path), self.step)
             self.log.warning("version event lost by Redis; published again", version=self.version)
 
     # --- reading samples
@@ -108,18 +107,20 @@ class Trainer:
         for _, entries in reply or []:
             for entry_id, fields in entries:
                 entry_id = entry_id.decode()
-                f = {k.decode(): v.decode(errors="replace") for k, v in fields.items()}
-                group_id, eids = f.get("group_id"), f.get("episodes", "")
-                if not group_id or not eids:
-                    self._dead_letter(entry_id, "samples entry needs 'group_id' and 'episodes' fields")
+                try:
+                    sample = samples.decode(entry_id, fields)
+                except EventError as exc:
+                    self._dead_letter(entry_id, str(exc))
                     acks.append(entry_id)
-                elif group_id in self.consumed or group_id in self.taken:
+                    continue
+                group_id, eids = sample.group_id, sample.episodes
+                if group_id in self.consumed or group_id in self.taken:
                     # already trained, or in hand since the last commit: exactly once. The very entry in hand
                     # can come again when Redis restarts and forgets its delivery: it stays unacknowledged
                     if self.taken.get(group_id) != entry_id:
                         acks.append(entry_id)
                 else:
-                    self.buffer.append((entry_id, group_id, eids.split(",")))
+                    self.buffer.append((entry_id, group_id, eids))
                     self.taken[group_id] = entry_id
                     added += 1
         if acks:
@@ -128,8 +129,7 @@ class Trainer:
 
     def _dead_letter(self, entry_id: str, reason: str) -> None:
         self.log.error("bad samples entry sent to dead letters", entry=entry_id, reason=reason)
-        self.client.xadd(self.keys.dead_letters, {"stream": self.keys.samples, "entry": entry_id, "reason": reason,
-                                                  "by": "trainer"})
+        dead_letters.send(self.client, self.keys, self.keys.samples, entry_id, reason, "trainer")
 
     def collect(self, should_stop) -> list[tuple[str, str, list[Episode]]] | None:
         """Block until ``batch_groups`` trainable groups are ready; replay their streams."""
@@ -169,7 +169,7 @@ class Trainer:
             self.uncommitted.append((entry_id, group_id, False))  # acknowledged with the next commit, never trained
             # give its start back to the staleness gate (which counts starts): a replacement group may start.
             # Without it a synchronous run (exactly batch_groups starts per version) would wait forever.
-            self.client.decr(self.keys.gate_started)
+            gate.refund(self.client, self.keys)
             return None
         return episodes
 
@@ -215,8 +215,7 @@ class Trainer:
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(metrics) + "\n")
-        self.client.xadd(self.keys.metrics, {"kind": "train", "json": json.dumps(metrics)}, maxlen=100_000,
-                         approximate=True)
+        record_metrics(self.client, self.keys, "train", metrics)
         self.log.info("step", step=metrics["step"], version=metrics["version"], reward=round(metrics["reward_mean"], 3),
                       loss=round(metrics["loss"], 4), tokens_per_s=round(metrics["tokens_per_s"]),
                       staleness_max=metrics["staleness_max"])
@@ -239,7 +238,7 @@ class Trainer:
         if self.uncommitted:
             self.client.xack(self.keys.samples, GROUP, *[e for e, _, _ in self.uncommitted])
         self.uncommitted = []
-        publish.publish(self.client, self.keys.versions, self.version, path, digest, self.step)
+        publish.publish(self.client, self.keys, self.version, path, digest, self.step)
         publish.prune(self.weights_dir, keep_from=self.version - self.cfg.max_staleness - 2)
         self.log.info("version published", version=self.version, path=str(path), sha256=digest[:12])
 

@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import sys
-import time
 import uuid
 
 import redis
@@ -17,6 +16,7 @@ import redis
 from shared.runtime import config as configmod
 from shared.runtime import logs
 from shared.runtime.connection import connect, redact
+from shared.runtime.heartbeat import Heartbeat
 from shared.protocol.keys import Keys
 
 
@@ -50,14 +50,6 @@ class Service:
         self.stopping = True
         self.log.info("stopping", signal=signal.Signals(signum).name)
 
-    def heartbeat(self, ttl: float = 5.0, **fields) -> None:
-        key = self.keys.alive(self.name, self.worker_id)
-        pipe = self.client.pipeline()
-        pipe.hset(key, mapping={"time": time.time(), **{k: str(v) for k, v in fields.items()}})
-        pipe.pexpire(key, int(ttl * 1000))
-        pipe.execute()
-
-    def idle(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while not self.stopping and time.monotonic() < deadline:
-            time.sleep(min(0.1, seconds))
+    def heartbeat(self, ttl: float | None = None) -> Heartbeat:
+        """This process's heartbeat (shared.runtime.heartbeat): call ``beat()`` from the loop."""
+        return Heartbeat(self.client, self.keys, self.name, self.worker_id, ttl or self.cfg.heartbeat_ttl)

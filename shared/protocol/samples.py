@@ -1,0 +1,89 @@
+"""The ``samples`` stream (and ``samples:val`` for validation rounds): one entry per finished prompt group,
+written by the rollout worker that finished it, read by the trainer (consumer group ``trainer``), the driver
+(validation) and the checker. Every field is plain text:
+
+    group_id  the prompt group's id
+    episodes  its episode ids, comma-separated (each is a stream ``ep:<id>``: the sample's content)
+    worker    id of the worker that published it
+    n         number of episodes
+
+Publishing is idempotent and atomic with the prompt's acknowledgement (one script): ``SET NX sampled:<group>``
+guards the XADD, so a group published twice (a takeover racing a slow worker, a retried command) has one
+entry; the prompts entry is acknowledged in the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.protocol.events import EventError
+from shared.protocol.keys import ROLLOUT_GROUP, Keys
+
+SAMPLED_TTL_S = 7 * 24 * 3600
+
+_PUBLISH = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[7]) then
+  redis.call('XADD', KEYS[2], '*', 'group_id', ARGV[1], 'episodes', ARGV[2], 'worker', ARGV[3], 'n', ARGV[4])
+end
+return redis.call('XACK', KEYS[3], ARGV[5], ARGV[6])
+"""
+
+
+@dataclass
+class Sample:
+    group_id: str
+    episodes: list[str] = field(default_factory=list)
+    worker: str = ""
+    n: int = 0
+    entry_id: str = ""
+
+
+def _s(v) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def encode(s: Sample) -> dict[str, str]:
+    return {"group_id": s.group_id, "episodes": ",".join(s.episodes), "worker": s.worker,
+            "n": str(s.n or len(s.episodes))}
+
+
+def decode(entry_id, fields: dict) -> Sample:
+    """A samples entry; EventError naming the entry and field when malformed."""
+    entry_id = _s(entry_id)
+    f = {_s(k): _s(v) for k, v in fields.items()}
+    if not f.get("group_id"):
+        raise EventError(entry_id, "group_id", "samples entry needs a group id")
+    if not f.get("episodes"):
+        raise EventError(entry_id, "episodes", "samples entry needs its comma-separated episode ids")
+    episodes = f["episodes"].split(",")
+    try:
+        n = int(f.get("n", len(episodes)))
+    except ValueError:
+        raise EventError(entry_id, "n", f"expected an integer, got {f.get('n')!r}") from None
+    return Sample(f["group_id"], episodes, f.get("worker", ""), n, entry_id)
+
+
+def decode_all(entries) -> tuple[list[Sample], list[tuple[str, str]]]:
+    """(well-formed samples, [(entry id, error)] for the others), in stream order."""
+    good, bad = [], []
+    for entry_id, fields in entries:
+        try:
+            good.append(decode(entry_id, fields))
+        except EventError as exc:
+            bad.append((_s(entry_id), str(exc)))
+    return good, bad
+
+
+class Publisher:
+    """Publishes finished groups: the samples entry (once per group) and the prompts entry's ack, atomically."""
+
+    def __init__(self, client, keys: Keys):
+        self.keys = keys
+        self._script = client.register_script(_PUBLISH)
+
+    def publish(self, sample: Sample, samples_key: str, prompts_key: str, prompts_entry: str, client=None) -> None:
+        """``client`` may be a pipeline, to publish several groups in one round trip."""
+        self._script(keys=[self.keys.sampled(sample.group_id), samples_key, prompts_key],
+                     args=[sample.group_id, ",".join(sample.episodes), sample.worker,
+                           sample.n or len(sample.episodes), ROLLOUT_GROUP, prompts_entry, SAMPLED_TTL_S],
+                     client=client)

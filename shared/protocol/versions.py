@@ -1,0 +1,85 @@
+"""The ``versions`` stream: one entry per published policy version, written by the trainer, read by the
+syncer, rollout workers, the driver and the CLI. Every field is plain text (readable in ``redis-cli``):
+
+    version   policy version number, decimal (1, 2, ...; 0 is the initial weights and is never published)
+    path      absolute path of the weights file (safetensors)
+    sha256    hex digest of that file (a worker refuses weights that do not match)
+    step      optimizer steps taken when the version was made
+    time      unix time of the publish, seconds with 3 decimals
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from shared.protocol.events import EventError
+from shared.protocol.keys import Keys
+
+FIELDS = ("version", "path", "sha256", "step", "time")
+
+
+@dataclass(frozen=True)
+class Version:
+    version: int
+    path: str
+    sha256: str = ""
+    step: int = 0
+    time: float = 0.0
+    entry_id: str = ""
+
+
+def _s(v) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def encode(v: Version) -> dict[str, str]:
+    return {"version": str(v.version), "path": v.path, "sha256": v.sha256, "step": str(v.step),
+            "time": f"{v.time or time.time():.3f}"}
+
+
+def decode(entry_id, fields: dict) -> Version:
+    """A versions entry as a Version; EventError naming the entry and field when malformed."""
+    entry_id = _s(entry_id)
+    f = {_s(k): _s(v) for k, v in fields.items()}
+    try:
+        version = int(f["version"])
+    except KeyError:
+        raise EventError(entry_id, "version", "missing") from None
+    except ValueError:
+        raise EventError(entry_id, "version", f"expected an integer, got {f['version']!r}") from None
+    if version < 0:
+        raise EventError(entry_id, "version", f"expected an integer >= 0, got {version}")
+    if not f.get("path"):
+        raise EventError(entry_id, "path", "missing weights path")
+    try:
+        step, at = int(f.get("step", "0")), float(f.get("time", "0"))
+    except ValueError:
+        raise EventError(entry_id, "step", f"expected an integer step and a float time, got {f.get('step')!r}, "
+                                           f"{f.get('time')!r}") from None
+    return Version(version, f["path"], f.get("sha256", ""), step, at, entry_id)
+
+
+def publish(client, keys: Keys, v: Version) -> str:
+    return _s(client.xadd(keys.versions, encode(v)))
+
+
+def latest(client, keys: Keys) -> Version | None:
+    """The newest published version, or None when nothing was published yet."""
+    last = client.xrevrange(keys.versions, count=1)
+    return decode(*last[0]) if last else None
+
+
+def latest_number(client, keys: Keys) -> int:
+    v = latest(client, keys)
+    return v.version if v else 0
+
+
+def read_all(client, keys: Keys) -> list[Version]:
+    return [decode(entry_id, fields) for entry_id, fields in client.xrange(keys.versions)]
+
+
+def read_after(client, keys: Keys, cursor: str, block_ms: int | None = None, count: int = 100) -> list[Version]:
+    """Entries after ``cursor`` (an entry id), waiting up to ``block_ms`` for one when none is there."""
+    reply = client.xread({keys.versions: cursor}, count=count, block=block_ms)
+    return [decode(entry_id, fields) for _, entries in reply or [] for entry_id, fields in entries]

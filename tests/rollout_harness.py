@@ -17,7 +17,7 @@ from shared.protocol.fold import fold
 
 def make_worker(cfg: Config, client, worker_id: str = "w1", engine=None) -> RolloutWorker:
     engine = engine or make_engine(cfg.engine, cfg.model_dir, max_batch_size=cfg.max_batch_size,
-                                   vllm_args=cfg.vllm_args)
+                                   vllm_args=cfg.vllm_args, step_delay_ms=cfg.step_delay_ms)
     tok = AutoTokenizer.from_pretrained(cfg.model_dir)
     worker = RolloutWorker(cfg, client, worker_id, engine, tok, logs.get("rollout-test"))
     worker.start()

@@ -20,3 +20,19 @@ def crash(args: str) -> str:
 
 def garbage(args: str):
     return {"not": "a string"}
+
+
+# --- debug rewards (config reward_fn = "tests.debug_tools:NAME")
+
+async def slow_reward(response: str, task: dict, prompt: str = "") -> tuple[float, dict]:
+    """Async; sleeps task["sleep"] seconds (default 0), then scores 1.0 and echoes the prompt it was given."""
+    import asyncio
+
+    await asyncio.sleep(float(task.get("sleep", 0)))
+    return 1.0, {"prompt": prompt}
+
+
+def raising_reward(response: str, task: dict) -> float:
+    if task.get("raise"):
+        raise RuntimeError(f"reward asked to fail: {task['raise']}")
+    return 0.5

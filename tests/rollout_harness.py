@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
+import pytest
 from transformers import AutoTokenizer
 
 from services.rollout.engine import make_engine
@@ -13,6 +16,16 @@ from shared.runtime import logs
 from shared.runtime.config import Config
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold
+
+
+@pytest.fixture
+def tools_worker(redis_url, keys):
+    """A real rq worker process serving the run's tool queue (tool calls and reward jobs)."""
+    proc = subprocess.Popen([sys.executable, "-m", "services.rollout.tools_worker", "--run", keys.run,
+                             "--redis-url", redis_url, "--log-level", "warning"])
+    yield proc
+    proc.terminate()
+    proc.wait(10)
 
 
 def make_worker(cfg: Config, client, worker_id: str = "w1", engine=None) -> RolloutWorker:

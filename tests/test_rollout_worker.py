@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
@@ -13,7 +11,7 @@ from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.prompts import PromptGroup, enqueue
 from tests import debug_tools
 from tests.models import scripted_model
-from tests.rollout_harness import acks, episodes, make_worker, samples, send, tick_until
+from tests.rollout_harness import acks, episodes, make_worker, samples, send, tick_until, tools_worker  # noqa: F401
 
 SCRIPTS = [
     ("S:", "<call>sleep: 2</call><result>2</result>answer: 2"),
@@ -29,16 +27,6 @@ SCRIPTS = [
 @pytest.fixture(scope="module")
 def scripted_dir(tmp_path_factory) -> str:
     return scripted_model(tmp_path_factory.mktemp("scripted"), SCRIPTS)
-
-
-@pytest.fixture
-def tools_worker(redis_url, keys):
-    """A real rq worker process serving the run's tool queue."""
-    proc = subprocess.Popen([sys.executable, "-m", "services.rollout.tools_worker", "--run", keys.run,
-                             "--redis-url", redis_url, "--log-level", "warning"])
-    yield proc
-    proc.terminate()
-    proc.wait(10)
 
 
 def _cfg(keys, model_dir, **kw) -> Config:

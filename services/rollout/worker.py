@@ -39,12 +39,12 @@ class RolloutWorker:
         self.keys = Keys(cfg.run)
         registry = tools.registry(cfg.tools)
         reward = rewards.load(cfg.reward_fn)
-        self.groups = Groups(cfg, client, self.keys, worker_id, self.log)
+        self.claims = Groups(cfg, client, self.keys, worker_id, self.log)
         self.jobs = ToolJobs(client, self.keys.tool_queue, cfg.run, cfg.tools, cfg.reward_fn, cfg.tool_timeout,
                              cfg.reward_timeout)
         agent = Agent(tokenizer, registry, cfg.max_tool_calls, engine.max_model_len)
         self.episodes = Episodes(cfg, EpisodeLog(client, self.keys, worker_id, cfg.flush_tokens, cfg.flush_ms),
-                                 engine, tokenizer, agent, self.jobs, self.groups, reward, stop_token_ids(tokenizer),
+                                 engine, tokenizer, agent, self.jobs, self.claims, reward, stop_token_ids(tokenizer),
                                  self.log)
         self.heartbeat = Heartbeat(client, self.keys, "rollout", worker_id, cfg.heartbeat_ttl)
         self.control_cursor = "$"
@@ -58,17 +58,18 @@ class RolloutWorker:
     paused = property(lambda self: self.episodes.paused)
     live = property(lambda self: self.episodes.live)
     events = property(lambda self: self.episodes.events)
+    groups = property(lambda self: self.claims.held)  # group id -> GroupRun
 
     @property
     def stats(self) -> dict:
-        return {**self.episodes.stats, "groups": self.groups.published, "takeovers": self.takeovers}
+        return {**self.episodes.stats, "groups": self.claims.published, "takeovers": self.takeovers}
 
     def waiting_on_jobs(self) -> bool:
         return self.jobs.waiting()
 
     # --- lifecycle
     def start(self) -> None:
-        self.groups.create_consumer_groups()
+        self.claims.create_consumer_groups()
         last = self.client.xrevrange(self.keys.control, count=1)
         self.control_cursor = last[0][0].decode() if last else "0-0"
         self._catch_up()
@@ -116,11 +117,11 @@ class RolloutWorker:
         sources claim here too."""
         if now >= self._next_takeover:
             self._next_takeover = now + self.cfg.heartbeat_ttl / 2
-            for run in self.groups.take_over():
+            for run in self.claims.take_over():
                 self.takeovers += run.takeover_from is not None
                 self.episodes.open_group(run)
         if now >= self._next_claim:
-            runs = self.groups.claim(self.engine.version)
+            runs = self.claims.claim(self.engine.version)
             if not runs:  # nothing waiting (or the gate is shut): look again a little later, not every step
                 self._next_claim = now + 0.05
             for run in runs:
@@ -128,7 +129,7 @@ class RolloutWorker:
 
     def beat(self, force: bool = False) -> None:
         self.heartbeat.beat(force=force, version=self.engine.version, paused=int(self.paused),
-                            episodes=len(self.live), groups=len(self.groups.held))
+                            episodes=len(self.live), groups=len(self.claims.held))
 
     def report(self, final: bool = False) -> None:
         """Throughput and busy/idle time, on the metrics stream every few seconds; ``final`` marks the last
@@ -177,7 +178,7 @@ class RolloutWorker:
                 try:
                     cmd = control.decode_entry(entry_id, fields)
                 except EventError as exc:
-                    self.groups.dead_letter(self.keys.control, entry_id, str(exc))
+                    self.claims.dead_letter(self.keys.control, entry_id, str(exc))
                     continue
                 if isinstance(cmd, control.Command):
                     self._obey(cmd)

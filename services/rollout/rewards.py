@@ -61,6 +61,7 @@ def load(spec: str) -> Reward:
     return Reward(spec, specs.load(spec, "reward_fn"))
 
 
+@functools.lru_cache(maxsize=64)
 def _takes_prompt(fn: Callable) -> bool:
     try:
         params = inspect.signature(fn).parameters.values()

@@ -36,3 +36,9 @@ def raising_reward(response: str, task: dict) -> float:
     if task.get("raise"):
         raise RuntimeError(f"reward asked to fail: {task['raise']}")
     return 0.5
+
+
+def longest_in_group(response: str, task: dict, group: list) -> tuple[float, dict]:
+    """Group-aware: 1.0 for the group's longest response(s)."""
+    longest = max(len(g["response"]) for g in group)
+    return float(len(response) == longest), {"indices": [g["index"] for g in group], "longest": longest}

@@ -11,6 +11,12 @@ from shared.protocol.prompts import PromptGroup, enqueue
 from tests.rollout_harness import episodes, make_worker, samples, tick_until, tools_worker  # noqa: F401
 
 
+def order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as a sortable pair: (server ms, sequence)."""
+    ms, n = entry_id.split("-")
+    return int(ms), int(n)
+
+
 def test_built_in_reward_is_inline_user_rewards_are_jobs():
     assert rewards.load("services.rollout.rewards:arithmetic").inline
     assert not rewards.load("tests.debug_tools:slow_reward").inline  # async: never in the decode loop
@@ -32,11 +38,6 @@ def test_slow_reward_does_not_delay_other_episodes_tokens(client, keys, tiny_mod
     assert slow.status == "finished" and slow.reward == 1.0 and slow.reward_details == {"prompt": "5+5="}
     generated_until = slow.events[-2].entry_id  # its last event before 'finished': generation was over here
     scored_at = slow.events[-1].entry_id
-
-    def order(entry_id: str) -> tuple[int, int]:
-        ms, n = entry_id.split("-")
-        return int(ms), int(n)
-
     during = [ev for eid, ep in eps.items() if eid != "slow-0" for ev in ep.events
               if ev.kind == "tokens" and order(generated_until) < order(ev.entry_id) < order(scored_at)]
     assert during, "no other episode wrote tokens while the slow reward ran"
@@ -58,3 +59,20 @@ def test_raising_reward_fails_the_episode_and_the_group_is_published(client, key
         assert ep.events[-1].data["where"] == "reward"
     assert eps["good-0"].status == "finished" and eps["good-0"].reward == 0.5
     assert client.xpending(keys.prompts, "rollout")["pending"] == 0
+
+
+def test_group_aware_reward_scores_once_the_whole_group_has_generated(client, keys, tiny_model_dir, tools_worker):
+    cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=16, tools="", temperature=1.0,
+                 reward_fn="tests.debug_tools:longest_in_group")
+    assert rewards.load(cfg.reward_fn).group_aware and not rewards.load(cfg.reward_fn).inline
+    enqueue(client, keys, [PromptGroup("g", 3, prompt="4+4=")])
+    worker = make_worker(cfg, client)
+    tick_until(worker, lambda: len(samples(client, keys)) == 1, timeout=60)
+    eps = episodes(client, keys, [("g", 3)])
+    texts = {eid: worker.episodes.tok.decode(ep.tokens, skip_special_tokens=True) for eid, ep in eps.items()}
+    longest = max(len(t) for t in texts.values())
+    last_token_event = max(order(ev.entry_id) for ep in eps.values() for ev in ep.events if ev.kind == "tokens")
+    for eid, ep in eps.items():
+        assert ep.status == "finished" and ep.reward_details["indices"] == [0, 1, 2]
+        assert ep.reward == float(len(texts[eid]) == longest)
+        assert order(ep.events[-1].entry_id) > last_token_event  # scored after the whole group generated

@@ -202,14 +202,28 @@ class Episodes:
         response = self.tok.decode(live.tokens, skip_special_tokens=True)
         if not self.reward.inline:
             live.state, live.finish_reason = State.SCORING, reason
-            prompt = self.tok.decode(live.prompt_ids, skip_special_tokens=True)
-            return self.jobs.reward(live.episode_id, prompt, response, live.task)
+            return self._score_group(live.group_id) if self.reward.group_aware else self._score([live])
         try:
             reward, details = self.reward(response, live.task)
         except Exception as exc:  # a user's reward function can raise anything
             return self._fail(live, f"reward function {self.reward.spec} raised {exc.__class__.__name__}: {exc}",
                               "reward")
         self._finished(live, reason, reward, details)
+
+    def _score(self, scoring: list[LiveEpisode], group: list | None = None) -> None:
+        for live in scoring:
+            prompt = self.tok.decode(live.prompt_ids, skip_special_tokens=True)
+            response = self.tok.decode(live.tokens, skip_special_tokens=True)
+            self.jobs.reward(live.episode_id, prompt, response, live.task, group)
+
+    def _score_group(self, group_id: str) -> None:
+        """Group-aware reward: once none of the group's episodes here is still generating, score them together."""
+        members = sorted((l for l in self.live.values() if l.group_id == group_id), key=lambda l: l.index)
+        if not members or any(l.state is not State.SCORING for l in members):
+            return
+        group = [{"index": l.index, "response": self.tok.decode(l.tokens, skip_special_tokens=True)}
+                 for l in members]
+        self._score([l for l in members if l.episode_id not in self.jobs.pending], group)
 
     def _finished(self, live: LiveEpisode, reason: str, reward: float, details: dict) -> None:
         self._append(live, "finished", {"reason": reason, "reward": reward, "details": details})
@@ -232,6 +246,8 @@ class Episodes:
         if run is not None:
             run.done.add(live.episode_id)
             self.groups.maybe_publish(run)
+        if self.reward.group_aware:  # the rest of the group may have been waiting for this one
+            self._score_group(live.group_id)
 
     # --- the log and ownership
     def _append(self, live: LiveEpisode, kind: str, data: dict) -> None:

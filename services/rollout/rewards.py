@@ -1,9 +1,14 @@
 """Reward functions: config ``reward_fn = "module:function"``.
 
-A reward function is ``fn(response, task, *, prompt=...) -> float | (float, dict)``, plain or ``async def``:
-``response`` is the episode's response text (tool calls and results included), ``task`` the prompt group's
-task row (e.g. its ground truth), and ``prompt`` (passed only when the function declares it, or ``**kwargs``)
-the prompt text. It runs as an rq job (``run_reward``, JSON serializer) on the run's tools queue, so a slow
+A reward function is ``fn(response, task, *, prompt=..., group=...) -> float | (float, dict)``, plain or
+``async def``: ``response`` is the episode's response text (tool calls and results included), ``task`` the
+prompt group's task row (e.g. its ground truth), ``prompt`` (passed only when the function declares it, or
+``**kwargs``) the prompt text.
+
+Group-aware rewards declare a ``group`` parameter: the worker then scores a group's episodes only once all
+of them have finished generating, each call getting ``group = [{"index": i, "response": text}, ...]`` (index
+order) of the group's episodes scored together: all of them, less any that failed (or, after a takeover,
+were already scored by the previous worker). It runs as an rq job (``run_reward``, JSON serializer) on the run's tools queue, so a slow
 or crashing reward never blocks decoding or heartbeats; an error becomes the episode's ``failed`` event.
 
 A function marked ``@inline`` (the built-in ``arithmetic``: a regex, microseconds) is called in the rollout
@@ -50,10 +55,15 @@ class Reward:
 
     @property
     def inline(self) -> bool:
-        return bool(getattr(self.fn, "streamrl_inline", False)) and not inspect.iscoroutinefunction(self.fn)
+        return bool(getattr(self.fn, "streamrl_inline", False)) and not inspect.iscoroutinefunction(self.fn) \
+            and not self.group_aware
 
-    def __call__(self, response: str, task: dict, prompt: str = "") -> tuple[float, dict]:
-        return score(self.fn, response, task, prompt)
+    @property
+    def group_aware(self) -> bool:
+        return "group" in _params(self.fn)
+
+    def __call__(self, response: str, task: dict, prompt: str = "", group: list | None = None) -> tuple[float, dict]:
+        return score(self.fn, response, task, prompt, group)
 
 
 @functools.lru_cache(maxsize=16)
@@ -62,17 +72,20 @@ def load(spec: str) -> Reward:
 
 
 @functools.lru_cache(maxsize=64)
-def _takes_prompt(fn: Callable) -> bool:
+def _params(fn: Callable) -> frozenset[str]:
+    """Which of prompt and group ``fn`` takes (``**kwargs`` takes the prompt; group-aware is declared by name)."""
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return False
-    return any(p.name == "prompt" or p.kind is p.VAR_KEYWORD for p in params)
+        return frozenset()
+    names = {p.name for p in params if p.name in ("prompt", "group")}
+    return frozenset(names | ({"prompt"} if any(p.kind is p.VAR_KEYWORD for p in params) else set()))
 
 
-def score(fn: Callable, response: str, task: dict, prompt: str = "") -> tuple[float, dict]:
+def score(fn: Callable, response: str, task: dict, prompt: str = "", group: list | None = None) -> tuple[float, dict]:
     """Call a reward function (awaiting it when async) and normalise what it returns; errors say what came back."""
-    out = fn(response, task, prompt=prompt) if _takes_prompt(fn) else fn(response, task)
+    extra = {"prompt": prompt, "group": group or [{"index": 0, "response": response}]}
+    out = fn(response, task, **{k: v for k, v in extra.items() if k in _params(fn)})
     if inspect.isawaitable(out):
         out = asyncio.run(_awaited(out))
     reward, details = (out if isinstance(out, tuple) else (out, {}))
@@ -85,6 +98,6 @@ async def _awaited(awaitable):
     return await awaitable
 
 
-def run_reward(spec: str, prompt: str, response: str, task: dict) -> list:
+def run_reward(spec: str, prompt: str, response: str, task: dict, group: list | None = None) -> list:
     """The rq job: score one episode; returns [reward, details] (JSON)."""
-    return list(load(spec)(response, task, prompt))
+    return list(load(spec)(response, task, prompt, group))

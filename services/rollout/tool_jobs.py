@@ -62,8 +62,8 @@ class ToolJobs:
         self._submit(episode_id, "tool", call_id, tools.run_tool, (self.tools_config, name, args),
                      self.tool_timeout, attach)
 
-    def reward(self, episode_id: str, prompt: str, response: str, task: dict) -> None:
-        self._submit(episode_id, "reward", "", rewards.run_reward, (self.reward_spec, prompt, response, task),
+    def reward(self, episode_id: str, prompt: str, response: str, task: dict, group: list | None = None) -> None:
+        self._submit(episode_id, "reward", "", rewards.run_reward, (self.reward_spec, prompt, response, task, group),
                      self.reward_timeout, attach=True)
 
     def waiting(self) -> bool:

@@ -57,7 +57,14 @@ class RolloutWorker:
     # --- what tests and probes read
     paused = property(lambda self: self.episodes.paused)
     live = property(lambda self: self.episodes.live)
-    events = property(lambda self: self.episodes.events)
+
+    @property
+    def events(self) -> EpisodeLog:
+        return self.episodes.events
+
+    @events.setter
+    def events(self, log: EpisodeLog) -> None:  # bench/rollout.py swaps in an in-memory log
+        self.episodes.events = log
     groups = property(lambda self: self.claims.held)  # group id -> GroupRun
 
     @property

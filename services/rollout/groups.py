@@ -49,7 +49,7 @@ class Groups:
             except redis.exceptions.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
-        
+
     def room(self) -> int:
         return self.cfg.max_groups_in_flight - len(self.held)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
+import pytest
 from transformers import AutoTokenizer
 
 from services.rollout.engine import make_engine
@@ -15,9 +18,19 @@ from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold
 
 
+@pytest.fixture
+def tools_worker(redis_url, keys):
+    """A real rq worker process serving the run's tool queue (tool calls and reward jobs)."""
+    proc = subprocess.Popen([sys.executable, "-m", "services.rollout.tools_worker", "--run", keys.run,
+                             "--redis-url", redis_url, "--log-level", "warning"])
+    yield proc
+    proc.terminate()
+    proc.wait(10)
+
+
 def make_worker(cfg: Config, client, worker_id: str = "w1", engine=None) -> RolloutWorker:
     engine = engine or make_engine(cfg.engine, cfg.model_dir, max_batch_size=cfg.max_batch_size,
-                                   vllm_args=cfg.vllm_args)
+                                   vllm_args=cfg.vllm_args, step_delay_ms=cfg.step_delay_ms)
     tok = AutoTokenizer.from_pretrained(cfg.model_dir)
     worker = RolloutWorker(cfg, client, worker_id, engine, tok, logs.get("rollout-test"))
     worker.start()

@@ -66,7 +66,7 @@ def _dataset(root: Path) -> str:
 
 
 def _config(root: Path, model_dir: str, run: str, **kw) -> dict:
-    return {"run": run, "model_dir": model_dir, "dataset": _dataset(root), "tools": "sleep,calc",
+    return {"run": run, "model_dir": model_dir, "dataset": _dataset(root), "tools": "tests.debug_tools:sleep,calc",
             "tool_timeout": 1.0, "max_tokens": 48, "group_size": 2, "batch_groups": 2, "max_staleness": 1,
             "flush_tokens": FLUSH_TOKENS, "flush_ms": 250.0, "step_delay_ms": 25.0, "heartbeat_ttl": 2.0,
             "max_groups_in_flight": 4, "sync_timeout": 10.0, "max_minutes": 4.0, "log_level": "info",
@@ -84,6 +84,15 @@ def _redis_cli(run: LiveRun, *args: str, stdin: bytes | None = None) -> str:
 
 def _heartbeat(run: LiveRun, name: str) -> dict:
     return {k.decode(): v.decode() for k, v in run.client.hgetall(run.keys.alive("rollout", name)).items()}
+
+
+def _stall(run: LiveRun, name: str) -> None:
+    """SIGSTOP: the process stalls (a long GC pause, a swapped-out VM) without dying."""
+    os.killpg(run.procs[name].pid, signal.SIGSTOP)
+
+
+def _wake(run: LiveRun, name: str) -> None:
+    os.killpg(run.procs[name].pid, signal.SIGCONT)
 
 
 def _pending_of(run: LiveRun, consumer: str) -> int:
@@ -293,3 +302,40 @@ def test_redis_crash_loses_at_most_the_last_second_and_it_is_regenerated(redis_c
     in_flight = 2 * 4 * 2  # workers x max_groups_in_flight x group_size: each may hold unflushed tokens
     assert report.tokens_generated_again is not None
     assert report.tokens_generated_again <= lost_tokens + 2 * FLUSH_TOKENS * in_flight
+
+
+@pytest.mark.slow
+def test_stalled_worker_wakes_fenced_and_the_taker_stalls_too(tmp_path, tool_model):
+    """Issue 16: a rollout worker stalls (SIGSTOP) past heartbeat_ttl holding groups; the other claims them and
+    stalls right after its claim; the first wakes (and takes them back), then the second wakes, fenced. No
+    process exits with an error, no episode fails, no traceback in any log, and the checker counts 0."""
+    run = LiveRun(tmp_path, **_config(tmp_path, tool_model, "stall", max_versions=6)).start()
+    try:
+        run.wait_version(1)
+        first, second = run.names("rollout")
+        run.wait(lambda: int(_heartbeat(run, first).get("groups", 0)) >= 1 and _pending_of(run, first) >= 1,
+                 f"{first} holding groups", poll=0.01)
+        _stall(run, first)
+        held = _pending_of(run, first)
+        run.wait(lambda: _pending_of(run, first) == 0, f"{second} claiming {first}'s {held} groups", poll=0.01)
+        _stall(run, second)  # right after its claim
+        _wake(run, first)
+        run.wait(lambda: _pending_of(run, second) == 0, f"{first} taking its groups back from {second}", poll=0.05)
+        _wake(run, second)
+        run.wait_version(run.version() + 2, timeout=120)
+        run.wait(lambda: run.procs["driver-1"].poll() is not None, "the driver ending the run", timeout=180)
+        codes = run.stop()
+        report = check(read_run(run.client, run.keys, run.cfg.run_path))
+        failed = [key for key in run.client.scan_iter(match=run.keys.episode("*"), count=1000)
+                  if any(f.get(b"type") == b"failed" for _, f in run.client.xrange(key))]
+        logs = {log.name: log.read_text(errors="replace") for log in run.logs}
+        fenced = logs[f"{second}.log"].count("fenced: another worker owns this group now")
+    finally:
+        run.close()
+    print(format_report(report, "stall"), codes, f"{second} fenced {fenced} times")
+    assert all(code == 0 for code in codes.values()), codes
+    assert not failed, failed
+    assert not [name for name, text in logs.items() if "Traceback" in text], \
+        {name: text[text.index("Traceback"):][:2000] for name, text in logs.items() if "Traceback" in text}
+    assert report.ok, format_report(report, "stall")
+    assert report.takeovers >= 1

@@ -93,3 +93,46 @@ def test_only_unflushed_tokens_are_generated_again(client, keys, tiny_model_dir)
     print(f"in-flight episodes {in_flight}, unflushed at crash {unflushed}, regenerated {regenerated}")
     assert regenerated == unflushed
     assert unflushed <= (cfg.flush_tokens - 1) * in_flight
+
+
+def test_fenced_worker_drops_whole_groups_and_gets_them_back_clean(client, keys, tiny_model_dir):
+    """Issue 16, in-process: A stalls (stops ticking) past its heartbeat, B takes its groups over and writes;
+    A wakes: every fenced group leaves A whole (no later write reaches a closed log), A logs it once per group
+    with the new owner. Then B stalls, A takes the groups back and starts them clean; B wakes, fenced too."""
+    import structlog
+
+    cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=48, tools="", flush_tokens=4, flush_ms=1e6,
+                 heartbeat_ttl=0.5, max_groups_in_flight=6)
+    enqueue(client, keys, [PromptGroup(g, n, prompt=f"{g}: 3*4=") for g, n in GROUPS])
+    a = make_worker(cfg, client, "A")
+    tick_until(a, lambda: sum(len(ep.tokens) >= 4 for ep in _snapshot(client, keys).values()) >= 6)
+    held = set(a.groups)
+
+    def stall(worker, name):  # what a SIGSTOP looks like from outside: the heartbeat lapses, nothing is written
+        client.delete(keys.alive("rollout", name))
+        time.sleep(cfg.heartbeat_ttl + 0.1)
+
+    stall(a, "A")
+    b = make_worker(cfg, client, "B")
+    tick_until(b, lambda: b.stats["takeovers"] >= 1 and set(b.groups) >= held)
+    tick_until(b, lambda: not b.events.due() and b.stats["tokens"] > 0)  # B wrote into A's episodes
+    with structlog.testing.capture_logs() as logs:
+        # A wakes and writes (its next flush): fenced
+        tick_until(a, lambda: not (held & set(a.groups)))
+        fenced = [e for e in logs if e["event"].startswith("fenced")]
+    assert fenced and all(e["log_level"] == "warning" and e["new_owner"] == "B" for e in fenced)
+    assert len({e["group"] for e in fenced}) == len(fenced)  # once per group
+    lost = {e["group"] for e in fenced}
+    assert not lost & set(a.groups) and not [eid for eid, live in a.live.items() if live.group_id in lost]
+    stall(b, "B")
+    tick_until(a, lambda: len(samples(client, keys)) == len(GROUPS) or set(a.groups) >= lost, timeout=60)
+    tick_until(b, lambda: all(g not in b.groups for g in lost))  # B wakes: fenced in turn, drops them
+    for _ in range(2000):
+        if len(samples(client, keys)) == len(GROUPS):
+            break
+        a.tick(block_ms=1)
+        b.tick(block_ms=1)
+    got = sorted(s["group_id"] for s in samples(client, keys))
+    assert got == sorted(g for g, _ in GROUPS)  # every group exactly once
+    after = episodes(client, keys, GROUPS)
+    assert all(ep.status == "finished" and sum(e.kind == "finished" for e in ep.events) == 1 for ep in after.values())

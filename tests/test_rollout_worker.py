@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
@@ -11,8 +9,9 @@ import pytest
 from shared.runtime.config import Config
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.prompts import PromptGroup, enqueue
+from tests import debug_tools
 from tests.models import scripted_model
-from tests.rollout_harness import acks, episodes, make_worker, samples, send, tick_until
+from tests.rollout_harness import acks, episodes, make_worker, samples, send, tick_until, tools_worker  # noqa: F401
 
 SCRIPTS = [
     ("S:", "<call>sleep: 2</call><result>2</result>answer: 2"),
@@ -30,18 +29,8 @@ def scripted_dir(tmp_path_factory) -> str:
     return scripted_model(tmp_path_factory.mktemp("scripted"), SCRIPTS)
 
 
-@pytest.fixture
-def tools_worker(redis_url, keys):
-    """A real rq worker process serving the run's tool queue."""
-    proc = subprocess.Popen([sys.executable, "-m", "services.rollout.tools_worker", "--run", keys.run,
-                             "--redis-url", redis_url, "--log-level", "warning"])
-    yield proc
-    proc.terminate()
-    proc.wait(10)
-
-
 def _cfg(keys, model_dir, **kw) -> Config:
-    base = dict(run=keys.run, model_dir=model_dir, max_tokens=80, temperature=0.0, tools="calc,sleep,crash,garbage",
+    base = dict(run=keys.run, model_dir=model_dir, max_tokens=80, temperature=0.0, tools="calc," + debug_tools.SPECS,
                 tool_timeout=1.5, flush_tokens=8, heartbeat_ttl=2.0)
     return Config(**{**base, **kw})
 
@@ -94,7 +83,7 @@ def test_tool_job_completes_during_a_pause(client, keys, scripted_dir, tools_wor
     enqueue(client, keys, [PromptGroup("S", 1, prompt="S:")])
     worker = make_worker(cfg, client)
     log = EpisodeLog(client, keys, "reader")
-    tick_until(worker, lambda: worker._waiting_on_tools())
+    tick_until(worker, lambda: worker.waiting_on_jobs())
     send(client, keys, "pause")
     tick_until(worker, lambda: worker.paused)
     started = time.monotonic()

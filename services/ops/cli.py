@@ -139,8 +139,7 @@ def _replay_continue(cfg, args, log, entries, ep, decode_text) -> int:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model_dir)
-        tool_names = {t.strip() for t in cfg.tools.split(",") if t.strip()}
-        result = cont.continue_from(prefix, engine, tok, reward_fn, tool_names, cfg.max_tool_calls, cfg.tool_timeout)
+        result = cont.continue_from(prefix, engine, tok, reward_fn, cfg.tools, cfg.max_tool_calls, cfg.tool_timeout)
     except (cont.ContinuationError, ValueError) as exc:
         raise CLIError(f"episode {args.episode}: {exc}") from None
     if args.json:

@@ -15,12 +15,17 @@ def main(argv=None) -> None:
 
     try:
         engine = make_engine(svc.cfg.engine, svc.cfg.model_dir, device=svc.cfg.device,
-                             max_batch_size=svc.cfg.max_batch_size, vllm_args=svc.cfg.vllm_args)
+                             max_batch_size=svc.cfg.max_batch_size, vllm_args=svc.cfg.vllm_args,
+                             step_delay_ms=svc.cfg.step_delay_ms)
         tokenizer = AutoTokenizer.from_pretrained(svc.cfg.model_dir)
     except (EngineError, OSError) as exc:
         svc.log.error("cannot start the engine", model_dir=svc.cfg.model_dir, error=str(exc))
         sys.exit(2)
-    worker = RolloutWorker(svc.cfg, svc.client, svc.worker_id, engine, tokenizer, svc.log)
+    try:
+        worker = RolloutWorker(svc.cfg, svc.client, svc.worker_id, engine, tokenizer, svc.log)
+    except ValueError as exc:  # a tools or reward_fn spec that does not load
+        svc.log.error("bad config", error=str(exc))
+        sys.exit(2)
     svc.log.info("ready", engine=svc.cfg.engine, model_dir=svc.cfg.model_dir, version=engine.version)
     worker.run(should_stop=lambda: svc.stopping)
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 import concurrent.futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from services.rollout import rewards, tools
+from services.rollout.agent import Agent, Finish, ToolCall
 from services.rollout.engine import EngineError, SamplingParams
-from services.rollout.episode import _index_after_seq
-from shared.protocol.events import TERMINAL_KINDS, EventError, decode
-from shared.protocol.fold import Episode, fold
+from services.rollout.episode import LiveEpisode, index_after_seq
+from shared.protocol.events import TERMINAL_KINDS, decode
+from shared.protocol.fold import PROMPT_VERSION, Episode, fold
 from shared.protocol.versions import Version
 
 
@@ -76,6 +77,12 @@ class Continuation:
     def num_generated(self) -> int:
         return sum(self.mask)
 
+    def add(self, ids: list[int], logprobs: list[float], version: int, generated: int) -> None:
+        self.tokens += ids
+        self.logprobs += logprobs
+        self.versions += [version] * len(ids)
+        self.mask += [generated] * len(ids)
+
 
 def prefix_at(entries, from_seq: int | None = None) -> Prefix:
     """The state after event ``from_seq`` (default: the last non-terminal event)."""
@@ -95,7 +102,7 @@ def prefix_at(entries, from_seq: int | None = None) -> Prefix:
                                 f"event before it (0..{from_seq - 1})")
     ep = fold(events[:from_seq + 1])
     params = SamplingParams.from_dict(ep.sampling)
-    turn_start = _index_after_seq(ep, ep.tool_results[-1]["seq"]) if ep.tool_results else 0
+    turn_start = index_after_seq(ep, ep.tool_results[-1]["seq"]) if ep.tool_results else 0
     return Prefix(ep, from_seq, last, events[from_seq].policy, params, turn_start)
 
 
@@ -138,10 +145,10 @@ def load_version(engine, version: int, path: str | None, sha256: str = "") -> No
         raise ContinuationError(f"--weights {path}: {exc}") from None
 
 
-def _run_tool_inline(name: str, args: str, timeout: float) -> tuple[bool, str]:
+def _run_tool_inline(tools_config: str, name: str, args: str, timeout: float) -> tuple[bool, str]:
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     try:
-        output = pool.submit(tools.run_tool, name, args).result(timeout=timeout)
+        output = pool.submit(tools.run_tool, tools_config, name, args).result(timeout=timeout)
         return True, output
     except concurrent.futures.TimeoutError:
         return False, f"tool timed out after {timeout:g}s"
@@ -151,108 +158,70 @@ def _run_tool_inline(name: str, args: str, timeout: float) -> tuple[bool, str]:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def continue_from(prefix: Prefix, engine, tokenizer, reward_fn: Callable, tool_names: set[str] = frozenset(),
+def continue_from(prefix: Prefix, engine, tokenizer, reward_fn: Callable, tools_config: str | Iterable[str] = "",
                   max_tool_calls: int = 4, tool_timeout: float = 10.0,
                   request_id: str = "continuation") -> Continuation:
-    """Generate from ``prefix`` with the engine's current weights until the episode
-    ends (stop, budget, context, tool limit), running tool calls in-process."""
+    """Generate from ``prefix`` with the engine's current weights until the episode ends (stop, budget, context,
+    tool limit), driven by the same agent loop as the rollout worker, tool calls run in-process.
+    ``tools_config``: the config key ``tools`` (or an iterable of its items)."""
+    if not isinstance(tools_config, str):
+        tools_config = ",".join(sorted(tools_config))
     ep = prefix.episode
-    tokens = list(ep.tokens)  # the whole response, prefix + new
-    num_generated, turn_start = ep.num_generated, prefix.turn_start
-    num_calls = len(ep.tool_calls)
+    live = LiveEpisode.from_fold(ep, prefix.params)
+    agent = Agent(tokenizer, tools.registry(tools_config), max_tool_calls, engine.max_model_len)
     out = Continuation(prefix.from_seq, engine.version, len(ep.tokens))
 
-    def add(ids, logprobs, version, generated):
-        nonlocal num_generated
-        tokens.extend(ids)
-        out.tokens += ids
-        out.logprobs += logprobs
-        out.versions += [version] * len(ids)
-        out.mask += [1 if generated else 0] * len(ids)
-        num_generated += len(ids) if generated else 0
+    def generated(chunk) -> None:
+        agent.add_generated(live, chunk.token_ids)
+        out.add(chunk.token_ids, chunk.logprobs, chunk.version, 1)
 
-    def tool_result(call_id, name, args, ok, output):
-        nonlocal turn_start
-        out.tool_calls.append({"call_id": call_id, "name": name, "args": args, "ok": ok, "output": output})
-        ids = tokenizer.encode(tools.format_result(ok, output[:tools.MAX_OUTPUT_CHARS]), add_special_tokens=False)
-        add(ids, [0.0] * len(ids), -1, False)
-        turn_start = len(tokens)
-
-    def run_call(call_id, name, args):
-        if name not in tool_names:
-            return tool_result(call_id, name, args, False,
-                               f"unknown tool {name!r}; available: {', '.join(sorted(tool_names))}")
-        tool_result(call_id, name, args, *_run_tool_inline(name, args, tool_timeout))
+    def answer(call: ToolCall) -> None:
+        ok, output = (False, call.error) if call.error is not None else \
+            _run_tool_inline(tools_config, call.name, call.args, tool_timeout)
+        out.tool_calls.append({"call_id": call.call_id, "name": call.name, "args": call.args, "ok": ok,
+                               "output": output})
+        ids = agent.result_ids(ok, output)
+        agent.add_result(live, ids)
+        out.add(ids, [0.0] * len(ids), PROMPT_VERSION, 0)
 
     pending = prefix.pending_call
     if pending is not None:  # the stream stopped between a call and its result: answer it first
-        run_call(pending["call_id"], pending["name"], pending["args"])
-
-    stop_ids = set(prefix.params.stop_token_ids)
+        answer(agent.checked(ToolCall(pending["call_id"], pending["name"], pending["args"])))
     finish = None
-    if pending is None and tokens and ep.mask and ep.mask[-1] and tokens[-1] in stop_ids:
-        finish = "stop"  # the prefix already ends the episode
     while finish is None:
-        remaining = prefix.params.max_tokens - num_generated
-        if remaining <= 0:
-            finish = "length"
-            break
-        context = ep.prompt_ids + tokens
-        if len(context) >= engine.max_model_len:
-            finish = "context"
+        end = agent.next_turn(live)
+        if end is not None:
+            finish = end.reason
             break
         try:
-            engine.add_request(request_id, context, prefix.params, remaining, start_index=len(tokens))
+            engine.add_request(request_id, live.context_ids, live.params, live.remaining, start_index=len(live.tokens))
         except EngineError as exc:
             out.error, finish = f"engine: {exc}", "failed"
             break
-        call, reason = None, None
-        while reason is None:
+        step = None
+        while step is None:  # one generation turn
             for chunk in engine.step():
                 if chunk.request_id != request_id:
                     continue
-                add(chunk.token_ids, chunk.logprobs, chunk.version, True)
-                call = _detect_call(tokenizer, tokens, turn_start) if tool_names else None
-                if call is not None and chunk.finish_reason is None:
+                generated(chunk)
+                step = agent.after_chunk(live, chunk.finish_reason)
+                if step is not None and chunk.finish_reason is None:  # a call (or the tool limit) ends the turn
                     rest = engine.abort(request_id)
                     if rest is not None:
-                        add(rest.token_ids, rest.logprobs, rest.version, True)
-                    reason = "call"
-                elif call is not None:
-                    reason = "call"
-                elif chunk.finish_reason is not None:
-                    reason = chunk.finish_reason
-        if call is not None:
-            if num_calls >= max_tool_calls:
-                finish = "tool_limit"
-                break
-            num_calls += 1
-            if isinstance(call, str):  # malformed
-                tool_result(f"c{num_calls}", "?", "", False, call)
-            else:
-                run_call(f"c{num_calls}", *call)
-            continue
-        finish = "context" if reason == "length" and prefix.params.max_tokens - num_generated > 0 else reason
+                        generated(rest)
+        if isinstance(step, Finish):
+            finish = step.reason
+        else:
+            answer(step)
     out.finish_reason = finish
     if finish != "failed":
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        text = tokenizer.decode(live.tokens, skip_special_tokens=True)
+        prompt = tokenizer.decode(live.prompt_ids, skip_special_tokens=True)
         try:
-            out.reward, out.reward_details = rewards.score(reward_fn, text, ep.task)
+            out.reward, out.reward_details = rewards.score(getattr(reward_fn, "fn", reward_fn), text, ep.task, prompt)
         except Exception as exc:  # a user's reward function can raise anything
             out.error = f"reward function raised {exc.__class__.__name__}: {exc}"
     return out
-
-
-def _detect_call(tokenizer, tokens: list[int], turn_start: int):
-    """(name, args), a str describing a malformed call, or None: as the worker detects calls."""
-    tail = tokenizer.decode(tokens[max(turn_start, len(tokens) - 16):])
-    if tools.CALL_CLOSE not in tail:
-        return None
-    try:
-        return tools.parse_call(tokenizer.decode(tokens[turn_start:])) or \
-            "malformed tool call: '</call>' without '<call>'"
-    except tools.ToolError as exc:
-        return str(exc)
 
 
 def as_dict(prefix: Prefix, result: Continuation, decode_text=None) -> dict:

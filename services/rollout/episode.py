@@ -13,6 +13,7 @@ from shared.protocol.fold import Episode
 class State(Enum):
     GENERATING = "generating"  # a request is in the engine
     TOOL = "tool"  # waiting for a tool job
+    SCORING = "scoring"  # generation over, waiting for the reward job
     PAUSED = "paused"  # needs a generation request on resume
     DONE = "done"  # finished or failed, in the stream
 
@@ -35,16 +36,14 @@ class LiveEpisode:
     turn_start: int = 0  # index in tokens where the current generation turn began
     num_tool_calls: int = 0
     state: State = State.PAUSED
-    job_id: str | None = None
-    call_id: str | None = None
-    job_deadline: float = 0.0
+    finish_reason: str | None = None  # while SCORING: the reason its ``finished`` event will carry
 
     @classmethod
     def from_fold(cls, ep: Episode, params: SamplingParams) -> "LiveEpisode":
         live = cls(ep.episode_id, ep.group_id, ep.index, ep.prompt_ids, params, ep.task, list(ep.tokens),
                    ep.num_generated, num_tool_calls=len(ep.tool_calls))
         if ep.tool_results:  # the current turn starts after the last tool result's tokens
-            live.turn_start = _index_after_seq(ep, ep.tool_results[-1]["seq"])
+            live.turn_start = index_after_seq(ep, ep.tool_results[-1]["seq"])
         return live
 
     @property
@@ -56,7 +55,7 @@ class LiveEpisode:
         return self.params.max_tokens - self.num_generated
 
 
-def _index_after_seq(ep: Episode, seq: int) -> int:
+def index_after_seq(ep: Episode, seq: int) -> int:
     """Number of response tokens written by events up to and including ``seq``."""
     count = 0
     for ev in ep.events:

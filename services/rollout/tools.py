@@ -9,19 +9,27 @@ job, and appends ``<result>OUTPUT</result>`` to the context (masked from the
 loss). A tool that raises, exceeds ``tool_timeout``, is unknown, or returns
 something other than a short string gives an error result
 ``<result>error: ...</result>``; the episode goes on.
+
+Which tools exist is the config key ``tools``: a comma-separated list of
+built-in names (``calc``) or ``module:function`` specs; a spec's tool is
+called by its function name. A tool is ``fn(args: str) -> str``.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import operator
 import re
-import time
+from typing import Callable
+
+from services.rollout import specs
 
 CALL_OPEN, CALL_CLOSE = "<call>", "</call>"
 CALL_RE = re.compile(r"<call>(.*?)</call>\s*$", re.S)
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_OUTPUT_CHARS = 256
+BUILTIN = {"calc": "services.rollout.tools:calc"}  # built-in name -> spec
 
 
 class ToolError(Exception):
@@ -47,7 +55,38 @@ def format_result(ok: bool, output: str) -> str:
     return f"<result>{output if ok else 'error: ' + output}</result>"
 
 
-# --- the tools ------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def registry(config: str) -> dict[str, Callable]:
+    """{tool name: function} of the config key ``tools`` (comma-separated built-in names or specs)."""
+    out: dict[str, Callable] = {}
+    for item in (t.strip() for t in config.split(",")):
+        if not item:
+            continue
+        spec = BUILTIN.get(item, item)
+        if ":" not in spec:
+            raise ValueError(f"tools {item!r}: not a built-in tool ({', '.join(BUILTIN)}) nor a 'module:function' "
+                             f"spec")
+        name = spec.rsplit(":", 1)[1]
+        if name in out:
+            raise ValueError(f"tools {config!r}: two tools named {name!r}")
+        out[name] = specs.load(spec, "tools")
+    return out
+
+
+def run_tool(config: str, name: str, args: str) -> str:
+    """The rq job: run one tool call of the configured registry ``config``. Raises on every kind of failure."""
+    tools = registry(config)
+    if name not in tools:
+        raise ToolError(f"unknown tool {name!r}")
+    output = tools[name](args)
+    if not isinstance(output, str):
+        raise ToolError(f"tool {name!r} returned {type(output).__name__}, expected str")
+    if len(output) > MAX_OUTPUT_CHARS:
+        raise ToolError(f"tool {name!r} returned {len(output)} chars, more than {MAX_OUTPUT_CHARS}")
+    return output
+
+
+# --- the built-in tools ---------------------------------------------------
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
         ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -74,32 +113,3 @@ def calc(args: str) -> str:
         return str(_eval(ast.parse(args.replace("/", "//").replace("////", "//"), mode="eval")))
     except (SyntaxError, ZeroDivisionError) as exc:
         raise ToolError(f"cannot evaluate {args!r}: {exc.__class__.__name__}") from None
-
-
-def sleep(args: str) -> str:
-    """Sleeps ARGS seconds, then echoes them (for tests and demos of slow tools)."""
-    time.sleep(float(args))
-    return args
-
-
-def crash(args: str) -> str:
-    raise RuntimeError(f"crash tool asked to fail: {args}")
-
-
-def garbage(args: str):
-    return {"not": "a string"}
-
-
-TOOLS = {"calc": calc, "sleep": sleep, "crash": crash, "garbage": garbage}
-
-
-def run_tool(name: str, args: str) -> str:
-    """The rq job: run one tool call. Raises on every kind of failure."""
-    if name not in TOOLS:
-        raise ToolError(f"unknown tool {name!r}")
-    output = TOOLS[name](args)
-    if not isinstance(output, str):
-        raise ToolError(f"tool {name!r} returned {type(output).__name__}, expected str")
-    if len(output) > MAX_OUTPUT_CHARS:
-        raise ToolError(f"tool {name!r} returned {len(output)} chars, more than {MAX_OUTPUT_CHARS}")
-    return output

@@ -47,11 +47,12 @@ class Config:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0  # base sampling seed; each episode derives its own
-    tools: str = ""  # comma-separated tool names the model may call (empty: single-turn); "calc": multi-turn variant
+    tools: str = ""  # tools the model may call, comma-separated: built-in names (calc) or module:function specs; empty: single-turn
     tool_timeout: float = 10.0  # seconds one tool call may run (rq job timeout)
     max_tool_calls: int = 4  # per episode; one more ends it with reason 'tool_limit'
-    reward_fn: str = "services.rollout.rewards:arithmetic"  # module:function(episode_text, task) -> float | (float, dict)
-    step_delay_ms: float = 0.0  # sleep after each engine step: a slow engine for fault drills and demos
+    reward_fn: str = "services.rollout.rewards:arithmetic"  # module:function(response, task[, prompt=]) -> float | (float, dict), may be async; runs as an rq job unless marked @rewards.inline
+    reward_timeout: float = 60.0  # seconds one reward job may run; past it the episode fails (where: reward)
+    step_delay_ms: float = 0.0  # drills and benchmarks: wrap the engine in a simulated slow one (engine/slow.py) sleeping this long per step
     heartbeat_ttl: float = 5.0  # seconds after its last heartbeat a worker counts as dead
     # trainer
     batch_groups: int = 8  # prompt groups per optimizer step

@@ -16,8 +16,19 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def make_engine(kind: str, model_dir: str, device: str = "cpu", vllm_args: str = "", **kw) -> Engine:
-    """``vllm_args`` (the config key: a JSON object of extra vllm.EngineArgs) only reaches the vLLM engine."""
+def make_engine(kind: str, model_dir: str, device: str = "cpu", vllm_args: str = "", step_delay_ms: float = 0.0,
+                **kw) -> Engine:
+    """``vllm_args`` (the config key: a JSON object of extra vllm.EngineArgs) only reaches the vLLM engine;
+    ``step_delay_ms`` > 0 wraps the engine in ``slow.SlowEngine`` (drills and benchmarks)."""
+    engine = _make(kind, model_dir, device, vllm_args, **kw)
+    if step_delay_ms > 0:
+        from services.rollout.engine.slow import SlowEngine
+
+        return SlowEngine(engine, step_delay_ms)
+    return engine
+
+
+def _make(kind: str, model_dir: str, device: str, vllm_args: str, **kw) -> Engine:
     if kind == "torch":
         from services.rollout.engine.torch_engine import TorchEngine
 

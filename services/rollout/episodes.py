@@ -1,0 +1,286 @@
+"""The episodes a rollout worker drives: opening a group's episodes from their streams, generation requests,
+recording tokens, tool calls and results, scoring and ending; every event goes to the episode's stream.
+
+Ownership: an episode is this worker's while it is in ``live``; every write path checks that first. When an
+append is fenced (another worker owns the episode now), the whole group leaves this worker at once: its live
+episodes, engine requests, tool and reward jobs and log buffers; nothing later touches it, and a group this
+worker gets back starts clean (``open_group``).
+"""
+
+from __future__ import annotations
+
+from services.rollout.agent import Agent, Finish, ToolCall
+from services.rollout.engine import Chunk, EngineError, SamplingParams
+from services.rollout.episode import LiveEpisode, State, episode_seed
+from services.rollout.groups import GroupRun, Groups
+from services.rollout.prompting import prompt_ids
+from services.rollout.tool_jobs import Outcome, ToolJobs
+from shared.protocol.episode_log import EpisodeLog, Fenced
+from shared.protocol.events import EventError, decode
+from shared.protocol.fold import fold
+
+
+class Episodes:
+    def __init__(self, cfg, events: EpisodeLog, engine, tokenizer, agent: Agent, jobs: ToolJobs, groups: Groups,
+                 reward, stop_token_ids: tuple[int, ...], log):
+        self.cfg, self.events, self.engine, self.tok, self.agent = cfg, events, engine, tokenizer, agent
+        self.jobs, self.groups, self.reward, self.stop_token_ids, self.log = jobs, groups, reward, stop_token_ids, log
+        self.worker_id = events.worker
+        self.live: dict[str, LiveEpisode] = {}
+        self.paused = False
+        self.stats = {"tokens": 0, "episodes": 0, "resumed": 0}
+
+    def owns(self, live: LiveEpisode) -> bool:
+        return self.live.get(live.episode_id) is live
+
+    # --- opening a group
+    def open_group(self, run: GroupRun) -> None:
+        gid = run.group.group_id
+        self._forget_group(gid)  # a group this worker held before (lost, now back): start from its streams
+        self.groups.hold(run)
+        fresh = []
+        # one round trip reads every episode stream, one more makes every new episode's start durable
+        for index, (episode_id, entries) in enumerate(zip(run.episodes, self.events.read_many(run.episodes))):
+            if not self.groups.holds(run):
+                return  # lost while opening (fenced): nothing more touches it
+            if entries:
+                self._resume_from_stream(run, episode_id, entries)
+            elif (live := self._start(run, index, episode_id)) is not None:
+                fresh.append(live)
+        if fresh:
+            self.flush([live.episode_id for live in fresh])
+        for live in fresh:
+            if self.owns(live):
+                self._generate(live)
+        self.groups.maybe_publish(run)
+
+    def _params(self, run: GroupRun, index: int) -> SamplingParams:
+        o, c = run.group.sampling, self.cfg
+        return SamplingParams(temperature=float(o.get("temperature", c.temperature)),
+                              top_p=float(o.get("top_p", c.top_p)), top_k=int(o.get("top_k", c.top_k)),
+                              max_tokens=int(o.get("max_tokens", c.max_tokens)), stop_token_ids=self.stop_token_ids,
+                              seed=int(o.get("seed", episode_seed(c.seed, run.group.group_id, index))))
+
+    def _start(self, run: GroupRun, index: int, episode_id: str) -> LiveEpisode | None:
+        """A new episode (its stream is empty): the ``started`` event, buffered; the caller flushes it and
+        starts generation. None when it failed at once (prompt too long)."""
+        group = run.group
+        params = self._params(run, index)
+        live = LiveEpisode(episode_id, group.group_id, index, prompt_ids(self.tok, group), params, group.task)
+        self.live[episode_id] = live
+        self.events.open(episode_id)
+        self._append(live, "started", {"episode_id": episode_id, "group_id": group.group_id, "index": index,
+                                       "prompt_ids": live.prompt_ids, "sampling": params.to_dict(), "task": group.task})
+        if len(live.prompt_ids) + 1 > self.engine.max_model_len:
+            self._fail(live, f"prompt of {len(live.prompt_ids)} tokens does not fit the model's context of "
+                             f"{self.engine.max_model_len} tokens (prompt group entry {group.entry_id})", "prompt")
+            return None
+        return live
+
+    def _resume_from_stream(self, run: GroupRun, episode_id: str, entries) -> None:
+        try:
+            ep = fold(entries)
+        except EventError as exc:
+            self.groups.dead_letter(self.events.keys.episode(episode_id), exc.entry_id, str(exc))
+            self.log.error("episode stream unreadable; episode dropped", episode=episode_id, error=str(exc))
+            run.done.add(episode_id)
+            return
+        if ep.done:
+            run.done.add(episode_id)
+            return
+        live = LiveEpisode.from_fold(ep, SamplingParams.from_dict({**ep.sampling,
+                                                                   "stop_token_ids": self.stop_token_ids}))
+        self.live[episode_id] = live
+        self.events.open(episode_id, ep.last_seq + 1)
+        takeover = run.takeover_from is not None and ep.last_worker != self.worker_id
+        self._append(live, "resumed", {"num_tokens": len(ep.tokens),
+                                       **({"takeover_from": ep.last_worker} if takeover else {})})
+        self.stats["resumed"] += 1
+        self.log.info("episode resumed from stream", episode=episode_id, tokens=len(ep.tokens),
+                      takeover_from=ep.last_worker if takeover else None)
+        if ep.pending_tool_calls:  # the stream stopped between a call and its result: answer it first
+            c = ep.pending_tool_calls[-1]
+            self._run_call(live, self.agent.checked(ToolCall(c["call_id"], c["name"], c["args"])), attach=True)
+        else:
+            self.flush([episode_id])
+            if self.owns(live):
+                self._generate(live)
+
+    # --- generation
+    def _generate(self, live: LiveEpisode) -> None:
+        if self.paused:
+            live.state = State.PAUSED
+            return
+        end = self.agent.next_turn(live)
+        if end is not None:
+            return self._end(live, end.reason)
+        try:
+            self.engine.add_request(live.episode_id, live.context_ids, live.params, live.remaining,
+                                    start_index=len(live.tokens))
+        except EngineError as exc:
+            return self._fail(live, str(exc), "engine")
+        live.state = State.GENERATING
+
+    def on_chunk(self, chunk: Chunk) -> None:
+        live = self.live.get(chunk.request_id)
+        if live is None:
+            return
+        self._record(live, chunk)
+        step = self.agent.after_chunk(live, chunk.finish_reason)
+        if step is not None and chunk.finish_reason is None:  # a call (or the tool limit) ends this turn
+            rest = self.engine.abort(live.episode_id)
+            if rest is not None:
+                self._record(live, rest)
+        if isinstance(step, ToolCall):
+            self._append(live, "tool_call", {"call_id": step.call_id, "name": step.name, "args": step.args})
+            self._run_call(live, step)
+        elif isinstance(step, Finish):
+            self._end(live, step.reason)
+
+    def _record(self, live: LiveEpisode, chunk: Chunk) -> None:
+        if chunk.token_ids:
+            self.events.append_tokens(live.episode_id, chunk.token_ids, chunk.logprobs, chunk.version)
+            self.agent.add_generated(live, chunk.token_ids)
+            self.stats["tokens"] += len(chunk.token_ids)
+
+    def abort_all(self, reason: str) -> None:
+        """Stop generating; every episode that was generating gets an ``aborted`` event (buffered)."""
+        for chunk in self.engine.abort_all():
+            if (live := self.live.get(chunk.request_id)) is not None:
+                self._record(live, chunk)
+        for live in self.live.values():
+            if live.state in (State.GENERATING, State.PAUSED):
+                live.state = State.PAUSED
+                self._append(live, "aborted", {"reason": reason, "num_tokens": len(live.tokens)})
+
+    def resume_all(self) -> None:
+        """Continue every aborted episode from what its stream says, not from memory."""
+        for live in list(self.live.values()):
+            if not self.owns(live) or live.state is not State.PAUSED:
+                continue
+            ep = self.events.replay(live.episode_id)
+            if ep.tokens != live.tokens:
+                self.log.error("stream and memory disagree; continuing from the stream", episode=live.episode_id,
+                               stream_tokens=len(ep.tokens), memory_tokens=len(live.tokens))
+                live.tokens, live.num_generated = list(ep.tokens), ep.num_generated
+            self._append(live, "resumed", {"num_tokens": len(ep.tokens)})
+            self.stats["resumed"] += 1
+            self._generate(live)
+
+    # --- tools and rewards (rq jobs)
+    def _run_call(self, live: LiveEpisode, call: ToolCall, attach: bool = False) -> None:
+        if call.error is not None:
+            return self._tool_result(live, call.call_id, False, call.error)
+        self.flush([live.episode_id])  # the call is durable before its job exists: a takeover re-attaches to it
+        if self.owns(live):
+            self.jobs.tool(live.episode_id, call.call_id, call.name, call.args, attach=attach)
+            live.state = State.TOOL
+
+    def on_job(self, outcome: Outcome) -> None:
+        live = self.live.get(outcome.episode_id)
+        if live is None:
+            return
+        if outcome.kind == "tool":
+            return self._tool_result(live, outcome.call_id, outcome.ok, str(outcome.value))
+        if not outcome.ok:
+            return self._fail(live, f"reward function {self.reward.spec} raised {outcome.value}", "reward")
+        reward, details = outcome.value
+        self._finished(live, live.finish_reason or "stop", float(reward), dict(details or {}))
+
+    def _tool_result(self, live: LiveEpisode, call_id: str, ok: bool, output: str) -> None:
+        ids = self.agent.result_ids(ok, output)
+        self._append(live, "tool_result", {"call_id": call_id, "ok": ok, "output": output, "ids": ids})
+        self.flush([live.episode_id])
+        if self.owns(live):
+            self.agent.add_result(live, ids)
+            live.state = State.PAUSED
+            self._generate(live)
+
+    # --- endings
+    def _end(self, live: LiveEpisode, reason: str) -> None:
+        """Generation is over: score the response (in-process for an inline reward, else an rq job)."""
+        response = self.tok.decode(live.tokens, skip_special_tokens=True)
+        if not self.reward.inline:
+            live.state, live.finish_reason = State.SCORING, reason
+            return self._score_group(live.group_id) if self.reward.group_aware else self._score([live])
+        try:
+            reward, details = self.reward(response, live.task)
+        except Exception as exc:  # a user's reward function can raise anything
+            return self._fail(live, f"reward function {self.reward.spec} raised {exc.__class__.__name__}: {exc}",
+                              "reward")
+        self._finished(live, reason, reward, details)
+
+    def _score(self, scoring: list[LiveEpisode], group: list | None = None) -> None:
+        for live in scoring:
+            prompt = self.tok.decode(live.prompt_ids, skip_special_tokens=True)
+            response = self.tok.decode(live.tokens, skip_special_tokens=True)
+            self.jobs.reward(live.episode_id, prompt, response, live.task, group)
+
+    def _score_group(self, group_id: str) -> None:
+        """Group-aware reward: once none of the group's episodes here is still generating, score them together."""
+        members = sorted((l for l in self.live.values() if l.group_id == group_id), key=lambda l: l.index)
+        if not members or any(l.state is not State.SCORING for l in members):
+            return
+        group = [{"index": l.index, "response": self.tok.decode(l.tokens, skip_special_tokens=True)}
+                 for l in members]
+        self._score([l for l in members if l.episode_id not in self.jobs.pending], group)
+
+    def _finished(self, live: LiveEpisode, reason: str, reward: float, details: dict) -> None:
+        self._append(live, "finished", {"reason": reason, "reward": reward, "details": details})
+        self._close(live)
+
+    def _fail(self, live: LiveEpisode, error: str, where: str) -> None:
+        self.log.warning("episode failed", episode=live.episode_id, error=error, where=where)
+        self._append(live, "failed", {"error": error, "where": where})
+        self._close(live)
+
+    def _close(self, live: LiveEpisode) -> None:
+        live.state = State.DONE
+        self.flush([live.episode_id])
+        if not self.owns(live):
+            return
+        self.events.close(live.episode_id)
+        del self.live[live.episode_id]
+        self.stats["episodes"] += 1
+        run = self.groups.get(live.group_id)
+        if run is not None:
+            run.done.add(live.episode_id)
+            self.groups.maybe_publish(run)
+        if self.reward.group_aware:  # the rest of the group may have been waiting for this one
+            self._score_group(live.group_id)
+
+    # --- the log and ownership
+    def _append(self, live: LiveEpisode, kind: str, data: dict) -> None:
+        if self.owns(live):
+            self.events.append(live.episode_id, kind, data, self.engine.version)
+
+    def flush(self, episode_ids: list[str] | None = None, due_only: bool = False) -> None:
+        """Write buffered events; a fenced episode drops its group (other errors raise)."""
+        errors = self.events.maybe_flush() if due_only else self.events.flush(episode_ids)
+        lost: dict[str, str] = {}
+        for episode_id, exc in errors.items():
+            if not isinstance(exc, Fenced):
+                raise exc
+            live = self.live.get(episode_id)
+            lost.setdefault(live.group_id if live else episode_id.rsplit("-", 1)[0], episode_id)
+        for group_id, episode_id in lost.items():
+            self.log.warning("fenced: another worker owns this group now; dropping it", group=group_id,
+                             episode=episode_id, new_owner=self._writer_of(episode_id))
+            self._forget_group(group_id)
+
+    def _writer_of(self, episode_id: str) -> str:
+        last = self.events.client.xrevrange(self.events.keys.episode(episode_id), count=1)
+        try:
+            return decode(*last[0]).worker if last else "?"
+        except EventError:
+            return "?"
+
+    def _forget_group(self, group_id: str) -> None:
+        """Drop every trace of a group from this worker: episodes, engine requests, jobs, log buffers."""
+        mine = [eid for eid, live in self.live.items() if live.group_id == group_id]
+        for episode_id in mine:
+            self.engine.abort(episode_id)
+            self.events.close(episode_id)
+            del self.live[episode_id]
+        self.jobs.forget(mine)
+        self.groups.drop(group_id)

@@ -1,0 +1,172 @@
+"""Prompt groups a rollout worker holds: claiming them (validation first; training through the staleness
+gate), taking over the groups of dead workers (and re-opening its own orphans), and publishing a finished
+group (samples entry + acknowledgement, once). The episodes of a group are driven by ``episodes.Episodes``.
+
+Other request sources (e.g. gateway calls) add their claims to ``claim``'s result the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from shared.protocol import dead_letters, gate
+from shared.protocol.events import EventError
+from shared.protocol.gate import Gate
+from shared.protocol.keys import ROLLOUT_GROUP as GROUP, Keys
+from shared.protocol.prompts import PromptGroup, decode_group
+from shared.protocol.samples import Publisher, Sample
+
+
+@dataclass
+class GroupRun:
+    group: PromptGroup
+    episodes: list[str] = field(default_factory=list)
+    done: set[str] = field(default_factory=set)
+    source: str = ""  # the prompts stream the group came from (training or validation)
+    takeover_from: str | None = None  # the dead worker it was claimed from
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) >= len(self.episodes)
+
+
+class Groups:
+    def __init__(self, cfg, client, keys: Keys, worker_id: str, log):
+        self.cfg, self.client, self.keys, self.worker_id, self.log = cfg, client, keys, worker_id, log
+        self.gate = Gate(client, keys, sync_mode=cfg.mode == "sync")
+        self.publisher = Publisher(client, keys)
+        self.held: dict[str, GroupRun] = {}
+        self.published = 0
+        self._missing_since: dict[str, float] = {}  # worker -> when its heartbeat key was first seen missing
+
+    def create_consumer_groups(self) -> None:
+        for stream in (self.keys.val_prompts, self.keys.prompts):
+            try:
+                self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except redis.exceptions.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def room(self) -> int:
+        return self.cfg.max_groups_in_flight - len(self.held)
+
+    def get(self, group_id: str) -> GroupRun | None:
+        return self.held.get(group_id)
+
+    # --- claiming
+    def claim(self, version: int) -> list[GroupRun]:
+        """New groups: validation ones first (no gate: never trained), then training ones as far as the gate
+        allows for a worker at ``version``. Not yet held: the caller opens each (``hold``)."""
+        runs = self._read(self.keys.val_prompts, self.room())
+        slots = self._reserve(self.room() - len(runs), version)
+        if slots.granted > 0:
+            entries = self._read(self.keys.prompts, slots.granted)
+            if slots.gated:
+                self.gate.refund(slots.granted - len(entries))  # fewer waiting, or dead-lettered: slots back
+            runs += entries
+        return runs
+
+    def _reserve(self, want: int, version: int) -> gate.Grant:
+        if want <= 0:
+            return gate.Grant(0, False, None)
+        if self.cfg.mode == "sync":  # a group starts only under the very version the gate admits it for
+            if gate.peek(self.client, self.keys)[0] != version:
+                return gate.Grant(0, False, None)
+            grant = self.gate.reserve(want)
+            if grant.gated and grant.version != version:  # the gate moved on between the look and the reservation
+                self.gate.refund(grant.granted)
+                return gate.Grant(0, False, None)
+            return grant
+        return self.gate.reserve(want)
+
+    def _read(self, stream: str, count: int) -> list[GroupRun]:
+        if count <= 0:
+            return []
+        reply = self.client.xreadgroup(GROUP, self.worker_id, {stream: ">"}, count=count)
+        return [run for entry_id, fields in (e for _, es in reply or [] for e in es)
+                if (run := self.decode(stream, entry_id, fields)) is not None]
+
+    def decode(self, stream: str, entry_id, fields, takeover_from: str | None = None) -> GroupRun | None:
+        """The entry as a group to open; None (dead-lettered and acknowledged) when malformed."""
+        try:
+            group = decode_group(entry_id, fields)
+        except EventError as exc:
+            self.dead_letter(stream, entry_id, str(exc))
+            self.client.xack(stream, GROUP, entry_id)
+            return None
+        return GroupRun(group, group.episode_ids(), source=stream, takeover_from=takeover_from)
+
+    def hold(self, run: GroupRun) -> None:
+        self.held[run.group.group_id] = run
+        self.log.info("group claimed", group=run.group.group_id, n=run.group.n, takeover_from=run.takeover_from)
+
+    def holds(self, run: GroupRun) -> bool:
+        return self.held.get(run.group.group_id) is run
+
+    def drop(self, group_id: str) -> None:
+        self.held.pop(group_id, None)
+
+    # --- crash takeover
+    def take_over(self) -> list[GroupRun]:
+        """Groups to re-open: pending under this worker but no longer held (dropped after a fence, or a
+        publish Redis forgot), then those of workers whose heartbeat has been missing for heartbeat_ttl."""
+        free, runs = self.room(), []
+        min_idle = int(self.cfg.heartbeat_ttl * 1000)
+        for stream in (self.keys.val_prompts, self.keys.prompts):
+            if free <= 0:
+                break
+            pending = self.client.xpending_range(stream, GROUP, min="-", max="+", count=100)
+            held = {run.group.entry_id for run in self.held.values()}
+            orphans = [p["message_id"] for p in pending
+                       if p["consumer"].decode() == self.worker_id and p["message_id"].decode() not in held]
+            for entry_id, fields in self.client.xclaim(stream, GROUP, self.worker_id, 0, orphans[:free]) \
+                    if orphans else []:
+                if fields and (run := self.decode(stream, entry_id, fields)) is not None:
+                    self.log.warning("re-opening a group this worker no longer held", entry=entry_id.decode())
+                    runs.append(run)
+                    free -= 1
+            for owner, ids in self._dead_owners(pending, min_idle).items():
+                if free <= 0:
+                    break
+                for entry_id, fields in self.client.xclaim(stream, GROUP, self.worker_id, min_idle, ids[:free]):
+                    if fields and (run := self.decode(stream, entry_id, fields, takeover_from=owner)) is not None:
+                        runs.append(run)
+                        free -= 1
+        return runs
+
+    def _dead_owners(self, pending, min_idle: int) -> dict[str, list]:
+        idle: dict[str, list] = {}
+        for p in pending:
+            owner = p["consumer"].decode()
+            if owner != self.worker_id and p["time_since_delivered"] >= min_idle:
+                idle.setdefault(owner, []).append(p["message_id"])
+        dead = {}
+        for owner, ids in idle.items():
+            if self.client.exists(self.keys.alive("rollout", owner)):
+                self._missing_since.pop(owner, None)
+                continue
+            # dead once its heartbeat has been missing for a whole heartbeat_ttl: after a Redis restart every
+            # heartbeat key lapses at once, and live workers write theirs again within heartbeat_ttl / 3
+            if time.monotonic() - self._missing_since.setdefault(owner, time.monotonic()) >= self.cfg.heartbeat_ttl:
+                dead[owner] = ids
+        return dead
+
+    # --- publishing
+    def maybe_publish(self, run: GroupRun) -> bool:
+        if not run.complete or not self.holds(run):
+            return False
+        g = run.group
+        samples = self.keys.val_samples if run.source == self.keys.val_prompts else self.keys.samples
+        self.publisher.publish(Sample(g.group_id, run.episodes, self.worker_id, g.n), samples, run.source, g.entry_id)
+        del self.held[g.group_id]
+        self.published += 1
+        self.log.info("group finished", group=g.group_id)
+        return True
+
+    def dead_letter(self, stream: str, entry_id, reason: str) -> None:
+        entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        self.log.error("bad input sent to dead letters", stream=stream, entry=entry_id, reason=reason)
+        dead_letters.send(self.client, self.keys, stream, entry_id, reason, self.worker_id)

@@ -1,0 +1,102 @@
+"""rq jobs of a rollout worker: tool calls and reward scoring (JSON serializer, the run's tools queue).
+
+A job's id is derived from its episode (and call), so a worker that takes an episode over re-attaches to the
+job already queued or done instead of running it again. ``poll`` reports finished, failed and overdue jobs
+(a job no rq worker picks up is not waited on forever); ``forget`` drops the jobs of episodes this worker no
+longer owns.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.serializers import JSONSerializer
+
+from services.rollout import rewards, tools
+
+
+@dataclass
+class Pending:
+    job_id: str
+    kind: str  # "tool" | "reward"
+    call_id: str  # tool: the call it answers; reward: ""
+    deadline: float  # monotonic; past it the job counts as failed
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    episode_id: str
+    kind: str
+    call_id: str
+    ok: bool
+    value: object  # tool: output text; reward: [reward, details]; when not ok: the error message
+
+
+class ToolJobs:
+    def __init__(self, client, queue_name: str, run: str, tools_config: str, reward_spec: str,
+                 tool_timeout: float, reward_timeout: float):
+        self.client, self.run = client, run
+        self.queue = Queue(queue_name, connection=client, serializer=JSONSerializer)
+        self.tools_config, self.reward_spec = tools_config, reward_spec
+        self.tool_timeout, self.reward_timeout = tool_timeout, reward_timeout
+        self.pending: dict[str, Pending] = {}  # episode id -> its one job in flight
+
+    def _job_id(self, *parts: str) -> str:
+        return re.sub(r"[^A-Za-z0-9_-]", "_", "-".join((self.run, *parts)))
+
+    def _submit(self, episode_id: str, kind: str, call_id: str, func, args: tuple, timeout: float,
+                attach: bool) -> None:
+        job_id = self._job_id(episode_id, call_id or kind)
+        if not attach or not Job.exists(job_id, connection=self.client):
+            self.queue.enqueue_call(func, args=args, job_id=job_id, timeout=max(1, int(timeout)), result_ttl=3600,
+                                    failure_ttl=3600)
+        self.pending[episode_id] = Pending(job_id, kind, call_id, time.monotonic() + 3 * timeout + 5, timeout)
+
+    def tool(self, episode_id: str, call_id: str, name: str, args: str, attach: bool = False) -> None:
+        """Run a tool call; ``attach``: the call is already in the stream, its job may exist already."""
+        self._submit(episode_id, "tool", call_id, tools.run_tool, (self.tools_config, name, args),
+                     self.tool_timeout, attach)
+
+    def reward(self, episode_id: str, prompt: str, response: str, task: dict, group: list | None = None) -> None:
+        self._submit(episode_id, "reward", "", rewards.run_reward, (self.reward_spec, prompt, response, task, group),
+                     self.reward_timeout, attach=True)
+
+    def waiting(self) -> bool:
+        return bool(self.pending)
+
+    def forget(self, episode_ids) -> None:
+        for episode_id in episode_ids:
+            self.pending.pop(episode_id, None)
+
+    def poll(self) -> list[Outcome]:
+        if not self.pending:
+            return []
+        items = list(self.pending.items())
+        jobs = Job.fetch_many([p.job_id for _, p in items], connection=self.client, serializer=JSONSerializer)
+        out = []
+        for (episode_id, p), job in zip(items, jobs):
+            status = job.get_status(refresh=False) if job is not None else None
+            if status == JobStatus.FINISHED:
+                value = job.return_value()
+                out.append(Outcome(episode_id, p.kind, p.call_id, True, str(value) if p.kind == "tool" else value))
+            elif status in (JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED):
+                result = job.latest_result()
+                exc = (result.exc_string or "").strip().splitlines() if result else []
+                message = exc[-1] if exc else f"{p.kind} job {status.value}"
+                if "JobTimeoutException" in message:
+                    message = f"{p.kind} timed out after {p.timeout:g}s"
+                out.append(Outcome(episode_id, p.kind, p.call_id, False, message))
+            elif job is None or time.monotonic() > p.deadline:
+                if job is not None:
+                    job.cancel()
+                out.append(Outcome(episode_id, p.kind, p.call_id, False,
+                                   f"{p.kind} did not complete within {3 * p.timeout + 5:g}s"))
+            else:
+                continue
+            del self.pending[episode_id]
+        return out

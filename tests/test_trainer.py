@@ -24,7 +24,8 @@ from shared.protocol.fold import fold
 from tests.helpers import finished, raw, started, tokens
 
 
-def _write_group(client, keys, group_id: str, n: int = 2, version: int = 0, rng=None, length: int = 6) -> None:
+def _write_group(client, keys, group_id: str, n: int = 2, version: int = 0, rng=None, length: int = 6,
+                 rewards=None, logprob=None) -> None:
     rng = rng or random.Random(group_id)
     log = EpisodeLog(client, keys, "writer")
     eids = []
@@ -36,8 +37,9 @@ def _write_group(client, keys, group_id: str, n: int = 2, version: int = 0, rng=
                                     "prompt_ids": [rng.randrange(3, 90) for _ in range(4)],
                                     "sampling": {"temperature": 1.0}, "task": {}}, version)
         ids = [rng.randrange(3, 90) for _ in range(length)]
-        log.append_tokens(eid, ids, [-rng.random() * 4 for _ in ids], version)
-        log.append(eid, "finished", {"reason": "stop", "reward": float(i == 0)}, version)
+        log.append_tokens(eid, ids, [-rng.random() * 4 if logprob is None else logprob for _ in ids], version)
+        reward = float(i == 0) if rewards is None else rewards[i]
+        log.append(eid, "finished", {"reason": "stop", "reward": reward}, version)
     log.flush_or_raise()
     client.xadd(keys.samples, {"group_id": group_id, "episodes": ",".join(eids), "worker": "writer", "n": str(n)})
 
@@ -82,32 +84,61 @@ def test_trains_publishes_and_acks(client, keys, tiny_model_dir, tmp_path):
     assert len(lines) == 2 and {"reward_mean", "clip_fraction", "entropy", "staleness"} <= set(lines[0])
 
 
-def test_too_stale_group_is_not_trained_but_stays_in_its_stream(client, keys, tiny_model_dir, tmp_path):
-    cfg = _cfg(keys, tiny_model_dir, tmp_path, batch_groups=1, max_staleness=1)
+def test_a_stale_group_trains_and_tokens_past_the_hard_limit_are_masked_and_counted(client, keys, tiny_model_dir,
+                                                                                     tmp_path):
+    cfg = _cfg(keys, tiny_model_dir, tmp_path, batch_groups=2, max_staleness=1, hard_max_staleness=2)
     trainer = Trainer(cfg, client, logs.get("trainer-test"))
-    trainer.version = 3  # as if three versions had been published
-    _write_group(client, keys, "old", version=1)
-    _write_group(client, keys, "fresh", version=2)
+    trainer.version = 4  # as if four versions had been published
+    _write_group(client, keys, "old", version=1)  # 3 behind: past the hard limit
+    _write_group(client, keys, "stale", version=2)  # 2 behind: past max_staleness, trained with its IS weight
     trainer.restore()
     groups = trainer.collect(lambda: False)
-    assert [g for _, g, _ in groups] == ["fresh"]
-    assert trainer.stale_dropped == 1
-    assert EpisodeLog(client, keys, "r").replay("old-0").status == "finished"
+    assert [g for _, g, _ in groups] == ["old", "stale"]  # finished groups are not thrown away
+    metrics = trainer.train_step(groups)
+    assert metrics["stale_tokens_masked"] == 12 and metrics["tokens"] == 12  # 2 episodes x 6 tokens of "old"
+    assert metrics["tokens_wasted"] == 12 and metrics["groups_dropped"] == 0
 
 
-def test_only_stale_groups_are_acknowledged_without_a_training_step(client, keys, tiny_model_dir, tmp_path):
-    cfg = _cfg(keys, tiny_model_dir, tmp_path, batch_groups=2, max_staleness=0)
+def test_untrainable_groups_are_acknowledged_without_a_training_step(client, keys, tiny_model_dir, tmp_path):
+    cfg = _cfg(keys, tiny_model_dir, tmp_path, batch_groups=2, filter_constant_groups=True)
     trainer = Trainer(cfg, client, logs.get("trainer-test"))
-    trainer.version = 2
-    _write_group(client, keys, "old1", version=0)
-    _write_group(client, keys, "old2", version=1)
+    _write_group(client, keys, "same1", rewards=[1.0, 1.0])
+    _write_group(client, keys, "same2", rewards=[0.0, 0.0])
     trainer.restore()
     calls = iter(range(100))
     assert trainer.collect(lambda: next(calls) > 5) is None
     assert client.xpending(keys.samples, "trainer")["pending"] == 0
     ledger = read_ledger(cfg.run_path / "trainer")
-    assert [rec["skipped"] for rec in ledger] == [["old1", "old2"]] and ledger[0]["groups"] == []
-    assert trainer.step == 0
+    assert [rec["skipped"] for rec in ledger] == [["same1", "same2"]] and ledger[0]["groups"] == []
+    assert trainer.step == 0 and trainer.counts["constant_groups_filtered"] == 2
+    assert int(client.get(keys.gate_started) or 0) == -2  # both gave their gate slot back
+
+
+def test_pending_entries_past_one_page_are_all_reread_after_a_restart(client, keys, tiny_model_dir, tmp_path):
+    cfg = _cfg(keys, tiny_model_dir, tmp_path)
+    for i in range(150):
+        client.xadd(keys.samples, {"group_id": f"p{i:03d}", "episodes": f"p{i:03d}-0"})
+    first = Trainer(cfg, client, logs.get("trainer-test"))
+    first.restore()
+    while first._read() is not None:  # delivered to the trainer, never acknowledged: a crash here
+        pass
+    assert client.xpending(keys.samples, "trainer")["pending"] == 150
+    again = Trainer(cfg, client, logs.get("trainer-test"))
+    again.restore()
+    assert sorted(g for _, g, _ in again.buffer) == [f"p{i:03d}" for i in range(150)]
+
+
+def test_a_non_finite_step_is_skipped_counted_and_never_published(client, keys, tiny_model_dir, tmp_path):
+    cfg = _cfg(keys, tiny_model_dir, tmp_path, batch_groups=1)
+    _write_group(client, keys, "nan", logprob=float("nan"))
+    trainer = Trainer(cfg, client, logs.get("trainer-test"))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.run(should_stop=lambda: trainer.version >= 1)
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    line = json.loads((cfg.run_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert line["nonfinite_skipped"] == 2 and line["ppo_steps"] == 0  # both minibatches (ppo_minibatches = 2)
+    assert read_ledger(cfg.run_path / "trainer") == [{"commit": 1, "version": 1, "step": 1, "groups": [],
+                                                      "skipped": ["nan"]}]
 
 
 def _trainer_proc(redis_url, cfg: Config):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from services.trainer import checkpoint
@@ -183,3 +184,92 @@ def test_kill_9_trains_every_sample_exactly_once(client, keys, redis_url, tiny_m
     assert sorted(trained) == groups  # every group trained, none twice
     versions = [int(f[b"version"]) for _, f in client.xrange(keys.versions)]
     assert versions == sorted(set(versions)) and versions[-1] == len(groups) // 4
+
+
+# --- the step: micro-batches, minibatches, direction
+
+def _episodes(client, keys, groups: list[str]) -> list[list]:
+    log = EpisodeLog(client, keys, "r")
+    return [[log.replay(f"{g}-{i}") for i in range(2)] for g in groups]
+
+
+def _model_and_opt(model_dir, lr=1e-3, sgd=False):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if sgd:
+        return model, torch.optim.SGD(model.parameters(), lr=lr)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+
+
+def test_micro_batches_train_exactly_as_one_big_batch(client, keys, tiny_model_dir):
+    from services.trainer.step import StepConfig, train_on_batch
+    for i, g in enumerate(("m1", "m2", "m3")):
+        _write_group(client, keys, g, length=4 + 5 * i)  # rows of different lengths: padding differs per micro
+    batch = build_batch(_episodes(client, keys, ["m1", "m2", "m3"]), pad_id=0)
+    results = []
+    for budget in (0, 30):  # no limit; about one row per micro-batch
+        # SGD: the update is the accumulated gradient itself (Adam's first step, g/|g|, would amplify float
+        # noise on parameters whose gradient is about 0 into a sign)
+        model, opt = _model_and_opt(tiny_model_dir, lr=0.1, sgd=True)
+        stats = train_on_batch(model, opt, batch, StepConfig(ppo_minibatches=2, micro_batch_tokens=budget))
+        results.append((model.state_dict(), stats))
+    (big, big_stats), (small, small_stats) = results
+    assert big_stats["micro_batches"] == 2 and small_stats["micro_batches"] >= 4
+    for k in big:
+        torch.testing.assert_close(small[k], big[k], rtol=1e-5, atol=1e-6)
+    assert small_stats["loss"] == pytest.approx(big_stats["loss"], rel=1e-5, abs=1e-7)
+    assert small_stats["clip_fraction"] == pytest.approx(big_stats["clip_fraction"], abs=1e-6)
+
+
+def test_the_second_minibatch_is_clipped_against_the_proximal_policy(client, keys, tiny_model_dir):
+    from services.trainer.step import StepConfig, train_on_batch
+    for g in ("c1", "c2", "c3", "c4"):
+        _write_group(client, keys, g, length=12)
+    batch = build_batch(_episodes(client, keys, ["c1", "c2", "c3", "c4"]), pad_id=0)
+    model, opt = _model_and_opt(tiny_model_dir, lr=3e-2)
+    one = train_on_batch(model, opt, batch, StepConfig(ppo_minibatches=1))
+    assert one["clip_fraction"] == 0.0 and one["ppo_steps"] == 1  # one step: the ratio to the proximal policy is 1
+    model, opt = _model_and_opt(tiny_model_dir, lr=3e-2)
+    two = train_on_batch(model, opt, batch, StepConfig(ppo_minibatches=2))
+    assert two["ppo_steps"] == 2 and two["clip_fraction"] > 0.0  # after the first step the clip binds
+
+
+def test_one_step_raises_the_rewarded_episode_and_lowers_the_other(client, keys, tiny_model_dir):
+    from services.trainer.step import StepConfig, policy_logprobs, train_on_batch
+    _write_group(client, keys, "dir", rewards=[1.0, 0.0], length=8)
+    batch = build_batch(_episodes(client, keys, ["dir"]), pad_id=0)
+    model, opt = _model_and_opt(tiny_model_dir, lr=1e-2)
+
+    def seq_logp():
+        with torch.no_grad():
+            return (policy_logprobs(model, batch, "cpu")[0] * batch.loss_mask).sum(dim=1)
+
+    before = seq_logp()
+    train_on_batch(model, opt, batch, StepConfig(ppo_minibatches=1))
+    after = seq_logp()
+    assert after[0] > before[0] and after[1] < before[1], (before, after)
+
+
+def test_policy_failures_train_with_reward_zero_and_greedy_episodes_are_not_trained():
+    evs = [started(prompt=(5, 6)), tokens(1, [10, 11]), finished(2, reward=1.0)]
+    good = fold(raw(evs))
+    cut = fold(raw(evs))
+    cut.finish_reason = "length"  # the budget ran out: the policy's doing
+    greedy = fold(raw(evs))
+    greedy.sampling = {"temperature": 0.0}
+    b = build_batch([[good, cut], [greedy, good]], pad_id=0)
+    assert b.rewards.tolist() == [1.0, 0.0, 1.0, 1.0] and b.policy_failures == 1
+    assert b.advantages[0] > 0 > b.advantages[1]
+    assert b.loss_mask[2].sum() == 0 and b.greedy_tokens == 2 and b.num_tokens == 6
+
+
+def test_a_torn_last_ledger_line_is_ignored_and_repaired(tmp_path):
+    from shared.protocol.ledger import append_ledger, repair_ledger
+    append_ledger(tmp_path, {"commit": 1, "groups": ["a"], "skipped": []})
+    with open(tmp_path / "trained.jsonl", "a") as fh:
+        fh.write('{"commit": 2, "groups": ["b"')  # killed mid-append
+    assert [r["groups"] for r in read_ledger(tmp_path)] == [["a"]]
+    assert repair_ledger(tmp_path) > 0 and repair_ledger(tmp_path) == 0
+    append_ledger(tmp_path, {"commit": 2, "groups": ["b"], "skipped": []})
+    assert [r["groups"] for r in read_ledger(tmp_path)] == [["a"], ["b"]]

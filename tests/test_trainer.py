@@ -16,6 +16,8 @@ import torch
 from services.trainer import checkpoint
 from shared.protocol.ledger import read_ledger
 from services.trainer.batch import build_batch
+from services.trainer.commit import FAULT_ENV, POINTS
+from services.ops.checker import check, read_run
 from services.trainer.publish import sha256
 from services.trainer.trainer import Trainer
 from shared.runtime import logs
@@ -142,11 +144,14 @@ def test_a_non_finite_step_is_skipped_counted_and_never_published(client, keys, 
                                                       "skipped": ["nan"]}]
 
 
-def _trainer_proc(redis_url, cfg: Config):
+def _trainer_proc(redis_url, cfg: Config, crash_at: str | None = None):
     args = [sys.executable, "-m", "services.trainer", "--run", cfg.run, "--redis-url", redis_url,
             "--model-dir", cfg.model_dir, "--run-dir", cfg.run_dir, "--weights-dir", cfg.weights_dir,
             "--batch-groups", "2", "--steps-per-version", "2", "--max-staleness", "100", "--log-level", "warning"]
-    return subprocess.Popen(args, start_new_session=True)
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    if crash_at:
+        env[FAULT_ENV] = crash_at  # the fault-injection hook of services/trainer/commit.py (tests only)
+    return subprocess.Popen(args, start_new_session=True, env=env)
 
 
 def test_kill_9_trains_every_sample_exactly_once(client, keys, redis_url, tiny_model_dir, tmp_path):
@@ -273,3 +278,43 @@ def test_a_torn_last_ledger_line_is_ignored_and_repaired(tmp_path):
     assert repair_ledger(tmp_path) > 0 and repair_ledger(tmp_path) == 0
     append_ledger(tmp_path, {"commit": 2, "groups": ["b"], "skipped": []})
     assert [r["groups"] for r in read_ledger(tmp_path)] == [["a"], ["b"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", POINTS)
+def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothing_twice(
+        client, keys, redis_url, tiny_model_dir, tmp_path, point):
+    cfg = _cfg(keys, tiny_model_dir, tmp_path)
+    groups = [f"g{i:02d}" for i in range(8)]  # 2 commits of 2 steps x 2 groups
+    for g in groups:
+        _write_group(client, keys, g)
+    ledger_dir = cfg.run_path / "trainer"
+    proc = _trainer_proc(redis_url, cfg, crash_at=f"{point}@2")
+    try:
+        assert proc.wait(180) == -signal.SIGKILL  # killed itself at the second commit's point
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc = _trainer_proc(redis_url, cfg)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            records = read_ledger(ledger_dir)
+            versions = [int(f[b"version"]) for _, f in client.xrange(keys.versions)]
+            done = {g for rec in records for g in rec["groups"] + rec["skipped"]}
+            if done == set(groups) and versions and versions[-1] == 2 and \
+                    client.xpending(keys.samples, "trainer")["pending"] == 0:
+                break
+            assert time.monotonic() < deadline, f"{sorted(done)} committed, versions {versions}"
+            assert proc.poll() is None
+            time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    records = read_ledger(ledger_dir)
+    assert sorted(g for rec in records for g in rec["groups"]) == groups  # every group trained, none twice
+    state = checkpoint.load(ledger_dir)  # the ledger agrees with the checkpoint: nothing behind, nothing beyond
+    assert sorted(state["consumed"]) == groups and state["version"] == 2
+    assert [rec["commit"] for rec in records] == [1, 2] and records[-1] == state["ledger_record"]
+    report = check(read_run(client, keys, cfg.run_path))
+    assert report.groups_lost == 0 and report.samples_trained_twice == 0 and report.groups_trained == len(groups)

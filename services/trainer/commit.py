@@ -9,9 +9,9 @@ Order and what a crash at each point leaves (the trainer restarts from the last 
     acknowledge   -> after_ack: restore publishes the version (the stream is behind the checkpoint)
     publish       -> after_publish: nothing to repair
 
-Fault injection (tests only): the environment variable ``STREAMRL_FAULT_INJECT_TRAINER_CRASH`` =
-``POINT`` or ``POINT@N`` makes the trainer SIGKILL itself at POINT of its N-th commit in this process
-(default 1). Unset in every real run.
+Fault injection (tests only): the environment variable ``FAULT_INJECT_STREAMRL_TRAINER_CRASH`` (not
+``STREAMRL_*``: that prefix is configuration) = ``POINT`` or ``POINT@N`` makes the trainer SIGKILL itself
+at POINT of its N-th commit in this process (default 1). Unset in every real run.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import signal
 
 from shared.protocol import ledger
 
-FAULT_ENV = "STREAMRL_FAULT_INJECT_TRAINER_CRASH"
+FAULT_ENV = "FAULT_INJECT_STREAMRL_TRAINER_CRASH"
 POINTS = ("before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish")
 
 

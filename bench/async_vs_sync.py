@@ -16,8 +16,10 @@ Reported per variant, from the trainer's metrics file and the driver's output:
   eval               greedy accuracy of the last version of the budget on 200 fixed chain_sum problems (the
                      same for every variant; the training reward is measured on different samples)
   tokens/s           trained (response) tokens per second: async trains shorter responses on average
-                     (groups are trained in finish order and long ones may age past max_staleness and be
-                     dropped, column 'dropped'), so samples/s flatters it; tokens/s does not
+                     when long groups are lost, so samples/s flatters it; tokens/s does not. 'dropped': groups
+                     not trained (no finished episode); 'wasted tok': finished tokens not trained (greedy,
+                     past hard_max_staleness, over the IS cap, in dropped groups); stale groups train with
+                     their importance weights
 and the ratios async/sync. Usage:
 
     python bench/async_vs_sync.py            # ~3-6 min on a 2-core CPU box
@@ -143,7 +145,7 @@ def summarize(steps: list[dict], t_start: float, window: int) -> dict:
             "tokens": tokens, "tokens_per_s": tokens / elapsed, "start_reward": start, "final_reward": final,
             "curve": curve, "response_len": sum(s["response_len"] for s in steps) / len(steps),
             "trainer_wait_s": sum(s["wait_s"] for s in steps), "staleness_tokens": stale,
-            "stale_dropped": steps[-1].get("stale_dropped", 0)}
+            "stale_dropped": steps[-1].get("stale_dropped", 0), "tokens_wasted": steps[-1].get("tokens_wasted", 0)}
 
 
 def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -194,7 +196,7 @@ def main() -> None:
           f"moving mean over {args.window} steps)")
     print(f"{'variant':<22}{'samples':>8}{'seconds':>9}{'samples/s':>11}{'x sync':>8}{'to target s':>13}{'x sync':>8}"
           f"{'start r':>9}{'final r':>9}{'- sync':>8}{'eval':>7}{'- sync':>8}{'resp len':>9}{'tok/s':>8}{'x sync':>7}{'dropped':>8}"
-          f"{'stale tok 0/1/2':>18}")
+          f"{'wasted tok':>11}{'stale tok 0/1/2/3+':>21}")
     for r in results:
         ttt = time_to(r["curve"], target)
         st = r["staleness_tokens"]
@@ -205,7 +207,8 @@ def main() -> None:
               f"{r['start_reward']:>9.3f}{r['final_reward']:>9.3f}{r['final_reward'] - sync['final_reward']:>+8.3f}"
               f"{r['final_eval']:>7.3f}{r['final_eval'] - sync['final_eval']:>+8.3f}"
               f"{r['response_len']:>9.1f}{r['tokens_per_s']:>8.0f}{r['tokens_per_s'] / sync['tokens_per_s']:>7.2f}"
-              f"{r['stale_dropped']:>8}{'/'.join(str(st.get(k, 0)) for k in ('0', '1', '2')):>18}")
+              f"{r['stale_dropped']:>8}{r['tokens_wasted']:>11}"
+              f"{'/'.join(str(st.get(k, 0)) for k in ('0', '1', '2')) + '/' + str(sum(v for k, v in st.items() if int(k) >= 3)):>21}")
     print(f"(x sync of 'to target' is sync's time / this variant's time: > 1 is faster; total {time.monotonic() - t0:.0f}s)")
     if args.json:
         print(json.dumps({"target": target, "start_eval": start_eval, "results": results}, default=str))

@@ -154,7 +154,7 @@ def test_all_masked_batch_gives_zero_loss_and_zero_gradient():
         assert loss.item() == 0.0
         assert torch.equal(_grad(loss, logp), torch.zeros(2, 3))
         assert stats == {"clip_fraction": 0.0, "approx_kl": 0.0, "is_weight_mean": 0.0, "is_weight_max": 0.0,
-                         "is_truncated_fraction": 0.0}
+                         "is_truncated_fraction": 0.0, "is_masked_fraction": 0.0}
 
 
 # --- clipping
@@ -318,3 +318,62 @@ def test_entropy_from_logits_is_masked_mean():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     assert float(entropy_from_logits(logits, mask)) == pytest.approx(math.log(4) / 2, abs=1e-6)
     assert float(entropy_from_logits(logits, torch.zeros(1, 3))) == 0.0
+
+
+# --- importance-weight cap: mask vs truncate; dual clip; micro-batch denominators
+
+def test_mask_mode_drops_tokens_over_the_cap_hand_example():
+    prox = torch.zeros(1, 4, dtype=torch.float64)
+    behav = -torch.log(torch.tensor([[0.5, 2.0, 8.0, 100.0]], dtype=torch.float64))  # weights 0.5, 2, 8, 100
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    logp = prox.clone().requires_grad_()
+    loss, stats = decoupled_ppo_loss(logp, prox, behav, torch.tensor([1.0], dtype=torch.float64), mask, is_cap=5.0,
+                                     is_mode="mask")
+    assert stats["is_masked_fraction"] == pytest.approx(1 / 3) and stats["is_truncated_fraction"] == 0.0
+    assert stats["is_weight_max"] == pytest.approx(2.0)
+    assert loss.item() == pytest.approx(-(0.5 + 2 + 0) / 3)  # the token stays in the denominator
+    assert _grad(loss, logp)[0].tolist() == pytest.approx([-0.5 / 3, -2 / 3, 0.0, 0.0])
+    with pytest.raises(ValueError, match="is_mode"):
+        decoupled_ppo_loss(logp, prox, behav, torch.ones(1, dtype=torch.float64), mask, is_mode="clip")
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_dual_clip_bounds_a_runaway_ratio_with_negative_advantage(decoupled):
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    logp = torch.tensor([[5.0, 0.05]], dtype=torch.float64, requires_grad=True)  # ratios e^5 and e^0.05
+    adv, mask = torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
+
+    def run(c):
+        if decoupled:
+            return decoupled_ppo_loss(logp, old, old, adv, mask, is_cap=None, clip_ratio_c=c)
+        return ppo_clip_loss(logp, old, adv, mask, clip_ratio_c=c)
+
+    loss, stats = run(3.0)
+    grad = _grad(loss, logp)
+    assert grad[0, 0] == 0.0 and grad[0, 1] != 0.0  # the dual clip holds the runaway token
+    assert loss.item() == pytest.approx(-(-3.0 - math.exp(0.05)) / 2)
+    assert stats["clip_fraction"] == 0.5
+    free, _ = run(None)
+    assert _grad(free, logp)[0, 0] == pytest.approx(math.exp(5.0) / 2)  # unbounded without it
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        run(0.5)
+
+
+@SETTINGS
+@given(c=cases, agg=aggs, decoupled=st.booleans(), cut=st.integers(1, 3))
+def test_micro_batches_with_the_batch_denominator_sum_to_the_batch_loss(c, agg, decoupled, cut):
+    from services.trainer.loss import aggregate_denominator
+    b = c["logp"].shape[0]
+    cut = min(cut, b)
+
+    def loss_of(rows, denom=None):
+        args = [c[k][rows] for k in ("logp", "prox", "behav", "adv", "mask")]
+        if decoupled:
+            return decoupled_ppo_loss(*args, agg=agg, denom=denom)[0]
+        return ppo_clip_loss(args[0], args[2], args[3], args[4], agg=agg, denom=denom)[0]
+
+    whole = loss_of(slice(0, b))
+    denom = aggregate_denominator(c["mask"], agg)
+    parts = loss_of(slice(0, cut), denom) + loss_of(slice(cut, b), denom)
+    torch.testing.assert_close(parts, whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_grad(parts, c["logp"]), _grad(whole, c["logp"]), rtol=1e-12, atol=1e-12)

@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from services.rollout.worker import sha256_file
-from services.trainer.loss import token_logprobs
+from services.trainer.batch import build_batch
+from services.trainer.step import policy_logprobs
 from shared.runtime.config import Config
 from shared.protocol.keys import Keys
 from shared.protocol.prompts import PromptGroup, enqueue
@@ -153,26 +154,33 @@ def test_versions_are_per_token_across_a_weight_reload(client, keys, model_dir, 
 
 
 def _recompute(model, eps) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trainer's log-probs of every generated token, and the engine's, flattened."""
+    """The trainer's log-probs of every generated token (its own code path: batch rows, forward, the shared
+    log-prob under each episode's sampling params from its ``started`` event), and the engine's, flattened."""
     mine, theirs = [], []
     with torch.no_grad():
         for ep in eps.values():
-            ids = torch.tensor([ep.prompt_ids + ep.tokens])
-            logits = model(input_ids=ids).logits[0, len(ep.prompt_ids) - 1:-1].float()
-            temperature = float(ep.sampling.get("temperature", 1.0)) or 1.0
-            mine.append(token_logprobs(logits[None], torch.tensor([ep.tokens]), temperature)[0])
+            logp, _ = policy_logprobs(model, build_batch([[ep]], pad_id=0), "cpu")
+            start = len(ep.prompt_ids) - 1
+            mine.append(logp[0, start:start + len(ep.tokens)])
             theirs.append(torch.tensor(ep.logprobs))
     return torch.cat(mine), torch.cat(theirs)
 
 
+SAMPLINGS = {"t0.8": {"temperature": 0.8}, "t0.7-top_p0.9-top_k10": {"temperature": 0.7, "top_p": 0.9, "top_k": 10},
+             "greedy": {"temperature": 0.0}}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
 def test_logprobs_agree_with_the_trainer_under_the_same_weights(client, keys, model_dir, engine_kind, engine,
-                                                                 tmp_path):
+                                                                 tmp_path, sampling):
     """Run under version 0, publish version 1 (checksummed), run the same prompts again:
     each run's behaviour log-probs match the trainer's recomputation under its own
-    weights. The prompt spans several KV blocks, so prefixes cached under version 0
-    would be reused under version 1 if the engine kept its prefix cache."""
+    weights, for plain temperature, top-k + top-p, and greedy (one-hot: log-prob 0). The prompt
+    spans several KV blocks, so prefixes cached under version 0 would be reused under version 1
+    if the engine kept its prefix cache."""
     prompt = "{g}: " + "12+7=19; 3*4=12; " * 4 + "5+6="
-    cfg = _cfg(keys, model_dir, engine_kind, temperature=0.8, max_tokens=24)
+    params = SAMPLINGS[sampling]
+    cfg = _cfg(keys, model_dir, engine_kind, max_tokens=24, **params)
     v0_eps, _ = _run(client, keys, cfg, engine, prompt=prompt)
 
     base = load_file(str(Path(model_dir) / "model.safetensors"))
@@ -182,7 +190,7 @@ def test_logprobs_agree_with_the_trainer_under_the_same_weights(client, keys, mo
     save_file(v1, str(path))
     keys2 = Keys(keys.run + "v1")
     client.xadd(keys2.versions, {"version": "1", "path": str(path), "sha256": sha256_file(path), "step": "1"})
-    v1_eps, worker = _run(client, keys2, _cfg(keys2, model_dir, engine_kind, temperature=0.8, max_tokens=24),
+    v1_eps, worker = _run(client, keys2, _cfg(keys2, model_dir, engine_kind, max_tokens=24, **params),
                           engine, prompt=prompt)
     assert worker.engine.version == 1
     assert all(set(ep.versions) == {1} for ep in v1_eps.values())
@@ -193,9 +201,12 @@ def test_logprobs_agree_with_the_trainer_under_the_same_weights(client, keys, mo
     trainer1, engine1 = _recompute(model, v1_eps)
     stale = (_recompute(AutoModelForCausalLM.from_pretrained(model_dir).eval(), v1_eps)[0] - engine1).abs()
     d0, d1 = (trainer0 - engine0).abs(), (trainer1 - engine1).abs()
-    print(f"\n{engine_kind}: behaviour vs trainer log-prob |diff| over {len(d0) + len(d1)} tokens: "
+    print(f"\n{engine_kind} {sampling}: behaviour vs trainer log-prob |diff| over {len(d0) + len(d1)} tokens: "
           f"max {max(d0.max(), d1.max()):.2e}, mean {torch.cat([d0, d1]).mean():.2e} "
           f"(v1 tokens scored with the v0 weights: max {stale.max():.2e})")
     tol = TRAINER_LOGPROB_TOL[engine_kind]
     assert d0.max() < tol and d1.max() < tol
-    assert stale.max() > 100 * tol  # the comparison can tell the two versions apart
+    if sampling == "greedy":
+        assert engine0.abs().max() == engine1.abs().max() == 0.0  # the argmax has probability 1
+    else:
+        assert stale.max() > 100 * tol  # the comparison can tell the two versions apart

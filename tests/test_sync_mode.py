@@ -104,7 +104,7 @@ def test_sync_run_trains_every_token_under_the_version_that_generated_it(redis_u
 
     ledger = read_ledger(cfg.run_path / "trainer")
     assert [rec["version"] for rec in ledger] == list(range(1, target + 1))
-    assert all(rec["skipped"] == [] for rec in ledger) and trainer.stale_dropped == 0
+    assert all(rec["skipped"] == [] for rec in ledger) and trainer.counts["groups_dropped"] == 0
     reader = EpisodeLog(setup, keys, "reader")
     started_under = Counter()
     for rec in ledger:

@@ -97,4 +97,18 @@ def write_plots(cfg: Config, out_dir: Path | None = None) -> list[Path]:
     util = out_dir / "utilization.png"
     fig.savefig(util, dpi=100)
     plt.close(fig)
-    return [main, util]
+
+    fig, ax = plt.subplots(figsize=(8, 4))  # the trust region at work: how often the clip and the IS cap bind
+    steps = [m["step"] for m in train]
+    for key, label in (("clip_fraction", "clip fraction (PPO clip or dual clip won)"),
+                       ("is_masked_fraction", "IS weight over is_cap: masked"),
+                       ("is_truncated_fraction", "IS weight over is_cap: truncated")):
+        if any(m.get(key) for m in train):
+            ax.plot(steps, [m.get(key, 0.0) for m in train], label=label, linewidth=0.8)
+    ax.set(xlabel="optimizer step", ylabel="fraction of trained tokens", title="Trust region and importance weights")
+    ax.legend()
+    fig.tight_layout()
+    trust = out_dir / "trust_region.png"
+    fig.savefig(trust, dpi=100)
+    plt.close(fig)
+    return [main, util, trust]

@@ -1,4 +1,18 @@
-"""Episodes -> training tensors. Pure: no Redis, no model."""
+"""Episodes -> training tensors. Pure: no Redis, no model.
+
+What trains (docs/training.md, "What is trained"):
+
+- an episode the policy ended badly (``finished`` with reason 'length', 'context' or 'tool_limit', or
+  with a malformed tool call in it) trains with reward 0, whatever the reward function said: the
+  policy caused it, so it gets the negative signal. Counted as ``policy_failures``.
+- ``failed`` episodes (engine or reward function errors: not the policy's doing) are left out before
+  the group advantage; the trainer counts them.
+- a greedy episode (temperature 0) keeps its place in the group advantage but its tokens are masked
+  out of the loss (a deterministic behaviour has no score function). Counted as ``greedy_tokens``.
+- a token more than ``hard_max_staleness`` versions behind the trainer is masked out of the loss
+  (0: never); counted as ``stale_tokens_masked``. Younger stale tokens train, corrected by the
+  importance weight.
+"""
 
 from __future__ import annotations
 
@@ -9,32 +23,65 @@ import torch
 from services.trainer.loss import grpo_advantages
 from shared.protocol.fold import Episode
 
+POLICY_FAILURE_REASONS = ("length", "context", "tool_limit")
+MALFORMED_CALL = "malformed tool call"
+
 
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [B, L] prompt + response, right-padded
     attention_mask: torch.Tensor  # [B, L]
     targets: torch.Tensor  # [B, L-1] input_ids shifted: logits[:, t] predicts targets[:, t]
-    loss_mask: torch.Tensor  # [B, L-1] 1 where the target is a policy-generated response token
+    loss_mask: torch.Tensor  # [B, L-1] 1 where the target is a trained policy-generated response token
     behav_logp: torch.Tensor  # [B, L-1] behaviour log-probs at loss positions, 0 elsewhere
     versions: torch.Tensor  # [B, L-1] producing policy version at loss positions, -1 elsewhere
     advantages: torch.Tensor  # [B] group-normalised
-    temperature: torch.Tensor  # [B] sampling temperature of each episode (1 for greedy)
-    rewards: torch.Tensor  # [B]
+    temperature: torch.Tensor  # [B] sampling temperature of each episode (0: greedy)
+    top_k: torch.Tensor  # [B] (0: off)
+    top_p: torch.Tensor  # [B] (1: off)
+    rewards: torch.Tensor  # [B] as trained (policy failures 0)
     episode_ids: list[str]
+    policy_failures: int = 0  # episodes trained with reward 0 because the policy ended them badly
+    greedy_tokens: int = 0  # policy tokens of greedy episodes, not trained
+    stale_tokens_masked: int = 0  # policy tokens past hard_max_staleness, not trained
 
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] real (unpadded) length of each row."""
+        return self.attention_mask.sum(dim=1)
 
-def build_batch(groups: list[list[Episode]], pad_id: int) -> Batch:
-    """One row per finished episode; advantages normalised within each group."""
+    def rows(self, index: list[int] | torch.Tensor) -> "Batch":
+        """The sub-batch of these rows, right padding trimmed to its longest row (same values elsewhere)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        width = max(int(self.lengths[idx].max()), 2) if len(idx) else 2
+        return Batch(self.input_ids[idx, :width], self.attention_mask[idx, :width], self.targets[idx, :width - 1],
+                     self.loss_mask[idx, :width - 1], self.behav_logp[idx, :width - 1],
+                     self.versions[idx, :width - 1], self.advantages[idx], self.temperature[idx], self.top_k[idx],
+                     self.top_p[idx], self.rewards[idx], [self.episode_ids[i] for i in idx.tolist()])
+
+
+def trained_reward(ep: Episode) -> tuple[float, bool]:
+    """(reward the trainer uses, whether the policy caused a failure): a failure trains with reward 0."""
+    malformed = any(not r["ok"] and str(r["output"]).startswith(MALFORMED_CALL) for r in ep.tool_results)
+    if ep.finish_reason in POLICY_FAILURE_REASONS or malformed:
+        return 0.0, True
+    return float(ep.reward), False
+
+
+def build_batch(groups: list[list[Episode]], pad_id: int, trainer_version: int = 0,
+                hard_max_staleness: int = 0) -> Batch:
+    """One row per finished episode; advantages normalised within each group, on the trained rewards."""
     episodes = [ep for group in groups for ep in group]
     if not episodes:
         raise ValueError("build_batch: no episodes")
-    advantages = torch.cat([grpo_advantages(torch.tensor([[ep.reward for ep in g]], dtype=torch.float32))[0]
-                            for g in groups])
+    judged = [trained_reward(ep) for ep in episodes]
+    rewards = torch.tensor([r for r, _ in judged], dtype=torch.float32)
+    sizes = [len(g) for g in groups]
+    advantages = torch.cat([grpo_advantages(chunk[None])[0] for chunk in rewards.split(sizes)])
     width = max(len(ep.prompt_ids) + len(ep.tokens) for ep in episodes)
     n = len(episodes)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -42,15 +89,28 @@ def build_batch(groups: list[list[Episode]], pad_id: int) -> Batch:
     loss_mask = torch.zeros((n, width - 1))
     behav = torch.zeros((n, width - 1))
     versions = torch.full((n, width - 1), -1, dtype=torch.long)
+    greedy_tokens = stale = 0
     for i, ep in enumerate(episodes):
         ids = ep.prompt_ids + ep.tokens
         input_ids[i, :len(ids)] = torch.tensor(ids)
         attention[i, :len(ids)] = 1
         start = len(ep.prompt_ids) - 1  # target index of the first response token
         end = start + len(ep.tokens)
-        loss_mask[i, start:end] = torch.tensor(ep.mask, dtype=torch.float32)
+        mask = torch.tensor(ep.mask, dtype=torch.float32)
+        vers = torch.tensor(ep.versions, dtype=torch.long)
+        if float(ep.sampling.get("temperature", 1.0)) <= 0:
+            greedy_tokens += int(mask.sum())
+            mask = torch.zeros_like(mask)
+        elif hard_max_staleness > 0:
+            too_old = (mask > 0) & (vers >= 0) & (trainer_version - vers > hard_max_staleness)
+            stale += int(too_old.sum())
+            mask = torch.where(too_old, 0.0, mask)
+        loss_mask[i, start:end] = mask
         behav[i, start:end] = torch.tensor(ep.logprobs)
-        versions[i, start:end] = torch.tensor(ep.versions)
-    temps = torch.tensor([float(ep.sampling.get("temperature", 1.0)) or 1.0 for ep in episodes])
-    return Batch(input_ids, attention, input_ids[:, 1:].clone(), loss_mask, behav, versions, advantages, temps,
-                 torch.tensor([ep.reward for ep in episodes]), [ep.episode_id for ep in episodes])
+        versions[i, start:end] = vers
+    sampling = [ep.sampling for ep in episodes]
+    return Batch(input_ids, attention, input_ids[:, 1:].clone(), loss_mask, behav, versions, advantages,
+                 torch.tensor([float(s.get("temperature", 1.0)) for s in sampling]),
+                 torch.tensor([int(s.get("top_k", 0) or 0) for s in sampling]),
+                 torch.tensor([float(s.get("top_p", 1.0) or 1.0) for s in sampling]),
+                 rewards, [ep.episode_id for ep in episodes], sum(f for _, f in judged), greedy_tokens, stale)

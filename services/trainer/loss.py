@@ -28,7 +28,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from shared.protocol.logprobs import token_logprobs  # noqa: F401  (the one log-prob definition, re-exported)
+
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+IS_MODES = ("truncate", "mask")
 
 
 def grpo_advantages(rewards: Tensor | Sequence[Sequence[float]], eps: float = 1e-6,
@@ -55,18 +58,6 @@ def grpo_advantages(rewards: Tensor | Sequence[Sequence[float]], eps: float = 1e
     return torch.cat([grpo_advantages(g, eps, normalize_std)[0] for g in groups]) if groups else torch.zeros(0)
 
 
-def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float | Tensor = 1.0) -> Tensor:
-    """log softmax(logits / temperature)[..., token_ids]: [B, T, V], [B, T] -> [B, T].
-
-    ``temperature`` is a float or a [B] tensor (one per sequence).
-    """
-    if isinstance(temperature, Tensor) and temperature.dim() == 1:
-        temperature = temperature[:, None, None]
-    scaled = logits.float() / temperature
-    picked = scaled.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(scaled, dim=-1)
-
-
 def entropy_from_logits(logits: Tensor, mask: Tensor) -> Tensor:
     """Masked token-mean entropy: H_t = logsumexp(l_t) − Σ_v softmax(l_t)_v · l_t,v; 0 if nothing is unmasked."""
     keep = mask.bool()
@@ -77,38 +68,59 @@ def entropy_from_logits(logits: Tensor, mask: Tensor) -> Tensor:
 
 
 def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 0.2,
-                  clip_high: float = 0.2, agg: str = "token-mean") -> tuple[Tensor, dict[str, float]]:
-    """On-policy PPO-clip: r = exp(logp − old_logp), o = min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A),
-    loss = −aggregate(o). Stats: clip_fraction, approx_kl (to ``old_logp``)."""
+                  clip_high: float = 0.2, agg: str = "token-mean", clip_ratio_c: float | None = None,
+                  denom: float | None = None) -> tuple[Tensor, dict[str, float]]:
+    """PPO-clip against ``old_logp``: r = exp(logp − old_logp), o = min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A),
+    and with ``clip_ratio_c`` = c (dual-clip, verl's ``clip_ratio_c``) o = max(o, c·A) where A < 0, which
+    bounds the objective of a negative-advantage token whose ratio ran away; loss = −aggregate(o).
+    ``denom``: the aggregate's denominator for gradient accumulation (see ``_aggregate``).
+    Stats: clip_fraction (the PPO clip or the dual clip won), approx_kl (to ``old_logp``)."""
     keep, adv = _prepare(logp, advantages, mask, agg, old_logp=old_logp)
     logp, old_logp = _clean(logp, keep), _clean(old_logp, keep)
-    obj, clipped = _clipped_objective(logp, old_logp, adv, clip_low, clip_high)
-    loss = -_aggregate(obj, keep, agg)
+    obj, clipped = _clipped_objective(logp, old_logp, adv, clip_low, clip_high, clip_ratio_c)
+    loss = -_aggregate(obj, keep, agg, denom)
     return loss, _stats(logp, old_logp, keep, clipped)
 
 
 def decoupled_ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
                        clip_low: float = 0.2, clip_high: float = 0.2, is_cap: float | None = 5.0,
-                       agg: str = "token-mean") -> tuple[Tensor, dict[str, float]]:
+                       agg: str = "token-mean", is_mode: str = "truncate", clip_ratio_c: float | None = None,
+                       denom: float | None = None) -> tuple[Tensor, dict[str, float]]:
     """AReaL's decoupled PPO: o = w · min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A) with
-    r = exp(logp − prox_logp) and w = min(exp(prox_logp − behav_logp), is_cap), detached
-    (``is_cap=None``: no truncation); loss = −aggregate(o). With prox == behav, w = 1 and the loss
-    equals ``ppo_clip_loss(logp, prox_logp, ...)``. Stats: clip_fraction, approx_kl (to behaviour),
-    is_weight_mean, is_weight_max, is_truncated_fraction."""
+    r = exp(logp − prox_logp) (the trust region, around the proximal policy) and the behaviour
+    importance weight w̃ = exp(prox_logp − behav_logp), detached, capped at ``is_cap``:
+
+    - ``is_mode="truncate"``: w = min(w̃, is_cap) (truncated IS: the token still trains, weight capped);
+    - ``is_mode="mask"``: w = w̃ if w̃ ≤ is_cap else 0 (the token is dropped from the objective, as AReaL's
+      ``behav_imp_weight_cap`` and prime-rl do); it still counts in the token-mean's denominator.
+
+    ``is_cap=None``: no cap. ``clip_ratio_c``: dual-clip as in ``ppo_clip_loss`` (on r). loss = −aggregate(o).
+    With prox == behav, w = 1 and the loss equals ``ppo_clip_loss(logp, prox_logp, ...)``. Stats:
+    clip_fraction, approx_kl (to behaviour), is_weight_mean, is_weight_max (after the cap),
+    is_truncated_fraction and is_masked_fraction (tokens with w̃ > is_cap, by mode; the other is 0)."""
     if is_cap is not None and not is_cap >= 1:
-        raise ValueError(f"decoupled_ppo_loss: is_cap must be >= 1 (or None: no truncation), got {is_cap!r}")
+        raise ValueError(f"decoupled_ppo_loss: is_cap must be >= 1 (or None: no cap), got {is_cap!r}")
+    if is_mode not in IS_MODES:
+        raise ValueError(f"decoupled_ppo_loss: unknown is_mode {is_mode!r}; expected one of {', '.join(IS_MODES)}")
     keep, adv = _prepare(logp, advantages, mask, agg, prox_logp=prox_logp, behav_logp=behav_logp)
     logp, prox, behav = _clean(logp, keep), _clean(prox_logp, keep), _clean(behav_logp, keep)
     raw_w = torch.exp(prox - behav).detach()
-    w = raw_w if is_cap is None else raw_w.clamp(max=is_cap)
-    obj, clipped = _clipped_objective(logp, prox, adv, clip_low, clip_high)
-    loss = -_aggregate(w * obj, keep, agg)
-    stats = _stats(logp, behav, keep, clipped)
+    over = keep & (raw_w > is_cap) if is_cap is not None else torch.zeros_like(keep)
+    if is_cap is None:
+        w = raw_w
+    elif is_mode == "truncate":
+        w = raw_w.clamp(max=is_cap)
+    else:
+        w = torch.where(over, 0.0, raw_w)
+    obj, clipped = _clipped_objective(logp, prox, adv, clip_low, clip_high, clip_ratio_c)
+    loss = -_aggregate(w * obj, keep, agg, denom)
+    stats = _stats(logp, behav, keep, clipped & (w > 0))
     n = max(int(keep.sum()), 1)
-    truncated = int((keep & (raw_w > is_cap)).sum()) if is_cap is not None else 0
+    capped = int(over.sum()) / n
     stats |= {"is_weight_mean": float(torch.where(keep, w, 0.0).sum()) / n,
               "is_weight_max": float(torch.where(keep, w, 0.0).max()) if keep.any() else 0.0,
-              "is_truncated_fraction": truncated / n}
+              "is_truncated_fraction": capped if is_mode == "truncate" else 0.0,
+              "is_masked_fraction": capped if is_mode == "mask" else 0.0}
     return loss, stats
 
 
@@ -134,25 +146,44 @@ def _clean(x: Tensor, keep: Tensor) -> Tensor:
     return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _clipped_objective(logp: Tensor, ref_logp: Tensor, adv: Tensor, clip_low: float,
-                       clip_high: float) -> tuple[Tensor, Tensor]:
-    """min(r·A, clip(r)·A) per token, r = exp(logp − ref_logp) with ref detached; also where the clip won."""
+def _clipped_objective(logp: Tensor, ref_logp: Tensor, adv: Tensor, clip_low: float, clip_high: float,
+                       clip_ratio_c: float | None = None) -> tuple[Tensor, Tensor]:
+    """min(r·A, clip(r)·A) per token, r = exp(logp − ref_logp) with ref detached, then max(·, c·A) where
+    A < 0 when ``clip_ratio_c`` = c is given; also where a clip won (its gradient is 0 there)."""
+    if clip_ratio_c is not None and not clip_ratio_c > 1:
+        raise ValueError(f"clip_ratio_c must be > 1 (or None: no dual clip), got {clip_ratio_c!r}")
     ratio = torch.exp(logp - ref_logp.detach())
     unclipped = ratio * adv
     clipped_obj = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     clipped = clipped_obj < unclipped
-    return torch.where(clipped, clipped_obj, unclipped), clipped
+    obj = torch.where(clipped, clipped_obj, unclipped)
+    if clip_ratio_c is not None:
+        floor = clip_ratio_c * adv
+        dual = (adv < 0) & (obj < floor)
+        obj, clipped = torch.where(dual, floor, obj), clipped | dual
+    return obj, clipped
 
 
-def _aggregate(obj: Tensor, keep: Tensor, agg: str) -> Tensor:
+def aggregate_denominator(mask: Tensor, agg: str) -> float:
+    """The aggregate's denominator over ``mask``: unmasked tokens (token-mean) or sequences with at least one
+    (seq-mean-*). Passing the whole batch's value as ``denom`` to each micro-batch's loss makes the
+    micro-batch losses (and gradients) sum to the whole batch's."""
+    keep = mask.bool()
+    return float(keep.sum() if agg == "token-mean" else (keep.sum(dim=1) > 0).sum())
+
+
+def _aggregate(obj: Tensor, keep: Tensor, agg: str, denom: float | None = None) -> Tensor:
     obj = torch.where(keep, obj, 0.0)
     if agg == "token-mean":
-        return obj.sum() / keep.sum().clamp(min=1)
-    per_seq = obj.sum(dim=1)
-    counts = keep.sum(dim=1)
-    if agg == "seq-mean-token-mean":
-        per_seq = per_seq / counts.clamp(min=1)
-    return per_seq.sum() / (counts > 0).sum().clamp(min=1)
+        total = obj.sum()
+    else:
+        total = obj.sum(dim=1)
+        if agg == "seq-mean-token-mean":
+            total = total / keep.sum(dim=1).clamp(min=1)
+        total = total.sum()
+    if denom is None:
+        denom = aggregate_denominator(keep, agg)
+    return total / max(denom, 1.0)
 
 
 @torch.no_grad()

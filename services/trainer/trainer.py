@@ -1,39 +1,44 @@
 """The trainer loop, top to bottom:
 
-    restore checkpoint -> loop { collect groups -> replay their streams ->
-    drop too-stale -> build batch -> loss -> step -> every N steps commit }
+    restore checkpoint (and repair the ledger) -> re-read every pending entry -> loop {
+      collect groups -> replay their streams -> build batch -> step (services/trainer/step.py)
+      -> every N steps commit (services/trainer/commit.py) }
 
-A commit writes the weights (new version), the checkpoint (with the ids of
-the groups it includes), the ledger line, then acknowledges those samples and
-publishes the version. A crash anywhere replays from the last commit: groups
-acknowledged are in the checkpoint, groups not acknowledged come back.
+Staleness is bounded at admission (the gate: shared/protocol/staleness.py ``group_capacity``); a
+finished group is not dropped for being stale: its tokens train with the importance weight of the
+decoupled loss, and only tokens past ``hard_max_staleness`` (0: none) are masked out, counted.
+A commit writes the weights (new version), the checkpoint (with the ids of the groups it includes
+and its ledger line), the ledger line, then acknowledges those samples and publishes the version.
+A crash anywhere replays from the last commit: groups acknowledged are in the checkpoint, groups
+not acknowledged come back.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import Counter
-from pathlib import Path
 
 import redis
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.trainer import checkpoint, publish
+from services.trainer import checkpoint, commit as commit_path, publish
 from shared.protocol import dead_letters, gate, ledger, samples
 from shared.protocol.metrics import record as record_metrics
-from services.trainer.batch import Batch, build_batch
-from services.trainer.loss import decoupled_ppo_loss, entropy_from_logits, ppo_clip_loss, token_logprobs
+from services.trainer.batch import Batch, build_batch, trained_reward
+from services.trainer.step import StepConfig, train_on_batch
 from shared.runtime.config import Config
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError
 from shared.protocol.fold import Episode, fold
 from shared.protocol.keys import TRAINER_GROUP as GROUP, Keys
-from shared.protocol.staleness import is_too_stale, staleness_histogram
+from shared.protocol.staleness import staleness_histogram
 from shared.runtime.tensorboard import TensorBoard
 
 CONSUMER = "trainer"  # one trainer per run: a stable name gets its own pending entries back after a restart
+# cumulative counts, kept in the checkpoint and reported with every step (docs/training.md)
+COUNTERS = ("groups_dropped", "constant_groups_filtered", "episodes_failed", "policy_failures", "greedy_tokens",
+            "stale_tokens_masked", "is_masked_tokens", "tokens_wasted", "nonfinite_skipped")
 
 
 class Trainer:
@@ -47,7 +52,7 @@ class Trainer:
         self.tensorboard = TensorBoard(cfg, "trainer")
         torch.manual_seed(cfg.seed)
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, torch_dtype=torch.float32)
-        self.model.to(cfg.device).train()
+        self.model.to(cfg.device).eval()  # eval: no dropout in any forward; gradients still flow
         self.pad_id = self.model.config.pad_token_id or 0
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.step, self.version = 0, 0
@@ -56,19 +61,21 @@ class Trainer:
         self.buffer: list[tuple[str, str, list[str]]] = []  # (entry id, group id, episode ids) not yet trained
         self.taken: dict[str, str] = {}  # group id -> samples entry, for groups read but not yet committed
         self._next_version_check = 0.0
-        self.stale_dropped = 0
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self.commits = 0  # in this process (fault injection counts these)
         self.wait_s = 0.0
 
     # --- startup
     def restore(self) -> None:
         state = checkpoint.load(self.ckpt_dir)
+        commit_path.restore_ledger(self.ckpt_dir, state, self.log)
         if state is not None:
             self.model.load_state_dict(state["model"])
             self.opt.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["rng"])
             self.step, self.version = state["step"], state["version"]
             self.consumed = set(state["consumed"])
-            self.stale_dropped = state.get("stale_dropped", 0)
+            self.counts.update(state.get("counts", {}))
             self.log.info("restored checkpoint", step=self.step, version=self.version, consumed=len(self.consumed))
         try:
             self.client.xgroup_create(self.keys.samples, GROUP, id="0", mkstream=True)
@@ -76,7 +83,10 @@ class Trainer:
             if "BUSYGROUP" not in str(exc):
                 raise
         self._republish_if_needed()
-        self._read(pending=True)  # entries delivered before a crash come back first
+        start, pending = "0", 0  # entries delivered before a crash come back first: all of them, page by page
+        while (last := self._read(start=start)) is not None:
+            start, pending = last, pending + 1
+        self.log.info("pending entries re-read", pages=pending, buffered=len(self.buffer))
 
     def _republish_if_needed(self) -> None:
         """A crash between checkpoint and publish leaves the version unpublished."""
@@ -99,16 +109,16 @@ class Trainer:
             self.log.warning("version event lost by Redis; published again", version=self.version)
 
     # --- reading samples
-    def _read(self, pending: bool = False, block_ms: int | None = None) -> int:
-        reply = self.client.xreadgroup(GROUP, CONSUMER, {self.keys.samples: "0" if pending else ">"},
-                                       count=100, block=block_ms)
-        added = 0
+    def _read(self, start: str = ">", block_ms: int | None = None) -> str | None:
+        """Read one page (new entries, or this consumer's pending ones after ``start``); the last entry id read."""
+        reply = self.client.xreadgroup(GROUP, CONSUMER, {self.keys.samples: start}, count=100, block=block_ms)
+        last = None
         acks = []
         for _, entries in reply or []:
             for entry_id, fields in entries:
-                entry_id = entry_id.decode()
+                entry_id = last = entry_id.decode()
                 try:
-                    sample = samples.decode(entry_id, fields)
+                    sample = samples.decode(entry_id, fields or {})
                 except EventError as exc:
                     self._dead_letter(entry_id, str(exc))
                     acks.append(entry_id)
@@ -122,10 +132,9 @@ class Trainer:
                 else:
                     self.buffer.append((entry_id, group_id, eids))
                     self.taken[group_id] = entry_id
-                    added += 1
         if acks:
             self.client.xack(self.keys.samples, GROUP, *acks)
-        return added
+        return last
 
     def _dead_letter(self, entry_id: str, reason: str) -> None:
         self.log.error("bad samples entry sent to dead letters", entry=entry_id, reason=reason)
@@ -139,7 +148,7 @@ class Trainer:
             if not self.buffer:
                 if should_stop():
                     return None
-                if not self._read(block_ms=200):
+                if self._read(block_ms=200) is None:
                     self._settle_skipped()
                     self._republish_if_lost()
                 continue
@@ -151,6 +160,8 @@ class Trainer:
         return ready
 
     def _replay_group(self, entry_id: str, group_id: str, eids: list[str]) -> list[Episode] | None:
+        """The group's finished episodes, or None when it is not trained (no finished episode, or a constant
+        reward with ``filter_constant_groups``): then it gives its gate slot back and is counted."""
         episodes = []
         for eid in eids:
             try:
@@ -158,14 +169,17 @@ class Trainer:
             except EventError as exc:
                 self.log.error("episode stream unreadable; episode skipped", episode=eid, error=str(exc))
                 continue
-            if ep.status == "finished" and ep.num_generated > 0:
+            if ep.status == "finished":
                 episodes.append(ep)
-        versions = [v for ep in episodes for v in ep.versions]
-        if not episodes or is_too_stale(self.version, versions, self.cfg.max_staleness):
-            reason = "too stale" if episodes else "no finished episodes"
-            self.stale_dropped += bool(episodes)
-            self.log.warning("group not trained", group=group_id, reason=reason, trainer_version=self.version,
-                             oldest=min((v for v in versions if v >= 0), default=None))
+            else:  # failed: the engine or the reward function, not the policy
+                self.counts["episodes_failed"] += 1
+        rewards = {trained_reward(ep)[0] for ep in episodes}
+        constant = self.cfg.filter_constant_groups and len(rewards) == 1
+        if not episodes or constant:
+            reason = "constant reward" if episodes else "no finished episodes"
+            self.counts["constant_groups_filtered" if episodes else "groups_dropped"] += 1
+            self.counts["tokens_wasted"] += sum(ep.num_generated for ep in episodes)
+            self.log.info("group not trained", group=group_id, reason=reason)
             self.uncommitted.append((entry_id, group_id, False))  # acknowledged with the next commit, never trained
             # give its start back to the staleness gate (which counts starts): a replacement group may start.
             # Without it a synchronous run (exactly batch_groups starts per version) would wait forever.
@@ -176,39 +190,34 @@ class Trainer:
     # --- learning
     def train_step(self, groups: list[tuple[str, str, list[Episode]]]) -> dict:
         t0 = time.monotonic()
-        batch = build_batch([eps for _, _, eps in groups], self.pad_id)
-        dev = self.cfg.device
-        ids, attn, targets = batch.input_ids.to(dev), batch.attention_mask.to(dev), batch.targets.to(dev)
-        mask, behav, adv = batch.loss_mask.to(dev), batch.behav_logp.to(dev), batch.advantages.to(dev)
-        temp = batch.temperature.to(dev)[:, None, None]
-        logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float() / temp
-        logp = token_logprobs(logits, targets)
-        if self.cfg.loss == "decoupled":
-            loss, stats = decoupled_ppo_loss(logp, logp.detach(), behav, adv, mask, self.cfg.clip_low,
-                                             self.cfg.clip_high, self.cfg.is_cap or None, self.cfg.agg)
-        else:
-            loss, stats = ppo_clip_loss(logp, behav, adv, mask, self.cfg.clip_low, self.cfg.clip_high, self.cfg.agg)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        self.opt.step()
+        batch = build_batch([eps for _, _, eps in groups], self.pad_id, self.version, self.cfg.hard_max_staleness)
+        stats = train_on_batch(self.model, self.opt, batch, StepConfig.from_config(self.cfg), self.cfg.device)
         self.step += 1
-        self.uncommitted += [(e, g, True) for e, g, _ in groups]
-        with torch.no_grad():
-            entropy = float(entropy_from_logits(logits.detach(), mask))
-        return self._metrics(batch, groups, float(loss.detach()), float(grad_norm), entropy, stats, time.monotonic() - t0)
+        trained = stats["ppo_steps"] > 0  # every optimizer step non-finite: the groups count as not trained
+        self.uncommitted += [(e, g, trained) for e, g, _ in groups]
+        if stats["nonfinite_skipped"]:
+            self.log.error("non-finite loss or grad norm: optimizer step skipped", step=self.step,
+                           skipped=stats["nonfinite_skipped"], loss=stats["loss"], grad_norm=stats["grad_norm"])
+        masked = round(stats["is_masked_fraction"] * batch.num_tokens)
+        for key, value in (("policy_failures", batch.policy_failures), ("greedy_tokens", batch.greedy_tokens),
+                           ("stale_tokens_masked", batch.stale_tokens_masked), ("is_masked_tokens", masked),
+                           ("tokens_wasted", batch.greedy_tokens + batch.stale_tokens_masked + masked),
+                           ("nonfinite_skipped", stats["nonfinite_skipped"])):
+            self.counts[key] += value
+        return self._metrics(batch, groups, stats, time.monotonic() - t0)
 
-    def _metrics(self, batch: Batch, groups, loss, grad_norm, entropy, stats, seconds) -> dict:
+    def _metrics(self, batch: Batch, groups, stats: dict, seconds: float) -> dict:
         eps = [ep for _, _, g in groups for ep in g]
         hist = staleness_histogram(self.version, [ep.versions for ep in eps])
         lengths = torch.tensor([float(ep.num_generated) for ep in eps])
-        return {"step": self.step, "version": self.version, "time": time.time(), "loss": loss,
+        return {"step": self.step, "version": self.version, "time": time.time(),
                 "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std(unbiased=False)),
                 "response_len": float(lengths.mean()), "samples": len(eps), "groups": len(groups),
                 "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(seconds, 1e-9),
-                "wait_s": self.wait_s, "train_s": seconds, "grad_norm": grad_norm, "entropy": entropy,
+                "wait_s": self.wait_s, "train_s": seconds, "batch_policy_failures": batch.policy_failures,
                 "staleness": {str(k): v for k, v in sorted(hist.items())},
-                "staleness_max": max(hist, default=0), "stale_dropped": self.stale_dropped, **stats}
+                "staleness_max": max(hist, default=0), "stale_dropped": self.counts["groups_dropped"],
+                **stats, **self.counts}
 
     def record(self, metrics: dict) -> None:
         self.tensorboard.scalars("train", metrics, metrics["step"])
@@ -218,27 +227,37 @@ class Trainer:
         record_metrics(self.client, self.keys, "train", metrics)
         self.log.info("step", step=metrics["step"], version=metrics["version"], reward=round(metrics["reward_mean"], 3),
                       loss=round(metrics["loss"], 4), tokens_per_s=round(metrics["tokens_per_s"]),
-                      staleness_max=metrics["staleness_max"])
+                      clip_fraction=round(metrics["clip_fraction"], 4), staleness_max=metrics["staleness_max"])
 
     # --- committing
     def commit(self) -> None:
-        """New version: weights, checkpoint, ledger, ack, publish — in that order."""
+        """New version: weights, checkpoint, ledger, ack, publish — in that order (services/trainer/commit.py)."""
+        if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+            raise RuntimeError("non-finite model weights: refusing to checkpoint or publish them")
         self.version += 1
+        self.commits += 1
+        fault = lambda point: commit_path.fault_injection_point(point, self.commits)  # noqa: E731 (tests only)
         path, digest = publish.write_weights(self.model, self.weights_dir, self.version)
         trained = [g for _, g, t in self.uncommitted if t]
         skipped = [g for _, g, t in self.uncommitted if not t]
         self.consumed.update(trained + skipped)
         for g in trained + skipped:
             self.taken.pop(g, None)
+        line = commit_path.record(self.version, self.step, trained, skipped)
+        fault("before_checkpoint")
         checkpoint.save(self.ckpt_dir, {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                                         "rng": torch.get_rng_state(), "step": self.step, "version": self.version,
-                                        "consumed": sorted(self.consumed), "stale_dropped": self.stale_dropped})
-        ledger.append_ledger(self.ckpt_dir, {"version": self.version, "step": self.step, "groups": trained,
-                                                 "skipped": skipped})
+                                        "consumed": sorted(self.consumed), "counts": dict(self.counts),
+                                        "ledger_record": line})
+        fault("after_checkpoint")
+        ledger.append_ledger(self.ckpt_dir, line)
+        fault("after_ledger")
         if self.uncommitted:
             self.client.xack(self.keys.samples, GROUP, *[e for e, _, _ in self.uncommitted])
         self.uncommitted = []
+        fault("after_ack")
         publish.publish(self.client, self.keys, self.version, path, digest, self.step)
+        fault("after_publish")
         publish.prune(self.weights_dir, keep_from=self.version - self.cfg.max_staleness - 2)
         self.log.info("version published", version=self.version, path=str(path), sha256=digest[:12])
 

@@ -1,9 +1,15 @@
 """The trainer's ledger of committed samples: ``<run_dir>/<run>/trainer/trained.jsonl``.
 
 One JSON line per commit, appended and fsynced after the checkpoint that includes it is durable:
-``{"version": V, "step": S, "groups": [ids trained], "skipped": [ids dropped as too stale], ...}``.
-Each group id appears in ``groups`` at most once across crashes and restarts; ``streamrl check``
-reads it to count groups trained twice or lost.
+``{"commit": V, "version": V, "step": S, "groups": [ids trained], "skipped": [ids not trained], ...}``
+(lines written for groups judged untrainable between commits have no ``commit``). The checkpoint
+holds its commit's line too: a crash between checkpoint and ledger is repaired on restore by
+appending it again (``commit`` says which commits the ledger already has). Each group id appears in
+``groups`` at most once across crashes and restarts; ``streamrl check`` reads it to count groups
+trained twice or lost.
+
+A crash mid-append leaves a torn last line (no newline, maybe not JSON): ``read_ledger`` ignores it
+and ``repair_ledger`` cuts it off before the next append.
 """
 
 from __future__ import annotations
@@ -12,17 +18,51 @@ import json
 import os
 from pathlib import Path
 
+FILE = "trained.jsonl"
+
 
 def append_ledger(directory: Path, record: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "trained.jsonl", "a") as fh:
+    with open(directory / FILE, "a") as fh:
         fh.write(json.dumps(record) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
 
 
 def read_ledger(directory: Path) -> list[dict]:
-    path = directory / "trained.jsonl"
+    """Every complete line; a torn last line (no trailing newline) is ignored. A bad complete line is an error."""
+    path = directory / FILE
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.split("\n")
+    complete = lines[:-1]  # the part after the last newline is empty, or torn
+    out = []
+    for number, line in enumerate(complete, 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError as exc:
+                raise ValueError(f"ledger {path}: line {number} is not JSON ({exc})") from None
+    return out
+
+
+def repair_ledger(directory: Path) -> int:
+    """Cut a torn last line off (a crash mid-append); return the bytes removed (0: nothing torn)."""
+    path = directory / FILE
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep == len(data):
+        return 0
+    with open(path, "r+b") as fh:
+        fh.truncate(keep)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return len(data) - keep
+
+
+def last_commit(records: list[dict]) -> int:
+    """The newest ``commit`` in the ledger (0: none)."""
+    return max((int(r["commit"]) for r in records if "commit" in r), default=0)

@@ -62,8 +62,14 @@ class Config:
     agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     clip_low: float = 0.2
     clip_high: float = 0.2
-    is_cap: float = 5.0  # truncate proximal/behaviour importance weights here; 0 disables
+    clip_ratio_c: float = 3.0  # dual-clip: objective >= c·A for A < 0 (verl's clip_ratio_c); 0 disables
+    is_cap: float = 5.0  # cap on the proximal/behaviour importance weight (decoupled); 0 disables
+    is_mode: str = "mask"  # mask: tokens whose weight is over is_cap leave the objective (AReaL) | truncate: weight = is_cap
+    ppo_minibatches: int = 2  # optimizer steps per batch, one per minibatch, against one proximal forward
+    micro_batch_tokens: int = 4096  # padded tokens per forward/backward (gradients accumulate); 0: no limit
     max_grad_norm: float = 1.0
+    hard_max_staleness: int = 0  # policy tokens more versions behind than this are masked out (counted); 0: none
+    filter_constant_groups: bool = False  # drop groups whose rewards are all equal (dynamic sampling; counted)
     weights_dir: str = ""  # published versions; empty: /dev/shm/streamrl/<run> when /dev/shm exists
     # staleness and sync
     max_staleness: int = 1  # versions a trained token may lag the trainer; 0 with mode=sync is synchronous RL
@@ -174,6 +180,18 @@ def _validate(cfg: Config) -> None:
     for key in ("batch_groups", "steps_per_version"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"config key {key!r}: expected an integer >= 1, got {getattr(cfg, key)}")
+    for key in ("ppo_minibatches",):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"config key {key!r}: expected an integer >= 1, got {getattr(cfg, key)}")
+    if cfg.micro_batch_tokens < 0 or cfg.hard_max_staleness < 0:
+        raise ConfigError(f"config keys micro_batch_tokens, hard_max_staleness: expected integers >= 0, got "
+                          f"{cfg.micro_batch_tokens}, {cfg.hard_max_staleness}")
+    if cfg.is_mode not in ("mask", "truncate"):
+        raise ConfigError(f"config key 'is_mode': expected 'mask' or 'truncate', got {cfg.is_mode!r}")
+    if cfg.clip_ratio_c != 0 and not cfg.clip_ratio_c > 1:
+        raise ConfigError(f"config key 'clip_ratio_c': expected a number > 1 (or 0: off), got {cfg.clip_ratio_c}")
+    if cfg.is_cap != 0 and not cfg.is_cap >= 1:
+        raise ConfigError(f"config key 'is_cap': expected a number >= 1 (or 0: off), got {cfg.is_cap}")
     if cfg.loss not in ("decoupled", "ppo"):
         raise ConfigError(f"config key 'loss': expected 'decoupled' or 'ppo', got {cfg.loss!r}")
     if cfg.mode not in ("async", "sync"):

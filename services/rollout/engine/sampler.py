@@ -9,6 +9,7 @@ import hashlib
 import torch
 
 from services.rollout.engine.base import SamplingParams
+from shared.protocol.logprobs import processed_logprobs
 
 
 def uniform(seed: int, position: int) -> float:
@@ -18,22 +19,13 @@ def uniform(seed: int, position: int) -> float:
 
 
 def final_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Log-probs [B, V] of each row's sampling distribution: temperature, then top-k,
-    then top-p on the renormalised rest (cut tokens get -inf). Greedy rows
-    (temperature 0) get the plain softmax of their logits."""
-    batch, vocab = logits.shape
+    """Log-probs [B, V] of each row's sampling distribution (temperature, then top-k, then top-p on the
+    renormalised rest; cut tokens get -inf; greedy rows one-hot at the argmax): the one definition in
+    ``shared.protocol.logprobs``, which the trainer uses too."""
     device = logits.device
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab and p.temperature > 0 else vocab for p in params],
-                         device=device)
-    top_p = torch.tensor([p.top_p if p.temperature > 0 else 1.0 for p in params], device=device)
-    scaled = logits.float() / temps[:, None]
-    sorted_vals, order = scaled.sort(dim=-1, descending=True, stable=True)
-    keep = torch.arange(vocab, device=device)[None, :] < top_k[:, None]
-    probs = sorted_vals.masked_fill(~keep, float("-inf")).softmax(-1)
-    keep &= (probs.cumsum(-1) - probs) < top_p[:, None]
-    keep_vocab = torch.zeros_like(keep).scatter(-1, order, keep)
-    return scaled.masked_fill(~keep_vocab, float("-inf")).log_softmax(-1)
+    return processed_logprobs(logits, torch.tensor([float(p.temperature) for p in params], device=device),
+                              torch.tensor([int(p.top_k) for p in params], device=device),
+                              torch.tensor([float(p.top_p) for p in params], device=device))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> tuple[list[int], list[float]]:

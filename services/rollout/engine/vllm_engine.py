@@ -24,7 +24,8 @@ vLLM's own weight version tag.
 
 Log-probs are those of the sampled token under the sampling distribution
 (``logprobs_mode="processed_logprobs"``: after temperature / top-k / top-p),
-which is what the torch engine reports and the trainer recomputes.
+which is what the torch engine reports and the trainer recomputes (the one definition:
+``shared.protocol.logprobs``). Greedy tokens get log-prob 0 (the argmax has probability 1).
 
 Seeds: vLLM's per-request generator is not addressed by position the way the
 torch engine's sampler is, so a resumed request cannot redraw the numbers the
@@ -124,6 +125,7 @@ class VLLMEngine:
         self.max_model_len = int(self.llm.model_config.max_model_len)
         self.version = 0
         self._running: set[str] = set()
+        self._greedy: set[str] = set()  # running requests sampled at temperature 0
         self._set_weight_version()
 
     # --- requests
@@ -146,6 +148,8 @@ class VLLMEngine:
         except ValueError as exc:
             raise EngineError(f"request {request_id!r}: {exc}") from exc
         self._running.add(request_id)
+        if greedy:
+            self._greedy.add(request_id)
 
     def step(self) -> list[Chunk]:
         if not self._running:
@@ -157,10 +161,14 @@ class VLLMEngine:
                 continue
             completion = out.outputs[0]
             ids = list(completion.token_ids)
-            logprobs = [float(completion.logprobs[i][tok].logprob) for i, tok in enumerate(ids)] if ids else []
+            if rid in self._greedy:  # greedy: the behaviour is one-hot at the argmax (shared.protocol.logprobs)
+                logprobs = [0.0] * len(ids)
+            else:
+                logprobs = [float(completion.logprobs[i][tok].logprob) for i, tok in enumerate(ids)] if ids else []
             finish = completion.finish_reason if out.finished else None
             if finish is not None:
                 self._running.discard(rid)
+                self._greedy.discard(rid)
             if ids or finish:
                 chunks.append(Chunk(rid, ids, logprobs, self.version, finish))
         return chunks
@@ -172,6 +180,7 @@ class VLLMEngine:
             return None
         self.llm.abort_request([request_id])
         self._running.discard(request_id)
+        self._greedy.discard(request_id)
         return Chunk(request_id, [], [], self.version, "abort")
 
     def abort_all(self) -> list[Chunk]:

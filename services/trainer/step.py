@@ -1,0 +1,151 @@
+"""One training step on a batch: the objective of docs/training.md, as the trainer runs it.
+
+    model in eval mode (no dropout; gradients still flow)
+    split the batch into ``ppo_minibatches`` minibatches (contiguous rows, about equal tokens), each
+      into micro-batches of at most ``micro_batch_tokens`` padded tokens (at least one row)
+    proximal log-probs: one no_grad forward over every micro-batch, before any update
+    for each minibatch: zero grads; for each micro-batch: forward, loss with the minibatch's
+      denominator, backward (the gradients accumulate to the minibatch's exactly); clip the grad
+      norm; a non-finite loss or grad norm skips the optimizer step (counted), else step
+
+Every log-prob is ``shared.protocol.logprobs.token_logprobs`` under the episode's own sampling
+params (temperature, top-k, top-p), the definition the rollout engines record behaviour log-probs with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from services.trainer.batch import Batch
+from services.trainer.loss import aggregate_denominator, decoupled_ppo_loss, ppo_clip_loss
+from shared.protocol.logprobs import token_logprobs
+
+WEIGHTED_STATS = ("clip_fraction", "approx_kl", "is_weight_mean", "is_truncated_fraction", "is_masked_fraction")
+
+
+@dataclass
+class StepConfig:
+    loss: str = "decoupled"  # decoupled | ppo
+    agg: str = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_ratio_c: float | None = 3.0
+    is_cap: float | None = 5.0
+    is_mode: str = "mask"
+    ppo_minibatches: int = 2
+    micro_batch_tokens: int = 0  # 0: no limit
+    max_grad_norm: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "StepConfig":
+        return cls(cfg.loss, cfg.agg, cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c or None, cfg.is_cap or None,
+                   cfg.is_mode, cfg.ppo_minibatches, cfg.micro_batch_tokens, cfg.max_grad_norm)
+
+
+def policy_logprobs(model, mb: Batch, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [b, L-1] of the targets under each row's sampling transform, logits [b, L-1, V])."""
+    logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device)).logits[:, :-1]
+    logp = token_logprobs(logits, mb.targets.to(device), mb.temperature.to(device), mb.top_k.to(device),
+                          mb.top_p.to(device))
+    return logp, logits
+
+
+def minibatches(batch: Batch, n: int) -> list[list[int]]:
+    """Contiguous row ranges with about equal trained tokens each (empty ones left out)."""
+    tokens = batch.loss_mask.sum(dim=1).tolist()
+    total, out, cur, acc = sum(tokens), [], [], 0.0
+    for i, t in enumerate(tokens):
+        cur.append(i)
+        acc += t
+        if len(out) < n - 1 and acc >= total * (len(out) + 1) / n:
+            out.append(cur)
+            cur = []
+    if cur:
+        out.append(cur)
+    return [rows for rows in out if rows]
+
+
+def micro_batches(batch: Batch, rows: list[int], budget: int) -> list[list[int]]:
+    """Rows packed in order while (rows × longest row) <= ``budget`` padded tokens; one row at least."""
+    lengths = batch.lengths.tolist()
+    out, cur, longest = [], [], 0
+    for i in rows:
+        wider = max(longest, lengths[i])
+        if cur and budget > 0 and (len(cur) + 1) * wider > budget:
+            out.append(cur)
+            cur, wider = [], lengths[i]
+        cur.append(i)
+        longest = wider
+    if cur:
+        out.append(cur)
+    return out
+
+
+def entropy(logits: torch.Tensor, temperature: torch.Tensor, mask: torch.Tensor) -> tuple[float, int]:
+    """(sum over unmasked tokens of the entropy of softmax(logits / T), their count)."""
+    keep = mask.bool()
+    t = torch.where(temperature > 0, temperature, 1.0)[:, None, None]
+    scaled = torch.where(keep.unsqueeze(-1), logits.float() / t, 0.0)
+    ent = torch.logsumexp(scaled, -1) - (scaled.softmax(-1) * scaled).sum(-1)
+    return float(torch.where(keep, ent, 0.0).sum()), int(keep.sum())
+
+
+def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu") -> dict:
+    """Run the step; return its stats (python floats; counts as ints)."""
+    model.eval()
+    plan = [(rows, micro_batches(batch, rows, sc.micro_batch_tokens)) for rows in minibatches(batch, sc.ppo_minibatches)]
+    prox = torch.zeros_like(batch.behav_logp)
+    ent_sum = ent_n = 0
+    with torch.no_grad():
+        for _, micros in plan:
+            for rows in micros:
+                mb = batch.rows(rows)
+                logp, logits = policy_logprobs(model, mb, device)
+                prox[rows, :logp.shape[1]] = logp.float().cpu()
+                s, n = entropy(logits, mb.temperature.to(device), mb.loss_mask.to(device))
+                ent_sum, ent_n = ent_sum + s, ent_n + n
+    sums = dict.fromkeys(WEIGHTED_STATS, 0.0)
+    weight_max, losses, norms, skipped, counted = 0.0, [], [], 0, 0
+    for rows, micros in plan:
+        denom = aggregate_denominator(batch.loss_mask[rows], sc.agg)
+        opt.zero_grad(set_to_none=True)
+        loss_total = 0.0
+        for micro in micros:
+            mb = batch.rows(micro)
+            loss, stats = _micro_loss(model, mb, prox[micro, :mb.targets.shape[1]], sc, denom, device)
+            loss.backward()
+            loss_total += float(loss.detach())
+            n = mb.num_tokens
+            counted += n
+            for k in WEIGHTED_STATS:
+                sums[k] += stats.get(k, 0.0) * n
+            weight_max = max(weight_max, stats.get("is_weight_max", 0.0))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), sc.max_grad_norm))
+        if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
+            opt.zero_grad(set_to_none=True)
+            skipped += 1
+        else:
+            opt.step()
+        losses.append(loss_total)
+        norms.append(grad_norm)
+    out = {k: v / max(counted, 1) for k, v in sums.items()}
+    return out | {"is_weight_max": weight_max, "loss": sum(losses) / max(len(losses), 1),
+                  "grad_norm": _mean([g for g in norms if math.isfinite(g)]), "entropy": ent_sum / max(ent_n, 1),
+                  "ppo_steps": len(plan) - skipped, "nonfinite_skipped": skipped,
+                  "micro_batches": sum(len(m) for _, m in plan)}
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _micro_loss(model, mb: Batch, prox: torch.Tensor, sc: StepConfig, denom: float, device):
+    logp, _ = policy_logprobs(model, mb, device)
+    mask, behav, adv = mb.loss_mask.to(device), mb.behav_logp.to(device), mb.advantages.to(device)
+    if sc.loss == "decoupled":
+        return decoupled_ppo_loss(logp, prox.to(device), behav, adv, mask, sc.clip_low, sc.clip_high, sc.is_cap,
+                                  sc.agg, sc.is_mode, sc.clip_ratio_c, denom)
+    return ppo_clip_loss(logp, behav, adv, mask, sc.clip_low, sc.clip_high, sc.agg, sc.clip_ratio_c, denom)

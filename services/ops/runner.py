@@ -41,6 +41,9 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
     if not path.exists():
         raise FileNotFoundError(f"no Procfile at {path.resolve()}")
     entries = parse_procfile(path.read_text()).processes
+    from services.ops.tiny_model import ensure_model
+
+    ensure_model(cfg)  # before anything starts: a model_dir that does not resolve is one line, nothing to clean up
     server = None
     # every process gets the very same config: each key as STREAMRL_<KEY>
     env = {**os.environ, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
@@ -53,10 +56,6 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
         archive_ended_run(cfg)
         server = EmbeddedRedis(Path(cfg.run_dir) / cfg.run / "redis").start()
         env["REDIS_URL"] = env["STREAMRL_REDIS_URL"] = server.url
-    if not Path(cfg.model_dir, "config.json").exists():
-        from services.ops.tiny_model import ensure_default_model
-
-        ensure_default_model(cfg)
     print(f"streamrl run: run {cfg.run!r} on {redact(env['REDIS_URL'])}"
           f"{' (embedded, append-only)' if server else ''}", file=sys.stderr, flush=True)
     manager = Manager()

@@ -31,6 +31,7 @@ from shared.protocol.events import EventError
 from shared.protocol.fold import fold
 from shared.protocol.keys import ROLLOUT_GROUP as GROUP, Keys
 from shared.protocol.prompts import PromptGroup, decode_group
+from shared.runtime.prompt_format import encode_prompt, stop_token_ids
 
 
 _PUBLISH = """
@@ -63,7 +64,7 @@ class RolloutWorker:
         self.groups: dict[str, GroupRun] = {}
         self.paused = False
         self.control_cursor = "$"
-        self.stop_token_ids = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
+        self.stop_token_ids = stop_token_ids(tokenizer, cfg.model_dir, cfg.stop)  # eos ∪ generation_config eos ∪ stop
         self._next_heartbeat = self._next_takeover = 0.0
         self._missing_since: dict[str, float] = {}  # worker -> when its heartbeat key was first seen missing
         self._gated = False
@@ -233,8 +234,7 @@ class RolloutWorker:
         """Start a new episode (its stream is empty): the ``started`` event, buffered; the caller flushes it and
         starts generation. None when the episode failed at once (prompt too long)."""
         group = run.group
-        prompt_ids = group.prompt_ids if group.prompt_ids is not None else \
-            self.tok.encode(group.prompt, add_special_tokens=False)
+        prompt_ids = group.prompt_ids if group.prompt_ids is not None else encode_prompt(self.tok, group.prompt)
         params = self._params(group, index)
         live = LiveEpisode(episode_id, group.group_id, index, list(prompt_ids), params, group.task)
         self.live[episode_id] = live

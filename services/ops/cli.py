@@ -196,6 +196,23 @@ def cmd_make_model(cfg, args) -> int:
     return 0
 
 
+def cmd_export(cfg, args) -> int:
+    from services.trainer.export import ExportError, export_version, kept_versions
+
+    version = args.version
+    if version is None:
+        kept = kept_versions(cfg)
+        if not kept:
+            raise CLIError(f"run {cfg.run!r} has no kept versions in {cfg.weights_path} or {cfg.run_path / 'export'}")
+        version = kept[-1]
+    try:
+        out = export_version(cfg, version, Path(args.out) if args.out else None)
+    except ExportError as exc:
+        raise CLIError(str(exc)) from None
+    print(out)
+    return 0
+
+
 def cmd_run(cfg, args) -> int:
     from services.ops.runner import run
 
@@ -253,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "supervised warm start on the task (calc-tool format with --tools calc)")
     p.add_argument("--warm-steps", type=int, default=None, help="supervised steps of 32 examples (default 150)")
     p.add_argument("--force", action="store_true", help="replace a model already at model_dir")
+    p = add("export", cmd_export, "save a version of the run as a Hugging Face folder (config, tokenizer, generation "
+                                  "config, safetensors): <run_dir>/<run>/export/v<N> unless --out")
+    p.add_argument("--version", type=int, metavar="V", help="a kept version (default: the newest; 0: the initial model)")
+    p.add_argument("--out", metavar="DIR", help="write the folder here instead")
     p = add("run", cmd_run, "run the whole job: embedded Redis + every Procfile process, until the driver ends")
     p.add_argument("--procfile", default="Procfile")
     add("drive", cmd_drive, "steer a run (the Procfile's driver line) and end it")

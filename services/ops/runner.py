@@ -68,6 +68,7 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
         manager.loop()
         if (cfg.run_path / ENDED).exists():
             end_of_run_check(cfg, env["REDIS_URL"])
+            export_at_end(cfg)
     finally:
         if server:
             server.stop()
@@ -84,3 +85,13 @@ def end_of_run_check(cfg: Config, redis_url: str) -> None:
     report = check(read_run(client, Keys(cfg.run), cfg.run_path))
     print("streamrl run: streamrl check at the end of the run (groups still in flight are not lost):\n"
           + format_report(report, cfg.run), file=sys.stderr, flush=True)
+
+
+def export_at_end(cfg: Config) -> None:
+    """The last published version as a Hugging Face folder in the run's folder (kept when the run is archived)."""
+    from services.trainer.export import export_last
+
+    out = export_last(cfg)
+    if out:
+        print(f"streamrl run: exported the last version to {out} (AutoModelForCausalLM.from_pretrained loads it)",
+              file=sys.stderr, flush=True)

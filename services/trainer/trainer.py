@@ -18,9 +18,8 @@ from pathlib import Path
 
 import redis
 import torch
-from transformers import AutoModelForCausalLM
-
-from services.trainer import checkpoint, publish
+from services.trainer import checkpoint, export, publish
+from services.trainer.model import load_policy
 from shared.protocol import ledger
 from services.trainer.batch import Batch, build_batch
 from services.trainer.loss import decoupled_ppo_loss, entropy_from_logits, ppo_clip_loss, token_logprobs
@@ -45,8 +44,8 @@ class Trainer:
         self.metrics_path = cfg.run_path / "metrics.jsonl"
         self.tensorboard = TensorBoard(cfg, "trainer")
         torch.manual_seed(cfg.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, torch_dtype=torch.float32)
-        self.model.to(cfg.device).train()
+        self.policy = load_policy(cfg)  # device, bf16 autocast, grad checkpointing, LoRA, KL reference: model.py
+        self.model = self.policy.model
         self.pad_id = self.model.config.pad_token_id or 0
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.step, self.version = 0, 0
@@ -81,7 +80,7 @@ class Trainer:
         """A crash between checkpoint and publish leaves the version unpublished."""
         latest = publish.latest(self.client, self.keys.versions)
         if self.version > 0 and (latest is None or int(latest["version"]) < self.version):
-            path, digest = publish.write_weights(self.model, self.weights_dir, self.version)
+            path, digest = publish.write_weights(self.policy.publish_state(), self.weights_dir, self.version)
             publish.publish(self.client, self.keys.versions, self.version, path, digest, self.step)
             self.log.info("republished version after restart", version=self.version)
 
@@ -177,7 +176,7 @@ class Trainer:
     def train_step(self, groups: list[tuple[str, str, list[Episode]]]) -> dict:
         t0 = time.monotonic()
         batch = build_batch([eps for _, _, eps in groups], self.pad_id)
-        dev = self.cfg.device
+        dev = self.policy.device
         ids, attn, targets = batch.input_ids.to(dev), batch.attention_mask.to(dev), batch.targets.to(dev)
         mask, behav, adv = batch.loss_mask.to(dev), batch.behav_logp.to(dev), batch.advantages.to(dev)
         temp = batch.temperature.to(dev)[:, None, None]
@@ -188,6 +187,7 @@ class Trainer:
                                              self.cfg.clip_high, self.cfg.is_cap or None, self.cfg.agg)
         else:
             loss, stats = ppo_clip_loss(logp, behav, adv, mask, self.cfg.clip_low, self.cfg.clip_high, self.cfg.agg)
+        loss, stats = self.policy.add_kl(loss, stats, ids, attn, targets, logp, mask, temp)  # kl_coef = 0: unchanged
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
@@ -225,7 +225,7 @@ class Trainer:
     def commit(self) -> None:
         """New version: weights, checkpoint, ledger, ack, publish — in that order."""
         self.version += 1
-        path, digest = publish.write_weights(self.model, self.weights_dir, self.version)
+        path, digest = publish.write_weights(self.policy.publish_state(), self.weights_dir, self.version)
         trained = [g for _, g, t in self.uncommitted if t]
         skipped = [g for _, g, t in self.uncommitted if not t]
         self.consumed.update(trained + skipped)
@@ -241,6 +241,7 @@ class Trainer:
         self.uncommitted = []
         publish.publish(self.client, self.keys.versions, self.version, path, digest, self.step)
         publish.prune(self.weights_dir, keep_from=self.version - self.cfg.max_staleness - 2)
+        export.maybe_export(self.cfg, self.version, self.log)  # every export_every versions: an HF folder
         self.log.info("version published", version=self.version, path=str(path), sha256=digest[:12])
 
     def _settle_skipped(self) -> None:

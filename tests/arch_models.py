@@ -65,3 +65,8 @@ def make_arch_model(kind: str, out_dir: str | Path, seed: int = 0) -> str:
     model.save_pretrained(str(out_dir))
     tok.save_pretrained(str(out_dir))
     return str(out_dir)
+
+
+def digit_share(response: str, task: dict) -> float:
+    """A reward that varies between samples of a random model (so GRPO has a signal): the share of digits."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)

@@ -70,8 +70,14 @@ def cmd_inspect(cfg, args) -> int:
     return 0
 
 
+def _model_dir(cfg) -> str:
+    from shared.runtime.models import resolve_model
+
+    return resolve_model(cfg.model_dir)
+
+
 def _decoder(cfg):
-    path = cfg.tokenizer or cfg.model_dir
+    path = cfg.tokenizer or _model_dir(cfg)
     if not path or not Path(path, "tokenizer.json").exists():
         if cfg.tokenizer:
             raise CLIError(f"tokenizer {cfg.tokenizer!r}: no tokenizer.json there")
@@ -131,14 +137,14 @@ def _replay_continue(cfg, args, log, entries, ep, decode_text) -> int:
             label = f"v{version} ({path or cfg.model_dir})"
         reward_fn = rewards.load(cfg.reward_fn)
         try:
-            engine = make_engine(cfg.engine, cfg.model_dir, device=cfg.device, max_batch_size=1,
+            engine = make_engine(cfg.engine, _model_dir(cfg), device=cfg.device_of("rollout"), max_batch_size=1,
                                  vllm_args=cfg.vllm_args)
         except EngineError as exc:
             raise cont.ContinuationError(f"model_dir {cfg.model_dir}: {exc}") from None
         cont.load_version(engine, version, path, sha)
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model_dir)
+        tok = AutoTokenizer.from_pretrained(cfg.tokenizer or _model_dir(cfg))
         tool_names = {t.strip() for t in cfg.tools.split(",") if t.strip()}
         result = cont.continue_from(prefix, engine, tok, reward_fn, tool_names, cfg.max_tool_calls, cfg.tool_timeout)
     except (cont.ContinuationError, ValueError) as exc:

@@ -94,6 +94,8 @@ class Config:
     val_size: int = 16  # held-out prompts per validation round
     val_fraction: float = 0.1  # share of the task's distinct prompts held out for validation, never trained on
     tensorboard: bool = False  # also write metrics as TensorBoard event files to <run_dir>/<run>/tensorboard
+    wandb: str = ""  # online | offline: also log metrics to Weights & Biases (one wandb run per process, grouped by run); empty: off
+    wandb_project: str = "streamrl"  # the wandb project
     export_every: int = 0  # also save a Hugging Face folder every this many versions (always at the end): <run_dir>/<run>/export/v<N>; 0: end only
 
     def replace(self, **changes: Any) -> "Config":
@@ -213,6 +215,8 @@ def _validate(cfg: Config) -> None:
     if cfg.val_every < 0 or cfg.val_size < 1 or not 0 <= cfg.val_fraction < 1:
         raise ConfigError(f"config keys val_every/val_size/val_fraction: expected val_every >= 0, val_size >= 1, "
                           f"0 <= val_fraction < 1, got {cfg.val_every}, {cfg.val_size}, {cfg.val_fraction}")
+    if cfg.wandb not in ("", "online", "offline"):
+        raise ConfigError(f"config key 'wandb': expected 'online', 'offline' or empty, got {cfg.wandb!r}")
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"config key 'dtype': expected 'float32' or 'bfloat16', got {cfg.dtype!r}")
     if cfg.lora_rank < 0 or cfg.lora_alpha <= 0:

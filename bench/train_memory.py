@@ -7,7 +7,7 @@ log-probs of the targets, backward, clip, AdamW). Peak memory: on CPU the proces
 every 2 ms minus what it held before the model was loaded; on CUDA ``torch.cuda.max_memory_allocated``.
 Printed side by side as ratios to fp32 from the same run.
 
-    python bench/train_memory.py                 # CPU, 2 steps of 2 x 128 tokens each
+    python bench/train_memory.py                 # CPU, 1 timed step of 2 x 128 tokens
     python bench/train_memory.py --device cuda --batch 8 --seq 1024
 """
 
@@ -110,8 +110,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one option may take (then left out)")
     parser.add_argument("--one", nargs=2, metavar=("MODEL_DIR", "OPTION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -123,16 +124,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         n = make_model(Path(tmp) / "model")
         print(f"random-init Llama, {n / 1e6:.0f}M parameters; {args.batch} x {args.seq} tokens per step, "
-              f"{args.steps} timed steps after 1 warm-up, device {args.device}, {args.threads} threads")
+              f"{args.steps} timed steps after 1 warm-up, device {args.device}, {args.threads} threads", flush=True)
         rows = []
         for option in OPTIONS:
-            out = subprocess.run([sys.executable, __file__, "--one", str(Path(tmp) / "model"), option,
-                                  "--device", args.device, "--batch", str(args.batch), "--seq", str(args.seq),
-                                  "--steps", str(args.steps), "--threads", str(args.threads)],
-                                 capture_output=True, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+            try:
+                out = subprocess.run([sys.executable, __file__, "--one", str(Path(tmp) / "model"), option,
+                                      "--device", args.device, "--batch", str(args.batch), "--seq", str(args.seq),
+                                      "--steps", str(args.steps), "--threads", str(args.threads)],
+                                     capture_output=True, text=True, timeout=args.timeout,
+                                     env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+            except subprocess.TimeoutExpired:
+                print(f"{option}: over {args.timeout:.0f} s, left out", flush=True)
+                continue
             if out.returncode:
                 sys.exit(f"{option} failed:\n{out.stderr[-2000:]}")
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
     base = rows[0]
     print(f"{'option':<20}{'peak MB':>10}{'x fp32':>8}{'tokens/s':>10}{'x fp32':>8}{'trainable':>12}")
     for r in rows:

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from services.rollout.engine import Chunk, EngineError, SamplingParams, TorchEngine, make_engine
 from services.rollout.engine.sampler import final_logprobs, sample
-from services.ops.tiny_model import CHARACTERS, SPECIAL_TOKENS, load_tokenizer, make_tiny_model
+from services.ops.tiny_model import CHARACTERS, CHAT_TOKENS, SPECIAL_TOKENS, load_tokenizer, make_tiny_model
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22]]
 
@@ -100,7 +100,7 @@ def tok(tiny_model_dir):
 
 def test_tokenizer_vocab_and_special_ids(tok):
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
-    assert len(tok) == 3 + len(CHARACTERS) == 101
+    assert len(tok) == 3 + len(CHARACTERS) + len(CHAT_TOKENS) == 103
     assert tok.encode("a b", add_special_tokens=False) == [tok.convert_tokens_to_ids(c) for c in "a b"]
     assert tok.decode([1, *tok.encode("hi", add_special_tokens=False), 2], skip_special_tokens=True) == "hi"
     assert tok.encode("\u00e9", add_special_tokens=False) == tok.encode("?", add_special_tokens=False)
@@ -110,7 +110,7 @@ def test_tokenizer_vocab_and_special_ids(tok):
 @given(text=st.text(alphabet=CHARACTERS, max_size=80))
 def test_tokenizer_round_trip(tok, text):
     # the text of a special token ("<eos>") encodes as that token, as with every HF tokenizer
-    assume(not any(special in text for special in SPECIAL_TOKENS))
+    assume(not any(special in text for special in SPECIAL_TOKENS + CHAT_TOKENS))
     ids = tok.encode(text, add_special_tokens=False)
     assert len(ids) == len(text)
     assert tok.decode(ids) == text

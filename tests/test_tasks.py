@@ -46,30 +46,66 @@ def test_builtin_names_and_unknown_name():
         tasks.builtin("nope", 1)
 
 
-def test_load_jsonl_and_parquet(tmp_path):
-    rows = [{"prompt": "2+2=", "answer": 4, "level": "easy"}, {"prompt": "5+1=", "answer": "6"}]
+def test_load_jsonl_parquet_and_csv_keep_answer_types(tmp_path):
+    rows = [{"prompt": "2+2=", "answer": 4, "level": "easy"}, {"prompt": "5+1=", "answer": 6, "level": None}]
     path = tmp_path / "mine.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    got = tasks.load_file(str(path))
-    assert got == [{"prompt": "2+2=", "answer": "4", "level": "easy"}, {"prompt": "5+1=", "answer": "6"}]
-    pq = pytest.importorskip("pyarrow.parquet")
+    got = tasks.load_rows(str(path))
+    assert got == [{"prompt": "2+2=", "answer": 4, "level": "easy"}, {"prompt": "5+1=", "answer": 6, "level": None}]
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist([{"question": "1+1=", "truth": "2"}]), tmp_path / "mine.parquet")
-    assert tasks.load_file(str(tmp_path / "mine.parquet"), "question", "truth")[0]["answer"] == "2"
+    assert tasks.load_rows(str(tmp_path / "mine.parquet"), prompt_key="question", answer_key="truth") == \
+        [{"prompt": "1+1=", "answer": "2"}]
+    (tmp_path / "mine.csv").write_text("q,a\n3+3=,6\n")
+    assert tasks.load_rows(str(tmp_path / "mine.csv"), prompt_key="q", answer_key="a") == [{"prompt": "3+3=", "answer": 6}]
+
+
+def test_chat_rows_from_messages(tmp_path):
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="},
+                          {"role": "assistant", "content": "4"}]},
+            {"prompt": [{"role": "user", "content": "5+1="}], "answer": "6"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    got = tasks.load_rows(str(path))
+    assert got[0]["prompt"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
+    assert got[0]["answer"] == "4"  # the reference reply, when there is no answer column
+    assert got[1]["prompt"] == [{"role": "user", "content": "5+1="}] and got[1]["answer"] == "6"
 
 
 @pytest.mark.parametrize("text, words", [
-    ('{"prompt": "1+1="}\n', "row 0: missing field 'answer'"),
-    ('{"prompt": "1+1=", "answer": "2"}\nnot json\n', "mine.jsonl:2: not JSON"),
+    ('{"prompt": "1+1="}\n', "row 0: missing field 'answer' \\(config key 'answer_key'"),
+    ('{"question": "1+1=", "answer": "2"}\n', "row 0: missing field 'prompt' \\(config key 'prompt_key'"),
+    ('{"prompt": "1+1=", "answer": "2"}\nnot json\n', "mine.jsonl: line 2: not JSON"),
+    ('{"prompt": [{"content": "x"}], "answer": "2"}\n', "row 0: message 0: expected a map with a 'role'"),
 ])
 def test_bad_dataset_rows_name_the_file_row_and_field(tmp_path, text, words):
     path = tmp_path / "mine.jsonl"
     path.write_text(text)
-    with pytest.raises(ValueError, match=words):
-        tasks.load_file(str(path))
-    with pytest.raises(ValueError, match="expected a .jsonl or .parquet file"):
-        tasks.load_file(str(tmp_path / "mine.csv"))
+    with pytest.raises(ValueError, match="config key 'dataset': .*" + words):
+        tasks.load_rows(str(path))
+
+
+def test_missing_file_and_uncached_hub_dataset_are_one_line(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="mine.parquet: no such file"):
+        tasks.load_rows(str(tmp_path / "mine.parquet"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="config key 'eval_dataset': someone/nothing-here") as exc:
+        tasks.load_rows("someone/nothing-here", key="eval_dataset")
+    assert "\n" not in str(exc.value)
+
+
+def test_row_order_shuffles_with_the_seed_and_reshuffles_each_epoch():
+    rows = [{"prompt": str(i), "answer": i} for i in range(20)]
+    order = tasks.RowOrder(rows, seed=3, shuffle=True)
+    first = [order.row(i)["answer"] for i in range(20)]
+    second = [order.row(i)["answer"] for i in range(20, 40)]
+    assert sorted(first) == sorted(second) == list(range(20))  # every row once per epoch
+    assert first != list(range(20)) and first != second
+    assert first == [tasks.RowOrder(rows, seed=3, shuffle=True).row(i)["answer"] for i in range(20)]
+    assert [tasks.RowOrder(rows, 3, shuffle=False).row(i)["answer"] for i in range(25)] == [*range(20), *range(5)]
 
 
 def test_warm_start_examples_learn_only_what_the_policy_writes():

@@ -129,3 +129,20 @@ def test_trainer_writes_tensorboard_scalars(client, keys, tiny_model_dir, tmp_pa
     steps = [e.step for e in acc.Scalars("train/reward_mean")]
     assert steps == [1, 2] and "train/staleness/0" in acc.Tags()["scalars"]
     assert any(name.endswith(".trainer") for name in os.listdir(cfg.run_path / "tensorboard"))
+
+
+def test_pass_at_k_and_mean_at_k():
+    groups = [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]]
+    s = validation.summarize(5, {"sampled": [r for g in groups for r in g]}, [], groups, k=4)
+    assert s["pass@4"] == 2 / 3
+    assert s["mean@4"] == (0.25 + 0 + 1) / 3
+
+
+def test_round_groups_sample_k_per_prompt_and_dedupe_chat_prompts():
+    chat = [{"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)} for i in range(3)]
+    groups = validation.round_groups(2, chat + chat, size=5, k=4)
+    assert [g.n for g in groups] == [1, 4] * 3
+    assert groups[1].prompt == chat[0]["prompt"]
+    train, held = validation.split(chat * 2, 0.3)
+    assert held and {validation.prompt_key(r["prompt"]) for r in train}.isdisjoint(
+        validation.prompt_key(r["prompt"]) for r in held)

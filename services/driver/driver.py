@@ -15,7 +15,7 @@ from services.driver import tasks
 from shared.runtime.config import Config
 from shared.runtime.connection import connect
 from shared.protocol import versions
-from shared.protocol.keys import ROLLOUT_GROUP, Keys
+from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from shared.protocol.prompts import PromptGroup, enqueue
 from services.driver.status import alive_services, format_line, snapshot
 from shared.runtime.tensorboard import TensorBoard
@@ -25,10 +25,17 @@ SERVICES = ("rollout", "trainer", "syncer")
 ENDED = "ENDED"  # file in the run's folder once the driver ended the run: `streamrl run` starts the next one afresh
 
 
-def load_task(cfg: Config) -> list[dict]:
+def load_task(cfg: Config) -> tuple[list[dict], list[dict]]:
+    """(training rows, validation rows): the held-out split of ``dataset``, or all of ``eval_dataset``."""
     if cfg.dataset in tasks.BUILTIN:
-        return tasks.builtin(cfg.dataset, 4096, seed=cfg.seed)
-    return tasks.load_file(cfg.dataset)
+        rows = tasks.builtin(cfg.dataset, 4096, seed=cfg.seed)
+    else:
+        rows = tasks.load_rows(cfg.dataset, cfg.dataset_split, cfg.prompt_key, cfg.answer_key)
+    if not cfg.eval_dataset:
+        return split(rows, cfg.val_fraction if cfg.val_every else 0.0)
+    if cfg.eval_dataset in tasks.BUILTIN:
+        return rows, tasks.builtin(cfg.eval_dataset, 4096, seed=cfg.seed + 1)
+    return rows, tasks.load_rows(cfg.eval_dataset, cfg.eval_split, cfg.prompt_key, cfg.answer_key, "eval_dataset")
 
 
 def latest_version(client, keys: Keys) -> int:
@@ -40,11 +47,28 @@ class Driver:
         self.cfg = cfg
         self.client = connect(cfg.redis_url, wait=120)
         self.keys = Keys(cfg.run)
-        self.rows, held_out = split(load_task(cfg), cfg.val_fraction if cfg.val_every else 0.0)
+        rows, held_out = load_task(cfg)
+        self.rows = tasks.RowOrder(rows, cfg.seed, cfg.shuffle)
         self.tensorboard = TensorBoard(cfg, "driver")
         self.validator = Validator(self.client, self.keys, held_out, cfg.val_every, cfg.val_size,
-                                   on_result=lambda r: self.tensorboard.scalars("validation", r, r["version"]))
+                                   on_result=lambda r: self.tensorboard.scalars("validation", r, r["version"]),
+                                   k=cfg.val_k)
         self.enqueued = int(self.client.get(self.keys.driver_enqueued) or 0)
+        self.total = cfg.epochs * len(self.rows)  # prompt groups of the whole run; 0: no end by epochs
+
+    def epochs_done(self) -> bool:
+        """Every group of the last epoch enqueued, rolled out, and read by the trainer (a remainder smaller
+        than batch_groups can never fill a step)."""
+        if not self.total or self.enqueued < self.total:
+            return False
+        try:
+            groups = {g["name"].decode(): g for g in self.client.xinfo_groups(self.keys.prompts)}
+            rollout = groups[ROLLOUT_GROUP]
+            trainer = {g["name"].decode(): g for g in self.client.xinfo_groups(self.keys.samples)}[TRAINER_GROUP]
+        except Exception:  # no stream or group yet
+            return False
+        return (rollout["lag"] == 0 and rollout["pending"] == 0 and trainer["lag"] == 0
+                and trainer["pending"] < self.cfg.batch_groups)
 
     def top_up(self, depth: int) -> None:
         """Keep ``depth`` groups waiting beyond what has been delivered."""
@@ -53,12 +77,12 @@ class Driver:
             lag = info[ROLLOUT_GROUP]["lag"] if ROLLOUT_GROUP in info else self.client.xlen(self.keys.prompts)
         except Exception:  # no stream or group yet
             lag = self.client.xlen(self.keys.prompts) if self.client.exists(self.keys.prompts) else 0
-        missing = depth - (lag or 0)
+        missing = min(depth - (lag or 0), self.total - self.enqueued if self.total else depth)
         if missing <= 0:
             return
         groups = []
         for _ in range(missing):
-            row = self.rows[self.enqueued % len(self.rows)]
+            row = self.rows.row(self.enqueued)
             task = {k: v for k, v in row.items() if k != "prompt"}
             groups.append(PromptGroup(f"q{self.enqueued:07d}", self.cfg.group_size, prompt=row["prompt"], task=task))
             self.enqueued += 1
@@ -95,8 +119,14 @@ class Driver:
             version = latest_version(self.client, self.keys)
             self.validator.maybe_request(version)
             for r in self.validator.poll():
+                k = self.cfg.val_k
                 print(f"driver: validation at version {r['version']}: reward {r['reward_mean']:.3f} sampled, "
-                      f"{r['reward_greedy']:.3f} greedy ({r['n']} episodes)", flush=True)
+                      f"{r['reward_greedy']:.3f} greedy, pass@{k} {r[f'pass@{k}']:.3f}, mean@{k} {r[f'mean@{k}']:.3f} "
+                      f"({r['n']} episodes)", flush=True)
+            if self.epochs_done():
+                print(f"driver: {self.cfg.epochs} epoch(s) of {len(self.rows)} rows trained at version {version}; "
+                      f"ending the run", flush=True)
+                break
             if self.cfg.max_versions and version >= self.cfg.max_versions:
                 print(f"driver: reached version {version}; ending the run", flush=True)
                 break

@@ -1,10 +1,11 @@
 """Validation rounds: a held-out split rolled out with the current version, never trained on.
 
 Every ``val_every`` versions the driver enqueues one round on the ``prompts:val`` stream: each held-out prompt
-twice, once greedy (temperature 0) and once sampled with the run's settings. Rollout workers serve that stream
+twice, once greedy (temperature 0) and as a group of ``val_k`` episodes sampled with the run's settings. Rollout workers serve that stream
 before the training one and publish its finished groups to ``samples:val``, which the trainer never reads. When every
 group of a round is back, the round's rewards go to the metrics stream as a ``validation`` entry (and to TensorBoard
-when enabled). Group ids name the round: ``val-v<version>-g<i>`` (greedy) and ``val-v<version>-s<i>`` (sampled).
+when enabled), with pass@k (share of prompts with at least one of its k sampled episodes at full reward,
+>= 1.0) and mean@k (mean reward of the sampled episodes). Group ids name the round: ``val-v<version>-g<i>`` (greedy) and ``val-v<version>-s<i>`` (sampled).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from shared.protocol.events import EventError
 from shared.protocol.fold import fold
 from shared.protocol.keys import Keys
 from shared.protocol.prompts import PromptGroup, enqueue
+from shared.runtime.prompt_format import prompt_key
+
+PASS = 1.0  # an episode passes (for pass@k) at this reward or above
 
 
 def split(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
@@ -29,27 +33,28 @@ def split(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
         raise ValueError(f"validation fraction must be in [0, 1), got {fraction}")
     if fraction == 0 or not rows:
         return list(rows), []
-    h = {row["prompt"]: int.from_bytes(hashlib.sha256(row["prompt"].encode()).digest()[:8], "big") / 2**64
-         for row in rows}
+    h = {prompt_key(row["prompt"]): int.from_bytes(hashlib.sha256(prompt_key(row["prompt"]).encode()).digest()[:8],
+                                                  "big") / 2**64 for row in rows}
     if len(h) == 1:
         return list(rows), []  # one distinct prompt: nothing to hold out
     # tiny datasets: hold out at least the lowest-hashed prompt and train on at least the highest-hashed one
     cut = min(max(fraction, min(h.values())), max(h.values()) - 1e-12)
-    return [r for r in rows if h[r["prompt"]] > cut], [r for r in rows if h[r["prompt"]] <= cut]
+    return ([r for r in rows if h[prompt_key(r["prompt"])] > cut],
+            [r for r in rows if h[prompt_key(r["prompt"])] <= cut])
 
 
-def round_groups(version: int, rows: list[dict], size: int) -> list[PromptGroup]:
-    """One validation round: the first ``size`` distinct held-out prompts, each greedy and sampled."""
+def round_groups(version: int, rows: list[dict], size: int, k: int = 1) -> list[PromptGroup]:
+    """One validation round: the first ``size`` distinct held-out prompts, each greedy and ``k`` times sampled."""
     seen, out = set(), []
     for row in rows:
-        if row["prompt"] in seen:
+        if prompt_key(row["prompt"]) in seen:
             continue
-        seen.add(row["prompt"])
+        seen.add(prompt_key(row["prompt"]))
         task = {k: v for k, v in row.items() if k != "prompt"}
         i = len(seen) - 1
         out.append(PromptGroup(f"val-v{version:05d}-g{i:03d}", 1, prompt=row["prompt"], task=task,
                                sampling={"temperature": 0.0}))
-        out.append(PromptGroup(f"val-v{version:05d}-s{i:03d}", 1, prompt=row["prompt"], task=task))
+        out.append(PromptGroup(f"val-v{version:05d}-s{i:03d}", k, prompt=row["prompt"], task=task))
         if len(seen) >= size:
             break
     return out
@@ -66,10 +71,14 @@ def parse_group_id(group_id: str) -> tuple[int, str] | None:
         return None
 
 
-def summarize(version: int, rewards: dict[str, list[float]], token_versions: list[int]) -> dict:
-    """The metrics entry of one finished round."""
+def summarize(version: int, rewards: dict[str, list[float]], token_versions: list[int],
+              sampled_groups: list[list[float]] | None = None, k: int = 1) -> dict:
+    """The metrics entry of one finished round; ``sampled_groups``: the rewards of each prompt's k samples."""
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    groups = sampled_groups or []
     return {"version": version, "time": time.time(), "reward_mean": mean(rewards.get("sampled", [])),
+            f"pass@{k}": mean([float(any(r >= PASS for r in g)) for g in groups]),
+            f"mean@{k}": mean([mean(g) for g in groups if g]),
             "reward_greedy": mean(rewards.get("greedy", [])),
             "n": sum(len(v) for v in rewards.values()),
             "token_version_min": min(token_versions, default=version),
@@ -82,13 +91,15 @@ class Round:
     rewards: dict[str, list[float]] = field(default_factory=dict)
     token_versions: list[int] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
+    sampled: list[list[float]] = field(default_factory=list)  # per sampled group: its k rewards
 
 
 class Validator:
     """The driver's side: enqueue rounds, gather their samples, report each round once."""
 
-    def __init__(self, client, keys: Keys, rows: list[dict], every: int, size: int, log=None, on_result=None):
-        self.client, self.keys, self.rows, self.every, self.size = client, keys, rows, every, size
+    def __init__(self, client, keys: Keys, rows: list[dict], every: int, size: int, log=None, on_result=None,
+                 k: int = 1):
+        self.client, self.keys, self.rows, self.every, self.size, self.k = client, keys, rows, every, size, k
         self.log, self.on_result = log, on_result
         self.episodes = EpisodeLog(client, keys, "validator")
         self.rounds: dict[int, Round] = {}
@@ -107,7 +118,7 @@ class Validator:
         if not self.client.sadd(self._requested_key, version):
             self.requested.add(version)
             return False
-        groups = round_groups(version, self.rows, self.size)
+        groups = round_groups(version, self.rows, self.size, self.k)
         enqueue(self.client, self.keys, groups, stream=self.keys.val_prompts)
         self.requested.add(version)
         self.rounds[version] = Round(expected=len(groups))
@@ -126,11 +137,12 @@ class Validator:
                     continue
                 version, kind = parsed
                 if version not in self.rounds:  # requested by an earlier driver process: same groups
-                    self.rounds[version] = Round(expected=len(round_groups(version, self.rows, self.size)))
+                    self.rounds[version] = Round(expected=len(round_groups(version, self.rows, self.size, self.k)))
                 rnd = self.rounds[version]
                 if group_id in rnd.seen:
                     continue
                 rnd.seen.add(group_id)
+                group_rewards = []
                 for eid in f.get(b"episodes", b"").decode().split(","):
                     try:
                         ep = fold(self.episodes.read(eid))
@@ -138,13 +150,16 @@ class Validator:
                         ep = None
                     reward = ep.reward if ep is not None and ep.status == "finished" else 0.0
                     rnd.rewards.setdefault(kind, []).append(float(reward or 0.0))
+                    group_rewards.append(float(reward or 0.0))
                     rnd.token_versions += [v for v in (ep.versions if ep else []) if v >= 0]
+                if kind == "sampled":
+                    rnd.sampled.append(group_rewards)
                 if len(rnd.seen) >= rnd.expected and version not in self.reported:
                     done.append(self._report(version, rnd))
         return done
 
     def _report(self, version: int, rnd: Round) -> dict:
-        summary = summarize(version, rnd.rewards, rnd.token_versions)
+        summary = summarize(version, rnd.rewards, rnd.token_versions, rnd.sampled, self.k)
         metrics.record(self.client, self.keys, "validation", summary)
         self.reported.add(version)
         if self.on_result:

@@ -70,8 +70,14 @@ def cmd_inspect(cfg, args) -> int:
     return 0
 
 
+def _model_dir(cfg) -> str:
+    from shared.runtime.models import resolve_model
+
+    return resolve_model(cfg.model_dir)
+
+
 def _decoder(cfg):
-    path = cfg.tokenizer or cfg.model_dir
+    path = cfg.tokenizer or _model_dir(cfg)
     if not path or not Path(path, "tokenizer.json").exists():
         if cfg.tokenizer:
             raise CLIError(f"tokenizer {cfg.tokenizer!r}: no tokenizer.json there")
@@ -131,14 +137,14 @@ def _replay_continue(cfg, args, log, entries, ep, decode_text) -> int:
             label = f"v{version} ({path or cfg.model_dir})"
         reward_fn = rewards.load(cfg.reward_fn)
         try:
-            engine = make_engine(cfg.engine, cfg.model_dir, device=cfg.device, max_batch_size=1,
+            engine = make_engine(cfg.engine, _model_dir(cfg), device=cfg.device_of("rollout"), max_batch_size=1,
                                  vllm_args=cfg.vllm_args)
         except EngineError as exc:
             raise cont.ContinuationError(f"model_dir {cfg.model_dir}: {exc}") from None
         cont.load_version(engine, version, path, sha)
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model_dir)
+        tok = AutoTokenizer.from_pretrained(cfg.tokenizer or _model_dir(cfg))
         result = cont.continue_from(prefix, engine, tok, reward_fn, cfg.tools, cfg.max_tool_calls, cfg.tool_timeout)
     except (cont.ContinuationError, ValueError) as exc:
         raise CLIError(f"episode {args.episode}: {exc}") from None
@@ -192,6 +198,23 @@ def cmd_make_model(cfg, args) -> int:
 
     if not ensure_default_model(cfg, warm_steps=args.warm_steps, force=args.force):
         print(f"streamrl make-model: {cfg.model_dir} exists; --force replaces it", file=sys.stderr)
+    return 0
+
+
+def cmd_export(cfg, args) -> int:
+    from services.trainer.export import ExportError, export_version, kept_versions
+
+    version = args.version
+    if version is None:
+        kept = kept_versions(cfg)
+        if not kept:
+            raise CLIError(f"run {cfg.run!r} has no kept versions in {cfg.weights_path} or {cfg.run_path / 'export'}")
+        version = kept[-1]
+    try:
+        out = export_version(cfg, version, Path(args.out) if args.out else None)
+    except ExportError as exc:
+        raise CLIError(str(exc)) from None
+    print(out)
     return 0
 
 
@@ -252,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "supervised warm start on the task (calc-tool format with --tools calc)")
     p.add_argument("--warm-steps", type=int, default=None, help="supervised steps of 32 examples (default 150)")
     p.add_argument("--force", action="store_true", help="replace a model already at model_dir")
+    p = add("export", cmd_export, "save a version of the run as a Hugging Face folder (config, tokenizer, generation "
+                                  "config, safetensors): <run_dir>/<run>/export/v<N> unless --out")
+    p.add_argument("--version", type=int, metavar="V", help="a kept version (default: the newest; 0: the initial model)")
+    p.add_argument("--out", metavar="DIR", help="write the folder here instead")
     p = add("run", cmd_run, "run the whole job: embedded Redis + every Procfile process, until the driver ends")
     p.add_argument("--procfile", default="Procfile")
     add("drive", cmd_drive, "steer a run (the Procfile's driver line) and end it")

@@ -41,6 +41,9 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
     if not path.exists():
         raise FileNotFoundError(f"no Procfile at {path.resolve()}")
     entries = parse_procfile(path.read_text()).processes
+    from services.ops.tiny_model import ensure_model
+
+    ensure_model(cfg)  # before anything starts: a model_dir that does not resolve is one line, nothing to clean up
     server = None
     # every process gets the very same config: each key as STREAMRL_<KEY>
     env = {**os.environ, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
@@ -53,10 +56,6 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
         archive_ended_run(cfg)
         server = EmbeddedRedis(Path(cfg.run_dir) / cfg.run / "redis").start()
         env["REDIS_URL"] = env["STREAMRL_REDIS_URL"] = server.url
-    if not Path(cfg.model_dir, "config.json").exists():
-        from services.ops.tiny_model import ensure_default_model
-
-        ensure_default_model(cfg)
     print(f"streamrl run: run {cfg.run!r} on {redact(env['REDIS_URL'])}"
           f"{' (embedded, append-only)' if server else ''}", file=sys.stderr, flush=True)
     manager = Manager()
@@ -69,6 +68,7 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
         manager.loop()
         if (cfg.run_path / ENDED).exists():
             end_of_run_check(cfg, env["REDIS_URL"])
+            export_at_end(cfg)
     finally:
         if server:
             server.stop()
@@ -85,3 +85,13 @@ def end_of_run_check(cfg: Config, redis_url: str) -> None:
     report = check(read_run(client, Keys(cfg.run), cfg.run_path))
     print("streamrl run: streamrl check at the end of the run (groups still in flight are not lost):\n"
           + format_report(report, cfg.run), file=sys.stderr, flush=True)
+
+
+def export_at_end(cfg: Config) -> None:
+    """The last published version as a Hugging Face folder in the run's folder (kept when the run is archived)."""
+    from services.trainer.export import export_last
+
+    out = export_last(cfg)
+    if out:
+        print(f"streamrl run: exported the last version to {out} (AutoModelForCausalLM.from_pretrained loads it)",
+              file=sys.stderr, flush=True)

@@ -7,11 +7,30 @@ import string
 from pathlib import Path
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")  # ChatML turn markers: ids 101 and 102, after the characters
 CHARACTERS = [c for c in string.printable if c not in "\x0b\x0c"]
+# ChatML with tools (Qwen2.5 style): a system turn lists the tools as JSON, an assistant's tool calls are written
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>, a tool's result comes back in a `tool` turn.
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "You may call these tools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' and loop.first %}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{% for call in m.tool_calls or [] %}<tool_call>"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def build_tokenizer():
-    """Character-level tokenizer: <pad>=0, <bos>=1, <eos>=2, then printable ASCII.
+    """Character-level tokenizer: <pad>=0, <bos>=1, <eos>=2, then printable ASCII, then the ChatML
+    markers <|im_start|>=101, <|im_end|>=102 (special tokens) and a ChatML chat template with tool support.
     Characters outside the vocabulary encode as "?"."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -20,8 +39,11 @@ def build_tokenizer():
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   clean_up_tokenization_spaces=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                  clean_up_tokenization_spaces=False)
+    tok.add_special_tokens({"additional_special_tokens": list(CHAT_TOKENS)})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -34,7 +56,7 @@ def make_tiny_model(out_dir: str | Path, hidden_size: int = 64, num_layers: int 
                     intermediate_size: int = 256, max_position_embeddings: int = 512, seed: int = 0) -> str:
     """Save a random-init LlamaForCausalLM (safetensors) and its tokenizer into ``out_dir``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tok = build_tokenizer()
     config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=num_layers,
@@ -44,6 +66,9 @@ def make_tiny_model(out_dir: str | Path, hidden_size: int = 64, num_layers: int 
                          tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
+    # generation ends at <eos> (plain-text prompts) or at the end of the assistant's turn (chat prompts)
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+                                               eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")])
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
     tok.save_pretrained(str(out_dir))
@@ -179,3 +204,13 @@ def ensure_default_model(cfg, warm_steps: int | None = None, force: bool = False
     make_default_model(cfg.model_dir, dataset=dataset, tools=tools, warm_steps=steps, seed=cfg.seed)
     print(f"streamrl: model ready in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
     return True
+
+
+def ensure_model(cfg) -> str:
+    """The model folder of ``cfg.model_dir``: the default tiny model is created when missing; anything else
+    must resolve (a folder or a cached hub id), else ModelNotFound names the key and what was tried."""
+    from shared.runtime.models import is_default, resolve_model
+
+    if is_default(cfg.model_dir) and not Path(cfg.model_dir, "config.json").exists():
+        ensure_default_model(cfg)
+    return resolve_model(cfg.model_dir)

@@ -13,12 +13,15 @@ def main(argv=None) -> None:
     svc = Service("rollout", argv)
     from transformers import AutoTokenizer
 
+    from shared.runtime.models import ModelNotFound, resolve_model
+
     try:
-        engine = make_engine(svc.cfg.engine, svc.cfg.model_dir, device=svc.cfg.device,
+        model_dir = resolve_model(svc.cfg.model_dir)
+        engine = make_engine(svc.cfg.engine, model_dir, device=svc.cfg.device_of("rollout"),
                              max_batch_size=svc.cfg.max_batch_size, vllm_args=svc.cfg.vllm_args,
                              step_delay_ms=svc.cfg.step_delay_ms)
-        tokenizer = AutoTokenizer.from_pretrained(svc.cfg.model_dir)
-    except (EngineError, OSError) as exc:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (EngineError, OSError, ModelNotFound) as exc:
         svc.log.error("cannot start the engine", model_dir=svc.cfg.model_dir, error=str(exc))
         sys.exit(2)
     try:

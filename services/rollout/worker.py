@@ -44,7 +44,8 @@ class RolloutWorker:
                              cfg.reward_timeout)
         agent = Agent(tokenizer, registry, cfg.max_tool_calls, engine.max_model_len)
         self.episodes = Episodes(cfg, EpisodeLog(client, self.keys, worker_id, cfg.flush_tokens, cfg.flush_ms),
-                                 engine, tokenizer, agent, self.jobs, self.claims, reward, stop_token_ids(tokenizer),
+                                 engine, tokenizer, agent, self.jobs, self.claims, reward,
+                                 stop_token_ids(tokenizer, cfg.model_dir, cfg.stop),
                                  self.log)
         self.heartbeat = Heartbeat(client, self.keys, "rollout", worker_id, cfg.heartbeat_ttl)
         self.control_cursor = "$"

@@ -15,9 +15,11 @@ from shared.protocol.keys import Keys
 from shared.runtime.checksum import sha256_file
 
 
-def write_weights(model, directory: Path, version: int) -> tuple[Path, str]:
+def write_weights(state, directory: Path, version: int) -> tuple[Path, str]:
+    """``state``: the policy's weights under the base model's names (``Policy.publish_state``), or a model."""
     path = directory / f"v{version:06d}.safetensors"
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    state = state.state_dict() if hasattr(state, "state_dict") else state
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata={"version": str(version)}))
     return path, sha256(path)
 

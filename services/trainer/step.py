@@ -93,9 +93,23 @@ def entropy(logits: torch.Tensor, temperature: torch.Tensor, mask: torch.Tensor)
     return float(torch.where(keep, ent, 0.0).sum()), int(keep.sum())
 
 
-def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu") -> dict:
-    """Run the step; return its stats (python floats; counts as ints)."""
-    model.eval()
+def no_dropout(model) -> None:
+    """Forward without dropout, gradients still flowing: eval mode, or, with gradient checkpointing (which
+    transformers runs only in training mode), training mode with every dropout module switched off."""
+    if getattr(model, "is_gradient_checkpointing", False):
+        model.train()
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.eval()
+    else:
+        model.eval()
+
+
+def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=None) -> dict:
+    """Run the step; return its stats (python floats; counts as ints). ``kl(mb, logp, device)``, when given, is
+    a token-mean penalty over a micro-batch (``kl_coef`` × KL to the reference), added with the micro-batch's
+    share of its minibatch's tokens."""
+    no_dropout(model)
     plan = [(rows, micro_batches(batch, rows, sc.micro_batch_tokens)) for rows in minibatches(batch, sc.ppo_minibatches)]
     prox = torch.zeros_like(batch.behav_logp)
     ent_sum = ent_n = 0
@@ -108,14 +122,15 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu") -> di
                 s, n = entropy(logits, mb.temperature.to(device), mb.loss_mask.to(device))
                 ent_sum, ent_n = ent_sum + s, ent_n + n
     sums = dict.fromkeys(WEIGHTED_STATS, 0.0)
-    weight_max, losses, norms, skipped, counted = 0.0, [], [], 0, 0
+    weight_max, losses, norms, skipped, counted, kl_sum = 0.0, [], [], 0, 0, 0.0
     for rows, micros in plan:
         denom = aggregate_denominator(batch.loss_mask[rows], sc.agg)
         opt.zero_grad(set_to_none=True)
         loss_total = 0.0
         for micro in micros:
             mb = batch.rows(micro)
-            loss, stats = _micro_loss(model, mb, prox[micro, :mb.targets.shape[1]], sc, denom, device)
+            loss, stats = _micro_loss(model, mb, prox[micro, :mb.targets.shape[1]], sc, denom, device, kl,
+                                      mb.num_tokens / max(int(batch.loss_mask[rows].sum()), 1))
             loss.backward()
             loss_total += float(loss.detach())
             n = mb.num_tokens
@@ -123,6 +138,7 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu") -> di
             for k in WEIGHTED_STATS:
                 sums[k] += stats.get(k, 0.0) * n
             weight_max = max(weight_max, stats.get("is_weight_max", 0.0))
+            kl_sum += stats.get("kl", 0.0) * n
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), sc.max_grad_norm))
         if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
             opt.zero_grad(set_to_none=True)
@@ -135,17 +151,24 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu") -> di
     return out | {"is_weight_max": weight_max, "loss": sum(losses) / max(len(losses), 1),
                   "grad_norm": _mean([g for g in norms if math.isfinite(g)]), "entropy": ent_sum / max(ent_n, 1),
                   "ppo_steps": len(plan) - skipped, "nonfinite_skipped": skipped,
-                  "micro_batches": sum(len(m) for _, m in plan)}
+                  "micro_batches": sum(len(m) for _, m in plan)} | ({"kl": kl_sum / max(counted, 1)} if kl else {})
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def _micro_loss(model, mb: Batch, prox: torch.Tensor, sc: StepConfig, denom: float, device):
+def _micro_loss(model, mb: Batch, prox: torch.Tensor, sc: StepConfig, denom: float, device, kl=None,
+                share: float = 1.0):
     logp, _ = policy_logprobs(model, mb, device)
     mask, behav, adv = mb.loss_mask.to(device), mb.behav_logp.to(device), mb.advantages.to(device)
     if sc.loss == "decoupled":
-        return decoupled_ppo_loss(logp, prox.to(device), behav, adv, mask, sc.clip_low, sc.clip_high, sc.is_cap,
-                                  sc.agg, sc.is_mode, sc.clip_ratio_c, denom)
-    return ppo_clip_loss(logp, behav, adv, mask, sc.clip_low, sc.clip_high, sc.agg, sc.clip_ratio_c, denom)
+        loss, stats = decoupled_ppo_loss(logp, prox.to(device), behav, adv, mask, sc.clip_low, sc.clip_high,
+                                         sc.is_cap, sc.agg, sc.is_mode, sc.clip_ratio_c, denom)
+    else:
+        loss, stats = ppo_clip_loss(logp, behav, adv, mask, sc.clip_low, sc.clip_high, sc.agg, sc.clip_ratio_c,
+                                    denom)
+    if kl is not None:
+        term = kl(mb, logp, device)
+        loss, stats = loss + share * term, {**stats, "kl": float(term.detach())}
+    return loss, stats

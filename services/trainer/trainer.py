@@ -20,9 +20,8 @@ import time
 
 import redis
 import torch
-from transformers import AutoModelForCausalLM
-
-from services.trainer import checkpoint, commit as commit_path, publish
+from services.trainer import checkpoint, commit as commit_path, export, publish
+from services.trainer.model import load_policy
 from shared.protocol import dead_letters, gate, ledger, samples
 from shared.protocol.metrics import record as record_metrics
 from services.trainer.batch import Batch, build_batch, trained_reward
@@ -51,10 +50,10 @@ class Trainer:
         self.metrics_path = cfg.run_path / "metrics.jsonl"
         self.tensorboard = TensorBoard(cfg, "trainer")
         torch.manual_seed(cfg.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, torch_dtype=torch.float32)
-        self.model.to(cfg.device).eval()  # eval: no dropout in any forward; gradients still flow
+        self.policy = load_policy(cfg)  # device, bf16 autocast, grad checkpointing, LoRA, KL reference: model.py
+        self.model = self.policy.model
         self.pad_id = self.model.config.pad_token_id or 0
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.opt = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.step, self.version = 0, 0
         self.consumed: set[str] = set()  # group ids included in the last checkpoint
         self.uncommitted: list[tuple[str, str, bool]] = []  # (samples entry, group id, trained?) since the last commit
@@ -91,7 +90,7 @@ class Trainer:
     def _republish_if_needed(self) -> None:
         """A crash between checkpoint and publish leaves the version unpublished."""
         if self.version > 0 and publish.latest_version(self.client, self.keys) < self.version:
-            path, digest = publish.write_weights(self.model, self.weights_dir, self.version)
+            path, digest = publish.write_weights(self.policy.publish_state(), self.weights_dir, self.version)
             publish.publish(self.client, self.keys, self.version, path, digest, self.step)
             self.log.info("republished version after restart", version=self.version)
 
@@ -191,7 +190,8 @@ class Trainer:
     def train_step(self, groups: list[tuple[str, str, list[Episode]]]) -> dict:
         t0 = time.monotonic()
         batch = build_batch([eps for _, _, eps in groups], self.pad_id, self.version, self.cfg.hard_max_staleness)
-        stats = train_on_batch(self.model, self.opt, batch, StepConfig.from_config(self.cfg), self.cfg.device)
+        stats = train_on_batch(self.model, self.opt, batch, StepConfig.from_config(self.cfg), self.policy.device,
+                               kl=self.policy.kl_penalty())
         self.step += 1
         trained = stats["ppo_steps"] > 0  # every optimizer step non-finite: the groups count as not trained
         self.uncommitted += [(e, g, trained) for e, g, _ in groups]
@@ -237,7 +237,7 @@ class Trainer:
         self.version += 1
         self.commits += 1
         fault = lambda point: commit_path.fault_injection_point(point, self.commits)  # noqa: E731 (tests only)
-        path, digest = publish.write_weights(self.model, self.weights_dir, self.version)
+        path, digest = publish.write_weights(self.policy.publish_state(), self.weights_dir, self.version)
         trained = [g for _, g, t in self.uncommitted if t]
         skipped = [g for _, g, t in self.uncommitted if not t]
         self.consumed.update(trained + skipped)
@@ -259,6 +259,7 @@ class Trainer:
         publish.publish(self.client, self.keys, self.version, path, digest, self.step)
         fault("after_publish")
         publish.prune(self.weights_dir, keep_from=self.version - self.cfg.max_staleness - 2)
+        export.maybe_export(self.cfg, self.version, self.log)  # every export_every versions: an HF folder
         self.log.info("version published", version=self.version, path=str(path), sha256=digest[:12])
 
     def _settle_skipped(self) -> None:

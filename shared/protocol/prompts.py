@@ -1,8 +1,8 @@
 """Prompt groups: what the ``prompts`` stream holds, one entry per group.
 
 Entry fields: ``group_id`` (plain), ``n`` (plain, episodes to roll out), ``v``
-(schema version "1") and ``data``, a msgpack map with ``prompt`` (text, tokenized
-by the worker) or ``prompt_ids`` (token ids), ``task`` (map handed to the
+(schema version "1") and ``data``, a msgpack map with ``prompt`` (text, or chat
+messages ``[{"role", "content"}, ...]`` rendered by the model's chat template; tokenized by the worker) or ``prompt_ids`` (token ids), ``task`` (map handed to the
 reward function) and optional ``sampling`` overrides.
 """
 
@@ -20,7 +20,7 @@ from shared.protocol.events import EventError
 class PromptGroup:
     group_id: str
     n: int
-    prompt: str | None = None
+    prompt: str | list[dict] | None = None  # text, or chat messages
     prompt_ids: list[int] | None = None
     task: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -67,7 +67,10 @@ def decode_group(entry_id, fields: dict) -> PromptGroup:
     if (prompt is None) == (ids is None):
         raise EventError(entry_id, "data.prompt", "expected exactly one of 'prompt' (text) or 'prompt_ids'")
     if prompt is not None and not isinstance(prompt, str):
-        raise EventError(entry_id, "data.prompt", f"expected str, got {type(prompt).__name__}")
+        if not isinstance(prompt, list) or not prompt or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt):
+            raise EventError(entry_id, "data.prompt", f"expected text or a non-empty list of chat messages "
+                                                      f"(maps with a 'role'), got {type(prompt).__name__}")
     if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) and i >= 0 for i in ids)):
         raise EventError(entry_id, "data.prompt_ids", "expected a list of non-negative ints")
     for name in ("task", "sampling"):

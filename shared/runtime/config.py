@@ -33,12 +33,14 @@ class Config:
     flush_tokens: int = 16  # flush an episode's buffered tokens once this many are pending
     flush_ms: float = 50.0  # ... or once the oldest pending token is this old
     # model
-    model_dir: str = "models/tiny"  # HF-format causal LM folder (config, safetensors, tokenizer)
+    model_dir: str = "models/tiny"  # HF causal LM: a folder (config, safetensors, tokenizer) or a hub id (local cache when offline); only models/tiny is created when missing
     tokenizer: str = ""  # folder for decoding text in `streamrl replay`; empty means model_dir
+    stop: str = ""  # extra stop tokens beside EOS and generation_config's EOS ids: comma-separated token ids or one-token strings
     # rollout
     engine: str = "torch"  # torch | vllm
     vllm_args: str = ""  # engine=vllm: JSON object of extra vllm.EngineArgs, e.g. {"gpu_memory_utilization": 0.8}
-    device: str = "cpu"  # cpu | cuda
+    device: str = "cpu"  # cpu | cuda | cuda:N: every service's device unless rollout_device / trainer_device says otherwise
+    rollout_device: str = ""  # the rollout engine's device; empty: device
     max_batch_size: int = 64  # sequences decoded together by the engine
     max_groups_in_flight: int = 8  # prompt groups one rollout worker holds at once
     group_size: int = 8  # episodes per prompt group (GRPO n); docs/training.md says why the defaults
@@ -70,19 +72,38 @@ class Config:
     max_grad_norm: float = 1.0
     hard_max_staleness: int = 0  # policy tokens more versions behind than this are masked out (counted); 0: none
     filter_constant_groups: bool = False  # drop groups whose rewards are all equal (dynamic sampling; counted)
+    trainer_device: str = ""  # the trainer's device; empty: device
+    dtype: str = "float32"  # trainer compute: float32, or bfloat16 (bf16 autocast; master weights and optimizer stay fp32)
+    grad_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more compute
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank (PEFT) instead of every weight; versions publish merged weights
+    lora_alpha: float = 16.0  # LoRA scaling numerator (scale = lora_alpha / lora_rank)
+    lora_targets: str = "all-linear"  # modules that get adapters: all-linear, or comma-separated names (q_proj,v_proj)
+    kl_coef: float = 0.0  # > 0: add kl_coef x KL(policy || frozen reference = the initial model) to the loss
+    kl_estimator: str = "k3"  # k1 (log ratio) | k3 (Schulman's unbiased, always >= 0)
     weights_dir: str = ""  # published versions; empty: /dev/shm/streamrl/<run> when /dev/shm exists
     # staleness and sync
     max_staleness: int = 1  # versions a trained token may lag the trainer; 0 with mode=sync is synchronous RL
     mode: str = "async"  # async | sync (rollout waits for the trainer, trainer for a full batch)
     sync_timeout: float = 30.0  # seconds the syncer waits for a worker's ack before going on without it
     # the run (driver)
-    dataset: str = "arithmetic"  # built-in task, or a .jsonl / .parquet file with prompt and answer fields
+    dataset: str = "arithmetic"  # built-in task, a .jsonl / .json / .parquet / .csv file, or a hub dataset name (local cache when offline)
+    dataset_split: str = "train"  # split of a hub dataset to train on
+    prompt_key: str = "prompt"  # column holding the prompt: text or chat messages; a 'messages' column is used when this one is absent
+    answer_key: str = "answer"  # column holding the ground truth (handed to the reward as task['answer']); optional with chat rows
+    shuffle: bool = True  # shuffle the training rows with the run's seed, again every epoch
+    epochs: int = 0  # passes over the training rows, then the run ends once they are trained; 0: cycle until max_versions / max_minutes
+    eval_dataset: str = ""  # validation prompts from this dataset (same forms as dataset); empty: the held-out split of dataset
+    eval_split: str = "test"  # split of a hub eval_dataset
+    val_k: int = 1  # sampled episodes per held-out prompt in a validation round: pass@k and mean@k
     max_versions: int = 1000  # the driver ends the run at this version; 0: no limit
     max_minutes: float = 10.0  # ... or after this long; 0: no limit
     val_every: int = 5  # a validation round every this many versions (held-out prompts, greedy + sampled); 0: none
     val_size: int = 16  # held-out prompts per validation round
     val_fraction: float = 0.1  # share of the task's distinct prompts held out for validation, never trained on
     tensorboard: bool = False  # also write metrics as TensorBoard event files to <run_dir>/<run>/tensorboard
+    wandb: str = ""  # online | offline: also log metrics to Weights & Biases (one wandb run per process, grouped by run); empty: off
+    wandb_project: str = "streamrl"  # the wandb project
+    export_every: int = 0  # also save a Hugging Face folder every this many versions (always at the end): <run_dir>/<run>/export/v<N>; 0: end only
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
@@ -90,6 +111,10 @@ class Config:
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir) / self.run
+
+    def device_of(self, service: str) -> str:
+        """The device of ``service`` ("rollout" or "trainer"): its own key, else ``device``."""
+        return getattr(self, f"{service}_device") or self.device
 
     @property
     def weights_path(self) -> Path:
@@ -209,6 +234,19 @@ def _validate(cfg: Config) -> None:
     if cfg.val_every < 0 or cfg.val_size < 1 or not 0 <= cfg.val_fraction < 1:
         raise ConfigError(f"config keys val_every/val_size/val_fraction: expected val_every >= 0, val_size >= 1, "
                           f"0 <= val_fraction < 1, got {cfg.val_every}, {cfg.val_size}, {cfg.val_fraction}")
+    if cfg.wandb not in ("", "online", "offline"):
+        raise ConfigError(f"config key 'wandb': expected 'online', 'offline' or empty, got {cfg.wandb!r}")
+    if cfg.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"config key 'dtype': expected 'float32' or 'bfloat16', got {cfg.dtype!r}")
+    if cfg.lora_rank < 0 or cfg.lora_alpha <= 0:
+        raise ConfigError(f"config keys lora_rank/lora_alpha: expected lora_rank >= 0 and lora_alpha > 0, got "
+                          f"{cfg.lora_rank}, {cfg.lora_alpha}")
+    if cfg.kl_coef < 0 or cfg.kl_estimator not in ("k1", "k3"):
+        raise ConfigError(f"config keys kl_coef/kl_estimator: expected kl_coef >= 0 and 'k1' or 'k3', got "
+                          f"{cfg.kl_coef}, {cfg.kl_estimator!r}")
+    if cfg.epochs < 0 or cfg.val_k < 1 or cfg.export_every < 0:
+        raise ConfigError(f"config keys epochs/val_k/export_every: expected epochs >= 0, val_k >= 1, export_every >= 0, "
+                          f"got {cfg.epochs}, {cfg.val_k}, {cfg.export_every}")
     if not cfg.run or any(c in cfg.run for c in " :*?[]"):
         raise ConfigError(f"config key 'run': expected a name without spaces, ':' or glob characters, got {cfg.run!r}")
 

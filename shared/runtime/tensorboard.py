@@ -1,4 +1,5 @@
-"""Metrics as TensorBoard event files (``tensorboard = true``), beside the JSONL file and the metrics stream.
+"""Metrics as TensorBoard event files (``tensorboard = true``), beside the JSONL file and the metrics stream,
+and to Weights & Biases when ``wandb`` is set (``wandb_sink``).
 
 Each process that reports writes its own event file into ``<run_dir>/<run>/tensorboard``; TensorBoard merges the
 files of one folder. Numbers become scalars under ``<prefix>/<name>``; nested maps (the staleness histogram) become
@@ -10,11 +11,13 @@ from __future__ import annotations
 import math
 
 from shared.runtime.config import Config, ConfigError
+from shared.runtime.wandb_sink import WandbSink
 
 
 class TensorBoard:
     def __init__(self, cfg: Config, process: str):
         self.writer = None
+        self.wandb = WandbSink(cfg, process)  # the optional second sink (`wandb` key)
         if not cfg.tensorboard:
             return
         try:
@@ -26,6 +29,7 @@ class TensorBoard:
         self.writer = SummaryWriter(str(self.dir), filename_suffix=f".{process}")
 
     def scalars(self, prefix: str, metrics: dict, step: int) -> None:
+        self.wandb.log({f"{prefix}/{k}": v for k, v in flatten(metrics).items()}, step)
         if self.writer is None:
             return
         for name, value in flatten(metrics).items():
@@ -33,6 +37,7 @@ class TensorBoard:
         self.writer.flush()
 
     def close(self) -> None:
+        self.wandb.close()
         if self.writer is not None:
             self.writer.close()
 

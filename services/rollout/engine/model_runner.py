@@ -33,6 +33,7 @@ class ModelRunner:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         except (OSError, ValueError) as exc:
             raise EngineError(f"cannot load model from {model_dir!r}: {exc}") from exc
+        self._check_servable(model.config, model_dir)
         self.model = model.to(self.device).eval()
         self.pad_id = self.model.config.pad_token_id or 0
         self.rows: list[str] = []
@@ -120,6 +121,18 @@ class ModelRunner:
         self.mask = torch.cat([_pad_left(self.mask, width, 1), _pad_left(mask, width, 1)])
         self.positions = torch.cat([self.positions, lengths])
         self.rows = self.rows + rows
+
+    @staticmethod
+    def _check_servable(config, model_dir: str) -> None:
+        """Refuse at start a model whose KV cache is not plain full attention (sliding windows and the like):
+        the batch merges and trims every layer's cache by position, which such a cache does not allow."""
+        layers = DynamicCache(config=config).layers
+        kinds = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+        if kinds:
+            window = getattr(config.get_text_config(), "sliding_window", None)
+            raise EngineError(f"the torch engine cannot serve the model at {model_dir!r}: its cache has {kinds} layers "
+                              f"(sliding_window={window}); it supports full-attention KV caches only (engine 'vllm' "
+                              f"serves it, or set sliding_window to null in config.json if the context fits)")
 
     @staticmethod
     def _check_layers(cache: DynamicCache) -> None:

@@ -1,0 +1,150 @@
+"""The trainer's policy model: how it is loaded, what runs the forward pass, and what a version publishes.
+
+- weights are loaded in fp32 (the master copy the optimizer updates);
+- ``dtype = "bfloat16"``: the forward runs under bf16 autocast (CPU, or a GPU that supports bf16); the loss
+  is computed from fp32 logits and the optimizer state stays fp32;
+- ``grad_checkpointing``: activations are recomputed in backward (non-reentrant checkpointing);
+- ``lora_rank > 0``: PEFT LoRA adapters on ``lora_targets``; only they train. A version publishes merged
+  weights (base + B·A·alpha/r) under the base model's parameter names, so both engines load it like any
+  other version and nothing else in the pipeline knows LoRA is on;
+- ``kl_coef > 0``: a frozen reference (the initial model) for a KL term: with LoRA, the same model with its
+  adapters switched off (no second copy); without, a second copy with ``requires_grad`` off (bf16 when
+  ``dtype`` is bfloat16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.trainer import kl as klmod
+from shared.runtime.config import Config, ConfigError
+from shared.runtime.models import resolve_model
+
+
+def autocast_context(device: torch.device, dtype: str):
+    if dtype != "bfloat16":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def check_device(device: str, dtype: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"config key 'trainer_device' (or 'device'): {device!r} requested but CUDA is not available")
+    if dtype == "bfloat16" and dev.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"config key 'dtype': bfloat16 autocast needs a GPU with bf16 support; {device!r} has none "
+                          f"(use dtype = \"float32\")")
+    return dev
+
+
+class Policy:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.model_dir = resolve_model(cfg.model_dir)
+        self.device = check_device(cfg.device_of("trainer"), cfg.dtype)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        if cfg.grad_checkpointing:
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        self.lora = cfg.lora_rank > 0
+        if self.lora:
+            model = _with_lora(model, cfg)
+        model.to(self.device).train()
+        if cfg.dtype == "bfloat16":  # every forward (policy and LoRA reference) under bf16 autocast
+            model.forward = _autocast(model.forward, self.device, cfg.dtype)
+        self.model = model
+        self.reference = None
+        if cfg.kl_coef > 0 and not self.lora:
+            ref_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+            self.reference = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=ref_dtype).to(self.device)
+            self.reference.eval().requires_grad_(False)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    # --- KL to the frozen reference
+    @torch.no_grad()
+    def reference_logprobs(self, ids, attn, targets, temp) -> torch.Tensor:
+        if self.lora:
+            with self.model.disable_adapter():
+                logits = self.model(input_ids=ids, attention_mask=attn).logits
+        else:
+            with autocast_context(self.device, self.cfg.dtype):
+                logits = self.reference(input_ids=ids, attention_mask=attn).logits
+        return klmod.token_logprobs(logits[:, :-1].float() / temp, targets)
+
+    def kl_penalty(self):
+        """None when ``kl_coef`` is 0, else ``f(mb, logp, device)``: ``kl_coef`` × token-mean KL(policy || reference)
+        over a micro-batch (services.trainer.step adds it to the loss)."""
+        if self.cfg.kl_coef <= 0:
+            return None
+
+        def penalty(mb, logp, device):
+            ids, attn, targets = mb.input_ids.to(device), mb.attention_mask.to(device), mb.targets.to(device)
+            temp = torch.where(mb.temperature > 0, mb.temperature, 1.0).to(device)[:, None, None]
+            ref = self.reference_logprobs(ids, attn, targets, temp)
+            return self.cfg.kl_coef * klmod.kl_term(logp, ref, mb.loss_mask.to(device), self.cfg.kl_estimator)
+        return penalty
+
+    # --- what a version publishes
+    @torch.no_grad()
+    def publish_state(self) -> dict[str, torch.Tensor]:
+        """The policy's weights under the base model's names (LoRA merged in), on CPU; a tied weight once."""
+        return merged_state(self.model, self.lora)
+
+
+def merged_state(model, lora: bool) -> dict[str, torch.Tensor]:
+    base = model.get_base_model() if lora else model
+    deltas = {}
+    if lora:
+        from peft.tuners.lora import LoraLayer
+
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and module.active_adapters:
+                adapter = module.active_adapters[0]
+                if adapter in module.lora_A:
+                    deltas[f"{name}.base_layer.weight"] = module.get_delta_weight(adapter)
+    state, seen = {}, set()
+    for key, value in base.state_dict().items():
+        if "lora_" in key:
+            continue
+        ptr = value.data_ptr()
+        if ptr in seen:  # a tied weight (lm_head = embeddings): the engines tie it themselves
+            continue
+        seen.add(ptr)
+        if key in deltas:
+            value = value + deltas[key].to(value.dtype)
+        state[key.replace(".base_layer.", ".")] = value.detach().to("cpu").contiguous()
+    return state
+
+
+def _with_lora(model, cfg: Config):
+    from peft import LoraConfig, get_peft_model
+
+    targets = "all-linear" if cfg.lora_targets.strip() == "all-linear" else \
+        [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    try:
+        return get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets,
+                                                lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+    except ValueError as exc:
+        raise ConfigError(f"config key 'lora_targets': {cfg.lora_targets!r}: {str(exc).splitlines()[0]}") from None
+
+
+def _autocast(forward, device: torch.device, dtype: str):
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        with autocast_context(device, dtype):
+            return forward(*args, **kwargs)
+
+    return wrapped
+
+
+def load_policy(cfg: Config) -> Policy:
+    return Policy(cfg)

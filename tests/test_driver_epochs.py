@@ -1,0 +1,37 @@
+"""The driver feeds `epochs` passes over the rows, each shuffled with the run's seed, then ends the run once
+every group is rolled out and read by the trainer."""
+
+from __future__ import annotations
+
+import json
+
+from services.driver.driver import Driver
+from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP
+from shared.protocol.prompts import decode_group
+from shared.runtime.config import Config
+
+
+def test_epochs_feed_every_row_once_per_epoch_then_end(client, keys, redis_url, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)} for i in range(5)]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = Config(run=keys.run, redis_url=redis_url, run_dir=str(tmp_path / "runs"), dataset=str(tmp_path / "rows.jsonl"),
+                 epochs=2, val_every=0, group_size=2, batch_groups=2, seed=4)
+    driver = Driver(cfg)
+    driver.top_up(depth=100)
+    driver.top_up(depth=100)
+    entries = client.xrange(keys.prompts)
+    groups = [decode_group(e, f) for e, f in entries]
+    assert len(groups) == 10  # 2 epochs x 5 rows, and no more however deep the queue may be
+    answers = [g.task["answer"] for g in groups]
+    assert sorted(answers[:5]) == sorted(answers[5:]) == ["1", "2", "3", "4", "5"]
+    assert groups[0].prompt == rows[int(answers[0]) - 1]["messages"]  # chat prompts travel as messages
+    assert not driver.epochs_done()
+    client.xgroup_create(keys.prompts, ROLLOUT_GROUP, id="0")
+    delivered = client.xreadgroup(ROLLOUT_GROUP, "w", {keys.prompts: ">"}, count=100)[0][1]
+    client.xgroup_create(keys.samples, TRAINER_GROUP, id="0", mkstream=True)
+    assert not driver.epochs_done()  # delivered, not rolled out yet
+    client.xack(keys.prompts, ROLLOUT_GROUP, *[e for e, _ in delivered])
+    client.xadd(keys.samples, {"group_id": "q0000009", "episodes": "x", "worker": "w", "n": "2"})
+    assert not driver.epochs_done()  # the trainer has not read it
+    client.xreadgroup(TRAINER_GROUP, "trainer", {keys.samples: ">"}, count=100)
+    assert driver.epochs_done()  # one group pending < batch_groups: it can never fill a step

@@ -25,6 +25,7 @@ from shared.protocol import ledger
 from services.trainer.batch import Batch, build_batch
 from services.trainer.loss import decoupled_ppo_loss, entropy_from_logits, ppo_clip_loss, token_logprobs
 from shared.runtime.config import Config
+from shared.runtime.runstate import bind
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError
 from shared.protocol.fold import Episode, fold
@@ -60,6 +61,8 @@ class Trainer:
 
     # --- startup
     def restore(self) -> None:
+        # this folder's checkpoint and the Redis are the same run, or RunStateError (one line) before anything is mixed
+        bind(self.client, self.keys, self.cfg.run_path, self.cfg.redis_url)
         state = checkpoint.load(self.ckpt_dir)
         if state is not None:
             self.model.load_state_dict(state["model"])

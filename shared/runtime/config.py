@@ -26,8 +26,8 @@ class ConfigError(ValueError):
 class Config:
     # where
     run: str = "demo"  # namespaces every Redis key: streamrl:<run>:...
-    redis_url: str = "redis://127.0.0.1:6390/0"  # password: redis://:secret@host:port/0
-    run_dir: str = "runs"  # Redis data, weights, checkpoints, metrics, plots
+    redis_url: str = "redis://127.0.0.1:6390/0"  # the run's Redis (`streamrl redis` serves its port); password: redis://:secret@host:port/0
+    run_dir: str = "runs"  # each run's state is in <run_dir>/<run>: Redis data, trainer checkpoint, metrics, plots
     log_level: str = "info"  # debug | info | warning | error (`streamrl run` runs the services at warning when info)
     # episode log
     flush_tokens: int = 16  # flush an episode's buffered tokens once this many are pending
@@ -43,9 +43,9 @@ class Config:
     max_groups_in_flight: int = 8  # prompt groups one rollout worker holds at once
     group_size: int = 8  # episodes per prompt group (GRPO n); docs/training.md says why the defaults
     max_tokens: int = 32  # generated-token budget per episode
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float = 1.0  # sampling temperature (0: greedy)
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this much probability
+    top_k: int = 0  # sample from the k most likely tokens only; 0: all
     seed: int = 0  # base sampling seed; each episode derives its own
     tools: str = ""  # comma-separated tool names the model may call (empty: single-turn); "calc": multi-turn variant
     tool_timeout: float = 10.0  # seconds one tool call may run (rq job timeout)
@@ -56,13 +56,13 @@ class Config:
     # trainer
     batch_groups: int = 8  # prompt groups per optimizer step
     steps_per_version: int = 1  # optimizer steps between weight publishes
-    lr: float = 3e-4
+    lr: float = 3e-4  # AdamW learning rate
     loss: str = "decoupled"  # decoupled (AReaL's off-policy PPO) | ppo (plain PPO-clip vs behaviour)
     agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    clip_low: float = 0.2  # PPO clip: the ratio may fall to 1 - clip_low
+    clip_high: float = 0.2  # PPO clip: the ratio may rise to 1 + clip_high
     is_cap: float = 5.0  # truncate proximal/behaviour importance weights here; 0 disables
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # clip the gradient to this global norm
     weights_dir: str = ""  # published versions; empty: /dev/shm/streamrl/<run> when /dev/shm exists
     # staleness and sync
     max_staleness: int = 1  # versions a trained token may lag the trainer; 0 with mode=sync is synchronous RL
@@ -119,8 +119,15 @@ def _coerce(key: str, value: Any, source: str) -> Any:
 
 def load(path: str | None = None, env: Mapping[str, str] | None = None,
          overrides: Mapping[str, Any] | None = None) -> Config:
+    return load_with_sources(path, env, overrides)[0]
+
+
+def load_with_sources(path: str | None = None, env: Mapping[str, str] | None = None,
+                      overrides: Mapping[str, Any] | None = None) -> tuple[Config, dict[str, str]]:
+    """The config and, per key set by something other than its default, where it came from."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     path = path or env.get("STREAMRL_CONFIG")
     if path:
         try:
@@ -132,18 +139,22 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None,
             raise ConfigError(f"config file {path}: not valid TOML ({exc})") from None
         for key, value in data.items():
             values[key] = _coerce(key, value, f"file {path}")
+            sources[key] = f"file {path}"
     if "REDIS_URL" in env:
         values["redis_url"] = env["REDIS_URL"]
+        sources["redis_url"] = "environment REDIS_URL"
     for name, value in env.items():
         if name.startswith("STREAMRL_") and name != "STREAMRL_CONFIG":
             key = name.removeprefix("STREAMRL_").lower()
             values[key] = _coerce(key, value, f"environment {name}")
+            sources[key] = f"environment {name}"
     for key, value in (overrides or {}).items():
         if value is not None:
             values[key] = _coerce(key, value, f"flag --{key.replace('_', '-')}")
+            sources[key] = f"flag --{key.replace('_', '-')}"
     cfg = Config(**values)
     _validate(cfg)
-    return cfg
+    return cfg, sources
 
 
 def _validate(cfg: Config) -> None:
@@ -194,15 +205,15 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'run': expected a name without spaces, ':' or glob characters, got {cfg.run!r}")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One ``--<key>`` flag per config field, plus ``--config FILE``."""
-    group = parser.add_argument_group("config (file < STREAMRL_<KEY> env < flags)")
-    group.add_argument("--config", metavar="FILE", help="TOML file of config keys")
-    for f in fields(Config):
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"cfg_{f.name}", metavar="V", default=None,
-                           help=f"default {f.default!r}")
+def add_arguments(parser: argparse.ArgumentParser, shown: tuple[str, ...] | None = None) -> None:
+    """One ``--<key>`` flag per config field, plus ``--config FILE``; --help lists the keys of the sections
+    (the full-line comments above) whose title contains one of ``shown`` (None: all), with their descriptions."""
+    from shared.runtime.configdoc import add_arguments as add
+
+    add(parser, shown)
 
 
-def from_args(args: argparse.Namespace) -> Config:
+def from_args(args: argparse.Namespace, with_sources: bool = False):
     overrides = {k.removeprefix("cfg_"): v for k, v in vars(args).items() if k.startswith("cfg_")}
-    return load(getattr(args, "config", None), overrides=overrides)
+    loaded = load_with_sources(getattr(args, "config", None), overrides=overrides)
+    return loaded if with_sources else loaded[0]

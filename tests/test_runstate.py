@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -93,3 +94,27 @@ def test_service_and_check_stop_with_one_line(redis_url, keys, tmp_path):
         assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
         assert out.stderr.startswith(f"{who}: run {keys.run!r}: ") and "version 12" in out.stderr
     assert json.loads((run_path / runstate.MARKER).read_text())["id"] == "feedfacecafe"
+
+
+def test_a_service_says_in_one_line_when_redis_is_gone(tmp_path, keys):
+    """redis_wait: a server that stays gone stops the service with one line, not minutes of silent retries."""
+    from services.ops.redis_server import EmbeddedRedis
+    from shared.runtime.connection import connect
+
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    env = {**os.environ, "REDIS_URL": server.url, "STREAMRL_RUN": keys.run, "STREAMRL_RUN_DIR": str(tmp_path),
+           "STREAMRL_LOG_LEVEL": "warning", "STREAMRL_REDIS_WAIT": "3"}
+    proc = subprocess.Popen([sys.executable, "-m", "services.syncer"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        client = connect(server.url)
+        deadline = time.monotonic() + 60
+        while not list(client.scan_iter(match=keys.alive_pattern("syncer"))):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        server.kill()
+        _, err = proc.communicate(timeout=60)  # the old fixed retries took about two minutes
+    finally:
+        proc.kill()
+        server.kill()
+    assert proc.returncode != 0 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"syncer: Redis at {server.url} is gone: no answer within redis_wait = 3 s")

@@ -39,7 +39,7 @@ def latest_version(client, keys: Keys) -> int:
 class Driver:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.client = connect(cfg.redis_url, wait=120)
+        self.client = connect(cfg.redis_url, wait=cfg.redis_wait)
         self.keys = Keys(cfg.run)
         self.meta = runstate.bind(self.client, self.keys, cfg.run_path, cfg.redis_url)
         self.rows, held_out = split(load_task(cfg), cfg.val_fraction if cfg.val_every else 0.0)

@@ -28,6 +28,7 @@ class Config:
     run: str = "demo"  # namespaces every Redis key: streamrl:<run>:...
     redis_url: str = "redis://127.0.0.1:6390/0"  # the run's Redis (`streamrl redis` serves its port); password: redis://:secret@host:port/0
     run_dir: str = "runs"  # each run's state is in <run_dir>/<run>: Redis data, trainer checkpoint, metrics, plots
+    redis_wait: float = 30.0  # seconds a process retries a Redis that does not answer (at start, after a restart) before it stops with one line
     log_level: str = "info"  # debug | info | warning | error (`streamrl run` runs the services at warning when info)
     # episode log
     flush_tokens: int = 16  # flush an episode's buffered tokens once this many are pending
@@ -179,8 +180,8 @@ def _validate(cfg: Config) -> None:
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
         raise ConfigError(f"config keys temperature/top_p/top_k: expected temperature >= 0, 0 < top_p <= 1, "
                           f"top_k >= 0, got {cfg.temperature}, {cfg.top_p}, {cfg.top_k}")
-    if cfg.tool_timeout <= 0 or cfg.heartbeat_ttl <= 0:
-        raise ConfigError("config keys tool_timeout and heartbeat_ttl: expected seconds > 0")
+    if cfg.tool_timeout <= 0 or cfg.heartbeat_ttl <= 0 or cfg.redis_wait <= 0:
+        raise ConfigError("config keys tool_timeout, heartbeat_ttl and redis_wait: expected seconds > 0")
     for key in ("batch_groups", "steps_per_version"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"config key {key!r}: expected an integer >= 1, got {getattr(cfg, key)}")

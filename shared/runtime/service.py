@@ -48,8 +48,9 @@ class Service:
         self.stopping = False
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
+        sys.excepthook = self._excepthook
         self.log.info("connecting", redis=redact(self.cfg.redis_url))
-        self.client: redis.Redis = connect(self.cfg.redis_url, wait=120)
+        self.client: redis.Redis = connect(self.cfg.redis_url, wait=self.cfg.redis_wait)
         try:
             self.meta = runstate.bind(self.client, self.keys, self.cfg.run_path, self.cfg.redis_url)
         except runstate.RunStateError as exc:
@@ -58,6 +59,14 @@ class Service:
         # the warm shutdown is done by then: skip collecting torch's and transformers' objects one by one at
         # interpreter exit (2-4 s measured on 2 busy cores), which honcho's 5 s before SIGKILL does not always cover
         atexit.register(gc.freeze)
+
+    def _excepthook(self, kind, exc, tb) -> None:
+        """A Redis that stayed gone for redis_wait seconds (the client's retries are spent): one line, no traceback."""
+        if issubclass(kind, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+            print(f"{self.name}: Redis at {redact(self.cfg.redis_url)} is gone: no answer within redis_wait = "
+                  f"{self.cfg.redis_wait:g} s ({exc}); stopping", file=sys.stderr, flush=True)
+        else:
+            sys.__excepthook__(kind, exc, tb)
 
     def _stop(self, signum, frame) -> None:
         if self.stopping:  # second signal: cold shutdown

@@ -52,7 +52,7 @@ def test_load_jsonl_parquet_and_csv_keep_answer_types(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     got = tasks.load_rows(str(path))
     assert got == [{"prompt": "2+2=", "answer": 4, "level": "easy"}, {"prompt": "5+1=", "answer": 6, "level": None}]
-    import pyarrow as pa
+    import pyarrow as pa  # a dependency: parquet datasets work on a fresh install
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist([{"question": "1+1=", "truth": "2"}]), tmp_path / "mine.parquet")

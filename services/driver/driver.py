@@ -13,7 +13,8 @@ import time
 
 from services.driver import tasks
 from shared.runtime.config import Config
-from shared.runtime.connection import connect
+from shared.runtime import runstate
+from shared.runtime.connection import connect, redact
 from shared.protocol import versions
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from shared.protocol.prompts import PromptGroup, enqueue
@@ -22,7 +23,7 @@ from shared.runtime.tensorboard import TensorBoard
 from services.driver.validation import Validator, split
 
 SERVICES = ("rollout", "trainer", "syncer")
-ENDED = "ENDED"  # file in the run's folder once the driver ended the run: `streamrl run` starts the next one afresh
+ENDED = "ENDED"  # file in the run's folder once the driver ended the run: the next start moves it aside
 
 
 def load_task(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -45,8 +46,9 @@ def latest_version(client, keys: Keys) -> int:
 class Driver:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.client = connect(cfg.redis_url, wait=120)
+        self.client = connect(cfg.redis_url, wait=cfg.redis_wait)
         self.keys = Keys(cfg.run)
+        self.meta = runstate.bind(self.client, self.keys, cfg.run_path, cfg.redis_url)
         rows, held_out = load_task(cfg)
         self.rows = tasks.RowOrder(rows, cfg.seed, cfg.shuffle)
         self.tensorboard = TensorBoard(cfg, "driver")
@@ -101,12 +103,16 @@ class Driver:
         return f"[{time.monotonic() - t0:6.0f}s] " + format_line(snapshot(self.client, self.keys))
 
     def run(self) -> int:
+        if ended := runstate.ended(self.meta):  # an ended run is never continued (README: "One run, one state")
+            print(f"driver: run {self.cfg.run!r} ended {ended}; nothing to continue on {redact(self.cfg.redis_url)}; "
+                  f"start another with --run NAME", flush=True)
+            return 0
         self.wait_for_services()
         print(f"driver: run {self.cfg.run!r} started; ends after {self.cfg.max_versions or 'unlimited'} versions "
               f"or {self.cfg.max_minutes or 'unlimited'} minutes", flush=True)
         if self.cfg.max_versions and latest_version(self.client, self.keys) >= self.cfg.max_versions:
             print(f"driver: run {self.cfg.run!r} is already at version {self.cfg.max_versions}; start another with "
-                  f"--run NAME (or raise --max-versions)", flush=True)
+                  f"--run NAME", flush=True)
         t0 = time.monotonic()
         depth = 2 * self.cfg.max_groups_in_flight * max(1, alive_services(self.client, self.keys).get("rollout", 1))
         next_print = 0.0
@@ -144,8 +150,9 @@ class Driver:
         for p in write_plots(self.cfg):
             print(f"driver: wrote {p}", flush=True)
         self.cfg.run_path.mkdir(parents=True, exist_ok=True)
-        (self.cfg.run_path / ENDED).write_text(json.dumps({"version": latest_version(self.client, self.keys),
-                                                           "time": time.time()}))
+        version = latest_version(self.client, self.keys)
+        runstate.mark_ended(self.client, self.keys, version)
+        (self.cfg.run_path / ENDED).write_text(json.dumps({"version": version, "time": time.time()}))
         # the end-of-run check needs every worker stopped and its final record written: `streamrl run` runs it
         # after honcho has stopped them all; under a bare `honcho start`, run `streamrl check` afterwards
         print(f"driver: run {self.cfg.run!r} ended; `streamrl check --run {self.cfg.run}` verifies it once every "

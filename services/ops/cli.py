@@ -17,6 +17,7 @@ from pathlib import Path
 import redis
 
 from shared.runtime import config as configmod
+from shared.runtime import runstate
 from shared.runtime.connection import connect, redact
 from shared.protocol.events import EventError
 from shared.protocol.keys import Keys
@@ -30,6 +31,13 @@ def _client(cfg, wait: float = 3.0) -> redis.Redis:
     return connect(cfg.redis_url, wait=wait)
 
 
+def _run_client(cfg) -> redis.Redis:
+    """A client for reading a run, once its folder and its Redis agree (runstate.bind; creates nothing)."""
+    client = _client(cfg)
+    runstate.bind(client, Keys(cfg.run), cfg.run_path, cfg.redis_url, create=False)
+    return client
+
+
 def cmd_redis(cfg, args) -> int:
     from urllib.parse import urlparse
 
@@ -38,7 +46,11 @@ def cmd_redis(cfg, args) -> int:
     url = urlparse(cfg.redis_url)
     if url.hostname not in ("127.0.0.1", "localhost", "::1"):
         raise CLIError(f"redis_url {redact(cfg.redis_url)} is not on loopback; the embedded server binds to loopback only")
-    data_dir = Path(args.data_dir or Path(cfg.run_dir) / "redis")
+    if not args.data_dir:  # the run's own folder, as under `streamrl run`; an ended run starts afresh there too
+        from services.ops.runner import archive_ended_run
+
+        archive_ended_run(cfg, who="streamrl redis")
+    data_dir = Path(args.data_dir or cfg.run_path / "redis")
     server = EmbeddedRedis(data_dir, port=url.port or 6379, host="127.0.0.1", password=url.password)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))  # handled below, in the main thread
@@ -62,7 +74,7 @@ def cmd_inspect(cfg, args) -> int:
     from services.ops.views import format_streams, run_streams
 
     keys = Keys(cfg.run)
-    streams = run_streams(_client(cfg), keys)
+    streams = run_streams(_run_client(cfg), keys)
     if args.json:
         print(json.dumps(streams, indent=2))
     else:
@@ -181,7 +193,7 @@ def cmd_status(cfg, args) -> int:
 
     from services.driver.status import format_line, snapshot
 
-    client, keys = _client(cfg), Keys(cfg.run)
+    client, keys = _run_client(cfg), Keys(cfg.run)
     if not client.exists(keys.versions, keys.prompts, keys.samples, keys.metrics):
         raise CLIError(f"run {cfg.run!r} has no streams on {cfg.redis_url.split('@')[-1]}")
     while True:
@@ -227,9 +239,21 @@ def cmd_run(cfg, args) -> int:
 def cmd_check(cfg, args) -> int:
     from services.ops.checker import check, format_report, read_run
 
-    report = check(read_run(_client(cfg), Keys(cfg.run), cfg.run_path))
+    report = check(read_run(_run_client(cfg), Keys(cfg.run), cfg.run_path))
     print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report, cfg.run))
     return 0 if report.ok else 1
+
+
+def cmd_config(cfg, args) -> int:
+    from shared.runtime.configdoc import render
+
+    _, sources = configmod.from_args(args, with_sources=True)
+    if args.json:
+        print(json.dumps({k: {"value": getattr(cfg, k), "source": sources.get(k, "default")}
+                          for k in configmod.FIELDS}, indent=2))
+    else:
+        print(render(cfg, sources))
+    return 0
 
 
 def cmd_drive(cfg, args) -> int:
@@ -242,20 +266,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add(name: str, func, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
-        configmod.add_arguments(p)
+    def add(name: str, func, help: str, shown: tuple[str, ...] | None = ("where",)) -> argparse.ArgumentParser:
+        """``shown``: the config sections (full-line comments in shared/runtime/config.py) that --help lists."""
+        p = sub.add_parser(name, help=help, description=help, formatter_class=argparse.RawDescriptionHelpFormatter)
+        configmod.add_arguments(p, shown)
         p.set_defaults(func=func)
         return p
 
     p = add("redis", cmd_redis, "run the embedded Redis-protocol server in the foreground (port from redis_url)")
-    p.add_argument("--data-dir", help="append-only files go here (default <run_dir>/redis)")
+    p.add_argument("--data-dir", help="append-only files go here (default <run_dir>/<run>/redis, as under "
+                                      "`streamrl run`; an ended run there is moved aside first)")
     p.add_argument("--grace", type=float, default=3.0,
                    help="on SIGTERM, seconds to wait for clients to disconnect before stopping (default 3)")
     p = add("inspect", cmd_inspect, "list a run's streams with lengths, consumer groups and pending counts")
     p.add_argument("--episodes", action="store_true", help="list every episode stream too")
     p.add_argument("--json", action="store_true")
-    p = add("replay", cmd_replay, "print an episode's timeline rebuilt from its stream")
+    p = add("replay", cmd_replay, "print an episode's timeline rebuilt from its stream", ("where", "model", "rollout"))
     p.add_argument("episode", help="episode id (the part after ep: in the key)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-text", action="store_true", help="do not decode tokens to text")
@@ -272,16 +298,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=2.0)
     p.add_argument("--json", action="store_true")
     p = add("make-model", cmd_make_model, "create the default tiny model at model_dir: random init + a short "
-                                          "supervised warm start on the task (calc-tool format with --tools calc)")
+                                          "supervised warm start on the task (calc-tool format with --tools calc)",
+            ("where", "model"))
     p.add_argument("--warm-steps", type=int, default=None, help="supervised steps of 32 examples (default 150)")
     p.add_argument("--force", action="store_true", help="replace a model already at model_dir")
     p = add("export", cmd_export, "save a version of the run as a Hugging Face folder (config, tokenizer, generation "
                                   "config, safetensors): <run_dir>/<run>/export/v<N> unless --out")
     p.add_argument("--version", type=int, metavar="V", help="a kept version (default: the newest; 0: the initial model)")
     p.add_argument("--out", metavar="DIR", help="write the folder here instead")
-    p = add("run", cmd_run, "run the whole job: embedded Redis + every Procfile process, until the driver ends")
+    p = add("run", cmd_run, "run the whole job: embedded Redis + every Procfile process, until the driver ends",
+            None)
     p.add_argument("--procfile", default="Procfile")
-    add("drive", cmd_drive, "steer a run (the Procfile's driver line) and end it")
+    add("drive", cmd_drive, "steer a run (the Procfile's driver line) and end it", ("where", "driver"))
+    p = add("config", cmd_config, "print the effective config, each key with where its value came from (file, "
+                                  "environment, flag, default), as TOML a --config file can hold", None)
+    p.add_argument("--json", action="store_true", help="machine-readable: {key: {value, source}}")
     p = add("check", cmd_check, "count what exactly-once forbids in a run: groups lost, finished or trained "
                                 "twice, tokens generated again (exit 1 when a count that must be 0 is not)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -299,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
 
         logs.setup(cfg.log_level)
         return args.func(cfg, args) or 0
-    except (CLIError, configmod.ConfigError, EventError) as exc:
+    except (CLIError, configmod.ConfigError, EventError, runstate.RunStateError) as exc:
         print(f"streamrl {args.command}: {exc}", file=sys.stderr)
         return 2
     except redis.exceptions.RedisError as exc:

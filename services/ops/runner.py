@@ -1,7 +1,9 @@
 """`streamrl run`: the whole job on one machine, from the same Procfile that
-`honcho start` uses. Starts the embedded Redis on a free loopback port (unless
-REDIS_URL is set, then that server is used and the Procfile's redis line is
-skipped), runs every other line under honcho, and ends when the driver ends."""
+`honcho start` uses. Starts the embedded Redis on a free loopback port over the
+run's own data (``<run_dir>/<run>/redis``, the folder the Procfile's ``streamrl
+redis`` serves too), unless REDIS_URL is set (then that server is used and the
+Procfile's redis line is skipped), runs every other line under honcho, ends when
+the driver ends, and then runs the end-of-run check."""
 
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ from services.driver.driver import ENDED
 from services.ops.redis_server import EmbeddedRedis
 
 
-def archive_ended_run(cfg: Config) -> Path | None:
-    """A run the driver ended is done: move its folder aside (runs/<run>.<time>) so this one starts afresh.
-    A run that was interrupted (no ENDED file) is continued from its streams and checkpoint instead."""
+def archive_ended_run(cfg: Config, who: str = "streamrl run") -> Path | None:
+    """A run the driver ended is done: move its folder aside (runs/<run>.<time>), its Redis data with it, so
+    this one starts afresh. A run that was interrupted (no ENDED file) is continued from its streams and
+    checkpoint instead. The one rule for `streamrl run` and `honcho start` (whose `streamrl redis` calls it)."""
     if not (cfg.run_path / ENDED).exists():
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((cfg.run_path / ENDED).stat().st_mtime))
@@ -31,7 +34,7 @@ def archive_ended_run(cfg: Config) -> Path | None:
     cfg.run_path.rename(dest)
     if not cfg.weights_dir:  # the default weights folder belongs to the run
         shutil.rmtree(cfg.weights_path, ignore_errors=True)
-    print(f"streamrl run: run {cfg.run!r} had ended; its files are now in {dest}; starting it afresh",
+    print(f"{who}: run {cfg.run!r} had ended; its files are now in {dest}; starting it afresh",
           file=sys.stderr, flush=True)
     return dest
 
@@ -54,7 +57,7 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
         env[f"STREAMRL_{f.name.upper()}"] = str(getattr(cfg, f.name))
     if "REDIS_URL" not in os.environ:
         archive_ended_run(cfg)
-        server = EmbeddedRedis(Path(cfg.run_dir) / cfg.run / "redis").start()
+        server = EmbeddedRedis(cfg.run_path / "redis").start()
         env["REDIS_URL"] = env["STREAMRL_REDIS_URL"] = server.url
     print(f"streamrl run: run {cfg.run!r} on {redact(env['REDIS_URL'])}"
           f"{' (embedded, append-only)' if server else ''}", file=sys.stderr, flush=True)
@@ -64,9 +67,10 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
     for name, cmd in entries.items():
         if name != "redis":
             manager.add_process(name, cmd, env=env if name == "driver" else quiet)
+    started = time.time()
     try:
         manager.loop()
-        if (cfg.run_path / ENDED).exists():
+        if (cfg.run_path / ENDED).exists() and (cfg.run_path / ENDED).stat().st_mtime >= started:
             end_of_run_check(cfg, env["REDIS_URL"])
             export_at_end(cfg)
     finally:

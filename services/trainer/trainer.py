@@ -27,6 +27,7 @@ from shared.protocol.metrics import record as record_metrics
 from services.trainer.batch import Batch, build_batch, trained_reward
 from services.trainer.step import StepConfig, train_on_batch
 from shared.runtime.config import Config
+from shared.runtime.runstate import bind
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError
 from shared.protocol.fold import Episode, fold
@@ -66,6 +67,8 @@ class Trainer:
 
     # --- startup
     def restore(self) -> None:
+        # this folder's checkpoint and the Redis are the same run, or RunStateError (one line) before anything is mixed
+        bind(self.client, self.keys, self.cfg.run_path, self.cfg.redis_url)
         state = checkpoint.load(self.ckpt_dir)
         commit_path.restore_ledger(self.ckpt_dir, state, self.log)
         if state is not None:

@@ -54,3 +54,4 @@ class Keys:
     gate = property(lambda self: f"{self.base}gate")
     gate_started = property(lambda self: f"{self.base}gate:started")
     dead_letters = property(lambda self: f"{self.base}dead")
+    meta = property(lambda self: f"{self.base}meta")  # the run's identity: run, id, created, ended (shared/runtime/runstate.py)

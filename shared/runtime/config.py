@@ -26,8 +26,9 @@ class ConfigError(ValueError):
 class Config:
     # where
     run: str = "demo"  # namespaces every Redis key: streamrl:<run>:...
-    redis_url: str = "redis://127.0.0.1:6390/0"  # password: redis://:secret@host:port/0
-    run_dir: str = "runs"  # Redis data, weights, checkpoints, metrics, plots
+    redis_url: str = "redis://127.0.0.1:6390/0"  # the run's Redis (`streamrl redis` serves its port); password: redis://:secret@host:port/0
+    run_dir: str = "runs"  # each run's state is in <run_dir>/<run>: Redis data, trainer checkpoint, metrics, plots
+    redis_wait: float = 30.0  # seconds a process retries a Redis that does not answer (at start, after a restart) before it stops with one line
     log_level: str = "info"  # debug | info | warning | error (`streamrl run` runs the services at warning when info)
     # episode log
     flush_tokens: int = 16  # flush an episode's buffered tokens once this many are pending
@@ -45,9 +46,9 @@ class Config:
     max_groups_in_flight: int = 8  # prompt groups one rollout worker holds at once
     group_size: int = 8  # episodes per prompt group (GRPO n); docs/training.md says why the defaults
     max_tokens: int = 32  # generated-token budget per episode
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float = 1.0  # sampling temperature (0: greedy)
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this much probability
+    top_k: int = 0  # sample from the k most likely tokens only; 0: all
     seed: int = 0  # base sampling seed; each episode derives its own
     tools: str = ""  # tools the model may call, comma-separated: built-in names (calc) or module:function specs; empty: single-turn
     tool_timeout: float = 10.0  # seconds one tool call may run (rq job timeout)
@@ -59,17 +60,17 @@ class Config:
     # trainer
     batch_groups: int = 8  # prompt groups per optimizer step
     steps_per_version: int = 1  # optimizer steps between weight publishes
-    lr: float = 3e-4
+    lr: float = 3e-4  # AdamW learning rate
     loss: str = "decoupled"  # decoupled (AReaL's off-policy PPO) | ppo (plain PPO-clip vs behaviour)
     agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
-    clip_low: float = 0.2
-    clip_high: float = 0.2
+    clip_low: float = 0.2  # PPO clip: the ratio may fall to 1 - clip_low
+    clip_high: float = 0.2  # PPO clip: the ratio may rise to 1 + clip_high
     clip_ratio_c: float = 3.0  # dual-clip: objective >= c·A for A < 0 (verl's clip_ratio_c); 0 disables
     is_cap: float = 5.0  # cap on the proximal/behaviour importance weight (decoupled); 0 disables
     is_mode: str = "mask"  # mask: tokens whose weight is over is_cap leave the objective (AReaL) | truncate: weight = is_cap
     ppo_minibatches: int = 2  # optimizer steps per batch, one per minibatch, against one proximal forward
     micro_batch_tokens: int = 4096  # padded tokens per forward/backward (gradients accumulate); 0: no limit
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # clip the gradient to this global norm
     hard_max_staleness: int = 0  # policy tokens more versions behind than this are masked out (counted); 0: none
     filter_constant_groups: bool = False  # drop groups whose rewards are all equal (dynamic sampling; counted)
     trainer_device: str = ""  # the trainer's device; empty: device
@@ -151,8 +152,15 @@ def _coerce(key: str, value: Any, source: str) -> Any:
 
 def load(path: str | None = None, env: Mapping[str, str] | None = None,
          overrides: Mapping[str, Any] | None = None) -> Config:
+    return load_with_sources(path, env, overrides)[0]
+
+
+def load_with_sources(path: str | None = None, env: Mapping[str, str] | None = None,
+                      overrides: Mapping[str, Any] | None = None) -> tuple[Config, dict[str, str]]:
+    """The config and, per key set by something other than its default, where it came from."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     path = path or env.get("STREAMRL_CONFIG")
     if path:
         try:
@@ -164,18 +172,22 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None,
             raise ConfigError(f"config file {path}: not valid TOML ({exc})") from None
         for key, value in data.items():
             values[key] = _coerce(key, value, f"file {path}")
+            sources[key] = f"file {path}"
     if "REDIS_URL" in env:
         values["redis_url"] = env["REDIS_URL"]
+        sources["redis_url"] = "environment REDIS_URL"
     for name, value in env.items():
         if name.startswith("STREAMRL_") and name != "STREAMRL_CONFIG":
             key = name.removeprefix("STREAMRL_").lower()
             values[key] = _coerce(key, value, f"environment {name}")
+            sources[key] = f"environment {name}"
     for key, value in (overrides or {}).items():
         if value is not None:
             values[key] = _coerce(key, value, f"flag --{key.replace('_', '-')}")
+            sources[key] = f"flag --{key.replace('_', '-')}"
     cfg = Config(**values)
     _validate(cfg)
-    return cfg
+    return cfg, sources
 
 
 def _validate(cfg: Config) -> None:
@@ -200,8 +212,8 @@ def _validate(cfg: Config) -> None:
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
         raise ConfigError(f"config keys temperature/top_p/top_k: expected temperature >= 0, 0 < top_p <= 1, "
                           f"top_k >= 0, got {cfg.temperature}, {cfg.top_p}, {cfg.top_k}")
-    if cfg.tool_timeout <= 0 or cfg.heartbeat_ttl <= 0:
-        raise ConfigError("config keys tool_timeout and heartbeat_ttl: expected seconds > 0")
+    if cfg.tool_timeout <= 0 or cfg.heartbeat_ttl <= 0 or cfg.redis_wait <= 0:
+        raise ConfigError("config keys tool_timeout, heartbeat_ttl and redis_wait: expected seconds > 0")
     for key in ("batch_groups", "steps_per_version"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"config key {key!r}: expected an integer >= 1, got {getattr(cfg, key)}")
@@ -251,15 +263,15 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'run': expected a name without spaces, ':' or glob characters, got {cfg.run!r}")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One ``--<key>`` flag per config field, plus ``--config FILE``."""
-    group = parser.add_argument_group("config (file < STREAMRL_<KEY> env < flags)")
-    group.add_argument("--config", metavar="FILE", help="TOML file of config keys")
-    for f in fields(Config):
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"cfg_{f.name}", metavar="V", default=None,
-                           help=f"default {f.default!r}")
+def add_arguments(parser: argparse.ArgumentParser, shown: tuple[str, ...] | None = None) -> None:
+    """One ``--<key>`` flag per config field, plus ``--config FILE``; --help lists the keys of the sections
+    (the full-line comments above) whose title contains one of ``shown`` (None: all), with their descriptions."""
+    from shared.runtime.configdoc import add_arguments as add
+
+    add(parser, shown)
 
 
-def from_args(args: argparse.Namespace) -> Config:
+def from_args(args: argparse.Namespace, with_sources: bool = False):
     overrides = {k.removeprefix("cfg_"): v for k, v in vars(args).items() if k.startswith("cfg_")}
-    return load(getattr(args, "config", None), overrides=overrides)
+    loaded = load_with_sources(getattr(args, "config", None), overrides=overrides)
+    return loaded if with_sources else loaded[0]

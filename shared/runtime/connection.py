@@ -6,6 +6,7 @@ them all, so services wait for Redis to come up rather than fail.
 
 from __future__ import annotations
 
+import math
 import time
 
 import redis
@@ -13,17 +14,21 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 
-def _retry() -> dict:
-    """Every command of a connected client retries through a server restart (about two minutes of
-    backoff, at most 1 s between tries), the AOF load after it (BUSY LOADING) included: a service
-    waits for Redis instead of dying. (A client made by from_url otherwise gets no retries at all.)"""
-    return {"retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 130),
+def _retry(seconds: float) -> dict:
+    """Every command of a connected client retries through a server restart for about ``seconds`` (backoff
+    from 0.05 s doubling to 1 s between tries), the AOF load after it (BUSY LOADING) included: a service
+    waits for Redis instead of dying, and stops when it is really gone. (A client made by from_url otherwise
+    gets no retries at all.)"""
+    tries = 5 + max(1, math.ceil(seconds - 1.55))  # 0.05 + 0.1 + 0.2 + 0.4 + 0.8 s, then 1 s apart
+    return {"retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), tries),
             "retry_on_error": [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                                redis.exceptions.BusyLoadingError]}
 
 
-def connect(url: str, wait: float = 30.0, **kwargs) -> redis.Redis:
-    """A client once the server answers (waiting up to ``wait`` seconds for the first answer)."""
+def connect(url: str, wait: float = 30.0, retry_for: float | None = None, **kwargs) -> redis.Redis:
+    """A client once the server answers (waiting up to ``wait`` seconds for the first answer; a server
+    still loading its data answers, so it is waited for); its commands retry for ``retry_for`` seconds
+    (default ``wait``) when the server goes away."""
     probe = redis.Redis.from_url(url, **kwargs)
     deadline = time.monotonic() + wait
     delay = 0.05
@@ -31,12 +36,15 @@ def connect(url: str, wait: float = 30.0, **kwargs) -> redis.Redis:
         try:
             probe.ping()
             probe.close()
-            return redis.Redis.from_url(url, health_check_interval=30, **{**_retry(), **kwargs})
+            return redis.Redis.from_url(url, health_check_interval=30,
+                                        **{**_retry(wait if retry_for is None else retry_for), **kwargs})
         except redis.exceptions.AuthenticationError:
             raise
-        except (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError):
-            if time.monotonic() > deadline:
-                raise redis.exceptions.ConnectionError(f"no Redis answering at {redact(url)} after {wait:.0f}s") from None
+        except redis.exceptions.ConnectionError as exc:
+            if isinstance(exc, redis.exceptions.BusyLoadingError):  # it answers: loading its data, not gone
+                deadline = time.monotonic() + wait
+            elif time.monotonic() > deadline:
+                raise redis.exceptions.ConnectionError(f"no Redis answering at {redact(url)} after {wait:g} s") from None
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 

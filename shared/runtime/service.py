@@ -5,6 +5,8 @@ a heartbeat key other processes use to tell it is alive."""
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import os
 import signal
 import socket
@@ -14,10 +16,15 @@ import uuid
 import redis
 
 from shared.runtime import config as configmod
-from shared.runtime import logs
+from shared.runtime import logs, runstate
 from shared.runtime.connection import connect, redact
 from shared.runtime.heartbeat import Heartbeat
 from shared.protocol.keys import Keys
+
+
+# the config sections (full-line comments in shared/runtime/config.py) each service's --help lists
+SHOWN = {"rollout": ("where", "episode log", "model", "rollout", "staleness"), "trainer": ("where", "model", "trainer",
+         "staleness"), "syncer": ("where", "staleness"), "tools": ("where", "rollout")}
 
 
 class Service:
@@ -26,7 +33,7 @@ class Service:
         parser.add_argument("--worker-id", help="process id used in events and heartbeats (default host-pid-rand)")
         if extra_args:
             extra_args(parser)
-        configmod.add_arguments(parser)
+        configmod.add_arguments(parser, SHOWN.get(name))
         self.args = parser.parse_args(argv)
         try:
             self.cfg = configmod.from_args(self.args)
@@ -41,8 +48,25 @@ class Service:
         self.stopping = False
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
+        sys.excepthook = self._excepthook
         self.log.info("connecting", redis=redact(self.cfg.redis_url))
-        self.client: redis.Redis = connect(self.cfg.redis_url, wait=120)
+        self.client: redis.Redis = connect(self.cfg.redis_url, wait=self.cfg.redis_wait)
+        try:
+            self.meta = runstate.bind(self.client, self.keys, self.cfg.run_path, self.cfg.redis_url)
+        except runstate.RunStateError as exc:
+            print(f"{name}: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        # the warm shutdown is done by then: skip collecting torch's and transformers' objects one by one at
+        # interpreter exit (2-4 s measured on 2 busy cores), which honcho's 5 s before SIGKILL does not always cover
+        atexit.register(gc.freeze)
+
+    def _excepthook(self, kind, exc, tb) -> None:
+        """A Redis that stayed gone for redis_wait seconds (the client's retries are spent): one line, no traceback."""
+        if issubclass(kind, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+            print(f"{self.name}: Redis at {redact(self.cfg.redis_url)} is gone: no answer within redis_wait = "
+                  f"{self.cfg.redis_wait:g} s ({exc}); stopping", file=sys.stderr, flush=True)
+        else:
+            sys.__excepthook__(kind, exc, tb)
 
     def _stop(self, signum, frame) -> None:
         if self.stopping:  # second signal: cold shutdown

@@ -1,0 +1,140 @@
+"""A run's identity, so that one run's state is never mixed with another's.
+
+A run's state is in two places: its Redis data (streams, consumer groups) and its folder
+``<run_dir>/<run>/`` (trainer checkpoint and ledger, metrics, plots; by default the Redis data too, in
+``redis/``). Both carry the same identity: Redis holds ``streamrl:<run>:meta`` {run, id, created,
+ended?}, the folder holds ``run.json`` {run, id, created, redis}. Every process binds to the run when it
+has connected (``bind``): the first one creates the identity, the others find it, and a process that finds
+the two disagreeing (another run's data, or a folder whose Redis is gone: a trainer checkpoint ahead of an
+empty server) stops with one line that says what disagrees and how to continue or start afresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+
+import redis
+
+from shared.protocol.keys import Keys
+from shared.protocol.ledger import read_ledger
+from shared.runtime.connection import redact
+
+MARKER = "run.json"  # in the run's folder: which run (id) this folder's state belongs to
+
+
+class RunStateError(RuntimeError):
+    """The run's folder and its Redis disagree; the message says what and how to go on."""
+
+
+def read_marker(run_path: Path) -> dict | None:
+    try:
+        return json.loads((Path(run_path) / MARKER).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise RunStateError(f"{Path(run_path) / MARKER}: not JSON ({exc}); it names the run this folder belongs "
+                            f"to: delete it only if {run_path} holds no state you want to keep") from None
+
+
+def write_marker(run_path: Path, meta: dict, redis_url: str) -> None:
+    """Atomic (several processes of one run write the same content at once)."""
+    run_path = Path(run_path)
+    run_path.mkdir(parents=True, exist_ok=True)
+    tmp = run_path / f".{MARKER}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
+    body = {k: meta[k] for k in ("run", "id", "created") if k in meta}
+    tmp.write_text(json.dumps({**body, "redis": redact(redis_url)}) + "\n")
+    os.replace(tmp, run_path / MARKER)
+
+
+def read_meta(client: redis.Redis, keys: Keys) -> dict | None:
+    raw = client.hgetall(keys.meta)
+    return {k.decode(): v.decode() for k, v in raw.items()} or None
+
+
+def local_state(run_path: Path) -> str | None:
+    """What state the folder holds without the Redis (the trainer's ledger), in words; None when none."""
+    records = read_ledger(Path(run_path) / "trainer")
+    if not records:
+        return None
+    return f"a trainer checkpoint at version {max(int(r.get('version', 0)) for r in records)}"
+
+
+def _has_data(client: redis.Redis, keys: Keys) -> bool:
+    return bool(client.exists(keys.versions, keys.prompts, keys.samples, keys.metrics, keys.driver_enqueued))
+
+
+def _ident(meta: dict) -> str:
+    return f"id {meta.get('id', '?')}, created {meta.get('created', '?')}"
+
+
+def _create(client: redis.Redis, keys: Keys, base: dict) -> dict:
+    """The first process to get here names the run; the others read what it wrote (HSETNX)."""
+    pipe = client.pipeline()
+    for field, value in base.items():
+        pipe.hsetnx(keys.meta, field, value)
+    pipe.execute()
+    try:  # on disk before anything of the run is (valkey >= 8, Redis >= 7.2); older servers: fsync within 1 s
+        client.execute_command("WAITAOF", 1, 0, 2000)
+    except redis.exceptions.ResponseError:
+        pass
+    return read_meta(client, keys)
+
+
+def bind(client: redis.Redis, keys: Keys, run_path: Path, redis_url: str, create: bool = True) -> dict | None:
+    """The run's identity once folder and Redis agree (created when neither has one and ``create``);
+    RunStateError when they disagree. Read-only callers (``create=False``) get None for a run not yet named."""
+    run_path, where, run = Path(run_path), redact(redis_url), keys.run
+    fresh = f"start afresh: move {run_path} aside (or pick another --run)"
+    local = read_marker(run_path)  # the folder first: whoever wrote it had already named the run in Redis
+    meta = read_meta(client, keys)
+    if local and meta:
+        if local.get("id") != meta.get("id"):
+            raise RunStateError(
+                f"run {run!r}: {run_path} belongs to run {_ident(local)} but Redis at {where} holds run "
+                f"{_ident(meta)}: two different runs, not mixed; continue the folder's run on the Redis it ran on "
+                f"({local.get('redis', '?')}; `streamrl redis` serves {run_path / 'redis'}), or {fresh}")
+        return meta
+    if meta:
+        if local_state(run_path):
+            raise RunStateError(
+                f"run {run!r}: {run_path} holds {local_state(run_path)} but no {MARKER}, so it cannot be told "
+                f"to belong to the run in Redis at {where} ({_ident(meta)}); {fresh}")
+        if create:
+            write_marker(run_path, meta, redis_url)
+        return meta
+    has_data = _has_data(client, keys)
+    if local:
+        if has_data:  # data of the run from before its name was recorded: adopt it
+            return _create(client, keys, {k: local[k] for k in ("run", "id", "created") if k in local}) if create else local
+        state = local_state(run_path)
+        raise RunStateError(
+            f"run {run!r}: {run_path} belongs to run {_ident(local)}{f' and holds {state}' if state else ''} but "
+            f"Redis at {where} has nothing of it: serve the Redis data it ran on ({local.get('redis', '?')}; "
+            f"`streamrl redis` serves {run_path / 'redis'}), or {fresh}")
+    state = local_state(run_path)
+    if state and not has_data:
+        raise RunStateError(f"run {run!r}: {run_path} holds {state} but Redis at {where} has nothing of run "
+                            f"{run!r}: serve the Redis data it ran on (`streamrl redis` serves "
+                            f"{run_path / 'redis'}), or {fresh}")
+    if not create:
+        return None
+    meta = _create(client, keys, {"run": run, "id": uuid.uuid4().hex[:12],
+                                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    write_marker(run_path, meta, redis_url)
+    return meta
+
+
+def mark_ended(client: redis.Redis, keys: Keys, version: int) -> None:
+    client.hset(keys.meta, mapping={"ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                    "ended_version": version})
+
+
+def ended(meta: dict | None) -> str | None:
+    """'at version V on T' when the run was ended by its driver."""
+    if not meta or not meta.get("ended"):
+        return None
+    return f"at version {meta.get('ended_version', '?')} on {meta['ended']}"

@@ -78,8 +78,8 @@ def reference_logprobs(model, prompt: list[int], response: list[int], p: Samplin
         logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
     out = []
     for row, token in zip(logits, response):
-        if p.temperature == 0:
-            out.append(float(torch.log_softmax(row, -1)[token]))
+        if p.temperature == 0:  # greedy: the behaviour is one-hot at the argmax (shared/protocol/logprobs.py)
+            out.append(0.0 if int(row.argmax()) == token else float("-inf"))
             continue
         x = row / p.temperature
         if p.top_k:

@@ -212,3 +212,20 @@ def test_streamrl_check_on_a_real_server(cli_env, client, keys, tmp_path):
     assert out.returncode == 0, out.stdout.decode() + out.stderr.decode()
     text = out.stdout.decode()
     assert "prompt groups lost" in text and "samples trained twice" in text and text.rstrip().endswith("ok")
+
+
+def test_a_group_enqueued_twice_and_a_version_published_twice_fail_the_check():
+    data = _finished_run()
+    assert check(data).groups_enqueued_twice == 0
+    data.prompts.append(("9-0", data.prompts[0][1]))  # g1 again: a retried XADD that was not idempotent
+    r = check(data)
+    assert r.groups_enqueued_twice == 1 and r.details["groups_enqueued_twice"] == ["g1"] and not r.ok
+    data = _finished_run()
+    data.versions = [1, 2, 3]
+    assert check(data).ok and check(data).versions_missing == 0
+    data.versions = [1, 2, 2, 3]
+    r = check(data)
+    assert r.versions_repeated == 1 and r.details["versions_repeated"] == [2] and not r.ok
+    data.versions = [1, 3]  # a gap alone (a Redis crash lost version 2's event) is reported, not a failure
+    r = check(data)
+    assert r.ok and r.versions_missing == 1 and r.details["versions_missing"] == [2]

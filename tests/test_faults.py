@@ -24,7 +24,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from shared.protocol import control
+from shared.protocol import control, prompts
 from services.ops.checker import check, format_report, read_run
 from services.ops.redis_server import find_binary
 from tests.fault_run import LiveRun
@@ -117,10 +117,10 @@ def _inject_garbage(run: LiveRun) -> dict[str, list[tuple[str, str]]]:
     got[k.control].append((_redis_cli(run, "XADD", k.control, "*", "type", "bogus"), "type"))
     got[k.control].append((_redis_cli(run, "XADD", k.control, "*", "type", "cmd", "cmd", "load", "sync", "y",
                                       "version", "two"), "version"))
-    # an episode stream a worker will open later (the driver names groups q0000000, q0000001, ...)
+    # an episode stream a worker will open later (the driver names groups by epoch and dataset position)
     opened = [k.episode_id(key) for key in run.client.scan_iter(match=k.episode("q*"), count=1000)]
-    future = max(int(e[1:].split("-")[0]) for e in opened) + 3
-    episode = f"q{future:07d}-1"
+    future = max(int(e.split("-")[1]) for e in opened) + 3
+    episode = f"{prompts.group_id(0, future)}-1"
     got[k.episode(episode)] = [(_redis_cli(run, "XADD", k.episode(episode), "*", "type", "tokens", "v", "9",
                                            "policy", "0", "worker", "someone", "seq", "0", "data", "zz"),
                                 "schema version")]

@@ -16,7 +16,7 @@ from shared.runtime.config import Config
 from shared.runtime.connection import connect
 from shared.protocol import versions
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.protocol.prompts import PromptGroup, enqueue, group_id
 from services.driver.status import alive_services, format_line, snapshot
 from shared.runtime.tensorboard import TensorBoard
 from services.driver.validation import Validator, split
@@ -58,9 +58,10 @@ class Driver:
             return
         groups = []
         for _ in range(missing):
-            row = self.rows[self.enqueued % len(self.rows)]
+            epoch, position = divmod(self.enqueued, len(self.rows))
+            row = self.rows[position]
             task = {k: v for k, v in row.items() if k != "prompt"}
-            groups.append(PromptGroup(f"q{self.enqueued:07d}", self.cfg.group_size, prompt=row["prompt"], task=task))
+            groups.append(PromptGroup(group_id(epoch, position), self.cfg.group_size, prompt=row["prompt"], task=task))
             self.enqueued += 1
         enqueue(self.client, self.keys, groups)
         self.client.set(self.keys.driver_enqueued, self.enqueued)

@@ -76,8 +76,7 @@ class RolloutWorker:
             except redis.exceptions.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
-        last = self.client.xrevrange(self.keys.control, count=1)
-        self.control_cursor = last[0][0].decode() if last else "0-0"
+        self.control_cursor = control.last_id(self.client, self.keys)
         self._catch_up_version()
         self.heartbeat()
 
@@ -547,7 +546,7 @@ class RolloutWorker:
                                current=self.engine.version, error=error)
         elif cmd.cmd == "resume":
             self._resume()
-        self.client.xadd(self.keys.control, control.ack(cmd, self.worker_id, ok, self.engine.version, error))
+        control.send_ack(self.client, self.keys, cmd, self.worker_id, ok, self.engine.version, error)
         self.heartbeat()
 
     def _pause(self) -> None:

@@ -25,7 +25,6 @@ from shared.protocol.keys import Keys
 from shared.protocol.staleness import group_capacity
 
 
-CONTROL_MAXLEN = 10_000  # control entries kept (approximately): commands and acks of the recent syncs
 
 
 def groups_per_version(cfg: Config) -> int:
@@ -109,10 +108,10 @@ class Syncer:
         t_start = time.monotonic()
         for cmd in ("pause", "load", "resume"):
             t0 = time.monotonic()
-            sent = self.client.xadd(self.keys.control, control.encode_command(
-                control.Command(cmd, sync_id, version, path if cmd == "load" else "", sha256 if cmd == "load" else "")),
-                maxlen=CONTROL_MAXLEN, approximate=True)
-            acked, failed, silent, dead = self._wait_acks(sync_id, cmd, workers - missing, sent.decode())
+            cursor = control.last_id(self.client, self.keys)
+            control.send_command(self.client, self.keys, control.Command(
+                cmd, sync_id, version, path if cmd == "load" else "", sha256 if cmd == "load" else ""))
+            acked, failed, silent, dead = self._wait_acks(sync_id, cmd, workers - missing, cursor)
             durations[f"{cmd}_s"] = time.monotonic() - t0
             for worker, error in failed.items():
                 log.error("worker refused the version; it keeps its old weights", worker=worker, error=error)
@@ -142,15 +141,13 @@ class Syncer:
         deadline = time.monotonic() + self.cfg.sync_timeout
         next_alive_check = 0.0
         while workers - acked:
-            reply = self.client.xread({self.keys.control: cursor}, count=1000, block=50)
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    cursor = entry_id.decode()
-                    f = {k.decode(): v.decode(errors="replace") for k, v in fields.items()}
-                    if f.get("type") == "ack" and f.get("sync") == sync_id and f.get("cmd") == cmd:
-                        acked.add(f.get("worker", ""))
-                        if f.get("ok") == "0":
-                            failed[f.get("worker", "")] = f.get("error", "")
+            for cursor, entry in control.read_after(self.client, self.keys, cursor, count=1000, block_ms=50):
+                if isinstance(entry, dict):  # an ack (a duplicate only re-adds the same worker)
+                    a = control.decode_ack(entry)
+                    if a.sync == sync_id and a.cmd == cmd:
+                        acked.add(a.worker)
+                        if not a.ok:
+                            failed[a.worker] = a.error
             now = time.monotonic()
             self._beat()
             if now > deadline:

@@ -3,7 +3,8 @@
 Kinds and who writes them: ``train`` (trainer, one per optimizer step: loss, reward, staleness, ...),
 ``sync`` (syncer, one per weight sync: per-phase durations, workers missing), ``rollout`` (each rollout
 worker every few seconds: tokens, episodes, busy/idle seconds; ``final: true`` on its last record, whose
-counters are complete), ``validation`` (driver, one per validation round). The stream is capped
+counters are complete), ``validation`` (driver, one per validation round), ``fault_probe`` (a crash drill's
+worker, tests/fault_worker.py, just before it is killed: its counters and unflushed tokens). The stream is capped
 (approximately ``MAXLEN`` entries); the trainer also appends its records to ``metrics.jsonl`` in the run folder.
 
 Duplicates are tolerated by the reader, not prevented by the writer (a record is informational and written
@@ -19,7 +20,7 @@ import json
 from shared.protocol.keys import Keys
 
 MAXLEN = 100_000
-KINDS = ("train", "sync", "rollout", "validation")
+KINDS = ("train", "sync", "rollout", "validation", "fault_probe")
 
 
 def _s(v) -> str:

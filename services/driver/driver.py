@@ -38,7 +38,7 @@ def latest_version(client, keys: Keys) -> int:
 class Driver:
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.client = connect(cfg.redis_url, wait=120)
+        self.client = connect(cfg.redis_url, wait=120, redis_wait=cfg.redis_wait)
         self.keys = Keys(cfg.run)
         self.rows, held_out = split(load_task(cfg), cfg.val_fraction if cfg.val_every else 0.0)
         self.tensorboard = TensorBoard(cfg, "driver")

@@ -27,6 +27,7 @@ class Config:
     # where
     run: str = "demo"  # namespaces every Redis key: streamrl:<run>:...
     redis_url: str = "redis://127.0.0.1:6390/0"  # password: redis://:secret@host:port/0
+    redis_wait: float = 30.0  # seconds a service retries a command while Redis is unreachable, then stops saying so
     run_dir: str = "runs"  # Redis data, weights, checkpoints, metrics, plots
     log_level: str = "info"  # debug | info | warning | error (`streamrl run` runs the services at warning when info)
     # episode log

@@ -15,7 +15,7 @@ import redis
 
 from shared.runtime import config as configmod
 from shared.runtime import logs
-from shared.runtime.connection import connect, redact
+from shared.runtime.connection import RedisGone, connect, redact
 from shared.runtime.heartbeat import Heartbeat
 from shared.protocol.keys import Keys
 
@@ -42,7 +42,8 @@ class Service:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         self.log.info("connecting", redis=redact(self.cfg.redis_url))
-        self.client: redis.Redis = connect(self.cfg.redis_url, wait=120)
+        self.client: redis.Redis = connect(self.cfg.redis_url, wait=120, redis_wait=self.cfg.redis_wait)
+        sys.excepthook = _one_line_when_redis_is_gone(sys.excepthook)
 
     def _stop(self, signum, frame) -> None:
         if self.stopping:  # second signal: cold shutdown
@@ -53,3 +54,11 @@ class Service:
     def heartbeat(self, ttl: float | None = None) -> Heartbeat:
         """This process's heartbeat (shared.runtime.heartbeat): call ``beat()`` from the loop."""
         return Heartbeat(self.client, self.keys, self.name, self.worker_id, ttl or self.cfg.heartbeat_ttl)
+
+
+def _one_line_when_redis_is_gone(hook):
+    """A service that gave up on Redis (RedisGone: its one line is already logged) exits without a traceback."""
+    def excepthook(kind, value, tb):
+        if not isinstance(value, RedisGone):
+            hook(kind, value, tb)
+    return excepthook

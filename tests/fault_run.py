@@ -46,18 +46,23 @@ class LiveRun:
         self.count: dict[str, int] = {}
         self.expected_dead: set[str] = set()  # killed on purpose
         self.client = None
+        self.service_url = None  # what the services connect to: the server, or a fault proxy in front of it
 
     # --- processes
     def env(self) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
         # one torch thread per process: six processes on a small box, more threads only fight each other
-        env.update({"PYTHONUNBUFFERED": "1", "REDIS_URL": self.server.url, "OMP_NUM_THREADS": "1"})
+        url = self.service_url or self.server.url
+        env.update({"PYTHONUNBUFFERED": "1", "REDIS_URL": url, "OMP_NUM_THREADS": "1"})
         for name in FIELDS:
             env[f"STREAMRL_{name.upper()}"] = str(getattr(self.cfg, name))
+        env["STREAMRL_REDIS_URL"] = url
         return env
 
-    def start(self, rollout_workers: int = 2) -> "LiveRun":
+    def start(self, rollout_workers: int = 2, proxy=None) -> "LiveRun":
+        """``proxy``: called with the server's port, returns the URL the services use instead (a fault proxy)."""
         self.server.start()
+        self.service_url = proxy(self.server.port) if proxy else None
         self.client = connect(self.server.url)
         for kind in ("tools", "trainer", "syncer"):
             self.spawn(kind)

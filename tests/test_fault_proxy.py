@@ -31,8 +31,8 @@ def test_a_dropped_reply_repeats_a_plain_command_but_not_an_idempotent_write(pro
     c = connect(proxy.url, redis_wait=10)
     c.ping()  # the connection is open (its handshake is not the command a fault meets)
     _arm(proxy, drop_reply=1.0)
-    c.incr(keys.base + "counter")  # not idempotent: the proxy works when this ran twice
-    assert int(c.get(keys.base + "counter")) == 2 and proxy.faults["reply_dropped"] == 1
+    c.incr(keys.driver_enqueued)  # not idempotent: the proxy works when this ran twice
+    assert int(c.get(keys.driver_enqueued)) == 2 and proxy.faults["reply_dropped"] == 1
     prompts.enqueue(c, keys, [PromptGroup(prompts.group_id(0, 0), 2, prompt="x")])  # the script is loaded
     _arm(proxy, drop_reply=1.0, skip=1)  # SCRIPT EXISTS (a pipeline with a script checks it first), then the write
     assert prompts.enqueue(c, keys, [PromptGroup(prompts.group_id(0, 1), 2, prompt="x")]) == [None]  # the retry

@@ -17,7 +17,7 @@ _last = metrics.last
 def alive_services(client, keys: Keys) -> dict[str, int]:
     out: dict[str, int] = {}
     for k in client.scan_iter(match=keys.alive_pattern(), count=10_000):
-        service = k.decode().split(":")[3]
+        service = keys.alive_name(k).split(":", 1)[0]
         out[service] = out.get(service, 0) + 1
     return out
 

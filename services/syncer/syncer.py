@@ -20,6 +20,7 @@ import uuid
 import redis
 
 from shared.protocol import control, gate, metrics, versions
+from shared.runtime import heartbeat
 from shared.runtime.config import Config
 from shared.protocol.keys import Keys
 from shared.protocol.staleness import group_capacity
@@ -42,13 +43,8 @@ class Syncer:
         self._next_stuck_check, self._stuck = 0.0, set()  # workers seen paused between syncs
 
     def live_workers(self) -> dict[str, dict]:
-        out = {}
-        # SCAN walks the whole keyspace (one key per episode): big pages, or a sync costs 100s of ms late in a run
-        for key in self.client.scan_iter(match=self.keys.alive_pattern("rollout"), count=10_000):
-            info = {k.decode(): v.decode() for k, v in self.client.hgetall(key).items()}
-            if info:
-                out[key.decode().rsplit(":", 1)[1]] = info
-        return out
+        # heartbeat.alive SCANs the whole keyspace (one key per episode) in big pages: a sync stays cheap late in a run
+        return {name.split(":", 1)[1]: info for name, info in heartbeat.alive(self.client, self.keys, "rollout").items()}
 
     def set_gate(self, version: int) -> None:
         limit = group_capacity(version, self.cfg.max_staleness, groups_per_version(self.cfg), started_groups=0)

@@ -46,6 +46,11 @@ class Keys:
         """The outcome of one gate reservation or refund, kept a while so a retried call returns it again."""
         return f"{self.base}gate:req:{token}"
 
+    def alive_name(self, key: str | bytes) -> str:
+        """``<service>:<worker id>`` of a heartbeat key (the inverse of ``alive``)."""
+        key = key.decode() if isinstance(key, bytes) else key
+        return key.removeprefix(f"{self.base}alive:")
+
     def alive_pattern(self, service: str = "*") -> str:
         return f"{self.base}alive:{service}:*"
 

@@ -44,6 +44,8 @@ def test_control_command_and_ack_written_once_and_a_duplicate_obeyed_once(client
     seen = control.Seen()
     obeyed = [c for _, c in control.read_after(client, keys, "0-0") if isinstance(c, control.Command) and seen.first(c)]
     assert len(obeyed) == 1
+    assert [control.first_time("w9", c) for _, c in control.read_after(client, keys, "0-0")
+            if isinstance(c, control.Command)] == [True, False]  # the worker's one-line hook
     assert control.last_id(client, keys) == entries[-1][0] or control.last_id(client, keys) > entries[-1][0]
 
 

@@ -154,3 +154,12 @@ def last_id(client, keys: Keys) -> str:
     """The id of the newest control entry ("0-0" when none): read after it to see only what comes next."""
     last = client.xrevrange(keys.control, count=1)
     return _s(last[0][0]) if last else "0-0"
+
+
+_SEEN: dict[str, Seen] = {}
+
+
+def first_time(reader: str, cmd: Command) -> bool:
+    """``Seen.first`` for the process reading as ``reader`` (its worker id): the worker's one-line hook,
+    ``if isinstance(cmd, control.Command) and control.first_time(self.worker_id, cmd):``."""
+    return _SEEN.setdefault(reader, Seen()).first(cmd)

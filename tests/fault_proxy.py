@@ -67,8 +67,16 @@ class FaultProxy:
 
     def stop(self) -> None:
         self.down()
+
+        async def cancel_all():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop.close()
 
     def _fault(self, p: float, kind: str) -> bool:
         if p and self.skip > 0:

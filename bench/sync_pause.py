@@ -51,6 +51,7 @@ from shared.runtime import logs  # noqa: E402
 from shared.runtime.config import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
+from shared.protocol import control, events  # noqa: E402
 from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
 from services.ops.redis_server import EmbeddedRedis  # noqa: E402
 from services.ops.tiny_model import make_tiny_model  # noqa: E402
@@ -67,7 +68,8 @@ def first_token_ms(client, keys: Keys, version: int) -> int | None:
     best = None
     for key in client.scan_iter(match=keys.episode("*")):
         for entry_id, fields in client.xrevrange(key, count=50):
-            if fields.get(b"type") == b"tokens" and int(fields[b"policy"]) == version:
+            ev = events.decode(entry_id, fields)
+            if ev.kind == "tokens" and ev.policy == version:
                 t = ms(entry_id)
                 best = t if best is None else min(best, t)
     return best
@@ -136,9 +138,8 @@ def bench_model(client, redis_url: str, model_dir: str, label: str, weights_dir:
             publish(client, keys, version, path, digest, step=version)
             record = syncer.sync(version, str(path), digest)
             assert record["workers"] == 1 and not record["missing"] and not record["refused"], record
-            pause_ms = max(ms(i) for i, f in client.xrange(keys.control)
-                           if f.get(b"type") == b"cmd" and f[b"cmd"] == b"pause" and
-                           f[b"sync"].decode() == record["sync"])
+            pause_ms = max(ms(i) for i, c in control.read_after(client, keys, "0-0", count=100_000)
+                           if isinstance(c, control.Command) and c.cmd == "pause" and c.sync == record["sync"])
             deadline = time.monotonic() + 300
             while (first := first_token_ms(client, keys, version)) is None:
                 assert worker.poll() is None, f"the rollout worker exited with {worker.returncode}"

@@ -22,6 +22,7 @@ from shared.runtime.config import FIELDS, Config
 from shared.runtime.connection import connect
 from shared.protocol.keys import Keys
 from services.ops.redis_server import EmbeddedRedis
+from shared.protocol import metrics, versions
 
 COMMANDS = {
     "rollout": [sys.executable, "-m", "tests.fault_worker"],
@@ -45,18 +46,23 @@ class LiveRun:
         self.count: dict[str, int] = {}
         self.expected_dead: set[str] = set()  # killed on purpose
         self.client = None
+        self.service_url = None  # what the services connect to: the server, or a fault proxy in front of it
 
     # --- processes
     def env(self) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
         # one torch thread per process: six processes on a small box, more threads only fight each other
-        env.update({"PYTHONUNBUFFERED": "1", "REDIS_URL": self.server.url, "OMP_NUM_THREADS": "1"})
+        url = self.service_url or self.server.url
+        env.update({"PYTHONUNBUFFERED": "1", "REDIS_URL": url, "OMP_NUM_THREADS": "1"})
         for name in FIELDS:
             env[f"STREAMRL_{name.upper()}"] = str(getattr(self.cfg, name))
+        env["STREAMRL_REDIS_URL"] = url
         return env
 
-    def start(self, rollout_workers: int = 2) -> "LiveRun":
+    def start(self, rollout_workers: int = 2, proxy=None) -> "LiveRun":
+        """``proxy``: called with the server's port, returns the URL the services use instead (a fault proxy)."""
         self.server.start()
+        self.service_url = proxy(self.server.port) if proxy else None
         self.client = connect(self.server.url)
         for kind in ("tools", "trainer", "syncer"):
             self.spawn(kind)
@@ -94,17 +100,15 @@ class LiveRun:
 
     def probe_and_kill(self, name: str, timeout: float = 30.0) -> dict:
         """Rollout worker: SIGUSR1 (it records its counters and stops itself), then kill -9."""
-        since = self.client.xrevrange(self.keys.metrics, count=1)
-        cursor = since[0][0].decode() if since else "0-0"
+        since = metrics.read(self.client, self.keys, newest_first=True, count=1)
+        cursor = since[0][0] if since else "0-0"
         os.kill(self.procs[name].pid, signal.SIGUSR1)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for entry_id, f in self.client.xrange(self.keys.metrics, min=f"({cursor}"):
-                if f.get(b"kind") == b"fault_probe":
-                    rec = json.loads(f[b"json"])
-                    if rec["worker"] == name:
-                        self.kill(name)
-                        return rec
+            for _, rec in metrics.read(self.client, self.keys, "fault_probe", since_id=f"({cursor}"):
+                if rec["worker"] == name:
+                    self.kill(name)
+                    return rec
             time.sleep(0.02)
         self.kill(name)
         raise AssertionError(f"{name} did not answer the probe within {timeout}s\n{self.tail()}")
@@ -172,8 +176,7 @@ class LiveRun:
 
     # --- waiting
     def version(self) -> int:
-        last = self.client.xrevrange(self.keys.versions, count=1)
-        return int(last[0][1][b"version"]) if last else 0
+        return versions.latest_number(self.client, self.keys)
 
     def wait(self, condition, what: str, timeout: float = 120.0, poll: float = 0.05):
         deadline = time.monotonic() + timeout

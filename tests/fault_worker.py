@@ -12,7 +12,7 @@ with the tokens generated again.
 
 from __future__ import annotations
 
-import json
+from shared.protocol import metrics
 import os
 import signal
 import time
@@ -34,10 +34,10 @@ def _run_with_probe(self: RolloutWorker, should_stop=lambda: False) -> None:
             if not sum(unflushed.values()) and time.monotonic() - asked["since"] < 10:
                 return should_stop()  # wait (up to 10 s) for a tick with tokens generated but not yet flushed
             self.report(final=True)
-            self.client.xadd(self.keys.metrics, {"kind": "fault_probe", "json": json.dumps({
+            metrics.record(self.client, self.keys, "fault_probe", {
                 "worker": self.worker_id, "time": time.time(), "in_flight": len(self.live),
                 "unflushed_tokens": sum(unflushed.values()), "unflushed": unflushed,
-                "tokens": self.stats["tokens"], "flush_tokens": self.cfg.flush_tokens})})
+                "tokens": self.stats["tokens"], "flush_tokens": self.cfg.flush_tokens})
             os.kill(os.getpid(), signal.SIGSTOP)  # the kill -9 arrives while stopped here
         return should_stop()
 

@@ -16,6 +16,7 @@ from shared.runtime import logs
 from shared.runtime.config import Config
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold
+from shared.protocol import samples as psamples
 
 
 @pytest.fixture
@@ -51,7 +52,10 @@ def tick_until(worker: RolloutWorker, done, timeout: float = 60.0, on_tick=None)
 
 
 def samples(client, keys) -> list[dict]:
-    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(keys.samples)]
+    """The samples entries, each as its plain-text fields (through the codec: a malformed one fails the test)."""
+    good, bad = psamples.read_all(client, keys.samples)
+    assert not bad, bad
+    return [psamples.encode(s) for s in good]
 
 
 def snapshot(client, keys, group_ids) -> dict:
@@ -68,13 +72,12 @@ def episodes(client, keys, group_ids) -> dict:
 
 
 def send(client, keys, cmd: str, sync: str = "s1", **kw) -> None:
-    client.xadd(keys.control, control.encode_command(control.Command(cmd, sync, **kw)))
+    control.send_command(client, keys, control.Command(cmd, sync, **kw))
 
 
 def acks(client, keys, cmd: str) -> list[dict]:
     out = []
-    for entry_id, fields in client.xrange(keys.control):
-        entry = control.decode_entry(entry_id, fields)
+    for _, entry in control.read_after(client, keys, "0-0", count=10_000):
         if isinstance(entry, dict) and entry["cmd"] == cmd:
             out.append(entry)
     return out

@@ -11,6 +11,7 @@ from services.ops.checker import ConsumerGroup, RunData, check, episode_stats
 from shared.protocol.events import Event
 from shared.protocol.prompts import PromptGroup, encode_group
 from tests.helpers import finished, raw, started, tokens
+from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP
 
 
 def _b(fields: dict) -> dict:
@@ -187,13 +188,13 @@ def test_streamrl_check_on_a_real_server(cli_env, client, keys, tmp_path):
     env = {**cli_env, "STREAMRL_RUN_DIR": str(tmp_path)}
     for entry_id, fields in _prompts("g1", "g2"):
         client.xadd(keys.prompts, fields)
-    client.xgroup_create(keys.prompts, "rollout", id="$")  # both delivered (the group starts after them)
+    client.xgroup_create(keys.prompts, ROLLOUT_GROUP, id="$")  # both delivered (the group starts after them)
     for g in ("g1", "g2"):
         for i in range(2):
             for _, f in raw([started(episode_id=f"{g}-{i}"), tokens(1, [1, 2]), finished(2)]):
                 client.xadd(keys.episode(f"{g}-{i}"), f)
     client.xadd(keys.samples, {"group_id": "g1", "episodes": "g1-0,g1-1", "worker": "w", "n": "2"})
-    client.xgroup_create(keys.samples, "trainer", id="$")
+    client.xgroup_create(keys.samples, TRAINER_GROUP, id="$")
     client.xadd(keys.metrics, {"kind": "rollout", "json": json.dumps({"worker": "w", "tokens": 8, "final": True})})
     ledger = tmp_path / keys.run / "trainer" / "trained.jsonl"
     ledger.parent.mkdir(parents=True)
@@ -207,8 +208,25 @@ def test_streamrl_check_on_a_real_server(cli_env, client, keys, tmp_path):
     client.xadd(keys.samples, {"group_id": "g2", "episodes": "g2-0,g2-1", "worker": "w", "n": "2"})
     with open(ledger, "a") as fh:
         fh.write(json.dumps({"version": 2, "groups": ["g2"], "skipped": []}) + "\n")
-    client.xgroup_setid(keys.samples, "trainer", id="$")
+    client.xgroup_setid(keys.samples, TRAINER_GROUP, id="$")
     out = subprocess.run([sys.executable, "-m", "services.ops.cli", "check"], env=env, capture_output=True, timeout=60)
     assert out.returncode == 0, out.stdout.decode() + out.stderr.decode()
     text = out.stdout.decode()
     assert "prompt groups lost" in text and "samples trained twice" in text and text.rstrip().endswith("ok")
+
+
+def test_a_group_enqueued_twice_and_a_version_published_twice_fail_the_check():
+    data = _finished_run()
+    assert check(data).groups_enqueued_twice == 0
+    data.prompts.append(("9-0", data.prompts[0][1]))  # g1 again: a retried XADD that was not idempotent
+    r = check(data)
+    assert r.groups_enqueued_twice == 1 and r.details["groups_enqueued_twice"] == ["g1"] and not r.ok
+    data = _finished_run()
+    data.versions = [1, 2, 3]
+    assert check(data).ok and check(data).versions_missing == 0
+    data.versions = [1, 2, 2, 3]
+    r = check(data)
+    assert r.versions_repeated == 1 and r.details["versions_repeated"] == [2] and not r.ok
+    data.versions = [1, 3]  # a gap alone (a Redis crash lost version 2's event) is reported, not a failure
+    r = check(data)
+    assert r.ok and r.versions_missing == 1 and r.details["versions_missing"] == [2]

@@ -8,6 +8,7 @@ import msgpack
 
 from shared.protocol.episode_log import EpisodeLog
 from tests.helpers import finished, raw, started, tokens
+from shared.protocol.keys import ROLLOUT_GROUP
 
 
 def streamrl(env, *args, stdin: bytes | None = None):
@@ -71,8 +72,8 @@ def test_inspect_lists_streams_groups_and_pending(cli_env, client, keys):
     log.flush_or_raise()
     client.xadd(keys.prompts, {"group": "g1"})
     client.xadd(keys.prompts, {"group": "g2"})
-    client.xgroup_create(keys.prompts, "rollout", id="0")
-    client.xreadgroup("rollout", "w1", {keys.prompts: ">"}, count=1)
+    client.xgroup_create(keys.prompts, ROLLOUT_GROUP, id="0")
+    client.xreadgroup(ROLLOUT_GROUP, "w1", {keys.prompts: ">"}, count=1)
     out = streamrl(cli_env, "inspect")
     text = out.stdout.decode()
     assert out.returncode == 0, out.stderr

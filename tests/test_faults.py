@@ -24,12 +24,14 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from shared.protocol import control
+from shared.protocol import control, dead_letters, events, prompts
 from services.ops.checker import check, format_report, read_run
 from services.ops.redis_server import find_binary
 from tests.fault_run import LiveRun
 from services.ops.tiny_model import make_tiny_model
 from tests.models import overfit
+from shared.protocol.keys import ROLLOUT_GROUP
+from dataclasses import asdict
 
 pytestmark = pytest.mark.timeout(900)  # a few live runs on a shared 2-core box
 
@@ -96,7 +98,7 @@ def _wake(run: LiveRun, name: str) -> None:
 
 
 def _pending_of(run: LiveRun, consumer: str) -> int:
-    consumers = run.client.xinfo_consumers(run.keys.prompts, "rollout")
+    consumers = run.client.xinfo_consumers(run.keys.prompts, ROLLOUT_GROUP)
     return sum(c["pending"] for c in consumers if c["name"].decode() == consumer)
 
 
@@ -126,10 +128,10 @@ def _inject_garbage(run: LiveRun) -> dict[str, list[tuple[str, str]]]:
     got[k.control].append((_redis_cli(run, "XADD", k.control, "*", "type", "bogus"), "type"))
     got[k.control].append((_redis_cli(run, "XADD", k.control, "*", "type", "cmd", "cmd", "load", "sync", "y",
                                       "version", "two"), "version"))
-    # an episode stream a worker will open later (the driver names groups q0000000, q0000001, ...)
+    # an episode stream a worker will open later (the driver names groups by epoch and dataset position)
     opened = [k.episode_id(key) for key in run.client.scan_iter(match=k.episode("q*"), count=1000)]
-    future = max(int(e[1:].split("-")[0]) for e in opened) + 3
-    episode = f"q{future:07d}-1"
+    future = max(int(e.split("-")[1]) for e in opened) + 3
+    episode = f"{prompts.group_id(0, future)}-1"
     got[k.episode(episode)] = [(_redis_cli(run, "XADD", k.episode(episode), "*", "type", "tokens", "v", "9",
                                            "policy", "0", "worker", "someone", "seq", "0", "data", "zz"),
                                 "schema version")]
@@ -204,7 +206,7 @@ def process_drill(tmp_path_factory, tool_model):
         mark("run ended")
         seen["exit_codes"] = run.stop()
         seen["report"] = check(read_run(run.client, run.keys, run.cfg.run_path))
-        seen["dead"] = [{k.decode(): v.decode() for k, v in f.items()} for _, f in run.client.xrange(run.keys.dead_letters)]
+        seen["dead"] = [asdict(d) for d in dead_letters.read_all(run.client, run.keys)]
         seen["run"] = run
         print(format_report(seen["report"], run.cfg.run), seen["times"], seen["probe"])
         yield seen
@@ -246,13 +248,11 @@ def _episode_entries(run: LiveRun) -> dict[str, list[tuple[str, int]]]:
     for key in run.client.scan_iter(match=run.keys.episode("*"), count=1000):
         entries = []
         for entry_id, f in run.client.xrange(key):
-            n = 0
-            if f.get(b"type") == b"tokens":
-                try:
-                    n = len(msgpack.unpackb(f[b"data"])["ids"]) // 4
-                except Exception:
-                    n = 0
-            entries.append((entry_id.decode(), n))
+            try:
+                ev = events.decode(entry_id, f)
+            except events.EventError:
+                ev = None  # a garbage entry this drill wrote: no policy tokens
+            entries.append((entry_id.decode(), len(ev.data["ids"]) if ev is not None and ev.kind == "tokens" else 0))
         out[run.keys.episode_id(key)] = entries
     return out
 

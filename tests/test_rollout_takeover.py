@@ -11,6 +11,7 @@ import time
 from shared.runtime.config import Config
 from shared.protocol.prompts import PromptGroup, enqueue
 from tests.rollout_harness import episodes, make_worker, samples, snapshot, tick_until
+from shared.protocol.keys import ROLLOUT_GROUP
 
 GROUPS = [(f"g{i}", 2) for i in range(6)]
 
@@ -56,7 +57,7 @@ def test_kill_9_mid_episodes_another_worker_finishes_all(client, keys, redis_url
         b.wait(20)
     got = [s["group_id"] for s in samples(client, keys)]
     assert sorted(got) == sorted(g for g, _ in GROUPS)  # every group exactly once: none lost, none twice
-    assert client.xpending(keys.prompts, "rollout")["pending"] == 0
+    assert client.xpending(keys.prompts, ROLLOUT_GROUP)["pending"] == 0
     after = episodes(client, keys, GROUPS)
     taken_over = 0
     for eid, ep in after.items():

@@ -12,6 +12,9 @@ from shared.protocol.prompts import PromptGroup, enqueue
 from tests import debug_tools
 from tests.models import scripted_model
 from tests.rollout_harness import acks, episodes, make_worker, samples, send, tick_until, tools_worker  # noqa: F401
+from shared.protocol.keys import ROLLOUT_GROUP
+from dataclasses import asdict
+from shared.protocol import dead_letters
 
 SCRIPTS = [
     ("S:", "<call>sleep: 2</call><result>2</result>answer: 2"),
@@ -46,7 +49,7 @@ def test_group_finishes_once_with_sample_and_ack(client, keys, tiny_model_dir):
     tick_until(worker, lambda: len(samples(client, keys)) == 2)
     got = {s["group_id"]: s for s in samples(client, keys)}
     assert got["g1"]["episodes"] == "g1-0,g1-1,g1-2,g1-3" and got["g2"]["n"] == "2"
-    assert client.xpending(keys.prompts, "rollout")["pending"] == 0
+    assert client.xpending(keys.prompts, ROLLOUT_GROUP)["pending"] == 0
     eps = episodes(client, keys, [("g1", 4), ("g2", 2)])
     assert all(ep.status == "finished" and 0 < ep.num_generated <= 16 for ep in eps.values())
     assert eps["g2-0"].prompt_ids == [20, 21]
@@ -117,12 +120,12 @@ def test_malformed_input_goes_to_dead_letters(client, keys, tiny_model_dir):
     client.xadd(keys.control, {"nonsense": "1"})
     enqueue(client, keys, [PromptGroup("fine", 1, prompt="x")])
     tick_until(worker, lambda: len(samples(client, keys)) == 1)
-    dead = [{k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(keys.dead_letters)]
+    dead = [asdict(d) for d in dead_letters.read_all(client, keys)]
     reasons = " | ".join(d["reason"] for d in dead)
     assert len(dead) == 4
     assert "field 'n'" in reasons and "field 'data'" in reasons and "field 'cmd'" in reasons
     assert "field 'type'" in reasons
-    assert client.xpending(keys.prompts, "rollout")["pending"] == 0  # bad entries are acked, not retried forever
+    assert client.xpending(keys.prompts, ROLLOUT_GROUP)["pending"] == 0  # bad entries are acked, not retried forever
 
 
 def test_corrupt_weights_are_refused_and_old_version_kept(client, keys, tiny_model_dir, tmp_path):

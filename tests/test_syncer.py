@@ -3,7 +3,6 @@ version order, and weights refused by checksum."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -23,6 +22,8 @@ from shared.runtime.config import Config
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold
 from shared.protocol.prompts import PromptGroup, enqueue
+from shared.protocol import control, metrics
+from shared.protocol import versions as pversions
 
 HEARTBEAT_TTL = 3.0
 
@@ -82,7 +83,7 @@ def _wait(cond, timeout: float, what: str, procs=()):
 
 
 def _sync_records(client, keys) -> list[dict]:
-    return [json.loads(f[b"json"]) for _, f in client.xrange(keys.metrics) if f[b"kind"] == b"sync"]
+    return [rec for _, rec in metrics.read(client, keys, "sync")]
 
 
 @pytest.fixture
@@ -111,7 +112,8 @@ def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, r
         os.kill(procs["C"].pid, signal.SIGSTOP)
         published_at = time.monotonic()
         publish(client, keys, 1, path, digest, step=1)
-        _wait(lambda: any(f.get(b"cmd") == b"pause" for _, f in client.xrange(keys.control)), 10, "the pause")
+        _wait(lambda: any(getattr(c, "cmd", "") == "pause" for _, c in control.read_after(client, keys, "0-0", 1000)), 10,
+              "the pause")
         os.killpg(procs["C"].pid, signal.SIGKILL)
         _wait(lambda: _sync_records(client, keys), 30, "the sync record")
         took = time.monotonic() - published_at
@@ -119,8 +121,8 @@ def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, r
         assert rec["version"] == 1 and rec["workers"] == 3 and rec["missing"] == ["C"] and rec["refused"] == {}
         assert rec["total_s"] < syncer_thread.cfg.sync_timeout and took < syncer_thread.cfg.sync_timeout
         assert rec["pause_s"] < 2 * HEARTBEAT_TTL + 2  # C was let go when its heartbeat lapsed, not at the timeout
-        acked = {(f[b"cmd"].decode(), f[b"worker"].decode()) for _, f in client.xrange(keys.control)
-                 if f.get(b"type") == b"ack"}
+        acked = {(a["cmd"], a["worker"]) for _, a in control.read_after(client, keys, "0-0", 1000)
+                 if isinstance(a, dict)}
         assert acked == {(c, w) for c in ("pause", "load", "resume") for w in ("A", "B")}
         # the others resumed: they generate again, with version 1, and say so in their heartbeats
         _wait(lambda: {w for _, w, v in _token_events(client, keys) if v == 1} == {"A", "B"}, 30,
@@ -140,7 +142,7 @@ def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, r
     finally:
         _stop(procs.values())
     # versions strictly increase, and no token is from a version the trainer had not published when it was written
-    versions = [(_entry_ms(i.decode()), int(f[b"version"])) for i, f in client.xrange(keys.versions)]
+    versions = [(_entry_ms(v.entry_id), v.version) for v in pversions.read_all(client, keys)]
     assert [v for _, v in versions] == [1, 2]
     published = {v: at for at, v in versions}
     for entry_id, worker, policy in _token_events(client, keys):

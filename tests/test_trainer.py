@@ -25,6 +25,9 @@ from shared.runtime.config import Config
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold
 from tests.helpers import finished, raw, started, tokens
+from shared.protocol.keys import TRAINER_GROUP
+from shared.protocol import samples
+from shared.protocol import versions as pversions
 
 
 def _write_group(client, keys, group_id: str, n: int = 2, version: int = 0, rng=None, length: int = 6,
@@ -44,7 +47,7 @@ def _write_group(client, keys, group_id: str, n: int = 2, version: int = 0, rng=
         reward = float(i == 0) if rewards is None else rewards[i]
         log.append(eid, "finished", {"reason": "stop", "reward": reward}, version)
     log.flush_or_raise()
-    client.xadd(keys.samples, {"group_id": group_id, "episodes": ",".join(eids), "worker": "writer", "n": str(n)})
+    client.xadd(keys.samples, samples.encode(samples.Sample(group_id, eids, "writer", n)))
 
 
 def _cfg(keys, model_dir, tmp_path, **kw) -> Config:
@@ -75,11 +78,11 @@ def test_trains_publishes_and_acks(client, keys, tiny_model_dir, tmp_path):
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     stop_after = {"versions": 2}
     trainer.run(should_stop=lambda: trainer.version >= stop_after["versions"])
-    versions = [{k.decode(): v.decode() for k, v in f.items()} for _, f in client.xrange(keys.versions)]
-    assert [v["version"] for v in versions] == ["1", "2"]
+    versions = pversions.read_all(client, keys)
+    assert [v.version for v in versions] == [1, 2]
     for v in versions:
-        assert sha256(__import__("pathlib").Path(v["path"])) == v["sha256"]
-    assert client.xpending(keys.samples, "trainer")["pending"] == 0
+        assert sha256(__import__("pathlib").Path(v.path)) == v.sha256
+    assert client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0
     ledger = read_ledger(cfg.run_path / "trainer")
     assert sorted(g for rec in ledger for g in rec["groups"]) == ["a", "b", "c", "d"]
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
@@ -110,7 +113,7 @@ def test_untrainable_groups_are_acknowledged_without_a_training_step(client, key
     trainer.restore()
     calls = iter(range(100))
     assert trainer.collect(lambda: next(calls) > 5) is None
-    assert client.xpending(keys.samples, "trainer")["pending"] == 0
+    assert client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0
     ledger = read_ledger(cfg.run_path / "trainer")
     assert [rec["skipped"] for rec in ledger] == [["same1", "same2"]] and ledger[0]["groups"] == []
     assert trainer.step == 0 and trainer.counts["constant_groups_filtered"] == 2
@@ -187,7 +190,7 @@ def test_kill_9_trains_every_sample_exactly_once(client, keys, redis_url, tiny_m
         proc.wait(30)
     trained = [g for rec in read_ledger(ledger_dir) for g in rec["groups"]]
     assert sorted(trained) == groups  # every group trained, none twice
-    versions = [int(f[b"version"]) for _, f in client.xrange(keys.versions)]
+    versions = [v.version for v in pversions.read_all(client, keys)]
     assert versions == sorted(set(versions)) and versions[-1] == len(groups) // 4
 
 

@@ -18,6 +18,9 @@ from services.driver.status import format_line, snapshot
 from shared.runtime.tensorboard import flatten
 from tests.models import scripted_model
 from tests.rollout_harness import make_worker, samples, tick_until
+from shared.protocol.keys import ROLLOUT_GROUP
+from shared.protocol import metrics, versions
+from shared.protocol import samples as psamples
 
 # greedy decoding of this model answers A: right and B: wrong
 SCRIPTS = [("1+3=", "answer: 4"), ("2+2=", "answer: 5")]
@@ -68,11 +71,11 @@ def test_worker_serves_validation_first_past_a_closed_gate_and_never_into_sample
     done = []
     tick_until(worker, lambda: done.extend(validator.poll()) or done)
     assert samples(client, keys) == [] and client.xlen(keys.prompts) == 1  # the training group still waits
-    assert client.xpending(keys.val_prompts, "rollout")["pending"] == 0
+    assert client.xpending(keys.val_prompts, ROLLOUT_GROUP)["pending"] == 0
     [summary] = done
     assert summary["version"] == 0 and summary["n"] == 4
     assert summary["reward_greedy"] == 0.5  # 1+3 right, 2+2 wrong
-    entries = [json.loads(f[b"json"]) for _, f in client.xrange(keys.metrics) if f[b"kind"] == b"validation"]
+    entries = [rec for _, rec in metrics.read(client, keys, "validation")]
     assert entries == [summary]
     again = validation.Validator(client, keys, ROWS, every=5, size=8)  # a restarted driver
     assert not again.maybe_request(0) and again.poll() == []
@@ -87,12 +90,10 @@ def test_worker_serves_validation_first_past_a_closed_gate_and_never_into_sample
 
 
 def test_status_line_and_cli(client, keys, cli_env):
-    client.xadd(keys.versions, {"version": "3", "path": "/x", "sha256": "0", "step": "3", "time": "0"})
-    client.xadd(keys.metrics, {"kind": "train", "json": json.dumps({"step": 3, "reward_mean": 0.25,
-                                                                     "staleness_max": 1, "stale_dropped": 2})})
-    client.xadd(keys.metrics, {"kind": "validation", "json": json.dumps({"version": 2, "reward_mean": 0.5,
-                                                                          "reward_greedy": 0.75})})
-    client.xadd(keys.samples, {"group_id": "g", "episodes": "g-0,g-1", "n": "2"})
+    versions.publish(client, keys, versions.Version(3, "/x", "0", 3))
+    metrics.record(client, keys, "train", {"step": 3, "reward_mean": 0.25, "staleness_max": 1, "stale_dropped": 2})
+    metrics.record(client, keys, "validation", {"version": 2, "reward_mean": 0.5, "reward_greedy": 0.75})
+    client.xadd(keys.samples, psamples.encode(psamples.Sample("g", ["g-0", "g-1"])))
     snap = snapshot(client, keys)
     line = format_line(snap)
     assert "version   3" in line and "reward 0.250" in line and "val@v2 0.500 (greedy 0.750)" in line

@@ -20,6 +20,7 @@ import pytest
 from shared.runtime.config import Config
 from shared.protocol.prompts import PromptGroup, enqueue
 from tests.rollout_harness import acks, episodes, make_vllm_engine, make_worker, samples, send, snapshot, tick_until
+from shared.protocol.keys import ROLLOUT_GROUP
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vllm not installed (CI runs it in its own venv)")
@@ -81,7 +82,7 @@ def test_kill_9_a_vllm_worker_then_another_takes_over_through_a_pause(client, ke
     assert paused and len(acks(client, keys, "pause")) == 1
     got = [s["group_id"] for s in samples(client, keys)]
     assert sorted(got) == sorted(g for g, _ in GROUPS)  # every group exactly once
-    assert client.xpending(keys.prompts, "rollout")["pending"] == 0
+    assert client.xpending(keys.prompts, ROLLOUT_GROUP)["pending"] == 0
     after = episodes(client, keys, GROUPS)
     taken_over = paused_eps = resumed_at_abort = 0
     for eid, ep in after.items():

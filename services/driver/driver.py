@@ -17,7 +17,7 @@ from shared.runtime import runstate
 from shared.runtime.connection import connect, redact
 from shared.protocol import versions
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.protocol.prompts import PromptGroup, enqueue, group_id
 from services.driver.status import alive_services, format_line, snapshot
 from shared.runtime.tensorboard import TensorBoard
 from services.driver.validation import Validator, split
@@ -84,9 +84,10 @@ class Driver:
             return
         groups = []
         for _ in range(missing):
+            epoch, position = divmod(self.enqueued, len(self.rows))  # position in the epoch's (seeded) order
             row = self.rows.row(self.enqueued)
             task = {k: v for k, v in row.items() if k != "prompt"}
-            groups.append(PromptGroup(f"q{self.enqueued:07d}", self.cfg.group_size, prompt=row["prompt"], task=task))
+            groups.append(PromptGroup(group_id(epoch, position), self.cfg.group_size, prompt=row["prompt"], task=task))
             self.enqueued += 1
         enqueue(self.client, self.keys, groups)
         self.client.set(self.keys.driver_enqueued, self.enqueued)

@@ -2,29 +2,26 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
+import redis
+
 from shared.runtime.config import Config
 from shared.runtime.connection import connect
+from shared.protocol import metrics
 from shared.protocol.keys import Keys
 
 
 def read_metrics(cfg: Config) -> tuple[list[dict], list[dict], list[dict]]:
     """(train steps, rollout reports, validation rounds)."""
-    path = cfg.run_path / "metrics.jsonl"
-    train = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    train = metrics.read_file(cfg.run_path / "metrics.jsonl")
     rollout, validation = [], []
     try:
         client = connect(cfg.redis_url, wait=2)
-        for _, f in client.xrange(Keys(cfg.run).metrics):
-            kind = f.get(b"kind", b"").decode()
-            if kind == "rollout":
-                rollout.append(json.loads(f[b"json"]))
-            elif kind == "validation":
-                validation.append(json.loads(f[b"json"]))
-    except Exception:  # plots from the file alone when the server is gone
+        rollout = [r for _, r in metrics.read(client, Keys(cfg.run), "rollout")]
+        validation = [r for _, r in metrics.read(client, Keys(cfg.run), "validation")]
+    except redis.exceptions.RedisError:  # plots from the file alone when the server is gone
         pass
     return train, rollout, validation
 

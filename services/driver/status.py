@@ -6,24 +6,18 @@ timestamps), so any process, started at any time, shows the same view.
 
 from __future__ import annotations
 
-import json
 import time
 
-from shared.protocol import versions
+from shared.protocol import metrics, samples, versions
 from shared.protocol.keys import Keys
 
-
-def _last(client, keys: Keys, kind: str, scan: int = 200) -> dict | None:
-    for _, f in client.xrevrange(keys.metrics, count=scan):
-        if f.get(b"kind", b"").decode() == kind:
-            return json.loads(f[b"json"])
-    return None
+_last = metrics.last
 
 
 def alive_services(client, keys: Keys) -> dict[str, int]:
     out: dict[str, int] = {}
     for k in client.scan_iter(match=keys.alive_pattern(), count=10_000):
-        service = k.decode().split(":")[3]
+        service = keys.alive_name(k).split(":", 1)[0]
         out[service] = out.get(service, 0) + 1
     return out
 
@@ -31,12 +25,12 @@ def alive_services(client, keys: Keys) -> dict[str, int]:
 def samples_per_s(client, keys: Keys, window_s: float = 30.0) -> float:
     """Finished episodes per second over the last ``window_s`` seconds (from the samples stream's entry ids)."""
     now_ms = int(time.time() * 1000)
-    entries = client.xrange(keys.samples, min=f"{now_ms - int(window_s * 1000)}-0")
+    entries = samples.read_since(client, keys.samples, now_ms - int(window_s * 1000))
     if not entries:
         return 0.0
-    first_ms = int(entries[0][0].split(b"-")[0])
+    first_ms = samples.entry_ms(entries[0].entry_id)
     span = max((now_ms - first_ms) / 1000, 1.0) if len(entries) > 1 else window_s
-    return sum(int(f.get(b"n", b"1")) for _, f in entries) / span
+    return sum(s.n for s in entries) / span
 
 
 def snapshot(client, keys: Keys) -> dict:

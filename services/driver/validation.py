@@ -11,11 +11,10 @@ when enabled), with pass@k (share of prompts with at least one of its k sampled 
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass, field
 
-from shared.protocol import metrics
+from shared.protocol import metrics, samples
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError
 from shared.protocol.fold import fold
@@ -115,11 +114,13 @@ class Validator:
         """Enqueue the round of ``version`` when it is due and not requested before (also across driver restarts)."""
         if not self.every or not self.rows or version % self.every or version in self.requested:
             return False
-        if not self.client.sadd(self._requested_key, version):
+        # the round's group ids are deterministic and enqueueing is idempotent: a retried SADD that reports the
+        # round as requested (its first execution's reply lost) still enqueues it, at most once per group
+        first = self.client.sadd(self._requested_key, version)
+        groups = round_groups(version, self.rows, self.size, self.k)
+        if not any(enqueue(self.client, self.keys, groups, stream=self.keys.val_prompts)) and not first:
             self.requested.add(version)
             return False
-        groups = round_groups(version, self.rows, self.size, self.k)
-        enqueue(self.client, self.keys, groups, stream=self.keys.val_prompts)
         self.requested.add(version)
         self.rounds[version] = Round(expected=len(groups))
         return True
@@ -127,35 +128,33 @@ class Validator:
     def poll(self) -> list[dict]:
         """Read newly finished validation groups; return the summaries of rounds that just completed."""
         done = []
-        reply = self.client.xread({self.keys.val_samples: self.cursor}, count=500)
-        for _, entries in reply or []:
-            for entry_id, f in entries:
-                self.cursor = entry_id.decode()
-                group_id = f.get(b"group_id", b"").decode(errors="replace")
-                parsed = parse_group_id(group_id)
-                if parsed is None:
-                    continue
-                version, kind = parsed
-                if version not in self.rounds:  # requested by an earlier driver process: same groups
-                    self.rounds[version] = Round(expected=len(round_groups(version, self.rows, self.size, self.k)))
-                rnd = self.rounds[version]
-                if group_id in rnd.seen:
-                    continue
-                rnd.seen.add(group_id)
-                group_rewards = []
-                for eid in f.get(b"episodes", b"").decode().split(","):
-                    try:
-                        ep = fold(self.episodes.read(eid))
-                    except EventError:
-                        ep = None
-                    reward = ep.reward if ep is not None and ep.status == "finished" else 0.0
-                    rnd.rewards.setdefault(kind, []).append(float(reward or 0.0))
-                    group_rewards.append(float(reward or 0.0))
-                    rnd.token_versions += [v for v in (ep.versions if ep else []) if v >= 0]
-                if kind == "sampled":
-                    rnd.sampled.append(group_rewards)
-                if len(rnd.seen) >= rnd.expected and version not in self.reported:
-                    done.append(self._report(version, rnd))
+        found, _, self.cursor = samples.read_after(self.client, self.keys.val_samples, self.cursor)
+        for sample in found:
+            group_id = sample.group_id
+            parsed = parse_group_id(group_id)
+            if parsed is None:
+                continue
+            version, kind = parsed
+            if version not in self.rounds:  # requested by an earlier driver process: same groups
+                self.rounds[version] = Round(expected=len(round_groups(version, self.rows, self.size, self.k)))
+            rnd = self.rounds[version]
+            if group_id in rnd.seen:
+                continue
+            rnd.seen.add(group_id)
+            group_rewards = []
+            for eid in sample.episodes:
+                try:
+                    ep = fold(self.episodes.read(eid))
+                except EventError:
+                    ep = None
+                reward = ep.reward if ep is not None and ep.status == "finished" else 0.0
+                rnd.rewards.setdefault(kind, []).append(float(reward or 0.0))
+                group_rewards.append(float(reward or 0.0))
+                rnd.token_versions += [v for v in (ep.versions if ep else []) if v >= 0]
+            if kind == "sampled":
+                rnd.sampled.append(group_rewards)
+            if len(rnd.seen) >= rnd.expected and version not in self.reported:
+                done.append(self._report(version, rnd))
         return done
 
     def _report(self, version: int, rnd: Round) -> dict:

@@ -183,9 +183,9 @@ def cmd_redis_cli(cfg, args) -> int:
 
 
 def cmd_schema(cfg, args) -> int:
-    from shared.protocol import events
+    from shared.protocol import schema
 
-    print(events.describe())
+    print(schema.describe())
     return 0
 
 
@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("check", cmd_check, "count what exactly-once forbids in a run: groups lost, finished or trained "
                                 "twice, tokens generated again (exit 1 when a count that must be 0 is not)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    add("schema", cmd_schema, "print the episode event schema")
+    add("schema", cmd_schema, "print every stream's schema (from its codec module)")
     p = add("redis-cli", cmd_redis_cli, "run redis-cli (valkey-cli) against the run's server: streamrl redis-cli -- XRANGE ...")
     p.add_argument("args", nargs=argparse.REMAINDER, help="redis-cli arguments, after --")
     return parser

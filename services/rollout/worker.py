@@ -49,6 +49,7 @@ class RolloutWorker:
                                  self.log)
         self.heartbeat = Heartbeat(client, self.keys, "rollout", worker_id, cfg.heartbeat_ttl)
         self.control_cursor = "$"
+        self.seen = control.Seen()
         self._next_takeover = self._next_claim = 0.0
         self._next_report = time.monotonic() + 5.0
         self.started_at = time.monotonic()
@@ -78,8 +79,7 @@ class RolloutWorker:
     # --- lifecycle
     def start(self) -> None:
         self.claims.create_consumer_groups()
-        last = self.client.xrevrange(self.keys.control, count=1)
-        self.control_cursor = last[0][0].decode() if last else "0-0"
+        self.control_cursor = control.last_id(self.client, self.keys)
         self._catch_up()
         self.beat(force=True)
 
@@ -188,7 +188,7 @@ class RolloutWorker:
                 except EventError as exc:
                     self.claims.dead_letter(self.keys.control, entry_id, str(exc))
                     continue
-                if isinstance(cmd, control.Command):
+                if isinstance(cmd, control.Command) and self.seen.first(cmd):  # a command read twice is obeyed once
                     self._obey(cmd)
 
     def _obey(self, cmd: control.Command) -> None:
@@ -204,7 +204,7 @@ class RolloutWorker:
                                current=self.engine.version, error=error)
         elif cmd.cmd == "resume":
             self._resume()
-        self.client.xadd(self.keys.control, control.ack(cmd, self.worker_id, ok, self.engine.version, error))
+        control.send_ack(self.client, self.keys, cmd, self.worker_id, ok, self.engine.version, error)
         self.beat(force=True)
 
     def _pause(self) -> None:

@@ -20,12 +20,12 @@ import uuid
 import redis
 
 from shared.protocol import control, gate, metrics, versions
+from shared.runtime import heartbeat
 from shared.runtime.config import Config
 from shared.protocol.keys import Keys
 from shared.protocol.staleness import group_capacity
 
 
-CONTROL_MAXLEN = 10_000  # control entries kept (approximately): commands and acks of the recent syncs
 
 
 def groups_per_version(cfg: Config) -> int:
@@ -43,13 +43,8 @@ class Syncer:
         self._next_stuck_check, self._stuck = 0.0, set()  # workers seen paused between syncs
 
     def live_workers(self) -> dict[str, dict]:
-        out = {}
-        # SCAN walks the whole keyspace (one key per episode): big pages, or a sync costs 100s of ms late in a run
-        for key in self.client.scan_iter(match=self.keys.alive_pattern("rollout"), count=10_000):
-            info = {k.decode(): v.decode() for k, v in self.client.hgetall(key).items()}
-            if info:
-                out[key.decode().rsplit(":", 1)[1]] = info
-        return out
+        # heartbeat.alive SCANs the whole keyspace (one key per episode) in big pages: a sync stays cheap late in a run
+        return {name.split(":", 1)[1]: info for name, info in heartbeat.alive(self.client, self.keys, "rollout").items()}
 
     def set_gate(self, version: int) -> None:
         limit = group_capacity(version, self.cfg.max_staleness, groups_per_version(self.cfg), started_groups=0)
@@ -109,10 +104,10 @@ class Syncer:
         t_start = time.monotonic()
         for cmd in ("pause", "load", "resume"):
             t0 = time.monotonic()
-            sent = self.client.xadd(self.keys.control, control.encode_command(
-                control.Command(cmd, sync_id, version, path if cmd == "load" else "", sha256 if cmd == "load" else "")),
-                maxlen=CONTROL_MAXLEN, approximate=True)
-            acked, failed, silent, dead = self._wait_acks(sync_id, cmd, workers - missing, sent.decode())
+            cursor = control.last_id(self.client, self.keys)
+            control.send_command(self.client, self.keys, control.Command(
+                cmd, sync_id, version, path if cmd == "load" else "", sha256 if cmd == "load" else ""))
+            acked, failed, silent, dead = self._wait_acks(sync_id, cmd, workers - missing, cursor)
             durations[f"{cmd}_s"] = time.monotonic() - t0
             for worker, error in failed.items():
                 log.error("worker refused the version; it keeps its old weights", worker=worker, error=error)
@@ -142,15 +137,13 @@ class Syncer:
         deadline = time.monotonic() + self.cfg.sync_timeout
         next_alive_check = 0.0
         while workers - acked:
-            reply = self.client.xread({self.keys.control: cursor}, count=1000, block=50)
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    cursor = entry_id.decode()
-                    f = {k.decode(): v.decode(errors="replace") for k, v in fields.items()}
-                    if f.get("type") == "ack" and f.get("sync") == sync_id and f.get("cmd") == cmd:
-                        acked.add(f.get("worker", ""))
-                        if f.get("ok") == "0":
-                            failed[f.get("worker", "")] = f.get("error", "")
+            for cursor, entry in control.read_after(self.client, self.keys, cursor, count=1000, block_ms=50):
+                if isinstance(entry, dict):  # an ack (a duplicate only re-adds the same worker)
+                    a = control.decode_ack(entry)
+                    if a.sync == sync_id and a.cmd == cmd:
+                        acked.add(a.worker)
+                        if not a.ok:
+                            failed[a.worker] = a.error
             now = time.monotonic()
             self._beat()
             if now > deadline:

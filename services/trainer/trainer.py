@@ -185,7 +185,7 @@ class Trainer:
             self.uncommitted.append((entry_id, group_id, False))  # acknowledged with the next commit, never trained
             # give its start back to the staleness gate (which counts starts): a replacement group may start.
             # Without it a synchronous run (exactly batch_groups starts per version) would wait forever.
-            gate.refund(self.client, self.keys)
+            gate.refund_group(self.client, self.keys, group_id)
             return None
         return episodes
 

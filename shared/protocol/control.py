@@ -7,13 +7,29 @@ of the sync round), ``version`` (load: the version to load), ``path`` and
 
 Ack entries: ``type=ack``, ``cmd``, ``sync``, ``worker``, ``ok`` (1 or 0),
 ``version`` (the worker's version after the command), ``error`` (when ok=0).
+
+Written once, read tolerantly: the sync id is fixed for a whole sync round (made once, before the first
+command, so a retried XADD carries the same one); ``send_command`` and ``send_ack`` set
+``control:sent:<sync>:<cmd>:<worker>`` NX in the same script as the XADD, so a retried write adds nothing
+(a no-op, logged at debug); a duplicate that still gets through (an older writer, a hand-written entry) is
+obeyed once by a worker that asks ``Seen.first`` and counted once by the syncer (acks go in a set).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.protocol import once
 from shared.protocol.events import EventError
+from shared.protocol.keys import Keys
+
+_SEND = """
+if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
+  return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
+end
+return false
+"""
+MAXLEN = 10_000  # the control stream is capped (approximately)
 
 COMMANDS = ("pause", "load", "resume")
 
@@ -37,8 +53,28 @@ def encode_command(c: Command) -> dict:
             "sha256": c.sha256}
 
 
+@dataclass(frozen=True)
+class Ack:
+    cmd: str
+    sync: str
+    worker: str
+    ok: bool
+    version: int = -1
+    error: str = ""
+
+
+def decode_ack(f: dict) -> Ack:
+    """An ack entry's fields (strings) as an Ack."""
+    try:
+        version = int(f.get("version", "-1"))
+    except ValueError:
+        version = -1
+    return Ack(f.get("cmd", ""), f.get("sync", ""), f.get("worker", ""), f.get("ok") != "0", version,
+               f.get("error", ""))
+
+
 def decode_entry(entry_id, fields: dict) -> Command | dict:
-    """A command, or an ack as a dict of strings. EventError when malformed."""
+    """A command, or an ack as a dict of strings (``decode_ack`` makes it an Ack). EventError when malformed."""
     entry_id = _s(entry_id)
     f = {_s(k): _s(v) for k, v in fields.items()}
     kind = f.get("type")
@@ -62,3 +98,63 @@ def decode_entry(entry_id, fields: dict) -> Command | dict:
 def ack(cmd: Command, worker: str, ok: bool, version: int, error: str = "") -> dict:
     return {"type": "ack", "cmd": cmd.cmd, "sync": cmd.sync, "worker": worker, "ok": "1" if ok else "0",
             "version": str(version), "error": error}
+
+
+def _send(client, keys: Keys, marker: str, fields: dict, write: str) -> str | None:
+    flat = [x for kv in fields.items() for x in kv]
+    entry_id = client.eval(_SEND, 2, marker, keys.control, once.MARKER_TTL_S, MAXLEN, *flat)
+    if entry_id is None:
+        once.skipped(write, sync=fields["sync"], cmd=fields["cmd"], worker=fields.get("worker", ""))
+        return None
+    return _s(entry_id)
+
+
+def send_command(client, keys: Keys, c: Command) -> str | None:
+    """Write ``c`` once per (sync, cmd): its entry id, None when it was already written (a retry)."""
+    return _send(client, keys, keys.control_sent(c.sync, c.cmd), encode_command(c), "control command")
+
+
+def send_ack(client, keys: Keys, cmd: Command, worker: str, ok: bool, version: int, error: str = "") -> str | None:
+    """Write ``worker``'s ack of ``cmd`` once: its entry id, None when it was already written (a retry)."""
+    return _send(client, keys, keys.control_sent(cmd.sync, cmd.cmd, worker), ack(cmd, worker, ok, version, error),
+                 "control ack")
+
+
+def read_after(client, keys: Keys, cursor: str, count: int = 100, block_ms: int | None = None) -> list[tuple]:
+    """[(entry id, Command | ack dict | EventError)] after ``cursor``: a malformed entry comes back as its error."""
+    out = []
+    for _, entries in client.xread({keys.control: cursor}, count=count, block=block_ms) or []:
+        for entry_id, fields in entries:
+            try:
+                out.append((_s(entry_id), decode_entry(entry_id, fields)))
+            except EventError as exc:
+                out.append((_s(entry_id), exc))
+    return out
+
+
+class Seen:
+    """A worker's memory of the commands it obeyed: ``first(cmd)`` is False for a (sync, cmd) seen before,
+    so a command that got into the stream twice is obeyed (and acked) once."""
+
+    def __init__(self, keep: int = 64):
+        self.keep, self._seen = keep, {}
+
+    def first(self, cmd: Command) -> bool:
+        key = (cmd.sync, cmd.cmd)
+        if key in self._seen:
+            once.skipped("control command (read twice)", sync=cmd.sync, cmd=cmd.cmd, entry=cmd.entry_id)
+            return False
+        self._seen[key] = True
+        while len(self._seen) > self.keep:
+            self._seen.pop(next(iter(self._seen)))
+        return True
+
+
+def last_id(client, keys: Keys) -> str:
+    """The id of the newest control entry ("0-0" when none): read after it to see only what comes next."""
+    last = client.xrevrange(keys.control, count=1)
+    return _s(last[0][0]) if last else "0-0"
+
+
+
+

@@ -9,15 +9,33 @@
 - the trainer ``refund``s the slot of a group it will never train, so a replacement group may start.
 
 No gate (the syncer has not opened it yet) means: everything may start in async mode, nothing in sync mode.
+
+Every reservation and refund carries a token (random per call, or the group id for the trainer's refund of a
+group) and records its outcome under ``gate:req:<token>`` in the same script: a call repeated (a retried
+command whose reply was lost, a trainer re-judging a group after a restart) returns the first outcome and
+changes nothing, so slots neither leak nor are given back twice.
+
+What the gate promises: at most ``limit`` = (η + v + 1)·B groups are ever started (net of refunds) while the
+gate is at version v. When the trainer consumes groups in start order that bounds staleness by η
+(``shared.protocol.staleness.group_capacity``). The trainer reads in FINISH order: a group that started early
+and finishes late is trained later than its start rank says, so the bound on the admission count is all the
+gate guarantees then; the trainer's own ``is_too_stale`` check drops any group past η (and refunds its slot),
+so no group is ever TRAINED more than η versions stale. tests/test_gate.py checks both under finish order.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
+from shared.protocol import once
 from shared.protocol.keys import Keys
 
+REQUEST_TTL_S = 600  # how long a reservation's or refund's outcome is kept for a retry to find
+
 _RESERVE = """
+local done = redis.call('GET', KEYS[3])
+if done then return {-2, tonumber(done)} end
 local limit = redis.call('HGET', KEYS[1], 'limit')
 if not limit then return {-1, -1} end
 local version = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
@@ -25,7 +43,15 @@ local started = tonumber(redis.call('GET', KEYS[2]) or '0')
 local grant = math.min(tonumber(ARGV[1]), tonumber(limit) - started)
 if grant <= 0 then return {0, version} end
 redis.call('INCRBY', KEYS[2], grant)
+redis.call('SET', KEYS[3], grant, 'EX', ARGV[2])
 return {grant, version}
+"""
+
+_REFUND = """
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  return redis.call('DECRBY', KEYS[1], ARGV[1])
+end
+return false
 """
 
 
@@ -66,8 +92,13 @@ class Gate:
     def reserve(self, want: int) -> Grant:
         if want <= 0:
             return Grant(0, False, None)
-        granted, version = (int(x) for x in self._reserve(keys=[self.keys.gate, self.keys.gate_started],
-                                                          args=[want]))
+        token = uuid.uuid4().hex
+        granted, version = (int(x) for x in self._reserve(
+            keys=[self.keys.gate, self.keys.gate_started, self.keys.gate_request(token)], args=[want, REQUEST_TTL_S]))
+        if granted == -2:  # this very call ran before (a retry): the slots it reserved then are this call's
+            once.skipped("gate reserve", token=token, granted=version)
+            granted, version = version, opened_version(self.client, self.keys)
+            return Grant(granted, True, version)
         if granted < 0:
             return Grant(0 if self.sync_mode else want, False, None)
         return Grant(granted, True, version)
@@ -76,7 +107,19 @@ class Gate:
         refund(self.client, self.keys, n)
 
 
-def refund(client, keys: Keys, n: int = 1) -> None:
-    """Give back ``n`` started slots: reserved and not used, or a started group that will never be trained."""
-    if n > 0:
-        client.decrby(keys.gate_started, n)
+def refund_group(client, keys: Keys, group_id: str) -> bool:
+    """The trainer: give back the slot of a group it will never train, once per group (a restart that judges
+    the same group again gives nothing back twice)."""
+    return refund(client, keys, 1, token=f"group:{group_id}")
+
+
+def refund(client, keys: Keys, n: int = 1, token: str | None = None) -> bool:
+    """Give back ``n`` started slots: reserved and not used, or a started group that will never be trained.
+    At most once per ``token`` (default: a new one, i.e. this call only): False when already refunded."""
+    if n <= 0:
+        return False
+    token = token or uuid.uuid4().hex
+    if client.eval(_REFUND, 2, keys.gate_started, keys.gate_request(f"refund:{token}"), n, REQUEST_TTL_S) is None:
+        once.skipped("gate refund", token=token, n=n)
+        return False
+    return True

@@ -30,6 +30,27 @@ class Keys:
         """Set once when a group's samples entry is written: a second publish of the same group is a no-op."""
         return f"{self.base}sampled:{group_id}"
 
+    def enqueued(self, group_id: str) -> str:
+        """Set once when a prompt group is enqueued: a second enqueue of the same group id is a no-op."""
+        return f"{self.base}enqueued:{group_id}"
+
+    def control_sent(self, sync: str, cmd: str, worker: str = "") -> str:
+        """Set once when a control command (or, with ``worker``, that worker's ack) is written."""
+        return f"{self.base}control:sent:{sync}:{cmd}:{worker}"
+
+    def dead_lettered(self, stream: str, entry_id: str) -> str:
+        """Set once when a dead letter names (stream, entry): one dead letter per bad entry."""
+        return f"{self.base}dead:seen:{stream}:{entry_id}"
+
+    def gate_request(self, token: str) -> str:
+        """The outcome of one gate reservation or refund, kept a while so a retried call returns it again."""
+        return f"{self.base}gate:req:{token}"
+
+    def alive_name(self, key: str | bytes) -> str:
+        """``<service>:<worker id>`` of a heartbeat key (the inverse of ``alive``)."""
+        key = key.decode() if isinstance(key, bytes) else key
+        return key.removeprefix(f"{self.base}alive:")
+
     def alive_pattern(self, service: str = "*") -> str:
         return f"{self.base}alive:{service}:*"
 

@@ -3,8 +3,14 @@
 Kinds and who writes them: ``train`` (trainer, one per optimizer step: loss, reward, staleness, ...),
 ``sync`` (syncer, one per weight sync: per-phase durations, workers missing), ``rollout`` (each rollout
 worker every few seconds: tokens, episodes, busy/idle seconds; ``final: true`` on its last record, whose
-counters are complete), ``validation`` (driver, one per validation round). The stream is capped
+counters are complete), ``validation`` (driver, one per validation round), ``fault_probe`` (a crash drill's
+worker, tests/fault_worker.py, just before it is killed: its counters and unflushed tokens). The stream is capped
 (approximately ``MAXLEN`` entries); the trainer also appends its records to ``metrics.jsonl`` in the run folder.
+
+Duplicates are tolerated by the reader, not prevented by the writer (a record is informational and written
+often): a retried XADD, or a step redone after a trainer restart, can leave two records with one identity
+(``identity``: train ``step``, sync ``sync`` id, validation ``version``; an identical rollout record); ``read``
+and ``dedupe`` keep the last of them, in the place of the last.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import json
 from shared.protocol.keys import Keys
 
 MAXLEN = 100_000
-KINDS = ("train", "sync", "rollout", "validation")
+KINDS = ("train", "sync", "rollout", "validation", "fault_probe")
 
 
 def _s(v) -> str:
@@ -37,6 +43,40 @@ def decode(fields: dict) -> tuple[str, dict]:
     return f.get("kind", ""), data if isinstance(data, dict) else {}
 
 
+def identity(kind: str, data: dict):
+    """What makes a record the same record written again; None for a record that has none."""
+    key = {"train": "step", "sync": "sync", "validation": "version"}.get(kind)
+    if key is not None:
+        return (kind, data[key]) if key in data else None
+    if kind == "rollout":
+        return (kind, json.dumps(data, sort_keys=True))
+    return None
+
+
+def dedupe(records: list, kind_of=lambda r: r[0], data_of=lambda r: r[1]) -> list:
+    """``records`` without the earlier copies of a record written twice (same ``identity``), order kept."""
+    last = {}
+    for i, r in enumerate(records):
+        ident = identity(kind_of(r), data_of(r))
+        if ident is not None:
+            last[ident] = i
+    out = []
+    for i, r in enumerate(records):
+        ident = identity(kind_of(r), data_of(r))
+        if ident is None or last[ident] == i:
+            out.append(r)
+    return out
+
+
+def read_file(path) -> list[dict]:
+    """The trainer's ``metrics.jsonl`` (train records), a redone step's earlier record dropped."""
+    from pathlib import Path
+
+    path = Path(path)
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return dedupe(rows, kind_of=lambda r: "train", data_of=lambda r: r)
+
+
 def read(client, keys: Keys, kind: str | None = None, newest_first: bool = False, count: int | None = None,
          since_id: str = "-") -> list[tuple[str, dict]]:
     """[(entry id, record)] of one kind (or all), oldest first unless ``newest_first``."""
@@ -46,5 +86,16 @@ def read(client, keys: Keys, kind: str | None = None, newest_first: bool = False
     for entry_id, fields in raw:
         k, data = decode(fields)
         if kind is None or k == kind:
-            out.append((_s(entry_id), data))
-    return out
+            out.append((_s(entry_id), k, data))
+    if newest_first:
+        out.reverse()
+    out = dedupe(out, kind_of=lambda r: r[1], data_of=lambda r: r[2])
+    if newest_first:
+        out.reverse()
+    return [(entry_id, data) for entry_id, _, data in out]
+
+
+def last(client, keys: Keys, kind: str, scan: int = 200) -> dict | None:
+    """The newest record of ``kind`` among the newest ``scan`` entries, None when there is none."""
+    found = read(client, keys, kind, newest_first=True, count=scan)
+    return found[0][1] if found else None

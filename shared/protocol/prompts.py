@@ -4,6 +4,11 @@ Entry fields: ``group_id`` (plain), ``n`` (plain, episodes to roll out), ``v``
 (schema version "1") and ``data``, a msgpack map with ``prompt`` (text, or chat
 messages ``[{"role", "content"}, ...]`` rendered by the model's chat template; tokenized by the worker) or ``prompt_ids`` (token ids), ``task`` (map handed to the
 reward function) and optional ``sampling`` overrides.
+
+Enqueueing is idempotent: group ids are deterministic (the driver's come from the dataset position and
+epoch, a validation round's from its version), and one script sets ``enqueued:<group id>`` NX and appends
+the entry only when that marker was new, so a retried enqueue (reply lost) or a driver restarted before it
+saved its position adds no second entry for the group.
 """
 
 from __future__ import annotations
@@ -13,7 +18,15 @@ from typing import Any
 
 import msgpack
 
+from shared.protocol import once
 from shared.protocol.events import EventError
+
+_ENQUEUE = """
+if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
+  return redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+end
+return false
+"""
 
 
 @dataclass
@@ -79,9 +92,22 @@ def decode_group(entry_id, fields: dict) -> PromptGroup:
     return PromptGroup(group_id, n, prompt, ids, data.get("task", {}), data.get("sampling", {}), entry_id)
 
 
-def enqueue(client, keys, groups: list[PromptGroup], stream: str | None = None) -> list[str]:
-    """Add groups to ``stream`` (default: the training prompts stream)."""
+def group_id(epoch: int, position: int) -> str:
+    """The driver's id for the group of dataset row ``position`` in pass ``epoch`` over the dataset."""
+    return f"q{epoch:03d}-{position:06d}"
+
+
+def enqueue(client, keys, groups: list[PromptGroup], stream: str | None = None) -> list[str | None]:
+    """Add groups to ``stream`` (default: the training prompts stream), each at most once per group id:
+    the entry ids, None for a group already enqueued (a no-op, logged at debug)."""
+    script = client.register_script(_ENQUEUE)
     pipe = client.pipeline(transaction=False)
     for g in groups:
-        pipe.xadd(stream or keys.prompts, encode_group(g))
-    return [i.decode() for i in pipe.execute()]
+        script(keys=[keys.enqueued(g.group_id), stream or keys.prompts],
+               args=[once.MARKER_TTL_S, *(x for kv in encode_group(g).items() for x in kv)], client=pipe)
+    out = []
+    for g, entry_id in zip(groups, pipe.execute()):
+        if entry_id is None:
+            once.skipped("prompts", group_id=g.group_id)
+        out.append(None if entry_id is None else _s(entry_id))
+    return out

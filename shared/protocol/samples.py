@@ -87,3 +87,25 @@ class Publisher:
                      args=[sample.group_id, ",".join(sample.episodes), sample.worker,
                            sample.n or len(sample.episodes), ROLLOUT_GROUP, prompts_entry, SAMPLED_TTL_S],
                      client=client)
+
+
+def read_all(client, stream: str) -> tuple[list[Sample], list[tuple[str, str]]]:
+    """Every entry of ``stream`` (``keys.samples`` or ``keys.val_samples``): (samples, [(entry id, error)])."""
+    return decode_all(client.xrange(stream))
+
+
+def read_after(client, stream: str, cursor: str, count: int = 500) -> tuple[list[Sample], list[tuple[str, str]], str]:
+    """Entries after ``cursor``: (samples, [(entry id, error)], the new cursor)."""
+    entries = [e for _, es in client.xread({stream: cursor}, count=count) or [] for e in es]
+    good, bad = decode_all(entries)
+    return good, bad, (_s(entries[-1][0]) if entries else cursor)
+
+
+def read_since(client, stream: str, since_ms: int) -> list[Sample]:
+    """Well-formed entries written at or after unix time ``since_ms`` (milliseconds; from their entry ids)."""
+    return decode_all(client.xrange(stream, min=f"{since_ms}-0"))[0]
+
+
+def entry_ms(entry_id: str) -> int:
+    """The unix time in milliseconds at which an entry was written, from its id."""
+    return int(entry_id.split("-")[0])

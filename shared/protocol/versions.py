@@ -6,6 +6,10 @@ syncer, rollout workers, the driver and the CLI. Every field is plain text (read
     sha256    hex digest of that file (a worker refuses weights that do not match)
     step      optimizer steps taken when the version was made
     time      unix time of the publish, seconds with 3 decimals
+
+Publishing is idempotent: one script appends the entry only when its version is newer than the newest entry's,
+so a retried publish (reply lost) or a trainer republishing after a restart adds nothing; readers get strictly
+increasing versions with no duplicate.
 """
 
 from __future__ import annotations
@@ -14,7 +18,21 @@ import time
 from dataclasses import dataclass
 
 from shared.protocol.events import EventError
+from shared.protocol import once
 from shared.protocol.keys import Keys
+
+_PUBLISH = """
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if last[1] then
+  local f = last[1][2]
+  for i = 1, #f, 2 do
+    if f[i] == 'version' and tonumber(f[i + 1]) and tonumber(f[i + 1]) >= tonumber(ARGV[2]) then
+      return {0, last[1][1]}
+    end
+  end
+end
+return {1, redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))}
+"""
 
 FIELDS = ("version", "path", "sha256", "step", "time")
 
@@ -61,7 +79,13 @@ def decode(entry_id, fields: dict) -> Version:
 
 
 def publish(client, keys: Keys, v: Version) -> str:
-    return _s(client.xadd(keys.versions, encode(v)))
+    """Append ``v`` unless the newest entry already has this version or a later one (then a no-op, logged at
+    debug); returns the entry id of ``v`` or of that newer entry."""
+    flat = [x for kv in encode(v).items() for x in kv]
+    added, entry_id = client.eval(_PUBLISH, 1, keys.versions, "", v.version, *flat)
+    if not int(added):
+        once.skipped("versions", version=v.version, newest_entry=_s(entry_id))
+    return _s(entry_id)
 
 
 def latest(client, keys: Keys) -> Version | None:

@@ -46,5 +46,5 @@ def alive(client, keys: Keys, service: str = "*") -> dict[str, dict[str, str]]:
     for key in client.scan_iter(match=keys.alive_pattern(service), count=10_000):
         fields = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
         if fields:
-            out[key.decode().removeprefix(keys.base + "alive:")] = fields
+            out[keys.alive_name(key)] = fields
     return out

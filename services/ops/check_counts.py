@@ -1,0 +1,190 @@
+"""The checker's counts: pure functions over ``RunData`` (definitions in services/ops/checker.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from shared.protocol import control, samples
+from shared.protocol.events import TERMINAL_KINDS, EventError, decode
+from shared.protocol.fold import fold
+from shared.protocol.prompts import decode_group
+from services.ops.check_data import ConsumerGroup, RunData
+
+
+def valid_groups(prompts: list[tuple[str, dict]]) -> tuple[dict[str, list[str]], list[str]]:
+    """{group id: [entry ids]} of decodable prompt entries, and the ids of undecodable ones."""
+    groups: dict[str, list[str]] = {}
+    bad = []
+    for entry_id, fields in prompts:
+        try:
+            g = decode_group(entry_id, fields)
+        except EventError:
+            bad.append(entry_id)
+            continue
+        groups.setdefault(g.group_id, []).append(entry_id)
+    return groups, bad
+
+
+def sample_groups(entries: list[tuple[str, dict]]) -> tuple[dict[str, list[tuple[str, list[str]]]], list[str]]:
+    """{group id: [(entry id, episode ids)]} of well-formed samples entries, and the ids of the others."""
+    good, bad = samples.decode_all(entries)
+    out: dict[str, list[tuple[str, list[str]]]] = {}
+    for s in good:
+        out.setdefault(s.group_id, []).append((s.entry_id, s.episodes))
+    return out, [entry_id for entry_id, _ in bad]
+
+
+def ledger_counts(ledger: list[dict]) -> tuple[Counter, set[str]]:
+    """(times each group was trained, groups ever judged untrainable)."""
+    trained = Counter(g for rec in ledger for g in rec.get("groups", []))
+    skipped = {g for rec in ledger for g in rec.get("skipped", [])}
+    return trained, skipped
+
+
+def _lost_in_rollout(prompts, rollout: ConsumerGroup, samples, prefix: str = "") -> list[str]:
+    groups, _ = valid_groups(prompts)
+    published, _ = sample_groups(samples)
+    lost = []
+    for group_id, entry_ids in groups.items():
+        if group_id in published:
+            continue
+        if any(e in rollout.pending or not rollout.delivered(e) for e in entry_ids):
+            continue  # still in flight, or still waiting for a worker: not lost
+        lost.append(prefix + group_id)
+    return lost
+
+
+def count_lost(data: RunData) -> tuple[list[str], list[str]]:
+    """(prompt groups lost between prompts and samples, samples groups lost between samples and the ledger).
+    Validation groups (``prompts:val`` -> ``samples:val``, never trained) count in the first, as ``val:<id>``."""
+    published, _ = sample_groups(data.samples)
+    lost_in_rollout = _lost_in_rollout(data.prompts, data.rollout, data.samples)
+    lost_in_rollout += _lost_in_rollout(data.val_prompts, data.val_rollout, data.val_samples, "val:")
+    trained, skipped = ledger_counts(data.ledger)
+    lost_in_training = []
+    for group_id, entries in published.items():
+        if group_id in trained or group_id in skipped:
+            continue
+        if any(e in data.trainer.pending or not data.trainer.delivered(e) for e, _ in entries):
+            continue  # the trainer has it in hand (uncommitted) or has not read it yet
+        lost_in_training.append(group_id)
+    return sorted(lost_in_rollout), sorted(lost_in_training)
+
+
+@dataclass
+class EpisodeStats:
+    terminal_events: int = 0
+    policy_tokens: int = 0
+    takeovers: int = 0
+    tail_resumes: int = 0
+    bad_entries: int = 0
+    status: str = "unreadable"  # fold's status, or 'unreadable' when fold refuses the stream
+    error: str = ""
+
+
+def episode_stats(entries: list[tuple[str, dict]]) -> EpisodeStats:
+    """Counts from one episode stream, event by event (so a stream that fold refuses still counts)."""
+    st = EpisodeStats()
+    previous = None
+    for entry_id, fields in entries:
+        try:
+            ev = decode(entry_id, fields)
+        except EventError:
+            st.bad_entries += 1
+            continue
+        if ev.kind in TERMINAL_KINDS:
+            st.terminal_events += 1
+        elif ev.kind == "tokens":
+            st.policy_tokens += len(ev.data["ids"])
+        elif ev.kind == "resumed":
+            if ev.data.get("takeover_from"):
+                st.takeovers += 1
+            elif previous is not None and previous.kind not in ("aborted", "tool_result"):
+                # not after an abort, nor a tool result that came back during a pause, nor a takeover:
+                # the writer found the stream behind what it had written and continued from the stream
+                st.tail_resumes += 1
+        previous = ev
+    try:
+        st.status = fold(entries).status
+    except EventError as exc:
+        st.error = str(exc)
+    return st
+
+
+def tokens_generated_again(reports: dict[str, dict], stats: dict[str, EpisodeStats],
+                           writers: set[str]) -> tuple[int | None, list[str]]:
+    """Σ tokens each worker generated − Σ policy tokens in the streams; None (and who) when a
+    worker that wrote tokens, or reported any, has no final report (its counter is not complete)."""
+    missing = sorted(w for w in writers | set(reports) if not reports.get(w, {}).get("final"))
+    if missing:
+        return None, missing
+    generated = sum(int(r.get("tokens", 0)) for r in reports.values())
+    return generated - sum(s.policy_tokens for s in stats.values()), []
+
+
+def token_writers(episodes: dict[str, list[tuple[str, dict]]]) -> set[str]:
+    """Workers that wrote (well-formed) tokens events."""
+    out = set()
+    for entries in episodes.values():
+        for entry_id, f in entries:
+            try:
+                ev = decode(entry_id, f)
+            except EventError:
+                continue
+            if ev.kind == "tokens":
+                out.add(ev.worker)
+    return out
+
+
+def dead_lettered(dead: list[dict], stream: str, entry_id: str | None = None) -> bool:
+    return any(d.get("stream") == stream and (entry_id is None or d.get("entry") == entry_id) for d in dead)
+
+
+def count_bad_input(data: RunData, stats: dict[str, EpisodeStats]) -> tuple[list[str], int]:
+    """(bad entries no dead letter names, bad entries found) over prompts, samples, control, episodes."""
+    missing, found = [], 0
+    _, bad_prompts = valid_groups(data.prompts)
+    for entry_id in bad_prompts:
+        found += 1
+        if data.rollout.delivered(entry_id) and not dead_lettered(data.dead, data.prompts_key, entry_id):
+            missing.append(f"{data.prompts_key} {entry_id}")
+    _, bad_samples = sample_groups(data.samples)
+    for entry_id in bad_samples:
+        found += 1
+        if data.trainer.delivered(entry_id) and not dead_lettered(data.dead, data.samples_key, entry_id):
+            missing.append(f"{data.samples_key} {entry_id}")
+    for entry_id, fields in data.control:
+        try:
+            control.decode_entry(entry_id, fields)
+        except EventError:
+            found += 1
+            if not dead_lettered(data.dead, data.control_key, entry_id):
+                missing.append(f"{data.control_key} {entry_id}")
+    groups, _ = valid_groups(data.prompts)
+    used = {g for g, ids in groups.items() if any(data.rollout.delivered(e) for e in ids)}
+    for eid, st in stats.items():
+        if st.status != "unreadable" and not st.bad_entries:
+            continue
+        found += 1
+        group_id = eid.rsplit("-", 1)[0]
+        key = data.episode_key_prefix + eid
+        if group_id in used and not dead_lettered(data.dead, key):
+            missing.append(key)
+    return missing, found
+
+
+def enqueued_twice(prompts: list[tuple[str, dict]]) -> list[str]:
+    """Prompt groups with more than one (valid) entry in the prompts stream."""
+    groups, _ = valid_groups(prompts)
+    return sorted(g for g, ids in groups.items() if len(ids) > 1)
+
+
+def version_sequence(numbers: list[int]) -> tuple[list[int], list[int]]:
+    """(versions published again or out of order, versions missing between 1 and the newest), in stream order."""
+    repeated, newest = [], 0
+    for v in numbers:
+        if v <= newest:
+            repeated.append(v)
+        newest = max(newest, v)
+    return repeated, sorted(set(range(1, newest + 1)) - set(numbers))

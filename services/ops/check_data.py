@@ -1,0 +1,101 @@
+"""Reading a run back for `streamrl check`: every stream through its codec, the consumer groups, the ledger,
+into ``RunData`` (plain data, hand-built in unit tests)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from shared.protocol import dead_letters, metrics, versions
+from shared.protocol.events import EventError
+from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
+from shared.protocol.ledger import read_ledger
+
+
+def _s(v) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def _entries(raw) -> list[tuple[str, dict]]:
+    """XRANGE reply -> [(entry id, {str field: bytes value})]."""
+    return [(_s(i), {_s(k): v for k, v in f.items()}) for i, f in raw]
+
+
+def id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass
+class ConsumerGroup:
+    last_delivered: str = "0-0"
+    pending: set[str] = field(default_factory=set)
+
+    def delivered(self, entry_id: str) -> bool:
+        return id_key(entry_id) <= id_key(self.last_delivered)
+
+
+@dataclass
+class RunData:
+    """Everything the checker reads, as plain data (hand-built in unit tests)."""
+    prompts: list[tuple[str, dict]] = field(default_factory=list)
+    rollout: ConsumerGroup = field(default_factory=ConsumerGroup)
+    samples: list[tuple[str, dict]] = field(default_factory=list)
+    trainer: ConsumerGroup = field(default_factory=ConsumerGroup)
+    control: list[tuple[str, dict]] = field(default_factory=list)
+    episodes: dict[str, list[tuple[str, dict]]] = field(default_factory=dict)  # episode id -> entries
+    ledger: list[dict] = field(default_factory=list)
+    dead: list[dict] = field(default_factory=list)  # {stream, entry, reason, by}
+    reports: dict[str, dict] = field(default_factory=dict)  # worker -> its last rollout metrics record
+    val_prompts: list[tuple[str, dict]] = field(default_factory=list)  # validation rounds (never trained)
+    val_rollout: ConsumerGroup = field(default_factory=ConsumerGroup)
+    val_samples: list[tuple[str, dict]] = field(default_factory=list)
+    prompts_key: str = "prompts"
+    samples_key: str = "samples"
+    control_key: str = "control"
+    episode_key_prefix: str = "ep:"
+    versions: list[int] = field(default_factory=list)  # version numbers in the versions stream, in stream order
+
+
+def _consumer_group(client, stream: str, name: str) -> ConsumerGroup:
+    if not client.exists(stream):
+        return ConsumerGroup()
+    info = {_s(g["name"]): g for g in client.xinfo_groups(stream)}
+    if name not in info:
+        return ConsumerGroup()
+    pending = set()
+    start = "-"
+    while True:
+        batch = client.xpending_range(stream, name, min=start, max="+", count=1000)
+        pending |= {_s(p["message_id"]) for p in batch}
+        if len(batch) < 1000:
+            break
+        ms, seq = id_key(_s(batch[-1]["message_id"]))
+        start = f"{ms}-{seq + 1}"
+    return ConsumerGroup(_s(info[name]["last-delivered-id"]), pending)
+
+
+def read_run(client, keys: Keys, run_path: Path) -> RunData:
+    data = RunData(prompts_key=keys.prompts, samples_key=keys.samples, control_key=keys.control,
+                   episode_key_prefix=keys.episode(""))
+    data.prompts = _entries(client.xrange(keys.prompts))
+    data.rollout = _consumer_group(client, keys.prompts, ROLLOUT_GROUP)
+    data.samples = _entries(client.xrange(keys.samples))
+    data.trainer = _consumer_group(client, keys.samples, TRAINER_GROUP)
+    data.control = _entries(client.xrange(keys.control))
+    if hasattr(keys, "val_prompts"):
+        data.val_prompts = _entries(client.xrange(keys.val_prompts))
+        data.val_rollout = _consumer_group(client, keys.val_prompts, ROLLOUT_GROUP)
+        data.val_samples = _entries(client.xrange(keys.val_samples))
+    for key in client.scan_iter(match=keys.episode("*"), count=1000, _type="stream"):
+        data.episodes[keys.episode_id(key)] = _entries(client.xrange(key))
+    data.ledger = read_ledger(Path(run_path) / "trainer")
+    data.dead = [asdict(d) for d in dead_letters.read_all(client, keys)]
+    for _, rec in metrics.read(client, keys, "rollout"):
+        data.reports[rec.get("worker", "")] = rec
+    for entry_id, fields in client.xrange(keys.versions):
+        try:
+            data.versions.append(versions.decode(entry_id, fields).version)
+        except EventError:
+            continue  # the trainer writes every entry through the codec: a malformed one is not a version
+    return data

@@ -1,0 +1,24 @@
+"""Writes a retried command can repeat, made idempotent by construction.
+
+Every service retries a command through a server restart; a command the server executed whose reply was lost is
+sent again. Each write that must happen once is therefore guarded server-side, in the same script as the write:
+a marker key set with ``SET NX`` (prompt groups, samples, control commands and acks, dead letters, gate
+requests) or a check against the stream's newest entry (versions). The second execution is a no-op and says so
+in one debug log line (``duplicate_write_skipped``). docs/faults.md lists every write and its guard.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+MARKER_TTL_S = 7 * 24 * 3600  # how long a marker is kept: far longer than any retry, short enough to expire
+
+
+def skipped(write: str, **context) -> None:
+    """Log the no-op of a repeated write (a retried command whose first execution's reply was lost)."""
+    structlog.get_logger().debug("duplicate_write_skipped", write=write, **context)
+
+
+def s(v) -> str:
+    """A reply or field value as text."""
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)

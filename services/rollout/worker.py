@@ -21,6 +21,7 @@ from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from services.rollout import rewards, tools
+from services.rollout.calls import CallServer  # [gateway hook]
 from services.rollout.engine import Chunk, Engine, EngineError, SamplingParams
 from services.rollout.episode import LiveEpisode, State, episode_seed
 from shared.protocol import control
@@ -72,6 +73,7 @@ class RolloutWorker:
         self.started_at = time.monotonic()
         self.busy_s = 0.0
         self.stats = {"tokens": 0, "episodes": 0, "groups": 0, "takeovers": 0, "resumed": 0}
+        self.calls = CallServer(cfg, client, worker_id, engine, tokenizer, self.log)  # [gateway hook]
 
     # --- setup
     def start(self) -> None:
@@ -83,6 +85,7 @@ class RolloutWorker:
                     raise
         last = self.client.xrevrange(self.keys.control, count=1)
         self.control_cursor = last[0][0].decode() if last else "0-0"
+        self.calls.start()  # [gateway hook]
         self._catch_up_version()
         self.heartbeat()
 
@@ -112,6 +115,7 @@ class RolloutWorker:
             self._take_over_dead_workers()
         if not self.paused and now >= self._next_claim:
             self._claim_groups()
+        self.calls.tick(self.paused)  # [gateway hook]
         self._poll_tools()
         if not self.paused and self.engine.has_unfinished():
             t0 = time.monotonic()
@@ -133,7 +137,7 @@ class RolloutWorker:
         elapsed = time.monotonic() - self.started_at
         self.client.xadd(self.keys.metrics, {"kind": "rollout", "json": json.dumps({
             "worker": self.worker_id, "time": time.time(), "version": self.engine.version, "busy_s": self.busy_s,
-            "idle_s": max(elapsed - self.busy_s, 0.0), "final": final, **self.stats})},
+            "idle_s": max(elapsed - self.busy_s, 0.0), "final": final, **self.stats, **self.calls.stats})},
             maxlen=100_000, approximate=True)
 
     def heartbeat(self) -> None:
@@ -296,6 +300,8 @@ class RolloutWorker:
         live.state = State.GENERATING
 
     def _on_chunk(self, chunk: Chunk) -> None:
+        if self.calls.owns(chunk.request_id):  # [gateway hook]
+            return self.calls.on_chunk(chunk)
         live = self.live.get(chunk.request_id)
         if live is None:
             return
@@ -334,6 +340,9 @@ class RolloutWorker:
 
     def _abort_generation(self, reason: str) -> None:
         for chunk in self.engine.abort_all():
+            if self.calls.owns(chunk.request_id):  # [gateway hook]
+                self.calls.on_chunk(chunk)
+                continue
             live = self.live.get(chunk.request_id)
             if live is not None:
                 self._record_tokens(live, chunk)
@@ -342,6 +351,7 @@ class RolloutWorker:
                 live.state = State.PAUSED
                 self.events.append(live.episode_id, "aborted", {"reason": reason, "num_tokens": len(live.tokens)},
                                    self.engine.version)
+        self.calls.on_abort(reason)  # [gateway hook]
 
     # --- tools
     def _on_call(self, live: LiveEpisode, call) -> None:
@@ -532,10 +542,12 @@ class RolloutWorker:
 
     # --- control: pause / load / resume
     def _handle_control(self, block_ms: int) -> None:
-        reply = self.client.xread({self.keys.control: self.control_cursor}, count=100,
-                                  block=block_ms if block_ms else None)
-        for _, entries in reply or []:
+        reply = self.client.xread({self.keys.control: self.control_cursor, **self.calls.wake_streams()},
+                                  count=100, block=block_ms if block_ms else None)  # [gateway hook] wake_streams
+        for stream, entries in reply or []:
             for entry_id, fields in entries:
+                if self.calls.saw(stream, entry_id):  # [gateway hook]
+                    continue
                 self.control_cursor = entry_id.decode()
                 try:
                     cmd = control.decode_entry(entry_id, fields)
@@ -572,6 +584,7 @@ class RolloutWorker:
         if self.paused:
             self.paused = False
             self._resume_paused()
+            self.calls.resume()  # [gateway hook]
 
     def _load(self, version: int, path: str, sha256: str) -> None:
         if sha256:

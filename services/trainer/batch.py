@@ -35,6 +35,9 @@ def build_batch(groups: list[list[Episode]], pad_id: int) -> Batch:
         raise ValueError("build_batch: no episodes")
     advantages = torch.cat([grpo_advantages(torch.tensor([[ep.reward for ep in g]], dtype=torch.float32))[0]
                             for g in groups])
+    # an agent episode whose agent rewrote its history trains each forked chain as one more row, same advantage
+    advantages = torch.cat([advantages[i].repeat(len(ep.rows)) for i, ep in enumerate(episodes)])
+    episodes = [row for ep in episodes for row in ep.rows]
     width = max(len(ep.prompt_ids) + len(ep.tokens) for ep in episodes)
     n = len(episodes)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)

@@ -67,6 +67,25 @@ def overfit_conversations(model_dir: str | Path, conversations: list[tuple[list[
     return str(model_dir)
 
 
+def scripted_chat_model(out_dir: str | Path, conversations: list[tuple[list[dict], list]], steps: int = 250) -> str:
+    """``make_chat_model`` + ``overfit_conversations``, cached on disk by what it is built from (the box is slow:
+    training takes a minute, copying the cached one a moment)."""
+    import hashlib
+    import json
+    import os
+    import shutil
+
+    key = hashlib.sha256(json.dumps([CHATML_TOOLS, conversations, steps, torch.__version__],
+                                    sort_keys=True).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("STREAMRL_TEST_CACHE", Path.home() / ".cache" / "streamrl-tests")) / f"chat-{key}"
+    if not (cache / "model.safetensors").exists():
+        tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
+        overfit_conversations(make_chat_model(tmp, max_len=512), conversations, steps=steps)
+        tmp.rename(cache) if not cache.exists() else shutil.rmtree(tmp)
+    shutil.copytree(cache, out_dir, dirs_exist_ok=True)
+    return str(out_dir)
+
+
 def tool_call_message(expr: str, call_id: str = "x") -> dict:
     return {"role": "assistant", "content": "", "tool_calls": [
         {"id": call_id, "type": "function", "function": {"name": "calc", "arguments": f'{{"e": "{expr}"}}'}}]}

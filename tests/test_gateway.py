@@ -44,7 +44,8 @@ def stack(chat_dir, redis_server):
     keys = Keys("gw-stack")
     env = env_for(redis_server.url, keys, chat_dir, heartbeat_ttl=2, step_delay_ms=20, temperature=0)
     worker = spawn("services.rollout", env, "--worker-id", "rw1")
-    cfg = Config(run=keys.run, model_dir=chat_dir, redis_url=redis_server.url, gateway_timeout=120)
+    cfg = Config(run=keys.run, model_dir=chat_dir, redis_url=redis_server.url, gateway_timeout=120,
+                 temperature=0.0, max_tokens=96)  # the server's policy: greedy unless a request says otherwise
     with InProcessGateway(build(cfg, client, logs.get("gateway-test"))) as gw:
         wait_alive(client, keys, "rollout", "rw1")
         yield {"client": client, "keys": keys, "gw": gw, "env": env, "dir": chat_dir, "url": redis_server.url}
@@ -121,6 +122,17 @@ def test_streaming_deltas_and_a_retry_answered_from_the_stream(stack):
     assert again.choices[0].message.tool_calls[0].function.arguments == calls[0].function.arguments
     assert client.hget(keys.call_index("stream-0"), "#n") == b"1"
     assert again.usage.completion_tokens == chunks[-1].usage.completion_tokens
+
+
+def test_the_example_agent_runs_unchanged_against_the_gateway(stack):
+    from examples.calc import agent
+
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "example-0", {"prompt": "2+3?", "answer": 5})
+    out = agent(oai(gw.base_url("example-0")), {"prompt": "2+3?", "answer": 5})
+    assert out["reward"] == 1.0
+    ep = episode(client, keys, "example-0")
+    assert len(ep.calls) == 3 and not ep.branches
 
 
 def test_completions_endpoint_extends_a_call(stack):

@@ -21,6 +21,9 @@ from services.driver.driver import ENDED
 from services.ops.redis_server import EmbeddedRedis
 
 
+AGENT_PROCESSES = ("gateway", "agents")  # [gateway hook] Procfile lines started only when config 'agent' is set
+
+
 def archive_ended_run(cfg: Config) -> Path | None:
     """A run the driver ended is done: move its folder aside (runs/<run>.<time>) so this one starts afresh.
     A run that was interrupted (no ENDED file) is continued from its streams and checkpoint instead."""
@@ -63,8 +66,13 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
     # the driver's progress lines are the view; the services' per-step info lines would bury them
     quiet = {**env, "STREAMRL_LOG_LEVEL": "warning"} if cfg.log_level == "info" else env
     for name, cmd in entries.items():
-        if name != "redis":
-            manager.add_process(name, cmd, env=env if name == "driver" else quiet)
+        if name in AGENT_PROCESSES and not cfg.agent:  # [gateway hook] only runs with agents need these
+            continue
+        copies = cfg.agent_workers if name == "agents" else 1  # [gateway hook] SimpleWorkers: one agent each
+        for i in range(copies):
+            if name != "redis":
+                manager.add_process(name if copies == 1 else f"{name}.{i + 1}", cmd,
+                                    env=env if name == "driver" else quiet)
     try:
         manager.loop()
         if (cfg.run_path / ENDED).exists():

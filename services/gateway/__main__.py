@@ -32,7 +32,7 @@ def main(argv=None) -> None:
         sys.exit(2)
     svc.log.info("listening", host=svc.cfg.gateway_host, port=svc.cfg.gateway_port)
     uvicorn.run(make_app(gw, svc.cfg.gateway_api_key), host=svc.cfg.gateway_host, port=svc.cfg.gateway_port,
-                log_level="warning")
+                log_level="warning", timeout_graceful_shutdown=3)  # calls held open: retried from the stream
 
 
 if __name__ == "__main__":

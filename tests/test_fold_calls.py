@@ -86,3 +86,20 @@ def test_version_1_entries_still_fold_and_cannot_hold_calls():
                     b"data": msgpack.packb({"ids": [3], "logprobs": [-1.0]})})]
     ep = fold(v1)
     assert ep.tokens == [3] and ep.calls == {} and ep.rows == [ep]
+
+
+def test_replay_shows_an_agent_episode_call_by_call():
+    from services.ops.views import format_timeline, timeline_json
+
+    evs = [agent_started(),
+           call(1, 0, -1, [1, 2]), toks(2, 0, [10]),
+           Event("aborted", 0, "w", 3, {"reason": "pause", "num_tokens": 1, "call": 0}),
+           Event("resumed", 1, "w2", 4, {"num_tokens": 1, "call": 0, "takeover_from": "w"}),
+           done(5, 0, 1), call(6, 1, 0, [4]), toks(7, 1, [11]), done(8, 1, 1),
+           call(9, 2, -1, [7]), toks(10, 2, [12]), done(11, 2, 1), finished(12)]
+    ep = fold(raw(evs))
+    text = format_timeline(ep, decode_text=lambda ids: "".join(chr(97 + i % 26) for i in ids))
+    assert "call 0: pause at 1 tokens" in text and "call 0: at 1 tokens, takeover from w" in text
+    assert "agent m:f: 3 calls, 2 training row(s) (1 forked)" in text
+    assert "call 1: extends call 0 + 1 masked tokens" in text and "call 2: fork: whole prompt" in text
+    assert [c["index"] for c in timeline_json(ep)["calls"]] == [0, 1, 2]

@@ -135,6 +135,22 @@ def test_the_example_agent_runs_unchanged_against_the_gateway(stack):
     assert len(ep.calls) == 3 and not ep.branches
 
 
+def test_a_rewritten_history_forks_and_each_chain_trains_as_its_own_row(stack):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "fork-0", TASK)
+    api = oai(gw.base_url("fork-0"))
+    ask = [{"role": "user", "content": "2+3?"}]
+    first = api.chat.completions.create(model="policy", messages=ask, tools=[CALC_TOOL]).choices[0].message
+    follow = ask + [first.model_dump(exclude_none=True), {"role": "tool", "content": "5"}]
+    api.chat.completions.create(model="policy", messages=follow, tools=[CALC_TOOL])  # extends call 0
+    rewritten = [{"role": "user", "content": "2+3? Use the tool."}, {"role": "tool", "content": "5"}]
+    api.chat.completions.create(model="policy", messages=rewritten, tools=[CALC_TOOL], max_tokens=8)  # a fork
+    ep = episode(client, keys, "fork-0")
+    assert [ep.calls[i].extends for i in range(3)] == [-1, 0, -1]
+    assert len(ep.rows) == 2 and ep.rows[0].tokens == ep.calls[2].tokens
+    assert ep.rows[1].prompt_ids + ep.rows[1].tokens == ep.calls[1].prompt_ids + ep.calls[1].tokens
+
+
 def test_completions_endpoint_extends_a_call(stack):
     client, keys, gw = stack["client"], stack["keys"], stack["gw"]
     start_agent_episode(client, keys, "cmpl-0", TASK)

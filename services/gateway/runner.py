@@ -77,6 +77,18 @@ def _append_last(log: EpisodeLog, episode_id: str, kind: str, data: dict, policy
     raise RuntimeError(f"episode {episode_id}: could not append {kind!r} after {tries} tries")
 
 
+def _record_metrics(client, keys: Keys, episode_id: str) -> None:
+    """One 'agent' metrics record per ended episode: calls, training rows, forks (linear chains vs rewritten
+    histories), aborted and resumed calls."""
+    ep = fold(client.xrange(keys.episode(episode_id)))
+    calls = list(ep.calls.values())
+    client.xadd(keys.metrics, {"kind": "agent", "json": json.dumps({
+        "episode": episode_id, "time": time.time(), "status": ep.status, "reward": ep.reward, "calls": len(calls),
+        "rows": len(ep.rows) if calls else 0, "forks": sum(c.extends < 0 and c.index > 0 for c in calls),
+        "linear": int(bool(calls) and not ep.branches), "aborted_calls": sum(bool(c.aborts) for c in calls),
+        "generated": ep.num_generated})}, maxlen=100_000, approximate=True)
+
+
 def run_episode(spec: dict) -> dict:
     from rq import get_current_job
 
@@ -113,6 +125,7 @@ def run_episode(spec: dict) -> dict:
             log.warning("agent episode failed", error=error)
             _append_last(events, eid, "failed", {"error": error[:2000], "where": "agent"})
             result.update(error=error)
+    _record_metrics(client, keys, eid)
     published = client.eval(_PUBLISH, 3, keys.agents_done(spec["group_id"]), keys.sampled(spec["group_id"]),
                             keys.samples, eid, spec["group_id"], len(spec["episodes"]), ",".join(spec["episodes"]),
                             WORKER_ID)

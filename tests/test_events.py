@@ -34,7 +34,10 @@ def test_every_kind_round_trips(prompt, task, call_id, output, ok, reward):
            Event("tool_call", 2, "w2", 3, {"call_id": call_id, "name": "calc", "args": "1+1"}),
            Event("tool_result", 2, "w2", 4, {"call_id": call_id, "ok": ok, "output": output, "ids": prompt}),
            Event("finished", 2, "w2", 5, {"reason": "stop", "reward": reward, "details": {"k": 1}}),
-           Event("failed", 2, "w2", 6, {"error": output, "where": "engine"})]
+           Event("failed", 2, "w2", 6, {"error": output, "where": "engine"}),
+           Event("call", 2, "w2", 7, {"call": 0, "extends": -1, "prompt_ids": prompt, "digest": call_id,
+                                      "sampling": {"max_tokens": 4}, "messages": output}),
+           Event("call_done", 2, "w2", 8, {"call": 0, "reason": "stop", "num_tokens": 0})]
     assert {e.kind for e in evs} == set(KINDS)
     for ev, (entry_id, fields) in zip(evs, raw(evs)):
         back = decode(entry_id, fields)
@@ -63,7 +66,7 @@ def _fields(**over):
 
 @pytest.mark.parametrize("fields, field, words", [
     (_fields(type=b"exploded"), "type", "unknown event kind"),
-    (_fields(v=b"2"), "v", "unknown schema version 2"),
+    (_fields(v=b"3"), "v", "unknown schema version 3"),
     (_fields(v=b"one"), "v", "decimal integer"),
     (_fields(seq=None), "seq", "missing header"),
     (_fields(data=b"\xc1\xc1"), "data", "not decodable"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 
-from services.driver import tasks
+from services.driver import agents, tasks  # [gateway hook] agents
 from shared.runtime.config import Config
 from shared.runtime import runstate
 from shared.runtime.connection import connect, redact
@@ -74,6 +74,8 @@ class Driver:
 
     def top_up(self, depth: int) -> None:
         """Keep ``depth`` groups waiting beyond what has been delivered."""
+        if self.cfg.agent:  # [gateway hook] agent episodes go to the agents workers as rq jobs
+            return self.top_up_agents(depth)
         try:
             info = {g["name"].decode(): g for g in self.client.xinfo_groups(self.keys.prompts)}
             lag = info[ROLLOUT_GROUP]["lag"] if ROLLOUT_GROUP in info else self.client.xlen(self.keys.prompts)
@@ -91,6 +93,14 @@ class Driver:
             self.enqueued += 1
         enqueue(self.client, self.keys, groups)
         self.client.set(self.keys.driver_enqueued, self.enqueued)
+
+    def top_up_agents(self, depth: int) -> None:  # [gateway hook]
+        for _ in range(depth - agents.waiting_groups(self.cfg, self.client, self.keys)):
+            row = self.rows[self.enqueued % len(self.rows)]
+            agents.enqueue_group(self.cfg, self.client, self.keys, f"q{self.enqueued:07d}", dict(row),
+                                 self.cfg.group_size)
+            self.enqueued += 1
+            self.client.set(self.keys.driver_enqueued, self.enqueued)
 
     def wait_for_services(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout

@@ -100,7 +100,7 @@ def episode_stats(entries: list[tuple[str, dict]]) -> EpisodeStats:
         elif ev.kind == "resumed":
             if ev.data.get("takeover_from"):
                 st.takeovers += 1
-            elif previous is not None and previous.kind not in ("aborted", "tool_result"):
+            elif previous is not None and previous.kind not in ("aborted", "tool_result") and "call" not in ev.data:
                 # not after an abort, nor a tool result that came back during a pause, nor a takeover:
                 # the writer found the stream behind what it had written and continued from the stream
                 st.tail_resumes += 1
@@ -119,7 +119,7 @@ def tokens_generated_again(reports: dict[str, dict], stats: dict[str, EpisodeSta
     missing = sorted(w for w in writers | set(reports) if not reports.get(w, {}).get("final"))
     if missing:
         return None, missing
-    generated = sum(int(r.get("tokens", 0)) for r in reports.values())
+    generated = sum(int(r.get("tokens", 0)) + int(r.get("call_tokens", 0)) for r in reports.values())
     return generated - sum(s.policy_tokens for s in stats.values()), []
 
 

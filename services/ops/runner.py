@@ -23,6 +23,9 @@ from services.driver.driver import ENDED
 from services.ops.redis_server import EmbeddedRedis
 
 
+AGENT_PROCESSES = ("gateway", "agents")  # Procfile lines started only when config 'agent' is set
+
+
 def archive_ended_run(cfg: Config, who: str = "streamrl run") -> Path | None:
     """A run the driver ended is done: move its folder aside (runs/<run>.<time>), its Redis data with it, so
     this one starts afresh. A run that was interrupted (no ENDED file) is continued from its streams and
@@ -65,8 +68,13 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
     # the driver's progress lines are the view; the services' per-step info lines would bury them
     quiet = {**env, "STREAMRL_LOG_LEVEL": "warning"} if cfg.log_level == "info" else env
     for name, cmd in entries.items():
-        if name != "redis":
-            manager.add_process(name, cmd, env=env if name == "driver" else quiet)
+        if name in AGENT_PROCESSES and not cfg.agent:  # only runs with agents need these
+            continue
+        copies = cfg.agent_workers if name == "agents" else 1  # SimpleWorkers: one agent each
+        for i in range(copies):
+            if name != "redis":
+                manager.add_process(name if copies == 1 else f"{name}.{i + 1}", cmd,
+                                    env=env if name == "driver" else quiet)
     started = time.time()
     try:
         manager.loop()

@@ -49,6 +49,16 @@ def _describe(ev, decode_text) -> str:
         text = f"  {decode_text(d['prompt_ids'])!r}" if decode_text else ""
         return f"prompt {len(d['prompt_ids'])} tokens, group {d['group_id']} #{d['index']}, " \
                f"max_tokens {d['sampling'].get('max_tokens')}{text}"
+    if "call" in d and ev.kind in ("tokens", "aborted", "resumed"):
+        return f"call {d['call']}: " + _describe(type(ev)(ev.kind, ev.policy, ev.worker, ev.seq,
+                                                          {k: v for k, v in d.items() if k != "call"}), decode_text)
+    if ev.kind == "call":
+        base = "whole prompt" if d["extends"] < 0 else f"extends call {d['extends']} by"
+        text = f"  {decode_text(d['prompt_ids'])!r}" if decode_text else ""
+        return f"call {d['call']}: {base} {len(d['prompt_ids'])} tokens, max_tokens " \
+               f"{d['sampling'].get('max_tokens')}{text}"
+    if ev.kind == "call_done":
+        return f"call {d['call']}: {d['reason']}, {d['num_tokens']} tokens"
     if ev.kind == "tokens":
         text = f"  {decode_text(d['ids'])!r}" if decode_text else ""
         return f"{len(d['ids'])} tokens{text}"
@@ -79,16 +89,41 @@ def format_timeline(ep: Episode, decode_text=None) -> str:
     versions = " ".join(f"v{v}:{n}" for v, n in sorted(by_version.items()))
     lines.append(f"response: {len(ep.tokens)} tokens, {ep.num_generated} generated ({versions or 'none'}), "
                  f"{len(ep.tokens) - ep.num_generated} from tools; {len(ep.aborts)} aborts, {len(ep.resumes)} resumes")
+    if ep.calls:
+        lines += format_calls(ep, decode_text)
     if decode_text:
         lines.append(f"text: {decode_text(ep.prompt_ids)!r} + {decode_text(ep.tokens)!r}")
     return "\n".join(lines)
+
+
+def format_calls(ep: Episode, decode_text=None) -> list[str]:
+    """An agent episode call by call: how each prompt came about, what was generated under which versions,
+    aborts, resumes, forks; then how the calls train (one row per chain)."""
+    lines = [f"agent {ep.agent}: {len(ep.calls)} calls, {len(ep.rows)} training row(s)"
+             + (f" ({len(ep.branches)} forked)" if ep.branches else "")]
+    for i in sorted(ep.calls):
+        c = ep.calls[i]
+        how = "fork: whole prompt" if c.extends < 0 and i > 0 else \
+            ("whole prompt" if c.extends < 0 else f"extends call {c.extends} + {len(c.new_ids)} masked tokens")
+        versions = " ".join(f"v{v}:{n}" for v, n in sorted(Counter(c.versions).items()))
+        lines.append(f"  call {i}: {how}; prompt {len(c.prompt_ids)} tokens; {len(c.tokens)} generated "
+                     f"({versions or 'none'}); {len(c.aborts)} aborts, {len(c.resumes)} resumes; "
+                     f"{c.reason if c.done else 'in flight'}")
+        if decode_text:
+            if c.extends >= 0:
+                lines.append(f"    new: {decode_text(c.new_ids)!r}")
+            lines.append(f"    out: {decode_text(c.tokens)!r}")
+    return lines
 
 
 def timeline_json(ep: Episode, decode_text=None) -> dict:
     out = {k: getattr(ep, k) for k in ("episode_id", "group_id", "index", "status", "finish_reason", "reward",
                                        "reward_details", "error", "prompt_ids", "sampling", "task", "tokens",
                                        "logprobs", "versions", "mask", "tool_calls", "tool_results", "aborts",
-                                       "resumes")}
+                                       "resumes", "agent")}
+    out["calls"] = [{"index": c.index, "extends": c.extends, "prompt_ids": c.prompt_ids, "tokens": c.tokens,
+                     "versions": c.versions, "aborts": c.aborts, "resumes": c.resumes, "done": c.done,
+                     "reason": c.reason, "messages": c.messages} for c in ep.calls.values()]
     out["events"] = [{"entry_id": ev.entry_id, "seq": ev.seq, "kind": ev.kind, "policy": ev.policy,
                       "worker": ev.worker, "time_ms": ev.time_ms,
                       "data": {k: v for k, v in ev.data.items()}} for ev in ep.events]

@@ -143,9 +143,10 @@ class Episodes:
             self.agent.add_generated(live, chunk.token_ids)
             self.stats["tokens"] += len(chunk.token_ids)
 
-    def abort_all(self, reason: str) -> None:
-        """Stop generating; every episode that was generating gets an ``aborted`` event (buffered)."""
-        for chunk in self.engine.abort_all():
+    def abort_all(self, reason: str, chunks=None) -> None:
+        """Stop generating; every episode that was generating gets an ``aborted`` event (buffered). ``chunks``:
+        what ``engine.abort_all()`` returned for these episodes when the caller aborted the engine itself."""
+        for chunk in self.engine.abort_all() if chunks is None else chunks:
             if (live := self.live.get(chunk.request_id)) is not None:
                 self._record(live, chunk)
         for live in self.live.values():

@@ -17,6 +17,7 @@ import redis
 
 from services.rollout import rewards, tools
 from services.rollout.agent import Agent
+from services.rollout.calls import CallServer
 from services.rollout.engine import Engine, EngineError
 from services.rollout.episodes import Episodes
 from services.rollout.groups import Groups
@@ -47,6 +48,7 @@ class RolloutWorker:
                                  engine, tokenizer, agent, self.jobs, self.claims, reward,
                                  stop_token_ids(tokenizer, cfg.model_dir, cfg.stop),
                                  self.log)
+        self.calls = CallServer(cfg, client, worker_id, engine, tokenizer, self.log)  # gateway calls (agents)
         self.heartbeat = Heartbeat(client, self.keys, "rollout", worker_id, cfg.heartbeat_ttl)
         self.control_cursor = "$"
         self.seen = control.Seen()
@@ -80,6 +82,7 @@ class RolloutWorker:
     def start(self) -> None:
         self.claims.create_consumer_groups()
         self.control_cursor = control.last_id(self.client, self.keys)
+        self.calls.start()
         self._catch_up()
         self.beat(force=True)
 
@@ -94,7 +97,7 @@ class RolloutWorker:
     def shutdown(self) -> None:
         """Warm stop: record where every generating episode stopped; leave the prompt groups pending so another
         worker takes them over."""
-        self.episodes.abort_all("shutdown")
+        self._abort_all("shutdown")
         self.episodes.flush()
         self.heartbeat.stop()
         self.report(final=True)
@@ -108,12 +111,16 @@ class RolloutWorker:
             if self.cfg.mode == "sync":
                 self._catch_up_to_gate()
             self._claim(now)
+        self.calls.tick(self.paused)
         for outcome in self.jobs.poll():
             self.episodes.on_job(outcome)
         if not self.paused and self.engine.has_unfinished():
             t0 = time.monotonic()
-            for chunk in self.engine.step():
-                self.episodes.on_chunk(chunk)  # chunks are routed by request id (= episode id)
+            for chunk in self.engine.step():  # chunks are routed by request id (= episode id)
+                if self.calls.owns(chunk.request_id):
+                    self.calls.on_chunk(chunk)
+                else:
+                    self.episodes.on_chunk(chunk)
             self.busy_s += time.monotonic() - t0
         self.episodes.flush(due_only=True)
         self.beat()
@@ -146,7 +153,7 @@ class RolloutWorker:
         elapsed = time.monotonic() - self.started_at
         metrics.record(self.client, self.keys, "rollout", {
             "worker": self.worker_id, "time": time.time(), "version": self.engine.version, "busy_s": self.busy_s,
-            "idle_s": max(elapsed - self.busy_s, 0.0), "final": final, **self.stats})
+            "idle_s": max(elapsed - self.busy_s, 0.0), "final": final, **self.stats, **self.calls.stats})
 
     # --- weights
     def _catch_up(self) -> None:
@@ -178,10 +185,13 @@ class RolloutWorker:
 
     # --- control: pause / load / resume
     def _handle_control(self, block_ms: int) -> None:
-        reply = self.client.xread({self.keys.control: self.control_cursor}, count=100,
+        # an idle worker also wakes on a new gateway call (the calls stream), never on a short poll
+        reply = self.client.xread({self.keys.control: self.control_cursor, **self.calls.wake_streams()}, count=100,
                                   block=block_ms if block_ms else None)
-        for _, entries in reply or []:
+        for stream, entries in reply or []:
             for entry_id, fields in entries:
+                if self.calls.saw(stream, entry_id):
+                    continue
                 self.control_cursor = entry_id.decode()
                 try:
                     cmd = control.decode_entry(entry_id, fields)
@@ -210,7 +220,7 @@ class RolloutWorker:
     def _pause(self) -> None:
         """Abort generation and make every token durable; tool and reward jobs keep running."""
         if not self.paused:
-            self.episodes.abort_all("pause")
+            self._abort_all("pause")
             self.episodes.flush()
             self.episodes.paused = True
 
@@ -218,3 +228,13 @@ class RolloutWorker:
         if self.paused:
             self.episodes.paused = False
             self.episodes.resume_all()
+            self.calls.resume()
+
+    def _abort_all(self, reason: str) -> None:
+        """Stop generating: every episode and gateway call records where it stopped."""
+        chunks = self.engine.abort_all()
+        for chunk in chunks:
+            if self.calls.owns(chunk.request_id):
+                self.calls.on_chunk(chunk)
+        self.episodes.abort_all(reason, [c for c in chunks if not self.calls.owns(c.request_id)])
+        self.calls.on_abort(reason)

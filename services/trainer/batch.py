@@ -82,6 +82,10 @@ def build_batch(groups: list[list[Episode]], pad_id: int, trainer_version: int =
     rewards = torch.tensor([r for r, _ in judged], dtype=torch.float32)
     sizes = [len(g) for g in groups]
     advantages = torch.cat([grpo_advantages(chunk[None])[0] for chunk in rewards.split(sizes)])
+    # an agent episode whose agent rewrote its history trains each forked chain as one more row, same advantage
+    rows_per_episode = torch.tensor([len(ep.rows) for ep in episodes])
+    advantages, rewards = advantages.repeat_interleave(rows_per_episode), rewards.repeat_interleave(rows_per_episode)
+    episodes = [row for ep in episodes for row in ep.rows]
     width = max(len(ep.prompt_ids) + len(ep.tokens) for ep in episodes)
     n = len(episodes)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)

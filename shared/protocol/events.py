@@ -1,4 +1,11 @@
-"""Episode event schema, version 1: the contract between every streamrl process.
+"""Episode event schema, version 2: the contract between every streamrl process.
+
+Version 2 adds agent episodes (LLM calls made through the gateway): the kinds
+``call`` and ``call_done``, an optional ``call`` field on ``tokens``,
+``aborted`` and ``resumed`` naming the call they belong to, and an optional
+``agent`` field on ``started``. Version-1 entries still decode and fold (a
+stream may mix both: a version-1 entry is read under the version-1 rules,
+which are the version-2 rules without the new kinds and fields).
 
 This module is the code *and* the documentation of the schema; the README's
 "Event schema" section is printed from it (``streamrl schema``).
@@ -9,7 +16,7 @@ msgpack payload field, always written last (so ``redis-cli -x`` can supply it
 from stdin):
 
     type    event kind, one of KINDS below ("started", "tokens", ...)
-    v       schema version, the decimal string "1"
+    v       schema version, the decimal string "2" ("1" is still read)
     policy  policy version in effect when the event was written, decimal string
             ("0" is the initial weights); for "tokens" it is the version that
             generated them
@@ -44,7 +51,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version-1 streams still fold
 HEADER_FIELDS = ("type", "v", "policy", "worker", "seq", "data")
 
 # kind -> {payload field: (type, required, meaning)}
@@ -56,18 +64,40 @@ KINDS: dict[str, dict[str, tuple[str, bool, str]]] = {
         "prompt_ids": ("ids", True, "the prompt's token ids (chat template applied)"),
         "sampling": ("map", True, "temperature, top_p, top_k, max_tokens (response budget), stop_token_ids, seed"),
         "task": ("map", False, "task metadata, e.g. the ground truth the reward function reads"),
+        "agent": ("str", False, "v2: 'module:function' of the user agent running this episode through the gateway; "
+                                "prompt_ids is then empty and every prompt comes with a 'call' event"),
     },
     "tokens": {
         "ids": ("ids", True, "a chunk of generated token ids, in order"),
         "logprobs": ("logprobs", True, "behaviour log-prob of each token in ids"),
+        "call": ("int", False, "v2: the call these tokens answer (agent episodes); absent: the episode's response"),
     },
     "aborted": {
         "reason": ("str", True, "why generation stopped: 'pause' (weight sync), 'shutdown', 'debug'"),
-        "num_tokens": ("int", True, "response tokens in the stream at the abort"),
+        "num_tokens": ("int", True, "response tokens in the stream at the abort (of the call, when 'call' is set)"),
+        "call": ("int", False, "v2: the call whose generation stopped"),
     },
     "resumed": {
         "num_tokens": ("int", True, "response tokens replayed from the stream; generation continues after them"),
         "takeover_from": ("str", False, "the worker whose episode this was, when resumed after its crash"),
+        "call": ("int", False, "v2: the call whose generation continues"),
+    },
+    "call": {
+        "call": ("int", True, "v2: index of this LLM call in the episode, 0-based, assigned by the gateway"),
+        "extends": ("int", True, "the call whose prompt + completion this prompt extends, or -1: prompt_ids is the "
+                                 "whole prompt (the first call, or a fork: the agent rewrote its history)"),
+        "prompt_ids": ("ids", True, "extends >= 0: only the tokens appended after the extended call's prompt + "
+                                    "completion (tool results, user turns, template tokens; never trained on); "
+                                    "extends = -1: the whole prompt"),
+        "digest": ("str", True, "digest of the request (messages, tools, sampling): a retry with the same digest is "
+                                "answered from this call"),
+        "sampling": ("map", True, "temperature, top_p, top_k, max_tokens (budget of this call), stop_token_ids, seed"),
+        "messages": ("str", False, "the request's messages and tools as JSON text (for replay)"),
+    },
+    "call_done": {
+        "call": ("int", True, "v2: the call that is complete"),
+        "reason": ("str", True, "'stop' (stop token), 'length' (budget or context spent)"),
+        "num_tokens": ("int", True, "completion tokens of the call"),
     },
     "tool_call": {
         "call_id": ("str", True, "id unique within the episode, pairs the call with its result"),
@@ -92,6 +122,7 @@ KINDS: dict[str, dict[str, tuple[str, bool, str]]] = {
 }
 
 TERMINAL_KINDS = ("finished", "failed")
+V2_KINDS = ("call", "call_done")
 
 
 class EventError(ValueError):
@@ -171,8 +202,11 @@ def decode(entry_id: Any, fields: dict) -> Event:
     if kind not in KINDS:
         raise EventError(entry_id, "type", f"unknown event kind {kind!r}; expected one of {', '.join(KINDS)}")
     version = _header_int(entry_id, fields, "v")
-    if version != SCHEMA_VERSION:
-        raise EventError(entry_id, "v", f"unknown schema version {version}; this build reads version {SCHEMA_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise EventError(entry_id, "v", f"unknown schema version {version}; this build reads versions "
+                                        f"{', '.join(map(str, READABLE_VERSIONS))}")
+    if version == 1 and kind in V2_KINDS:
+        raise EventError(entry_id, "type", f"event kind {kind!r} needs schema version 2, the entry says 1")
     policy = _header_int(entry_id, fields, "policy")
     seq = _header_int(entry_id, fields, "seq")
     if "data" not in fields:

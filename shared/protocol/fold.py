@@ -4,6 +4,18 @@ Replaying an episode anywhere (rollout resume, trainer, CLI) is
 ``fold(XRANGE ep:<id> - +)``. The fold is strict: a gap or duplicate in
 ``seq``, an unknown kind or schema version, an undecodable payload, or any
 event after the episode finished is an EventError naming the entry and field.
+
+Agent episodes (schema v2, ``started.agent`` set) hold LLM calls instead of one
+response: each ``call`` event opens a call, ``tokens`` with a ``call`` field
+answer it, ``call_done`` closes it. The fold keeps every call in
+``Episode.calls`` and lays the calls out for training
+(``services/trainer/batch.py`` reads prompt_ids/tokens/mask as for any episode):
+the chain of calls ending at the last call becomes the episode's one sequence
+(the first call's prompt as prompt; completions trained on with their
+log-probs and versions; the tokens each later call appends between
+completions, tool results and template tokens, masked). Calls on other
+chains (the agent rewrote its history: a fork) become ``Episode.branches``,
+one more training row each with the episode's reward.
 """
 
 from __future__ import annotations
@@ -41,6 +53,14 @@ class Episode:
     last_seq: int = -1
     last_worker: str = ""
     events: list[Event] = field(default_factory=list)
+    agent: str | None = None  # v2: the user agent running this episode through the gateway
+    calls: dict[int, "Call"] = field(default_factory=dict)  # v2: LLM calls by index
+    branches: list["Episode"] = field(default_factory=list)  # v2: forked chains of calls, one training row each
+
+    @property
+    def rows(self) -> list["Episode"]:
+        """Training rows: the episode itself, then its forked branches."""
+        return [self, *self.branches]
 
     @property
     def num_generated(self) -> int:
@@ -59,6 +79,32 @@ class Episode:
     def context_ids(self) -> list[int]:
         """What the model continues from: prompt + every response token so far."""
         return self.prompt_ids + self.tokens
+
+
+@dataclass
+class Call:
+    """One LLM call of an agent episode, rebuilt from its events."""
+
+    index: int
+    extends: int
+    prompt_ids: list[int]  # the whole prompt (the fold joins an extending call's new tokens to its parent's)
+    new_ids: list[int]  # the tokens this call's prompt adds after the extended call's prompt + completion
+    digest: str
+    sampling: dict[str, Any]
+    messages: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    aborts: list[dict] = field(default_factory=list)
+    resumes: list[dict] = field(default_factory=list)
+    done: bool = False
+    reason: str | None = None
+    seq: int = -1  # of its 'call' event
+    worker: str = ""  # the last worker that wrote for it
+
+    @property
+    def remaining(self) -> int:
+        return int(self.sampling.get("max_tokens", 0)) - len(self.tokens)
 
 
 def _as_event(entry: Event | tuple) -> Event:
@@ -80,7 +126,7 @@ def fold(entries: Iterable[Event | tuple]) -> Episode:
             d = ev.data
             episode = Episode(episode_id=d["episode_id"], group_id=d["group_id"], index=d["index"],
                               prompt_ids=list(d["prompt_ids"]), sampling=dict(d["sampling"]),
-                              task=dict(d.get("task", {})))
+                              task=dict(d.get("task", {})), agent=d.get("agent"))
         else:
             _apply(episode, ev)
         episode.last_seq = ev.seq
@@ -88,7 +134,93 @@ def fold(entries: Iterable[Event | tuple]) -> Episode:
         episode.events.append(ev)
     if episode is None:
         raise EventError("-", "type", "empty stream: no 'started' event")
+    if episode.calls:
+        _lay_out_calls(episode)
     return episode
+
+
+def _call_of(ep: Episode, ev: Event) -> "Call":
+    index = ev.data["call"]
+    if index not in ep.calls:
+        raise EventError(ev.entry_id, "data.call", f"no call {index} opened before this {ev.kind!r} event")
+    return ep.calls[index]
+
+
+def _apply_call_event(ep: Episode, ev: Event) -> None:
+    d = ev.data
+    if ev.kind == "call":
+        if d["call"] in ep.calls:
+            raise EventError(ev.entry_id, "data.call", f"call {d['call']} opened twice")
+        if d["extends"] >= 0:
+            parent = ep.calls.get(d["extends"])
+            if parent is None or not parent.done:
+                raise EventError(ev.entry_id, "data.extends", f"call {d['extends']} is not a complete call")
+            prompt = parent.prompt_ids + parent.tokens + list(d["prompt_ids"])
+        else:
+            prompt = list(d["prompt_ids"])
+        ep.calls[d["call"]] = Call(d["call"], d["extends"], prompt, list(d["prompt_ids"]), d["digest"],
+                                   dict(d["sampling"]), d.get("messages", ""), seq=ev.seq, worker=ev.worker)
+        return
+    call = _call_of(ep, ev)
+    call.worker = ev.worker
+    if call.done:
+        raise EventError(ev.entry_id, "type", f"{ev.kind!r} for call {call.index}, which is complete")
+    if ev.kind == "tokens":
+        call.tokens += d["ids"]
+        call.logprobs += d["logprobs"]
+        call.versions += [ev.policy] * len(d["ids"])
+    elif ev.kind == "aborted":
+        call.aborts.append({"reason": d["reason"], "version": ev.policy, "num_tokens": d["num_tokens"],
+                            "worker": ev.worker, "seq": ev.seq})
+    elif ev.kind == "resumed":
+        if d["num_tokens"] != len(call.tokens):
+            raise EventError(ev.entry_id, "data.num_tokens",
+                             f"call {call.index} resumed at {d['num_tokens']} tokens but the stream holds "
+                             f"{len(call.tokens)}")
+        call.resumes.append({"version": ev.policy, "num_tokens": d["num_tokens"], "worker": ev.worker,
+                             "takeover_from": d.get("takeover_from"), "seq": ev.seq})
+    elif ev.kind == "call_done":
+        if d["num_tokens"] != len(call.tokens):
+            raise EventError(ev.entry_id, "data.num_tokens",
+                             f"call {call.index} done at {d['num_tokens']} tokens but the stream holds "
+                             f"{len(call.tokens)}")
+        call.done, call.reason = True, d["reason"]
+
+
+def _chain(ep: Episode, last: "Call") -> list["Call"]:
+    chain = [last]
+    while chain[-1].extends >= 0:
+        chain.append(ep.calls[chain[-1].extends])
+    return chain[::-1]
+
+
+def _row(ep: Episode, chain: list["Call"]) -> tuple[list[int], list[int], list[float], list[int], list[int]]:
+    prompt, tokens, logprobs, versions, mask = list(chain[0].prompt_ids), [], [], [], []
+    for i, call in enumerate(chain):
+        if i:  # what this call appended after its parent: context, never trained on
+            tokens += call.new_ids
+            logprobs += [0.0] * len(call.new_ids)
+            versions += [PROMPT_VERSION] * len(call.new_ids)
+            mask += [0] * len(call.new_ids)
+        tokens += call.tokens
+        logprobs += call.logprobs
+        versions += call.versions
+        mask += [1] * len(call.tokens)
+    return prompt, tokens, logprobs, versions, mask
+
+
+def _lay_out_calls(ep: Episode) -> None:
+    """The calls as training rows: one per chain (leaf call), the chain of the last call first."""
+    parents = {c.extends for c in ep.calls.values()}
+    leaves = sorted((c for c in ep.calls.values() if c.index not in parents), key=lambda c: c.index, reverse=True)
+    rows = [_row(ep, _chain(ep, leaf)) for leaf in leaves]
+    ep.prompt_ids, ep.tokens, ep.logprobs, ep.versions, ep.mask = rows[0]
+    ep.branches = []
+    for prompt, tokens, logprobs, versions, mask in rows[1:]:
+        branch = Episode(ep.episode_id, ep.group_id, ep.index, prompt, ep.sampling, ep.task, tokens, logprobs,
+                         versions, mask, status=ep.status, finish_reason=ep.finish_reason, reward=ep.reward,
+                         reward_details=ep.reward_details, agent=ep.agent)
+        ep.branches.append(branch)
 
 
 def _apply(ep: Episode, ev: Event) -> None:
@@ -97,6 +229,10 @@ def _apply(ep: Episode, ev: Event) -> None:
         raise EventError(ev.entry_id, "type", f"{ev.kind!r} after the episode {ep.status} (seq {ep.last_seq})")
     if ev.kind == "started":
         raise EventError(ev.entry_id, "type", "a second 'started' event")
+    if "call" in d and ev.kind in ("tokens", "aborted", "resumed", "call", "call_done"):
+        return _apply_call_event(ep, ev)
+    if ev.kind in ("call", "call_done"):
+        raise EventError(ev.entry_id, "data.call", "missing")  # unreachable: 'call' is required for these kinds
     if ev.kind == "tokens":
         ep.tokens += d["ids"]
         ep.logprobs += d["logprobs"]

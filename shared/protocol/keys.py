@@ -8,6 +8,7 @@ PREFIX = "streamrl"
 ROLLOUT_GROUP = "rollout"  # rollout workers on the prompts streams (training and validation)
 TRAINER_GROUP = "trainer"  # the trainer on the samples stream
 TOOL_QUEUE = "tools"  # rq queue of tool calls, per run: Keys.tool_queue
+AGENT_QUEUE = "agents"  # rq queue of user agent episodes, per run: Keys.agent_queue
 
 
 class Keys:
@@ -56,6 +57,22 @@ class Keys:
 
     driver_enqueued = property(lambda self: f"{self.base}driver:enqueued")  # groups the driver has enqueued so far
     val_requested = property(lambda self: f"{self.base}validation:requested")  # validation rounds asked for
+
+    def call_index(self, episode_id: str) -> str:
+        """Hash of an agent episode's calls: request digest -> call index, '#n' -> calls so far (the gateway's
+        idempotency record: a request with a digest already there is answered from that call)."""
+        return f"{self.base}calls:{episode_id}"
+
+    def agents_done(self, group_id: str) -> str:
+        """Set of a group's agent episodes that have ended (the last one in publishes the group)."""
+        return f"{self.base}agents:done:{group_id}"
+
+    calls = property(lambda self: f"{self.base}calls")  # LLM call requests from the gateway (rollout group)
+    agents_running = property(lambda self: f"{self.base}agents:running")  # episode -> JSON {worker, job args}
+
+    @property
+    def agent_queue(self) -> str:
+        return f"{AGENT_QUEUE}-{self.run}"
 
     @property
     def tool_queue(self) -> str:

@@ -57,6 +57,16 @@ class Config:
     reward_timeout: float = 60.0  # seconds one reward job may run; past it the episode fails (where: reward)
     step_delay_ms: float = 0.0  # drills and benchmarks: wrap the engine in a simulated slow one (engine/slow.py) sleeping this long per step
     heartbeat_ttl: float = 5.0  # seconds after its last heartbeat a worker counts as dead
+    max_calls_in_flight: int = 64  # gateway LLM calls one rollout worker serves at once
+    # agents and the gateway
+    agent: str = ""  # module:function(client, task) -> reward | {"reward", "details"}: a user agent run per episode
+    agent_workers: int = 4  # agents worker processes `streamrl run` starts (each runs one agent episode at a time)
+    agent_timeout: float = 600.0  # seconds one agent episode may run (rq job timeout)
+    gateway_host: str = "127.0.0.1"  # the gateway listens here (loopback by default)
+    gateway_port: int = 8321  # ... on this port
+    gateway_url: str = ""  # how agents reach a gateway; empty: http://gateway_host:gateway_port
+    gateway_api_key: str = ""  # when set, the gateway asks for it as the bearer token
+    gateway_timeout: float = 60.0  # seconds a non-streaming call is held before a 503 asking the client to retry
     # trainer
     batch_groups: int = 8  # prompt groups per optimizer step
     steps_per_version: int = 1  # optimizer steps between weight publishes
@@ -116,6 +126,10 @@ class Config:
     def device_of(self, service: str) -> str:
         """The device of ``service`` ("rollout" or "trainer"): its own key, else ``device``."""
         return getattr(self, f"{service}_device") or self.device
+
+    @property
+    def agent_gateway_url(self) -> str:
+        return self.gateway_url.rstrip("/") or f"http://{self.gateway_host}:{self.gateway_port}"
 
     @property
     def weights_path(self) -> Path:
@@ -241,6 +255,11 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'max_staleness': expected an integer >= 0, got {cfg.max_staleness}")
     if cfg.lr <= 0 or cfg.clip_low < 0 or cfg.clip_high < 0 or cfg.is_cap < 0:
         raise ConfigError("config keys lr, clip_low, clip_high, is_cap: expected lr > 0 and the others >= 0")
+    if cfg.agent and ":" not in cfg.agent:
+        raise ConfigError(f"config key 'agent': expected 'module:function', got {cfg.agent!r}")
+    if cfg.max_calls_in_flight < 1 or cfg.agent_workers < 1 or not 0 < cfg.gateway_port < 65536 or cfg.agent_timeout <= 0:
+        raise ConfigError("config keys max_calls_in_flight, gateway_port, agent_timeout: expected an integer >= 1, "
+                          "a port 1-65535 and seconds > 0")
     if ":" not in cfg.reward_fn:
         raise ConfigError(f"config key 'reward_fn': expected 'module:function', got {cfg.reward_fn!r}")
     if cfg.val_every < 0 or cfg.val_size < 1 or not 0 <= cfg.val_fraction < 1:

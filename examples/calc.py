@@ -1,0 +1,26 @@
+"""A user agent for streamrl, written with the stock `openai` package: the arithmetic task,
+with a calculator as a native tool. Train it: `streamrl run --agent examples.calc:agent`."""
+
+import json
+import re
+
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate + - * on integers",
+          "parameters": {"type": "object", "properties": {"e": {"type": "string"}}, "required": ["e"]}}}]
+
+
+def calc(expr: str) -> str:
+    return str(eval(expr, {}, {})) if re.fullmatch(r"[\d+\-* ()]{1,40}", expr) else "error: bad expression"
+
+
+def agent(client, task: dict) -> dict:
+    messages = [{"role": "user", "content": task["prompt"]}]
+    for _ in range(4):
+        message = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS).choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
+            expr = json.loads(call.function.arguments or "{}").get("e", "")
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": calc(str(expr))})
+    numbers = re.findall(r"-?\d+", message.content or "")
+    return {"reward": float(bool(numbers) and numbers[-1] == str(task["answer"])), "details": {"turns": len(messages)}}

@@ -1,0 +1,44 @@
+"""Agent episodes: with ``agent = "module:function"`` set, the driver hands each
+prompt group to the agents workers as rq jobs (one per episode) instead of to
+the rollout workers' prompts stream. The job function is named by its import
+path: the driver never imports the gateway package (services are siblings)."""
+
+from __future__ import annotations
+
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from shared.protocol.keys import Keys
+
+JOB = "services.gateway.runner.run_episode"
+
+
+def job_id(run: str, episode_id: str, attempt: int = 0) -> str:
+    return f"{run}-{episode_id}" + (f"-r{attempt}" if attempt else "")
+
+
+def group_specs(cfg, group_id: str, task: dict, n: int) -> list[dict]:
+    """The job specs of one group's agent episodes (JSON: rq runs them with the JSON serializer)."""
+    episodes = [f"{group_id}-{i}" for i in range(n)]
+    return [{"run": cfg.run, "episode_id": eid, "group_id": group_id, "index": i, "episodes": episodes,
+             "task": task, "agent": cfg.agent, "gateway_url": cfg.agent_gateway_url, "api_key": cfg.gateway_api_key,
+             "timeout": cfg.agent_timeout, "attempt": 0,
+             "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens}}
+            for i, eid in enumerate(episodes)]
+
+
+def queue(client, keys: Keys) -> Queue:
+    return Queue(keys.agent_queue, connection=client, serializer=JSONSerializer)
+
+
+def enqueue_group(cfg, client, keys: Keys, group_id: str, task: dict, n: int) -> list[str]:
+    q = queue(client, keys)
+    jobs = [Queue.prepare_data(JOB, args=(spec,), job_id=job_id(cfg.run, spec["episode_id"]),
+                               timeout=int(cfg.agent_timeout) + 60, result_ttl=3600, failure_ttl=86400)
+            for spec in group_specs(cfg, group_id, task, n)]
+    return [j.id for j in q.enqueue_many(jobs)]
+
+
+def waiting_groups(cfg, client, keys: Keys) -> int:
+    """Groups whose agent jobs wait for a worker (about: jobs waiting / group size)."""
+    return len(queue(client, keys)) // max(cfg.group_size, 1)

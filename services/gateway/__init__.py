@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway: agents' LLM calls in, episode streams out."""

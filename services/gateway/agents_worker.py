@@ -1,0 +1,95 @@
+"""`python -m services.gateway.agents_worker`: an rq worker that runs agent episodes.
+
+A ``SimpleWorker`` (the job runs in this process; the agent's tools run in it
+too, and keep running while a weight sync pauses generation). Run several for
+concurrency (``streamrl run`` starts ``agent_workers`` of them).
+
+Durability: rq 3.0 retries an abandoned job only once its started-registry
+entry expires (the job monitoring interval + 60 s) and a maintenance pass runs
+(every 10 minutes by default). This worker reaps faster with streamrl's own
+heartbeats: it writes ``alive:agents:<id>`` every second, and a job listed in
+``agents:running`` under a worker whose heartbeat key has been missing for a
+whole ``heartbeat_ttl`` is enqueued again (one claim per job, by a
+compare-and-set). The re-run's calls are answered from the episode stream.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from rq import Queue, SimpleWorker
+from rq.serializers import JSONSerializer
+
+from services.gateway import runner
+from shared.runtime.connection import connect
+from shared.runtime.service import Service
+
+_CLAIM = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+  return 1
+end
+return 0
+"""
+
+
+class Reaper:
+    def __init__(self, cfg, client, keys, worker_id: str, log):
+        self.cfg, self.client, self.keys, self.worker_id, self.log = cfg, client, keys, worker_id, log
+        self.queue = Queue(keys.agent_queue, connection=client, serializer=JSONSerializer)
+        self.missing: dict[str, float] = {}
+
+    def reap(self) -> int:
+        requeued = 0
+        for eid, raw in self.client.hgetall(self.keys.agents_running).items():
+            entry = json.loads(raw)
+            owner = entry["worker"]
+            if owner == self.worker_id or self.client.exists(self.keys.alive("agents", owner)):
+                self.missing.pop(owner, None)
+                continue
+            if time.monotonic() - self.missing.setdefault(owner, time.monotonic()) < self.cfg.heartbeat_ttl:
+                continue
+            spec = {**entry["spec"], "attempt": entry["spec"].get("attempt", 0) + 1}
+            mine = json.dumps({"worker": f"requeued-by-{self.worker_id}", "spec": spec})
+            if self.client.eval(_CLAIM, 1, self.keys.agents_running, eid, raw, mine):
+                self.queue.enqueue_call(runner.run_episode.__module__ + ".run_episode", args=(spec,),
+                                        job_id=f"{spec['run']}-{spec['episode_id']}-r{spec['attempt']}",
+                                        timeout=int(spec.get("timeout", 600)) + 60, result_ttl=3600,
+                                        failure_ttl=86400, at_front=True)
+                self.log.warning("agent episode re-run: its worker died", episode=eid.decode(), dead=owner,
+                                 attempt=spec["attempt"])
+                requeued += 1
+        return requeued
+
+
+def main(argv=None) -> None:
+    svc = Service("agents", argv)
+    runner.WORKER_ID = svc.worker_id
+    reaper = Reaper(svc.cfg, connect(svc.cfg.redis_url), svc.keys, svc.worker_id, svc.log)
+    ttl = svc.cfg.heartbeat_ttl
+
+    def beat() -> None:  # a thread: the heartbeat keeps going while an agent runs in the main thread
+        hb = connect(svc.cfg.redis_url)
+        key = svc.keys.alive("agents", svc.worker_id)
+        while True:
+            try:
+                pipe = hb.pipeline()
+                pipe.hset(key, mapping={"time": time.time()})
+                pipe.pexpire(key, int(ttl * 1000))
+                pipe.execute()
+                reaper.reap()
+            except Exception as exc:  # Redis away for a moment: try again next beat
+                svc.log.warning("heartbeat failed", error=str(exc))
+            time.sleep(min(1.0, ttl / 3))
+
+    threading.Thread(target=beat, daemon=True, name="agents-heartbeat").start()
+    queue = Queue(svc.keys.agent_queue, connection=svc.client, serializer=JSONSerializer)
+    worker = SimpleWorker([queue], connection=svc.client, serializer=JSONSerializer, name=svc.worker_id)
+    svc.log.info("ready", queue=queue.name)
+    worker.work(with_scheduler=False, logging_level="WARNING")
+
+
+if __name__ == "__main__":
+    main()

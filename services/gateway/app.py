@@ -1,0 +1,168 @@
+"""HTTP: the OpenAI-compatible routes over ``core.Gateway``.
+
+The episode is named in the base URL, so a stock client needs only
+``base_url=http://host:port/ep/<episode_id>/v1``:
+
+    POST /ep/<episode>/v1/chat/completions   messages, tools, temperature, top_p, max_tokens, stop, logprobs, stream
+    POST /ep/<episode>/v1/completions        prompt (text or token ids), same sampling fields
+    GET  /ep/<episode>/v1/models, /v1/models
+    GET  /healthz
+
+Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``
+with a 4xx naming the field; a call held longer than ``gateway_timeout`` is
+answered 503 with ``x-should-retry: true`` (the SDK retries it, and the retry
+waits on the same call: nothing is generated twice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.gateway import toolparse
+from services.gateway.core import Gateway, GatewayError, Prepared
+
+
+def _error(exc: GatewayError) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status < 500 else "server_error"
+    return JSONResponse({"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.code}},
+                        status_code=exc.status, headers=exc.headers)
+
+
+def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):  # every waiting call holds a thread: room for many agents at once
+        anyio.to_thread.current_default_thread_limiter().total_tokens = 512
+        yield
+
+    app = FastAPI(title="streamrl gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    @app.middleware("http")
+    async def _guard(request: Request, call_next):
+        if api_key and request.url.path != "/healthz" and \
+                request.headers.get("authorization", "") != f"Bearer {api_key}":
+            return _error(GatewayError(401, "authorization: missing or wrong API key (Bearer token)", None,
+                                       "invalid_api_key"))
+        try:
+            return await call_next(request)
+        except GatewayError as exc:
+            return _error(exc)
+        except Exception as exc:  # never a traceback to the client; the log has it
+            gw.log.exception("gateway request failed", path=request.url.path)
+            return _error(GatewayError(500, f"internal error: {exc.__class__.__name__}", None, "internal_error"))
+
+    async def _body(request: Request):
+        raw = await request.body()
+        try:
+            return json.loads(raw or b"null")
+        except ValueError as exc:
+            raise GatewayError(400, f"request body: malformed JSON ({exc})", None, "invalid_json") from None
+
+    def _models() -> dict:
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "streamrl"}
+                                           for m in gw.model_names]}
+
+    app.get("/v1/models")(_models)
+    app.get("/ep/{episode_id}/v1/models")(lambda episode_id: _models())
+    app.get("/healthz")(lambda: {"ok": True})
+
+    @app.post("/ep/{episode_id}/v1/chat/completions")
+    async def chat(episode_id: str, request: Request):
+        body = await _body(request)
+        prep = await anyio.to_thread.run_sync(gw.prepare_chat, episode_id, body)
+        return await _respond(prep, chat=True)
+
+    @app.post("/ep/{episode_id}/v1/completions")
+    async def completions(episode_id: str, request: Request):
+        body = await _body(request)
+        prep = await anyio.to_thread.run_sync(gw.prepare_completion, episode_id, body)
+        return await _respond(prep, chat=False)
+
+    async def _respond(prep: Prepared, chat: bool):
+        if prep.stream:
+            return StreamingResponse(_sse(prep, chat), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
+        return await anyio.to_thread.run_sync(_whole, prep, chat)
+
+    def _whole(prep: Prepared, chat: bool):
+        for kind, value in gw.follow(prep.episode_id, prep.call, gw.cfg.gateway_timeout):
+            if kind == "timeout":
+                raise GatewayError(503, f"call {prep.call} of episode {prep.episode_id!r} is still generating "
+                                        f"(a weight sync holds it); retry: the retry waits on the same call",
+                                   None, "still_generating", {"x-should-retry": "true", "retry-after": "1"})
+            if kind == "done":
+                return _completion(prep, value, chat)
+
+    def _usage(call) -> dict:
+        return {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.tokens),
+                "total_tokens": len(call.prompt_ids) + len(call.tokens)}
+
+    def _completion(prep: Prepared, call, chat: bool) -> dict:
+        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{prep.episode_id}-{prep.call}", "created": int(time.time()),
+                "model": prep.model, "usage": _usage(call), "streamrl": {"episode": prep.episode_id, "call": call.index}}
+        if not chat:
+            text = gw.tok.decode(call.tokens, skip_special_tokens=True)
+            reason = "stop" if call.reason == "stop" else "length"
+            return {**base, "object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": reason,
+                                                                      "logprobs": None}]}
+        message, reason, problems = gw.answer(call)
+        if problems:
+            gw.log.warning("tool call not parsed; answered as text", episode=prep.episode_id, call=call.index,
+                           problems=problems)
+        return {**base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "finish_reason": reason,
+                             "logprobs": gw.logprobs(call) if prep.logprobs else None}]}
+
+    def _sse(prep: Prepared, chat: bool):
+        """Real streaming: deltas as the tokens land in the episode stream, across aborts and resumes."""
+        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{prep.episode_id}-{prep.call}", "created": int(time.time()),
+                "model": prep.model, "object": "chat.completion.chunk" if chat else "text_completion"}
+
+        def event(delta: dict | None = None, reason=None, text: str | None = None, **extra) -> str:
+            choice = {"index": 0, "finish_reason": reason}
+            if chat:
+                choice["delta"] = delta or {}
+            else:
+                choice["text"] = text or ""
+            return f"data: {json.dumps({**base, 'choices': [choice], **extra})}\n\n"
+
+        sent = 0
+        if chat:
+            yield event({"role": "assistant", "content": ""})
+        try:
+            for kind, value in gw.follow(prep.episode_id, prep.call, 24 * 3600.0):
+                if kind == "wait":
+                    yield ": still generating\n\n"  # keeps proxies and clients from timing out during a sync
+                elif kind == "tokens":
+                    text = gw.tok.decode(value, skip_special_tokens=True)
+                    upto = toolparse.safe_prefix_len(text) if chat else len(text)
+                    if upto > sent:
+                        yield event({"content": text[sent:upto]}, text=text[sent:upto])
+                        sent = upto
+                elif kind == "done":
+                    call = value
+                    text = gw.tok.decode(call.tokens, skip_special_tokens=True)
+                    if chat:
+                        message, reason, _ = gw.answer(call)
+                        if message.get("tool_calls"):
+                            calls = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+                            yield event({"tool_calls": calls})
+                        elif len(text) > sent:
+                            yield event({"content": text[sent:]})
+                    else:
+                        reason = "stop" if call.reason == "stop" else "length"
+                        if len(text) > sent:
+                            yield event(text=text[sent:])
+                    yield event(reason=reason)
+                    if prep.include_usage:
+                        yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage(call)})}\n\n"
+        except GatewayError as exc:
+            yield f"data: {json.dumps({'error': {'message': exc.message, 'code': exc.code}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return app

@@ -1,0 +1,140 @@
+"""Messages -> prompt token ids, without ever re-tokenizing a sampled turn.
+
+Pure functions over a tokenizer. A request whose messages extend an earlier
+call's messages plus the assistant reply the gateway returned for it reuses
+that call's exact prompt + completion ids and appends only the new messages,
+rendered as a diff of the chat template (a fixed dummy conversation with and
+without them, cut after its end-of-turn token: TRL's tool-suffix trick,
+verl's ContinuousTokenBuilder). Anything else renders the whole conversation
+(a fork). Messages are compared canonically: tool-call ids dropped, arguments
+parsed as JSON, ``None`` and ``""`` content equal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from services.gateway import toolparse
+
+DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+class RenderError(ValueError):
+    """The chat template refused the messages (names the problem)."""
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def _args(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def canonical(message: dict) -> dict:
+    out = {"role": message.get("role"), "content": _text(message.get("content"))}
+    calls = message.get("tool_calls") or []
+    if calls:
+        out["tool_calls"] = [{"name": (c.get("function") or {}).get("name"),
+                              "arguments": _args((c.get("function") or {}).get("arguments"))} for c in calls]
+    if message.get("name"):
+        out["name"] = message["name"]
+    return out
+
+
+def digest(kind: str, payload: Any) -> str:
+    return hashlib.sha256(json.dumps([kind, payload], sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI messages as the chat template wants them (plain text content, arguments as objects)."""
+    out = []
+    for m in messages:
+        t = {"role": m["role"], "content": _text(m.get("content"))}
+        if m.get("tool_calls"):
+            t["tool_calls"] = [{"type": "function", "id": c.get("id", ""),
+                                "function": {"name": c["function"]["name"],
+                                             "arguments": _args(c["function"].get("arguments"))}}
+                               for c in m["tool_calls"]]
+        for k in ("name", "tool_call_id"):
+            if m.get(k):
+                t[k] = m[k]
+        out.append(t)
+    return out
+
+
+class Renderer:
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        vocab = tokenizer.get_vocab()
+        self.end_text = "<|im_end|>" if "<|im_end|>" in vocab else tokenizer.eos_token
+        self.end_id = vocab.get(self.end_text, tokenizer.eos_token_id)
+        self.stop_ids = sorted({i for i in (self.end_id, tokenizer.eos_token_id) if i is not None})
+        if not getattr(tokenizer, "chat_template", None):
+            raise RenderError("the model's tokenizer has no chat template (tokenizer_config.json: chat_template)")
+
+    def _apply(self, messages, tools, generation: bool) -> str:
+        try:
+            return self.tok.apply_chat_template(template_messages(messages), tools=tools or None,
+                                                add_generation_prompt=generation, tokenize=False)
+        except Exception as exc:  # jinja raises its own kinds, templates raise_exception(...)
+            raise RenderError(f"the chat template refused the messages: {exc}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def full(self, messages: list[dict], tools) -> list[int]:
+        return self.encode(self._apply(messages, tools, True))
+
+    def bridge(self, parent_ended: bool, new_messages: list[dict], tools) -> list[int] | None:
+        """Tokens that follow a completed assistant turn to append ``new_messages`` and open the next assistant
+        turn; None when the template does not render them as an append (then the caller forks)."""
+        base = self._apply(DUMMY, tools, False)
+        full = self._apply(DUMMY + new_messages, tools, True)
+        cut = base.rfind(self.end_text)
+        if cut < 0 or not full.startswith(base[:cut + len(self.end_text)]):
+            return None
+        ids = self.encode(full[cut + len(self.end_text):])
+        return ids if parent_ended else [self.end_id, *ids]
+
+    def assistant(self, completion_ids: list[int], call_index: int) -> tuple[dict, list[str]]:
+        """The assistant message the gateway answers for a completion (deterministic: a retry gets the same)."""
+        text = self.tok.decode(completion_ids, skip_special_tokens=True)
+        parsed = toolparse.parse(text)
+        message: dict = {"role": "assistant", "content": parsed.content if (parsed.content or not parsed.calls)
+                         else None}
+        if parsed.calls:
+            message["tool_calls"] = [{"id": f"call_{call_index}_{k}", "type": "function",
+                                      "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                     for k, c in enumerate(parsed.calls)]
+        return message, parsed.problems
+
+
+def find_parent(calls: dict, messages: list[dict], tools, renderer: Renderer):
+    """(parent call, new messages) when ``messages`` extend a complete call's messages + its answer; else None."""
+    want = [canonical(m) for m in messages]
+    for call in sorted(calls.values(), key=lambda c: c.index, reverse=True):
+        if not call.done or not call.messages:
+            continue
+        try:
+            logged = json.loads(call.messages)
+        except ValueError:
+            continue
+        if logged.get("tools") != tools:
+            continue
+        answer, _ = renderer.assistant(call.tokens, call.index)
+        prev = [canonical(m) for m in logged.get("messages", [])] + [canonical(answer)]
+        if len(want) > len(prev) and want[:len(prev)] == prev:
+            return call, messages[len(prev):]
+    return None

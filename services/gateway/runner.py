@@ -1,0 +1,135 @@
+"""The rq job that runs one agent episode: ``run_episode(spec)``.
+
+The job writes the episode's ``started`` event (unless its stream already has
+it: a re-run), calls the user's ``agent(client, task)`` with a stock
+``openai.OpenAI`` client bound to the episode (``base_url=<gateway>/ep/<id>/v1``),
+writes ``finished`` with the reward it returns (or ``failed``), and publishes
+the group to ``samples`` exactly once when the last of its episodes ends.
+
+Durable: when the process running an agent dies, another agents worker runs
+the job again (``agents_worker`` reaps jobs whose worker's heartbeat lapsed).
+Every call the agent makes again is matched to the call already in the stream
+by its digest and answered from it, so no completed call is generated twice;
+a call still in flight is waited on.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+
+from shared.protocol.episode_log import EpisodeLog, Fenced
+from shared.protocol.fold import fold
+from shared.protocol.keys import Keys
+from shared.runtime import logs
+
+WORKER_ID = "agents-inline"  # set by the agents worker process: who runs the job (for the reaper)
+
+_PUBLISH = """
+redis.call('SADD', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], 604800)
+if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[3]) then
+  if redis.call('SET', KEYS[2], ARGV[2], 'NX', 'EX', 604800) then
+    redis.call('XADD', KEYS[3], '*', 'group_id', ARGV[2], 'episodes', ARGV[4], 'worker', ARGV[5], 'n', ARGV[3])
+    return 1
+  end
+end
+return 0
+"""
+
+
+def load_agent(spec: str):
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"agent {spec!r}: cannot load ({exc})") from None
+    if not callable(fn):
+        raise ValueError(f"agent {spec!r}: not callable")
+    return fn
+
+
+def normalise(out) -> tuple[float, dict]:
+    """What an agent returns -> (reward, details): a number, or a dict with 'reward' (and 'details')."""
+    details: dict = {}
+    if isinstance(out, dict):
+        details = dict(out.get("details") or {})
+        out = out.get("reward")
+    if isinstance(out, bool) or not isinstance(out, (int, float)):
+        raise ValueError(f"agent returned {type(out).__name__}, expected a number or a dict with a numeric 'reward'")
+    return float(out), details
+
+
+def _append_last(log: EpisodeLog, episode_id: str, kind: str, data: dict, policy: int = 0, tries: int = 20) -> bool:
+    """Append one event after whatever the stream holds (other writers may be appending calls)."""
+    for _ in range(tries):
+        ep = fold(log.read(episode_id))
+        if ep.done:
+            return False
+        log.open(episode_id, ep.last_seq + 1)
+        log.append(episode_id, kind, data, policy)
+        try:
+            log.flush_or_raise([episode_id])
+            return True
+        except Fenced:
+            continue
+    raise RuntimeError(f"episode {episode_id}: could not append {kind!r} after {tries} tries")
+
+
+def _record_metrics(client, keys: Keys, episode_id: str) -> None:
+    """One 'agent' metrics record per ended episode: calls, training rows, forks (linear chains vs rewritten
+    histories), aborted and resumed calls."""
+    ep = fold(client.xrange(keys.episode(episode_id)))
+    calls = list(ep.calls.values())
+    client.xadd(keys.metrics, {"kind": "agent", "json": json.dumps({
+        "episode": episode_id, "time": time.time(), "status": ep.status, "reward": ep.reward, "calls": len(calls),
+        "rows": len(ep.rows) if calls else 0, "forks": sum(c.extends < 0 and c.index > 0 for c in calls),
+        "linear": int(bool(calls) and not ep.branches), "aborted_calls": sum(bool(c.aborts) for c in calls),
+        "generated": ep.num_generated})}, maxlen=100_000, approximate=True)
+
+
+def run_episode(spec: dict) -> dict:
+    from rq import get_current_job
+
+    import openai
+
+    client = get_current_job().connection
+    keys = Keys(spec["run"])
+    eid = spec["episode_id"]
+    log = logs.get("agents", episode=eid, worker=WORKER_ID)
+    client.hset(keys.agents_running, eid, json.dumps({"worker": WORKER_ID, "spec": spec}))
+    events = EpisodeLog(client, keys, WORKER_ID)
+    if not events.read(eid):
+        events.open(eid, 0)
+        events.append(eid, "started", {"episode_id": eid, "group_id": spec["group_id"], "index": spec["index"],
+                                       "prompt_ids": [], "sampling": spec.get("sampling", {}), "task": spec["task"],
+                                       "agent": spec["agent"]}, 0)
+        try:
+            events.flush_or_raise([eid])
+        except Fenced:
+            pass  # another run of this job started it first
+    ep = fold(events.read(eid))
+    result = {"episode_id": eid, "rerun": bool(ep.calls) or ep.done}
+    if not ep.done:
+        t0 = time.monotonic()
+        oai = openai.OpenAI(base_url=f"{spec['gateway_url']}/ep/{eid}/v1", api_key=spec.get("api_key") or "streamrl",
+                            max_retries=100, timeout=spec.get("timeout", 600.0))
+        try:
+            reward, details = normalise(load_agent(spec["agent"])(oai, dict(spec["task"])))
+            _append_last(events, eid, "finished", {"reason": "stop", "reward": reward, "details": details})
+            result.update(reward=reward)
+            log.info("agent episode finished", reward=reward, seconds=round(time.monotonic() - t0, 3))
+        except Exception as exc:  # a user's agent can raise anything: an error on the episode, not a lost group
+            error = f"agent {spec['agent']} raised {exc.__class__.__name__}: {exc}"
+            log.warning("agent episode failed", error=error)
+            _append_last(events, eid, "failed", {"error": error[:2000], "where": "agent"})
+            result.update(error=error)
+    _record_metrics(client, keys, eid)
+    published = client.eval(_PUBLISH, 3, keys.agents_done(spec["group_id"]), keys.sampled(spec["group_id"]),
+                            keys.samples, eid, spec["group_id"], len(spec["episodes"]), ",".join(spec["episodes"]),
+                            WORKER_ID)
+    client.hdel(keys.agents_running, eid)
+    result["published"] = bool(published)
+    return result
+

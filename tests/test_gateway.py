@@ -1,0 +1,243 @@
+"""The gateway end to end: a stock `openai` client, real rollout workers (subprocesses), real rq agents
+workers, weight syncs and kill -9 of every process that serves a call."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from services.driver import agents as driver_agents
+from services.gateway.__main__ import build
+from services.trainer.batch import build_batch
+from shared.runtime import logs
+from shared.runtime.config import Config
+from shared.protocol.keys import Keys
+from tests.chat_models import CALC_TOOL, calc_conversation, scripted_chat_model
+from tests.gateway_agents import calc_agent
+from tests.gateway_stack import (InProcessGateway, env_for, episode, free_port, kill9, spawn, start_agent_episode,
+                                 stop, wait_alive, wait_http, wait_until)
+from tests.rollout_harness import acks, send
+from services.gateway.runner import _append_last
+from services.gateway.chat import template_messages
+from shared.protocol.episode_log import EpisodeLog
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+TASK = {"question": "2+3?", "answer": "5"}
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return scripted_chat_model(tmp_path_factory.mktemp("chat"), [(calc_conversation(2, 3), [CALC_TOOL])])
+
+
+@pytest.fixture(scope="module")
+def stack(chat_dir, redis_server):
+    """One run: a rollout worker (slowed a little, so a sync can land mid-call) and an in-process gateway."""
+    from shared.runtime.connection import connect
+
+    client = connect(redis_server.url)
+    keys = Keys("gw-stack")
+    env = env_for(redis_server.url, keys, chat_dir, heartbeat_ttl=2, step_delay_ms=20, temperature=0)
+    worker = spawn("services.rollout", env, "--worker-id", "rw1")
+    cfg = Config(run=keys.run, model_dir=chat_dir, redis_url=redis_server.url, gateway_timeout=120,
+                 temperature=0.0, max_tokens=96)  # the server's policy: greedy unless a request says otherwise
+    with InProcessGateway(build(cfg, client, logs.get("gateway-test"))) as gw:
+        wait_alive(client, keys, "rollout", "rw1")
+        yield {"client": client, "keys": keys, "gw": gw, "env": env, "dir": chat_dir, "url": redis_server.url}
+    stop(worker)
+
+
+def oai(base_url: str, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="test", **kw)
+
+
+def in_thread(fn, *args):
+    out = {}
+    t = threading.Thread(target=lambda: out.update(result=fn(*args)), daemon=True)
+    t.start()
+    return t, out
+
+
+def describe(ep) -> str:
+    return "\n".join(f"{e.seq} {e.kind} v{e.policy} {e.worker} " + str({k: (len(v) if isinstance(v, list) else v)
+                                                                       for k, v in e.data.items() if k != "messages"})
+                     for e in ep.events)
+
+
+def call_tokens(client, keys, eid, index):
+    ep = episode(client, keys, eid)
+    call = ep.calls.get(index)
+    return len(call.tokens) if call else 0
+
+
+def test_multi_turn_tool_episode_survives_a_weight_sync_and_trains_on_exactly_the_generated_ids(stack):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "sync-0", TASK)
+    t, out = in_thread(calc_agent, oai(gw.base_url("sync-0")), TASK)
+    wait_until(lambda: call_tokens(client, keys, "sync-0", 0) >= 4, what="call 0 generating")
+    send(client, keys, "pause", sync="s1")
+    wait_until(lambda: acks(client, keys, "pause"), what="pause ack")
+    send(client, keys, "load", sync="s1", version=1, path=str(Path(stack["dir"]) / "model.safetensors"))
+    wait_until(lambda: acks(client, keys, "load"), what="load ack")
+    send(client, keys, "resume", sync="s1")
+    t.join(timeout=120)
+    result = out["result"]
+    ep = episode(client, keys, "sync-0")
+    assert result == {"reward": 1.0, "details": {"turns": 3, "answer": "answer: 5"}}, describe(ep)
+    c0 = ep.calls[0]
+    assert c0.aborts and c0.aborts[0]["reason"] == "pause" and c0.resumes and set(c0.versions) == {0, 1}
+    assert [ep.calls[i].extends for i in range(3)] == [-1, 0, 1] and not ep.branches
+    # token exactness: the one training row is every call's exact prompt and completion ids
+    generated = [t for i in range(3) for t in ep.calls[i].tokens]
+    assert ep.prompt_ids + ep.tokens == ep.calls[2].prompt_ids + ep.calls[2].tokens
+    assert [t for t, m in zip(ep.tokens, ep.mask) if m] == generated
+    tok = AutoTokenizer.from_pretrained(stack["dir"])
+    rendered = tok.apply_chat_template(template_messages(calc_conversation(2, 3)), tools=[CALC_TOOL], tokenize=False)
+    assert tok.decode(ep.prompt_ids + ep.tokens) + "\n" == rendered  # same as a full render, never re-tokenized
+    _append_last(EpisodeLog(client, keys, "test"), "sync-0", "finished", {"reason": "stop", "reward": 1.0})
+    batch = build_batch([[episode(client, keys, "sync-0")]], pad_id=0)
+    row = batch.input_ids[0][:len(ep.prompt_ids) + len(ep.tokens)].tolist()
+    assert row == ep.prompt_ids + ep.tokens
+    assert batch.targets[0][batch.loss_mask[0] > 0].tolist() == generated
+
+
+def test_streaming_deltas_and_a_retry_answered_from_the_stream(stack):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "stream-0", TASK)
+    api = oai(gw.base_url("stream-0"))
+    body = dict(model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC_TOOL], temperature=0,
+                max_tokens=96)
+    chunks = list(api.chat.completions.create(stream=True, stream_options={"include_usage": True}, **body))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["calc"] and json.loads(calls[0].function.arguments) == {"e": "2+3"}
+    assert chunks[-1].usage.completion_tokens > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    again = api.chat.completions.create(**body)  # same request: answered from the stream
+    assert again.choices[0].message.tool_calls[0].function.arguments == calls[0].function.arguments
+    assert client.hget(keys.call_index("stream-0"), "#n") == b"1"
+    assert again.usage.completion_tokens == chunks[-1].usage.completion_tokens
+
+
+def test_the_example_agent_runs_unchanged_against_the_gateway(stack):
+    from examples.calc import agent
+
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "example-0", {"prompt": "2+3?", "answer": 5})
+    out = agent(oai(gw.base_url("example-0")), {"prompt": "2+3?", "answer": 5})
+    assert out["reward"] == 1.0
+    ep = episode(client, keys, "example-0")
+    assert len(ep.calls) == 3 and not ep.branches
+
+
+def test_a_rewritten_history_forks_and_each_chain_trains_as_its_own_row(stack):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "fork-0", TASK)
+    api = oai(gw.base_url("fork-0"))
+    ask = [{"role": "user", "content": "2+3?"}]
+    first = api.chat.completions.create(model="policy", messages=ask, tools=[CALC_TOOL]).choices[0].message
+    follow = ask + [first.model_dump(exclude_none=True), {"role": "tool", "content": "5"}]
+    api.chat.completions.create(model="policy", messages=follow, tools=[CALC_TOOL])  # extends call 0
+    rewritten = [{"role": "user", "content": "2+3? Use the tool."}, {"role": "tool", "content": "5"}]
+    api.chat.completions.create(model="policy", messages=rewritten, tools=[CALC_TOOL], max_tokens=8)  # a fork
+    ep = episode(client, keys, "fork-0")
+    assert [ep.calls[i].extends for i in range(3)] == [-1, 0, -1]
+    assert len(ep.rows) == 2 and ep.rows[0].tokens == ep.calls[2].tokens
+    assert ep.rows[1].prompt_ids + ep.rows[1].tokens == ep.calls[1].prompt_ids + ep.calls[1].tokens
+
+
+def test_completions_endpoint_extends_a_call(stack):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "cmpl-0", TASK)
+    api = oai(gw.base_url("cmpl-0"))
+    first = api.completions.create(model="policy", prompt="2+3", max_tokens=8, temperature=0)
+    assert first.choices[0].finish_reason in ("stop", "length") and first.usage.completion_tokens >= 1
+    ep = episode(client, keys, "cmpl-0")
+    context = ep.calls[0].prompt_ids + ep.calls[0].tokens
+    api.completions.create(model="policy", prompt=context + [10, 11], max_tokens=4, temperature=0)
+    ep = episode(client, keys, "cmpl-0")
+    assert ep.calls[1].extends == 0 and ep.calls[1].new_ids == [10, 11]
+
+
+def test_gateway_killed_mid_call_the_clients_retry_is_answered_without_generating_again(stack, chat_dir):
+    client, keys = stack["client"], stack["keys"]
+    port = free_port()
+    env = env_for(stack["url"], keys, chat_dir, gateway_port=port, gateway_timeout=120)
+    gateway = spawn("services.gateway", env)
+    wait_http(port)
+    start_agent_episode(client, keys, "gwkill-0", TASK)
+    api = oai(f"http://127.0.0.1:{port}/ep/gwkill-0/v1", max_retries=8)
+    body = dict(model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC_TOOL], temperature=0,
+                max_tokens=96)
+    t, out = in_thread(lambda: api.chat.completions.create(**body))
+    wait_until(lambda: call_tokens(client, keys, "gwkill-0", 0) >= 4, what="call generating")
+    kill9(gateway)
+    gateway = spawn("services.gateway", env)
+    try:
+        t.join(timeout=120)
+        reply = out["result"]
+        assert reply.choices[0].finish_reason == "tool_calls"
+        assert client.hget(keys.call_index("gwkill-0"), "#n") == b"1"  # one call made, the retry matched it
+        ep = episode(client, keys, "gwkill-0")
+        assert len([e for e in ep.events if e.kind == "call"]) == 1
+        assert reply.usage.completion_tokens == len(ep.calls[0].tokens)
+    finally:
+        stop(gateway)
+
+
+def test_agent_runner_killed_minus_9_reruns_and_no_call_is_generated_twice(stack, chat_dir, tmp_path):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    hold = tmp_path / "go"
+    cfg = Config(run=keys.run, agent="tests.gateway_agents:calc_agent", gateway_port=gw.port, temperature=0,
+                 heartbeat_ttl=2, group_size=1)
+    env = env_for(stack["url"], keys, chat_dir, heartbeat_ttl=2)
+    a = spawn("services.gateway.agents_worker", env, "--worker-id", "ag1")
+    driver_agents.enqueue_group(cfg, client, keys, "dur", {**TASK, "hold": str(hold)}, 1)
+    wait_until(lambda: client.exists(keys.episode("dur-0")) and
+               sum(c.done for c in episode(client, keys, "dur-0").calls.values()) == 2, what="two calls done")
+    kill9(a)
+    hold.write_text("go")
+    b = spawn("services.gateway.agents_worker", env, "--worker-id", "ag2")
+    try:
+        wait_until(lambda: client.xlen(keys.samples) >= 1, timeout=120, what="group published")
+        ep = episode(client, keys, "dur-0")
+        assert ep.status == "finished" and ep.reward == 1.0
+        assert sorted(e.data["call"] for e in ep.events if e.kind == "call") == [0, 1, 2]  # each call made once
+        requests = [f for _, f in client.xrange(keys.calls) if f[b"episode_id"] == b"dur-0"]
+        assert len(requests) == 3  # the re-run's first two calls were answered from the stream
+        assert [f[b"group_id"] for _, f in client.xrange(keys.samples)] == [b"dur"]
+        assert ep.events[-1].worker == "ag2"
+    finally:
+        stop(b)
+
+
+def test_rollout_worker_killed_minus_9_mid_call_another_takes_the_call_over(chat_dir, redis_server, client):
+    keys = Keys("gw-takeover")
+    env = env_for(redis_server.url, keys, chat_dir, heartbeat_ttl=2, step_delay_ms=60, temperature=0)
+    first = spawn("services.rollout", env, "--worker-id", "rA")
+    cfg = Config(run=keys.run, model_dir=chat_dir, redis_url=redis_server.url, gateway_timeout=120)
+    with InProcessGateway(build(cfg, client, logs.get("gateway-test"))) as gw:
+        wait_alive(client, keys, "rollout", "rA")
+        start_agent_episode(client, keys, "tk-0", TASK)
+        body = dict(model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC_TOOL],
+                    temperature=0, max_tokens=96)
+        t, out = in_thread(lambda: oai(gw.base_url("tk-0")).chat.completions.create(**body))
+        wait_until(lambda: call_tokens(client, keys, "tk-0", 0) >= 4, what="call generating")
+        kill9(first)
+        second = spawn("services.rollout", env, "--worker-id", "rB")
+        try:
+            t.join(timeout=150)
+            reply = out["result"]
+            ep = episode(client, keys, "tk-0")
+            call = ep.calls[0]
+            assert call.resumes and call.resumes[-1]["takeover_from"] == "rA" and call.resumes[-1]["worker"] == "rB"
+            assert reply.choices[0].finish_reason == "tool_calls"
+            assert json.loads(reply.choices[0].message.tool_calls[0].function.arguments) == {"e": "2+3"}
+            assert reply.usage.completion_tokens == len(call.tokens)  # greedy: not one token generated twice
+        finally:
+            stop(second)

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import openai  # noqa: E402
 
 from services.ops.redis_server import EmbeddedRedis  # noqa: E402
+from shared.protocol.events import decode as decode_event  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
 from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
@@ -76,7 +77,7 @@ def main() -> None:
                 for _, entries in reply or []:
                     for entry_id, fields in entries:
                         cursor = entry_id
-                        if fields[b"type"] == b"finished":
+                        if decode_event(entry_id, fields).kind == "finished":
                             ms = (time.perf_counter() - t0) * 1000
                             from shared.protocol.fold import fold
                             return ms, len(fold(client.xrange(key)).tokens)

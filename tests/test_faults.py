@@ -30,6 +30,7 @@ from services.ops.redis_server import find_binary
 from tests.fault_run import LiveRun
 from services.ops.tiny_model import make_tiny_model
 from tests.models import overfit
+from shared.protocol.fold import fold
 from shared.protocol.keys import ROLLOUT_GROUP
 from dataclasses import asdict
 
@@ -327,7 +328,7 @@ def test_stalled_worker_wakes_fenced_and_the_taker_stalls_too(tmp_path, tool_mod
         codes = run.stop()
         report = check(read_run(run.client, run.keys, run.cfg.run_path))
         failed = [key for key in run.client.scan_iter(match=run.keys.episode("*"), count=1000)
-                  if any(f.get(b"type") == b"failed" for _, f in run.client.xrange(key))]
+                  if fold(run.client.xrange(key)).status == "failed"]
         logs = {log.name: log.read_text(errors="replace") for log in run.logs}
         fenced = logs[f"{second}.log"].count("fenced: another worker owns this group now")
     finally:

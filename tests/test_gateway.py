@@ -16,6 +16,7 @@ from services.gateway.__main__ import build
 from services.trainer.batch import build_batch
 from shared.runtime import logs
 from shared.runtime.config import Config
+from shared.protocol import calls as calls_codec, samples as samples_codec
 from shared.protocol.keys import Keys
 from tests.chat_models import CALC_TOOL, calc_conversation, scripted_chat_model
 from tests.gateway_agents import calc_agent
@@ -208,9 +209,10 @@ def test_agent_runner_killed_minus_9_reruns_and_no_call_is_generated_twice(stack
         ep = episode(client, keys, "dur-0")
         assert ep.status == "finished" and ep.reward == 1.0
         assert sorted(e.data["call"] for e in ep.events if e.kind == "call") == [0, 1, 2]  # each call made once
-        requests = [f for _, f in client.xrange(keys.calls) if f[b"episode_id"] == b"dur-0"]
+        requests = [r for r in (calls_codec.decode_request(i, f) for i, f in client.xrange(keys.calls))
+                    if r.episode_id == "dur-0"]
         assert len(requests) == 3  # the re-run's first two calls were answered from the stream
-        assert [f[b"group_id"] for _, f in client.xrange(keys.samples)] == [b"dur"]
+        assert [s.group_id for s in samples_codec.read_all(client, keys.samples)[0]] == ["dur"]
         assert ep.events[-1].worker == "ag2"
     finally:
         stop(b)

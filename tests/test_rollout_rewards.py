@@ -7,6 +7,7 @@ import pytest
 
 from services.rollout import rewards
 from shared.runtime.config import Config
+from shared.protocol.keys import ROLLOUT_GROUP
 from shared.protocol.prompts import PromptGroup, enqueue
 from tests.rollout_harness import episodes, make_worker, samples, tick_until, tools_worker  # noqa: F401
 
@@ -58,7 +59,7 @@ def test_raising_reward_fails_the_episode_and_the_group_is_published(client, key
         assert ep.status == "failed" and "RuntimeError: reward asked to fail: boom" in ep.error, ep.error
         assert ep.events[-1].data["where"] == "reward"
     assert eps["good-0"].status == "finished" and eps["good-0"].reward == 0.5
-    assert client.xpending(keys.prompts, "rollout")["pending"] == 0
+    assert client.xpending(keys.prompts, ROLLOUT_GROUP)["pending"] == 0
 
 
 def test_group_aware_reward_scores_once_the_whole_group_has_generated(client, keys, tiny_model_dir, tools_worker):

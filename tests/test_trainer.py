@@ -128,7 +128,7 @@ def test_pending_entries_past_one_page_are_all_reread_after_a_restart(client, ke
     first.restore()
     while first._read() is not None:  # delivered to the trainer, never acknowledged: a crash here
         pass
-    assert client.xpending(keys.samples, "trainer")["pending"] == 150
+    assert client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 150
     again = Trainer(cfg, client, logs.get("trainer-test"))
     again.restore()
     assert sorted(g for _, g, _ in again.buffer) == [f"p{i:03d}" for i in range(150)]
@@ -310,14 +310,14 @@ def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothi
         deadline = time.monotonic() + 180
         while True:
             done = {g for rec in read_ledger(ledger_dir) for g in rec["groups"] + rec["skipped"]}
-            if done == set(groups) and client.xpending(keys.samples, "trainer")["pending"] == 0:
+            if done == set(groups) and client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0:
                 break
             assert time.monotonic() < deadline, f"{sorted(done)} committed"
             assert proc.poll() is None
             time.sleep(0.1)
         state = checkpoint.load(ledger_dir)
         deadline = time.monotonic() + 60
-        while int(client.xrevrange(keys.versions, count=1)[0][1][b"version"]) < state["version"]:
+        while pversions.latest_number(client, keys) < state["version"]:
             assert time.monotonic() < deadline
             time.sleep(0.1)
     finally:
@@ -329,7 +329,7 @@ def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothi
     commits = [rec["commit"] for rec in records if "commit" in rec]
     assert commits == list(range(1, state["version"] + 1)) and records[-1] == state["ledger_record"]
     assert sorted(state["consumed"]) == sorted(groups)
-    versions = [int(f[b"version"]) for _, f in client.xrange(keys.versions)]
-    assert sorted(set(versions)) == list(range(1, state["version"] + 1))  # every version published
+    published = [v.version for v in pversions.read_all(client, keys)]
+    assert sorted(set(published)) == list(range(1, state["version"] + 1))  # every version published
     report = check(read_run(client, keys, cfg.run_path))
     assert report.groups_lost == 0 and report.samples_trained_twice == 0 and report.groups_trained == len(groups)

@@ -6,16 +6,31 @@ entry and the second call said so (its return value; the debug log line is ``dup
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import structlog
 
 from shared.protocol import control, dead_letters, gate, metrics, prompts, schema, versions
 from shared.protocol.prompts import PromptGroup
 
 
+@contextlib.contextmanager
+def _debug_logs():
+    """Capture log entries down to debug level, whatever level an earlier test configured."""
+    old = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with structlog.testing.capture_logs() as captured:
+            yield captured
+    finally:
+        structlog.configure(**old)
+
+
 def test_prompt_group_enqueued_twice_is_one_entry(client, keys):
     g = PromptGroup(prompts.group_id(0, 7), 2, prompt="1+1=")
     first = prompts.enqueue(client, keys, [g])
-    with structlog.testing.capture_logs() as logs:
+    with _debug_logs() as logs:
         again = prompts.enqueue(client, keys, [g, PromptGroup(prompts.group_id(1, 7), 2, prompt="1+1=")])
     assert first[0] and again[0] is None and again[1]
     assert [e["write"] for e in logs if e["event"] == "duplicate_write_skipped"] == ["prompts"]

@@ -19,8 +19,9 @@ What the gate promises: at most ``limit`` = (η + v + 1)·B groups are ever star
 gate is at version v. When the trainer consumes groups in start order that bounds staleness by η
 (``shared.protocol.staleness.group_capacity``). The trainer reads in FINISH order: a group that started early
 and finishes late is trained later than its start rank says, so the bound on the admission count is all the
-gate guarantees then; the trainer's own ``is_too_stale`` check drops any group past η (and refunds its slot),
-so no group is ever TRAINED more than η versions stale. tests/test_gate.py checks both under finish order.
+gate guarantees then. The trainer does not throw such a late group away: it trains it with the importance
+weights of docs/training.md (tokens past ``hard_max_staleness`` masked and counted), and refunds the slot only
+of a group it never trains. tests/test_gate.py checks the admission bound under finish order.
 """
 
 from __future__ import annotations

@@ -15,14 +15,13 @@ a call still in flight is waited on.
 
 from __future__ import annotations
 
-import importlib
 import json
 import time
 
 from shared.protocol.episode_log import EpisodeLog, Fenced
 from shared.protocol.fold import fold
 from shared.protocol.keys import Keys
-from shared.runtime import logs
+from shared.runtime import logs, specs
 
 WORKER_ID = "agents-inline"  # set by the agents worker process: who runs the job (for the reaper)
 
@@ -40,14 +39,7 @@ return 0
 
 
 def load_agent(spec: str):
-    module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"agent {spec!r}: cannot load ({exc})") from None
-    if not callable(fn):
-        raise ValueError(f"agent {spec!r}: not callable")
-    return fn
+    return specs.load(spec, "agent")
 
 
 def normalise(out) -> tuple[float, dict]:

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from services.rollout import specs
+from shared.runtime import specs
 
 ANSWER_RE = re.compile(r"answer:\s*(-?\d+)")
 LAST_INT_RE = re.compile(r"(-?\d+)\s*$")

@@ -23,7 +23,7 @@ import operator
 import re
 from typing import Callable
 
-from services.rollout import specs
+from shared.runtime import specs
 
 CALL_OPEN, CALL_CLOSE = "<call>", "</call>"
 CALL_RE = re.compile(r"<call>(.*?)</call>\s*$", re.S)

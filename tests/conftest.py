@@ -38,9 +38,10 @@ def keys() -> Keys:
 
 
 @pytest.fixture
-def cli_env(redis_url, keys) -> dict:
-    """Environment for `streamrl` subprocesses pointed at the test server and run."""
-    return {**os.environ, "REDIS_URL": redis_url, "STREAMRL_RUN": keys.run, "STREAMRL_LOG_LEVEL": "warning"}
+def cli_env(redis_url, keys, tmp_path) -> dict:
+    """Environment for `streamrl` subprocesses pointed at the test server and run (its folder under tmp_path)."""
+    return {**os.environ, "REDIS_URL": redis_url, "STREAMRL_RUN": keys.run, "STREAMRL_LOG_LEVEL": "warning",
+            "STREAMRL_RUN_DIR": str(tmp_path / "runs")}
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import tempfile
 import time
 
 import httpx
@@ -29,7 +30,9 @@ def free_port() -> int:
 
 def env_for(redis_url: str, keys: Keys, model_dir: str, **cfg) -> dict:
     env = {**os.environ, "REDIS_URL": redis_url, "STREAMRL_RUN": keys.run, "STREAMRL_MODEL_DIR": model_dir,
-           "STREAMRL_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+           "STREAMRL_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
+           # the run's folder is the test's own: a run name reused by another test session meets no old state
+           "STREAMRL_RUN_DIR": tempfile.mkdtemp(prefix=f"streamrl-{keys.run}-")}
     for k, v in cfg.items():
         env[f"STREAMRL_{k.upper()}"] = str(v)
     return env

@@ -9,6 +9,7 @@ staleness, workers), and exits after ``max_versions`` versions or
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 from services.driver import agents, tasks  # [gateway hook] agents
@@ -170,5 +171,12 @@ class Driver:
               f"process has stopped", flush=True)
 
 
+def _stopped(signum, frame) -> None:
+    """SIGTERM (honcho stopping every process, an operator): the driver holds nothing to flush (what it enqueued
+    is counted in Redis), so it exits 0; the run is not ended and continues when started again."""
+    raise SystemExit(0)
+
+
 def drive(cfg: Config) -> int:
+    signal.signal(signal.SIGTERM, _stopped)
     return Driver(cfg).run()

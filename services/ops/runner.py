@@ -79,8 +79,8 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
     try:
         manager.loop()
         if (cfg.run_path / ENDED).exists() and (cfg.run_path / ENDED).stat().st_mtime >= started:
-            end_of_run_check(cfg, env["REDIS_URL"])
             export_at_end(cfg)
+            end_of_run_check(cfg, env["REDIS_URL"])  # last: the lines a person reads when the run is over
     finally:
         if server:
             server.stop()

@@ -1,11 +1,11 @@
-"""Atomic checkpoints and the ledger of committed samples.
+"""Atomic checkpoints (the ledger's format is shared.protocol.ledger).
 
 A checkpoint holds model, optimizer, RNG, step, version and the ids of every
 prompt group whose training it includes. It is written to a temporary file,
 fsynced and renamed, so a crash leaves the old or the new one, never half.
 Samples are acknowledged in Redis only after the checkpoint including them is
-durable; the ledger (``trained.jsonl``) lists, per commit, the groups it
-includes: each id appears there exactly once across crashes and restarts.
+durable; the ledger lists, per commit, the groups it includes (the checkpoint
+holds its own ledger line and restore re-appends it when the ledger is behind).
 """
 
 from __future__ import annotations

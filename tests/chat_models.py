@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.ops.tiny_model import make_tiny_model
+from tests.models import fit_rows
 
 CHATML_TOOLS = (
     "{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='function') | map(attribute='name') | join(',') }}"
@@ -47,24 +48,7 @@ def overfit_conversations(model_dir: str | Path, conversations: list[tuple[list[
     rows = [tok.encode(tok.apply_chat_template(template_messages(msgs), tools=tools, tokenize=False),
                        add_special_tokens=False)
             for msgs, tools in conversations]
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), tok.pad_token_id)
-    labels = torch.full((len(rows), width), -100)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)] = labels[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(row)] = 1
-    torch.manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    for _ in range(steps):
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
-    model.save_pretrained(str(model_dir))
-    return str(model_dir)
+    return fit_rows(model_dir, model, tok.pad_token_id, [(row, 0) for row in rows], steps, lr)
 
 
 def scripted_chat_model(out_dir: str | Path, conversations: list[tuple[list[dict], list]], steps: int = 250) -> str:
@@ -77,7 +61,7 @@ def scripted_chat_model(out_dir: str | Path, conversations: list[tuple[list[dict
 
     key = hashlib.sha256(json.dumps([CHATML_TOOLS, conversations, steps, torch.__version__],
                                     sort_keys=True).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("STREAMRL_TEST_CACHE", Path.home() / ".cache" / "streamrl-tests")) / f"chat-{key}"
+    cache = Path(os.environ.get("TESTS_CACHE_DIR_STREAMRL", Path.home() / ".cache" / "streamrl-tests")) / f"chat-{key}"
     if not (cache / "model.safetensors").exists():
         tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
         overfit_conversations(make_chat_model(tmp, max_len=512), conversations, steps=steps)

@@ -11,25 +11,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.ops.tiny_model import make_tiny_model
 
 
-def overfit(model_dir: str | Path, texts: list[tuple[str, str]], steps: int = 300, lr: float = 3e-3) -> str:
-    """Train the model at ``model_dir`` in place on (prompt, response) pairs,
-    response followed by <eos>, until greedy decoding reproduces them."""
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    torch.manual_seed(0)
-    rows = []
-    for prompt, response in texts:
-        p = tok.encode(prompt, add_special_tokens=False)
-        r = tok.encode(response, add_special_tokens=False) + [tok.eos_token_id]
-        rows.append((p + r, len(p)))
+def fit_rows(model_dir: str | Path, model, pad_id: int, rows: list[tuple[list[int], int]], steps: int,
+             lr: float) -> str:
+    """Train ``model`` on rows of (token ids, index of the first labelled token), save it to ``model_dir``."""
     width = max(len(ids) for ids, _ in rows)
-    ids = torch.full((len(rows), width), tok.pad_token_id)
+    ids = torch.full((len(rows), width), pad_id)
     labels = torch.full((len(rows), width), -100)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (row, plen) in enumerate(rows):
+    for i, (row, start) in enumerate(rows):
         ids[i, :len(row)] = torch.tensor(row)
-        labels[i, plen:len(row)] = torch.tensor(row[plen:])
+        labels[i, start:len(row)] = torch.tensor(row[start:])
         mask[i, :len(row)] = 1
+    torch.manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
@@ -38,8 +31,21 @@ def overfit(model_dir: str | Path, texts: list[tuple[str, str]], steps: int = 30
         loss.backward()
         opt.step()
     model.eval()
-    model.save_pretrained(model_dir)
+    model.save_pretrained(str(model_dir))
     return str(model_dir)
+
+
+def overfit(model_dir: str | Path, texts: list[tuple[str, str]], steps: int = 300, lr: float = 3e-3) -> str:
+    """Train the model at ``model_dir`` in place on (prompt, response) pairs,
+    response followed by <eos>, until greedy decoding reproduces them."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    rows = []
+    for prompt, response in texts:
+        p = tok.encode(prompt, add_special_tokens=False)
+        r = tok.encode(response, add_special_tokens=False) + [tok.eos_token_id]
+        rows.append((p + r, len(p)))
+    return fit_rows(model_dir, model, tok.pad_token_id, rows, steps, lr)
 
 
 def scripted_model(out_dir: str | Path, texts: list[tuple[str, str]]) -> str:

@@ -12,7 +12,7 @@ import json
 import signal
 import time
 
-from services.driver import agents, tasks  # [gateway hook] agents
+from services.driver import agents, tasks
 from shared.runtime.config import Config
 from shared.runtime import runstate
 from shared.runtime.connection import connect, redact
@@ -75,7 +75,7 @@ class Driver:
 
     def top_up(self, depth: int) -> None:
         """Keep ``depth`` groups waiting beyond what has been delivered."""
-        if self.cfg.agent:  # [gateway hook] agent episodes go to the agents workers as rq jobs
+        if self.cfg.agent:  # agent episodes go to the agents workers as rq jobs
             return self.top_up_agents(depth)
         try:
             info = {g["name"].decode(): g for g in self.client.xinfo_groups(self.keys.prompts)}
@@ -95,11 +95,12 @@ class Driver:
         enqueue(self.client, self.keys, groups)
         self.client.set(self.keys.driver_enqueued, self.enqueued)
 
-    def top_up_agents(self, depth: int) -> None:  # [gateway hook]
+    def top_up_agents(self, depth: int) -> None:
+        """Agent runs: each group's episodes as rq jobs (services/driver/agents.py), same rows and ids."""
         for _ in range(depth - agents.waiting_groups(self.cfg, self.client, self.keys)):
-            row = self.rows[self.enqueued % len(self.rows)]
-            agents.enqueue_group(self.cfg, self.client, self.keys, f"q{self.enqueued:07d}", dict(row),
-                                 self.cfg.group_size)
+            epoch, position = divmod(self.enqueued, len(self.rows))
+            agents.enqueue_group(self.cfg, self.client, self.keys, group_id(epoch, position),
+                                 dict(self.rows.row(self.enqueued)), self.cfg.group_size)
             self.enqueued += 1
             self.client.set(self.keys.driver_enqueued, self.enqueued)
 

@@ -35,3 +35,22 @@ def test_epochs_feed_every_row_once_per_epoch_then_end(client, keys, redis_url, 
     assert not driver.epochs_done()  # the trainer has not read it
     client.xreadgroup(TRAINER_GROUP, "trainer", {keys.samples: ">"}, count=100)
     assert driver.epochs_done()  # one group pending < batch_groups: it can never fill a step
+
+
+def test_agent_runs_get_the_same_rows_and_group_ids_as_rq_jobs(client, keys, redis_url, tmp_path):
+    """With ``agent`` set, the driver enqueues each group's episodes as agent jobs (not prompt groups), with the
+    rows and the epoch/position group ids prompt groups would have had."""
+    from services.driver import agents
+    from shared.protocol import prompts
+
+    rows = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(3)]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = Config(run=keys.run, redis_url=redis_url, run_dir=str(tmp_path / "runs"), dataset=str(tmp_path / "rows.jsonl"),
+                 val_every=0, group_size=2, shuffle=False, agent="examples.calc:agent")
+    Driver(cfg).top_up(depth=4)
+    jobs = agents.queue(client, keys).get_jobs()
+    specs = [job.args[0] for job in jobs]
+    assert client.xlen(keys.prompts) == 0 and len(specs) == 8  # 4 groups x 2 episodes, none on the prompts stream
+    group_ids = [prompts.group_id(0, 0), prompts.group_id(0, 1), prompts.group_id(0, 2), prompts.group_id(1, 0)]
+    assert [s["group_id"] for s in specs[::2]] == group_ids
+    assert [s["task"]["answer"] for s in specs[::2]] == [1, 2, 3, 1] and specs[1]["episode_id"] == f"{group_ids[0]}-1"

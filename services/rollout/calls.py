@@ -15,13 +15,13 @@ heartbeat TTL whose owner's heartbeat key is gone) and continues the same way.
 from __future__ import annotations
 
 import time
-import zlib
 from dataclasses import dataclass, field
 
 import redis
 
 from services.rollout.call_log import CallLog
 from services.rollout.engine import Chunk, EngineError, SamplingParams
+from services.rollout.episode import stable_seed
 from shared.protocol.calls import CallRequest, decode_request
 from shared.protocol.episode_log import Fenced
 from shared.protocol.events import EventError
@@ -32,7 +32,7 @@ REQUEST_PREFIX = "call:"  # engine request ids of calls: call:<episode>:<index>
 
 
 def call_seed(episode_id: str, index: int, digest: str) -> int:
-    return zlib.crc32(f"{episode_id}:{index}:{digest}".encode()) & 0x7FFFFFFF
+    return stable_seed(episode_id, index, digest)
 
 
 @dataclass

@@ -18,9 +18,13 @@ class State(Enum):
     DONE = "done"  # finished or failed, in the stream
 
 
+def stable_seed(*parts) -> int:
+    """A sampling seed from its parts, stable across processes and runs (unlike hash())."""
+    return zlib.crc32(":".join(map(str, parts)).encode()) & 0x7FFFFFFF
+
+
 def episode_seed(base: int, group_id: str, index: int) -> int:
-    """Stable across processes and runs (unlike hash())."""
-    return zlib.crc32(f"{base}:{group_id}:{index}".encode()) & 0x7FFFFFFF
+    return stable_seed(base, group_id, index)
 
 
 @dataclass

@@ -15,7 +15,8 @@ def calc(expr: str) -> str:
 def agent(client, task: dict) -> dict:
     messages = [{"role": "user", "content": task["prompt"]}]
     for _ in range(4):
-        message = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS).choices[0].message
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=96)
+        message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
             break

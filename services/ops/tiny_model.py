@@ -79,6 +79,16 @@ def make_tiny_model(out_dir: str | Path, hidden_size: int = 64, num_layers: int 
 
 DEFAULT_MODEL = dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=256, max_position_embeddings=256)
 DEFAULT_WARM_STEPS = 150
+# Chat episodes take longer to learn: the model must copy the task's expression into its tool call across a
+# ~330-token prompt. Measured on the 2-core box (seed 0): 0% exact tool calls at 200 steps, ~36% at 400, 100% at
+# 600; 400 leaves RL room to lift it (and takes ~2.5 min, once).
+AGENT_WARM_STEPS = 400
+AGENT_CONTEXT = 1024  # agent runs: the chat template's tools prompt alone is ~300 characters (= tokens)
+RECIPE_FILE = "streamrl-default.json"  # what the default model was made for; a run wanting another remakes it
+# The calculator tool of ``examples/calc.py`` (a test keeps the two equal): the agent-format warm start
+# renders it into every system turn, as the gateway will.
+CALC_TOOL = {"type": "function", "function": {"name": "calc", "description": "Evaluate + - * on integers",
+             "parameters": {"type": "object", "properties": {"e": {"type": "string"}}, "required": ["e"]}}}
 
 
 def sft_examples(rows: list[dict], tokenizer, tools: bool = False) -> list[tuple[list[int], list[int]]]:
@@ -101,10 +111,34 @@ def sft_examples(rows: list[dict], tokenizer, tools: bool = False) -> list[tuple
     return out
 
 
+def agent_sft_examples(rows: list[dict], tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(input ids, labels) per task row, laid out exactly as the gateway lays out ``examples/calc.py``'s
+    episode: the chat-template prompt (system turn with the calc tool, the user's task), the model's
+    ``<tool_call>`` on the task's expression, the tool's result (masked: the agent writes it), the answer.
+    The ids come from the gateway's own renderer, so the warm start sees what the policy will see."""
+    import json
+
+    from services.gateway.chat import Renderer
+
+    r, tools = Renderer(tokenizer), [CALC_TOOL]
+    out = []
+    for row in rows:
+        expr = row["prompt"].removesuffix("=")
+        call = f'<tool_call>{json.dumps({"name": "calc", "arguments": {"e": expr}})}</tool_call>'
+        prompt = r.full([{"role": "user", "content": row["prompt"]}], tools)
+        first = r.encode(call) + [r.end_id]
+        bridge = r.bridge(True, [{"role": "tool", "tool_call_id": "call_0_0", "content": row["answer"]}], tools)
+        second = r.encode(row["answer"]) + [r.end_id]
+        ids = prompt + first + bridge + second
+        labels = [-100] * len(prompt) + first + [-100] * len(bridge) + second
+        out.append((ids, labels))
+    return out
+
+
 def warm_start(model_dir: str | Path, examples: list[tuple[list[int], list[int]]], steps: int,
-               batch_size: int = 32, lr: float = 3e-3, seed: int = 0, log=None) -> float:
+               batch_size: int = 32, lr: float = 3e-3, seed: int = 0, log=None, threads: int = 1) -> float:
     """Supervised steps on ``examples`` (sampled with replacement); saves the model in place.
-    Returns the last step's loss."""
+    Returns the last step's loss. ``threads``: torch threads meanwhile (0: torch's default)."""
     import random
 
     import torch
@@ -112,12 +146,13 @@ def warm_start(model_dir: str | Path, examples: list[tuple[list[int], list[int]]
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: one thread is as fast, and 10x faster on a busy box than N fighting
+    before = torch.get_num_threads()
+    # short rows on a tiny model: one thread is as fast, and 10x faster on a busy box than N fighting
+    torch.set_num_threads(threads or before)
     try:
         return _warm_start(model_dir, examples, steps, batch_size, lr, rng, log)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def _warm_start(model_dir, examples, steps, batch_size, lr, rng, log) -> float:
@@ -168,40 +203,70 @@ def greedy_accuracy(model_dir: str | Path, rows: list[dict], max_tokens: int = 1
 
 
 def make_default_model(out_dir: str | Path, dataset: str = "arithmetic", tools: bool = False,
-                       warm_steps: int = 100, seed: int = 0, log=None) -> str:
+                       warm_steps: int = 100, seed: int = 0, log=None, agent: bool = False) -> str:
     """The default model of ``streamrl run``: :func:`make_tiny_model` plus a short supervised warm
     start (``warm_steps`` steps of 32) on the built-in task's response format. Brief on purpose: the
     model writes answers in the right shape but gets most of them wrong, so the reward has room to
-    rise, and it is RL that lifts it. ``tools`` warm-starts on the calculator-tool format instead."""
+    rise, and it is RL that lifts it. ``tools`` warm-starts on the worker's calculator-tool format
+    instead; ``agent`` on ``examples/calc.py``'s chat episodes (native tool calls through the chat
+    template), with a 1,024-token context."""
     from services.driver.tasks import builtin
 
-    make_tiny_model(out_dir, **DEFAULT_MODEL, seed=seed)
+    shape = dict(DEFAULT_MODEL, max_position_embeddings=AGENT_CONTEXT) if agent else DEFAULT_MODEL
+    make_tiny_model(out_dir, **shape, seed=seed)
     if warm_steps > 0:
         rows = builtin(dataset, 4096, seed=seed + 12345)  # another draw than the run's prompts (seeded by cfg.seed)
-        warm_start(out_dir, sft_examples(rows, load_tokenizer(out_dir), tools=tools), warm_steps, seed=seed,
-                   log=log)
+        tok = load_tokenizer(out_dir)
+        examples = agent_sft_examples(rows, tok) if agent else sft_examples(rows, tok, tools=tools)
+        warm_start(out_dir, examples, warm_steps, seed=seed, log=log, threads=0 if agent else 1)
     return str(out_dir)
 
 
+def default_recipe(cfg, warm_steps: int | None = None) -> dict:
+    """What ``cfg`` wants the default model made for: its task, its format (plain text, the worker's
+    calc tool, or chat episodes through the gateway), its seed and warm start."""
+    from services.driver.tasks import BUILTIN
+
+    tools = "calc" in {t.strip() for t in cfg.tools.split(",")}
+    return {"dataset": cfg.dataset if cfg.dataset in BUILTIN else "arithmetic",
+            "format": "agent" if cfg.agent else "tools" if tools else "plain", "seed": cfg.seed,
+            "warm_steps": warm_steps if warm_steps is not None else AGENT_WARM_STEPS if cfg.agent else DEFAULT_WARM_STEPS}
+
+
 def ensure_default_model(cfg, warm_steps: int | None = None, force: bool = False) -> bool:
-    """Create the default model at ``cfg.model_dir`` unless one is there (or ``force``): warm-started on
-    ``cfg.dataset`` when it is a built-in task (else on arithmetic), on the calculator-tool format when
-    ``cfg.tools`` names ``calc``. Returns whether it created one. Done once; later runs reuse it."""
+    """Create the default model at ``cfg.model_dir`` unless one made for the same recipe
+    (:func:`default_recipe`) is there, or ``force``: warm-started on ``cfg.dataset`` when it is a
+    built-in task (else on arithmetic), on the calculator-tool format when ``cfg.tools`` names ``calc``,
+    on chat episodes with the calc tool when ``cfg.agent`` is set. A default model made for another
+    recipe is remade (it is the project's own, made in seconds; say so). Returns whether it made one."""
+    import json
+    import shutil
     import sys
     import time
 
-    from services.driver.tasks import BUILTIN
-
+    recipe = default_recipe(cfg, warm_steps)
+    marker = Path(cfg.model_dir, RECIPE_FILE)
     if Path(cfg.model_dir, "config.json").exists() and not force:
-        return False
-    tools = "calc" in {t.strip() for t in cfg.tools.split(",")}
-    dataset = cfg.dataset if cfg.dataset in BUILTIN else "arithmetic"
-    steps = DEFAULT_WARM_STEPS if warm_steps is None else warm_steps
+        try:
+            made = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            made = None
+        if made == recipe or warm_steps is None and isinstance(made, dict) and \
+                {**made, "warm_steps": None} == {**recipe, "warm_steps": None}:
+            return False  # the same recipe (a run takes whatever warm start make-model was given)
+        print(f"streamrl: the default model at {cfg.model_dir} was made for {made}; this run wants {recipe}: "
+              f"remaking it", file=sys.stderr, flush=True)
+        shutil.rmtree(cfg.model_dir)
+    fmt = {"agent": " as chat episodes with the calc tool (1,024-token context)", "tools": " with the calc tool",
+           "plain": ""}[recipe["format"]]
     print(f"streamrl: creating the default model at {cfg.model_dir}: random-init {DEFAULT_MODEL['num_layers']}-layer "
-          f"Llama + {steps} supervised warm-start steps on {dataset}{' with the calc tool' if tools else ''}",
+          f"Llama + {recipe['warm_steps']} supervised warm-start steps on {recipe['dataset']}{fmt}",
           file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    make_default_model(cfg.model_dir, dataset=dataset, tools=tools, warm_steps=steps, seed=cfg.seed)
+    make_default_model(cfg.model_dir, dataset=recipe["dataset"], tools=recipe["format"] == "tools",
+                       warm_steps=recipe["warm_steps"], seed=cfg.seed, agent=recipe["format"] == "agent",
+                       log=lambda line: print(f"streamrl: {line}", file=sys.stderr, flush=True))
+    marker.write_text(json.dumps(recipe, sort_keys=True) + "\n")
     print(f"streamrl: model ready in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
     return True
 

@@ -1,0 +1,54 @@
+"""The default model: made once per recipe (task, format, seed, warm start), remade when a run wants another,
+and for agent runs laid out exactly as the gateway lays out `examples/calc.py`'s episodes."""
+
+from __future__ import annotations
+
+import json
+
+from services.gateway import toolparse
+from services.gateway.chat import Renderer
+from services.ops import tiny_model
+from services.ops.tiny_model import CALC_TOOL, agent_sft_examples, build_tokenizer, ensure_default_model
+from shared.runtime.config import Config
+
+
+def test_the_agent_warm_start_uses_the_example_agents_tool():
+    from examples.calc import TOOLS
+
+    assert TOOLS == [CALC_TOOL]  # else the warm start teaches a system prompt the example never sends
+
+
+def test_agent_warm_start_rows_are_the_gateways_ids_and_learn_only_the_models_turns():
+    tok = build_tokenizer()
+    r = Renderer(tok)
+    (ids, labels), = agent_sft_examples([{"prompt": "3+4=", "answer": "7"}], tok)
+    prompt = r.full([{"role": "user", "content": "3+4="}], [CALC_TOOL])
+    assert ids[:len(prompt)] == prompt and set(labels[:len(prompt)]) == {-100}
+    learned = [i for i, l in zip(ids, labels) if l != -100]
+    assert all(l in (-100, i) for i, l in zip(ids, labels))
+    first = learned[:learned.index(r.end_id) + 1]
+    message, problems = r.assistant(first, 0)  # what the gateway answers the agent for that completion
+    assert not problems and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"e": "3+4"}
+    # the agent sends the answer back with the tool's result: the gateway appends the bridge, then the model answers
+    bridge = r.bridge(True, [{"role": "tool", "tool_call_id": "call_0_0", "content": "7"}], [CALC_TOOL])
+    assert ids == prompt + first + bridge + tok.encode("7", add_special_tokens=False) + [r.end_id]
+    assert tok.decode(learned[len(first):], skip_special_tokens=True) == "7"
+    assert toolparse.parse(tok.decode(first, skip_special_tokens=True)).calls[0]["name"] == "calc"
+
+
+def test_the_default_model_is_remade_only_when_a_run_wants_another_recipe(tmp_path, capsys):
+    model_dir = str(tmp_path / "tiny")
+    plain = Config(run="dm", model_dir=model_dir)
+    agent = Config(run="dm", model_dir=model_dir, agent="examples.calc:agent")
+    context = lambda: json.loads((tmp_path / "tiny" / "config.json").read_text())["max_position_embeddings"]
+
+    assert ensure_default_model(plain, warm_steps=0) is True
+    assert context() == tiny_model.DEFAULT_MODEL["max_position_embeddings"]
+    assert ensure_default_model(plain, warm_steps=0) is False  # the same recipe: reused
+    assert ensure_default_model(plain) is False  # a run takes whatever warm start make-model was given
+    assert ensure_default_model(agent, warm_steps=0) is True  # an agent run needs the chat format and the context
+    assert context() == tiny_model.AGENT_CONTEXT
+    assert "was made for" in capsys.readouterr().err
+    assert json.loads((tmp_path / "tiny" / tiny_model.RECIPE_FILE).read_text())["format"] == "agent"
+    (tmp_path / "tiny" / tiny_model.RECIPE_FILE).unlink()  # made before recipes were recorded: remade, not trusted
+    assert ensure_default_model(agent, warm_steps=0) is True

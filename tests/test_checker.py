@@ -230,3 +230,15 @@ def test_a_group_enqueued_twice_and_a_version_published_twice_fail_the_check():
     data.versions = [1, 3]  # a gap alone (a Redis crash lost version 2's event) is reported, not a failure
     r = check(data)
     assert r.ok and r.versions_missing == 1 and r.details["versions_missing"] == [2]
+
+
+def test_agent_group_never_published_with_no_job_in_hand_is_lost():
+    data = _finished_run(("g1",))
+    data.agent_groups = _prompts("a1", "a2", "a3", start=50)
+    data.samples.append(_sample("200-0", "a1"))  # a1 published; a2's episode 1 still has a job; a3 has nothing
+    data.agents_busy = {"a2-1"}
+    r = check(data)
+    assert r.details["groups_lost_in_rollout"] == ["a3"] and r.groups_lost == 1
+    assert r.groups_enqueued == 4 and r.groups_in_flight == 1
+    data.agents_busy.add("a3-0")
+    assert check(data).groups_lost == 0

@@ -54,3 +54,35 @@ def test_agent_runs_get_the_same_rows_and_group_ids_as_rq_jobs(client, keys, red
     group_ids = [prompts.group_id(0, 0), prompts.group_id(0, 1), prompts.group_id(0, 2), prompts.group_id(1, 0)]
     assert [s["group_id"] for s in specs[::2]] == group_ids
     assert [s["task"]["answer"] for s in specs[::2]] == [1, 2, 3, 1] and specs[1]["episode_id"] == f"{group_ids[0]}-1"
+
+
+def test_agent_groups_pass_the_staleness_gate_and_are_recorded_once(client, keys, redis_url, tmp_path):
+    """An agent group takes a gate slot before its jobs are enqueued (a closed gate enqueues nothing) and is
+    recorded in ``prompts:agents`` once, so the check can count it; enqueueing it again records nothing new."""
+    from services.driver import agents
+    from shared.protocol import gate, prompts
+
+    rows = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(5)]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = Config(run=keys.run, redis_url=redis_url, run_dir=str(tmp_path / "runs"), dataset=str(tmp_path / "rows.jsonl"),
+                 val_every=0, group_size=2, shuffle=False, agent="examples.calc:agent", mode="sync", max_staleness=0)
+    driver = Driver(cfg)
+    driver.top_up(depth=4)
+    assert len(agents.queue(client, keys)) == 0 and driver.enqueued == 0  # sync mode, no gate yet: nothing starts
+    gate.open(client, keys, version=0, limit=3, max_staleness=0)
+    driver.top_up(depth=4)
+    assert driver.enqueued == 3 and gate.started(client, keys) == 3 and len(agents.queue(client, keys)) == 6
+    recorded = [prompts.decode_group(e, f).group_id for e, f in client.xrange(keys.agent_groups)]
+    assert recorded == [prompts.group_id(0, i) for i in range(3)]
+    assert agents.enqueue_group(cfg, client, keys, prompts.group_id(0, 0), dict(rows[0]), 2) is not None  # a repeat
+    assert client.xlen(keys.agent_groups) == 3 and gate.started(client, keys) == 3  # neither recorded nor counted again
+    from services.ops.check_data import read_run
+    from services.ops.checker import check
+
+    report = check(read_run(client, keys, tmp_path / "runs" / keys.run))
+    assert (report.groups_enqueued, report.groups_in_flight, report.groups_lost) == (3, 3, 0)  # jobs wait in rq
+    job = agents.queue(client, keys).get_jobs()[0]
+    client.hset(keys.agents_running, job.args[0]["episode_id"], "{}")  # one episode of the first group runs
+    agents.queue(client, keys).empty()  # the rest vanish: their groups are lost, the running one is in hand
+    report = check(read_run(client, keys, tmp_path / "runs" / keys.run))
+    assert report.details["groups_lost_in_rollout"] == [prompts.group_id(0, 1), prompts.group_id(0, 2)]

@@ -98,9 +98,12 @@ class Driver:
     def top_up_agents(self, depth: int) -> None:
         """Agent runs: each group's episodes as rq jobs (services/driver/agents.py), same rows and ids."""
         for _ in range(depth - agents.waiting_groups(self.cfg, self.client, self.keys)):
+            if self.total and self.enqueued >= self.total:
+                return
             epoch, position = divmod(self.enqueued, len(self.rows))
-            agents.enqueue_group(self.cfg, self.client, self.keys, group_id(epoch, position),
-                                 dict(self.rows.row(self.enqueued)), self.cfg.group_size)
+            if agents.enqueue_group(self.cfg, self.client, self.keys, group_id(epoch, position),
+                                    dict(self.rows.row(self.enqueued)), self.cfg.group_size) is None:
+                return  # the staleness gate is closed until the next sync
             self.enqueued += 1
             self.client.set(self.keys.driver_enqueued, self.enqueued)
 

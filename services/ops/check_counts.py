@@ -55,12 +55,28 @@ def _lost_in_rollout(prompts, rollout: ConsumerGroup, samples, prefix: str = "")
     return lost
 
 
+def _lost_agent_groups(data: RunData) -> list[str]:
+    """Agent groups recorded by the driver, never published, and with no episode's job waiting or running."""
+    groups, _ = valid_groups(data.agent_groups)
+    published, _ = sample_groups(data.samples)
+    lost = []
+    for group_id, entry_ids in groups.items():
+        if group_id in published:
+            continue
+        g = decode_group(entry_ids[0], dict(data.agent_groups)[entry_ids[0]])
+        if any(eid in data.agents_busy for eid in g.episode_ids()):
+            continue  # still in hand
+        lost.append(group_id)
+    return lost
+
+
 def count_lost(data: RunData) -> tuple[list[str], list[str]]:
     """(prompt groups lost between prompts and samples, samples groups lost between samples and the ledger).
     Validation groups (``prompts:val`` -> ``samples:val``, never trained) count in the first, as ``val:<id>``."""
     published, _ = sample_groups(data.samples)
     lost_in_rollout = _lost_in_rollout(data.prompts, data.rollout, data.samples)
     lost_in_rollout += _lost_in_rollout(data.val_prompts, data.val_rollout, data.val_samples, "val:")
+    lost_in_rollout += _lost_agent_groups(data)
     trained, skipped = ledger_counts(data.ledger)
     lost_in_training = []
     for group_id, entries in published.items():

@@ -55,6 +55,8 @@ class RunData:
     control_key: str = "control"
     episode_key_prefix: str = "ep:"
     versions: list[int] = field(default_factory=list)  # version numbers in the versions stream, in stream order
+    agent_groups: list[tuple[str, dict]] = field(default_factory=list)  # agent runs: groups handed to agent jobs
+    agents_busy: set[str] = field(default_factory=set)  # agent episodes whose job waits in the queue or runs
 
 
 def _consumer_group(client, stream: str, name: str) -> ConsumerGroup:
@@ -75,6 +77,21 @@ def _consumer_group(client, stream: str, name: str) -> ConsumerGroup:
     return ConsumerGroup(_s(info[name]["last-delivered-id"]), pending)
 
 
+def _agents_busy(client, keys: Keys) -> set[str]:
+    """Agent episodes in hand: a job waiting in the agents queue (job id ``<run>-<episode>[-r<attempt>]``) or
+    running (the ``agents:running`` hash; a dead worker's entry stays until the reaper runs the job again)."""
+    import re
+
+    from rq import Queue
+
+    busy = {_s(e) for e in client.hkeys(keys.agents_running)}
+    prefix = f"{keys.run}-"
+    for job_id in Queue(keys.agent_queue, connection=client).get_job_ids():
+        if job_id.startswith(prefix):
+            busy.add(re.sub(r"-r\d+$", "", job_id[len(prefix):]))
+    return busy
+
+
 def read_run(client, keys: Keys, run_path: Path) -> RunData:
     data = RunData(prompts_key=keys.prompts, samples_key=keys.samples, control_key=keys.control,
                    episode_key_prefix=keys.episode(""))
@@ -87,6 +104,9 @@ def read_run(client, keys: Keys, run_path: Path) -> RunData:
         data.val_prompts = _entries(client.xrange(keys.val_prompts))
         data.val_rollout = _consumer_group(client, keys.val_prompts, ROLLOUT_GROUP)
         data.val_samples = _entries(client.xrange(keys.val_samples))
+    data.agent_groups = _entries(client.xrange(keys.agent_groups))
+    if data.agent_groups:
+        data.agents_busy = _agents_busy(client, keys)
     for key in client.scan_iter(match=keys.episode("*"), count=1000, _type="stream"):
         data.episodes[keys.episode_id(key)] = _entries(client.xrange(key))
     data.ledger = read_ledger(Path(run_path) / "trainer")

@@ -69,7 +69,7 @@ __all__ = ["ConsumerGroup", "EpisodeStats", "MUST_BE_ZERO", "Report", "RunData",
 
 def check(data: RunData) -> Report:
     r = Report()
-    groups, _ = valid_groups(data.prompts)
+    groups, _ = valid_groups(data.prompts + data.agent_groups)
     published, _ = sample_groups(data.samples)
     trained, skipped = ledger_counts(data.ledger)
     stats = {eid: episode_stats(entries) for eid, entries in data.episodes.items()}
@@ -87,7 +87,8 @@ def check(data: RunData) -> Report:
     r.episodes = len(stats)
     r.groups_lost = len(lost_rollout) + len(lost_training)
     r.episodes_finished_twice = len(twice_done) + len(twice_published)
-    twice_enqueued = enqueued_twice(data.prompts) + [f"val:{g}" for g in enqueued_twice(data.val_prompts)]
+    twice_enqueued = enqueued_twice(data.prompts + data.agent_groups) + [f"val:{g}" for g in
+                                                                         enqueued_twice(data.val_prompts)]
     r.groups_enqueued_twice = len(twice_enqueued)
     repeated, gaps = version_sequence(data.versions)
     r.versions_repeated, r.versions_missing = len(repeated), len(gaps)

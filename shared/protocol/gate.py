@@ -4,7 +4,8 @@
 ``limit`` is how many prompt groups may have been started in total under the rule of
 ``shared.protocol.staleness.group_capacity``. ``gate:started`` counts groups started so far:
 
-- a rollout worker ``reserve``s slots before it claims that many groups (atomically: never past ``limit``),
+- a rollout worker ``reserve``s slots before it claims that many groups (atomically: never past ``limit``);
+  in an agent run the driver reserves a group's slot before it hands the group to the agents workers,
   and ``refund``s the slots it reserved but did not use (fewer groups waiting, a dead-lettered entry);
 - the trainer ``refund``s the slot of a group it will never train, so a replacement group may start.
 
@@ -90,10 +91,12 @@ class Gate:
         self.client, self.keys, self.sync_mode = client, keys, sync_mode
         self._reserve = client.register_script(_RESERVE)
 
-    def reserve(self, want: int) -> Grant:
+    def reserve(self, want: int, token: str | None = None) -> Grant:
+        """Reserve up to ``want`` slots. ``token`` names the reservation (default: this call only): the driver of
+        an agent run reserves its group's slot as ``group:<id>``, so a restarted driver reserves it once."""
         if want <= 0:
             return Grant(0, False, None)
-        token = uuid.uuid4().hex
+        token = token or uuid.uuid4().hex
         granted, version = (int(x) for x in self._reserve(
             keys=[self.keys.gate, self.keys.gate_started, self.keys.gate_request(token)], args=[want, REQUEST_TTL_S]))
         if granted == -2:  # this very call ran before (a retry): the slots it reserved then are this call's

@@ -84,6 +84,7 @@ class Keys:
 
     prompts = property(lambda self: f"{self.base}prompts")
     samples = property(lambda self: f"{self.base}samples")
+    agent_groups = property(lambda self: f"{self.base}prompts:agents")  # agent runs: groups handed to agent jobs
     val_prompts = property(lambda self: f"{self.base}prompts:val")  # held-out prompt groups, served first, never trained
     val_samples = property(lambda self: f"{self.base}samples:val")  # their finished groups (read by the driver)
     versions = property(lambda self: f"{self.base}versions")

@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.runs import streamrl_run  # noqa: E402
 from shared.runtime.config import FIELDS  # noqa: E402
 
 VARIANTS = [("sync", 0), ("async", 1), ("async", 2)]
@@ -89,24 +89,8 @@ def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str) -> d
              "steps_per_version": 1 if mode == "sync" else args.async_steps_per_version}
     if "val_every" in FIELDS:
         flags["val_every"] = 0  # validation rounds would cost both modes the same rollout time; leave them out
-    cmd = [sys.executable, "-m", "services.ops.cli", "run"]
-    for k, v in flags.items():
-        cmd += [f"--{k.replace('_', '-')}", str(v)]
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("STREAMRL_")}
-    print(f"\n== {mode} max_staleness={staleness}: {' '.join(cmd[2:])}", flush=True)
-    t_start, last_line = None, ""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        if "driver" in line and "started;" in line and t_start is None:
-            t_start = time.time()
-        if "driver" in line and ("[" in line or "ending the run" in line or "up at version" in line):
-            last_line = line.rstrip()
-            if args.verbose or "ending" in line or "up at" in line:
-                print("   " + last_line, flush=True)
-    rc = proc.wait()
-    if rc != 0 or t_start is None:
-        raise SystemExit(f"{run}: streamrl run exited {rc} (driver started: {t_start is not None}); last: {last_line}")
-    steps = [json.loads(x) for x in (ROOT / "runs" / run / "metrics.jsonl").read_text().splitlines()]
+    print(f"\n== {mode} max_staleness={staleness}", flush=True)
+    t_start, steps = streamrl_run(flags, args.verbose)
     per_version = 1 if mode == "sync" else args.async_steps_per_version
     versions = args.versions // per_version
     steps = [s for s in steps if s["step"] <= versions * per_version]  # the budget; steps after the end don't count

@@ -1,8 +1,13 @@
 """`python -m services.gateway.agents_worker`: an rq worker that runs agent episodes.
 
-A ``SimpleWorker`` (the job runs in this process; the agent's tools run in it
-too, and keep running while a weight sync pauses generation). Run several for
-concurrency (``streamrl run`` starts ``agent_workers`` of them).
+``SimpleWorker``s (the job runs in this process; the agent's tools run in it
+too, and keep running while a weight sync pauses generation). ``agent_concurrency``
+of them run in threads of one process (agents mostly wait: on the LLM, on their
+tools), each with its own rq name; only the main thread's handles signals, and
+the others use rq's timer death penalty (signals reach the main thread only).
+A warm stop (SIGTERM) lets every running episode end; anything cut short is run
+again by a reaper. Run several processes for more (``streamrl run`` starts
+``agent_workers`` of them).
 
 Durability: rq 3.0 retries an abandoned job only once its started-registry
 entry expires (the job monitoring interval + 60 s) and a maintenance pass runs
@@ -21,6 +26,7 @@ import time
 
 from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
+from rq.timeouts import TimerDeathPenalty
 
 from services.gateway import runner
 from shared.runtime.connection import connect
@@ -64,6 +70,19 @@ class Reaper:
         return requeued
 
 
+class ThreadWorker(SimpleWorker):
+    """A SimpleWorker for a thread that is not the main one: no signal handlers (the main thread's worker stops
+    the others), job timeouts by a timer instead of SIGALRM."""
+    death_penalty_class = TimerDeathPenalty
+
+    def _install_signal_handlers(self):
+        pass
+
+
+def _work(worker) -> None:
+    worker.work(with_scheduler=False, logging_level="WARNING")
+
+
 def main(argv=None) -> None:
     svc = Service("agents", argv)
     runner.WORKER_ID = svc.worker_id
@@ -86,9 +105,19 @@ def main(argv=None) -> None:
 
     threading.Thread(target=beat, daemon=True, name="agents-heartbeat").start()
     queue = Queue(svc.keys.agent_queue, connection=svc.client, serializer=JSONSerializer)
-    worker = SimpleWorker([queue], connection=svc.client, serializer=JSONSerializer, name=svc.worker_id)
-    svc.log.info("ready", queue=queue.name)
-    worker.work(with_scheduler=False, logging_level="WARNING")
+    main_worker = SimpleWorker([queue], connection=svc.client, serializer=JSONSerializer, name=svc.worker_id)
+    others = [ThreadWorker([queue], connection=connect(svc.cfg.redis_url), serializer=JSONSerializer,
+                           name=f"{svc.worker_id}.{k}") for k in range(1, svc.cfg.agent_concurrency)]
+    threads = [threading.Thread(target=_work, args=(w,), daemon=True, name=w.name) for w in others]
+    for t in threads:
+        t.start()
+    svc.log.info("ready", queue=queue.name, concurrency=svc.cfg.agent_concurrency)
+    _work(main_worker)  # returns on SIGTERM once its own episode has ended
+    for w in others:
+        w._stop_requested = True  # rq's own flag: the loop stops before its next job
+    deadline = time.monotonic() + svc.cfg.agent_timeout
+    while any(w.get_current_job_id() for w in others) and time.monotonic() < deadline:
+        time.sleep(0.2)  # let running episodes end (a cut-short one would be re-run by a reaper anyway)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
     for name, cmd in entries.items():
         if name in AGENT_PROCESSES and not cfg.agent:  # only runs with agents need these
             continue
-        copies = cfg.agent_workers if name == "agents" else 1  # SimpleWorkers: one agent each
+        copies = cfg.agent_workers if name == "agents" else 1  # each runs agent_concurrency episodes at once
         for i in range(copies):
             if name != "redis":
                 manager.add_process(name if copies == 1 else f"{name}.{i + 1}", cmd,

@@ -60,7 +60,8 @@ class Config:
     max_calls_in_flight: int = 64  # gateway LLM calls one rollout worker serves at once
     # agents and the gateway
     agent: str = ""  # module:function(client, task) -> reward | {"reward", "details"}: a user agent run per episode
-    agent_workers: int = 4  # agents worker processes `streamrl run` starts (each runs one agent episode at a time)
+    agent_workers: int = 4  # agents worker processes `streamrl run` starts
+    agent_concurrency: int = 1  # agent episodes each agents worker runs at once (threads: agents mostly wait on the LLM and their tools)
     agent_timeout: float = 600.0  # seconds one agent episode may run (rq job timeout)
     gateway_host: str = "127.0.0.1"  # the gateway listens here (loopback by default)
     gateway_port: int = 8321  # ... on this port
@@ -257,9 +258,13 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("config keys lr, clip_low, clip_high, is_cap: expected lr > 0 and the others >= 0")
     if cfg.agent and ":" not in cfg.agent:
         raise ConfigError(f"config key 'agent': expected 'module:function', got {cfg.agent!r}")
-    if cfg.max_calls_in_flight < 1 or cfg.agent_workers < 1 or not 0 < cfg.gateway_port < 65536 or cfg.agent_timeout <= 0:
-        raise ConfigError("config keys max_calls_in_flight, gateway_port, agent_timeout: expected an integer >= 1, "
-                          "a port 1-65535 and seconds > 0")
+    if cfg.agent_workers < 1 or cfg.agent_concurrency < 1:
+        raise ConfigError(f"config keys agent_workers, agent_concurrency: expected integers >= 1, got "
+                          f"{cfg.agent_workers}, {cfg.agent_concurrency}")
+    if cfg.max_calls_in_flight < 1 or not 0 < cfg.gateway_port < 65536 or cfg.agent_timeout <= 0:
+        raise ConfigError(f"config keys max_calls_in_flight, gateway_port, agent_timeout: expected an integer >= 1, "
+                          f"a port 1-65535 and seconds > 0, got {cfg.max_calls_in_flight}, {cfg.gateway_port}, "
+                          f"{cfg.agent_timeout}")
     if ":" not in cfg.reward_fn:
         raise ConfigError(f"config key 'reward_fn': expected 'module:function', got {cfg.reward_fn!r}")
     if cfg.val_every < 0 or cfg.val_size < 1 or not 0 <= cfg.val_fraction < 1:

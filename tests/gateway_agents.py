@@ -11,9 +11,10 @@ from tests.chat_models import CALC_TOOL
 
 def calc_agent(client, task: dict) -> dict:
     """Ask, run every tool call the model makes (calc), answer; ``task['hold']``: after two calls, wait until
-    that file exists (a test kills the process running this agent there)."""
+    that file exists (a test kills the process running this agent there); ``task['tool_s']``: the first tool call
+    takes that long (a slow tool; sets ``task['tool_started']``, a threading.Event, when it starts)."""
     messages = [{"role": "user", "content": task["question"]}]
-    turns = 0
+    turns, spans = 0, []
     for turn in range(4):
         reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL], temperature=0,
                                                max_tokens=task.get("max_tokens", 96))
@@ -23,6 +24,11 @@ def calc_agent(client, task: dict) -> dict:
         if not message.tool_calls:
             break
         for call in message.tool_calls:
+            if task.get("tool_s") and not spans:
+                t0 = time.time()
+                task["tool_started"].set()
+                time.sleep(task["tool_s"])  # the slow tool itself
+                spans.append((t0, time.time()))
             expr = json.loads(call.function.arguments)["e"]
             messages.append({"role": "tool", "tool_call_id": call.id, "content": str(eval(expr, {}, {}))})
         if task.get("hold") and turns == 2:
@@ -30,4 +36,11 @@ def calc_agent(client, task: dict) -> dict:
                 time.sleep(0.05)
     answer = message.content or ""
     return {"reward": 1.0 if answer.strip() == f"answer: {task['answer']}" else 0.0,
-            "details": {"turns": turns, "answer": answer}}
+            "details": {"turns": turns, "answer": answer, **({"tool_spans": spans} if spans else {})}}
+
+
+def held_agent(client, task: dict) -> float:
+    """No LLM call: waits until the file ``task['hold']`` exists (a test counts how many run at once)."""
+    while not os.path.exists(task["hold"]):
+        time.sleep(0.05)
+    return 1.0

@@ -221,6 +221,54 @@ def test_agent_runner_killed_minus_9_reruns_and_no_call_is_generated_twice(stack
         stop(b)
 
 
+def test_a_slow_tool_overlapping_a_weight_sync_is_not_lengthened_by_the_pause(stack):
+    """Tools run in the agent, which a sync never pauses: a 3-second tool during which the rollout worker
+    pauses, loads new weights and resumes (held paused 1.5 s at least) takes its 3 seconds, not 3 + the pause,
+    and the episode still completes."""
+    import time
+
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "slowtool-0", TASK)
+    started = threading.Event()
+    t, out = in_thread(calc_agent, oai(gw.base_url("slowtool-0")), {**TASK, "tool_s": 3.0, "tool_started": started})
+    assert started.wait(120), "the agent never reached its tool call"
+    paused_at = time.time()
+    n_pause, n_load = len(acks(client, keys, "pause")), len(acks(client, keys, "load"))
+    send(client, keys, "pause", sync="s-slowtool")
+    wait_until(lambda: len(acks(client, keys, "pause")) > n_pause, what="pause ack")
+    send(client, keys, "load", sync="s-slowtool", version=7, path=str(Path(stack["dir"]) / "model.safetensors"))
+    wait_until(lambda: len(acks(client, keys, "load")) > n_load, what="load ack")
+    wait_until(lambda: time.time() - paused_at >= 1.5, what="the pause held 1.5 s")  # the pause under test
+    send(client, keys, "resume", sync="s-slowtool")
+    pause_s = time.time() - paused_at
+    t.join(timeout=120)
+    result = out["result"]
+    (tool_start, tool_end), = result["details"]["tool_spans"]
+    assert result["reward"] == 1.0, describe(episode(client, keys, "slowtool-0"))
+    assert tool_start < paused_at < tool_end  # the pause began while the tool ran
+    assert tool_end - tool_start < 3.0 + pause_s / 2  # ... and did not add itself to the tool's time
+
+
+def test_an_agents_worker_runs_agent_concurrency_episodes_at_once(stack, chat_dir, tmp_path):
+    client, keys = stack["client"], stack["keys"]
+    hold = tmp_path / "go"
+    cfg = Config(run=keys.run, agent="tests.gateway_agents:held_agent", gateway_port=stack["gw"].port, group_size=1)
+    w = spawn("services.gateway.agents_worker", env_for(stack["url"], keys, chat_dir, agent_concurrency=3),
+              "--worker-id", "agc")
+    try:
+        for i in range(3):
+            driver_agents.enqueue_group(cfg, client, keys, f"conc{i}", {**TASK, "hold": str(hold)}, 1)
+        running = lambda: {k for k in client.hkeys(keys.agents_running) if k.startswith(b"conc")}
+        wait_until(lambda: len(running()) == 3, what="three agent episodes running at once in one worker")
+        hold.write_text("go")
+        wait_until(lambda: not running(), what="the three episodes ended")
+        published = {s.group_id for s in samples_codec.read_all(client, keys.samples)[0]}
+        assert {"conc0", "conc1", "conc2"} <= published
+    finally:
+        stop(w)
+    assert w.returncode == 0  # a warm stop
+
+
 def test_rollout_worker_killed_minus_9_mid_call_another_takes_the_call_over(chat_dir, redis_server, client):
     keys = Keys("gw-takeover")
     env = env_for(redis_server.url, keys, chat_dir, heartbeat_ttl=2, step_delay_ms=60, temperature=0)

@@ -269,6 +269,36 @@ def test_an_agents_worker_runs_agent_concurrency_episodes_at_once(stack, chat_di
     assert w.returncode == 0  # a warm stop
 
 
+def test_replay_continue_reruns_an_agent_from_a_chosen_call_and_writes_nothing_to_the_run(stack, tmp_path):
+    """`streamrl replay EP --continue --from-call 1`: the agent runs again on a scratch stack; call 0 is answered
+    from the copied stream (its tokens and version are the original's), calls 1 and 2 are generated again (greedy,
+    same weights: the same tokens), the reward comes back, and the run's own streams are untouched."""
+    import subprocess
+    import sys
+
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "again-0", TASK, agent="tests.gateway_agents:calc_agent")
+    assert calc_agent(oai(gw.base_url("again-0")), TASK)["reward"] == 1.0
+    _append_last(EpisodeLog(client, keys, "test"), "again-0", "finished", {"reason": "stop", "reward": 1.0})
+    before = {k: client.xlen(k) for k in (keys.episode("again-0"), keys.calls)}
+    original = episode(client, keys, "again-0")
+    env = {**stack["env"], "STREAMRL_RUN_DIR": str(tmp_path / "runs")}
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "replay", "again-0", "--continue", "--from-call",
+                          "1", "--json"], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert r["from_call"] == 1 and r["reward"] == 1.0 and not r["error"]
+    assert sorted(map(int, r["calls"])) == [0, 1, 2]
+    for i in range(3):
+        assert r["calls"][str(i)]["tokens"] == original.calls[i].tokens
+    assert r["generated_by_replay"] == [1, 2]  # call 0 came from the copied stream
+    assert r["calls"]["1"]["extends"] == 0  # generated again as the continuation of call 0 from the stream
+    assert {k: client.xlen(k) for k in before} == before  # nothing written to the run
+    bad = subprocess.run([sys.executable, "-m", "services.ops.cli", "replay", "again-0", "--continue", "--from-call",
+                          "9"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--from-call 9" in bad.stderr and "calls 0..2" in bad.stderr
+
+
 def test_rollout_worker_killed_minus_9_mid_call_another_takes_the_call_over(chat_dir, redis_server, client):
     keys = Keys("gw-takeover")
     env = env_for(redis_server.url, keys, chat_dir, heartbeat_ttl=2, step_delay_ms=60, temperature=0)

@@ -116,14 +116,61 @@ def cmd_replay(cfg, args) -> int:
     except EventError as exc:
         raise CLIError(f"episode {args.episode}: {exc}") from None
     decode_text = None if args.no_text else _decoder(cfg)
+    if args.cont and ep.agent:
+        return _replay_continue_agent(cfg, args, log, entries, ep, decode_text)
     if args.cont:
+        if args.from_call is not None:
+            raise CLIError(f"--from-call: episode {args.episode} is not an agent episode; use --from-seq N")
         return _replay_continue(cfg, args, log, entries, ep, decode_text)
-    if args.from_seq is not None or args.version is not None or args.weights:
-        raise CLIError("--from-seq, --version and --weights go with --continue")
+    if args.from_seq is not None or args.version is not None or args.weights or args.from_call is not None:
+        raise CLIError("--from-seq, --from-call, --version and --weights go with --continue")
     if args.json:
         print(json.dumps(timeline_json(ep, decode_text), default=str))
     else:
         print(format_timeline(ep, decode_text))
+    return 0
+
+
+def _replay_version(cfg, args, log, version: int) -> tuple[str | None, str, str]:
+    """(weights path or None for model_dir, sha256, label) of the version a continuation runs with."""
+    from services.rollout import continuation as cont
+
+    if args.weights:
+        if args.version is None:
+            raise cont.ContinuationError("--weights PATH needs --version V: the version to tag its tokens with")
+        if not Path(args.weights).exists():
+            raise cont.ContinuationError(f"--weights {args.weights}: no such file or folder")
+        return args.weights, "", f"{args.weights} (tagged v{version})"
+    from shared.protocol import versions
+
+    path, sha = cont.resolve_version(versions.read_all(log.client, Keys(cfg.run)), version, cfg.model_dir)
+    return path, sha, f"v{version} ({path or cfg.model_dir})"
+
+
+def _replay_continue_agent(cfg, args, log, entries, ep, decode_text) -> int:
+    """`replay --continue` of an agent episode: the agent runs again against a scratch stack (writes nothing)."""
+    from services.ops import agent_replay
+    from services.rollout import continuation as cont
+
+    if args.from_seq is not None:
+        raise CLIError(f"--from-seq: episode {args.episode} is an agent episode; use --from-call K")
+    try:
+        version = args.version if args.version is not None else max(
+            (v for c in ep.calls.values() for v in c.versions), default=0)
+        path, sha, _ = _replay_version(cfg, args, log, version)
+        result = agent_replay.continue_agent(cfg, entries, args.from_call, version, (path, sha), _model_dir(cfg),
+                                             log=lambda line: print(line, file=sys.stderr, flush=True))
+    except (cont.ContinuationError, agent_replay.AgentReplayError) as exc:
+        raise CLIError(f"episode {args.episode}: {exc}") from None
+    if args.json:
+        print(json.dumps({"from_call": result.from_call, "version": result.version, "reward": result.reward,
+                          "original_reward": ep.reward, "error": result.error,
+                          "generated_by_replay": sorted({e.data.get("call") for e in result.rerun.events
+                                                         if e.kind == "tokens" and e.worker == "replay"}),
+                          "calls": {i: {"tokens": c.tokens, "versions": sorted(set(c.versions)), "extends": c.extends}
+                                    for i, c in result.rerun.calls.items()}}))
+    else:
+        print(agent_replay.format_replay(result, decode_text))
     return 0
 
 
@@ -136,17 +183,7 @@ def _replay_continue(cfg, args, log, entries, ep, decode_text) -> int:
     try:
         prefix = cont.prefix_at(entries, args.from_seq)
         version = prefix.policy if args.version is None else args.version
-        if args.weights:
-            if args.version is None:
-                raise cont.ContinuationError("--weights PATH needs --version V: the version to tag its tokens with")
-            if not Path(args.weights).exists():
-                raise cont.ContinuationError(f"--weights {args.weights}: no such file or folder")
-            path, sha, label = args.weights, "", f"{args.weights} (tagged v{version})"
-        else:
-            from shared.protocol import versions
-
-            path, sha = cont.resolve_version(versions.read_all(log.client, Keys(cfg.run)), version, cfg.model_dir)
-            label = f"v{version} ({path or cfg.model_dir})"
+        path, sha, label = _replay_version(cfg, args, log, version)
         reward_fn = rewards.load(cfg.reward_fn)
         try:
             engine = make_engine(cfg.engine, _model_dir(cfg), device=cfg.device_of("rollout"), max_batch_size=1,
@@ -293,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--continue with policy version V's published weights (0: model_dir; default: the "
                         "version in effect at the event)")
     p.add_argument("--weights", metavar="PATH", help="--continue with this safetensors file (needs --version)")
+    p.add_argument("--from-call", type=int, metavar="K",
+                   help="agent episodes: --continue by running the agent again, calls before K answered from the "
+                        "stream, call K on generated (default: the last call); in a scratch Redis, writes nothing")
     p = add("status", cmd_status, "the live view of a run (version, reward, validation, samples/s, staleness, workers)")
     p.add_argument("--watch", action="store_true", help="print a line every --interval seconds until interrupted")
     p.add_argument("--interval", type=float, default=2.0)

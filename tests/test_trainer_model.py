@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.trainer import kl
+from shared.protocol.logprobs import token_logprobs
 from services.trainer.model import load_policy
 from shared.runtime.config import Config
 
@@ -55,16 +56,19 @@ def test_lora_publishes_merged_weights_under_base_names(tiny_model_dir):
 
 @pytest.mark.parametrize("lora", [0, 4])
 def test_kl_reference_stays_frozen_and_starts_at_zero(tiny_model_dir, lora):
+    """Rows sampled with top-k and with top-p: the reference's log-probs use each row's transform as the policy's
+    do (one definition), so the KL is 0 while the policy is the reference, on every row."""
     policy = load_policy(Config(model_dir=tiny_model_dir, kl_coef=0.5, lora_rank=lora))
     ids, attn, targets = _batch(100)
-    temp = torch.ones(2, 1, 1)
+    temp, top_k, top_p = torch.tensor([0.7, 1.0]), torch.tensor([5, 0]), torch.tensor([1.0, 0.8])
     mask = torch.ones_like(targets)
     opt = torch.optim.SGD(policy.trainable_parameters(), lr=0.5)
-    ref_before = policy.reference_logprobs(ids, attn, targets, temp)
-    mb = SimpleNamespace(input_ids=ids, attention_mask=attn, targets=targets, temperature=torch.ones(2),
-                         loss_mask=mask)  # the fields of a trainer Batch the penalty reads
+    ref_before = policy.reference_logprobs(ids, attn, targets, temp, top_k, top_p)
+    mb = SimpleNamespace(input_ids=ids, attention_mask=attn, targets=targets, temperature=temp, top_k=top_k,
+                         top_p=top_p, loss_mask=mask)  # the fields of a trainer Batch the penalty reads
     for step in range(2):
-        logp = kl.token_logprobs(policy.model(input_ids=ids, attention_mask=attn).logits[:, :-1], targets)
+        logits = policy.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        logp = token_logprobs(logits, targets, temp, top_k, top_p)
         penalty = policy.kl_penalty()(mb, logp, "cpu")  # kl_coef x token-mean KL over the rows
         loss, stats = -logp.mean() + penalty, {"kl": float(penalty) / 0.5}
         if step == 0:
@@ -73,7 +77,7 @@ def test_kl_reference_stays_frozen_and_starts_at_zero(tiny_model_dir, lora):
         loss.backward()
         opt.step()
     assert stats["kl"] > 0
-    assert torch.equal(policy.reference_logprobs(ids, attn, targets, temp), ref_before)
+    assert torch.equal(policy.reference_logprobs(ids, attn, targets, temp, top_k, top_p), ref_before)
     if not lora:
         assert not any(p.requires_grad for p in policy.reference.parameters())
 
@@ -86,7 +90,7 @@ def test_bf16_autocast_keeps_fp32_weights_and_checkpointing_keeps_gradients(tiny
     grads = []
     for policy in (plain, ckpt):
         logits = policy.model(input_ids=ids, attention_mask=attn).logits
-        kl.token_logprobs(logits[:, :-1], targets).mean().backward()
+        token_logprobs(logits[:, :-1], targets).mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in policy.model.parameters()]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
     logits = bf16.model(input_ids=ids, attention_mask=attn).logits

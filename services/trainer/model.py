@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.trainer import kl as klmod
+from shared.protocol.logprobs import token_logprobs
 from shared.runtime.config import Config, ConfigError
 from shared.runtime.models import resolve_model
 
@@ -71,14 +72,15 @@ class Policy:
 
     # --- KL to the frozen reference
     @torch.no_grad()
-    def reference_logprobs(self, ids, attn, targets, temp) -> torch.Tensor:
+    def reference_logprobs(self, ids, attn, targets, temperature, top_k, top_p) -> torch.Tensor:
+        """log pi_ref(target) under each row's sampling transform (per-row tensors), as the policy's are."""
         if self.lora:
             with self.model.disable_adapter():
                 logits = self.model(input_ids=ids, attention_mask=attn).logits
         else:
             with autocast_context(self.device, self.cfg.dtype):
                 logits = self.reference(input_ids=ids, attention_mask=attn).logits
-        return klmod.token_logprobs(logits[:, :-1].float() / temp, targets)
+        return token_logprobs(logits[:, :-1], targets, temperature, top_k, top_p)
 
     def kl_penalty(self):
         """None when ``kl_coef`` is 0, else ``f(mb, logp, device)``: ``kl_coef`` × token-mean KL(policy || reference)
@@ -88,8 +90,8 @@ class Policy:
 
         def penalty(mb, logp, device):
             ids, attn, targets = mb.input_ids.to(device), mb.attention_mask.to(device), mb.targets.to(device)
-            temp = torch.where(mb.temperature > 0, mb.temperature, 1.0).to(device)[:, None, None]
-            ref = self.reference_logprobs(ids, attn, targets, temp)
+            ref = self.reference_logprobs(ids, attn, targets, mb.temperature.to(device), mb.top_k.to(device),
+                                          mb.top_p.to(device))
             return self.cfg.kl_coef * klmod.kl_term(logp, ref, mb.loss_mask.to(device), self.cfg.kl_estimator)
         return penalty
 

@@ -103,3 +103,18 @@ def test_replay_shows_an_agent_episode_call_by_call():
     assert "agent m:f: 3 calls, 2 training row(s) (1 forked)" in text
     assert "call 1: extends call 0 + 1 masked tokens" in text and "call 2: fork: whole prompt" in text
     assert [c["index"] for c in timeline_json(ep)["calls"]] == [0, 1, 2]
+
+
+def test_each_row_trains_under_the_sampling_its_calls_used_not_the_started_events():
+    """The agent asked for temperature 0.7 / top_p 0.9 on its first chain and 0.3 on a second (a new chain: the
+    gateway never extends across a change of transform): each row carries its own calls' transform."""
+    first = call(1, 0, -1, [1, 2])
+    first.data["sampling"] = {"max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 0}
+    second = call(4, 1, -1, [7, 8, 9])
+    second.data["sampling"] = {"max_tokens": 8, "temperature": 0.3, "top_p": 1.0, "top_k": 5}
+    evs = [agent_started(), first, toks(2, 0, [10]), done(3, 0, 1), second, toks(5, 1, [11]), done(6, 1, 1),
+           finished(7)]
+    ep = fold(raw(evs))
+    assert (ep.sampling["temperature"], ep.sampling["top_k"]) == (0.3, 5)  # the main row: the last chain
+    (branch,) = ep.branches
+    assert (branch.sampling["temperature"], branch.sampling["top_p"]) == (0.7, 0.9)

@@ -155,6 +155,23 @@ def test_a_rewritten_history_forks_and_each_chain_trains_as_its_own_row(stack):
     assert ep.rows[1].prompt_ids + ep.rows[1].tokens == ep.calls[1].prompt_ids + ep.calls[1].tokens
 
 
+def test_a_call_that_changes_temperature_starts_a_new_chain(stack):
+    """A row trains under one sampling transform: a follow-up at another temperature is a new chain (a fork),
+    and each row carries its own calls' temperature."""
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "temp-0", TASK)
+    api = oai(gw.base_url("temp-0"))
+    messages = [{"role": "user", "content": TASK["question"]}]
+    first = api.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL], temperature=0,
+                                        max_tokens=96).choices[0].message
+    messages += [first.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "5"}]
+    api.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL], temperature=0.5, max_tokens=8)
+    ep = episode(client, keys, "temp-0")
+    assert ep.calls[1].extends == -1 and len(ep.branches) == 1
+    assert ep.sampling["temperature"] == 0.5 and ep.branches[0].sampling["temperature"] == 0.0
+
+
 def test_completions_endpoint_extends_a_call(stack):
     client, keys, gw = stack["client"], stack["keys"], stack["gw"]
     start_agent_episode(client, keys, "cmpl-0", TASK)
@@ -271,8 +288,8 @@ def test_an_agents_worker_runs_agent_concurrency_episodes_at_once(stack, chat_di
 
 def test_replay_continue_reruns_an_agent_from_a_chosen_call_and_writes_nothing_to_the_run(stack, tmp_path):
     """`streamrl replay EP --continue --from-call 1`: the agent runs again on a scratch stack; call 0 is answered
-    from the copied stream (its tokens and version are the original's), calls 1 and 2 are generated again (greedy,
-    same weights: the same tokens), the reward comes back, and the run's own streams are untouched."""
+    from the copied stream, calls 1 and 2 are generated again with v0 (greedy; the stack's worker holds the same
+    weights under whatever version earlier tests loaded: the same tokens), the reward comes back, and the run's own streams are untouched."""
     import subprocess
     import sys
 
@@ -284,7 +301,7 @@ def test_replay_continue_reruns_an_agent_from_a_chosen_call_and_writes_nothing_t
     original = episode(client, keys, "again-0")
     env = {**stack["env"], "STREAMRL_RUN_DIR": str(tmp_path / "runs")}
     out = subprocess.run([sys.executable, "-m", "services.ops.cli", "replay", "again-0", "--continue", "--from-call",
-                          "1", "--json"], env=env, capture_output=True, text=True, timeout=600)
+                          "1", "--version", "0", "--json"], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
     assert r["from_call"] == 1 and r["reward"] == 1.0 and not r["error"]

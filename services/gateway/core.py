@@ -17,10 +17,15 @@ from typing import Any, Iterator
 from services.gateway.chat import Renderer, RenderError, canonical, digest, find_parent
 from shared.protocol.calls import CallRequest, Requester
 from shared.protocol.events import EventError, decode
-from shared.protocol.fold import Call, Episode, fold
+from shared.protocol.fold import TRANSFORM, Call, Episode, fold
 from shared.protocol.keys import Keys
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def same_transform(a: dict, b: dict) -> bool:
+    """Whether two calls sample under the same transform (one row trains under one)."""
+    return all(float(a.get(k) or 0) == float(b.get(k) or 0) for k in TRANSFORM)
 
 
 class GatewayError(Exception):
@@ -138,6 +143,10 @@ class Gateway:
 
         def build() -> tuple[int, list[int]]:
             found = find_parent(ep.calls, messages, tools, self.renderer)
+            if found is not None and not same_transform(found[0].sampling, sampling):
+                self.log.info("call changes temperature/top_k/top_p; a new chain (a row trains under one transform)",
+                              episode=episode_id)
+                found = None
             if found is not None:
                 parent, new = found
                 ended = bool(parent.tokens) and parent.tokens[-1] in self.renderer.stop_ids
@@ -169,7 +178,8 @@ class Gateway:
         def build() -> tuple[int, list[int]]:
             for call in sorted(ep.calls.values(), key=lambda c: c.index, reverse=True):
                 context = call.prompt_ids + call.tokens
-                if call.done and len(ids) > len(context) and ids[:len(context)] == context:
+                if call.done and len(ids) > len(context) and ids[:len(context)] == context and \
+                        same_transform(call.sampling, sampling):
                     return call.index, ids
             return -1, ids
 

@@ -42,6 +42,19 @@ class AgentReplay:
     error: str = ""
 
 
+def from_call_of(original: Episode, from_call: int | None) -> int:
+    """The call a re-run generates from (default: the last), checked against the episode. Pure."""
+    if not original.agent:
+        raise AgentReplayError(f"episode {original.episode_id}: not an agent episode (its started event names no "
+                               f"agent); --from-call goes with agent episodes, --from-seq with the others")
+    calls = sorted(original.calls)
+    k = calls[-1] if from_call is None and calls else (from_call or 0)
+    if not 0 <= k <= len(calls):
+        raise AgentReplayError(f"--from-call {k}: episode {original.episode_id} has calls 0..{len(calls) - 1}; "
+                               f"expected one of them, or {len(calls)} (after the last)")
+    return k
+
+
 def prefix_before_call(entries: list, from_call: int) -> list:
     """The stream entries an agent re-run from call ``from_call`` keeps: everything before that call's ``call``
     event (or every non-terminal entry when ``from_call`` is one past the last call). Pure."""
@@ -77,14 +90,8 @@ def continue_agent(cfg, entries: list, from_call: int | None, version: int, weig
     from services.ops.redis_server import EmbeddedRedis
 
     original = fold(entries)
-    if not original.agent:
-        raise AgentReplayError(f"episode {original.episode_id}: not an agent episode (its started event names no "
-                               f"agent); --from-call goes with agent episodes, --from-seq with the others")
+    k = from_call_of(original, from_call)
     calls = sorted(original.calls)
-    k = calls[-1] if from_call is None and calls else (from_call or 0)
-    if not 0 <= k <= len(calls):
-        raise AgentReplayError(f"--from-call {k}: episode {original.episode_id} has calls 0..{len(calls) - 1}; "
-                               f"expected one of them, or {len(calls)} (after the last)")
     keys = Keys(SCRATCH_RUN)
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="streamrl-replay-") as tmp:

@@ -155,6 +155,7 @@ def _replay_continue_agent(cfg, args, log, entries, ep, decode_text) -> int:
     if args.from_seq is not None:
         raise CLIError(f"--from-seq: episode {args.episode} is an agent episode; use --from-call K")
     try:
+        agent_replay.from_call_of(ep, args.from_call)
         version = args.version if args.version is not None else max(
             (v for c in ep.calls.values() for v in c.versions), default=0)
         path, sha, _ = _replay_version(cfg, args, log, version)

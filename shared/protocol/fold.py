@@ -209,15 +209,26 @@ def _row(ep: Episode, chain: list["Call"]) -> tuple[list[int], list[int], list[f
     return prompt, tokens, logprobs, versions, mask
 
 
+TRANSFORM = ("temperature", "top_k", "top_p")  # what a row's log-probs are computed under
+
+
+def _row_sampling(base: dict, leaf: "Call") -> dict:
+    """A row's sampling: the episode's, with the sampling transform its calls used (the gateway keeps one
+    transform per chain: a call that changes it starts a new chain), so the trainer's log-probs match them."""
+    return {**base, **{k: leaf.sampling[k] for k in TRANSFORM if k in leaf.sampling}}
+
+
 def _lay_out_calls(ep: Episode) -> None:
     """The calls as training rows: one per chain (leaf call), the chain of the last call first."""
     parents = {c.extends for c in ep.calls.values()}
     leaves = sorted((c for c in ep.calls.values() if c.index not in parents), key=lambda c: c.index, reverse=True)
     rows = [_row(ep, _chain(ep, leaf)) for leaf in leaves]
     ep.prompt_ids, ep.tokens, ep.logprobs, ep.versions, ep.mask = rows[0]
+    ep.sampling = _row_sampling(ep.sampling, leaves[0])
     ep.branches = []
-    for prompt, tokens, logprobs, versions, mask in rows[1:]:
-        branch = Episode(ep.episode_id, ep.group_id, ep.index, prompt, ep.sampling, ep.task, tokens, logprobs,
+    for leaf, (prompt, tokens, logprobs, versions, mask) in zip(leaves[1:], rows[1:]):
+        branch = Episode(ep.episode_id, ep.group_id, ep.index, prompt, _row_sampling(ep.sampling, leaf), ep.task,
+                         tokens, logprobs,
                          versions, mask, status=ep.status, finish_reason=ep.finish_reason, reward=ep.reward,
                          reward_details=ep.reward_details, agent=ep.agent)
         ep.branches.append(branch)

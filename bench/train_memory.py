@@ -68,7 +68,7 @@ class PeakRSS:
 def one(model_dir: str, option: str, device: str, batch: int, seq: int, steps: int) -> dict:
     import torch
 
-    from services.trainer.kl import token_logprobs
+    from shared.protocol.logprobs import token_logprobs
     from services.trainer.model import load_policy
     from shared.runtime.config import Config
 

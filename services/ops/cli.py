@@ -339,9 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=2.0)
     p.add_argument("--json", action="store_true")
     p = add("make-model", cmd_make_model, "create the default tiny model at model_dir: random init + a short "
-                                          "supervised warm start on the task (calc-tool format with --tools calc)",
+                                          "supervised warm start on the task (calc-tool format with --tools calc; chat episodes with the "
+                                          "calc tool and a 1,024 context with --agent)",
             ("where", "model"))
-    p.add_argument("--warm-steps", type=int, default=None, help="supervised steps of 32 examples (default 150)")
+    p.add_argument("--warm-steps", type=int, default=None,
+                   help="supervised steps of 32 examples (default 150; 400 with --agent)")
     p.add_argument("--force", action="store_true", help="replace a model already at model_dir")
     p = add("export", cmd_export, "save a version of the run as a Hugging Face folder (config, tokenizer, generation "
                                   "config, safetensors): <run_dir>/<run>/export/v<N> unless --out")

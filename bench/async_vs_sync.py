@@ -180,7 +180,7 @@ def main() -> None:
           f"moving mean over {args.window} steps)")
     print(f"{'variant':<22}{'samples':>8}{'seconds':>9}{'samples/s':>11}{'x sync':>8}{'to target s':>13}{'x sync':>8}"
           f"{'start r':>9}{'final r':>9}{'- sync':>8}{'eval':>7}{'- sync':>8}{'resp len':>9}{'tok/s':>8}{'x sync':>7}{'dropped':>8}"
-          f"{'wasted tok':>11}{'stale tok 0/1/2/3+':>21}")
+          f"{'wasted tok':>11} {'stale tok 0/1/2/3+':>26}")
     for r in results:
         ttt = time_to(r["curve"], target)
         st = r["staleness_tokens"]
@@ -192,7 +192,7 @@ def main() -> None:
               f"{r['final_eval']:>7.3f}{r['final_eval'] - sync['final_eval']:>+8.3f}"
               f"{r['response_len']:>9.1f}{r['tokens_per_s']:>8.0f}{r['tokens_per_s'] / sync['tokens_per_s']:>7.2f}"
               f"{r['stale_dropped']:>8}{r['tokens_wasted']:>11}"
-              f"{'/'.join(str(st.get(k, 0)) for k in ('0', '1', '2')) + '/' + str(sum(v for k, v in st.items() if int(k) >= 3)):>21}")
+              f" {'/'.join(str(st.get(k, 0)) for k in ('0', '1', '2')) + '/' + str(sum(v for k, v in st.items() if int(k) >= 3)):>26}")
     print(f"(x sync of 'to target' is sync's time / this variant's time: > 1 is faster; total {time.monotonic() - t0:.0f}s)")
     if args.json:
         print(json.dumps({"target": target, "start_eval": start_eval, "results": results}, default=str))

@@ -68,7 +68,8 @@ def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
         out = second.stdout + second.stderr
         assert second.returncode == 0, out[-4000:]
         assert f"streamrl redis: run {name!r} had ended; its files are now in" in out
-        assert "driver: reached version 3; ending the run" in out
+        reached = re.search(r"driver: reached version (\d+); ending the run", out)
+        assert reached and int(reached.group(1)) >= 3, out[-4000:]  # a step may publish past 3 before the check
         archived = [p for p in run_dir.iterdir() if p.name.startswith(f"{name}.")]
         assert len(archived) == 1 and runstate.read_marker(archived[0])["id"] == first_id
         assert (archived[0] / "redis" / "appendonlydir").is_dir()

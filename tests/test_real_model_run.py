@@ -5,6 +5,7 @@ that reloads and generates; the same with LoRA."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -39,7 +40,8 @@ def test_streamrl_run_on_a_qwen2_folder_with_chat_rows(tmp_path, extra):
     out = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
-    assert "reached version 6" in log, log[-3000:]
+    reached = re.search(r"driver: reached version (\d+); ending the run", log)
+    assert reached and int(reached.group(1)) >= 6, log[-3000:]  # the driver may see 6 and 7 published at once
     assert "pass@4" in log, log[-3000:]
     exports = sorted((tmp_path / "runs" / run / "export").glob("v*"), key=lambda p: int(p.name[1:]))
     assert exports and int(exports[-1].name[1:]) >= 6, log[-3000:]  # the last version, after the driver ended

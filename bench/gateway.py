@@ -36,8 +36,8 @@ from shared.protocol.keys import Keys  # noqa: E402
 from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 from tests.chat_models import make_chat_model  # noqa: E402
-from tests.gateway_stack import (env_for, free_port, spawn, start_agent_episode, stop, wait_alive,  # noqa: E402
-                                 wait_http)
+from tests.gateway_stack import env_for, free_port, start_agent_episode, wait_alive, wait_http  # noqa: E402
+from tests.procs import spawn, stop  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "What is 12+30? Think step by step."}]
 
@@ -54,7 +54,7 @@ def main() -> None:
     keys = Keys("benchgw")
     port = free_port()
     env = env_for(server.url, keys, model, temperature=0, gateway_port=port, max_tokens=args.tokens)
-    procs = [spawn("services.rollout", env, "--worker-id", "bw"), spawn("services.gateway", env)]
+    procs = [spawn("services.rollout", "--worker-id", "bw", env=env), spawn("services.gateway", env=env)]
     try:
         wait_alive(client, keys, "rollout", "bw")
         wait_http(port)

@@ -4,13 +4,9 @@ as subprocesses (so they can be killed -9), or a gateway served in-process."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import tempfile
-import time
 
 import httpx
 import uvicorn
@@ -18,8 +14,7 @@ import uvicorn
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold
 from shared.protocol.keys import Keys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.procs import ROOT, wait_until
 
 
 def free_port() -> int:
@@ -38,46 +33,17 @@ def env_for(redis_url: str, keys: Keys, model_dir: str, **cfg) -> dict:
     return env
 
 
-def spawn(module: str, env: dict, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, cwd=ROOT)
-
-
-def kill9(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            kill9(proc)
-
-
-def wait_until(cond, timeout: float = 90.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not met after {timeout}s")
-        time.sleep(0.05)
-
-
 def wait_http(port: int, timeout: float = 90.0) -> None:
     def up():
         try:
             return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
         except httpx.HTTPError:
             return False
-    wait_until(up, timeout, f"gateway on port {port}")
+    wait_until(up, f"gateway on port {port}", timeout)
 
 
 def wait_alive(client, keys: Keys, service: str, worker_id: str, timeout: float = 120.0) -> None:
-    wait_until(lambda: client.exists(keys.alive(service, worker_id)), timeout, f"{service} {worker_id} alive")
+    wait_until(lambda: client.exists(keys.alive(service, worker_id)), f"{service} {worker_id} alive", timeout)
 
 
 def start_agent_episode(client, keys: Keys, episode_id: str, task: dict | None = None, agent: str = "test:agent"):
@@ -107,7 +73,7 @@ class InProcessGateway:
 
     def __enter__(self):
         self.thread.start()
-        wait_until(lambda: self.server.started, 30, "in-process gateway")
+        wait_until(lambda: self.server.started, "in-process gateway", 30)
         return self
 
     def __exit__(self, *exc):

@@ -100,7 +100,7 @@ class Syncer:
         sync_id = f"v{version}-{uuid.uuid4().hex[:6]}"
         log = self.log.bind(version=version, sync=sync_id)
         workers = set(self.live_workers())
-        durations, missing, refused = {}, set(), {}
+        durations, missing, refused, why = {}, set(), {}, {}
         t_start = time.monotonic()
         for cmd in ("pause", "load", "resume"):
             t0 = time.monotonic()
@@ -118,11 +118,13 @@ class Syncer:
             if silent:
                 log.warning(f"workers did not acknowledge within sync_timeout={self.cfg.sync_timeout:g}s; going on "
                             "without them", cmd=cmd, workers=sorted(silent))
+            why.update({w: f"{cmd}: heartbeat lapsed" for w in dead})
+            why.update({w: f"{cmd}: silent past sync_timeout" for w in silent})
             missing |= silent | dead
         self.version = version
         self.set_gate(version)
         record = {"version": version, "sync": sync_id, "workers": len(workers), "missing": sorted(missing),
-                  "refused": refused, "total_s": time.monotonic() - t_start, **durations}
+                  "missing_why": why, "refused": refused, "total_s": time.monotonic() - t_start, **durations}
         metrics.record(self.client, self.keys, "sync", record)
         log.info("synced", workers=len(workers), missing=len(missing), refused=len(refused),
                  **{k: round(v, 4) for k, v in durations.items()})

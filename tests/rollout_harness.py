@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,16 +15,20 @@ from shared.runtime.config import Config
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold
 from shared.protocol import samples as psamples
+from shared.protocol.keys import ROLLOUT_GROUP
+from tests.procs import spawn, stop, wait_until
+
+
+def start_tools_worker(redis_url, keys):
+    """A real rq worker process serving the run's tool queue (tool calls and reward jobs)."""
+    return spawn("services.rollout.tools_worker", "--run", keys.run, "--redis-url", redis_url, "--log-level", "warning")
 
 
 @pytest.fixture
 def tools_worker(redis_url, keys):
-    """A real rq worker process serving the run's tool queue (tool calls and reward jobs)."""
-    proc = subprocess.Popen([sys.executable, "-m", "services.rollout.tools_worker", "--run", keys.run,
-                             "--redis-url", redis_url, "--log-level", "warning"])
+    proc = start_tools_worker(redis_url, keys)
     yield proc
-    proc.terminate()
-    proc.wait(10)
+    stop(proc)
 
 
 def make_worker(cfg: Config, client, worker_id: str = "w1", engine=None) -> RolloutWorker:
@@ -56,6 +58,15 @@ def samples(client, keys) -> list[dict]:
     good, bad = psamples.read_all(client, keys.samples)
     assert not bad, bad
     return [psamples.encode(s) for s in good]
+
+
+def wait_claimable(client, keys, owner: str, heartbeat_ttl: float, timeout: float = 30.0) -> None:
+    """Until every prompt group ``owner`` holds has been idle for ``heartbeat_ttl`` (the takeover rule: a group
+    pending that long with a dead owner may be claimed)."""
+    def idle():
+        held = client.xpending_range(keys.prompts, ROLLOUT_GROUP, "-", "+", 10_000, consumername=owner)
+        return all(p["time_since_delivered"] >= heartbeat_ttl * 1000 for p in held)
+    wait_until(idle, f"{owner}'s groups idle for {heartbeat_ttl}s", timeout)
 
 
 def snapshot(client, keys, group_ids) -> dict:

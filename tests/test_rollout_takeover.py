@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 from shared.runtime.config import Config
 from shared.protocol.prompts import PromptGroup, enqueue
-from tests.rollout_harness import episodes, make_worker, samples, snapshot, tick_until
+from tests.procs import kill9, spawn, stop, wait_until
+from tests.rollout_harness import episodes, make_worker, samples, snapshot, tick_until, wait_claimable
 from shared.protocol.keys import ROLLOUT_GROUP
 
 GROUPS = [(f"g{i}", 2) for i in range(6)]
 
 
-def _worker_proc(redis_url, keys, model_dir, worker_id):
-    args = [sys.executable, "-m", "services.rollout", "--worker-id", worker_id, "--run", keys.run,
-            "--redis-url", redis_url, "--model-dir", model_dir, "--max-tokens", "48", "--tools", "",
-            "--flush-tokens", "4", "--flush-ms", "20", "--heartbeat-ttl", "1.5", "--step-delay-ms", "15",
-            "--max-groups-in-flight", "6", "--log-level", "warning"]
-    return subprocess.Popen(args, start_new_session=True)
+def _worker_proc(redis_url, keys, model_dir, worker_id, log=None):
+    return spawn("services.rollout", "--worker-id", worker_id, "--run", keys.run, "--redis-url", redis_url,
+                 "--model-dir", model_dir, "--max-tokens", "48", "--tools", "", "--flush-tokens", "4",
+                 "--flush-ms", "20", "--heartbeat-ttl", "1.5", "--step-delay-ms", "15", "--max-groups-in-flight",
+                 "6", "--log-level", "info", log=log)
 
 
 def _snapshot(client, keys):
@@ -32,29 +26,17 @@ def test_kill_9_mid_episodes_another_worker_finishes_all(client, keys, redis_url
     enqueue(client, keys, [PromptGroup(g, n, prompt=f"{g}: 3*4=") for g, n in GROUPS])
     a = _worker_proc(redis_url, keys, tiny_model_dir, "A")
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            snap = _snapshot(client, keys)
-            if sum(len(ep.tokens) >= 8 and not ep.done for ep in snap.values()) >= 6:
-                break
-            time.sleep(0.02)
-        else:
-            raise AssertionError("worker A never got going")
+        wait_until(lambda: sum(len(ep.tokens) >= 8 and not ep.done for ep in _snapshot(client, keys).values()) >= 6,
+                   "worker A generating 6 episodes", 60, [a])
     finally:
-        os.killpg(a.pid, signal.SIGKILL)
-        a.wait()
+        kill9(a)
     before = _snapshot(client, keys)
     assert len(samples(client, keys)) < len(GROUPS)
     b = _worker_proc(redis_url, keys, tiny_model_dir, "B")
     try:
-        deadline = time.monotonic() + 90
-        while len(samples(client, keys)) < len(GROUPS):
-            assert time.monotonic() < deadline, "B did not finish the groups"
-            assert b.poll() is None, "worker B died"
-            time.sleep(0.1)
+        wait_until(lambda: len(samples(client, keys)) == len(GROUPS), "B finishing every group", 90, [b])
     finally:
-        b.terminate()
-        b.wait(20)
+        stop(b)
     got = [s["group_id"] for s in samples(client, keys)]
     assert sorted(got) == sorted(g for g, _ in GROUPS)  # every group exactly once: none lost, none twice
     assert client.xpending(keys.prompts, ROLLOUT_GROUP)["pending"] == 0
@@ -74,6 +56,39 @@ def test_kill_9_mid_episodes_another_worker_finishes_all(client, keys, redis_url
     assert taken_over >= 6
 
 
+def test_after_a_warm_sigterm_another_worker_resumes_each_episode_where_it_stopped_and_generates_nothing_again(
+        client, keys, redis_url, tiny_model_dir, tmp_path):
+    """SIGTERM (honcho's stop): A exits 0 after recording, in each unfinished episode, an 'aborted' event at the
+    exact number of tokens it had generated (everything flushed). B takes every group over; each of its
+    resumes starts at that count, and B generates exactly the tokens that were still missing."""
+    enqueue(client, keys, [PromptGroup(g, n, prompt=f"{g}: 3*4=") for g, n in GROUPS])
+    a = _worker_proc(redis_url, keys, tiny_model_dir, "A", log=tmp_path / "A.log")
+    try:
+        wait_until(lambda: sum(len(ep.tokens) >= 8 and not ep.done for ep in _snapshot(client, keys).values()) >= 6,
+                   "worker A generating 6 episodes", 60, [a])
+    finally:
+        (code,) = stop(a)
+    assert code == 0, (tmp_path / "A.log").read_text()
+    before = _snapshot(client, keys)
+    stopped = {eid: ep for eid, ep in before.items() if not ep.done}
+    assert len(stopped) >= 6
+    for ep in stopped.values():
+        assert ep.status == "paused" and ep.aborts[-1]["reason"] == "shutdown"
+        assert ep.aborts[-1]["num_tokens"] == len(ep.tokens)  # nothing generated was left unflushed
+    cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=48, tools="", flush_tokens=4, flush_ms=20,
+                 heartbeat_ttl=1.5, max_groups_in_flight=6)
+    b = make_worker(cfg, client, "B")
+    tick_until(b, lambda: len(samples(client, keys)) == len(GROUPS), timeout=90)
+    assert sorted(s["group_id"] for s in samples(client, keys)) == sorted(g for g, _ in GROUPS)
+    after = episodes(client, keys, GROUPS)
+    for eid, old in stopped.items():
+        ep = after[eid]
+        assert ep.status == "finished" and ep.tokens[:len(old.tokens)] == old.tokens
+        assert ep.resumes[-1]["takeover_from"] == "A" and ep.resumes[-1]["num_tokens"] == len(old.tokens)
+    stored_before = sum(len(ep.tokens) for ep in before.values())
+    assert b.stats["tokens"] == sum(len(ep.tokens) for ep in after.values()) - stored_before
+
+
 def test_only_unflushed_tokens_are_generated_again(client, keys, tiny_model_dir):
     """Crash in-process (the worker object is abandoned without a flush), so the
     number of lost tokens is known exactly and compared with what B regenerates."""
@@ -86,7 +101,7 @@ def test_only_unflushed_tokens_are_generated_again(client, keys, tiny_model_dir)
     stored = sum(len(ep.tokens) for ep in _snapshot(client, keys).values())
     unflushed = a.stats["tokens"] - stored
     client.delete(keys.alive("rollout", "A"))  # what the heartbeat TTL does after a kill -9
-    time.sleep(0.6)
+    wait_claimable(client, keys, "A", cfg.heartbeat_ttl)
     b = make_worker(cfg, client, "B")
     tick_until(b, lambda: len(samples(client, keys)) == len(GROUPS))
     final = sum(len(ep.tokens) for ep in episodes(client, keys, GROUPS).values())
@@ -111,7 +126,7 @@ def test_fenced_worker_drops_whole_groups_and_gets_them_back_clean(client, keys,
 
     def stall(worker, name):  # what a SIGSTOP looks like from outside: the heartbeat lapses, nothing is written
         client.delete(keys.alive("rollout", name))
-        time.sleep(cfg.heartbeat_ttl + 0.1)
+        wait_claimable(client, keys, name, cfg.heartbeat_ttl)
 
     stall(a, "A")
     b = make_worker(cfg, client, "B")

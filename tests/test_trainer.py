@@ -6,9 +6,7 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
-import time
+import threading
 
 import pytest
 import torch
@@ -27,7 +25,9 @@ from shared.protocol.fold import fold
 from tests.helpers import finished, raw, started, tokens
 from shared.protocol.keys import TRAINER_GROUP
 from shared.protocol import samples
+from shared.protocol import dead_letters
 from shared.protocol import versions as pversions
+from tests.procs import kill9, spawn, stop, wait_until
 
 
 def _write_group(client, keys, group_id: str, n: int = 2, version: int = 0, rng=None, length: int = 6,
@@ -148,13 +148,16 @@ def test_a_non_finite_step_is_skipped_counted_and_never_published(client, keys, 
 
 
 def _trainer_proc(redis_url, cfg: Config, crash_at: str | None = None):
-    args = [sys.executable, "-m", "services.trainer", "--run", cfg.run, "--redis-url", redis_url,
-            "--model-dir", cfg.model_dir, "--run-dir", cfg.run_dir, "--weights-dir", cfg.weights_dir,
-            "--batch-groups", "2", "--steps-per-version", "2", "--max-staleness", "100", "--log-level", "warning"]
     env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
     if crash_at:
         env[FAULT_ENV] = crash_at  # the fault-injection hook of services/trainer/commit.py (tests only)
-    return subprocess.Popen(args, start_new_session=True, env=env)
+    return spawn("services.trainer", "--run", cfg.run, "--redis-url", redis_url, "--model-dir", cfg.model_dir,
+                 "--run-dir", cfg.run_dir, "--weights-dir", cfg.weights_dir, "--batch-groups", "2",
+                 "--steps-per-version", "2", "--max-staleness", "100", "--log-level", "warning", env=env)
+
+
+def _committed(ledger_dir) -> set[str]:
+    return {g for rec in read_ledger(ledger_dir) for g in rec["groups"] + rec["skipped"]}
 
 
 def test_kill_9_trains_every_sample_exactly_once(client, keys, redis_url, tiny_model_dir, tmp_path):
@@ -165,33 +168,80 @@ def test_kill_9_trains_every_sample_exactly_once(client, keys, redis_url, tiny_m
     proc = _trainer_proc(redis_url, cfg)
     ledger_dir = cfg.run_path / "trainer"
     try:
-        deadline = time.monotonic() + 120
-        while len(read_ledger(ledger_dir)) < 2:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
-        time.sleep(random.Random(1).random() * 0.5)
+        # killed while it holds delivered groups it has not committed (mid-step): they must come back to it
+        wait_until(lambda: len(read_ledger(ledger_dir)) >= 2 and
+                   client.xpending(keys.samples, TRAINER_GROUP)["pending"] > 0,
+                   "two commits and groups delivered but uncommitted", 120, [proc])
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill9(proc)
+    assert len(_committed(ledger_dir)) < 12  # the kill landed before every written group was committed
     for g in groups[12:]:
         _write_group(client, keys, g, length=40)
     proc = _trainer_proc(redis_url, cfg)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            done = [g for rec in read_ledger(ledger_dir) for g in rec["groups"] + rec["skipped"]]
-            if len(set(done)) == len(groups):
-                break
-            assert time.monotonic() < deadline, f"only {len(set(done))} groups committed"
-            assert proc.poll() is None
-            time.sleep(0.1)
+        wait_until(lambda: len(_committed(ledger_dir)) == len(groups), "every group committed", 180, [proc])
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop(proc)
     trained = [g for rec in read_ledger(ledger_dir) for g in rec["groups"]]
     assert sorted(trained) == groups  # every group trained, none twice
     versions = [v.version for v in pversions.read_all(client, keys)]
     assert versions == sorted(set(versions)) and versions[-1] == len(groups) // 4
+
+
+def _trainer_thread(cfg: Config, client):
+    """A real Trainer.run loop in a thread; returns (trainer, stop): call stop() to end it."""
+    trainer = Trainer(cfg, client, logs.get("trainer-test"))
+    done = threading.Event()
+    thread = threading.Thread(target=trainer.run, kwargs={"should_stop": done.is_set}, daemon=True)
+    thread.start()
+
+    def stop_it():
+        done.set()
+        thread.join(60)
+    return trainer, stop_it
+
+
+def test_an_idle_trainer_publishes_again_a_version_redis_lost_and_keeps_only_weights_a_worker_may_load(
+        client, keys, tiny_model_dir, tmp_path):
+    cfg = _cfg(keys, tiny_model_dir, tmp_path, max_staleness=0)  # a worker may still load the last 3 versions
+    for i in range(8):
+        _write_group(client, keys, f"w{i}")
+    trainer, stop_it = _trainer_thread(cfg, client)
+    try:
+        wait_until(lambda: pversions.latest_number(client, keys) == 4, "version 4 published", 120)
+        files = sorted(p.name for p in (tmp_path / "weights").glob("v*.safetensors"))
+        assert files == ["v000002.safetensors", "v000003.safetensors", "v000004.safetensors"]  # v1 pruned
+        newest = pversions.latest(client, keys)
+        client.xdel(keys.versions, newest.entry_id)  # a Redis restart lost its last second: the event is gone
+        assert pversions.latest_number(client, keys) == 3
+        wait_until(lambda: pversions.latest_number(client, keys) == 4, "version 4 published again", 30)
+        again = pversions.latest(client, keys)
+        assert (again.path, again.sha256, again.step) == (newest.path, newest.sha256, newest.step)
+        assert trainer.version == 4  # the same file, not a new version
+    finally:
+        stop_it()
+
+
+def test_an_unreadable_episode_stream_is_dead_lettered_and_its_group_trains_without_it(
+        client, keys, tiny_model_dir, tmp_path):
+    cfg = _cfg(keys, tiny_model_dir, tmp_path)
+    for g in ("u1", "u2", "u3", "u4", "u5"):
+        _write_group(client, keys, g)
+    bad = {eid: client.xadd(keys.episode(eid), {"type": "tokens", "v": "2", "seq": "x"}).decode()
+           for eid in ("u1-1", "u3-0", "u3-1")}  # u1 keeps one readable episode; u3 has none
+    trainer, stop_it = _trainer_thread(cfg, client)
+    try:
+        wait_until(lambda: _committed(cfg.run_path / "trainer") == {"u1", "u2", "u3", "u4", "u5"},
+                   "every group committed", 120)
+    finally:
+        stop_it()
+    records = read_ledger(cfg.run_path / "trainer")
+    assert sorted(g for r in records for g in r["groups"]) == ["u1", "u2", "u4", "u5"]
+    assert [g for r in records for g in r["skipped"]] == ["u3"]
+    letters = {(d.stream, d.entry) for d in dead_letters.read_all(client, keys)}
+    assert letters == {(keys.episode(eid), entry) for eid, entry in bad.items()}
+    assert trainer.counts["episodes_failed"] == 3 and trainer.counts["groups_dropped"] == 1
+    assert int(client.get(keys.gate_started) or 0) == -1  # u3 gave its gate slot back
 
 
 # --- the step: micro-batches, minibatches, direction
@@ -302,27 +352,18 @@ def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothi
             assert proc.wait(180) == -signal.SIGKILL, point  # killed itself at this point of its first commit
         finally:
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+                kill9(proc)
         trained = [g for rec in read_ledger(ledger_dir) for g in rec["groups"]]
         assert len(trained) == len(set(trained)), point
     proc = _trainer_proc(redis_url, cfg)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            done = {g for rec in read_ledger(ledger_dir) for g in rec["groups"] + rec["skipped"]}
-            if done == set(groups) and client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0:
-                break
-            assert time.monotonic() < deadline, f"{sorted(done)} committed"
-            assert proc.poll() is None
-            time.sleep(0.1)
+        wait_until(lambda: _committed(ledger_dir) == set(groups) and
+                   client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0, "every group committed", 180, [proc])
         state = checkpoint.load(ledger_dir)
-        deadline = time.monotonic() + 60
-        while pversions.latest_number(client, keys) < state["version"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_until(lambda: pversions.latest_number(client, keys) >= state["version"], "the last version published",
+                   60, [proc])
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop(proc)
     records = read_ledger(ledger_dir)
     assert sorted(g for rec in records for g in rec["groups"]) == sorted(groups)  # every group trained, none twice
     # the ledger agrees with the checkpoint: one line per commit, nothing behind, nothing beyond

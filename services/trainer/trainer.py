@@ -168,8 +168,10 @@ class Trainer:
         for eid in eids:
             try:
                 ep = fold(self.episodes.read(eid))
-            except EventError as exc:
+            except EventError as exc:  # set aside with its reason (loses nothing); the group trains without it
                 self.log.error("episode stream unreadable; episode skipped", episode=eid, error=str(exc))
+                dead_letters.send(self.client, self.keys, self.keys.episode(eid), exc.entry_id, str(exc), "trainer")
+                self.counts["episodes_failed"] += 1
                 continue
             if ep.status == "finished":
                 episodes.append(ep)

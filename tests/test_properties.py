@@ -6,12 +6,19 @@ Expectations are computed here, from what the generators meant, never by calling
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+from uuid import uuid4
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.protocol.events import Event, EventError
+from shared.protocol import calls, control, dead_letters, gate, ledger, metrics, prompts, samples, versions
+from shared.protocol.events import Event, EventError, encode
 from shared.protocol.fold import fold
+from shared.protocol.keys import ROLLOUT_GROUP, Keys
+from shared.protocol.prompts import PromptGroup
 from tests.helpers import raw
 
 FIXTURES = settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None, max_examples=25)
@@ -100,3 +107,194 @@ def test_fold_names_the_entry_after_a_dropped_one_the_copy_of_a_doubled_one_and_
         fold(entries)
     assert err.value.entry_id == entries[index][0].decode()
     assert err.value.field == "seq" and err.value.problem == f"{problem}: expected {index}, got {seq}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. every stream codec of shared/protocol/schema.py: what is written through it is read back equal (real server)
+
+def fresh(keys: Keys) -> Keys:
+    """A run of its own for one example (examples of one test share the fixture's server and namespace)."""
+    return Keys(f"{keys.run}-{uuid4().hex[:8]}")
+
+
+text = st.text(max_size=12)
+ids_text = st.text(st.characters(blacklist_characters=" :*,", blacklist_categories=("Cs",)), min_size=1, max_size=10)
+hexes = st.text("0123456789abcdef", max_size=64)
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False) | text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3), max_leaves=6)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False) | text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3), max_leaves=6)
+msgpack_maps = st.dictionaries(text, msgpack_values, max_size=3)
+json_maps = st.dictionaries(text, json_values, max_size=4)
+
+
+@FIXTURES
+@given(episode=episodes())
+def test_episode_events_written_to_a_stream_fold_back_to_the_episode(client, keys, episode):
+    evs, want = episode
+    key = fresh(keys).episode("e1")
+    for ev in evs:
+        client.xadd(key, encode(ev))
+    ep = fold(client.xrange(key))
+    assert (ep.tokens, ep.logprobs, ep.versions, ep.mask) == \
+        (want["tokens"], want["logprobs"], want["versions"], want["mask"])
+    assert [(e.kind, e.policy, e.worker, e.seq, e.data) for e in ep.events] == \
+        [(e.kind, e.policy, e.worker, e.seq, e.data) for e in evs]
+
+
+chat = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": text}),
+                min_size=1, max_size=3)
+prompt_groups = st.builds(
+    lambda gid, n, prompt, task, sampling: PromptGroup(gid, n, prompt[0], prompt[1], task, sampling),
+    ids_text, st.integers(1, 64),
+    st.one_of(st.tuples(text | chat, st.none()), st.tuples(st.none(), st.lists(st.integers(0, 2**32 - 1), max_size=8))),
+    msgpack_maps, msgpack_maps)
+
+
+@FIXTURES
+@given(groups=st.lists(prompt_groups, min_size=1, max_size=4, unique_by=lambda g: g.group_id))
+def test_prompt_groups_read_back_as_enqueued_and_enqueue_again_adds_nothing(client, keys, groups):
+    k = fresh(keys)
+    entry_ids = prompts.enqueue(client, k, groups)
+    assert prompts.enqueue(client, k, groups) == [None] * len(groups)
+    back = [prompts.decode_group(*entry) for entry in client.xrange(k.prompts)]
+    assert back == [replace(g, entry_id=e) for g, e in zip(groups, entry_ids)]
+
+
+sample_values = st.builds(samples.Sample, ids_text, st.lists(ids_text, min_size=1, max_size=4), text,
+                          st.integers(1, 16))
+
+
+@FIXTURES
+@given(published=st.lists(sample_values, min_size=1, max_size=4, unique_by=lambda s: s.group_id))
+def test_published_samples_read_back_equal_and_their_prompts_are_acknowledged(client, keys, published):
+    k = fresh(keys)
+    client.xgroup_create(k.prompts, ROLLOUT_GROUP, id="0", mkstream=True)
+    pub = samples.Publisher(client, k)
+    for s in published:
+        prompt_entry = client.xadd(k.prompts, {"group_id": s.group_id}).decode()
+        client.xreadgroup(ROLLOUT_GROUP, "w1", {k.prompts: ">"})
+        pub.publish(s, k.samples, k.prompts, prompt_entry)
+        pub.publish(s, k.samples, k.prompts, prompt_entry)  # a retry: no second entry
+    good, bad = samples.read_all(client, k.samples)
+    assert not bad and good == [replace(s, entry_id=g.entry_id) for s, g in zip(published, good)]
+    assert len(good) == len(published) and samples.read_after(client, k.samples, "0-0")[0] == good
+    assert client.xpending(k.prompts, ROLLOUT_GROUP)["pending"] == 0
+
+
+version_values = st.builds(versions.Version, st.integers(1, 10**6), text.filter(bool), hexes, st.integers(0, 10**9),
+                           st.integers(1, 10**10).map(lambda ms: ms / 1000))  # the codec writes time to 3 decimals
+
+
+@FIXTURES
+@given(published=st.lists(version_values, min_size=1, max_size=4, unique_by=lambda v: v.version).map(
+    lambda vs: sorted(vs, key=lambda v: v.version)))
+def test_published_versions_read_back_equal_and_an_old_one_republished_adds_nothing(client, keys, published):
+    k = fresh(keys)
+    entry_ids = [versions.publish(client, k, v) for v in published]
+    for v in published:
+        assert versions.publish(client, k, v) == entry_ids[-1]  # not newer than the newest: a no-op
+    want = [replace(v, entry_id=e) for v, e in zip(published, entry_ids)]
+    assert versions.read_all(client, k) == want and versions.latest(client, k) == want[-1]
+    assert versions.read_after(client, k, "0-0") == want
+
+
+commands = st.builds(control.Command, st.sampled_from(control.COMMANDS), ids_text, st.integers(-1, 10**6), text,
+                     hexes).filter(lambda c: c.cmd != "load" or (c.version >= 0 and c.path))
+acks = st.tuples(ids_text, st.booleans(), st.integers(-1, 10**6), text)  # worker, ok, version, error
+
+
+@FIXTURES
+@given(sent=st.lists(st.tuples(commands, acks), min_size=1, max_size=4, unique_by=lambda ca: (ca[0].sync, ca[0].cmd)))
+def test_control_commands_and_acks_read_back_equal_and_a_retried_send_adds_nothing(client, keys, sent):
+    k = fresh(keys)
+    entry_ids = [control.send_command(client, k, c) for c, _ in sent]
+    for c, (worker, ok, version, error) in sent:
+        assert control.send_ack(client, k, c, worker, ok, version, error)
+        assert control.send_ack(client, k, c, worker, ok, version, error) is None
+        assert control.send_command(client, k, c) is None
+    read = control.read_after(client, k, "0-0")
+    assert [x for _, x in read[:len(sent)]] == [replace(c, entry_id=e) for (c, _), e in zip(sent, entry_ids)]
+    assert [control.decode_ack(x) for _, x in read[len(sent):]] == \
+        [control.Ack(c.cmd, c.sync, w, ok, v, err) for c, (w, ok, v, err) in sent]
+
+
+@FIXTURES
+@given(letters=st.lists(st.builds(dead_letters.DeadLetter, text, ids_text, text, text), max_size=4,
+                        unique_by=lambda d: (d.stream, d.entry)))
+def test_dead_letters_read_back_equal_and_a_second_for_the_same_entry_adds_nothing(client, keys, letters):
+    k = fresh(keys)
+    for d in letters:
+        assert dead_letters.send(client, k, d.stream, d.entry, d.reason, d.by)
+        assert not dead_letters.send(client, k, d.stream, d.entry, "again", "someone else")
+    assert dead_letters.read_all(client, k) == letters
+
+
+@FIXTURES
+@given(records=st.lists(st.tuples(st.sampled_from(metrics.KINDS), json_maps), min_size=1, max_size=5))
+def test_metrics_records_read_back_equal_and_one_written_again_reads_once_in_its_last_place(client, keys, records):
+    k = fresh(keys)
+    identity_field = {"train": "step", "sync": "sync", "validation": "version", "rollout": "i"}
+    records = [(kind, {**data, identity_field.get(kind, "i"): i}) for i, (kind, data) in enumerate(records)]
+    for kind, data in records:
+        metrics.record(client, k, kind, data)
+    assert [d for _, d in metrics.read(client, k)] == [d for _, d in records]
+    for kind in metrics.KINDS:
+        assert [d for _, d in metrics.read(client, k, kind)] == [d for kn, d in records if kn == kind]
+    metrics.record(client, k, *records[0])  # a retried XADD
+    again = [d for _, d in records[1:]] + [records[0][1]]
+    if records[0][0] == "fault_probe":  # no identity: both copies stay
+        again = [records[0][1]] + again
+    assert [d for _, d in metrics.read(client, k)] == again
+
+
+@FIXTURES
+@given(records=st.lists(json_maps, min_size=1, max_size=4), torn=st.integers(1, 20))
+def test_ledger_records_read_back_equal_and_a_torn_last_line_is_ignored_then_cut(tmp_path, records, torn):
+    directory = tmp_path / uuid4().hex
+    for rec in records:
+        ledger.append_ledger(directory, rec)
+    assert ledger.read_ledger(directory) == records
+    partial = json.dumps(records[0]).encode()[:torn]  # a crash mid-append: no newline
+    with open(directory / ledger.FILE, "ab") as fh:
+        fh.write(partial)
+    assert ledger.read_ledger(directory) == records
+    assert ledger.repair_ledger(directory) == len(partial)
+    ledger.append_ledger(directory, {"commit": 1})
+    assert ledger.read_ledger(directory) == records + [{"commit": 1}]
+
+
+call_requests = st.builds(
+    lambda ep, digest, extends, ids, sampling, messages: calls.CallRequest(ep, digest, extends, ids, sampling,
+                                                                           messages),
+    st.sampled_from(["e1", "e2"]), text, st.integers(-1, 20), st.lists(st.integers(0, 2**32 - 1), min_size=1,
+                                                                        max_size=8),
+    st.builds(lambda extra, max_tokens: {**extra, "max_tokens": max_tokens}, msgpack_maps, st.integers(1, 4096)),
+    text)
+
+
+@FIXTURES
+@given(requests=st.lists(call_requests, min_size=1, max_size=5, unique_by=lambda r: (r.episode_id, r.digest)))
+def test_call_requests_read_back_equal_numbered_per_episode_and_a_retry_gets_the_same_call(client, keys, requests):
+    k = fresh(keys)
+    requester = calls.Requester(client, k)
+    want, made = [], {"e1": 0, "e2": 0}  # calls made so far in each episode: the next call's index
+    for r in requests:
+        index = made[r.episode_id]
+        made[r.episode_id] += 1
+        assert requester.request(replace(r)) == (index, True)
+        assert requester.request(replace(r)) == (index, False)  # a retry: the call already made
+        want.append(replace(r, call=index))
+    back = [calls.decode_request(*entry) for entry in client.xrange(k.calls)]
+    assert back == [replace(w, entry_id=b.entry_id) for w, b in zip(want, back)] and len(back) == len(want)
+
+
+@FIXTURES
+@given(version=st.integers(0, 10**6), limit=st.integers(0, 10**6), max_staleness=st.integers(0, 100))
+def test_an_opened_gate_reads_back_its_version_and_limit(client, keys, version, limit, max_staleness):
+    k = fresh(keys)
+    assert gate.peek(client, k) == (None, None) and gate.opened_version(client, k) is None
+    gate.open(client, k, version, limit, max_staleness)
+    assert gate.peek(client, k) == (version, limit) and gate.opened_version(client, k) == version

@@ -14,9 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.trainer.batch import build_batch
 from shared.protocol import calls, control, dead_letters, gate, ledger, metrics, prompts, samples, versions
 from shared.protocol.events import Event, EventError, encode
-from shared.protocol.fold import fold
+from shared.protocol.fold import Episode, fold
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
 from shared.protocol.prompts import PromptGroup
 from tests.helpers import raw
@@ -298,3 +299,49 @@ def test_an_opened_gate_reads_back_its_version_and_limit(client, keys, version, 
     assert gate.peek(client, k) == (None, None) and gate.opened_version(client, k) is None
     gate.open(client, k, version, limit, max_staleness)
     assert gate.peek(client, k) == (version, limit) and gate.opened_version(client, k) == version
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. the trainer's batch: each generated token's log-prob, version and mask sit where the model predicts it
+
+generated = st.lists(st.tuples(st.integers(3, 999), logprob, st.integers(0, 6)), min_size=1, max_size=4)
+tool_output = st.lists(st.integers(3, 999), min_size=1, max_size=3)
+
+
+@st.composite
+def trained_episodes(draw, index):
+    """An Episode whose response interleaves generated chunks (id, log-prob, version) and tool output (masked)."""
+    ep = Episode(f"e{index}", "g", index, draw(st.lists(st.integers(3, 999), min_size=1, max_size=5)),
+                 {"temperature": 1.0}, {}, status="finished", finish_reason="stop", reward=draw(st.floats(0, 1)))
+    for chunk in draw(st.lists(st.one_of(generated, tool_output), min_size=1, max_size=5)):
+        for tok in chunk:
+            token, lp, version, mask = (tok, 0.0, -1, 0) if isinstance(tok, int) else (*tok, 1)
+            ep.tokens.append(token)
+            ep.logprobs.append(lp)
+            ep.versions.append(version)
+            ep.mask.append(mask)
+    return ep
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups=st.lists(st.tuples(trained_episodes(0), trained_episodes(1)).map(list), min_size=1, max_size=3),
+       trainer_version=st.integers(0, 8), hard_max_staleness=st.integers(0, 3))
+def test_batch_puts_each_generated_tokens_logprob_and_version_where_the_model_predicts_it(groups, trainer_version,
+                                                                                         hard_max_staleness):
+    batch = build_batch(groups, pad_id=0, trainer_version=trainer_version, hard_max_staleness=hard_max_staleness)
+    rows = [ep for group in groups for ep in group]
+    assert batch.episode_ids == [ep.episode_id for ep in rows]
+    for i, ep in enumerate(rows):
+        full = ep.prompt_ids + ep.tokens
+        assert batch.input_ids[i, :len(full)].tolist() == full and batch.lengths[i] == len(full)
+        width = batch.targets.shape[1]
+        want_mask, want_logp, want_version = [0.0] * width, [0.0] * width, [-1] * width
+        for j, token in enumerate(ep.tokens):
+            t = len(ep.prompt_ids) + j  # the token's position; the logits at t - 1 predict it
+            assert batch.targets[i, t - 1] == token
+            if ep.mask[j]:
+                fresh_enough = hard_max_staleness == 0 or trainer_version - ep.versions[j] <= hard_max_staleness
+                want_mask[t - 1] = 1.0 if fresh_enough else 0.0
+                want_logp[t - 1], want_version[t - 1] = ep.logprobs[j], ep.versions[j]
+        assert batch.loss_mask[i].tolist() == want_mask  # prompt, tool output and padding never train
+        assert batch.behav_logp[i].tolist() == want_logp and batch.versions[i].tolist() == want_version

@@ -14,13 +14,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.ops.check_report import MUST_BE_ZERO
+from services.ops.checker import ConsumerGroup, RunData, _entries, check
 from services.trainer.batch import build_batch
 from shared.protocol import calls, control, dead_letters, gate, ledger, metrics, prompts, samples, versions
 from shared.protocol.events import Event, EventError, encode
 from shared.protocol.fold import Episode, fold
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
-from shared.protocol.prompts import PromptGroup
-from tests.helpers import raw
+from shared.protocol.prompts import PromptGroup, encode_group
+from tests.helpers import finished, raw, started, tokens
 
 FIXTURES = settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None, max_examples=25)
 
@@ -345,3 +347,100 @@ def test_batch_puts_each_generated_tokens_logprob_and_version_where_the_model_pr
                 want_logp[t - 1], want_version[t - 1] = ep.logprobs[j], ep.versions[j]
         assert batch.loss_mask[i].tolist() == want_mask  # prompt, tool output and padding never train
         assert batch.behav_logp[i].tolist() == want_logp and batch.versions[i].tolist() == want_version
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. the checker: one fault injected into a clean run moves its own count, by the amount injected, and no other
+
+COUNTS = MUST_BE_ZERO + ("versions_missing", "tokens_generated_again", "trained_unfinished")
+
+
+@st.composite
+def clean_runs(draw):
+    """Every group enqueued, delivered, published once, trained once; one worker generated what the streams hold
+    (built as tests/test_checker.py builds its RunData)."""
+    groups = [f"g{i}" for i in range(draw(st.integers(1, 4)))]
+    size, ntok = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    episodes = {f"{g}-{i}": _entries(raw([started(episode_id=f"{g}-{i}"), tokens(1, range(ntok)), finished(2)]))
+                for g in groups for i in range(size)}
+    return RunData(
+        prompts=[(f"{1 + i}-0", encode_group(PromptGroup(g, size, prompt="1+1="))) for i, g in enumerate(groups)],
+        rollout=ConsumerGroup(f"{len(groups)}-0"),
+        samples=[(f"{100 + i}-0", samples.encode(samples.Sample(g, [f"{g}-{j}" for j in range(size)], "w", size)))
+                 for i, g in enumerate(groups)],
+        trainer=ConsumerGroup(f"{99 + len(groups)}-0"), episodes=episodes,
+        ledger=[{"version": 1 + i, "groups": [g], "skipped": []} for i, g in enumerate(groups)],
+        reports={"w": {"worker": "w", "tokens": ntok * len(episodes), "final": True}},
+        versions=list(range(1, draw(st.integers(1, 4)))))
+
+
+def inject(data: RunData, fault: str, group: str, amount: int) -> dict[str, int]:
+    """Put one fault of kind ``fault`` into ``data`` (about ``group``); the counts it must move, and by how much."""
+    position = int(group[1:])
+    if fault == "group delivered, never published":
+        data.samples.pop(position)
+        data.ledger[position]["groups"] = []
+        return {"groups_lost": 1}
+    if fault == "sample acknowledged, in no ledger record":
+        data.ledger[position]["groups"] = []
+        return {"groups_lost": 1}
+    if fault == "group enqueued twice":
+        data.prompts.append(("90-0", encode_group(PromptGroup(group, 1, prompt="again"))))
+        return {"groups_enqueued_twice": 1}
+    if fault == "group trained again":
+        data.ledger += [{"version": 9, "groups": [group], "skipped": []}] * amount
+        return {"samples_trained_twice": amount}
+    if fault == "group published twice":
+        data.samples.append(("200-0", data.samples[position][1]))
+        data.trainer = ConsumerGroup("200-0")
+        return {"episodes_finished_twice": 1}
+    if fault == "episode finished twice":  # its stream no longer folds: the trainer set it aside (a dead letter)
+        entries = data.episodes[f"{group}-0"]
+        data.episodes[f"{group}-0"] = entries + [("999-0", {**entries[-1][1], "seq": str(len(entries)).encode()})]
+        data.dead.append({"stream": f"ep:{group}-0", "entry": "", "reason": "after the episode finished"})
+        return {"episodes_finished_twice": 1}
+    if fault == "version published twice":
+        data.versions.append(data.versions[-1] if data.versions else 0)
+        return {"versions_repeated": 1}
+    if fault == "version missing":
+        data.versions.append((data.versions[-1] if data.versions else 0) + 2)
+        return {"versions_missing": 1}
+    if fault == "tokens generated again":
+        data.reports["w"]["tokens"] += amount
+        return {"tokens_generated_again": amount}
+    if fault == "trained episode lost its finish":
+        data.episodes[f"{group}-0"] = data.episodes[f"{group}-0"][:-1]
+        return {"trained_unfinished": 1}
+    if fault == "bad control entry":
+        data.control.append(("60-0", {"type": "cmd", "cmd": "explode", "sync": "s"}))
+        return {"bad_input_not_dead_lettered": 1}
+    if fault == "bad samples entry, read":
+        data.samples.append(("300-0", {"garbage": "1"}))
+        data.trainer = ConsumerGroup("300-0")
+        return {"bad_input_not_dead_lettered": 1}
+    if fault == "bad prompts entry, delivered":
+        data.prompts.append(("50-0", {"group_id": "bad group", "n": "2"}))
+        data.rollout = ConsumerGroup("50-0")
+        return {"bad_input_not_dead_lettered": 1}
+    assert fault == "unreadable episode entry"
+    data.episodes[f"{group}-0"] = data.episodes[f"{group}-0"] + [("998-0", {"type": b"tokens", "v": b"9"})]
+    return {"bad_input_not_dead_lettered": 1}
+
+
+FAULTS = ("group delivered, never published", "sample acknowledged, in no ledger record", "group enqueued twice",
+          "group trained again", "group published twice", "episode finished twice", "version published twice",
+          "version missing", "tokens generated again", "trained episode lost its finish", "bad control entry",
+          "bad samples entry, read", "bad prompts entry, delivered", "unreadable episode entry")
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=clean_runs(), fault=st.sampled_from(FAULTS), pick=st.data(), amount=st.integers(1, 3))
+def test_one_injected_fault_moves_its_own_count_by_the_amount_injected_and_no_other(data, fault, pick, amount):
+    clean = check(data)
+    assert clean.ok and all(getattr(clean, name) == 0 for name in COUNTS)
+    group = pick.draw(st.sampled_from([s["group_id"] for _, s in data.samples]))
+    moves = inject(data, fault, group, amount)
+    faulty = check(data)
+    assert {name: getattr(faulty, name) - getattr(clean, name) for name in COUNTS} == \
+        {name: moves.get(name, 0) for name in COUNTS}
+    assert faulty.ok == (not set(moves) & set(MUST_BE_ZERO))

@@ -27,7 +27,6 @@ from tests.helpers import finished, raw, started, tokens
 FIXTURES = settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None, max_examples=25)
 
 logprob = st.floats(-30.0, 0.0, width=32)  # float32 values survive the "<f4" packing exactly
-names = st.text(st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1, max_size=10)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from services.ops import checker
-from services.ops.checker import ConsumerGroup, RunData, check, episode_stats
+from services.ops.checker import ConsumerGroup, RunData, check, episode_stats, read_run
 from shared.protocol.events import Event
 from shared.protocol.prompts import PromptGroup, encode_group
 from tests.helpers import finished, raw, started, tokens
@@ -242,3 +242,17 @@ def test_agent_group_never_published_with_no_job_in_hand_is_lost():
     assert r.groups_enqueued == 4 and r.groups_in_flight == 1
     data.agents_busy.add("a3-0")
     assert check(data).groups_lost == 0
+
+
+def test_the_check_reads_every_pending_entry_past_one_page_of_1000(client, keys, tmp_path):
+    """2,000 samples delivered to the trainer and not acknowledged (two full pages, then an empty one): the
+    check holds all of them in flight, none is missed at a page boundary."""
+    pipe = client.pipeline(transaction=False)
+    for i in range(2000):
+        pipe.xadd(keys.samples, {"group_id": f"p{i:04d}", "episodes": f"p{i:04d}-0", "worker": "w", "n": "1"})
+    ids = [e.decode() for e in pipe.execute()]
+    client.xgroup_create(keys.samples, TRAINER_GROUP, id="0")
+    client.xreadgroup(TRAINER_GROUP, "trainer", {keys.samples: ">"}, count=2000)
+    client.xack(keys.samples, TRAINER_GROUP, ids[999])  # one acknowledged, right at the first page's end
+    data = read_run(client, keys, tmp_path)
+    assert data.trainer.pending == set(ids) - {ids[999]}

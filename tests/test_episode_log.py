@@ -133,3 +133,18 @@ def test_read_many_equals_read_of_each(client, keys):
     log.flush_or_raise()
     assert log.read_many(["b", "missing", "a"]) == [log.read("b"), [], log.read("a")]
     assert len(log.read("b")) == 2
+
+
+def test_appends_go_on_after_the_server_forgets_its_scripts(client, keys):
+    """A Redis restart empties the script cache: the next flush gets NOSCRIPT, loads the script again and
+    writes, with no event lost, doubled or out of order."""
+    log = EpisodeLog(client, keys, "w1", flush_tokens=4)
+    _start(log)
+    log.append_tokens("e1", [1, 2, 3, 4], [-0.5] * 4, 0)
+    log.flush_or_raise()
+    client.script_flush()
+    log.append_tokens("e1", [5, 6], [-0.25] * 2, 0)
+    log.append("e1", "finished", {"reason": "stop", "reward": 1.0}, 0)
+    assert log.flush() == {}
+    ep = log.replay("e1")
+    assert ep.tokens == [1, 2, 3, 4, 5, 6] and ep.status == "finished" and ep.last_seq == 3

@@ -103,12 +103,15 @@ class FaultProxy:
                 w.close()
                 self._writers.discard(w)
 
+        cut = []
+
         async def requests():
             while data := await client_r.read(CHUNK):
                 if data.count(b"\r\n*") >= 1 and self._fault(self.cut_request, "request_cut"):
                     server_w.write(data[:self.rng.randrange(1, len(data))])  # a prefix of the pipeline
                     await server_w.drain()
-                    await asyncio.sleep(0.01)  # let the server execute what it got
+                    server_w.write_eof()  # half-close: the server executes what it got, then hangs up
+                    cut.append(True)
                     break
                 server_w.write(data)
                 await server_w.drain()
@@ -123,6 +126,8 @@ class FaultProxy:
         tasks = [asyncio.ensure_future(requests()), asyncio.ensure_future(replies())]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            if cut:  # the cut request's prefix: closed only once the server has hung up (it ran what it got)
+                await asyncio.wait([tasks[1]], timeout=10)
         except (ConnectionError, OSError):
             pass
         finally:

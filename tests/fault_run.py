@@ -10,11 +10,9 @@ a probe, see that module).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,13 +21,14 @@ from shared.runtime.connection import connect
 from shared.protocol.keys import Keys
 from services.ops.redis_server import EmbeddedRedis
 from shared.protocol import metrics, versions
+from tests.procs import spawn, wait_until
 
-COMMANDS = {
-    "rollout": [sys.executable, "-m", "tests.fault_worker"],
-    "tools": [sys.executable, "-m", "services.rollout.tools_worker"],
-    "trainer": [sys.executable, "-m", "services.trainer"],
-    "syncer": [sys.executable, "-m", "services.syncer"],
-    "driver": [sys.executable, "-m", "services.ops.cli", "drive"],
+COMMANDS = {  # process kind -> (module, args)
+    "rollout": ("tests.fault_worker", ()),
+    "tools": ("services.rollout.tools_worker", ()),
+    "trainer": ("services.trainer", ()),
+    "syncer": ("services.syncer", ()),
+    "driver": ("services.ops.cli", ("drive",)),
 }
 
 
@@ -74,15 +73,13 @@ class LiveRun:
     def spawn(self, kind: str) -> str:
         n = self.count[kind] = self.count.get(kind, 0) + 1
         name = f"{kind}-{n}"
-        cmd = list(COMMANDS[kind])
+        module, args = COMMANDS[kind]
         if kind in ("rollout", "tools"):
-            cmd += ["--worker-id", name]
+            args = (*args, "--worker-id", name)
         log = self.root / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         self.logs.append(log)
-        with open(log, "ab") as fh:
-            self.procs[name] = subprocess.Popen(cmd, env=self.env(), stdout=fh, stderr=subprocess.STDOUT,
-                                                start_new_session=True, cwd=Path(__file__).resolve().parents[1])
+        self.procs[name] = spawn(module, *args, env=self.env(), log=log)
         return name
 
     def names(self, kind: str) -> list[str]:
@@ -103,15 +100,13 @@ class LiveRun:
         since = metrics.read(self.client, self.keys, newest_first=True, count=1)
         cursor = since[0][0] if since else "0-0"
         os.kill(self.procs[name].pid, signal.SIGUSR1)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for _, rec in metrics.read(self.client, self.keys, "fault_probe", since_id=f"({cursor}"):
-                if rec["worker"] == name:
-                    self.kill(name)
-                    return rec
-            time.sleep(0.02)
-        self.kill(name)
-        raise AssertionError(f"{name} did not answer the probe within {timeout}s\n{self.tail()}")
+        try:
+            return self.wait(lambda: next((rec for _, rec in metrics.read(self.client, self.keys, "fault_probe",
+                                                                       since_id=f"({cursor}")
+                                           if rec["worker"] == name), None), f"{name}'s answer to the probe",
+                             timeout, poll=0.02)
+        finally:
+            self.kill(name)
 
     def stop(self, timeout: float = 60.0) -> dict[str, int]:
         """Warm stop of every process (SIGTERM, as honcho does), then kill -9 what is left."""
@@ -179,15 +174,17 @@ class LiveRun:
         return versions.latest_number(self.client, self.keys)
 
     def wait(self, condition, what: str, timeout: float = 120.0, poll: float = 0.05):
-        deadline = time.monotonic() + timeout
-        while True:
-            value = condition()
-            if value:
-                return value
+        """``wait_until``, failing also when a process died that was not killed on purpose; the logs' tails
+        come with any failure."""
+        def alive_and(cond=condition):
             self.check_alive()
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{self.tail()}")
-            time.sleep(poll)
+            return cond()
+        try:
+            return wait_until(alive_and, what, timeout, poll=poll)
+        except AssertionError as exc:
+            if "processes died" in str(exc):
+                raise
+            raise AssertionError(f"{exc}\n{self.tail()}") from None
 
     def wait_version(self, at_least: int, timeout: float = 120.0) -> int:
         return self.wait(lambda: self.version() >= at_least and self.version(), f"version {at_least}", timeout)

@@ -19,12 +19,16 @@ ROOT = str(Path(__file__).resolve().parents[1])
 POLL_S = 0.02  # how often a condition is re-read; only the deadline bounds how long a wait may take
 
 
-def spawn(module: str, *args: str, env: dict | None = None, log: str | Path | None = None) -> subprocess.Popen:
-    """``python -m module args`` from the project root, in a new session; its output to ``log`` if given."""
+def spawn(module: str, *args: str, env: dict | None = None, log: str | Path | None = None,
+          stderr_pipe: bool = False) -> subprocess.Popen:
+    """``python -m module args`` from the project root, in a new session; its output to ``log`` if given, or its
+    stderr to a text pipe (``proc.communicate()``) with ``stderr_pipe``."""
     out = open(log, "ab") if log else None
     try:
         return subprocess.Popen([sys.executable, "-m", module, *map(str, args)], env=env, cwd=ROOT,
-                                start_new_session=True, stdout=out, stderr=subprocess.STDOUT if out else None)
+                                start_new_session=True, stdout=out,
+                                stderr=subprocess.STDOUT if out else subprocess.PIPE if stderr_pipe else None,
+                                text=stderr_pipe or None)
     finally:
         if out:
             out.close()

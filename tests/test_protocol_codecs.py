@@ -6,7 +6,7 @@ import pytest
 
 from shared.protocol import gate, samples, versions
 from shared.protocol.events import EventError
-from shared.protocol.keys import ROLLOUT_GROUP, Keys
+from shared.protocol.keys import ROLLOUT_GROUP
 
 
 def test_version_round_trip_and_errors(client, keys):

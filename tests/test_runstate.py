@@ -6,13 +6,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from shared.protocol.ledger import append_ledger
 from shared.runtime import runstate
 from shared.runtime.runstate import RunStateError, bind
+from tests.procs import spawn, wait_until
 
 
 def one_line(exc: pytest.ExceptionInfo) -> str:
@@ -104,13 +104,10 @@ def test_a_service_says_in_one_line_when_redis_is_gone(tmp_path, keys):
     server = EmbeddedRedis(tmp_path / "redis").start()
     env = {**os.environ, "REDIS_URL": server.url, "STREAMRL_RUN": keys.run, "STREAMRL_RUN_DIR": str(tmp_path),
            "STREAMRL_LOG_LEVEL": "warning", "STREAMRL_REDIS_WAIT": "3"}
-    proc = subprocess.Popen([sys.executable, "-m", "services.syncer"], env=env, stderr=subprocess.PIPE, text=True)
+    proc = spawn("services.syncer", env=env, stderr_pipe=True)
     try:
         client = connect(server.url)
-        deadline = time.monotonic() + 60
-        while not list(client.scan_iter(match=keys.alive_pattern("syncer"))):
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: list(client.scan_iter(match=keys.alive_pattern("syncer"))), "the syncer alive", 60, [proc])
         server.kill()
         _, err = proc.communicate(timeout=60)  # the old fixed retries took about two minutes
     finally:

@@ -5,13 +5,11 @@ by the trainer's own version: staleness 0, exactly batch_groups groups per versi
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 
 import pytest
 
 from services.syncer.syncer import Syncer
-from services.trainer import checkpoint
 from shared.protocol.ledger import read_ledger
 from services.trainer.trainer import Trainer
 from shared.runtime import logs
@@ -20,6 +18,7 @@ from shared.runtime.connection import connect
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold
 from shared.protocol.prompts import PromptGroup, enqueue
+from tests.procs import wait_until
 from tests.rollout_harness import make_worker, tick_until
 
 
@@ -90,13 +89,22 @@ def test_sync_run_trains_every_token_under_the_version_that_generated_it(redis_u
     threads = [threading.Thread(target=loop, args=(c.run,), daemon=True) for c in (syncer, worker)]
     threads.append(threading.Thread(target=loop, args=(lambda should_stop: trainer.run(
         should_stop=lambda: should_stop() or trainer.version >= target),), daemon=True))
+    reader = EpisodeLog(setup, keys, "reader")
+
+    def started_under() -> Counter:  # groups started per version (their first episode's 'started' event)
+        out = Counter()
+        for key in setup.scan_iter(match=keys.episode("s*"), count=1000):
+            ep = fold(reader.read(keys.episode_id(key)))
+            if ep.index == 0:
+                out[ep.events[0].policy] += 1
+        return out
+
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 120
-    while trainer.version < target and not errors:
-        assert time.monotonic() < deadline, f"only reached version {trainer.version}"
-        time.sleep(0.05)
-    time.sleep(0.5)  # let the worker start the next version's groups under the gate
+    wait_until(lambda: errors or trainer.version >= target, "the trainer reaching the target version", 120)
+    # the worker starts the last version's groups under the gate
+    wait_until(lambda: errors or started_under()[target] >= cfg.batch_groups, "groups started under the last version",
+               60)
     stop.set()
     for t in threads:
         t.join(30)
@@ -105,8 +113,6 @@ def test_sync_run_trains_every_token_under_the_version_that_generated_it(redis_u
     ledger = read_ledger(cfg.run_path / "trainer")
     assert [rec["version"] for rec in ledger] == list(range(1, target + 1))
     assert all(rec["skipped"] == [] for rec in ledger) and trainer.counts["groups_dropped"] == 0
-    reader = EpisodeLog(setup, keys, "reader")
-    started_under = Counter()
     for rec in ledger:
         assert len(rec["groups"]) == cfg.batch_groups
         for gid in rec["groups"]:
@@ -114,10 +120,7 @@ def test_sync_run_trains_every_token_under_the_version_that_generated_it(redis_u
                 ep = fold(reader.read(f"{gid}-{i}"))
                 generated = [v for v in ep.versions if v >= 0]
                 assert generated and set(generated) == {trained_at[gid]} == {rec["version"] - 1}, (gid, ep.versions)
-    for key in setup.scan_iter(match=keys.episode("s*"), count=1000):
-        ep = fold(reader.read(keys.episode_id(key)))
-        if ep.index == 0:
-            started_under[ep.events[0].policy] += 1
     # the gate opened exactly batch_groups starts per version, and the worker took no more
-    assert all(started_under[v] == cfg.batch_groups for v in range(target + 1)), started_under
-    assert set(started_under) <= set(range(target + 1))
+    starts = started_under()
+    assert all(starts[v] == cfg.batch_groups for v in range(target + 1)), starts
+    assert set(starts) <= set(range(target + 1))

@@ -14,7 +14,7 @@ import torch
 from services.trainer import checkpoint
 from shared.protocol.ledger import read_ledger
 from services.trainer.batch import build_batch
-from services.trainer.commit import FAULT_ENV, POINTS
+from shared.runtime import faults
 from services.ops.checker import check, read_run
 from services.trainer.publish import sha256
 from services.trainer.trainer import Trainer
@@ -148,9 +148,9 @@ def test_a_non_finite_step_is_skipped_counted_and_never_published(client, keys, 
 
 
 def _trainer_proc(redis_url, cfg: Config, crash_at: str | None = None):
-    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    env = {k: v for k, v in os.environ.items() if k != faults.ENV}
     if crash_at:
-        env[FAULT_ENV] = crash_at  # the fault-injection hook of services/trainer/commit.py (tests only)
+        env.update(faults.spec("trainer", crash_at))  # the trainer kills itself there (shared/runtime/faults.py)
     return spawn("services.trainer", "--run", cfg.run, "--redis-url", redis_url, "--model-dir", cfg.model_dir,
                  "--run-dir", cfg.run_dir, "--weights-dir", cfg.weights_dir, "--batch-groups", "2",
                  "--steps-per-version", "2", "--max-staleness", "100", "--log-level", "warning", env=env)
@@ -342,7 +342,7 @@ def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothi
     cfg = _cfg(keys, tiny_model_dir, tmp_path)
     ledger_dir = cfg.run_path / "trainer"
     groups = []
-    for n, point in enumerate(POINTS):
+    for n, point in enumerate(faults.POINTS["trainer"]):
         new = [f"g{n}{i}" for i in range(4)]  # one commit: 2 steps x 2 groups
         for g in new:
             _write_group(client, keys, g)

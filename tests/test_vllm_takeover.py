@@ -9,17 +9,14 @@ finishes them all.
 from __future__ import annotations
 
 import importlib.util
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from shared.runtime.config import Config
 from shared.protocol.prompts import PromptGroup, enqueue
-from tests.rollout_harness import acks, episodes, make_vllm_engine, make_worker, samples, send, snapshot, tick_until
+from tests.procs import kill9, spawn, wait_until
+from tests.rollout_harness import (acks, episodes, make_vllm_engine, make_worker, samples, send, snapshot, tick_until,
+                                   wait_claimable)
 from shared.protocol.keys import ROLLOUT_GROUP
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -30,12 +27,10 @@ MAX_TOKENS = 48
 
 
 def _worker_proc(redis_url, keys, model_dir, worker_id):
-    args = [sys.executable, "-m", "services.rollout", "--worker-id", worker_id, "--run", keys.run,
-            "--redis-url", redis_url, "--model-dir", model_dir, "--engine", "vllm", "--temperature", "0",
-            "--max-tokens", str(MAX_TOKENS), "--tools", "", "--flush-tokens", "4", "--flush-ms", "20",
-            "--heartbeat-ttl", "1.5", "--step-delay-ms", "40", "--max-groups-in-flight", "4",
-            "--log-level", "warning"]
-    return subprocess.Popen(args, start_new_session=True)
+    return spawn("services.rollout", "--worker-id", worker_id, "--run", keys.run, "--redis-url", redis_url,
+                 "--model-dir", model_dir, "--engine", "vllm", "--temperature", "0", "--max-tokens", MAX_TOKENS,
+                 "--tools", "", "--flush-tokens", "4", "--flush-ms", "20", "--heartbeat-ttl", "1.5",
+                 "--step-delay-ms", "40", "--max-groups-in-flight", "4", "--log-level", "warning")
 
 
 def _snapshot(client, keys):
@@ -49,21 +44,14 @@ def test_kill_9_a_vllm_worker_then_another_takes_over_through_a_pause(client, ke
     engine = None
     try:
         engine = make_vllm_engine(tiny_model_dir_hd32)  # B's engine starts while A starts
-        deadline = time.monotonic() + 150
-        while True:
-            assert time.monotonic() < deadline, "worker A never got going"
-            assert a.poll() is None, "worker A died on its own"
-            snap = _snapshot(client, keys)
-            if sum(len(ep.tokens) >= 8 and not ep.done for ep in snap.values()) >= 4:
-                break
-            time.sleep(0.02)
+        wait_until(lambda: sum(len(ep.tokens) >= 8 and not ep.done for ep in _snapshot(client, keys).values()) >= 4,
+                   "worker A generating 4 episodes", 150, [a])
     finally:
-        os.killpg(a.pid, signal.SIGKILL)
-        a.wait()
+        kill9(a)
     try:
         before = _snapshot(client, keys)
         assert len(samples(client, keys)) < len(GROUPS)
-        time.sleep(1.6)  # A's heartbeat runs out
+        wait_claimable(client, keys, "A", 1.5)  # A's groups idle past its heartbeat's TTL
         cfg = Config(run=keys.run, model_dir=tiny_model_dir_hd32, engine="vllm", temperature=0.0,
                      max_tokens=MAX_TOKENS, tools="", flush_tokens=4, flush_ms=20.0, heartbeat_ttl=1.5)
         b = make_worker(cfg, client, "B", engine=engine)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from shared.runtime.config import Config, ConfigError, load
 from shared.runtime.tensorboard import TensorBoard
+from tests.procs import wait_until
 
 
 def test_metrics_reach_an_offline_wandb_run(tmp_path, monkeypatch):
@@ -20,9 +19,8 @@ def test_metrics_reach_an_offline_wandb_run(tmp_path, monkeypatch):
     sink.close()
     files = list((tmp_path / "wb" / "wandb").rglob("*.wandb"))
     assert len(files) == 1
-    deadline = time.monotonic() + 60  # wandb's service process writes the file after finish() returns
-    while b"train/loss" not in (data := files[0].read_bytes()) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # wandb's service process writes the file after finish() returns
+    data = wait_until(lambda: b"train/loss" in files[0].read_bytes() and files[0].read_bytes(), "wandb's file", 60)
     assert b"train/loss" in data and b"train/staleness/0" in data and b"train/note" not in data
 
 

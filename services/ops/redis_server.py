@@ -17,6 +17,8 @@ from pathlib import Path
 
 import redis
 
+DRAIN_CLIENT = "streamrl-drain"  # the name of drain's own connection (`redis-cli client list` shows it)
+
 
 class ServerError(RuntimeError):
     pass
@@ -90,7 +92,7 @@ class EmbeddedRedis:
         when a whole Procfile stops at once); returns how many were still connected."""
         deadline = time.monotonic() + grace
         try:
-            client = redis.Redis.from_url(self.url, socket_timeout=1.0)
+            client = redis.Redis.from_url(self.url, socket_timeout=1.0, client_name=DRAIN_CLIENT)
             while True:
                 others = client.info("clients")["connected_clients"] - 1
                 if others <= 0 or time.monotonic() > deadline:

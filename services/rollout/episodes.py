@@ -18,6 +18,7 @@ from services.rollout.tool_jobs import Outcome, ToolJobs
 from shared.protocol.episode_log import EpisodeLog, Fenced
 from shared.protocol.events import EventError, decode
 from shared.protocol.fold import fold
+from shared.runtime.faults import crash_point
 
 
 class Episodes:
@@ -49,6 +50,7 @@ class Episodes:
                 fresh.append(live)
         if fresh:
             self.flush([live.episode_id for live in fresh])
+            crash_point("rollout", "opened")  # tests only (shared/runtime/faults.py)
         for live in fresh:
             if self.owns(live):
                 self._generate(live)
@@ -257,7 +259,10 @@ class Episodes:
 
     def flush(self, episode_ids: list[str] | None = None, due_only: bool = False) -> None:
         """Write buffered events; a fenced episode drops its group (other errors raise)."""
+        written = self.events.entries_written
         errors = self.events.maybe_flush() if due_only else self.events.flush(episode_ids)
+        if self.events.entries_written > written:
+            crash_point("rollout", "flushed")  # tests only (shared/runtime/faults.py)
         lost: dict[str, str] = {}
         for episode_id, exc in errors.items():
             if not isinstance(exc, Fenced):

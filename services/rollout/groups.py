@@ -18,6 +18,7 @@ from shared.protocol.gate import Gate
 from shared.protocol.keys import ROLLOUT_GROUP as GROUP, Keys
 from shared.protocol.prompts import PromptGroup, decode_group
 from shared.protocol.samples import Publisher, Sample
+from shared.runtime.faults import crash_point
 
 
 @dataclass
@@ -159,6 +160,7 @@ class Groups:
         if not run.complete or not self.holds(run):
             return False
         g = run.group
+        crash_point("rollout", "finished")  # tests only (shared/runtime/faults.py)
         samples = self.keys.val_samples if run.source == self.keys.val_prompts else self.keys.samples
         self.publisher.publish(Sample(g.group_id, run.episodes, self.worker_id, g.n), samples, run.source, g.entry_id)
         del self.held[g.group_id]

@@ -22,6 +22,7 @@ import redis
 from shared.protocol import control, gate, metrics, versions
 from shared.runtime import heartbeat
 from shared.runtime.config import Config
+from shared.runtime.faults import crash_point
 from shared.protocol.keys import Keys
 from shared.protocol.staleness import group_capacity
 
@@ -107,6 +108,7 @@ class Syncer:
             cursor = control.last_id(self.client, self.keys)
             control.send_command(self.client, self.keys, control.Command(
                 cmd, sync_id, version, path if cmd == "load" else "", sha256 if cmd == "load" else ""))
+            crash_point("syncer", cmd)  # tests only (shared/runtime/faults.py)
             acked, failed, silent, dead = self._wait_acks(sync_id, cmd, workers - missing, cursor)
             durations[f"{cmd}_s"] = time.monotonic() - t0
             for worker, error in failed.items():

@@ -9,32 +9,13 @@ Order and what a crash at each point leaves (the trainer restarts from the last 
     acknowledge   -> after_ack: restore publishes the version (the stream is behind the checkpoint)
     publish       -> after_publish: nothing to repair
 
-Fault injection (tests only): the environment variable ``FAULT_INJECT_STREAMRL_TRAINER_CRASH`` (not
-``STREAMRL_*``: that prefix is configuration) = ``POINT`` or ``POINT@N`` makes the trainer SIGKILL itself
-at POINT of its N-th commit in this process (default 1). Unset in every real run.
+Each point is a crash point of ``shared/runtime/faults.py`` (tests only: ``FAULT_INJECT_STREAMRL_CRASH=
+trainer:POINT[@N]`` makes the trainer SIGKILL itself there in its N-th commit).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-
 from shared.protocol import ledger
-
-FAULT_ENV = "FAULT_INJECT_STREAMRL_TRAINER_CRASH"
-POINTS = ("before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish")
-
-
-def fault_injection_point(point: str, commit_number: int) -> None:
-    """Test hook: SIGKILL this process when ``FAULT_ENV`` names this point (and commit). No-op when unset."""
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec:
-        return
-    name, _, nth = spec.partition("@")
-    if name not in POINTS:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected one of {', '.join(POINTS)}, optionally @N")
-    if name == point and commit_number == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def record(version: int, step: int, trained: list[str], skipped: list[str]) -> dict:

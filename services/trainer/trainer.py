@@ -27,6 +27,7 @@ from shared.protocol.metrics import record as record_metrics
 from services.trainer.batch import Batch, build_batch, trained_reward
 from services.trainer.step import StepConfig, train_on_batch
 from shared.runtime.config import Config
+from shared.runtime.faults import crash_point
 from shared.runtime.runstate import bind
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError
@@ -62,7 +63,6 @@ class Trainer:
         self.taken: dict[str, str] = {}  # group id -> samples entry, for groups read but not yet committed
         self._next_version_check = 0.0
         self.counts = dict.fromkeys(COUNTERS, 0)
-        self.commits = 0  # in this process (fault injection counts these)
         self.wait_s = 0.0
 
     # --- startup
@@ -240,8 +240,7 @@ class Trainer:
         if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
             raise RuntimeError("non-finite model weights: refusing to checkpoint or publish them")
         self.version += 1
-        self.commits += 1
-        fault = lambda point: commit_path.fault_injection_point(point, self.commits)  # noqa: E731 (tests only)
+        fault = lambda point: crash_point("trainer", point)  # noqa: E731 (tests only: shared/runtime/faults.py)
         path, digest = publish.write_weights(self.policy.publish_state(), self.weights_dir, self.version)
         trained = [g for _, g, t in self.uncommitted if t]
         skipped = [g for _, g, t in self.uncommitted if not t]

@@ -1,0 +1,60 @@
+"""Crash points (tests only): a process kills itself (SIGKILL) at a named point of its work.
+
+The environment variable ``FAULT_INJECT_STREAMRL_CRASH`` (not ``STREAMRL_*``: that prefix is configuration) =
+``SERVICE:POINT`` or ``SERVICE:POINT@N`` makes that service's process SIGKILL itself the N-th time (default
+1) it reaches POINT. Unset in every real run, where ``crash_point`` returns at once. A fault drill sets it on
+one process, lets it die exactly there, restarts the service and counts with ``streamrl check``.
+
+The points, in the order each service passes them:
+
+    trainer  before_checkpoint, after_checkpoint, after_ledger, after_ack, after_publish  (its commit path)
+    rollout  opened     a group's episodes have their 'started' events in their streams, nothing generated
+             flushed    an engine step's tokens were written to their streams
+             finished   every episode of a group has its end in its stream; the group is not published yet
+    syncer   pause, load, resume   the command was sent; no worker's acknowledgement was awaited
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+
+ENV = "FAULT_INJECT_STREAMRL_CRASH"
+POINTS = {
+    "trainer": ("before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish"),
+    "rollout": ("opened", "flushed", "finished"),
+    "syncer": ("pause", "load", "resume"),
+}
+_reached: Counter = Counter()
+
+
+def parse(spec: str) -> tuple[str, str, int]:
+    """``SERVICE:POINT[@N]`` -> (service, point, n); ValueError naming what is wrong."""
+    where, _, nth = spec.partition("@")
+    service, _, point = where.partition(":")
+    if point not in POINTS.get(service, ()):
+        known = "; ".join(f"{s}: {', '.join(p)}" for s, p in POINTS.items())
+        raise ValueError(f"{ENV}={spec!r}: expected SERVICE:POINT[@N] with one of {known}")
+    if nth and not (nth.isdigit() and int(nth) >= 1):
+        raise ValueError(f"{ENV}={spec!r}: N must be a whole number >= 1, got {nth!r}")
+    return service, point, int(nth or 1)
+
+
+def crash_point(service: str, point: str) -> None:
+    """SIGKILL this process if the environment names this point and this is its N-th passage."""
+    spec = os.environ.get(ENV, "")
+    if not spec:
+        return
+    want = parse(spec)
+    if want[:2] != (service, point):
+        return
+    _reached[(service, point)] += 1
+    if _reached[(service, point)] == want[2]:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def spec(service: str, point: str, n: int = 1) -> dict[str, str]:
+    """The environment entry that selects a crash point (for tests' subprocess environments)."""
+    parse(f"{service}:{point}@{n}")
+    return {ENV: f"{service}:{point}@{n}"}

@@ -22,12 +22,15 @@ Reported per variant, from the trainer's metrics file and the driver's output:
                      their importance weights
 and the ratios async/sync. Usage:
 
-    python bench/async_vs_sync.py            # ~3-6 min on a 2-core CPU box
-    python bench/async_vs_sync.py --quick    # ~2 min smoke run, smaller budget
+    python bench/async_vs_sync.py                 # ~4-8 min on a 2-core CPU box
+    python bench/async_vs_sync.py --quick         # ~2 min smoke run, smaller budget
+    python bench/async_vs_sync.py --seeds 3       # each variant 3 times (seeds 0, 1, 2), interleaved; figures
+                                                  # are means, eval also with its spread over seeds
 
-The async variants sync weights every ``--async-steps-per-version`` (default 4) optimizer steps; the sync
-variant syncs after every step, as the classic loop does. Each variant runs alone, one after the other, on
-the same machine: on a shared box, other load moves the ratios (see bench/RESULTS.md).
+Every variant syncs weights every ``--steps-per-version`` (default 1) optimizer steps, so a version is one
+optimizer step everywhere and ``max_staleness`` counts steps. Each variant runs alone, one after the other, on
+the same machine; with several seeds the variants are interleaved (seed 0 of each, then seed 1 of each...), so
+a change in the box's load moves every variant alike (see bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -78,20 +81,20 @@ def evaluate(model_dir: Path, weights: Path | None, rows: list[dict], max_tokens
         return greedy_accuracy(tmp, rows, max_tokens=max_tokens)
 
 
-def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str) -> dict:
-    run = f"bench-{tag}-{mode}{staleness}"
+def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str, seed: int = 0) -> dict:
+    run = f"bench-{tag}-{mode}{staleness}-s{seed}"
+    per_version = args.steps_per_version
     flags = {"run": run, "mode": mode, "max_staleness": staleness, "dataset": "chain_sum",
              "model_dir": str(model_dir), "max_minutes": args.max_minutes,
-             "max_versions": args.versions // (1 if mode == "sync" else args.async_steps_per_version),
+             "max_versions": args.versions // per_version,
              "group_size": args.group_size, "batch_groups": args.batch_groups, "max_tokens": args.max_tokens,
              "max_groups_in_flight": args.in_flight, "max_batch_size": args.group_size * args.in_flight,
-             "lr": args.lr, "tools": "", "log_level": "warning", "seed": 0,
-             "steps_per_version": 1 if mode == "sync" else args.async_steps_per_version}
+             "lr": args.lr, "tools": "", "log_level": "warning", "seed": seed,
+             "steps_per_version": per_version, "hard_max_staleness": args.hard_max_staleness}
     if "val_every" in FIELDS:
         flags["val_every"] = 0  # validation rounds would cost both modes the same rollout time; leave them out
-    print(f"\n== {mode} max_staleness={staleness}", flush=True)
+    print(f"\n== {mode} max_staleness={staleness} seed {seed}", flush=True)
     t_start, steps = streamrl_run(flags, args.verbose)
-    per_version = 1 if mode == "sync" else args.async_steps_per_version
     versions = args.versions // per_version
     steps = [s for s in steps if s["step"] <= versions * per_version]  # the budget; steps after the end don't count
     weights = Path(f"/dev/shm/streamrl/{run}") if Path("/dev/shm").is_dir() else ROOT / "runs" / run / "weights"
@@ -107,7 +110,26 @@ def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str) -> d
           f"({time.monotonic() - t0:.0f}s)", flush=True)
     shutil.rmtree(weights, ignore_errors=True)
     return summarize(steps, t_start, args.window) | {"run": run, "mode": mode, "max_staleness": staleness,
-                                                     "final_eval": final_eval, "eval_version": eval_version}
+                                                     "final_eval": final_eval, "eval_version": eval_version,
+                                                     "seed": seed}
+
+
+def mean_over_seeds(runs: list[dict]) -> dict:
+    """One row per variant: every number the mean over its seeds; eval also with its spread (sd over seeds)."""
+    if len(runs) == 1:
+        return runs[0] | {"eval_sd": 0.0, "seeds": 1}
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("max_staleness", "seed"):
+            out[key] = sum(r[key] for r in runs) / len(runs)
+    out["staleness_tokens"] = {k: round(sum(r["staleness_tokens"].get(k, 0) for r in runs) / len(runs))
+                               for k in {k for r in runs for k in r["staleness_tokens"]}}
+    evals = [r["final_eval"] for r in runs]
+    out["eval_sd"] = (sum((e - out["final_eval"]) ** 2 for e in evals) / (len(evals) - 1)) ** 0.5
+    out["evals"], out["seeds"] = evals, len(runs)
+    for key in ("samples", "stale_dropped", "tokens_wasted"):
+        out[key] = round(out[key])
+    return out
 
 
 def summarize(steps: list[dict], t_start: float, window: int) -> dict:
@@ -151,8 +173,11 @@ def main() -> None:
     p.add_argument("--window", type=int, default=10, help="steps in the moving mean used for time-to-target")
     p.add_argument("--max-minutes", type=float, default=8.0, help="cap per variant")
     p.add_argument("--eval-size", type=int, default=200, help="fixed problems for the greedy evaluation")
-    p.add_argument("--async-steps-per-version", type=int, default=4,
-                   help="optimizer steps between weight syncs in the async variants (sync always syncs every step)")
+    p.add_argument("--steps-per-version", type=int, default=1,
+                   help="optimizer steps between weight syncs, the same for every variant")
+    p.add_argument("--hard-max-staleness", type=int, default=0,
+                   help="policy tokens more versions behind than this are masked out (0: none)")
+    p.add_argument("--seeds", type=int, default=1, help="runs per variant (seeds 0..N-1, interleaved); means")
     p.add_argument("--verbose", action="store_true", help="echo the driver's progress lines")
     p.add_argument("--json", action="store_true", help="print every figure as JSON at the end")
     args = p.parse_args()
@@ -163,15 +188,20 @@ def main() -> None:
     model_dir = ROOT / "runs" / f"bench-{tag}-model"
     t0 = time.monotonic()
     print(f"async vs sync: chain_sum, budget {args.versions * per_version} trained samples per variant "
-          f"({args.versions} versions x {args.batch_groups} groups x {args.group_size}), max_tokens {args.max_tokens}, "
-          f"lr {args.lr}, {os.cpu_count()} CPUs", flush=True)
+          f"({args.versions} steps x {args.batch_groups} groups x {args.group_size}), max_tokens {args.max_tokens}, "
+          f"lr {args.lr}, {args.steps_per_version} step(s) per version, hard_max_staleness {args.hard_max_staleness}, "
+          f"{args.seeds} seed(s), {os.cpu_count()} CPUs", flush=True)
     make_model(model_dir, args.warm_steps)
     from services.driver.tasks import chain_sum
 
     args.eval_rows = chain_sum(args.eval_size, seed=777)
     start_eval = evaluate(model_dir, None, args.eval_rows, args.max_tokens)
     print(f"greedy accuracy before RL on {args.eval_size} fixed problems: {start_eval:.3f}", flush=True)
-    results = [run_variant(args, mode, eta, model_dir, tag) for mode, eta in VARIANTS]
+    runs = {(mode, eta): [] for mode, eta in VARIANTS}
+    for seed in range(args.seeds):  # interleaved: seed 0 of every variant, then seed 1 of every variant...
+        for mode, eta in VARIANTS:
+            runs[(mode, eta)].append(run_variant(args, mode, eta, model_dir, tag, seed))
+    results = [mean_over_seeds(rs) for rs in runs.values()]
     shutil.rmtree(model_dir, ignore_errors=True)
     target = args.target if args.target is not None else 0.95 * min(r["final_reward"] for r in results)
     sync = results[0]
@@ -179,7 +209,7 @@ def main() -> None:
     print(f"\nresults (target reward {target:.3f}{'' if args.target is not None else ' = 0.95 x lowest final'}; "
           f"moving mean over {args.window} steps)")
     print(f"{'variant':<22}{'samples':>8}{'seconds':>9}{'samples/s':>11}{'x sync':>8}{'to target s':>13}{'x sync':>8}"
-          f"{'start r':>9}{'final r':>9}{'- sync':>8}{'eval':>7}{'- sync':>8}{'resp len':>9}{'tok/s':>8}{'x sync':>7}{'dropped':>8}"
+          f"{'start r':>9}{'final r':>9}{'- sync':>8}{'eval':>7}{'- sync':>8}{'sd':>7}{'resp len':>9}{'tok/s':>8}{'x sync':>7}{'dropped':>8}"
           f"{'wasted tok':>11} {'stale tok 0/1/2/3+':>26}")
     for r in results:
         ttt = time_to(r["curve"], target)
@@ -189,11 +219,12 @@ def main() -> None:
               f"{r['samples_per_s']:>11.1f}{r['samples_per_s'] / sync['samples_per_s']:>8.2f}"
               f"{(f'{ttt:.1f}' if ttt is not None else 'never'):>13}{speed:>8.2f}"
               f"{r['start_reward']:>9.3f}{r['final_reward']:>9.3f}{r['final_reward'] - sync['final_reward']:>+8.3f}"
-              f"{r['final_eval']:>7.3f}{r['final_eval'] - sync['final_eval']:>+8.3f}"
+              f"{r['final_eval']:>7.3f}{r['final_eval'] - sync['final_eval']:>+8.3f}{r['eval_sd']:>7.3f}"
               f"{r['response_len']:>9.1f}{r['tokens_per_s']:>8.0f}{r['tokens_per_s'] / sync['tokens_per_s']:>7.2f}"
               f"{r['stale_dropped']:>8}{r['tokens_wasted']:>11}"
               f" {'/'.join(str(st.get(k, 0)) for k in ('0', '1', '2')) + '/' + str(sum(v for k, v in st.items() if int(k) >= 3)):>26}")
-    print(f"(x sync of 'to target' is sync's time / this variant's time: > 1 is faster; total {time.monotonic() - t0:.0f}s)")
+    print(f"(x sync of 'to target' is sync's time / this variant's time: > 1 is faster; sd: eval's standard deviation "
+          f"over {args.seeds} seed(s); total {time.monotonic() - t0:.0f}s)")
     if args.json:
         print(json.dumps({"target": target, "start_eval": start_eval, "results": results}, default=str))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from shared.runtime.config import Config
 from shared.protocol.prompts import PromptGroup, enqueue
 from tests.procs import kill9, spawn, stop, wait_until
@@ -22,6 +24,7 @@ def _snapshot(client, keys):
     return snapshot(client, keys, GROUPS)
 
 
+@pytest.mark.slow
 def test_kill_9_mid_episodes_another_worker_finishes_all(client, keys, redis_url, tiny_model_dir):
     enqueue(client, keys, [PromptGroup(g, n, prompt=f"{g}: 3*4=") for g, n in GROUPS])
     a = _worker_proc(redis_url, keys, tiny_model_dir, "A")
@@ -56,6 +59,7 @@ def test_kill_9_mid_episodes_another_worker_finishes_all(client, keys, redis_url
     assert taken_over >= 6
 
 
+@pytest.mark.slow
 def test_after_a_warm_sigterm_another_worker_resumes_each_episode_where_it_stopped_and_generates_nothing_again(
         client, keys, redis_url, tiny_model_dir, tmp_path):
     """SIGTERM (honcho's stop): A exits 0 after recording, in each unfinished episode, an 'aborted' event at the

@@ -24,6 +24,8 @@ from shared.protocol import control, gate, metrics
 from shared.protocol import versions as pversions
 from tests.procs import kill9, spawn, wait_until
 
+pytestmark = pytest.mark.slow  # real rollout worker processes
+
 HEARTBEAT_TTL = 3.0
 
 

@@ -160,6 +160,7 @@ def _committed(ledger_dir) -> set[str]:
     return {g for rec in read_ledger(ledger_dir) for g in rec["groups"] + rec["skipped"]}
 
 
+@pytest.mark.slow
 def test_kill_9_trains_every_sample_exactly_once(client, keys, redis_url, tiny_model_dir, tmp_path):
     cfg = _cfg(keys, tiny_model_dir, tmp_path)
     groups = [f"g{i:02d}" for i in range(24)]

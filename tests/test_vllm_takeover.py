@@ -19,8 +19,8 @@ from tests.rollout_harness import (acks, episodes, make_vllm_engine, make_worker
                                    wait_claimable)
 from shared.protocol.keys import ROLLOUT_GROUP
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vllm not installed (CI runs it in its own venv)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                                   reason="vllm not installed (CI runs it in its own venv)")]
 
 GROUPS = [(f"g{i}", 2) for i in range(4)]
 MAX_TOKENS = 48

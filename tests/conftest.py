@@ -12,6 +12,13 @@ from shared.protocol.keys import Keys
 from services.ops.redis_server import EmbeddedRedis
 
 
+@pytest.fixture(scope="session", autouse=True)
+def run_dir_outside_the_checkout(tmp_path_factory):
+    """Service processes a test starts without a run folder of its own write under this session's temp folder,
+    never under the checkout's runs/."""
+    os.environ.setdefault("STREAMRL_RUN_DIR", str(tmp_path_factory.mktemp("runs")))
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis")).start()

@@ -40,6 +40,14 @@ def load_task(cfg: Config) -> tuple[list[dict], list[dict]]:
     return rows, tasks.load_rows(cfg.eval_dataset, cfg.eval_split, cfg.prompt_key, cfg.answer_key, "eval_dataset")
 
 
+def queue_depth(cfg: Config, rollout_workers: int) -> int:
+    """Prompt groups kept waiting beyond those delivered: enough for every worker to fill its slots twice, and
+    at least what the staleness gate may admit ahead of the trainer, (max_staleness + 2) batches, so no worker
+    ever finds the queue empty while the gate is open."""
+    batch = cfg.batch_groups * cfg.steps_per_version
+    return max(2 * cfg.max_groups_in_flight * max(1, rollout_workers), (cfg.max_staleness + 2) * batch)
+
+
 def latest_version(client, keys: Keys) -> int:
     return versions.latest_number(client, keys)
 
@@ -130,8 +138,12 @@ class Driver:
             print(f"driver: run {self.cfg.run!r} is already at version {self.cfg.max_versions}; start another with "
                   f"--run NAME", flush=True)
         t0 = time.monotonic()
-        depth = 2 * self.cfg.max_groups_in_flight * max(1, alive_services(self.client, self.keys).get("rollout", 1))
+        depth = queue_depth(self.cfg, alive_services(self.client, self.keys).get("rollout", 1))
         next_print = 0.0
+        wake = {self.keys.samples: "$", self.keys.val_samples: "$", self.keys.versions: "$"}
+        for stream in wake:
+            last = self.client.xrevrange(stream, count=1)
+            wake[stream] = last[0][0].decode() if last else "0-0"
         while True:
             self.top_up(depth)
             now = time.monotonic()
@@ -156,7 +168,11 @@ class Driver:
                 print(f"driver: {self.cfg.max_minutes:g} minutes are up at version {version}; ending the run",
                       flush=True)
                 break
-            time.sleep(0.2)
+            # wake on what changes the picture: a group rolled out (a worker's slot freed: top up now), a
+            # version published, a validation result; else when the next progress line is due
+            for stream, entries in self.client.xread(wake, block=max(1, int((next_print - time.monotonic()) * 1000)))\
+                    or []:
+                wake[stream.decode() if isinstance(stream, bytes) else stream] = entries[-1][0].decode()
         self.finish()
         return 0
 

@@ -59,7 +59,9 @@ class EmbeddedRedis:
     def command(self) -> list[str]:
         cmd = [find_binary(), "--port", str(self.port), "--bind", self.host, "--dir", str(self.data_dir.resolve()),
                "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no",
-               "--logfile", "", "--loglevel", "warning", "--protected-mode", "yes"]
+               "--logfile", "", "--loglevel", "warning", "--protected-mode", "yes",
+               # blocking timeouts fire within ~10 ms instead of ~100 (bench/redis_hz.py: 0.3% of a core idle)
+               "--hz", "100"]
         if self.password:
             cmd += ["--requirepass", self.password]
         return cmd

@@ -51,8 +51,21 @@ class Groups:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    def room(self) -> int:
-        return self.cfg.max_groups_in_flight - len(self.held)
+    def _slots_used(self, also=()) -> float:
+        """In-flight capacity is ``max_groups_in_flight`` training groups; a validation group (one or ``val_k``
+        episodes) takes its episodes' share of a slot, not a whole one, so a round is claimed at once."""
+        val = self.keys.val_prompts
+        return sum(run.group.n / self.cfg.group_size if run.source == val else 1
+                   for run in (*self.held.values(), *also))
+
+    def room(self, also=()) -> int:
+        """Training groups that may still start (beside ``also``: claimed, not held yet)."""
+        return max(0, int(self.cfg.max_groups_in_flight - self._slots_used(also) + 1e-9))
+
+    def val_room(self) -> int:
+        """Validation groups that may still start (each of at most ``val_k`` episodes)."""
+        free = self.cfg.max_groups_in_flight - self._slots_used()
+        return max(0, int(free * self.cfg.group_size / max(1, self.cfg.val_k) + 1e-9))
 
     def get(self, group_id: str) -> GroupRun | None:
         return self.held.get(group_id)
@@ -61,8 +74,8 @@ class Groups:
     def claim(self, version: int) -> list[GroupRun]:
         """New groups: validation ones first (no gate: never trained), then training ones as far as the gate
         allows for a worker at ``version``. Not yet held: the caller opens each (``hold``)."""
-        runs = self._read(self.keys.val_prompts, self.room())
-        slots = self._reserve(self.room() - len(runs), version)
+        runs = self._read(self.keys.val_prompts, self.val_room())
+        slots = self._reserve(self.room(also=runs), version)
         if slots.granted > 0:
             entries = self._read(self.keys.prompts, slots.granted)
             if slots.gated:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from rq import Queue
 from rq.job import Job, JobStatus
+from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from services.rollout import rewards, tools
@@ -68,6 +69,15 @@ class ToolJobs:
 
     def waiting(self) -> bool:
         return bool(self.pending)
+
+    def result_streams(self) -> dict[str, str]:
+        """rq's result stream of each job in flight, from its start: a blocking read of these returns as soon as
+        a job finishes or fails (rq appends its result there), so a worker waiting on jobs needs no polling."""
+        return {Result.get_key(p.job_id): "0-0" for p in self.pending.values()}
+
+    def next_deadline(self) -> float | None:
+        """The soonest time (time.monotonic) a job in flight counts as failed for taking too long."""
+        return min((p.deadline for p in self.pending.values()), default=None)
 
     def forget(self, episode_ids) -> None:
         for episode_id in episode_ids:

@@ -33,6 +33,10 @@ from shared.runtime.config import Config
 from shared.runtime.heartbeat import Heartbeat
 
 
+IDLE_BLOCK_MS = 1000  # longest blocking read of an idle worker (timers cut it shorter; any event ends it)
+CLAIM_RECHECK_S = 1.0  # claims are event driven; this only bounds the wait for a slot the trainer gave back
+
+
 class RolloutWorker:
     def __init__(self, cfg: Config, client: redis.Redis, worker_id: str, engine: Engine, tokenizer, log):
         self.cfg, self.client, self.worker_id, self.engine = cfg, client, worker_id, engine
@@ -51,8 +55,10 @@ class RolloutWorker:
         self.calls = CallServer(cfg, client, worker_id, engine, tokenizer, self.log)  # gateway calls (agents)
         self.heartbeat = Heartbeat(client, self.keys, "rollout", worker_id, cfg.heartbeat_ttl)
         self.control_cursor = "$"
+        self.prompt_cursors = {self.keys.prompts: "$", self.keys.val_prompts: "$"}  # wake on new prompt groups
         self.seen = control.Seen()
         self._next_takeover = self._next_claim = 0.0
+        self._claim_wanted, self._claimed_with = True, None  # event-driven claiming: see _claim
         self._next_report = time.monotonic() + 5.0
         self.started_at = time.monotonic()
         self.busy_s = 0.0
@@ -82,6 +88,9 @@ class RolloutWorker:
     def start(self) -> None:
         self.claims.create_consumer_groups()
         self.control_cursor = control.last_id(self.client, self.keys)
+        for stream in self.prompt_cursors:  # from here on, a new entry wakes an idle worker
+            last = self.client.xrevrange(stream, count=1)
+            self.prompt_cursors[stream] = last[0][0].decode() if last else "0-0"
         self.calls.start()
         self._catch_up()
         self.beat(force=True)
@@ -90,7 +99,7 @@ class RolloutWorker:
         self.start()
         try:
             while not should_stop():
-                self.tick(block_ms=50)
+                self.tick(block_ms=IDLE_BLOCK_MS)
         finally:
             self.shutdown()
 
@@ -104,9 +113,12 @@ class RolloutWorker:
         self.log.info("stopped", **self.stats)
 
     def tick(self, block_ms: int = 0) -> None:
-        now = time.monotonic()
+        """One round: control and wake-ups, claims, jobs, one engine step, flushes. Idle (nothing to generate),
+        the read of control blocks up to ``block_ms``, or less when a timer falls due; it wakes at once on a
+        command, a new prompt group, a gateway call or a finished rq job: no short polls."""
         busy = self.engine.has_unfinished() and not self.paused
-        self._handle_control(block_ms=0 if busy or self.jobs.waiting() else block_ms)
+        self._handle_control(block_ms=0 if busy else self._idle_block_ms(block_ms))
+        now = time.monotonic()
         if not self.paused:
             if self.cfg.mode == "sync":
                 self._catch_up_to_gate()
@@ -128,19 +140,38 @@ class RolloutWorker:
             self.report()
 
     def _claim(self, now: float) -> None:
-        """Take over dead workers' groups (every heartbeat_ttl / 2), then claim new ones; other request
-        sources claim here too."""
+        """Take over dead workers' groups (every heartbeat_ttl / 2), then claim new ones. Claiming is event
+        driven: it is tried when a slot has freed (a group published or dropped), when a new prompt group or
+        a resume (the gate moves with a sync) woke the worker, and at the latest every CLAIM_RECHECK_S (a gate
+        slot given back by the trainer); never throttled, never on every engine step for nothing."""
         if now >= self._next_takeover:
             self._next_takeover = now + self.cfg.heartbeat_ttl / 2
             for run in self.claims.take_over():
                 self.takeovers += run.takeover_from is not None
                 self.episodes.open_group(run)
-        if now >= self._next_claim:
-            runs = self.claims.claim(self.engine.version)
-            if not runs:  # nothing waiting (or the gate is shut): look again a little later, not every step
-                self._next_claim = now + 0.05
-            for run in runs:
-                self.episodes.open_group(run)
+        held = (len(self.claims.held), self.claims.published)
+        if not (self._claim_wanted or held != self._claimed_with or now >= self._next_claim):
+            return
+        if self.claims.room() <= 0 and self.claims.val_room() <= 0:
+            return
+        self._claim_wanted = False
+        for run in self.claims.claim(self.engine.version):
+            self.episodes.open_group(run)
+        self._claimed_with, self._next_claim = (len(self.claims.held), self.claims.published), now + CLAIM_RECHECK_S
+
+    def _idle_block_ms(self, block_ms: int) -> int:
+        """``block_ms``, cut short by the next timer: heartbeat, takeover check, claim recheck, metrics report,
+        an event buffer's age flush, a job's deadline."""
+        if not block_ms:
+            return 0
+        due = [self.heartbeat.next_due(), self._next_takeover, self._next_report, self.episodes.events.next_due(),
+               self.calls.events.next_due(), self.jobs.next_deadline()]
+        if self.claims.room() > 0 or self.claims.val_room() > 0:
+            due.append(self._next_claim)
+        soonest = min((t for t in due if t is not None), default=None)
+        if soonest is None:
+            return block_ms
+        return max(1, min(block_ms, int((soonest - time.monotonic()) * 1000)))
 
     def beat(self, force: bool = False) -> None:
         self.heartbeat.beat(force=force, version=self.engine.version, paused=int(self.paused),
@@ -185,10 +216,19 @@ class RolloutWorker:
 
     # --- control: pause / load / resume
     def _handle_control(self, block_ms: int) -> None:
-        # an idle worker also wakes on a new gateway call (the calls stream), never on a short poll
-        reply = self.client.xread({self.keys.control: self.control_cursor, **self.calls.wake_streams()}, count=100,
-                                  block=block_ms if block_ms else None)
+        # one read of every stream that can give an idle worker work: control, new prompt groups, gateway calls,
+        # results of its rq jobs (rq writes one stream per job); it returns at once when any has something
+        streams = {self.keys.control: self.control_cursor, **self.prompt_cursors, **self.calls.wake_streams(),
+                   **self.jobs.result_streams()}
+        reply = self.client.xread(streams, count=100, block=block_ms if block_ms else None)
         for stream, entries in reply or []:
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            if name in self.prompt_cursors:  # new prompt groups: claim on this tick
+                self.prompt_cursors[name] = entries[-1][0].decode()
+                self._claim_wanted = True
+                continue
+            if name not in (self.keys.control, self.keys.calls):
+                continue  # a job's result: jobs.poll() picks it up on this tick
             for entry_id, fields in entries:
                 if self.calls.saw(stream, entry_id):
                     continue
@@ -225,6 +265,7 @@ class RolloutWorker:
             self.episodes.paused = True
 
     def _resume(self) -> None:
+        self._claim_wanted = True  # a sync moved the staleness gate
         if self.paused:
             self.episodes.paused = False
             self.episodes.resume_all()

@@ -4,7 +4,7 @@ the staleness gate.
 For every new version event: pause every live rollout worker, wait for each
 ack (a worker whose heartbeat lapses, or that stays silent past
 ``sync_timeout``, is logged and not waited on), tell them to load the version,
-wait, resume them, wait. Each phase's duration goes to the metrics stream.
+wait, open the gate for it, resume them, wait. Each phase's duration goes to the metrics stream.
 Only generation pauses: rq tool jobs keep running in their own processes.
 
 The gate is a hash ``gate`` {version, limit}: how many prompt groups may have
@@ -104,6 +104,8 @@ class Syncer:
         durations, missing, refused, why = {}, set(), {}, {}
         t_start = time.monotonic()
         for cmd in ("pause", "load", "resume"):
+            if cmd == "resume":  # open the gate first: the resume wakes the workers, who then claim at once
+                self.set_gate(version)
             t0 = time.monotonic()
             cursor = control.last_id(self.client, self.keys)
             control.send_command(self.client, self.keys, control.Command(
@@ -124,7 +126,6 @@ class Syncer:
             why.update({w: f"{cmd}: silent past sync_timeout" for w in silent})
             missing |= silent | dead
         self.version = version
-        self.set_gate(version)
         record = {"version": version, "sync": sync_id, "workers": len(workers), "missing": sorted(missing),
                   "missing_why": why, "refused": refused, "total_s": time.monotonic() - t_start, **durations}
         metrics.record(self.client, self.keys, "sync", record)
@@ -141,7 +142,7 @@ class Syncer:
         deadline = time.monotonic() + self.cfg.sync_timeout
         next_alive_check = 0.0
         while workers - acked:
-            for cursor, entry in control.read_after(self.client, self.keys, cursor, count=1000, block_ms=50):
+            for cursor, entry in control.read_after(self.client, self.keys, cursor, count=1000, block_ms=250):
                 if isinstance(entry, dict):  # an ack (a duplicate only re-adds the same worker)
                     a = control.decode_ack(entry)
                     if a.sync == sync_id and a.cmd == cmd:

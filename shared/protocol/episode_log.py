@@ -107,6 +107,11 @@ class EpisodeLog:
                    (p.since is not None and (now - p.since) * 1000 >= self.flush_ms)
                    for p in self._pending.values())
 
+    def next_due(self) -> float | None:
+        """When (on this log's clock) the oldest buffered event falls due by age; None when none is buffered."""
+        return min((p.since + self.flush_ms / 1000 for p in self._pending.values() if p.since is not None),
+                   default=None)
+
     def maybe_flush(self) -> dict[str, Exception]:
         return self.flush() if self.due() else {}
 

@@ -32,6 +32,10 @@ class Heartbeat:
         pipe.execute()
         return True
 
+    def next_due(self) -> float:
+        """When (time.monotonic) the next beat will write the key: a blocking wait should not outlast it."""
+        return self._next
+
     def stop(self) -> None:
         self.client.delete(self.key)
 

@@ -115,3 +115,4 @@ def test_a_service_says_in_one_line_when_redis_is_gone(tmp_path, keys):
         server.kill()
     assert proc.returncode != 0 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith(f"syncer: Redis at {server.url} is gone: no answer within redis_wait = 3 s")
+

@@ -44,8 +44,8 @@ class Syncer:
         self._next_stuck_check, self._stuck = 0.0, set()  # workers seen paused between syncs
 
     def live_workers(self) -> dict[str, dict]:
-        # heartbeat.alive SCANs the whole keyspace (one key per episode) in big pages: a sync stays cheap late in a run
-        return {name.split(":", 1)[1]: info for name, info in heartbeat.alive(self.client, self.keys, "rollout").items()}
+        # the rollout registry (no SCAN of the keyspace, which holds one stream per episode)
+        return heartbeat.alive_of(self.client, self.keys, "rollout")
 
     def set_gate(self, version: int) -> None:
         limit = group_capacity(version, self.cfg.max_staleness, groups_per_version(self.cfg), started_groups=0)

@@ -52,6 +52,10 @@ class Keys:
         key = key.decode() if isinstance(key, bytes) else key
         return key.removeprefix(f"{self.base}alive:")
 
+    def alive_registry(self, service: str) -> str:
+        """Set of the worker ids of ``service`` that have beaten at least once (their keys say who is alive)."""
+        return f"{self.base}alive-registry:{service}"
+
     def alive_pattern(self, service: str = "*") -> str:
         return f"{self.base}alive:{service}:*"
 

@@ -2,7 +2,9 @@
 
 A process calls ``beat()`` from its loop as often as it likes; the key is written at most every ``ttl / 3``
 seconds (so two missed beats still leave it alive) and expires ``ttl`` seconds after the last write. Other
-processes treat a missing key as a dead process. ``stop()`` deletes it on a warm stop.
+processes treat a missing key as a dead process. ``stop()`` deletes it on a warm stop. Each beat also adds the
+worker to its service's registry set (``alive-registry:<service>``), so a service lists the live workers of
+another (``alive_of``) without a SCAN; a member whose key has expired is dropped from it when listed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class Heartbeat:
             raise ValueError(f"heartbeat ttl must be > 0 seconds, got {ttl}")
         self.client, self.ttl = client, ttl
         self.key = keys.alive(service, worker_id)
+        self.registry, self.worker_id = keys.alive_registry(service), worker_id
         self._next = 0.0
 
     def beat(self, force: bool = False, **fields) -> bool:
@@ -29,6 +32,7 @@ class Heartbeat:
         pipe = self.client.pipeline()
         pipe.hset(self.key, mapping={"time": time.time(), **{k: str(v) for k, v in fields.items()}})
         pipe.pexpire(self.key, int(self.ttl * 1000))
+        pipe.sadd(self.registry, self.worker_id)
         pipe.execute()
         return True
 
@@ -37,15 +41,40 @@ class Heartbeat:
         return self._next
 
     def stop(self) -> None:
-        self.client.delete(self.key)
+        pipe = self.client.pipeline()
+        pipe.delete(self.key)
+        pipe.srem(self.registry, self.worker_id)
+        pipe.execute()
 
 
 def is_alive(client, keys: Keys, service: str, worker_id: str) -> bool:
     return bool(client.exists(keys.alive(service, worker_id)))
 
 
+def alive_of(client, keys: Keys, service: str) -> dict[str, dict[str, str]]:
+    """{worker id: fields} of the live processes of one service, from its registry: one SMEMBERS and one pipeline
+    of HGETALLs, whatever the size of the keyspace (a SCAN walks every episode stream). Registry members whose
+    key has expired are dead: they are removed."""
+    names = sorted(m.decode() for m in client.smembers(keys.alive_registry(service)))
+    if not names:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(keys.alive(service, name))
+    out, dead = {}, []
+    for name, fields in zip(names, pipe.execute()):
+        if fields:
+            out[name] = {k.decode(): v.decode() for k, v in fields.items()}
+        else:
+            dead.append(name)
+    if dead:
+        client.srem(keys.alive_registry(service), *dead)
+    return out
+
+
 def alive(client, keys: Keys, service: str = "*") -> dict[str, dict[str, str]]:
-    """{"<service>:<worker>": fields} of every live process (of one service, or all)."""
+    """{"<service>:<worker>": fields} of every live process (of one service, or all): a SCAN, for tools that
+    list everything; a service's loop uses ``alive_of``."""
     out = {}
     for key in client.scan_iter(match=keys.alive_pattern(service), count=10_000):
         fields = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}

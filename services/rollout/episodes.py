@@ -9,6 +9,8 @@ worker gets back starts clean (``open_group``).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from services.rollout.agent import Agent, Finish, ToolCall
 from services.rollout.engine import Chunk, EngineError, SamplingParams
 from services.rollout.episode import LiveEpisode, State, episode_seed
@@ -30,6 +32,7 @@ class Episodes:
         self.live: dict[str, LiveEpisode] = {}
         self.paused = False
         self.stats = {"tokens": 0, "episodes": 0, "resumed": 0}
+        self._closing: list[LiveEpisode] | None = None  # during one_flush(): episodes ended, waiting for it
 
     def owns(self, live: LiveEpisode) -> bool:
         return self.live.get(live.episode_id) is live
@@ -243,9 +246,31 @@ class Episodes:
         self._append(live, "failed", {"error": error, "where": where})
         self._close(live)
 
+    @contextmanager
+    def one_flush(self):
+        """Inside, an ending episode's last events are not written at once: on the way out, every episode that
+        ended is flushed in one pipeline (one round trip per engine step, not one per finishing episode), then
+        closed and its group published if complete."""
+        self._closing = []
+        try:
+            yield
+        finally:
+            closing, self._closing = self._closing, None
+            if closing:
+                self.flush([live.episode_id for live in closing])
+                for live in closing:
+                    self._closed(live)
+
     def _close(self, live: LiveEpisode) -> None:
         live.state = State.DONE
+        if self._closing is not None:
+            self._closing.append(live)
+            return
         self.flush([live.episode_id])
+        self._closed(live)
+
+    def _closed(self, live: LiveEpisode) -> None:
+        """After the episode's end is in its stream: forget it here, publish its group when complete."""
         if not self.owns(live):
             return
         self.events.close(live.episode_id)

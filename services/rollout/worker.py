@@ -128,11 +128,12 @@ class RolloutWorker:
             self.episodes.on_job(outcome)
         if not self.paused and self.engine.has_unfinished():
             t0 = time.monotonic()
-            for chunk in self.engine.step():  # chunks are routed by request id (= episode id)
-                if self.calls.owns(chunk.request_id):
-                    self.calls.on_chunk(chunk)
-                else:
-                    self.episodes.on_chunk(chunk)
+            with self.episodes.one_flush():  # every episode that ends in this step: one round trip
+                for chunk in self.engine.step():  # chunks are routed by request id (= episode id)
+                    if self.calls.owns(chunk.request_id):
+                        self.calls.on_chunk(chunk)
+                    else:
+                        self.episodes.on_chunk(chunk)
             self.busy_s += time.monotonic() - t0
         self.episodes.flush(due_only=True)
         self.beat()

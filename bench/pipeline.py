@@ -7,7 +7,8 @@ and run with the same Python environment (``PYTHONPATH`` set to its tree), on a 
 
 Reported per run, from the trainer's metrics file and the run's own Redis (its append-only data, read after the
 run): trained samples/s (samples in trained batches / (last step - driver start)), versions/s, and busy
-fractions of wall time: the trainer (its training steps) and the rollout worker (its engine steps). Usage:
+fractions of wall time: the trainer (its training steps and commits; "waiting" is its wait for samples) and the
+rollout worker (its engine steps). Usage:
 
     python bench/pipeline.py --base d9afff1                 # 2 x 2 runs of 1.5 minutes (~7 min)
     python bench/pipeline.py --base d9afff1 --minutes 3 --repeats 3
@@ -59,7 +60,8 @@ def run_once(tree: Path, run: str, minutes: float) -> dict:
     rollout_busy = sum(r["busy_s"] for r in last.values()) / max(1, len(last))
     return {"samples_per_s": sum(s["samples"] for s in steps) / elapsed, "versions": steps[-1]["version"],
             "versions_per_s": steps[-1]["version"] / elapsed, "elapsed": elapsed,
-            "trainer_busy": sum(s["train_s"] for s in steps) / elapsed, "rollout_busy": rollout_busy / elapsed,
+            "trainer_busy": sum(s["train_s"] + s.get("commit_s", 0) for s in steps) / elapsed,
+            "trainer_waiting": sum(s["wait_s"] for s in steps[1:]) / elapsed, "rollout_busy": rollout_busy / elapsed,
             "final_reward": sum(s["reward_mean"] for s in steps[-20:]) / len(steps[-20:])}
 
 
@@ -87,13 +89,14 @@ def main() -> None:
                 results[name].append(r)
                 print(f"{name} ({args.base if name == 'base' else head_rev + ' + working tree'}) run {i + 1}: "
                       f"{r['samples_per_s']:.1f} samples/s, {r['versions']} versions, trainer busy "
-                      f"{r['trainer_busy']:.0%}, rollout busy {r['rollout_busy']:.0%}, last-20-step reward "
+                      f"{r['trainer_busy']:.0%} (waiting for samples {r['trainer_waiting']:.0%}), rollout busy {r['rollout_busy']:.0%}, last-20-step reward "
                       f"{r['final_reward']:.3f}", flush=True)
         mean = {n: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for n, rs in results.items()}
-        print(f"\n{'tree':<6}{'samples/s':>11}{'versions/s':>12}{'trainer busy':>14}{'rollout busy':>14}{'reward':>8}")
+        print(f"\n{'tree':<6}{'samples/s':>11}{'versions/s':>12}{'trainer busy':>14}{'waiting':>9}{'rollout busy':>14}"
+              f"{'reward':>8}")
         for n, m in mean.items():
             print(f"{n:<6}{m['samples_per_s']:>11.1f}{m['versions_per_s']:>12.2f}{m['trainer_busy']:>14.0%}"
-                  f"{m['rollout_busy']:>14.0%}{m['final_reward']:>8.3f}")
+                  f"{m['trainer_waiting']:>9.0%}{m['rollout_busy']:>14.0%}{m['final_reward']:>8.3f}")
         print(f"head / base samples/s: {mean['head']['samples_per_s'] / mean['base']['samples_per_s']:.2f}x "
               f"(means of {args.repeats} interleaved {args.minutes:g}-minute runs each; {os.cpu_count()} CPUs)")
         if args.json:

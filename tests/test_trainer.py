@@ -375,3 +375,24 @@ def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothi
     assert sorted(set(published)) == list(range(1, state["version"] + 1))  # every version published
     report = check(read_run(client, keys, cfg.run_path))
     assert report.groups_lost == 0 and report.samples_trained_twice == 0 and report.groups_trained == len(groups)
+
+
+def test_the_optimizer_state_is_written_in_the_background_and_an_older_one_is_reported(tmp_path):
+    """checkpoint.pt (model, groups) is written at commit; optimizer.pt follows from a background thread. A
+    checkpoint whose optimizer file is a version behind (killed before it landed) loads, saying so."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    checkpoint.save(tmp_path, {"model": model.state_dict(), "version": 1})
+    checkpoint.save_optimizer(tmp_path, 1, opt.state_dict())
+    checkpoint.wait()
+    state = checkpoint.load(tmp_path)
+    assert state["optimizer_version"] == 1
+    assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    opt.step()
+    checkpoint.save(tmp_path, {"model": model.state_dict(), "version": 2})  # the next optimizer write never lands
+    state = checkpoint.load(tmp_path)
+    assert (state["version"], state["optimizer_version"]) == (2, 1)
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+    fresh.load_state_dict(state["optimizer"])  # loads: the moments are one version old, the groups exact

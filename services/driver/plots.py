@@ -78,8 +78,8 @@ def write_plots(cfg: Config, out_dir: Path | None = None) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    busy = sum(m.get("train_s", 0) for m in train)
-    idle = sum(m.get("wait_s", 0) for m in train)
+    busy = sum(m.get("train_s", 0) + m.get("commit_s", 0) for m in train)  # training steps and commits
+    idle = sum(m.get("wait_s", 0) for m in train)  # waiting for samples
     bars = [("trainer", busy, idle)]
     last_by_worker: dict[str, dict] = {}
     for r in rollout:

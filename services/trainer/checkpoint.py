@@ -1,19 +1,29 @@
 """Atomic checkpoints (the ledger's format is shared.protocol.ledger).
 
-A checkpoint holds model, optimizer, RNG, step, version and the ids of every
-prompt group whose training it includes. It is written to a temporary file,
-fsynced and renamed, so a crash leaves the old or the new one, never half.
-Samples are acknowledged in Redis only after the checkpoint including them is
-durable; the ledger lists, per commit, the groups it includes (the checkpoint
-holds its own ledger line and restore re-appends it when the ledger is behind).
+A checkpoint (``checkpoint.pt``) holds model, RNG, step, version and the ids of every prompt group whose training
+it includes. It is written to a temporary file, fsynced and renamed, so a crash leaves the old or the new one,
+never half. Samples are acknowledged in Redis only after the checkpoint including them is durable; the ledger
+lists, per commit, the groups it includes (the checkpoint holds its own ledger line and restore re-appends it
+when the ledger is behind).
+
+The optimizer's state (two moments per parameter: twice the model) goes to its own file, ``optimizer.pt``,
+written the same atomic way by one background thread, off the commit's critical path: the next write waits for
+the one before. A crash before it lands leaves the previous version's optimizer file beside the new checkpoint;
+``load`` says which version each came from, and exactly-once is untouched (which groups were trained is in the
+checkpoint, written before any acknowledgement).
 """
 
 from __future__ import annotations
 
+import copy
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+_writer: ThreadPoolExecutor | None = None
+_pending: Future | None = None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -39,8 +49,32 @@ def save(directory: Path, state: dict) -> None:
     atomic_write(directory / "checkpoint.pt", lambda tmp: torch.save(state, tmp))
 
 
+def save_optimizer(directory: Path, version: int, optimizer_state: dict) -> None:
+    """Write ``optimizer_state`` (copied now) in the background; waits for the previous write first."""
+    global _writer, _pending
+    wait()
+    snapshot = {"version": version, "optimizer": copy.deepcopy(optimizer_state)}
+    _writer = _writer or ThreadPoolExecutor(max_workers=1, thread_name_prefix="optimizer-checkpoint")
+    _pending = _writer.submit(atomic_write, directory / "optimizer.pt", lambda tmp: torch.save(snapshot, tmp))
+
+
+def wait() -> None:
+    """Until the background optimizer write (if any) is on disk; raises what it raised."""
+    global _pending
+    if _pending is not None:
+        pending, _pending = _pending, None
+        pending.result()
+
+
 def load(directory: Path) -> dict | None:
+    """The checkpoint, with ``optimizer`` and ``optimizer_version`` from ``optimizer.pt`` (None when there is no
+    optimizer file yet); a checkpoint of the older one-file format keeps its own optimizer state."""
     path = directory / "checkpoint.pt"
     if not path.exists():
         return None
-    return torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if "optimizer" in state:
+        return state | {"optimizer_version": state["version"]}
+    opt_path = directory / "optimizer.pt"
+    opt = torch.load(opt_path, map_location="cpu", weights_only=False) if opt_path.exists() else None
+    return state | {"optimizer": opt and opt["optimizer"], "optimizer_version": opt and opt["version"]}

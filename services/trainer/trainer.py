@@ -64,6 +64,7 @@ class Trainer:
         self._next_version_check = 0.0
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.wait_s = 0.0
+        self.commit_s = 0.0  # time in commits since the last metrics record (reported with the next step)
 
     # --- startup
     def restore(self) -> None:
@@ -73,7 +74,11 @@ class Trainer:
         commit_path.restore_ledger(self.ckpt_dir, state, self.log)
         if state is not None:
             self.model.load_state_dict(state["model"])
-            self.opt.load_state_dict(state["optimizer"])
+            if state["optimizer"] is not None:
+                self.opt.load_state_dict(state["optimizer"])
+            if state["optimizer_version"] != state["version"]:  # killed before the background write landed
+                self.log.warning("optimizer state older than the model: AdamW moments from an earlier version",
+                                 model_version=state["version"], optimizer_version=state["optimizer_version"])
             torch.set_rng_state(state["rng"])
             self.step, self.version = state["step"], state["version"]
             self.consumed = set(state["consumed"])
@@ -219,12 +224,13 @@ class Trainer:
                 "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std(unbiased=False)),
                 "response_len": float(lengths.mean()), "samples": len(eps), "groups": len(groups),
                 "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(seconds, 1e-9),
-                "wait_s": self.wait_s, "train_s": seconds, "batch_policy_failures": batch.policy_failures,
+                "wait_s": self.wait_s, "train_s": seconds, "commit_s": self.commit_s, "batch_policy_failures": batch.policy_failures,
                 "staleness": {str(k): v for k, v in sorted(hist.items())},
                 "staleness_max": max(hist, default=0), "stale_dropped": self.counts["groups_dropped"],
                 **stats, **self.counts}
 
     def record(self, metrics: dict) -> None:
+        self.commit_s = 0.0
         self.tensorboard.scalars("train", metrics, metrics["step"])
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics_path, "a") as fh:
@@ -249,10 +255,11 @@ class Trainer:
             self.taken.pop(g, None)
         line = commit_path.record(self.version, self.step, trained, skipped)
         fault("before_checkpoint")
-        checkpoint.save(self.ckpt_dir, {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                                        "rng": torch.get_rng_state(), "step": self.step, "version": self.version,
+        checkpoint.save(self.ckpt_dir, {"model": self.model.state_dict(), "rng": torch.get_rng_state(),
+                                        "step": self.step, "version": self.version,
                                         "consumed": sorted(self.consumed), "counts": dict(self.counts),
                                         "ledger_record": line})
+        checkpoint.save_optimizer(self.ckpt_dir, self.version, self.opt.state_dict())  # in the background
         fault("after_checkpoint")
         ledger.append_ledger(self.ckpt_dir, line)
         fault("after_ledger")
@@ -282,10 +289,15 @@ class Trainer:
 
     def run(self, should_stop=lambda: False) -> None:
         self.restore()
-        while not should_stop():
-            groups = self.collect(should_stop)
-            if groups is None:
-                break
-            self.record(self.train_step(groups))
-            if self.step % self.cfg.steps_per_version == 0:
-                self.commit()
+        try:
+            while not should_stop():
+                groups = self.collect(should_stop)
+                if groups is None:
+                    break
+                self.record(self.train_step(groups))
+                if self.step % self.cfg.steps_per_version == 0:
+                    t0 = time.monotonic()
+                    self.commit()
+                    self.commit_s += time.monotonic() - t0
+        finally:
+            checkpoint.wait()  # the last optimizer write lands before a warm stop returns

@@ -20,10 +20,17 @@ Reported per variant, from the trainer's metrics file and the driver's output:
                      not trained (no finished episode); 'wasted tok': finished tokens not trained (greedy,
                      past hard_max_staleness, over the IS cap, in dropped groups); stale groups train with
                      their importance weights
-and the ratios async/sync. Usage:
+  gen tok/s          tokens the rollout workers generated per second (their own counters)
+  unused             1 - trained tokens / generated tokens: work never trained within the budget, including
+                     groups still in flight when the run ended ((max_staleness + 1) batches at most)
+  train %            the trainer's training time / the variant's wall time
+and the ratios async/sync. With ``--simulate-gpu`` every engine step and every trained token also cost a fixed
+sleep (SIMULATED_GPU below): a stand-in for a memory-bound GPU decode step and GPU training time, named as
+such in the output. Usage:
 
     python bench/async_vs_sync.py                 # ~4-8 min on a 2-core CPU box
     python bench/async_vs_sync.py --quick         # ~2 min smoke run, smaller budget
+    python bench/async_vs_sync.py --simulate-gpu  # the simulated GPU cost model (sleeps, named in the output)
     python bench/async_vs_sync.py --seeds 3       # each variant 3 times (seeds 0, 1, 2), interleaved; figures
                                                   # are means, eval also with its spread over seeds
 
@@ -48,10 +55,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.runs import streamrl_run  # noqa: E402
+from bench.runs import rollout_tokens, streamrl_run  # noqa: E402
 from shared.runtime.config import FIELDS  # noqa: E402
 
 VARIANTS = [("sync", 0), ("async", 1), ("async", 2)]
+# --simulate-gpu: a named cost model standing in for a GPU on this CPU box (printed with every result). A
+# memory-bound decode step costs about the same whatever the batch, so each engine step sleeps a fixed time; the
+# trainer sleeps per trained token (compute-bound), tuned so that synchronous training is 20-40% of a version.
+SIMULATED_GPU = {"step_delay_ms": 20.0, "simulated_train_us_per_token": 400.0}
 
 
 def make_model(path: Path, warm_steps: int) -> float:
@@ -90,11 +101,13 @@ def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str, seed
              "group_size": args.group_size, "batch_groups": args.batch_groups, "max_tokens": args.max_tokens,
              "max_groups_in_flight": args.in_flight, "max_batch_size": args.group_size * args.in_flight,
              "lr": args.lr, "tools": "", "log_level": "warning", "seed": seed,
-             "steps_per_version": per_version, "hard_max_staleness": args.hard_max_staleness}
+             "steps_per_version": per_version, "hard_max_staleness": args.hard_max_staleness,
+             "step_delay_ms": args.step_delay_ms, "simulated_train_us_per_token": args.simulated_train_us_per_token}
     if "val_every" in FIELDS:
         flags["val_every"] = 0  # validation rounds would cost both modes the same rollout time; leave them out
     print(f"\n== {mode} max_staleness={staleness} seed {seed}", flush=True)
     t_start, steps = streamrl_run(flags, args.verbose)
+    generated = rollout_tokens(flags)
     versions = args.versions // per_version
     steps = [s for s in steps if s["step"] <= versions * per_version]  # the budget; steps after the end don't count
     weights = Path(f"/dev/shm/streamrl/{run}") if Path("/dev/shm").is_dir() else ROOT / "runs" / run / "weights"
@@ -111,7 +124,7 @@ def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str, seed
     shutil.rmtree(weights, ignore_errors=True)
     return summarize(steps, t_start, args.window) | {"run": run, "mode": mode, "max_staleness": staleness,
                                                      "final_eval": final_eval, "eval_version": eval_version,
-                                                     "seed": seed}
+                                                     "seed": seed, "generated_tokens": generated}
 
 
 def mean_over_seeds(runs: list[dict]) -> dict:
@@ -148,6 +161,7 @@ def summarize(steps: list[dict], t_start: float, window: int) -> dict:
             stale[k] = stale.get(k, 0) + v
     tokens = sum(s["tokens"] for s in steps)
     return {"steps": len(steps), "samples": samples, "seconds": elapsed, "samples_per_s": samples / elapsed,
+            "train_s": sum(s["train_s"] for s in steps),
             "tokens": tokens, "tokens_per_s": tokens / elapsed, "start_reward": start, "final_reward": final,
             "curve": curve, "response_len": sum(s["response_len"] for s in steps) / len(steps),
             "trainer_wait_s": sum(s["wait_s"] for s in steps), "staleness_tokens": stale,
@@ -178,9 +192,18 @@ def main() -> None:
     p.add_argument("--hard-max-staleness", type=int, default=0,
                    help="policy tokens more versions behind than this are masked out (0: none)")
     p.add_argument("--seeds", type=int, default=1, help="runs per variant (seeds 0..N-1, interleaved); means")
+    p.add_argument("--simulate-gpu", action="store_true",
+                   help=f"the simulated GPU cost model: {SIMULATED_GPU} (sleeps; named in the output)")
+    p.add_argument("--step-delay-ms", type=float, default=0.0, help="simulated cost of one engine step (sleep)")
+    p.add_argument("--simulated-train-us-per-token", type=float, default=0.0,
+                   help="simulated training cost per trained token (sleep)")
     p.add_argument("--verbose", action="store_true", help="echo the driver's progress lines")
     p.add_argument("--json", action="store_true", help="print every figure as JSON at the end")
     args = p.parse_args()
+    if args.simulate_gpu:
+        args.step_delay_ms = args.step_delay_ms or SIMULATED_GPU["step_delay_ms"]
+        args.simulated_train_us_per_token = (args.simulated_train_us_per_token or
+                                             SIMULATED_GPU["simulated_train_us_per_token"])
     budget = args.budget or (3072 if args.quick else 12288)
     per_version = args.group_size * args.batch_groups
     args.versions = max(2, budget // per_version)
@@ -191,6 +214,9 @@ def main() -> None:
           f"({args.versions} steps x {args.batch_groups} groups x {args.group_size}), max_tokens {args.max_tokens}, "
           f"lr {args.lr}, {args.steps_per_version} step(s) per version, hard_max_staleness {args.hard_max_staleness}, "
           f"{args.seeds} seed(s), {os.cpu_count()} CPUs", flush=True)
+    if args.step_delay_ms or args.simulated_train_us_per_token:
+        print(f"SIMULATED COST (not measured hardware): every engine step sleeps {args.step_delay_ms:g} ms, the "
+              f"trainer sleeps {args.simulated_train_us_per_token:g} us per trained token", flush=True)
     make_model(model_dir, args.warm_steps)
     from services.driver.tasks import chain_sum
 
@@ -210,7 +236,7 @@ def main() -> None:
           f"moving mean over {args.window} steps)")
     print(f"{'variant':<22}{'samples':>8}{'seconds':>9}{'samples/s':>11}{'x sync':>8}{'to target s':>13}{'x sync':>8}"
           f"{'start r':>9}{'final r':>9}{'- sync':>8}{'eval':>7}{'- sync':>8}{'sd':>7}{'resp len':>9}{'tok/s':>8}{'x sync':>7}{'dropped':>8}"
-          f"{'wasted tok':>11} {'stale tok 0/1/2/3+':>26}")
+          f"{'wasted tok':>11}{'gen tok/s':>10}{'unused':>8}{'train %':>8} {'stale tok 0/1/2/3+':>26}")
     for r in results:
         ttt = time_to(r["curve"], target)
         st = r["staleness_tokens"]
@@ -221,7 +247,8 @@ def main() -> None:
               f"{r['start_reward']:>9.3f}{r['final_reward']:>9.3f}{r['final_reward'] - sync['final_reward']:>+8.3f}"
               f"{r['final_eval']:>7.3f}{r['final_eval'] - sync['final_eval']:>+8.3f}{r['eval_sd']:>7.3f}"
               f"{r['response_len']:>9.1f}{r['tokens_per_s']:>8.0f}{r['tokens_per_s'] / sync['tokens_per_s']:>7.2f}"
-              f"{r['stale_dropped']:>8}{r['tokens_wasted']:>11}"
+              f"{r['stale_dropped']:>8}{r['tokens_wasted']:>11}{r['generated_tokens'] / r['seconds']:>10.0f}"
+              f"{1 - r['tokens'] / max(1, r['generated_tokens']):>8.1%}{r['train_s'] / r['seconds']:>8.0%}"
               f" {'/'.join(str(st.get(k, 0)) for k in ('0', '1', '2')) + '/' + str(sum(v for k, v in st.items() if int(k) >= 3)):>26}")
     print(f"(x sync of 'to target' is sync's time / this variant's time: > 1 is faster; sd: eval's standard deviation "
           f"over {args.seeds} seed(s); total {time.monotonic() - t0:.0f}s)")

@@ -37,3 +37,23 @@ def streamrl_run(flags: dict, verbose: bool = False) -> tuple[float, list[dict]]
                          f"last: {last_line}")
     run_dir = Path(flags.get("run_dir", ROOT / "runs"))
     return t_start, [json.loads(x) for x in (run_dir / flags["run"] / "metrics.jsonl").read_text().splitlines()]
+
+
+def rollout_tokens(flags: dict) -> int:
+    """Tokens the run's rollout workers generated (their last reports), read from the run's own Redis data after
+    the run (its append-only file under the run folder)."""
+    sys.path.insert(0, str(ROOT))
+    from services.ops.redis_server import EmbeddedRedis
+    from shared.protocol import metrics
+    from shared.protocol.keys import Keys
+    from shared.runtime.connection import connect
+
+    run_dir = Path(flags.get("run_dir", ROOT / "runs"))
+    server = EmbeddedRedis(run_dir / flags["run"] / "redis").start()
+    try:
+        last = {}
+        for _, r in metrics.read(connect(server.url), Keys(flags["run"]), "rollout"):
+            last[r["worker"]] = r
+    finally:
+        server.stop()
+    return sum(int(r.get("tokens", 0)) for r in last.values())

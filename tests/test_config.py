@@ -39,3 +39,9 @@ def test_bad_values_name_the_key_and_source(tmp_path, source, words):
 def test_missing_file_is_clear():
     with pytest.raises(ConfigError, match="config file /nonexistent.toml"):
         load("/nonexistent.toml", env={})
+
+
+def test_simulated_costs_must_not_be_negative():
+    for key in ("step_delay_ms", "simulated_train_us_per_token"):
+        with pytest.raises(ConfigError, match=f"{key}.*expected >= 0"):
+            load(env={}, overrides={key: "-1"})

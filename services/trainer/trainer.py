@@ -202,6 +202,8 @@ class Trainer:
         batch = build_batch([eps for _, _, eps in groups], self.pad_id, self.version, self.cfg.hard_max_staleness)
         stats = train_on_batch(self.model, self.opt, batch, StepConfig.from_config(self.cfg), self.policy.device,
                                kl=self.policy.kl_penalty())
+        if self.cfg.simulated_train_us_per_token:  # benchmarks: a SIMULATED GPU's training time, not real work
+            time.sleep(batch.num_tokens * self.cfg.simulated_train_us_per_token / 1e6)
         self.step += 1
         trained = stats["ppo_steps"] > 0  # every optimizer step non-finite: the groups count as not trained
         self.uncommitted += [(e, g, trained) for e, g, _ in groups]

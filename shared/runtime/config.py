@@ -55,6 +55,7 @@ class Config:
     max_tool_calls: int = 4  # per episode; one more ends it with reason 'tool_limit'
     reward_fn: str = "services.rollout.rewards:arithmetic"  # module:function(response, task[, prompt=]) -> float | (float, dict), may be async; runs as an rq job unless marked @rewards.inline
     reward_timeout: float = 60.0  # seconds one reward job may run; past it the episode fails (where: reward)
+    simulated_train_us_per_token: float = 0.0  # benchmarks only: the trainer also sleeps this long per trained token, a SIMULATED stand-in for GPU training time on a CPU box (bench/async_vs_sync.py --simulate-gpu)
     step_delay_ms: float = 0.0  # drills and benchmarks: wrap the engine in a simulated slow one (engine/slow.py) sleeping this long per step
     heartbeat_ttl: float = 5.0  # seconds after its last heartbeat a worker counts as dead
     max_calls_in_flight: int = 64  # gateway LLM calls one rollout worker serves at once
@@ -235,6 +236,9 @@ def _validate(cfg: Config) -> None:
     for key in ("ppo_minibatches",):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"config key {key!r}: expected an integer >= 1, got {getattr(cfg, key)}")
+    if cfg.step_delay_ms < 0 or cfg.simulated_train_us_per_token < 0:
+        raise ConfigError(f"config keys step_delay_ms, simulated_train_us_per_token: expected >= 0, got "
+                          f"{cfg.step_delay_ms}, {cfg.simulated_train_us_per_token}")
     if cfg.micro_batch_tokens < 0 or cfg.hard_max_staleness < 0:
         raise ConfigError(f"config keys micro_batch_tokens, hard_max_staleness: expected integers >= 0, got "
                           f"{cfg.micro_batch_tokens}, {cfg.hard_max_staleness}")

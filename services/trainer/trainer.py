@@ -81,14 +81,18 @@ class Trainer:
                                  model_version=state["version"], optimizer_version=state["optimizer_version"])
             torch.set_rng_state(state["rng"])
             self.step, self.version = state["step"], state["version"]
-            self.consumed = set(state["consumed"])
             self.counts.update(state.get("counts", {}))
-            self.log.info("restored checkpoint", step=self.step, version=self.version, consumed=len(self.consumed))
+            self.log.info("restored checkpoint", step=self.step, version=self.version)
+        # every group trained or judged untrainable: the ledger's lines (now level with the checkpoint), plus the
+        # list older checkpoints carried themselves
+        self.consumed = set((state or {}).get("consumed", ())) | {
+            g for rec in ledger.read_ledger(self.ckpt_dir) for g in rec["groups"] + rec["skipped"]}
         try:
             self.client.xgroup_create(self.keys.samples, GROUP, id="0", mkstream=True)
         except redis.exceptions.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        self.log.info("groups already consumed, from the ledger", groups=len(self.consumed))
         self._republish_if_needed()
         start, pending = "0", 0  # entries delivered before a crash come back first: all of them, page by page
         while (last := self._read(start=start)) is not None:
@@ -257,9 +261,10 @@ class Trainer:
             self.taken.pop(g, None)
         line = commit_path.record(self.version, self.step, trained, skipped)
         fault("before_checkpoint")
+        # the groups trained so far are the ledger's lines plus this commit's (restore rebuilds the set from
+        # them), so the checkpoint does not grow with the run
         checkpoint.save(self.ckpt_dir, {"model": self.model.state_dict(), "rng": torch.get_rng_state(),
-                                        "step": self.step, "version": self.version,
-                                        "consumed": sorted(self.consumed), "counts": dict(self.counts),
+                                        "step": self.step, "version": self.version, "counts": dict(self.counts),
                                         "ledger_record": line})
         checkpoint.save_optimizer(self.ckpt_dir, self.version, self.opt.state_dict())  # in the background
         fault("after_checkpoint")

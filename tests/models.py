@@ -51,3 +51,15 @@ def overfit(model_dir: str | Path, texts: list[tuple[str, str]], steps: int = 30
 def scripted_model(out_dir: str | Path, texts: list[tuple[str, str]]) -> str:
     make_tiny_model(str(out_dir), seed=1)
     return overfit(out_dir, texts)
+
+
+def nudged_weights(model_dir: str | Path, out: Path, version: int) -> tuple[Path, str]:
+    """A real new version for sync tests: the model with every weight moved by 0.01 x ``version``, written as the
+    trainer writes it (safetensors, sha256)."""
+    from services.trainer.publish import write_weights
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * version)
+    return write_weights(model, out, version)

@@ -69,6 +69,13 @@ def wait_claimable(client, keys, owner: str, heartbeat_ttl: float, timeout: floa
     wait_until(idle, f"{owner}'s groups idle for {heartbeat_ttl}s", timeout)
 
 
+def worker_info(client, keys, worker: str) -> dict:
+    """A rollout worker's heartbeat fields (version, paused, episodes...), {} when it is not alive."""
+    from shared.runtime.heartbeat import alive_of
+
+    return alive_of(client, keys, "rollout").get(worker, {})
+
+
 def snapshot(client, keys, group_ids) -> dict:
     """The episodes of ``group_ids`` whose streams exist so far, folded."""
     log = EpisodeLog(client, keys, "reader")

@@ -7,12 +7,10 @@ from __future__ import annotations
 import signal
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from services.ops.checker import check, read_run
 from services.syncer.syncer import Syncer
-from services.trainer.publish import publish, write_weights
+from services.trainer.publish import publish
 from shared.protocol import gate
 from shared.protocol.fold import fold
 from shared.protocol.keys import ROLLOUT_GROUP
@@ -20,8 +18,9 @@ from shared.protocol.prompts import PromptGroup, enqueue
 from shared.runtime import faults, logs
 from shared.runtime.config import Config
 from tests.gateway_stack import env_for
+from tests.models import nudged_weights
 from tests.procs import kill9, spawn, wait_until
-from tests.rollout_harness import episodes, make_worker, samples, snapshot, tick_until
+from tests.rollout_harness import episodes, make_worker, samples, snapshot, tick_until, worker_info
 
 pytestmark = pytest.mark.slow
 
@@ -64,18 +63,6 @@ def test_a_rollout_worker_killed_at_each_point_loses_nothing_and_publishes_each_
     assert report.groups_lost == 0 and report.episodes_finished_twice == 0
 
 
-def _weights(model_dir: str, out, version: int):
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.01 * version)
-    return write_weights(model, out, version)
-
-
-def _heartbeat(client, keys, worker: str) -> dict:
-    return {k.decode(): v.decode() for k, v in client.hgetall(keys.alive("rollout", worker)).items()}
-
-
 @pytest.mark.parametrize("point", faults.POINTS["syncer"])
 def test_a_syncer_killed_after_each_command_is_repaired_by_the_next_one(client, keys, redis_url, tiny_model_dir,
                                                                           tmp_path, point):
@@ -86,21 +73,21 @@ def test_a_syncer_killed_after_each_command_is_repaired_by_the_next_one(client, 
     env = _env(redis_url, keys, tiny_model_dir)
     worker = spawn("services.rollout", "--worker-id", "A", "--max-tokens", "400", env=env)
     try:
-        wait_until(lambda: _heartbeat(client, keys, "A").get("episodes", "0") != "0", "A generating", 90, [worker])
+        wait_until(lambda: worker_info(client, keys, "A").get("episodes", "0") != "0", "A generating", 90, [worker])
         first = spawn("services.syncer", env={**env, **faults.spec("syncer", point)})
         try:
             wait_until(lambda: client.exists(keys.gate), "the first syncer ready", 60, [worker])
-            publish(client, keys, 1, *_weights(tiny_model_dir, tmp_path, 1), step=1)
+            publish(client, keys, 1, *nudged_weights(tiny_model_dir, tmp_path, 1), step=1)
             assert first.wait(60) == -signal.SIGKILL  # it killed itself right after sending `point`
         finally:
             kill9(first)
         if point == "pause":
-            wait_until(lambda: _heartbeat(client, keys, "A").get("paused") == "1", "A paused", 30, [worker])
+            wait_until(lambda: worker_info(client, keys, "A").get("paused") == "1", "A paused", 30, [worker])
         cfg = Config(run=keys.run, model_dir=tiny_model_dir, heartbeat_ttl=WORKER["heartbeat_ttl"], sync_timeout=20)
         second = Syncer(cfg, client, logs.get("syncer-test"))
         second.start()  # a restarted syncer: finds the worker behind (or paused) and syncs again
-        wait_until(lambda: _heartbeat(client, keys, "A").get("version") == "1" and
-                   _heartbeat(client, keys, "A").get("paused") == "0", "A resumed at version 1", 30, [worker])
+        wait_until(lambda: worker_info(client, keys, "A").get("version") == "1" and
+                   worker_info(client, keys, "A").get("paused") == "0", "A resumed at version 1", 30, [worker])
         assert gate.opened_version(client, keys) == 1 and second.version == 1
 
         def tokens_of_v1():

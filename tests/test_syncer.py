@@ -7,14 +7,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from services.syncer.syncer import Syncer
-from services.trainer.publish import publish, write_weights
+from services.trainer.publish import publish
 from shared.runtime import logs
 from shared.runtime.config import Config
 from shared.protocol.episode_log import EpisodeLog
@@ -22,7 +19,10 @@ from shared.protocol.fold import fold
 from shared.protocol.prompts import PromptGroup, enqueue
 from shared.protocol import control, gate, metrics
 from shared.protocol import versions as pversions
+from shared.runtime.heartbeat import alive_of
+from tests.models import nudged_weights
 from tests.procs import kill9, spawn, wait_until
+from tests.rollout_harness import worker_info
 
 pytestmark = pytest.mark.slow  # real rollout worker processes
 
@@ -34,22 +34,6 @@ def _worker(redis_url, keys, model_dir, worker_id, heartbeat_ttl=HEARTBEAT_TTL):
                  "--model-dir", model_dir, "--max-tokens", "400", "--tools", "", "--flush-tokens", "4",
                  "--flush-ms", "20", "--heartbeat-ttl", heartbeat_ttl, "--step-delay-ms", "10",
                  "--max-groups-in-flight", "2", "--log-level", "warning")
-
-
-def _weights(model_dir: str, out: Path, version: int) -> tuple[Path, str]:
-    """A real new version: the model with its weights nudged, written as the trainer writes it."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.01 * version)
-    return write_weights(model, out, version)
-
-
-def _alive(client, keys) -> dict[str, dict]:
-    out = {}
-    for key in client.scan_iter(match=keys.alive("rollout", "*")):
-        out[key.decode().rsplit(":", 1)[1]] = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
-    return out
 
 
 def _token_events(client, keys) -> list:
@@ -64,6 +48,11 @@ def _token_events(client, keys) -> list:
 def _entry_ms(entry_id: str) -> tuple[int, int]:
     ms, seq = entry_id.split("-")
     return int(ms), int(seq)
+
+
+def _commands(client, keys, cmd: str) -> list:
+    """The control commands of one kind sent so far (acks left out)."""
+    return [c for _, c in control.read_after(client, keys, "0-0", 1000) if getattr(c, "cmd", "") == cmd]
 
 
 def _sync_records(client, keys) -> list[dict]:
@@ -101,13 +90,12 @@ def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, r
     procs = {w: _worker(redis_url, keys, tiny_model_dir, w) for w in ("A", "B", "C")}
     try:
         wait_until(_generating(client, keys, set(procs), 0), "all three generating", 90, procs.values())
-        path, digest = _weights(tiny_model_dir, tmp_path, 1)
+        path, digest = nudged_weights(tiny_model_dir, tmp_path, 1)
         # C freezes (alive by its heartbeat key for up to HEARTBEAT_TTL, but silent), then dies with kill -9
         # once the pause is out
         os.kill(procs["C"].pid, signal.SIGSTOP)
         publish(client, keys, 1, path, digest, step=1)
-        wait_until(lambda: any(getattr(c, "cmd", "") == "pause" for _, c in control.read_after(client, keys, "0-0", 1000)),
-                   "the pause", 10)
+        wait_until(lambda: _commands(client, keys, "pause"), "the pause", 10)
         kill9(procs["C"])
         wait_until(lambda: _sync_records(client, keys), "the sync record", 30)
         (rec,) = _sync_records(client, keys)
@@ -120,11 +108,11 @@ def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, r
         # the others resumed: they generate again, with version 1, and say so in their heartbeats
         wait_until(_generating(client, keys, {"A", "B"}, 1), "A and B generating with version 1", 30,
                    [procs["A"], procs["B"]])
-        alive = _alive(client, keys)
+        alive = alive_of(client, keys, "rollout")
         assert set(alive) == {"A", "B"}
         assert all(info["version"] == "1" and info["paused"] == "0" for info in alive.values())
         # a second version goes through with only the live workers
-        path2, digest2 = _weights(tiny_model_dir, tmp_path, 2)
+        path2, digest2 = nudged_weights(tiny_model_dir, tmp_path, 2)
         publish(client, keys, 2, path2, digest2, step=2)
         wait_until(lambda: len(_sync_records(client, keys)) == 2, "the second sync", 30)
         rec2 = _sync_records(client, keys)[1]
@@ -154,13 +142,12 @@ def test_a_silent_worker_is_left_out_after_sync_timeout_versions_published_meanw
     start_syncer(sync_timeout=2.0)
     enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}*2=") for i in range(6)])
     procs = {w: _worker(redis_url, keys, tiny_model_dir, w, heartbeat_ttl=120) for w in ("A", "B")}
-    files = {n: _weights(tiny_model_dir, tmp_path, n) for n in (1, 2, 3)}
+    files = {n: nudged_weights(tiny_model_dir, tmp_path, n) for n in (1, 2, 3)}
     try:
         wait_until(_generating(client, keys, set(procs), 0), "both generating", 90, procs.values())
         os.kill(procs["B"].pid, signal.SIGSTOP)
         publish(client, keys, 1, *files[1], step=1)
-        wait_until(lambda: [c for _, c in control.read_after(client, keys, "0-0", 1000) if getattr(c, "cmd", "") == "pause"],
-                   "the pause of version 1", 30)
+        wait_until(lambda: _commands(client, keys, "pause"), "the pause of version 1", 30)
         for n in (2, 3):  # the syncer is still waiting for B's pause ack (up to sync_timeout)
             publish(client, keys, n, *files[n], step=n)
         wait_until(lambda: len(_sync_records(client, keys)) == 2, "two sync records", 60)
@@ -168,12 +155,11 @@ def test_a_silent_worker_is_left_out_after_sync_timeout_versions_published_meanw
         assert (first["version"], second["version"]) == (1, 3)
         for rec in (first, second):
             assert rec["missing"] == ["B"] and rec["missing_why"] == {"B": "pause: silent past sync_timeout"}
-        loads = [c.version for _, c in control.read_after(client, keys, "0-0", 1000) if getattr(c, "cmd", "") == "load"]
-        assert loads == [1, 3] and gate.opened_version(client, keys) == 3
-        assert _alive(client, keys)["B"]["version"] == "0"  # still alive by its key, still on the old weights
+        assert [c.version for c in _commands(client, keys, "load")] == [1, 3] and gate.opened_version(client, keys) == 3
+        assert worker_info(client, keys, "B")["version"] == "0"  # still alive by its key, still on the old weights
         wait_until(_generating(client, keys, {"A"}, 3), "A generating with version 3", 30, [procs["A"]])
         os.kill(procs["B"].pid, signal.SIGCONT)
-        wait_until(lambda: _alive(client, keys)["B"]["version"] == "3" and _alive(client, keys)["B"]["paused"] == "0",
+        wait_until(lambda: worker_info(client, keys, "B").items() >= {"version": "3", "paused": "0"}.items(),
                    "B at version 3 and resumed", 60, procs.values())
         wait_until(_generating(client, keys, {"B"}, 3), "B generating with version 3", 30, procs.values())
     finally:
@@ -192,16 +178,16 @@ def test_a_worker_left_paused_by_a_lost_resume_is_synced_again_and_a_lost_gate_i
     enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}-1=") for i in range(4)])
     procs = [_worker(redis_url, keys, tiny_model_dir, "A")]
     try:
-        path, digest = _weights(tiny_model_dir, tmp_path, 1)
+        path, digest = nudged_weights(tiny_model_dir, tmp_path, 1)
         wait_until(_generating(client, keys, {"A"}, 0), "A generating", 90, procs)
         publish(client, keys, 1, path, digest, step=1)
         wait_until(_generating(client, keys, {"A"}, 1), "A generating with version 1", 30, procs)
         control.send_command(client, keys, control.Command("pause", "lost-sync", 1, "", ""))
-        wait_until(lambda: _alive(client, keys)["A"]["paused"] == "1", "A paused by the stray pause", 30, procs)
+        wait_until(lambda: worker_info(client, keys, "A")["paused"] == "1", "A paused by the stray pause", 30, procs)
         client.delete(keys.gate)
         wait_until(lambda: len(_sync_records(client, keys)) == 2, "the repair sync", 30, procs)
         assert _sync_records(client, keys)[1]["version"] == 1 and _sync_records(client, keys)[1]["missing"] == []
-        wait_until(lambda: _alive(client, keys)["A"]["paused"] == "0", "A resumed", 30, procs)
+        wait_until(lambda: worker_info(client, keys, "A")["paused"] == "0", "A resumed", 30, procs)
         assert gate.opened_version(client, keys) == 1
     finally:
         kill9(*procs)
@@ -214,7 +200,7 @@ def test_corrupt_weights_refused_sync_records_it_and_goes_on(client, keys, redis
     procs = [_worker(redis_url, keys, tiny_model_dir, "A")]
     try:
         wait_until(lambda: _token_events(client, keys), "A generating", 90, procs)
-        path, digest = _weights(tiny_model_dir, tmp_path, 1)
+        path, digest = nudged_weights(tiny_model_dir, tmp_path, 1)
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated after the checksum
         publish(client, keys, 1, path, digest, step=1)
         wait_until(lambda: _sync_records(client, keys), "the sync record", 30, procs)
@@ -224,11 +210,11 @@ def test_corrupt_weights_refused_sync_records_it_and_goes_on(client, keys, redis
         assert "corrupt or truncated" in rec["refused"]["A"]
         n_before = len(_token_events(client, keys))
         wait_until(lambda: len(_token_events(client, keys)) > n_before + 2, "A generating after the refusal", 30, procs)
-        info = _alive(client, keys)["A"]
+        info = worker_info(client, keys, "A")
         assert info["version"] == "0" and info["paused"] == "0"  # kept its old weights, and resumed
         assert {v for _, _, v in _token_events(client, keys)} == {0}
         # the next good version is loaded as usual
-        path2, digest2 = _weights(tiny_model_dir, tmp_path, 2)
+        path2, digest2 = nudged_weights(tiny_model_dir, tmp_path, 2)
         publish(client, keys, 2, path2, digest2, step=2)
         wait_until(lambda: len(_sync_records(client, keys)) == 2, "the second sync", 30, procs)
         assert _sync_records(client, keys)[1]["refused"] == {}

@@ -216,10 +216,11 @@ class Episodes:
                               "reward")
         self._finished(live, reason, reward, details)
 
-    def _score(self, scoring: list[LiveEpisode], group: list | None = None) -> None:
-        # the scored responses are made durable first: a worker that takes the episode over re-attaches to this
-        # job (its id comes from the episode), so its result must be for the tokens in the stream
-        self.flush([live.episode_id for live in scoring])
+    def _score(self, scoring: list[LiveEpisode], group: list | None = None, read: list[LiveEpisode] = ()) -> None:
+        # every response the job reads (``read``: the whole group for a group-aware reward) is made durable first:
+        # a worker that takes the episode over re-attaches to this job (its id comes from the episode), so its
+        # result must be for the tokens in the streams
+        self.flush([live.episode_id for live in read or scoring])
         for live in scoring:
             if not self.owns(live):
                 continue  # fenced while flushing: another worker owns the group now
@@ -234,8 +235,7 @@ class Episodes:
             return
         group = [{"index": l.index, "response": self.tok.decode(l.tokens, skip_special_tokens=True)}
                  for l in members]
-        self.flush([l.episode_id for l in members])  # every response the group's reward reads is durable
-        self._score([l for l in members if l.episode_id not in self.jobs.pending], group)
+        self._score([l for l in members if l.episode_id not in self.jobs.pending], group, read=members)
 
     def _finished(self, live: LiveEpisode, reason: str, reward: float, details: dict) -> None:
         self._append(live, "finished", {"reason": reason, "reward": reward, "details": details})

@@ -30,10 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
+from bench.runs import rollout_reports  # noqa: E402
 from shared.protocol import metrics  # noqa: E402
-from shared.protocol.keys import Keys  # noqa: E402
-from shared.runtime.connection import connect  # noqa: E402
 
 
 def run_once(tree: Path, run: str, minutes: float) -> dict:
@@ -49,14 +47,7 @@ def run_once(tree: Path, run: str, minutes: float) -> dict:
         raise SystemExit(f"{tree} {run}: streamrl run exited {proc.returncode}")
     steps = metrics.read_file(tree / "runs" / run / "metrics.jsonl")
     elapsed = steps[-1]["time"] - t_start
-    server = EmbeddedRedis(tree / "runs" / run / "redis").start()
-    try:
-        reports = [r for _, r in metrics.read(connect(server.url), Keys(run), "rollout")]
-    finally:
-        server.stop()
-    last = {}
-    for r in reports:
-        last[r["worker"]] = r
+    last = rollout_reports(tree / "runs", run)
     rollout_busy = sum(r["busy_s"] for r in last.values()) / max(1, len(last))
     return {"samples_per_s": sum(s["samples"] for s in steps) / elapsed, "versions": steps[-1]["version"],
             "versions_per_s": steps[-1]["version"] / elapsed, "elapsed": elapsed,
@@ -89,7 +80,8 @@ def main() -> None:
                 results[name].append(r)
                 print(f"{name} ({args.base if name == 'base' else head_rev + ' + working tree'}) run {i + 1}: "
                       f"{r['samples_per_s']:.1f} samples/s, {r['versions']} versions, trainer busy "
-                      f"{r['trainer_busy']:.0%} (waiting for samples {r['trainer_waiting']:.0%}), rollout busy {r['rollout_busy']:.0%}, last-20-step reward "
+                      f"{r['trainer_busy']:.0%} (waiting for samples {r['trainer_waiting']:.0%}), rollout busy "
+                      f"{r['rollout_busy']:.0%}, last-20-step reward "
                       f"{r['final_reward']:.3f}", flush=True)
         mean = {n: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for n, rs in results.items()}
         print(f"\n{'tree':<6}{'samples/s':>11}{'versions/s':>12}{'trainer busy':>14}{'waiting':>9}{'rollout busy':>14}"

@@ -39,21 +39,23 @@ def streamrl_run(flags: dict, verbose: bool = False) -> tuple[float, list[dict]]
     return t_start, [json.loads(x) for x in (run_dir / flags["run"] / "metrics.jsonl").read_text().splitlines()]
 
 
-def rollout_tokens(flags: dict) -> int:
-    """Tokens the run's rollout workers generated (their last reports), read from the run's own Redis data after
-    the run (its append-only file under the run folder)."""
+def rollout_reports(run_dir: Path, run: str) -> dict[str, dict]:
+    """{worker: its last rollout report} of a run that has ended, read from the run's own Redis data (its
+    append-only file under the run folder, served for the read)."""
     sys.path.insert(0, str(ROOT))
     from services.ops.redis_server import EmbeddedRedis
     from shared.protocol import metrics
     from shared.protocol.keys import Keys
     from shared.runtime.connection import connect
 
-    run_dir = Path(flags.get("run_dir", ROOT / "runs"))
-    server = EmbeddedRedis(run_dir / flags["run"] / "redis").start()
+    server = EmbeddedRedis(Path(run_dir) / run / "redis").start()
     try:
-        last = {}
-        for _, r in metrics.read(connect(server.url), Keys(flags["run"]), "rollout"):
-            last[r["worker"]] = r
+        return {r["worker"]: r for _, r in metrics.read(connect(server.url), Keys(run), "rollout")}
     finally:
         server.stop()
-    return sum(int(r.get("tokens", 0)) for r in last.values())
+
+
+def rollout_tokens(flags: dict) -> int:
+    """Tokens the run's rollout workers generated (their last reports)."""
+    reports = rollout_reports(Path(flags.get("run_dir", ROOT / "runs")), flags["run"])
+    return sum(int(r.get("tokens", 0)) for r in reports.values())

@@ -20,7 +20,8 @@ from shared.protocol import calls as calls_codec, samples as samples_codec
 from shared.protocol.keys import Keys
 from tests.chat_models import CALC_TOOL, calc_conversation, scripted_chat_model
 from tests.gateway_agents import calc_agent
-from tests.gateway_stack import InProcessGateway, env_for, episode, free_port, start_agent_episode, wait_alive, wait_http
+from tests.gateway_stack import (InProcessGateway, env_for, episode, free_port, start_agent_episode, wait_alive,
+                                 wait_http)
 from tests.procs import kill9, spawn, stop, wait_until
 from tests.rollout_harness import acks, send
 from services.gateway.runner import _append_last

@@ -1,8 +1,8 @@
 """Atomic checkpoints (the ledger's format is shared.protocol.ledger).
 
 A checkpoint (``checkpoint.pt``) holds model, RNG, step, version and its commit's ledger line (the ids of the
-prompt groups that commit includes; every earlier commit's are in the ledger). It is written to a temporary file, fsynced and renamed, so a crash leaves the old or the new one,
-never half. Samples are acknowledged in Redis only after the checkpoint including them is durable; the ledger
+prompt groups that commit includes; every earlier commit's are in the ledger). It is written to a temporary
+file, fsynced and renamed, so a crash leaves the old or the new one, never half. Samples are acknowledged in Redis only after the checkpoint including them is durable; the ledger
 lists, per commit, the groups it includes (the checkpoint holds its own ledger line and restore re-appends it
 when the ledger is behind).
 

@@ -230,7 +230,8 @@ class Trainer:
                 "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std(unbiased=False)),
                 "response_len": float(lengths.mean()), "samples": len(eps), "groups": len(groups),
                 "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(seconds, 1e-9),
-                "wait_s": self.wait_s, "train_s": seconds, "commit_s": self.commit_s, "batch_policy_failures": batch.policy_failures,
+                "wait_s": self.wait_s, "train_s": seconds, "commit_s": self.commit_s,
+                "batch_policy_failures": batch.policy_failures,
                 "staleness": {str(k): v for k, v in sorted(hist.items())},
                 "staleness_max": max(hist, default=0), "stale_dropped": self.counts["groups_dropped"],
                 **stats, **self.counts}

@@ -140,7 +140,7 @@ class _Transfer:
             self.size = self.have + length if length >= 0 else 0
             got, next_log = 0, time.monotonic() + PROGRESS_S
             with open(self.part, "ab") as out:
-                for block in r.iter_raw(CHUNK):
+                for block in r.iter_raw():  # as it arrives: a cut loses nothing already received
                     out.write(block)
                     self.hash.update(block)
                     got += len(block)

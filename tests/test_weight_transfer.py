@@ -244,3 +244,27 @@ def test_the_advertised_url_defaults_to_host_and_port_and_is_empty_without_a_ser
     cfg = load(env={"STREAMRL_WEIGHTS_PORT": "8322", "STREAMRL_WEIGHTS_HOST": "0.0.0.0",
                     "STREAMRL_WEIGHTS_URL": "http://trainer.lan:8322/"})
     assert cfg.weights_base_url == "http://trainer.lan:8322"
+
+
+def test_bytes_that_do_not_hash_to_the_published_sha256_are_discarded_after_the_download(published, tmp_path):
+    """A server that sends no digest (here the standard library's, over a folder with other bytes under the name):
+    the check after the download refuses them and nothing is left behind."""
+    import functools
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    other = tmp_path / "other" / "weights"
+    other.mkdir(parents=True)
+    (other / file_name(7)).write_bytes(b"not the published bytes" * 1000)
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(tmp_path / "other"))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/weights/{file_name(7)}"
+        with pytest.raises(FetchError) as exc:
+            fetch(url, 7, published[1], tmp_path / "mine")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert str(exc.value) == (f"weights v7 from {url}: sha256 {sha256_file(other / file_name(7))[:12]}... does not "
+                              f"match the published {published[1][:12]}... (corrupt or truncated file); discarded")
+    assert not [p.name for p in (tmp_path / "mine").iterdir() if not p.name.endswith(".lock")]

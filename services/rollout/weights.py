@@ -105,12 +105,14 @@ class LocalWeights:
     # --- one version's file
     def _get(self, version: int, path: str, sha256: str, url: str) -> Path:
         published = Path(path)
+        unusable = None  # why the published file, readable here, is not the published version
         if self.mode != "always" and published.is_file() and os.access(published, os.R_OK):
             try:
                 return self._verified(version, published, sha256)
             except ValueError as exc:
                 if self.mode == "never" or not url:
                     raise
+                unusable = exc
                 self.log.warning("published weights file unusable here; downloading it", version=version,
                                  error=str(exc))
         elif self.mode == "never":
@@ -118,7 +120,12 @@ class LocalWeights:
         elif not url:
             raise ValueError(f"weights v{version}: {path} is not readable on this host and the version event has no "
                              f"url to download it from (the trainer serves weights only with weights_port > 0)")
-        got = weight_fetch.fetch(url, version, sha256, self.folder, self.token, log=self.log)
+        try:
+            got = weight_fetch.fetch(url, version, sha256, self.folder, self.token, log=self.log)
+        except weight_fetch.FetchError as exc:
+            if unusable is None:
+                raise
+            raise ValueError(f"{unusable}; the download instead failed too: {exc}") from None
         with self._lock:
             self._ready[version] = (got.path, sha256, _stat_key(got.path))
             self.stats["fetches"] += 1

@@ -98,7 +98,7 @@ class Config:
     max_staleness: int = 1  # versions a trained token may lag the trainer; 0 with mode=sync is synchronous RL
     mode: str = "async"  # async | sync (rollout waits for the trainer, trainer for a full batch)
     sync_timeout: float = 30.0  # seconds the syncer waits for a worker's ack before going on without it
-    # weights over the wire (docs/operations.md "How weights move")
+    # staleness and sync: weights over the wire (docs/operations.md section 7)
     weights_fetch: str = "auto"  # how a rollout worker gets a version's file: auto (the published path when it is readable here, else a download from the version's url) | always (download) | never (the published path only)
     rollout_weights_dir: str = ""  # a rollout worker's own folder for downloaded versions (never weights_dir); empty: /dev/shm/streamrl/<run>-fetched when /dev/shm exists, else <run_dir>/<run>/fetched
     rollout_weights_keep: int = 2  # downloaded versions a rollout worker keeps; older ones are deleted

@@ -60,6 +60,8 @@ class LocalWeights:
 
     def _start(self, version: int, path: str, sha256: str, url: str, done) -> threading.Thread:
         def work() -> None:
+            if earlier is not None:  # the same version asked for again (a repeated sync): after the first, cheap
+                earlier.join()
             try:
                 self._get(version, path, sha256, url)
             except Exception as exc:  # any failure is an error ack: the syncer must hear from this worker
@@ -72,16 +74,14 @@ class LocalWeights:
             else:
                 error, ok = "", True
             with self._lock:
-                self._running.pop(version, None)
+                if self._running.get(version) is threading.current_thread():
+                    del self._running[version]
             if done is not None:
                 done(ok, error)
 
-        with self._lock:
-            earlier = self._running.get(version)
-        if earlier is not None:
-            earlier.join()  # the same version asked for again (a repeated sync): after the first, it is cheap
         thread = threading.Thread(target=work, daemon=True, name=f"fetch-v{version}")
         with self._lock:
+            earlier = self._running.get(version)
             self._failed.pop(version, None)
             self._running[version] = thread
         thread.start()
@@ -104,6 +104,10 @@ class LocalWeights:
 
     # --- one version's file
     def _get(self, version: int, path: str, sha256: str, url: str) -> Path:
+        with self._lock:
+            ready = self._ready.get(version)
+        if ready and ready[1] == sha256 and self._unchanged(ready):  # verified before (a sync repeated)
+            return ready[0]
         published = Path(path)
         unusable = None  # why the published file, readable here, is not the published version
         if self.mode != "always" and published.is_file() and os.access(published, os.R_OK):

@@ -129,8 +129,8 @@ class Trainer:
         return state
 
     def _tell(self, message: dict) -> None:
-        """Rank 0: send the other ranks their next command (nothing when not under torchrun)."""
-        if self.launched:
+        """Rank 0: send the other ranks their next command (nothing when not under torchrun, nor on the others)."""
+        if self.launched and self.shard.main:
             distributed.broadcast(self.shard, message)
             self._told = time.monotonic()
 
@@ -386,3 +386,4 @@ class Trainer:
             elif message["op"] == "gather":
                 self._publish_state()
             # "idle": rank 0 is waiting for samples
+        self.log.info("rank 0 stopped; this rank stops with it", step=self.step, version=self.version)

@@ -20,6 +20,7 @@ from services.trainer.step import StepConfig, plan
 from shared.protocol import versions as pversions
 from shared.protocol.keys import TRAINER_GROUP
 from shared.protocol.ledger import read_ledger
+from shared.runtime import faults
 from tests import dist_step
 from tests.dist_step import RUNS, make_groups
 from tests.procs import spawn, stop, wait_until
@@ -92,10 +93,10 @@ def test_the_same_batch_gives_the_same_weights_on_one_rank_and_on_two(tiny_model
     assert RUNS["adamw"]["micro_batch_tokens"] > 0  # one of the two runs splits micro-batches
 
 
-def _torchrun_trainer(redis_url, cfg, log: Path):
+def _torchrun_trainer(redis_url, cfg, log: Path, crash: dict | None = None):
     """The trainer as docs/training.md runs it; ``--`` ends torchrun's options (it reads ``--run`` as its own
-    ``--run-path``)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ``--run-path``). ``crash``: a crash point every rank gets (shared/runtime/faults.py)."""
+    env = {**{k: v for k, v in os.environ.items() if k != faults.ENV}, "OMP_NUM_THREADS": "1", **(crash or {})}
     return spawn("torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0", "-m", "services.trainer",
                  "--", "--run", cfg.run, "--redis-url", redis_url, "--model-dir", cfg.model_dir, "--run-dir", cfg.run_dir,
                  "--weights-dir", cfg.weights_dir, "--batch-groups", "2", "--steps-per-version", "2",
@@ -138,18 +139,32 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_a_rank_killed_9_takes_the_job_down_and_the_restart_trains_nothing_twice(
         client, keys, redis_url, tiny_model_dir, tmp_path):
+    """Three jobs of 2 ranks on one run: the first dies at a crash point (every rank kills itself after the
+    sharded checkpoint, before the ledger line), in the second rank 1 is killed -9 after a commit while rank 0
+    holds delivered groups it has not committed, the third finishes; every group is trained exactly once."""
     cfg = _cfg(keys, tiny_model_dir, tmp_path)
     ledger_dir, logs = cfg.run_path / "trainer", tmp_path / "logs"
     logs.mkdir()
     groups = [f"g{i:02d}" for i in range(16)]  # 4 groups a commit (2 steps x 2 groups)
     for g in groups[:8]:
         _write_group(client, keys, g, length=16)
-    job = _torchrun_trainer(redis_url, cfg, logs / "first.log")
+    job = _torchrun_trainer(redis_url, cfg, logs / "first.log", faults.spec("trainer", "after_checkpoint"))
     ranks = {}
     try:
         ranks.update(wait_until(lambda: len(r := _ranks(job.pid)) == 2 and r, "two ranks started", 60, [job]))
-        # killed while rank 0 holds delivered groups it has not committed: they must come back to the next job
-        wait_until(lambda: len(read_ledger(ledger_dir)) >= 1 and
+        assert job.wait(180) != 0
+    finally:
+        _stop(job, ranks)
+    meta = json.loads((sharded_checkpoint.latest(ledger_dir) / "meta.json").read_text())
+    assert read_ledger(ledger_dir) == [] and meta["version"] == 1 and meta["world_size"] == 2
+    assert not (ledger_dir / "checkpoint.pt").exists()  # the sharded checkpoint, not the single-process one
+    for g in groups[8:12]:
+        _write_group(client, keys, g, length=16)
+    job = _torchrun_trainer(redis_url, cfg, logs / "second.log")
+    ranks = {}
+    try:
+        ranks.update(wait_until(lambda: len(r := _ranks(job.pid)) == 2 and r, "two ranks started", 60, [job]))
+        wait_until(lambda: len(read_ledger(ledger_dir)) >= 2 and
                    client.xpending(keys.samples, TRAINER_GROUP)["pending"] > 0,
                    "a commit and groups delivered but uncommitted", 180, [job])
         os.kill(ranks[1], signal.SIGKILL)
@@ -157,16 +172,14 @@ def test_a_rank_killed_9_takes_the_job_down_and_the_restart_trains_nothing_twice
         assert not _alive(ranks[0])  # rank 0 went down with it
     finally:
         _stop(job, ranks)
-    first = read_ledger(ledger_dir)
-    assert 0 < len(_committed(ledger_dir)) < 8
-    trained = [g for rec in first for g in rec["groups"]]
+    second = read_ledger(ledger_dir)
+    assert second[0] == meta["ledger_record"]  # the restart appended the line the checkpoint held
+    assert 4 < len(_committed(ledger_dir)) < 12
+    trained = [g for rec in second for g in rec["groups"]]
     assert len(trained) == len(set(trained))
-    meta = json.loads((sharded_checkpoint.latest(ledger_dir) / "meta.json").read_text())
-    assert meta["world_size"] == 2 and meta["ledger_record"] == first[-1]  # the sharded checkpoint, committed
-    assert not (ledger_dir / "checkpoint.pt").exists()
-    for g in groups[8:]:
+    for g in groups[12:]:
         _write_group(client, keys, g, length=16)
-    job = _torchrun_trainer(redis_url, cfg, logs / "second.log")
+    job = _torchrun_trainer(redis_url, cfg, logs / "third.log")
     ranks = {}
     try:
         ranks.update(wait_until(lambda: len(r := _ranks(job.pid)) == 2 and r, "two ranks started", 60, [job]))
@@ -174,13 +187,13 @@ def test_a_rank_killed_9_takes_the_job_down_and_the_restart_trains_nothing_twice
                    client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0, "every group committed", 240, [job])
     finally:
         left = _stop(job, ranks)
-    log = (logs / "second.log").read_text()
+    log = (logs / "third.log").read_text()
     # a warm stop (SIGTERM to torchrun, passed on to the ranks): rank 0 told rank 1 to stop, neither was left running
     assert not left and "this rank stops with it" in log and "services/trainer" not in log, log[-3000:]
     records = read_ledger(ledger_dir)
     assert sorted(g for rec in records for g in rec["groups"]) == groups  # every group trained, none twice
     commits = [rec["commit"] for rec in records]
-    assert commits == list(range(1, len(commits) + 1))  # the restart went on from the last commit
+    assert commits == list(range(1, len(commits) + 1))  # each restart went on from the last commit
     published = [v.version for v in pversions.read_all(client, keys)]
     assert published == sorted(set(published)) and published[-1] == len(groups) // 4
     report = check(read_run(client, keys, cfg.run_path))

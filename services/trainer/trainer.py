@@ -19,6 +19,7 @@ commit's collectives (the full weights for the version file, the sharded checkpo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -61,6 +62,8 @@ class Trainer:
         self.shard = distributed.init(torch.device(cfg.device_of("trainer"))) if self.launched else distributed.LOCAL
         if self.launched:
             self.log = log = log.bind(rank=self.shard.rank, world_size=self.shard.size)
+            if self.shard.device.type == "cuda":  # each rank on its own GPU (LOCAL_RANK), whatever cuda:N says
+                cfg = self.cfg = dataclasses.replace(cfg, trainer_device=str(self.shard.device))
         self.tensorboard = TensorBoard(cfg, "trainer") if self.shard.main else None
         torch.manual_seed(cfg.seed)
         self.policy = load_policy(cfg)  # device, bf16 autocast, grad checkpointing, LoRA, KL reference: model.py

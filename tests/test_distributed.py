@@ -98,8 +98,8 @@ def _torchrun_trainer(redis_url, cfg, log: Path, crash: dict | None = None):
     ``--run-path``). ``crash``: a crash point every rank gets (shared/runtime/faults.py)."""
     env = {**{k: v for k, v in os.environ.items() if k != faults.ENV}, "OMP_NUM_THREADS": "1", **(crash or {})}
     return spawn("torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0", "-m", "services.trainer",
-                 "--", "--run", cfg.run, "--redis-url", redis_url, "--model-dir", cfg.model_dir, "--run-dir", cfg.run_dir,
-                 "--weights-dir", cfg.weights_dir, "--batch-groups", "2", "--steps-per-version", "2",
+                 "--", "--run", cfg.run, "--redis-url", redis_url, "--model-dir", cfg.model_dir,
+                 "--run-dir", cfg.run_dir, "--weights-dir", cfg.weights_dir, "--batch-groups", "2", "--steps-per-version", "2",
                  "--max-staleness", "100", "--log-level", "info", env=env, log=log)
 
 

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -41,7 +42,8 @@ def save(directory: Path, model, opt, meta: dict, main: bool) -> Path:
     final = folder(directory) / f"v{meta['version']:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if main:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crash's half-written folder of this version
+    dist.barrier()  # before any rank writes into it
     model_state, optim_state = get_state_dict(model, opt)
     dcp.save({"model": model_state, "optim": optim_state, "rng": torch.get_rng_state()}, checkpoint_id=tmp)
     if main:

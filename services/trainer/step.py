@@ -8,6 +8,12 @@
       denominator, backward (the gradients accumulate to the minibatch's exactly); clip the grad
       norm; a non-finite loss or grad norm skips the optimizer step (counted), else step
 
+Under torchrun (services/trainer/distributed.py) every rank holds the whole batch and plans the same
+minibatches; each trains its share of each minibatch's rows (every ``size``-th row), with the minibatch's
+denominator over all its rows, so the gradients summed over ranks are the single process's. Every rank runs
+as many forwards as the busiest one (FSDP2 gathers weights in each; an idle rank's forward has weight 0), and
+the losses, counts and stats are summed over ranks.
+
 Every log-prob is ``shared.protocol.logprobs.token_logprobs`` under the episode's own sampling
 params (temperature, top-k, top-p), the definition the rollout engines record behaviour log-probs with.
 """
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from services.trainer.batch import Batch
+from services.trainer.distributed import LOCAL, Shard, as_float
 from services.trainer.loss import aggregate_denominator, decoupled_ppo_loss, ppo_clip_loss
 from shared.protocol.logprobs import token_logprobs
 
@@ -105,33 +112,48 @@ def no_dropout(model) -> None:
         model.eval()
 
 
-def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=None) -> dict:
+def plan(batch: Batch, sc: StepConfig, shard: Shard = LOCAL) -> list[tuple[list[int], list[list[int]]]]:
+    """(minibatch rows, this rank's micro-batches) per minibatch; every rank gets as many micro-batches (an
+    empty one: a forward that trains nothing). One process: every row, as ``micro_batches`` packs them."""
+    out = []
+    for rows in minibatches(batch, sc.ppo_minibatches):
+        per_rank = [micro_batches(batch, rows[r::shard.size], sc.micro_batch_tokens) for r in range(shard.size)]
+        mine = per_rank[shard.rank]
+        out.append((rows, mine + [[]] * (max(map(len, per_rank)) - len(mine))))
+    return out
+
+
+def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=None, shard: Shard = LOCAL) -> dict:
     """Run the step; return its stats (python floats; counts as ints). ``kl(mb, logp, device)``, when given, is
     a token-mean penalty over a micro-batch (``kl_coef`` × KL to the reference), added with the micro-batch's
-    share of its minibatch's tokens."""
+    share of its minibatch's tokens. ``shard``: this rank's place under torchrun (the stats are every rank's)."""
     no_dropout(model)
-    plan = [(rows, micro_batches(batch, rows, sc.micro_batch_tokens)) for rows in minibatches(batch, sc.ppo_minibatches)]
+    steps = plan(batch, sc, shard)
     prox = torch.zeros_like(batch.behav_logp)
     ent_sum = ent_n = 0
     with torch.no_grad():
-        for _, micros in plan:
-            for rows in micros:
-                mb = batch.rows(rows)
+        for rows, micros in steps:
+            for micro in micros:
+                mb = batch.rows(micro or rows[:1])
                 logp, logits = policy_logprobs(model, mb, device)
-                prox[rows, :logp.shape[1]] = logp.float().cpu()
-                s, n = entropy(logits, mb.temperature.to(device), mb.loss_mask.to(device))
-                ent_sum, ent_n = ent_sum + s, ent_n + n
+                if micro:
+                    prox[micro, :logp.shape[1]] = logp.float().cpu()
+                    s, n = entropy(logits, mb.temperature.to(device), mb.loss_mask.to(device))
+                    ent_sum, ent_n = ent_sum + s, ent_n + n
     sums = dict.fromkeys(WEIGHTED_STATS, 0.0)
     weight_max, losses, norms, skipped, counted, kl_sum = 0.0, [], [], 0, 0, 0.0
-    for rows, micros in plan:
+    for rows, micros in steps:
         denom = aggregate_denominator(batch.loss_mask[rows], sc.agg)
         opt.zero_grad(set_to_none=True)
         loss_total = 0.0
         for micro in micros:
+            if not micro:  # this rank has no row left in the minibatch: a forward and backward of weight 0
+                (policy_logprobs(model, batch.rows(rows[:1]), device)[1].float().sum() * 0.0).backward()
+                continue
             mb = batch.rows(micro)
             loss, stats = _micro_loss(model, mb, prox[micro, :mb.targets.shape[1]], sc, denom, device, kl,
                                       mb.num_tokens / max(int(batch.loss_mask[rows].sum()), 1))
-            loss.backward()
+            (loss * shard.size).backward()  # the ranks' gradients are averaged: x size makes their sum
             loss_total += float(loss.detach())
             n = mb.num_tokens
             counted += n
@@ -139,7 +161,8 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=No
                 sums[k] += stats.get(k, 0.0) * n
             weight_max = max(weight_max, stats.get("is_weight_max", 0.0))
             kl_sum += stats.get("kl", 0.0) * n
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), sc.max_grad_norm))
+        loss_total = shard.sum([loss_total])[0]
+        grad_norm = as_float(torch.nn.utils.clip_grad_norm_(model.parameters(), sc.max_grad_norm))
         if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
             opt.zero_grad(set_to_none=True)
             skipped += 1
@@ -147,11 +170,14 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=No
             opt.step()
         losses.append(loss_total)
         norms.append(grad_norm)
-    out = {k: v / max(counted, 1) for k, v in sums.items()}
+    counted, kl_sum, ent_sum, ent_n, *weighted = shard.sum([counted, kl_sum, ent_sum, ent_n, *sums.values()])
+    weight_max = shard.max(weight_max)
+    out = {k: v / max(counted, 1) for k, v in zip(sums, weighted)}
     return out | {"is_weight_max": weight_max, "loss": sum(losses) / max(len(losses), 1),
                   "grad_norm": _mean([g for g in norms if math.isfinite(g)]), "entropy": ent_sum / max(ent_n, 1),
-                  "ppo_steps": len(plan) - skipped, "nonfinite_skipped": skipped,
-                  "micro_batches": sum(len(m) for _, m in plan)} | ({"kl": kl_sum / max(counted, 1)} if kl else {})
+                  "ppo_steps": len(steps) - skipped, "nonfinite_skipped": skipped,
+                  "micro_batches": int(shard.sum([sum(bool(m) for _, micros in steps for m in micros)])[0])} | \
+        ({"kl": kl_sum / max(counted, 1)} if kl else {})
 
 
 def _mean(xs: list[float]) -> float:

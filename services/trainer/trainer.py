@@ -11,22 +11,27 @@ A commit writes the weights (new version), the checkpoint (with the ids of the g
 and its ledger line), the ledger line, then acknowledges those samples and publishes the version.
 A crash anywhere replays from the last commit: groups acknowledged are in the checkpoint, groups
 not acknowledged come back.
+
+Under torchrun (services/trainer/distributed.py) this loop runs on rank 0, which sends each step's batch and
+each commit to the other ranks; they ``follow``: train their share of each batch (FSDP2) and join the
+commit's collectives (the full weights for the version file, the sharded checkpoint).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import redis
 import torch
-from services.trainer import checkpoint, commit as commit_path, export, publish
+from services.trainer import checkpoint, commit as commit_path, distributed, export, publish, sharded_checkpoint
 from services.trainer.model import load_policy
 from shared.protocol import dead_letters, gate, ledger, samples
 from shared.protocol.metrics import record as record_metrics
 from services.trainer.batch import Batch, build_batch, trained_reward
 from services.trainer.step import StepConfig, train_on_batch
-from shared.runtime.config import Config
+from shared.runtime.config import Config, ConfigError
 from shared.runtime.faults import crash_point
 from shared.runtime.runstate import bind
 from shared.protocol.episode_log import EpisodeLog
@@ -50,10 +55,23 @@ class Trainer:
         self.ckpt_dir = cfg.run_path / "trainer"
         self.weights_dir = cfg.weights_path
         self.metrics_path = cfg.run_path / "metrics.jsonl"
-        self.tensorboard = TensorBoard(cfg, "trainer")
+        self.launched = distributed.launched()  # under torchrun: one of WORLD_SIZE ranks (distributed.py)
+        if self.launched and cfg.lora_rank > 0:
+            raise ConfigError("config key 'lora_rank': LoRA is not supported under torchrun yet (the published "
+                              "version merges adapters from unsharded weights); run one trainer process")
+        self.shard = distributed.init(torch.device(cfg.device_of("trainer"))) if self.launched else distributed.LOCAL
+        if self.launched:
+            self.log = log = log.bind(rank=self.shard.rank, world_size=self.shard.size)
+            if self.shard.device.type == "cuda":  # each rank on its own GPU (LOCAL_RANK), whatever cuda:N says
+                cfg = self.cfg = dataclasses.replace(cfg, trainer_device=str(self.shard.device))
+        self.tensorboard = TensorBoard(cfg, "trainer") if self.shard.main else None
         torch.manual_seed(cfg.seed)
         self.policy = load_policy(cfg)  # device, bf16 autocast, grad checkpointing, LoRA, KL reference: model.py
         self.model = self.policy.model
+        if self.launched:  # the same initial weights on every rank (same seed, same files), then sharded
+            self.tied = distributed.tied_names(self.model)
+            distributed.shard_model(self.model)
+        self._told = time.monotonic()  # when rank 0 last sent the other ranks a command
         self.pad_id = self.model.config.pad_token_id or 0
         self.opt = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.step, self.version = 0, 0
@@ -70,19 +88,10 @@ class Trainer:
     def restore(self) -> None:
         # this folder's checkpoint and the Redis are the same run, or RunStateError (one line) before anything is mixed
         bind(self.client, self.keys, self.cfg.run_path, self.cfg.redis_url)
-        state = checkpoint.load(self.ckpt_dir)
+        state = self._load_checkpoint()
         commit_path.restore_ledger(self.ckpt_dir, state, self.log)
         if state is not None:
-            self.model.load_state_dict(state["model"])
-            if state["optimizer"] is not None:
-                self.opt.load_state_dict(state["optimizer"])
-            if state["optimizer_version"] != state["version"]:  # killed before the background write landed
-                self.log.warning("optimizer state older than the model: AdamW moments from an earlier version",
-                                 model_version=state["version"], optimizer_version=state["optimizer_version"])
-            torch.set_rng_state(state["rng"])
-            self.step, self.version = state["step"], state["version"]
             self.counts.update(state.get("counts", {}))
-            self.log.info("restored checkpoint", step=self.step, version=self.version)
         # every group trained or judged untrainable: the ledger's lines (now level with the checkpoint), plus the
         # list older checkpoints carried themselves
         self.consumed = set((state or {}).get("consumed", ())) | {
@@ -99,10 +108,46 @@ class Trainer:
             start, pending = last, pending + 1
         self.log.info("pending entries re-read", pages=pending, buffered=len(self.buffer))
 
+    def _load_checkpoint(self) -> dict | None:
+        """Model, optimizer, RNG, step and version from the last commit (every rank, under torchrun)."""
+        single, sharded = (self.ckpt_dir / "checkpoint.pt").exists(), sharded_checkpoint.latest(self.ckpt_dir)
+        if self.launched and single and sharded is None or not self.launched and sharded is not None:
+            have, need = ("checkpoint.pt (one process)", "torchrun") if single else ("dcp/ (torchrun)", "one process")
+            raise RuntimeError(f"trainer: {self.ckpt_dir} holds a {have} checkpoint, which a trainer run as {need} "
+                               f"cannot restore; restart it the way it was run")
+        if self.launched:
+            state = sharded_checkpoint.load(self.ckpt_dir, self.model, self.opt)
+            state = state and state | {"optimizer_version": state["version"]}
+        elif (state := checkpoint.load(self.ckpt_dir)) is not None:
+            self.model.load_state_dict(state["model"])
+            if state["optimizer"] is not None:
+                self.opt.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["rng"])
+        if state is not None:
+            if state["optimizer_version"] != state["version"]:  # killed before the background write landed
+                self.log.warning("optimizer state older than the model: AdamW moments from an earlier version",
+                                 model_version=state["version"], optimizer_version=state["optimizer_version"])
+            self.step, self.version = state["step"], state["version"]
+            self.log.info("restored checkpoint", step=self.step, version=self.version)
+        return state
+
+    def _tell(self, message: dict) -> None:
+        """Rank 0: send the other ranks their next command (nothing when not under torchrun, nor on the others)."""
+        if self.launched and self.shard.main:
+            distributed.broadcast(self.shard, message)
+            self._told = time.monotonic()
+
+    def _publish_state(self) -> dict:
+        """The full weights a version publishes; under torchrun gathered to rank 0 (every rank calls this)."""
+        if not self.launched:
+            return self.policy.publish_state()
+        return distributed.full_state(self.model, self.tied)
+
     def _republish_if_needed(self) -> None:
         """A crash between checkpoint and publish leaves the version unpublished."""
         if self.version > 0 and publish.latest_version(self.client, self.keys) < self.version:
-            path, digest = publish.write_weights(self.policy.publish_state(), self.weights_dir, self.version)
+            self._tell({"op": "gather"})
+            path, digest = publish.write_weights(self._publish_state(), self.weights_dir, self.version)
             publish.publish(self.client, self.keys, self.version, path, digest, self.step, self.cfg.weights_base_url)
             self.log.info("republished version after restart", version=self.version)
 
@@ -163,6 +208,8 @@ class Trainer:
                 if self._read(block_ms=200) is None:
                     self._settle_skipped()
                     self._republish_if_lost()
+                    if time.monotonic() - self._told > distributed.IDLE_EVERY_S:
+                        self._tell({"op": "idle"})  # the other ranks wait in a collective: keep it short of TIMEOUT
                 continue
             entry_id, group_id, eids = self.buffer.pop(0)
             group = self._replay_group(entry_id, group_id, eids)
@@ -205,8 +252,12 @@ class Trainer:
     def train_step(self, groups: list[tuple[str, str, list[Episode]]]) -> dict:
         t0 = time.monotonic()
         batch = build_batch([eps for _, _, eps in groups], self.pad_id, self.version, self.cfg.hard_max_staleness)
-        stats = train_on_batch(self.model, self.opt, batch, StepConfig.from_config(self.cfg), self.policy.device,
-                               kl=self.policy.kl_penalty())
+        if self.launched:  # every rank gets the batch's ids and tensors (distributed.py)
+            ids = [(e, g, [ep.episode_id for ep in eps]) for e, g, eps in groups]
+            message = distributed.step_message(ids, batch)
+            self._tell(message)
+            distributed.broadcast_batch(self.shard, message, batch)
+        stats = self._train(batch)
         if self.cfg.simulated_train_us_per_token:  # benchmarks: a SIMULATED GPU's training time, not real work
             time.sleep(batch.num_tokens * self.cfg.simulated_train_us_per_token / 1e6)
         self.step += 1
@@ -222,6 +273,10 @@ class Trainer:
                            ("nonfinite_skipped", stats["nonfinite_skipped"])):
             self.counts[key] += value
         return self._metrics(batch, groups, stats, time.monotonic() - t0)
+
+    def _train(self, batch: Batch) -> dict:
+        return train_on_batch(self.model, self.opt, batch, StepConfig.from_config(self.cfg), self.policy.device,
+                              kl=self.policy.kl_penalty(), shard=self.shard)
 
     def _metrics(self, batch: Batch, groups, stats: dict, seconds: float) -> dict:
         eps = [ep for _, _, g in groups for ep in g]
@@ -250,14 +305,18 @@ class Trainer:
 
     # --- committing
     def commit(self) -> None:
-        """New version: weights, checkpoint, ledger, ack, publish — in that order (services/trainer/commit.py)."""
-        if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+        """New version: weights, checkpoint, ledger, ack, publish — in that order (services/trainer/commit.py).
+        Under torchrun every rank runs it (rank 0 sends ``commit``) up to the checkpoint; the rest is rank 0's."""
+        self._tell({"op": "commit"})
+        if not distributed.all_finite(self.model, self.shard):
             raise RuntimeError("non-finite model weights: refusing to checkpoint or publish them")
         self.version += 1
         fault = lambda point: crash_point("trainer", point)  # noqa: E731 (tests only: shared/runtime/faults.py)
-        path, digest = publish.write_weights(self.policy.publish_state(), self.weights_dir, self.version)
+        weights = self._publish_state()
         trained = [g for _, g, t in self.uncommitted if t]
         skipped = [g for _, g, t in self.uncommitted if not t]
+        if self.shard.main:
+            path, digest = publish.write_weights(weights, self.weights_dir, self.version)
         self.consumed.update(trained + skipped)
         for g in trained + skipped:
             self.taken.pop(g, None)
@@ -265,11 +324,16 @@ class Trainer:
         fault("before_checkpoint")
         # the groups trained so far are the ledger's lines plus this commit's (restore rebuilds the set from
         # them), so the checkpoint does not grow with the run
-        checkpoint.save(self.ckpt_dir, {"model": self.model.state_dict(), "rng": torch.get_rng_state(),
-                                        "step": self.step, "version": self.version, "counts": dict(self.counts),
-                                        "ledger_record": line})
-        checkpoint.save_optimizer(self.ckpt_dir, self.version, self.opt.state_dict())  # in the background
+        meta = {"step": self.step, "version": self.version, "counts": dict(self.counts), "ledger_record": line}
+        if self.launched:  # sharded: each rank writes its part (sharded_checkpoint.py)
+            sharded_checkpoint.save(self.ckpt_dir, self.model, self.opt, meta | {"world_size": self.shard.size},
+                                    self.shard.main)
+        else:
+            checkpoint.save(self.ckpt_dir, {"model": self.model.state_dict(), "rng": torch.get_rng_state(), **meta})
+            checkpoint.save_optimizer(self.ckpt_dir, self.version, self.opt.state_dict())  # in the background
         fault("after_checkpoint")
+        if not self.shard.main:
+            return
         ledger.append_ledger(self.ckpt_dir, line)
         fault("after_ledger")
         if self.uncommitted:
@@ -297,6 +361,8 @@ class Trainer:
         self.uncommitted = []
 
     def run(self, should_stop=lambda: False) -> None:
+        if not self.shard.main:
+            return self.follow()
         self.restore()
         try:
             while not should_stop():
@@ -308,5 +374,20 @@ class Trainer:
                     t0 = time.monotonic()
                     self.commit()
                     self.commit_s += time.monotonic() - t0
+            self._tell({"op": "stop"})  # a warm stop: the other ranks return too
         finally:
             checkpoint.wait()  # the last optimizer write lands before a warm stop returns
+
+    def follow(self) -> None:
+        """A rank other than 0 under torchrun: restore from the last commit, then do what rank 0 says."""
+        self._load_checkpoint()
+        while (message := distributed.broadcast(self.shard))["op"] != "stop":
+            if message["op"] == "step":
+                self._train(distributed.broadcast_batch(self.shard, message))
+                self.step += 1
+            elif message["op"] == "commit":
+                self.commit()
+            elif message["op"] == "gather":
+                self._publish_state()
+            # "idle": rank 0 is waiting for samples
+        self.log.info("rank 0 stopped; this rank stops with it", step=self.step, version=self.version)

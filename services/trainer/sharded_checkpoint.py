@@ -1,0 +1,73 @@
+"""Checkpoints under torchrun: ``torch.distributed.checkpoint`` (DCP), sharded (each rank writes its part).
+
+    <run>/trainer/dcp/v000007/   model + optimizer (each rank's shards, DCP's .metadata), RNG, and
+                                 meta.json: step, version, counts, this commit's ledger line (as checkpoint.pt)
+
+Atomic as ``checkpoint.pt`` is: every rank writes into ``v000007.tmp/``; ``dcp.save`` returns on rank 0 (the
+coordinator) once every rank's files and the metadata are written; rank 0 then writes ``meta.json`` (fsynced),
+renames the folder to ``v000007`` and fsyncs its parent, then removes older folders. A crash leaves the old
+folder or the new one complete; a ``.tmp`` folder is never read and is removed by the next save. The optimizer
+is written with the model, in the commit (no background write as the single process has): restore always
+finds both from the same version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from services.trainer.checkpoint import _fsync_dir
+
+
+def folder(directory: Path) -> Path:
+    return Path(directory) / "dcp"
+
+
+def latest(directory: Path) -> Path | None:
+    """The newest complete checkpoint folder, or None."""
+    done = sorted(p for p in folder(directory).glob("v*") if p.is_dir() and not p.name.endswith(".tmp")
+                  and (p / "meta.json").exists())
+    return done[-1] if done else None
+
+
+def save(directory: Path, model, opt, meta: dict, main: bool) -> Path:
+    """Collective: every rank calls it. ``meta`` (JSON) is written by rank 0 (``main``)."""
+    final = folder(directory) / f"v{meta['version']:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crash's half-written folder of this version
+    dist.barrier()  # before any rank writes into it
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state, "rng": torch.get_rng_state()}, checkpoint_id=tmp)
+    if main:
+        with open(tmp / "meta.json", "w") as fh:
+            fh.write(json.dumps(meta) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        shutil.rmtree(final, ignore_errors=True)  # a re-trained version after a crash before its ledger line
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        for old in folder(directory).glob("v*"):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load(directory: Path, model, opt) -> dict | None:
+    """Collective: restore model, optimizer and RNG from the newest checkpoint; its meta (None: no checkpoint)."""
+    path = latest(directory)
+    if path is None:
+        return None
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state, "rng": torch.get_rng_state()}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    torch.set_rng_state(state["rng"])
+    return json.loads((path / "meta.json").read_text())

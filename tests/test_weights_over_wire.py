@@ -4,6 +4,7 @@ over loopback HTTP, real Redis. One worker has a weights folder of its own and c
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import pytest
@@ -138,3 +139,31 @@ def test_a_worker_with_its_own_folder_syncs_over_http_never_opening_the_trainers
     finally:
         kill9(*procs.values())
     assert not audit.exists()
+
+
+def test_the_trainer_process_serves_what_it_publishes_at_the_url_in_the_version_event(
+        client, keys, redis_url, tiny_model_dir, tmp_path):
+    """A real trainer process with weights_port and weights_token: its version event carries the URL, and that URL
+    (with the token; not without it) gives the file the event's sha256 names."""
+    from shared.protocol import versions
+    from shared.runtime.weight_fetch import FetchError, fetch
+    from tests.procs import stop
+    from tests.test_trainer import _write_group
+
+    with socket.socket() as s:  # a free port for the server (bound again by the trainer at once)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = spawn("services.trainer", "--run", keys.run, "--redis-url", redis_url, "--model-dir", tiny_model_dir,
+                 "--run-dir", tmp_path / "runs", "--weights-dir", tmp_path / "weights", "--batch-groups", "2",
+                 "--weights-port", port, "--weights-token", "s3cret", "--log-level", "warning")
+    try:
+        for g in ("g0", "g1"):
+            _write_group(client, keys, g)
+        v = wait_until(lambda: versions.latest(client, keys), "version 1 published", 120, [proc])
+        assert v.url == f"http://127.0.0.1:{port}/weights/{file_name(1)}"
+        got = fetch(v.url, 1, v.sha256, tmp_path / "mine", token="s3cret")
+        assert sha256_file(got.path) == v.sha256 and got.downloaded == got.bytes > 0
+        with pytest.raises(FetchError, match="HTTP 401"):
+            fetch(v.url, 1, v.sha256, tmp_path / "theirs")
+    finally:
+        assert stop(proc) == [0]

@@ -64,6 +64,7 @@ def test_server_with_a_token_refuses_requests_without_it(published, tmp_path):
         url = srv.url_of(7)
         assert httpx.get(url).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer s3cr\u00e9t".encode("latin-1")}).status_code == 401
         got = fetch(url, 7, published[1], tmp_path / "mine", token="s3cret")
         assert sha256_file(got.path) == published[1]
         with pytest.raises(FetchError, match="HTTP 401"):

@@ -70,7 +70,8 @@ def make_app(directory: str | Path, token: str = "") -> Starlette:
     digests = Digests()
 
     async def weights(request: Request) -> Response:
-        if token and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {token}"):
+        sent = request.headers.get("authorization", "").encode("latin-1")  # as it came (any bytes: no 500)
+        if token and not hmac.compare_digest(sent, f"Bearer {token}".encode()):
             return PlainTextResponse("authorization: missing or wrong bearer token (config weights_token)\n", 401,
                                      headers={"WWW-Authenticate": "Bearer"})
         name = request.path_params["name"]

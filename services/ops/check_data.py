@@ -54,6 +54,7 @@ class RunData:
     samples_key: str = "samples"
     control_key: str = "control"
     episode_key_prefix: str = "ep:"
+    episode_key_suffix: str = ""  # an episode's key is prefix + id + suffix (the suffix closes its hash tag)
     versions: list[int] = field(default_factory=list)  # version numbers in the versions stream, in stream order
     agent_groups: list[tuple[str, dict]] = field(default_factory=list)  # agent runs: groups handed to agent jobs
     agents_busy: set[str] = field(default_factory=set)  # agent episodes whose job waits in the queue or runs
@@ -94,7 +95,8 @@ def _agents_busy(client, keys: Keys) -> set[str]:
 
 def read_run(client, keys: Keys, run_path: Path) -> RunData:
     data = RunData(prompts_key=keys.prompts, samples_key=keys.samples, control_key=keys.control,
-                   episode_key_prefix=keys.episode(""))
+                   episode_key_prefix=keys.episode_prefix,
+                   episode_key_suffix=keys.episode("").removeprefix(keys.episode_prefix))
     data.prompts = _entries(client.xrange(keys.prompts))
     data.rollout = _consumer_group(client, keys.prompts, ROLLOUT_GROUP)
     data.samples = _entries(client.xrange(keys.samples))

@@ -287,8 +287,9 @@ def _validate(cfg: Config) -> None:
     if cfg.epochs < 0 or cfg.val_k < 1 or cfg.export_every < 0:
         raise ConfigError(f"config keys epochs/val_k/export_every: expected epochs >= 0, val_k >= 1, export_every >= 0, "
                           f"got {cfg.epochs}, {cfg.val_k}, {cfg.export_every}")
-    if not cfg.run or any(c in cfg.run for c in " :*?[]"):
-        raise ConfigError(f"config key 'run': expected a name without spaces, ':' or glob characters, got {cfg.run!r}")
+    if not cfg.run or any(c in cfg.run for c in " :*?[]{}"):
+        raise ConfigError(f"config key 'run': expected a name without spaces, ':', braces or glob characters, "
+                          f"got {cfg.run!r}")
 
 
 def add_arguments(parser: argparse.ArgumentParser, shown: tuple[str, ...] | None = None) -> None:

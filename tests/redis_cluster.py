@@ -9,23 +9,34 @@ the three processes (SIGTERM, then kill -9).
 
 from __future__ import annotations
 
+import socket
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import redis
 
-from services.ops.redis_server import EmbeddedRedis, ServerError, free_port
+from services.ops.redis_server import EmbeddedRedis, ServerError
 
 SLOTS = 16384
+
+
+def _free_ports(host: str, n: int) -> list[int]:
+    """``n`` distinct free ports (all bound at once, so none is handed out twice)."""
+    with ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 class ClusterNode(EmbeddedRedis):
     """One cluster-enabled server: its cluster state file (nodes.conf) lives in its own folder; its cluster bus
     gets a free port of its own (the default, port + 10000, is past 65535 for many free ports)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.bus_port = free_port(self.host)
+    def __init__(self, data_dir, port: int, bus_port: int, **kwargs):
+        super().__init__(data_dir, port=port, **kwargs)
+        self.bus_port = bus_port
 
     def command(self) -> list[str]:
         cmd = super().command() + ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
@@ -40,7 +51,9 @@ class LocalCluster:
         if masters < 1:
             raise ValueError(f"a cluster needs at least 1 master, got masters={masters}")
         self.data_dir, self.password, self.host = Path(data_dir), password, host
-        self.nodes = [ClusterNode(self.data_dir / f"node{i}", host=host, password=password) for i in range(masters)]
+        ports = _free_ports(host, 2 * masters)
+        self.nodes = [ClusterNode(self.data_dir / f"node{i}", ports[2 * i], ports[2 * i + 1], host=host,
+                                  password=password) for i in range(masters)]
 
     @property
     def url(self) -> str:

@@ -18,7 +18,7 @@ from services.ops.check_data import read_run
 from services.ops.views import run_streams
 from shared.protocol import calls, control, dead_letters, gate, prompts, samples, versions
 from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.keys import Keys
+from shared.protocol.keys import PREFIX, ROLLOUT_GROUP, Keys
 from shared.runtime import config as configmod
 from shared.runtime.connection import connect, is_cluster, is_cluster_client, redact
 from shared.runtime.heartbeat import Heartbeat, alive, alive_of
@@ -104,8 +104,8 @@ def test_every_script_runs_on_a_cluster_once_per_write(cluster_client, keys):
     c = cluster_client
     assert prompts.enqueue(c, keys, [prompts.PromptGroup("g1", 2, prompt="1+1=")])[0]
     assert prompts.enqueue(c, keys, [prompts.PromptGroup("g1", 2, prompt="1+1=")]) == [None]
-    c.xgroup_create(keys.prompts, "rollout", id="0")
-    (_, [(entry, _)]), = c.xreadgroup("rollout", "w1", {keys.prompts: ">"})
+    c.xgroup_create(keys.prompts, ROLLOUT_GROUP, id="0")
+    (_, [(entry, _)]), = c.xreadgroup(ROLLOUT_GROUP, "w1", {keys.prompts: ">"})
     pub = samples.Publisher(c, keys)
     for _ in range(2):
         pub.publish(samples.Sample("g1", ["g1-0", "g1-1"], "w1", 2), keys.samples, keys.prompts, entry.decode())
@@ -147,7 +147,8 @@ def test_rq_gets_a_single_server_of_its_own_when_the_run_is_on_a_cluster(redis_c
 
 def test_keys_stay_readable_and_name_their_hash_tags():
     k = Keys("demo")
-    assert k.prompts == "streamrl:{demo}:prompts" and k.episode("q000-000003-0") == "streamrl:demo:ep:{q000-000003-0}"
-    assert k.patterns == ("streamrl:{demo}:*", "streamrl:demo:ep:{*}")
+    assert k.prompts.split(":") == [PREFIX, "{demo}", "prompts"]
+    assert k.episode("q000-000003-0").split(":") == [PREFIX, "demo", "ep", "{q000-000003-0}"]
+    assert [p.split(":") for p in k.patterns] == [[PREFIX, "{demo}", "*"], [PREFIX, "demo", "ep", "{*}"]]
     with pytest.raises(configmod.ConfigError, match="run.*braces"):
         configmod.load(env={"STREAMRL_RUN": "a{b}"})

@@ -43,6 +43,9 @@ def cmd_redis(cfg, args) -> int:
 
     from services.ops.redis_server import EmbeddedRedis
 
+    if is_cluster(cfg.redis_url):
+        raise CLIError(f"redis_url {redact(cfg.redis_url)} names a Redis Cluster; `streamrl redis` serves one server "
+                       f"(start the cluster's nodes yourself: docs/operations.md, Redis Cluster)")
     url = urlparse(cfg.redis_url)
     if url.hostname not in ("127.0.0.1", "localhost", "::1"):
         raise CLIError(f"redis_url {redact(cfg.redis_url)} is not on loopback; the embedded server binds to loopback only")

@@ -85,7 +85,9 @@ def _work(worker) -> None:
 
 def main(argv=None) -> None:
     svc = Service("agents", argv)
-    runner.WORKER_ID, runner.CLIENT = svc.worker_id, svc.client  # jobs write the run's streams through svc.client
+    runner.WORKER_ID = svc.worker_id
+    if svc.cfg.rq_redis_url:  # the jobs' rq connection is another server: they write the run's streams through this
+        runner.CLIENT = svc.client
     reaper = Reaper(svc.cfg, connect(svc.cfg.redis_url), svc.keys, svc.worker_id, svc.log, svc.rq_connect())
     ttl = svc.cfg.heartbeat_ttl
 

@@ -68,6 +68,9 @@ def test_a_cluster_url_gives_a_cluster_client_with_the_password(redis_cluster, c
     assert redact(redis_cluster.url) == redis_cluster.url.replace(":cluster-secret@", ":***@")
     with pytest.raises(redis.exceptions.AuthenticationError):
         connect(redis_cluster.url.replace("cluster-secret", "wrong"), wait=2)
+    nobody = redis_cluster.url.replace(f":{redis_cluster.nodes[0].port}", ":1")
+    with pytest.raises(redis.exceptions.ConnectionError, match=r"no Redis answering at .*:\*\*\*@127.0.0.1:1 after"):
+        connect(nobody, wait=1)
 
 
 def test_a_runs_coordination_keys_share_one_slot_and_its_episodes_spread_over_every_shard(cluster_client, keys):

@@ -97,9 +97,11 @@ def server_cpu(client) -> float:
 
 
 def delete_run(client, keys: Keys) -> None:
-    batch = list(client.scan_iter(match=keys.pattern, count=1000))
-    for i in range(0, len(batch), 500):
-        client.delete(*batch[i:i + 500])
+    batch = [k for pattern in keys.patterns for k in client.scan_iter(match=pattern, count=1000)]
+    pipe = client.pipeline(transaction=False)
+    for key in batch:  # one key per DELETE: a run's keys are in many slots on a cluster
+        pipe.delete(key)
+    pipe.execute()
 
 
 def groups(n: int, size: int) -> list[PromptGroup]:

@@ -65,3 +65,23 @@ def tiny_model_dir_hd32(tmp_path_factory) -> str:
     from services.ops.tiny_model import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny-hd32")), hidden_size=128)
+
+
+CLUSTER_PASSWORD = "cluster-secret"
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A real 3-master Redis Cluster (password-protected) on loopback for the session: tests/redis_cluster.py."""
+    from tests.redis_cluster import LocalCluster
+
+    cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), password=CLUSTER_PASSWORD).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def cluster_client(redis_cluster):
+    c = connect(redis_cluster.url)
+    yield c
+    c.close()

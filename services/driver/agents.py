@@ -42,15 +42,16 @@ def queue(client, keys: Keys) -> Queue:
     return Queue(keys.agent_queue, connection=client, serializer=JSONSerializer)
 
 
-def enqueue_group(cfg, client, keys: Keys, group_id: str, task: dict, n: int) -> list[str] | None:
-    """Reserve the group's gate slot, record the group, enqueue its episodes' jobs: their ids, or None when the
-    gate is closed (nothing recorded or enqueued; try again after the next sync)."""
+def enqueue_group(cfg, client, keys: Keys, group_id: str, task: dict, n: int, rq_client=None) -> list[str] | None:
+    """Reserve the group's gate slot, record the group, enqueue its episodes' jobs (on ``rq_client``, default
+    ``client``): their ids, or None when the gate is closed (nothing recorded or enqueued; try again after the
+    next sync)."""
     grant = Gate(client, keys, sync_mode=cfg.mode == "sync").reserve(1, token=f"group:{group_id}")
     if not grant.granted:
         return None
     rest = {k: v for k, v in task.items() if k != "prompt"}
     enqueue(client, keys, [PromptGroup(group_id, n, prompt=task.get("prompt", ""), task=rest)], stream=keys.agent_groups)
-    q = queue(client, keys)
+    q = queue(rq_client or client, keys)
     jobs = [Queue.prepare_data(JOB, args=(spec,), job_id=job_id(cfg.run, spec["episode_id"]),
                                timeout=int(cfg.agent_timeout) + 60, result_ttl=3600, failure_ttl=86400)
             for spec in group_specs(cfg, group_id, task, n)]

@@ -56,6 +56,7 @@ class Driver:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.client = connect(cfg.redis_url, wait=cfg.redis_wait)
+        self.rq_client = connect(cfg.rq_redis_url, wait=cfg.redis_wait) if cfg.rq_redis_url else self.client
         self.keys = Keys(cfg.run)
         self.meta = runstate.bind(self.client, self.keys, cfg.run_path, cfg.redis_url)
         rows, held_out = load_task(cfg)
@@ -105,12 +106,12 @@ class Driver:
 
     def top_up_agents(self, depth: int) -> None:
         """Agent runs: each group's episodes as rq jobs (services/driver/agents.py), same rows and ids."""
-        for _ in range(depth - agents.waiting_groups(self.cfg, self.client, self.keys)):
+        for _ in range(depth - agents.waiting_groups(self.cfg, self.rq_client, self.keys)):
             if self.total and self.enqueued >= self.total:
                 return
             epoch, position = divmod(self.enqueued, len(self.rows))
             if agents.enqueue_group(self.cfg, self.client, self.keys, group_id(epoch, position),
-                                    dict(self.rows.row(self.enqueued)), self.cfg.group_size) is None:
+                                    dict(self.rows.row(self.enqueued)), self.cfg.group_size, self.rq_client) is None:
                 return  # the staleness gate is closed until the next sync
             self.enqueued += 1
             self.client.set(self.keys.driver_enqueued, self.enqueued)

@@ -42,9 +42,9 @@ return 0
 
 
 class Reaper:
-    def __init__(self, cfg, client, keys, worker_id: str, log):
+    def __init__(self, cfg, client, keys, worker_id: str, log, rq_client=None):
         self.cfg, self.client, self.keys, self.worker_id, self.log = cfg, client, keys, worker_id, log
-        self.queue = Queue(keys.agent_queue, connection=client, serializer=JSONSerializer)
+        self.queue = Queue(keys.agent_queue, connection=rq_client or client, serializer=JSONSerializer)
         self.missing: dict[str, float] = {}
 
     def reap(self) -> int:
@@ -86,7 +86,9 @@ def _work(worker) -> None:
 def main(argv=None) -> None:
     svc = Service("agents", argv)
     runner.WORKER_ID = svc.worker_id
-    reaper = Reaper(svc.cfg, connect(svc.cfg.redis_url), svc.keys, svc.worker_id, svc.log)
+    if svc.cfg.rq_redis_url:  # the jobs' rq connection is another server: they write the run's streams through this
+        runner.CLIENT = svc.client
+    reaper = Reaper(svc.cfg, connect(svc.cfg.redis_url), svc.keys, svc.worker_id, svc.log, svc.rq_connect())
     ttl = svc.cfg.heartbeat_ttl
 
     def beat() -> None:  # a thread: the heartbeat keeps going while an agent runs in the main thread
@@ -104,9 +106,9 @@ def main(argv=None) -> None:
             time.sleep(min(1.0, ttl / 3))
 
     threading.Thread(target=beat, daemon=True, name="agents-heartbeat").start()
-    queue = Queue(svc.keys.agent_queue, connection=svc.client, serializer=JSONSerializer)
-    main_worker = SimpleWorker([queue], connection=svc.client, serializer=JSONSerializer, name=svc.worker_id)
-    others = [ThreadWorker([queue], connection=connect(svc.cfg.redis_url), serializer=JSONSerializer,
+    queue = Queue(svc.keys.agent_queue, connection=svc.rq_client, serializer=JSONSerializer)
+    main_worker = SimpleWorker([queue], connection=svc.rq_client, serializer=JSONSerializer, name=svc.worker_id)
+    others = [ThreadWorker([queue], connection=svc.rq_connect(), serializer=JSONSerializer,
                            name=f"{svc.worker_id}.{k}") for k in range(1, svc.cfg.agent_concurrency)]
     threads = [threading.Thread(target=_work, args=(w,), daemon=True, name=w.name) for w in others]
     for t in threads:

@@ -24,6 +24,7 @@ from shared.protocol.keys import Keys
 from shared.runtime import logs, specs
 
 WORKER_ID = "agents-inline"  # set by the agents worker process: who runs the job (for the reaper)
+CLIENT = None  # set by the agents worker process: the run's Redis (None: the job's rq connection is that server)
 
 _PUBLISH = """
 redis.call('SADD', KEYS[1], ARGV[1])
@@ -86,7 +87,7 @@ def run_episode(spec: dict) -> dict:
 
     import openai
 
-    client = get_current_job().connection
+    client = CLIENT or get_current_job().connection
     keys = Keys(spec["run"])
     eid = spec["episode_id"]
     log = logs.get("agents", episode=eid, worker=WORKER_ID)

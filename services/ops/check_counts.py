@@ -184,7 +184,7 @@ def count_bad_input(data: RunData, stats: dict[str, EpisodeStats]) -> tuple[list
             continue
         found += 1
         group_id = eid.rsplit("-", 1)[0]
-        key = data.episode_key_prefix + eid
+        key = data.episode_key_prefix + eid + data.episode_key_suffix
         if group_id in used and not dead_lettered(data.dead, key):
             missing.append(key)
     return missing, found

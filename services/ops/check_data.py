@@ -54,6 +54,7 @@ class RunData:
     samples_key: str = "samples"
     control_key: str = "control"
     episode_key_prefix: str = "ep:"
+    episode_key_suffix: str = ""  # an episode's key is prefix + id + suffix (the suffix closes its hash tag)
     versions: list[int] = field(default_factory=list)  # version numbers in the versions stream, in stream order
     agent_groups: list[tuple[str, dict]] = field(default_factory=list)  # agent runs: groups handed to agent jobs
     agents_busy: set[str] = field(default_factory=set)  # agent episodes whose job waits in the queue or runs
@@ -77,7 +78,7 @@ def _consumer_group(client, stream: str, name: str) -> ConsumerGroup:
     return ConsumerGroup(_s(info[name]["last-delivered-id"]), pending)
 
 
-def _agents_busy(client, keys: Keys) -> set[str]:
+def _agents_busy(client, keys: Keys, rq_client=None) -> set[str]:
     """Agent episodes in hand: a job waiting in the agents queue (job id ``<run>-<episode>[-r<attempt>]``) or
     running (the ``agents:running`` hash; a dead worker's entry stays until the reaper runs the job again)."""
     import re
@@ -86,15 +87,17 @@ def _agents_busy(client, keys: Keys) -> set[str]:
 
     busy = {_s(e) for e in client.hkeys(keys.agents_running)}
     prefix = f"{keys.run}-"
-    for job_id in Queue(keys.agent_queue, connection=client).get_job_ids():
+    for job_id in Queue(keys.agent_queue, connection=rq_client or client).get_job_ids():
         if job_id.startswith(prefix):
             busy.add(re.sub(r"-r\d+$", "", job_id[len(prefix):]))
     return busy
 
 
-def read_run(client, keys: Keys, run_path: Path) -> RunData:
+def read_run(client, keys: Keys, run_path: Path, rq_client=None) -> RunData:
+    """Everything the checker counts. ``rq_client``: the rq queues' server when it is not ``client``'s."""
     data = RunData(prompts_key=keys.prompts, samples_key=keys.samples, control_key=keys.control,
-                   episode_key_prefix=keys.episode(""))
+                   episode_key_prefix=keys.episode_prefix,
+                   episode_key_suffix=keys.episode("").removeprefix(keys.episode_prefix))
     data.prompts = _entries(client.xrange(keys.prompts))
     data.rollout = _consumer_group(client, keys.prompts, ROLLOUT_GROUP)
     data.samples = _entries(client.xrange(keys.samples))
@@ -106,7 +109,7 @@ def read_run(client, keys: Keys, run_path: Path) -> RunData:
         data.val_samples = _entries(client.xrange(keys.val_samples))
     data.agent_groups = _entries(client.xrange(keys.agent_groups))
     if data.agent_groups:
-        data.agents_busy = _agents_busy(client, keys)
+        data.agents_busy = _agents_busy(client, keys, rq_client)
     for key in client.scan_iter(match=keys.episode("*"), count=1000, _type="stream"):
         data.episodes[keys.episode_id(key)] = _entries(client.xrange(key))
     data.ledger = read_ledger(Path(run_path) / "trainer")

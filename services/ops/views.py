@@ -18,7 +18,8 @@ def _s(value: Any) -> str:
 def run_streams(client: redis.Redis, keys: Keys) -> list[dict]:
     """Every stream of a run with its length and consumer groups."""
     out = []
-    for key in sorted(client.scan_iter(match=keys.pattern, count=1000, _type="stream")):
+    found = {k for pattern in keys.patterns for k in client.scan_iter(match=pattern, count=1000, _type="stream")}
+    for key in sorted(found):
         groups = [{"name": _s(g["name"]), "consumers": g["consumers"], "pending": g["pending"],
                    "lag": g.get("lag")} for g in client.xinfo_groups(key)]
         out.append({"key": _s(key), "length": client.xlen(key), "groups": groups})
@@ -26,7 +27,7 @@ def run_streams(client: redis.Redis, keys: Keys) -> list[dict]:
 
 
 def format_streams(streams: list[dict], keys: Keys, list_episodes: bool = False) -> str:
-    episodes = [s for s in streams if s["key"].startswith(keys.episode(""))]
+    episodes = [s for s in streams if keys.is_episode(s["key"])]
     others = [s for s in streams if s not in episodes]
     lines = [f"run {keys.run!r}: {len(others)} streams, {len(episodes)} episode streams"]
     width = max([len(s["key"]) for s in (streams if list_episodes else others)] + [10])

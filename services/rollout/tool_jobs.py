@@ -4,6 +4,10 @@ A job's id is derived from its episode (and call), so a worker that takes an epi
 job already queued or done instead of running it again. ``poll`` reports finished, failed and overdue jobs
 (a job no rq worker picks up is not waited on forever); ``forget`` drops the jobs of episodes this worker no
 longer owns.
+
+The queues may be on another server than the run's streams (``rq_redis_url``: always when the run's Redis is a
+cluster, where rq does not run). The worker's one blocking read cannot include rq's result streams then, so a
+worker waiting on jobs looks at them every ``CHECK_S`` instead of waking on their results.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from rq.results import Result
 from rq.serializers import JSONSerializer
 
 from services.rollout import rewards, tools
+
+CHECK_S = 0.1  # queues on another server: how often a worker waiting on jobs looks at them
 
 
 @dataclass
@@ -40,8 +46,10 @@ class Outcome:
 
 class ToolJobs:
     def __init__(self, client, queue_name: str, run: str, tools_config: str, reward_spec: str,
-                 tool_timeout: float, reward_timeout: float):
-        self.client, self.run = client, run
+                 tool_timeout: float, reward_timeout: float, wake_on_results: bool = True):
+        """``client``: the rq queues' server; ``wake_on_results``: it is the server of the worker's blocking read
+        (which then includes ``result_streams``)."""
+        self.client, self.run, self.wake_on_results = client, run, wake_on_results
         self.queue = Queue(queue_name, connection=client, serializer=JSONSerializer)
         self.tools_config, self.reward_spec = tools_config, reward_spec
         self.tool_timeout, self.reward_timeout = tool_timeout, reward_timeout
@@ -72,12 +80,18 @@ class ToolJobs:
 
     def result_streams(self) -> dict[str, str]:
         """rq's result stream of each job in flight, from its start: a blocking read of these returns as soon as
-        a job finishes or fails (rq appends its result there), so a worker waiting on jobs needs no polling."""
+        a job finishes or fails (rq appends its result there), so a worker waiting on jobs needs no polling. None when the queues are on another server."""
+        if not self.wake_on_results:
+            return {}
         return {Result.get_key(p.job_id): "0-0" for p in self.pending.values()}
 
     def next_deadline(self) -> float | None:
-        """The soonest time (time.monotonic) a job in flight counts as failed for taking too long."""
-        return min((p.deadline for p in self.pending.values()), default=None)
+        """The soonest time (time.monotonic) the worker must look at its jobs: one in flight counts as failed for
+        taking too long, or (queues on another server) the next check."""
+        soonest = min((p.deadline for p in self.pending.values()), default=None)
+        if soonest is not None and not self.wake_on_results:
+            soonest = min(soonest, time.monotonic() + CHECK_S)
+        return soonest
 
     def forget(self, episode_ids) -> None:
         for episode_id in episode_ids:

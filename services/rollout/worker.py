@@ -29,6 +29,7 @@ from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError
 from shared.protocol.keys import Keys
 from shared.runtime.config import Config
+from shared.runtime.connection import connect
 from shared.runtime.heartbeat import Heartbeat
 
 
@@ -44,8 +45,9 @@ class RolloutWorker:
         registry = tools.registry(cfg.tools)
         reward = rewards.load(cfg.reward_fn)
         self.claims = Groups(cfg, client, self.keys, worker_id, self.log)
-        self.jobs = ToolJobs(client, self.keys.tool_queue, cfg.run, cfg.tools, cfg.reward_fn, cfg.tool_timeout,
-                             cfg.reward_timeout)
+        rq_client = connect(cfg.rq_redis_url, wait=cfg.redis_wait) if cfg.rq_redis_url else client  # rq: one server
+        self.jobs = ToolJobs(rq_client, self.keys.tool_queue, cfg.run, cfg.tools, cfg.reward_fn, cfg.tool_timeout,
+                             cfg.reward_timeout, wake_on_results=rq_client is client)
         agent = Agent(tokenizer, registry, cfg.max_tool_calls, engine.max_model_len)
         self.episodes = Episodes(cfg, EpisodeLog(client, self.keys, worker_id, cfg.flush_tokens, cfg.flush_ms),
                                  engine, tokenizer, agent, self.jobs, self.claims, reward,

@@ -144,14 +144,16 @@ class EpisodeLog:
         return errors
 
     def _send(self, targets: list[tuple[str, _Pending]]) -> list:
-        """One pipeline, one EVALSHA per episode (no SCRIPT EXISTS round trip)."""
+        """One pipeline, one EVALSHA per episode (no SCRIPT EXISTS round trip). Sent as a raw command: a
+        cluster pipeline refuses ``evalsha()`` but routes the command by its key like any other (the script
+        is loaded on every primary by ``script_load``)."""
         pipe = self.client.pipeline(transaction=False)
         for episode_id, p in targets:
             args: list = [p.next_seq]
             for ev in p.events:
                 f = encode(ev)
                 args += [f["type"], f["v"], f["policy"], f["worker"], f["seq"], f["data"]]
-            pipe.evalsha(self._sha, 1, self.keys.episode(episode_id), *args)
+            pipe.execute_command("EVALSHA", self._sha, 1, self.keys.episode(episode_id), *args)
         return pipe.execute(raise_on_error=False)
 
     def flush_or_raise(self, episode_ids: list[str] | None = None) -> None:

@@ -1,4 +1,11 @@
-"""Every Redis key streamrl uses, namespaced by run: ``streamrl:<run>:<name>``."""
+"""Every Redis key streamrl uses, namespaced by run, laid out for Redis Cluster.
+
+Coordination keys (streams, markers, the gate, heartbeats, ...) are ``streamrl:{<run>}:<name>``: the hash tag
+``{<run>}`` puts all of a run's coordination keys in one slot, so every script, MULTI and multi-stream read
+that touches several of them is cluster-safe. Episode streams are ``streamrl:<run>:ep:{<episode id>}``: each
+has a tag of its own, so a cluster spreads them over its shards (no script touches an episode stream together
+with another key). On a single server the braces are just characters of the name.
+"""
 
 from __future__ import annotations
 
@@ -14,14 +21,19 @@ AGENT_QUEUE = "agents"  # rq queue of user agent episodes, per run: Keys.agent_q
 class Keys:
     def __init__(self, run: str):
         self.run = run
-        self.base = f"{PREFIX}:{run}:"
+        self.base = f"{PREFIX}:{{{run}}}:"  # coordination keys: the run's one hash tag
+        self.episode_prefix = f"{PREFIX}:{run}:ep:{{"  # episode streams: a hash tag per episode
 
     def episode(self, episode_id: str) -> str:
-        return f"{self.base}ep:{episode_id}"
+        """The episode's event stream (its own hash tag: episodes spread over a cluster's shards)."""
+        return f"{self.episode_prefix}{episode_id}}}"
 
     def episode_id(self, key: str | bytes) -> str:
         key = key.decode() if isinstance(key, bytes) else key
-        return key.removeprefix(f"{self.base}ep:")
+        return key.removeprefix(self.episode_prefix).removesuffix("}")
+
+    def is_episode(self, key: str | bytes) -> bool:
+        return (key.decode() if isinstance(key, bytes) else key).startswith(self.episode_prefix)
 
     def alive(self, service: str, worker_id: str) -> str:
         """Heartbeat key: exists while the process is alive (TTL)."""
@@ -83,8 +95,9 @@ class Keys:
         return f"{TOOL_QUEUE}-{self.run}"
 
     @property
-    def pattern(self) -> str:
-        return f"{self.base}*"
+    def patterns(self) -> tuple[str, str]:
+        """SCAN patterns that together match every key of the run: coordination keys, episode streams."""
+        return f"{self.base}*", self.episode("*")
 
     prompts = property(lambda self: f"{self.base}prompts")
     samples = property(lambda self: f"{self.base}samples")

@@ -100,11 +100,11 @@ def group_id(epoch: int, position: int) -> str:
 def enqueue(client, keys, groups: list[PromptGroup], stream: str | None = None) -> list[str | None]:
     """Add groups to ``stream`` (default: the training prompts stream), each at most once per group id:
     the entry ids, None for a group already enqueued (a no-op, logged at debug)."""
-    script = client.register_script(_ENQUEUE)
+    sha = client.script_load(_ENQUEUE)  # on every primary of a cluster; a cluster pipeline has no script cache
     pipe = client.pipeline(transaction=False)
     for g in groups:
-        script(keys=[keys.enqueued(g.group_id), stream or keys.prompts],
-               args=[once.MARKER_TTL_S, *(x for kv in encode_group(g).items() for x in kv)], client=pipe)
+        pipe.execute_command("EVALSHA", sha, 2, keys.enqueued(g.group_id), stream or keys.prompts,
+                             once.MARKER_TTL_S, *(x for kv in encode_group(g).items() for x in kv))
     out = []
     for g, entry_id in zip(groups, pipe.execute()):
         if entry_id is None:

@@ -81,12 +81,10 @@ class Publisher:
         self.keys = keys
         self._script = client.register_script(_PUBLISH)
 
-    def publish(self, sample: Sample, samples_key: str, prompts_key: str, prompts_entry: str, client=None) -> None:
-        """``client`` may be a pipeline, to publish several groups in one round trip."""
+    def publish(self, sample: Sample, samples_key: str, prompts_key: str, prompts_entry: str) -> None:
         self._script(keys=[self.keys.sampled(sample.group_id), samples_key, prompts_key],
                      args=[sample.group_id, ",".join(sample.episodes), sample.worker,
-                           sample.n or len(sample.episodes), ROLLOUT_GROUP, prompts_entry, SAMPLED_TTL_S],
-                     client=client)
+                           sample.n or len(sample.episodes), ROLLOUT_GROUP, prompts_entry, SAMPLED_TTL_S])
 
 
 def read_all(client, stream: str) -> tuple[list[Sample], list[tuple[str, str]]]:

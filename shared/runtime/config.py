@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from shared.runtime.connection import is_cluster, redact
 
 class ConfigError(ValueError):
     pass
@@ -25,8 +26,9 @@ class ConfigError(ValueError):
 @dataclass
 class Config:
     # where
-    run: str = "demo"  # namespaces every Redis key: streamrl:<run>:...
-    redis_url: str = "redis://127.0.0.1:6390/0"  # the run's Redis (`streamrl redis` serves its port); password: redis://:secret@host:port/0
+    run: str = "demo"  # namespaces every Redis key: streamrl:{<run>}:... (episode streams: streamrl:<run>:ep:{<id>})
+    redis_url: str = "redis://127.0.0.1:6390/0"  # the run's Redis (`streamrl redis` serves its port); password: redis://:secret@host:port/0; a Redis Cluster: redis+cluster://[:secret@]host:port (any one node)
+    rq_redis_url: str = ""  # the Redis of the rq job queues (tools, rewards, agent episodes); empty: redis_url. Must be a single server (rq does not run on a cluster): required when redis_url is a cluster
     run_dir: str = "runs"  # each run's state is in <run_dir>/<run>: Redis data, trainer checkpoint, metrics, plots
     redis_wait: float = 30.0  # seconds a process retries a Redis that does not answer (at start, after a restart) before it stops with one line
     log_level: str = "info"  # debug | info | warning | error (`streamrl run` runs the services at warning when info)
@@ -98,7 +100,7 @@ class Config:
     max_staleness: int = 1  # versions a trained token may lag the trainer; 0 with mode=sync is synchronous RL
     mode: str = "async"  # async | sync (rollout waits for the trainer, trainer for a full batch)
     sync_timeout: float = 30.0  # seconds the syncer waits for a worker's ack before going on without it
-    # staleness and sync: weights over the wire (docs/operations.md section 7)
+    # staleness and sync: weights over the wire (docs/operations.md section 8)
     weights_fetch: str = "auto"  # how a rollout worker gets a version's file: auto (the published path when it is readable here, else a download from the version's url) | always (download) | never (the published path only)
     rollout_weights_dir: str = ""  # a rollout worker's own folder for downloaded versions (never weights_dir); empty: /dev/shm/streamrl/<run>-fetched when /dev/shm exists, else <run_dir>/<run>/fetched
     rollout_weights_keep: int = 2  # downloaded versions a rollout worker keeps; older ones are deleted
@@ -230,7 +232,20 @@ def load_with_sources(path: str | None = None, env: Mapping[str, str] | None = N
     return cfg, sources
 
 
+def rq_url(cfg: Config) -> str:
+    """The URL of the rq job queues' Redis: ``rq_redis_url``, else ``redis_url``."""
+    return cfg.rq_redis_url or cfg.redis_url
+
+
 def _validate(cfg: Config) -> None:
+    if is_cluster(cfg.rq_redis_url):
+        raise ConfigError(f"config key 'rq_redis_url': expected a single Redis server (rq 3 does not run on a "
+                          f"cluster: its worker needs one server's connection pool, its MULTIs span job and queue "
+                          f"keys), got the cluster URL {redact(cfg.rq_redis_url)}")
+    if is_cluster(cfg.redis_url) and not cfg.rq_redis_url:
+        raise ConfigError(f"config key 'rq_redis_url': redis_url {redact(cfg.redis_url)} names a Redis Cluster and rq "
+                          f"needs a single server for the tool, reward and agent job queues: set rq_redis_url "
+                          f"(or STREAMRL_RQ_REDIS_URL) to a plain redis:// URL")
     if cfg.flush_tokens < 1:
         raise ConfigError(f"config key 'flush_tokens': expected an integer >= 1, got {cfg.flush_tokens}")
     if cfg.flush_ms < 0:
@@ -312,8 +327,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"config keys epochs/val_k/export_every: expected epochs >= 0, val_k >= 1, export_every >= 0, "
                           f"got {cfg.epochs}, {cfg.val_k}, {cfg.export_every}")
     _validate_weights_transport(cfg)
-    if not cfg.run or any(c in cfg.run for c in " :*?[]"):
-        raise ConfigError(f"config key 'run': expected a name without spaces, ':' or glob characters, got {cfg.run!r}")
+    if not cfg.run or any(c in cfg.run for c in " :*?[]{}"):
+        raise ConfigError(f"config key 'run': expected a name without spaces, ':', braces or glob characters, "
+                          f"got {cfg.run!r}")
 
 
 def _validate_weights_transport(cfg: Config) -> None:

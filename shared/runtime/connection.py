@@ -2,6 +2,10 @@
 
 Under ``honcho start`` every process starts at once and one that exits stops
 them all, so services wait for Redis to come up rather than fail.
+
+A URL ``redis+cluster://[[user]:password@]host:port`` (or ``rediss+cluster://``) names a Redis Cluster by one of
+its nodes: ``connect`` returns a ``redis.cluster.RedisCluster`` that finds the others and routes each command
+to the shard of its key (keys.py lays keys out so that multi-key commands stay in one slot).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import math
 import time
 
 import redis
+from redis.cluster import RedisCluster
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -25,22 +30,52 @@ def _retry(seconds: float) -> dict:
                                redis.exceptions.BusyLoadingError]}
 
 
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def is_cluster(url: str) -> bool:
+    """True when ``url`` names a Redis Cluster (``redis+cluster://host:port``)."""
+    return url.split("://", 1)[0].lower() in CLUSTER_SCHEMES
+
+
+def is_cluster_client(client) -> bool:
+    return isinstance(client, RedisCluster)
+
+
+def _cluster(url: str, seconds: float | None, **kwargs) -> RedisCluster:
+    """A cluster client from one node's URL. With ``seconds``, commands retry for about that long (the
+    cluster client retries on connection errors and re-reads the slot map between tries)."""
+    scheme, rest = url.split("://", 1)
+    plain = f"{CLUSTER_SCHEMES[scheme.lower()]}://{rest}"
+    if seconds is not None:
+        kwargs = {"retry": _retry(seconds)["retry"], **kwargs}
+    return RedisCluster.from_url(plain, **kwargs)
+
+
 def connect(url: str, wait: float = 30.0, retry_for: float | None = None, **kwargs) -> redis.Redis:
     """A client once the server answers (waiting up to ``wait`` seconds for the first answer; a server
     still loading its data answers, so it is waited for); its commands retry for ``retry_for`` seconds
-    (default ``wait``) when the server goes away."""
-    probe = redis.Redis.from_url(url, **kwargs)
+    (default ``wait``) when the server goes away. A ``redis+cluster://`` URL gives a ``RedisCluster``."""
+    cluster = is_cluster(url)
     deadline = time.monotonic() + wait
     delay = 0.05
     while True:
         try:
+            if cluster:  # the client reads the slot map on creation: it is the probe
+                client = _cluster(url, wait if retry_for is None else retry_for, **kwargs)
+                client.ping()
+                return client
+            probe = redis.Redis.from_url(url, **kwargs)
             probe.ping()
             probe.close()
             return redis.Redis.from_url(url, health_check_interval=30,
                                         **{**_retry(wait if retry_for is None else retry_for), **kwargs})
         except redis.exceptions.AuthenticationError:
             raise
-        except redis.exceptions.ConnectionError as exc:
+        except (redis.exceptions.ConnectionError, redis.exceptions.RedisClusterException) as exc:
+            if isinstance(exc, redis.exceptions.AuthenticationError) or "invalid username-password" in str(exc) \
+                    or "NOAUTH" in str(exc):
+                raise redis.exceptions.AuthenticationError(str(exc)) from None
             if isinstance(exc, redis.exceptions.BusyLoadingError):  # it answers: loading its data, not gone
                 deadline = time.monotonic() + wait
             elif time.monotonic() > deadline:

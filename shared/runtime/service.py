@@ -56,9 +56,24 @@ class Service:
         except runstate.RunStateError as exc:
             print(f"{name}: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
+        self._rq_client = None
         # the warm shutdown is done by then: skip collecting torch's and transformers' objects one by one at
         # interpreter exit (2-4 s measured on 2 busy cores), which honcho's 5 s before SIGKILL does not always cover
         atexit.register(gc.freeze)
+
+    @property
+    def rq_client(self) -> redis.Redis:
+        """The client of the rq job queues' server: ``rq_redis_url`` when set (a run on a Redis Cluster), else the
+        run's own client."""
+        if not self.cfg.rq_redis_url:
+            return self.client
+        if self._rq_client is None:
+            self._rq_client = connect(self.cfg.rq_redis_url, wait=self.cfg.redis_wait)
+        return self._rq_client
+
+    def rq_connect(self) -> redis.Redis:
+        """A new client of the rq queues' server (one per rq worker thread)."""
+        return connect(self.cfg.rq_redis_url or self.cfg.redis_url, wait=self.cfg.redis_wait)
 
     def _excepthook(self, kind, exc, tb) -> None:
         """A Redis that stayed gone for redis_wait seconds (the client's retries are spent): one line, no traceback."""

@@ -86,7 +86,8 @@ def _generating(client, keys, workers: set[str], version: int):
 def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, redis_url, tiny_model_dir, tmp_path,
                                                                  start_syncer):
     start_syncer()
-    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}+{i}=") for i in range(6)])
+    # workers go on generating while a sync's fetch phase waits (for C here): groups enough to outlast the syncs
+    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}+{i}=") for i in range(16)])
     procs = {w: _worker(redis_url, keys, tiny_model_dir, w) for w in ("A", "B", "C")}
     try:
         wait_until(_generating(client, keys, set(procs), 0), "all three generating", 90, procs.values())
@@ -140,7 +141,7 @@ def test_a_silent_worker_is_left_out_after_sync_timeout_versions_published_meanw
     sync's first phase), then goes on without it and says why. Versions 2 and 3 are published while it waits: the next sync goes straight
     to 3 (one sync, one load). Woken, B reads the commands it missed and ends at version 3, generating again."""
     start_syncer(sync_timeout=2.0, fetch_timeout=2.0)
-    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}*2=") for i in range(6)])
+    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}*2=") for i in range(16)])
     procs = {w: _worker(redis_url, keys, tiny_model_dir, w, heartbeat_ttl=120) for w in ("A", "B")}
     files = {n: nudged_weights(tiny_model_dir, tmp_path, n) for n in (1, 2, 3)}
     try:
@@ -175,7 +176,7 @@ def test_a_worker_left_paused_by_a_lost_resume_is_synced_again_and_a_lost_gate_i
     the gate's update gone. The idle syncer notices both (a worker paused twice in a row between syncs, a gate
     behind the synced version) and repairs them."""
     start_syncer()
-    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}-1=") for i in range(4)])
+    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}-1=") for i in range(8)])
     procs = [_worker(redis_url, keys, tiny_model_dir, "A")]
     try:
         path, digest = nudged_weights(tiny_model_dir, tmp_path, 1)
@@ -196,7 +197,7 @@ def test_a_worker_left_paused_by_a_lost_resume_is_synced_again_and_a_lost_gate_i
 def test_corrupt_weights_refused_sync_records_it_and_goes_on(client, keys, redis_url, tiny_model_dir, tmp_path,
                                                              start_syncer):
     start_syncer()
-    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}*3=") for i in range(3)])
+    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}*3=") for i in range(8)])
     procs = [_worker(redis_url, keys, tiny_model_dir, "A")]
     try:
         wait_until(lambda: _token_events(client, keys), "A generating", 90, procs)

@@ -88,7 +88,7 @@ def test_a_worker_with_its_own_folder_syncs_over_http_never_opening_the_trainers
     checksum: both refuse it with one clear error, keep version 1 and generate on."""
     trainer_dir, server = wire
     own, audit = tmp_path / "worker-own", tmp_path / "audit.log"
-    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}+{i}=") for i in range(6)])
+    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}+{i}=") for i in range(16)])
     procs = {"R": _remote_worker(redis_url, keys, tiny_model_dir, "R", trainer_dir, own, audit),
              "L": spawn("services.rollout", *_worker_args(redis_url, keys, tiny_model_dir, "L"))}  # shares the folder
     try:

@@ -183,11 +183,14 @@ def render(rows: list[dict], args, ncpu: int) -> str:
            f"{args.warmup:g} s warm-up; median of {rows[0]['reps']} interleaved repeats; box: {ncpu} CPUs",
            f"{'workers':>7} {'samples/s':>9} {'tokens/s':>9} {'speedup':>7} {'effic.':>6} | "
            f"{'per worker min-max':>18} | {'CPU cores: workers':>18} {'redis':>5} {'other':>5} {'box':>5} | "
+           f"{'CPU us/token: workers':>21} {'redis':>5} | "
            f"{'min lag':>7} | samples/s per repeat"]
     for r in rows:
         out.append(f"{r['workers']:>7} {r['samples_per_s']:>9.1f} {r['tokens_per_s']:>9,.0f} {r['speedup']:>6.2f}x "
                    f"{r['efficiency']:>5.0%} | {r['per_worker_min']:>8.1f}-{r['per_worker_max']:<9.1f} | "
                    f"{r['cpu_workers']:>18.2f} {r['cpu_server']:>5.2f} {r['cpu_other']:>5.2f} {r['cpu_box']:>5.2f} | "
+                   f"{r['cpu_workers'] * 1e6 / r['tokens_per_s']:>21.0f} "
+                   f"{r['cpu_server'] * 1e6 / r['tokens_per_s']:>5.0f} | "
                    f"{r['min_lag']:>7} | {', '.join(str(x) for x in r['all_samples_per_s'])}")
     return "\n".join(out)
 

@@ -30,8 +30,12 @@ def box_cpu_s() -> float:
 
 def server_cpu_s(client) -> dict[str, float]:
     """{node: CPU seconds (user + sys, all threads)} of the Redis server behind ``client``: one entry for a
-    plain client, one per node for a cluster client (whose INFO answers per node)."""
-    info = client.info("cpu")
+    plain client, one per primary for a cluster client (redis-py's RedisCluster sends INFO to one node unless
+    told which)."""
+    if hasattr(client, "get_primaries"):
+        info = client.info("cpu", target_nodes=client.PRIMARIES)
+    else:
+        info = client.info("cpu")
     if "used_cpu_user" in info:
         return {"server": float(info["used_cpu_user"]) + float(info["used_cpu_sys"])}
     return {str(node): float(v["used_cpu_user"]) + float(v["used_cpu_sys"])

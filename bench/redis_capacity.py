@@ -240,7 +240,7 @@ def header(a, where: str) -> str:
 def render(rows: list[dict], a) -> str:
     out = [f"{'GPUs':>4} {'offered tok/s':>13} {'achieved':>9} {'%':>4} | {'entries/s':>9} {'tok/entry':>9} "
            f"{'flushes/s':>9} | {'flush p50 ms':>12} {'p99 ms':>7} {'max ms':>7} | {'CPU cores: server':>17} "
-           f"{'busiest':>7} {'writers':>7} {'other':>5} {'box':>5} | skipped steps"]
+           f"{'busiest':>7} {'writers':>7} {'other':>5} {'box':>5} | {'server us/token':>15} | skipped steps"]
     for r in rows:
         out.append(f"{r['gpus']:>4} {r['offered']:>13,.0f} {r['achieved']:>9,.0f} "
                    f"{r['achieved'] / r['offered']:>4.0%} | "
@@ -248,7 +248,7 @@ def render(rows: list[dict], a) -> str:
                    f"{r['flushes_per_s']:>9,.0f} | {r['p50_ms']:>12.2f} {r['p99_ms']:>7.2f} {r['max_ms']:>7.1f} | "
                    f"{r['cpu_server']:>17.2f} {r['cpu_server_max']:>7.2f} {r['cpu_writers']:>7.2f} "
                    f"{r['cpu_box'] - r['cpu_server'] - r['cpu_writers']:>5.2f} {r['cpu_box']:>5.2f} | "
-                   f"{r['skipped_steps']}")
+                   f"{r['cpu_server'] * 1e6 / max(r['achieved'], 1e-9):>15.1f} | {r['skipped_steps']}")
     return "\n".join(out)
 
 
@@ -329,10 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         url = a.redis_url or server.url
         try:
             client = connect(url, wait=10)
-            info = client.info("server")
-            version = info.get("valkey_version") or info.get("redis_version") or "cluster"
-            where = (f"{'embedded ' if server else ''}{info.get('server_name', 'redis')} {version} at {redact(url)}"
-                     if "redis_version" in info else f"{redact(url)} (several nodes)")
+            info = client.info("server")  # a cluster client asks one node
+            version = f"{info.get('server_name', 'redis')} {info.get('valkey_version') or info.get('redis_version')}"
+            where = (f"a cluster of {len(client.get_primaries())} primaries ({version}) at {redact(url)}"
+                     if hasattr(client, "get_primaries") else
+                     f"{'embedded ' if server else ''}{version} at {redact(url)}")
             print(header(a, where), flush=True)
             print(render([], a), flush=True)
             for gpus in a.ramp:

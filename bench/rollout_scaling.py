@@ -85,13 +85,16 @@ def window_counts(client, keys: Keys, t0_ms: int, t1_ms: int) -> dict:
         episodes += ids
         worker = f[b"worker"].decode()
         per_worker[worker] = per_worker.get(worker, 0) + len(ids)
-    tokens = 0
+    tokens = token_entries = 0
     for i in range(0, len(episodes), 500):
         pipe = client.pipeline(transaction=False)
         for e in episodes[i:i + 500]:
             pipe.xrange(keys.episode(e))
-        tokens += sum(len(fold(stream).tokens) for stream in pipe.execute())
-    return {"groups": len(entries), "samples": len(episodes), "tokens": tokens, "per_worker": per_worker}
+        for stream in pipe.execute():
+            tokens += len(fold(stream).tokens)
+            token_entries += sum(1 for _, f in stream if f[b"type"] == b"tokens")
+    return {"groups": len(entries), "samples": len(episodes), "tokens": tokens, "token_entries": token_entries,
+            "per_worker": per_worker}
 
 
 def measure(client, url: str, tmp: Path, model_dir: str, k: int, rep: int, args) -> dict:
@@ -150,6 +153,7 @@ def measure(client, url: str, tmp: Path, model_dir: str, k: int, rep: int, args)
     return {"workers": k, "rep": rep, "seconds": seconds, "startup_s": startup, "groups": counts["groups"],
             "samples": counts["samples"], "tokens": counts["tokens"],
             "samples_per_s": counts["samples"] / seconds, "tokens_per_s": counts["tokens"] / seconds,
+            "tokens_per_entry": counts["tokens"] / max(1, counts["token_entries"]),
             "per_worker_samples_per_s": per_worker, "min_lag": min_lag,
             "cpu_workers": used["procs"], "cpu_server": used["server"], "cpu_box": used["box"],
             "cpu_other": used["box"] - used["procs"] - used["server"]}
@@ -160,8 +164,8 @@ def summarize(runs: list[dict], ks: list[int]) -> list[dict]:
     for k in ks:
         rs = [r for r in runs if r["workers"] == k]
         row = {"workers": k, "reps": len(rs)}
-        for key in ("samples_per_s", "tokens_per_s", "cpu_workers", "cpu_server", "cpu_box", "cpu_other",
-                    "startup_s"):
+        for key in ("samples_per_s", "tokens_per_s", "tokens_per_entry", "cpu_workers", "cpu_server", "cpu_box",
+                    "cpu_other", "startup_s"):
             row[key] = statistics.median(r[key] for r in rs)
         row["all_samples_per_s"] = [round(r["samples_per_s"], 1) for r in rs]
         row["per_worker_min"] = min(min(r["per_worker_samples_per_s"]) for r in rs)
@@ -183,14 +187,14 @@ def render(rows: list[dict], args, ncpu: int) -> str:
            f"{args.warmup:g} s warm-up; median of {rows[0]['reps']} interleaved repeats; box: {ncpu} CPUs",
            f"{'workers':>7} {'samples/s':>9} {'tokens/s':>9} {'speedup':>7} {'effic.':>6} | "
            f"{'per worker min-max':>18} | {'CPU cores: workers':>18} {'redis':>5} {'other':>5} {'box':>5} | "
-           f"{'CPU us/token: workers':>21} {'redis':>5} | "
+           f"{'CPU us/token: workers':>21} {'redis':>5} | {'tok/entry':>9} | "
            f"{'min lag':>7} | samples/s per repeat"]
     for r in rows:
         out.append(f"{r['workers']:>7} {r['samples_per_s']:>9.1f} {r['tokens_per_s']:>9,.0f} {r['speedup']:>6.2f}x "
                    f"{r['efficiency']:>5.0%} | {r['per_worker_min']:>8.1f}-{r['per_worker_max']:<9.1f} | "
                    f"{r['cpu_workers']:>18.2f} {r['cpu_server']:>5.2f} {r['cpu_other']:>5.2f} {r['cpu_box']:>5.2f} | "
                    f"{r['cpu_workers'] * 1e6 / r['tokens_per_s']:>21.0f} "
-                   f"{r['cpu_server'] * 1e6 / r['tokens_per_s']:>5.0f} | "
+                   f"{r['cpu_server'] * 1e6 / r['tokens_per_s']:>5.0f} | {r['tokens_per_entry']:>9.1f} | "
                    f"{r['min_lag']:>7} | {', '.join(str(x) for x in r['all_samples_per_s'])}")
     return "\n".join(out)
 
@@ -222,18 +226,18 @@ def plot(rows: list[dict], args, path: Path, ncpu: int) -> None:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workers", default="1,2,4,8", help="worker counts to compare, comma-separated")
+    p.add_argument("--workers", default="", help="worker counts to compare, comma-separated (default 1,2,4,8)")
     p.add_argument("--repeats", type=int, default=2, help="windows per worker count, interleaved")
     p.add_argument("--seconds", type=float, default=20.0, help="measured window per variant")
     p.add_argument("--warmup", type=float, default=5.0, help="seconds the workers run before the window")
     p.add_argument("--step-delay-ms", type=float, default=20.0, help="SIMULATED GPU cost of one engine step (sleep)")
     p.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens, help="generated tokens per episode")
     p.add_argument("--plot", default=str(ROOT / "bench" / "rollout_scaling.png"), help="PNG to write ('' for none)")
-    p.add_argument("--quick", action="store_true", help="workers 1,2, one repeat, 8 s windows (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="workers 1,2 unless --workers, one repeat, 8 s windows (a smoke run)")
     p.add_argument("--json", action="store_true", help="also print every window as JSON")
     args = p.parse_args(argv)
     try:
-        args.ks = [int(x) for x in args.workers.split(",")]
+        args.ks = [int(x) for x in (args.workers or ("1,2" if args.quick else "1,2,4,8")).split(",")]
     except ValueError:
         p.error(f"--workers: expected comma-separated positive integers, got {args.workers!r}")
     if not args.ks or any(k < 1 for k in args.ks) or len(set(args.ks)) != len(args.ks):
@@ -249,7 +253,7 @@ def parse_args(argv):
     if args.plot and not Path(args.plot).parent.is_dir():
         p.error(f"--plot: folder {Path(args.plot).parent} does not exist")
     if args.quick:
-        args.ks, args.repeats, args.seconds, args.warmup = [1, 2], 1, 8.0, 3.0
+        args.repeats, args.seconds, args.warmup = 1, 8.0, 3.0
     args.ks.sort()
     return args
 

@@ -233,7 +233,8 @@ def parse_args(argv):
     p.add_argument("--step-delay-ms", type=float, default=20.0, help="SIMULATED GPU cost of one engine step (sleep)")
     p.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens, help="generated tokens per episode")
     p.add_argument("--plot", default=str(ROOT / "bench" / "rollout_scaling.png"), help="PNG to write ('' for none)")
-    p.add_argument("--quick", action="store_true", help="workers 1,2 unless --workers, one repeat, 8 s windows (a smoke run)")
+    p.add_argument("--quick", action="store_true",
+                   help="workers 1,2 unless --workers, one repeat, 8 s windows (a smoke run)")
     p.add_argument("--json", action="store_true", help="also print every window as JSON")
     args = p.parse_args(argv)
     try:

@@ -214,6 +214,7 @@ def plot(rows: list[dict], args, path: Path, ncpu: int) -> None:
     ax1.legend()
     ax2.plot(ks, [r["cpu_workers"] for r in rows], "o-", label="workers")
     ax2.plot(ks, [r["cpu_server"] for r in rows], "s-", label="Redis server")
+    ax2.plot(ks, [r["cpu_other"] for r in rows], "x-", label="everything else on the box")
     ax2.plot(ks, [r["cpu_box"] for r in rows], "^-", label="whole box")
     ax2.axhline(ncpu, color="red", ls=":", label=f"{ncpu} cores")
     ax2.set(xlabel="rollout workers", ylabel="CPU cores used", xticks=ks, title="CPU over the window")

@@ -166,15 +166,6 @@ def quantile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def delete_run(client, keys: Keys) -> None:
-    pipe = client.pipeline(transaction=False)
-    for n, key in enumerate(client.scan_iter(match=keys.pattern, count=1000), 1):
-        pipe.delete(key)  # one key per command: fine on a cluster too
-        if n % 1000 == 0:
-            pipe.execute()
-    pipe.execute()
-
-
 def run_step(client, url: str, tmp: Path, gpus: int, a) -> dict:
     from tests.procs import spawn, stop, wait_until
 
@@ -207,7 +198,9 @@ def run_step(client, url: str, tmp: Path, gpus: int, a) -> dict:
         logs = "\n".join((tmp / f"{keys.run}-w{i}.log").read_text()[-1500:] for i in range(n_writers))
         raise SystemExit(f"{gpus} GPUs: writer exit codes {codes}\n{logs}")
     results = [json.loads(o.read_text()) for o in outs]
-    delete_run(client, keys)
+    from bench.rollout import delete_run  # (imports torch: the driver only, not the writers)
+
+    delete_run(client, keys)  # keep the server small between steps
     lat = [x for r in results for x in r["latencies_ms"]]
     used = cpu.cores(snap0, snap1)
     offered = gpus * a.gpu_tokens_per_s

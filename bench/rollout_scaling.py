@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import cpu  # noqa: E402
+from bench.rollout import delete_run  # noqa: E402
 from services.ops.redis_server import EmbeddedRedis  # noqa: E402
 from services.ops.tiny_model import make_tiny_model  # noqa: E402
 from shared.protocol.fold import fold  # noqa: E402
@@ -145,11 +146,7 @@ def measure(client, url: str, tmp: Path, model_dir: str, k: int, rep: int, args)
     seconds = (t1_ms - t0_ms) / 1000
     used = cpu.cores(a, b)
     per_worker = [counts["per_worker"].get(w, 0) / seconds for w in ids]
-    batch = client.scan_iter(match=keys.pattern, count=1000)  # keep the server small between variants
-    pipe = client.pipeline(transaction=False)
-    for key in batch:
-        pipe.delete(key)
-    pipe.execute()
+    delete_run(client, keys)  # keep the server small between variants
     return {"workers": k, "rep": rep, "seconds": seconds, "startup_s": startup, "groups": counts["groups"],
             "samples": counts["samples"], "tokens": counts["tokens"],
             "samples_per_s": counts["samples"] / seconds, "tokens_per_s": counts["tokens"] / seconds,

@@ -8,9 +8,9 @@ SIMULATED memory-bound GPU.
 SIMULATED GPU: every worker is a real ``python -m services.rollout`` process (the Procfile's), with the config key
 ``step_delay_ms`` set, so its engine sleeps that long after every step (services/rollout/engine/slow.py). A
 memory-bound GPU decode step costs about the same whatever the batch; the sleep stands in for it. The engine still
-runs the tiny random-init model's forward on the CPU (about 1 ms a step at batch 64, measured in RESULTS.md), and
-everything else is the real worker: claiming, the fenced event log at the default flush settings, rewards,
-publishing, heartbeats.
+runs the tiny random-init model's forward and sampling on the CPU (about 8 ms of CPU per step of ~48 sequences:
+bench/worker_step.py breaks a step down), and everything else is the real worker: claiming, the fenced event log
+at the default flush settings, rewards, publishing, heartbeats.
 
 Rollout only, no trainer and no syncer: the question is how rollout throughput scales with workers, and on a 2-core
 box a trainer would take CPU from the workers and, through the staleness gate, tie their throughput to its own speed.

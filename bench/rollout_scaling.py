@@ -204,7 +204,7 @@ def plot(rows: list[dict], args, path: Path, ncpu: int) -> None:
 
     ks = [r["workers"] for r in rows]
     base = rows[0]["samples_per_s"] / rows[0]["workers"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12.5, 4.2))
     ax1.plot(ks, [r["samples_per_s"] for r in rows], "o-", label="measured")
     ax1.plot(ks, [base * k for k in ks], "--", color="grey", label="linear (from the smallest variant)")
     ax1.set(xlabel="rollout workers", ylabel="samples/s", xticks=ks, title="Throughput")
@@ -215,7 +215,7 @@ def plot(rows: list[dict], args, path: Path, ncpu: int) -> None:
     ax2.plot(ks, [r["cpu_box"] for r in rows], "^-", label="whole box")
     ax2.axhline(ncpu, color="red", ls=":", label=f"{ncpu} cores")
     ax2.set(xlabel="rollout workers", ylabel="CPU cores used", xticks=ks, title="CPU over the window")
-    ax2.legend()
+    ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(header(args), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

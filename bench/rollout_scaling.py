@@ -45,6 +45,7 @@ from bench import cpu  # noqa: E402
 from bench.rollout import delete_run  # noqa: E402
 from services.ops.redis_server import EmbeddedRedis  # noqa: E402
 from services.ops.tiny_model import make_tiny_model  # noqa: E402
+from shared.protocol import events, samples  # noqa: E402
 from shared.protocol.fold import fold  # noqa: E402
 from shared.protocol.keys import ROLLOUT_GROUP, Keys  # noqa: E402
 from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
@@ -79,13 +80,11 @@ def lag(client, keys: Keys) -> int:
 def window_counts(client, keys: Keys, t0_ms: int, t1_ms: int) -> dict:
     """Groups published in [t0_ms, t1_ms] (the samples stream's entry ids are the server's clock), their
     episodes and the tokens those episodes generated."""
-    entries = client.xrange(keys.samples, str(t0_ms), str(t1_ms))
+    entries, _ = samples.decode_all(client.xrange(keys.samples, str(t0_ms), str(t1_ms)))
     episodes, per_worker = [], {}
-    for _, f in entries:
-        ids = f[b"episodes"].decode().split(",")
-        episodes += ids
-        worker = f[b"worker"].decode()
-        per_worker[worker] = per_worker.get(worker, 0) + len(ids)
+    for sample in entries:
+        episodes += sample.episodes
+        per_worker[sample.worker] = per_worker.get(sample.worker, 0) + len(sample.episodes)
     tokens = token_entries = 0
     for i in range(0, len(episodes), 500):
         pipe = client.pipeline(transaction=False)
@@ -93,7 +92,7 @@ def window_counts(client, keys: Keys, t0_ms: int, t1_ms: int) -> dict:
             pipe.xrange(keys.episode(e))
         for stream in pipe.execute():
             tokens += len(fold(stream).tokens)
-            token_entries += sum(1 for _, f in stream if f[b"type"] == b"tokens")
+            token_entries += sum(1 for entry_id, f in stream if events.decode(entry_id, f).kind == "tokens")
     return {"groups": len(entries), "samples": len(episodes), "tokens": tokens, "token_entries": token_entries,
             "per_worker": per_worker}
 

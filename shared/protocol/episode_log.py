@@ -21,6 +21,7 @@ import redis
 from shared.protocol.events import Event, encode
 from shared.protocol.fold import Episode, fold
 from shared.protocol.keys import Keys
+from shared.protocol.routing import node_of
 
 _APPEND = """
 local nextseq = 0
@@ -153,7 +154,8 @@ class EpisodeLog:
             for ev in p.events:
                 f = encode(ev)
                 args += [f["type"], f["v"], f["policy"], f["worker"], f["seq"], f["data"]]
-            pipe.execute_command("EVALSHA", self._sha, 1, self.keys.episode(episode_id), *args)
+            key = self.keys.episode(episode_id)
+            pipe.execute_command("EVALSHA", self._sha, 1, key, *args, **node_of(self.client, key))
         return pipe.execute(raise_on_error=False)
 
     def flush_or_raise(self, episode_ids: list[str] | None = None) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import msgpack
 
 from shared.protocol import once
+from shared.protocol.routing import node_of
 from shared.protocol.events import EventError
 
 _ENQUEUE = """
@@ -104,7 +105,8 @@ def enqueue(client, keys, groups: list[PromptGroup], stream: str | None = None) 
     pipe = client.pipeline(transaction=False)
     for g in groups:
         pipe.execute_command("EVALSHA", sha, 2, keys.enqueued(g.group_id), stream or keys.prompts,
-                             once.MARKER_TTL_S, *(x for kv in encode_group(g).items() for x in kv))
+                             once.MARKER_TTL_S, *(x for kv in encode_group(g).items() for x in kv),
+                             **node_of(client, keys.enqueued(g.group_id)))
     out = []
     for g, entry_id in zip(groups, pipe.execute()):
         if entry_id is None:

@@ -66,7 +66,7 @@ def test_a_rollout_worker_killed_at_each_point_loses_nothing_and_publishes_each_
 @pytest.mark.parametrize("point", faults.POINTS["syncer"])
 def test_a_syncer_killed_after_each_command_is_repaired_by_the_next_one(client, keys, redis_url, tiny_model_dir,
                                                                           tmp_path, point):
-    """Killed right after sending pause, load or resume: the worker may be left paused, loaded or not; the
+    """Killed right after sending fetch, pause, load or resume: the worker may be left paused, loaded or not; the
     next syncer finds it behind or paused at start, syncs the newest version again, and the worker ends
     resumed at that version, generating with it."""
     enqueue(client, keys, [PromptGroup(f"s{i}", 2, prompt=f"{i}*5=") for i in range(6)])

@@ -187,7 +187,8 @@ def test_published_samples_read_back_equal_and_their_prompts_are_acknowledged(cl
 
 
 version_values = st.builds(versions.Version, st.integers(1, 10**6), text.filter(bool), hexes, st.integers(0, 10**9),
-                           st.integers(1, 10**10).map(lambda ms: ms / 1000))  # the codec writes time to 3 decimals
+                           st.integers(1, 10**10).map(lambda ms: ms / 1000),  # the codec writes time to 3 decimals
+                           url=text)
 
 
 @FIXTURES
@@ -204,7 +205,7 @@ def test_published_versions_read_back_equal_and_an_old_one_republished_adds_noth
 
 
 commands = st.builds(control.Command, st.sampled_from(control.COMMANDS), ids_text, st.integers(-1, 10**6), text,
-                     hexes).filter(lambda c: c.cmd != "load" or (c.version >= 0 and c.path))
+                     hexes, url=text).filter(lambda c: c.cmd not in control.WITH_WEIGHTS or (c.version >= 0 and c.path))
 acks = st.tuples(ids_text, st.booleans(), st.integers(-1, 10**6), text)  # worker, ok, version, error
 
 

@@ -86,25 +86,26 @@ def _generating(client, keys, workers: set[str], version: int):
 def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, redis_url, tiny_model_dir, tmp_path,
                                                                  start_syncer):
     start_syncer()
-    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}+{i}=") for i in range(6)])
+    # workers go on generating while a sync's fetch phase waits (for C here): groups enough to outlast the syncs
+    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}+{i}=") for i in range(16)])
     procs = {w: _worker(redis_url, keys, tiny_model_dir, w) for w in ("A", "B", "C")}
     try:
         wait_until(_generating(client, keys, set(procs), 0), "all three generating", 90, procs.values())
         path, digest = nudged_weights(tiny_model_dir, tmp_path, 1)
         # C freezes (alive by its heartbeat key for up to HEARTBEAT_TTL, but silent), then dies with kill -9
-        # once the pause is out
+        # once the sync's first command (fetch) is out
         os.kill(procs["C"].pid, signal.SIGSTOP)
         publish(client, keys, 1, path, digest, step=1)
-        wait_until(lambda: _commands(client, keys, "pause"), "the pause", 10)
+        wait_until(lambda: _commands(client, keys, "fetch"), "the fetch", 10)
         kill9(procs["C"])
         wait_until(lambda: _sync_records(client, keys), "the sync record", 30)
         (rec,) = _sync_records(client, keys)
         assert rec["version"] == 1 and rec["workers"] == 3 and rec["missing"] == ["C"] and rec["refused"] == {}
         # C was let go when its heartbeat lapsed, not at sync_timeout
-        assert rec["missing_why"] == {"C": "pause: heartbeat lapsed"}
+        assert rec["missing_why"] == {"C": "fetch: heartbeat lapsed"}
         acked = {(a["cmd"], a["worker"]) for _, a in control.read_after(client, keys, "0-0", 1000)
                  if isinstance(a, dict)}
-        assert acked == {(c, w) for c in ("pause", "load", "resume") for w in ("A", "B")}
+        assert acked == {(c, w) for c in ("fetch", "pause", "load", "resume") for w in ("A", "B")}
         # the others resumed: they generate again, with version 1, and say so in their heartbeats
         wait_until(_generating(client, keys, {"A", "B"}, 1), "A and B generating with version 1", 30,
                    [procs["A"], procs["B"]])
@@ -136,11 +137,11 @@ def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, r
 
 def test_a_silent_worker_is_left_out_after_sync_timeout_versions_published_meanwhile_sync_once_and_it_catches_up(
         client, keys, redis_url, tiny_model_dir, tmp_path, start_syncer):
-    """B is frozen (SIGSTOP) but its heartbeat key outlives the syncs: the syncer waits sync_timeout for it, then
-    goes on without it and says why. Versions 2 and 3 are published while it waits: the next sync goes straight
+    """B is frozen (SIGSTOP) but its heartbeat key outlives the syncs: the syncer waits fetch_timeout for it (the
+    sync's first phase), then goes on without it and says why. Versions 2 and 3 are published while it waits: the next sync goes straight
     to 3 (one sync, one load). Woken, B reads the commands it missed and ends at version 3, generating again."""
-    start_syncer(sync_timeout=2.0)
-    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}*2=") for i in range(6)])
+    start_syncer(sync_timeout=2.0, fetch_timeout=2.0)
+    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}*2=") for i in range(16)])
     procs = {w: _worker(redis_url, keys, tiny_model_dir, w, heartbeat_ttl=120) for w in ("A", "B")}
     files = {n: nudged_weights(tiny_model_dir, tmp_path, n) for n in (1, 2, 3)}
     try:
@@ -148,13 +149,13 @@ def test_a_silent_worker_is_left_out_after_sync_timeout_versions_published_meanw
         os.kill(procs["B"].pid, signal.SIGSTOP)
         publish(client, keys, 1, *files[1], step=1)
         wait_until(lambda: _commands(client, keys, "pause"), "the pause of version 1", 30)
-        for n in (2, 3):  # the syncer is still waiting for B's pause ack (up to sync_timeout)
+        for n in (2, 3):  # the syncer is still waiting for B's acks (up to sync_timeout)
             publish(client, keys, n, *files[n], step=n)
         wait_until(lambda: len(_sync_records(client, keys)) == 2, "two sync records", 60)
         first, second = _sync_records(client, keys)
         assert (first["version"], second["version"]) == (1, 3)
         for rec in (first, second):
-            assert rec["missing"] == ["B"] and rec["missing_why"] == {"B": "pause: silent past sync_timeout"}
+            assert rec["missing"] == ["B"] and rec["missing_why"] == {"B": "fetch: silent past fetch_timeout"}
         assert [c.version for c in _commands(client, keys, "load")] == [1, 3] and gate.opened_version(client, keys) == 3
         assert worker_info(client, keys, "B")["version"] == "0"  # still alive by its key, still on the old weights
         wait_until(_generating(client, keys, {"A"}, 3), "A generating with version 3", 30, [procs["A"]])
@@ -175,7 +176,7 @@ def test_a_worker_left_paused_by_a_lost_resume_is_synced_again_and_a_lost_gate_i
     the gate's update gone. The idle syncer notices both (a worker paused twice in a row between syncs, a gate
     behind the synced version) and repairs them."""
     start_syncer()
-    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}-1=") for i in range(4)])
+    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}-1=") for i in range(8)])
     procs = [_worker(redis_url, keys, tiny_model_dir, "A")]
     try:
         path, digest = nudged_weights(tiny_model_dir, tmp_path, 1)
@@ -196,7 +197,7 @@ def test_a_worker_left_paused_by_a_lost_resume_is_synced_again_and_a_lost_gate_i
 def test_corrupt_weights_refused_sync_records_it_and_goes_on(client, keys, redis_url, tiny_model_dir, tmp_path,
                                                              start_syncer):
     start_syncer()
-    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}*3=") for i in range(3)])
+    enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}*3=") for i in range(8)])
     procs = [_worker(redis_url, keys, tiny_model_dir, "A")]
     try:
         wait_until(lambda: _token_events(client, keys), "A generating", 90, procs)

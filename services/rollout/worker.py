@@ -11,7 +11,6 @@ rewards run as rq jobs (``tool_jobs``), and one agent loop (``agent``) says what
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import redis
 
@@ -23,12 +22,12 @@ from services.rollout.episodes import Episodes
 from services.rollout.groups import Groups
 from services.rollout.prompting import stop_token_ids
 from services.rollout.tool_jobs import ToolJobs
+from services.rollout.weights import LocalWeights
 from shared.protocol import control, metrics, versions
 from shared.protocol import gate
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError
 from shared.protocol.keys import Keys
-from shared.runtime.checksum import sha256_file
 from shared.runtime.config import Config
 from shared.runtime.connection import connect
 from shared.runtime.heartbeat import Heartbeat
@@ -56,6 +55,7 @@ class RolloutWorker:
                                  self.log)
         self.calls = CallServer(cfg, client, worker_id, engine, tokenizer, self.log)  # gateway calls (agents)
         self.heartbeat = Heartbeat(client, self.keys, "rollout", worker_id, cfg.heartbeat_ttl)
+        self.weights = LocalWeights(cfg, self.log)  # each version's file: the published one, or a download
         self.control_cursor = "$"
         self.prompt_cursors = {self.keys.prompts: "$", self.keys.val_prompts: "$"}  # wake on new prompt groups
         self.seen = control.Seen()
@@ -81,7 +81,8 @@ class RolloutWorker:
 
     @property
     def stats(self) -> dict:
-        return {**self.episodes.stats, "groups": self.claims.published, "takeovers": self.takeovers}
+        return {**self.episodes.stats, "groups": self.claims.published, "takeovers": self.takeovers,
+                **self.weights.stats}
 
     def waiting_on_jobs(self) -> bool:
         return self.jobs.waiting()
@@ -194,7 +195,7 @@ class RolloutWorker:
         """Load the newest published version before generating anything."""
         latest = versions.latest(self.client, self.keys)
         if latest and latest.version > self.engine.version:
-            self._load(latest.version, latest.path, latest.sha256)
+            self._load(latest.version, latest.path, latest.sha256, latest.url)
 
     def _catch_up_to_gate(self) -> None:
         """Sync mode: a gate opened for a newer version than this worker's means it missed a sync."""
@@ -202,22 +203,20 @@ class RolloutWorker:
         if gate_version is not None and gate_version > self.engine.version:
             self._catch_up()
 
-    def _load(self, version: int, path: str, sha256: str) -> None:
-        if sha256:
-            actual = sha256_file(Path(path))
-            if actual != sha256:
-                raise ValueError(f"weights {path}: sha256 {actual[:12]}... does not match the published "
-                                 f"{sha256[:12]}... (corrupt or truncated file)")
+    def _load(self, version: int, path: str, sha256: str, url: str = "") -> None:
+        # verified by the fetch before the pause, as a rule; else fetched now, the heartbeat kept meanwhile
+        local = self.weights.local(version, path, sha256, url, waiting=lambda: self.beat(force=True))
         was_running = not self.paused
         self._pause()
         try:
-            self.engine.load_weights(path, version)
+            self.engine.load_weights(str(local), version)
         finally:
             if was_running:
                 self._resume()
-        self.log.info("weights loaded", version=version)
+        self.weights.loaded(version)
+        self.log.info("weights loaded", version=version, path=str(local))
 
-    # --- control: pause / load / resume
+    # --- control: fetch / pause / load / resume
     def _handle_control(self, block_ms: int) -> None:
         # one read of every stream that can give an idle worker work: control, new prompt groups, gateway calls,
         # results of its rq jobs (rq writes one stream per job); it returns at once when any has something
@@ -246,11 +245,15 @@ class RolloutWorker:
 
     def _obey(self, cmd: control.Command) -> None:
         ok, error = True, ""
+        if cmd.cmd == "fetch":  # in a thread, while generation goes on; the thread acks once the copy is verified
+            self.weights.prefetch(cmd.version, cmd.path, cmd.sha256, cmd.url, lambda ok, error: control.send_ack(
+                self.client, self.keys, cmd, self.worker_id, ok, self.engine.version, error))
+            return
         if cmd.cmd == "pause":
             self._pause()
         elif cmd.cmd == "load":
             try:
-                self._load(cmd.version, cmd.path, cmd.sha256)
+                self._load(cmd.version, cmd.path, cmd.sha256, cmd.url)
             except (OSError, EngineError, ValueError) as exc:
                 ok, error = False, str(exc)
                 self.log.error("weights refused; keeping old version", version=cmd.version,

@@ -1,11 +1,16 @@
 """The syncer: moves each published version to the rollout workers and holds
 the staleness gate.
 
-For every new version event: pause every live rollout worker, wait for each
-ack (a worker whose heartbeat lapses, or that stays silent past
-``sync_timeout``, is logged and not waited on), tell them to load the version,
-wait, open the gate for it, resume them, wait. Each phase's duration goes to the metrics stream.
-Only generation pauses: rq tool jobs keep running in their own processes.
+For every new version event: have every live rollout worker fetch the version's
+file (a download into its own folder when it cannot read the trainer's, else a
+sha256 check; either way while it goes on generating) and wait until each holds
+a verified copy (up to ``fetch_timeout``), then pause them, wait for each ack
+(a worker whose heartbeat lapses, or that stays silent past ``sync_timeout``, is
+logged and not waited on), tell them to load their copy, wait, open the gate for
+it, resume them, wait. So the pause is never lengthened by a download. Each
+phase's duration goes to the metrics stream (``paused_s``: pause + load +
+resume, what generation lost). Only generation pauses: rq tool jobs keep running
+in their own processes.
 
 The gate is a hash ``gate`` {version, limit}: how many prompt groups may have
 started in total under the current version (AReaL's admission control,
@@ -34,6 +39,9 @@ def groups_per_version(cfg: Config) -> int:
 
 
 class Syncer:
+    # the phases of a sync, in order; bench/fetch_pause.py drops "fetch" to measure a download inside the pause
+    phases = ("fetch", "pause", "load", "resume")
+
     def __init__(self, cfg: Config, client: redis.Redis, log, heartbeat=lambda: None):
         self.cfg, self.client, self.log = cfg, client, log
         self.heartbeat = heartbeat  # refreshes this process's alive key; called often, also while waiting
@@ -59,7 +67,7 @@ class Syncer:
             behind = [w for w, info in self.live_workers().items()
                       if int(info.get("version", -1)) < self.version or info.get("paused") == "1"]
             if behind:
-                self.sync(last.version, last.path, last.sha256)
+                self.sync(last.version, last.path, last.sha256, last.url)
         self.set_gate(self.version)
 
     def run(self, should_stop=lambda: False) -> None:
@@ -74,7 +82,7 @@ class Syncer:
             self.cursor = entries[-1].entry_id
             newest = entries[-1]  # only the newest matters
             if newest.version > self.version:
-                self.sync(newest.version, newest.path, newest.sha256)
+                self.sync(newest.version, newest.path, newest.sha256, newest.url)
 
     def _resume_if_stuck(self) -> None:
         """Between syncs no worker should be paused. One that is, seen twice 2 s apart, lost a command of a
@@ -93,25 +101,27 @@ class Syncer:
         latest = versions.latest(self.client, self.keys)
         if stuck & self._stuck and latest:
             self.log.warning("workers paused with no sync under way; syncing again", workers=sorted(stuck))
-            self.sync(latest.version, latest.path, latest.sha256)
+            self.sync(latest.version, latest.path, latest.sha256, latest.url)
             stuck = set()
         self._stuck = stuck
 
-    def sync(self, version: int, path: str, sha256: str) -> dict:
+    def sync(self, version: int, path: str, sha256: str, url: str = "") -> dict:
         sync_id = f"v{version}-{uuid.uuid4().hex[:6]}"
         log = self.log.bind(version=version, sync=sync_id)
         workers = set(self.live_workers())
         durations, missing, refused, why = {}, set(), {}, {}
         t_start = time.monotonic()
-        for cmd in ("pause", "load", "resume"):
+        for cmd in self.phases:
             if cmd == "resume":  # open the gate first: the resume wakes the workers, who then claim at once
                 self.set_gate(version)
             t0 = time.monotonic()
             cursor = control.last_id(self.client, self.keys)
+            weights = cmd in control.WITH_WEIGHTS
             control.send_command(self.client, self.keys, control.Command(
-                cmd, sync_id, version, path if cmd == "load" else "", sha256 if cmd == "load" else ""))
+                cmd, sync_id, version, path if weights else "", sha256 if weights else "", url=url if weights else ""))
             crash_point("syncer", cmd)  # tests only (shared/runtime/faults.py)
-            acked, failed, silent, dead = self._wait_acks(sync_id, cmd, workers - missing, cursor)
+            timeout = self.cfg.fetch_timeout if cmd == "fetch" else self.cfg.sync_timeout
+            acked, failed, silent, dead = self._wait_acks(sync_id, cmd, workers - missing, cursor, timeout)
             durations[f"{cmd}_s"] = time.monotonic() - t0
             for worker, error in failed.items():
                 log.error("worker refused the version; it keeps its old weights", worker=worker, error=error)
@@ -119,27 +129,30 @@ class Syncer:
             if dead:
                 log.warning("workers died (heartbeat lapsed) before acknowledging; going on without them", cmd=cmd,
                             workers=sorted(dead))
+            limit = "fetch_timeout" if cmd == "fetch" else "sync_timeout"
             if silent:
-                log.warning(f"workers did not acknowledge within sync_timeout={self.cfg.sync_timeout:g}s; going on "
-                            "without them", cmd=cmd, workers=sorted(silent))
+                log.warning(f"workers did not acknowledge within {limit}={timeout:g}s; going on without them", cmd=cmd,
+                            workers=sorted(silent))
             why.update({w: f"{cmd}: heartbeat lapsed" for w in dead})
-            why.update({w: f"{cmd}: silent past sync_timeout" for w in silent})
+            why.update({w: f"{cmd}: silent past {limit}" for w in silent})
             missing |= silent | dead
         self.version = version
+        paused_s = sum(durations.get(f"{c}_s", 0.0) for c in ("pause", "load", "resume"))
         record = {"version": version, "sync": sync_id, "workers": len(workers), "missing": sorted(missing),
-                  "missing_why": why, "refused": refused, "total_s": time.monotonic() - t_start, **durations}
+                  "missing_why": why, "refused": refused, "total_s": time.monotonic() - t_start,
+                  "paused_s": paused_s, **durations}
         metrics.record(self.client, self.keys, "sync", record)
         log.info("synced", workers=len(workers), missing=len(missing), refused=len(refused),
                  **{k: round(v, 4) for k, v in durations.items()})
         return record
 
-    def _wait_acks(self, sync_id: str, cmd: str, workers: set[str], cursor: str):
+    def _wait_acks(self, sync_id: str, cmd: str, workers: set[str], cursor: str, timeout: float):
         """Acks from ``workers`` for (sync, cmd); a worker that dies or stays
-        silent past the timeout is returned in ``dead`` or ``silent``."""
+        silent past ``timeout`` is returned in ``dead`` or ``silent``."""
         acked: set[str] = set()
         failed: dict[str, str] = {}
         dead: set[str] = set()
-        deadline = time.monotonic() + self.cfg.sync_timeout
+        deadline = time.monotonic() + timeout
         next_alive_check = 0.0
         while workers - acked:
             for cursor, entry in control.read_after(self.client, self.keys, cursor, count=1000, block_ms=250):

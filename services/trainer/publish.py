@@ -1,6 +1,6 @@
 """Publishing a policy version: safetensors file (atomic rename, sha256) and a
 version event on the ``versions`` stream (plain fields: version, path, sha256,
-step, time)."""
+step, time, and url when the trainer serves its weights over HTTP)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from services.trainer.checkpoint import atomic_write
 from shared.protocol import versions
 from shared.protocol.keys import Keys
 from shared.runtime.checksum import sha256_file
+from shared.runtime.weight_server import PREFIX
 
 
 def write_weights(state, directory: Path, version: int) -> tuple[Path, str]:
@@ -27,8 +28,10 @@ def write_weights(state, directory: Path, version: int) -> tuple[Path, str]:
 sha256 = sha256_file
 
 
-def publish(client, keys: Keys, version: int, path: Path, digest: str, step: int) -> None:
-    versions.publish(client, keys, versions.Version(version, str(path.resolve()), digest, step, time.time()))
+def publish(client, keys: Keys, version: int, path: Path, digest: str, step: int, url_base: str = "") -> None:
+    """The version event; with ``url_base`` (the weight server, config weights_url) it says where to download it."""
+    url = f"{url_base.rstrip('/')}{PREFIX}{path.name}" if url_base else ""
+    versions.publish(client, keys, versions.Version(version, str(path.resolve()), digest, step, time.time(), url=url))
 
 
 def latest_version(client, keys: Keys) -> int:

@@ -148,7 +148,7 @@ class Trainer:
         if self.version > 0 and publish.latest_version(self.client, self.keys) < self.version:
             self._tell({"op": "gather"})
             path, digest = publish.write_weights(self._publish_state(), self.weights_dir, self.version)
-            publish.publish(self.client, self.keys, self.version, path, digest, self.step)
+            publish.publish(self.client, self.keys, self.version, path, digest, self.step, self.cfg.weights_base_url)
             self.log.info("republished version after restart", version=self.version)
 
     def _republish_if_lost(self) -> None:
@@ -161,7 +161,8 @@ class Trainer:
         self._next_version_check = now + 2.0
         path = self.weights_dir / f"v{self.version:06d}.safetensors"
         if publish.latest_version(self.client, self.keys) < self.version and path.exists():
-            publish.publish(self.client, self.keys, self.version, path, publish.sha256(path), self.step)
+            publish.publish(self.client, self.keys, self.version, path, publish.sha256(path), self.step,
+                            self.cfg.weights_base_url)
             self.log.warning("version event lost by Redis; published again", version=self.version)
 
     # --- reading samples
@@ -339,7 +340,7 @@ class Trainer:
             self.client.xack(self.keys.samples, GROUP, *[e for e, _, _ in self.uncommitted])
         self.uncommitted = []
         fault("after_ack")
-        publish.publish(self.client, self.keys, self.version, path, digest, self.step)
+        publish.publish(self.client, self.keys, self.version, path, digest, self.step, self.cfg.weights_base_url)
         fault("after_publish")
         publish.prune(self.weights_dir, keep_from=self.version - self.cfg.max_staleness - 2)
         export.maybe_export(self.cfg, self.version, self.log)  # every export_every versions: an HF folder

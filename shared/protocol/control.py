@@ -1,12 +1,18 @@
 """The ``control`` stream: commands from the syncer to rollout workers, and
 their acknowledgements. Every field is plain text (readable in redis-cli).
 
-Command entries: ``type=cmd``, ``cmd`` (pause | load | resume), ``sync`` (id
-of the sync round), ``version`` (load: the version to load), ``path`` and
-``sha256`` (load: the weights file and its checksum).
+Command entries: ``type=cmd``, ``cmd`` (fetch | pause | load | resume), ``sync`` (id
+of the sync round), ``version`` (fetch, load: the version), ``path`` and
+``sha256`` (fetch, load: the published weights file and its checksum), ``url``
+(fetch, load; optional: where to download the file when ``path`` is not
+readable on the worker's host).
+
+A sync round is fetch, pause, load, resume. ``fetch``: each worker gets the version's file into a folder of its
+own (or checks the published one it can read) while it goes on generating, and acks once it holds a verified copy;
+``load`` then loads that local copy inside the pause (a load with no fetch before it fetches then).
 
 Ack entries: ``type=ack``, ``cmd``, ``sync``, ``worker``, ``ok`` (1 or 0),
-``version`` (the worker's version after the command), ``error`` (when ok=0).
+``version`` (the worker's version after the command: fetch does not change it), ``error`` (when ok=0).
 
 Written once, read tolerantly: the sync id is fixed for a whole sync round (made once, before the first
 command, so a retried XADD carries the same one); ``send_command`` and ``send_ack`` set
@@ -31,7 +37,8 @@ return false
 """
 MAXLEN = 10_000  # the control stream is capped (approximately)
 
-COMMANDS = ("pause", "load", "resume")
+COMMANDS = ("fetch", "pause", "load", "resume")
+WITH_WEIGHTS = ("fetch", "load")  # commands that name a version's file
 
 
 @dataclass
@@ -42,6 +49,7 @@ class Command:
     path: str = ""
     sha256: str = ""
     entry_id: str = ""
+    url: str = ""
 
 
 def _s(v) -> str:
@@ -49,8 +57,9 @@ def _s(v) -> str:
 
 
 def encode_command(c: Command) -> dict:
-    return {"type": "cmd", "cmd": c.cmd, "sync": c.sync, "version": str(c.version), "path": c.path,
-            "sha256": c.sha256}
+    fields = {"type": "cmd", "cmd": c.cmd, "sync": c.sync, "version": str(c.version), "path": c.path,
+              "sha256": c.sha256}
+    return {**fields, "url": c.url} if c.url else fields
 
 
 @dataclass(frozen=True)
@@ -90,9 +99,9 @@ def decode_entry(entry_id, fields: dict) -> Command | dict:
         version = int(f.get("version", "-1"))
     except ValueError:
         raise EventError(entry_id, "version", f"expected an integer, got {f.get('version')!r}") from None
-    if f["cmd"] == "load" and (version < 0 or not f.get("path")):
-        raise EventError(entry_id, "path", "a load command needs version >= 0 and a weights path")
-    return Command(f["cmd"], f["sync"], version, f.get("path", ""), f.get("sha256", ""), entry_id)
+    if f["cmd"] in WITH_WEIGHTS and (version < 0 or not f.get("path")):
+        raise EventError(entry_id, "path", f"a {f['cmd']} command needs version >= 0 and a weights path")
+    return Command(f["cmd"], f["sync"], version, f.get("path", ""), f.get("sha256", ""), entry_id, f.get("url", ""))
 
 
 def ack(cmd: Command, worker: str, ok: bool, version: int, error: str = "") -> dict:

@@ -6,6 +6,9 @@ syncer, rollout workers, the driver and the CLI. Every field is plain text (read
     sha256    hex digest of that file (a worker refuses weights that do not match)
     step      optimizer steps taken when the version was made
     time      unix time of the publish, seconds with 3 decimals
+    url       optional: where the file can be downloaded (the trainer's weight server, ``weights_port`` > 0): GET with
+              Range, ETag = the sha256; absent when the trainer serves none (entries written before it existed
+              decode with url "")
 
 Publishing is idempotent: one script appends the entry only when its version is newer than the newest entry's,
 so a retried publish (reply lost) or a trainer republishing after a restart adds nothing; readers get strictly
@@ -34,7 +37,7 @@ end
 return {1, redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))}
 """
 
-FIELDS = ("version", "path", "sha256", "step", "time")
+FIELDS = ("version", "path", "sha256", "step", "time", "url")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Version:
     step: int = 0
     time: float = 0.0
     entry_id: str = ""
+    url: str = ""
 
 
 def _s(v) -> str:
@@ -52,8 +56,9 @@ def _s(v) -> str:
 
 
 def encode(v: Version) -> dict[str, str]:
-    return {"version": str(v.version), "path": v.path, "sha256": v.sha256, "step": str(v.step),
-            "time": f"{v.time or time.time():.3f}"}
+    fields = {"version": str(v.version), "path": v.path, "sha256": v.sha256, "step": str(v.step),
+              "time": f"{v.time or time.time():.3f}"}
+    return {**fields, "url": v.url} if v.url else fields
 
 
 def decode(entry_id, fields: dict) -> Version:
@@ -75,7 +80,7 @@ def decode(entry_id, fields: dict) -> Version:
     except ValueError:
         raise EventError(entry_id, "step", f"expected an integer step and a float time, got {f.get('step')!r}, "
                                            f"{f.get('time')!r}") from None
-    return Version(version, f["path"], f.get("sha256", ""), step, at, entry_id)
+    return Version(version, f["path"], f.get("sha256", ""), step, at, entry_id, f.get("url", ""))
 
 
 def publish(client, keys: Keys, v: Version) -> str:

@@ -100,6 +100,15 @@ class Config:
     max_staleness: int = 1  # versions a trained token may lag the trainer; 0 with mode=sync is synchronous RL
     mode: str = "async"  # async | sync (rollout waits for the trainer, trainer for a full batch)
     sync_timeout: float = 30.0  # seconds the syncer waits for a worker's ack before going on without it
+    # staleness and sync: weights over the wire (docs/operations.md section 8)
+    weights_fetch: str = "auto"  # how a rollout worker gets a version's file: auto (the published path when it is readable here, else a download from the version's url) | always (download) | never (the published path only)
+    rollout_weights_dir: str = ""  # a rollout worker's own folder for downloaded versions (never weights_dir); empty: /dev/shm/streamrl/<run>-fetched when /dev/shm exists, else <run_dir>/<run>/fetched
+    rollout_weights_keep: int = 2  # downloaded versions a rollout worker keeps; older ones are deleted
+    weights_host: str = "127.0.0.1"  # the trainer's weight server listens here (loopback by default; 0.0.0.0 for workers on other hosts)
+    weights_port: int = 0  # ... on this port: HTTP GET (with ranges) and HEAD of the files in weights_dir; 0: no server (workers read weights_dir)
+    weights_url: str = ""  # the weight server's address as rollout workers reach it, put in each version event; empty: http://weights_host:weights_port
+    weights_token: str = ""  # when set, the weight server asks for it as the bearer token; rollout workers send it
+    fetch_timeout: float = 120.0  # seconds the syncer waits for every worker to hold a version's file (downloaded, verified) before it pauses them; a slower one then gets it inside its own pause
     # the run (driver)
     dataset: str = "arithmetic"  # built-in task, a .jsonl / .json / .parquet / .csv file, or a hub dataset name (local cache when offline)
     dataset_split: str = "train"  # split of a hub dataset to train on
@@ -141,6 +150,21 @@ class Config:
             return Path(self.weights_dir)
         shm = Path("/dev/shm")
         return shm / "streamrl" / self.run if shm.is_dir() else self.run_path / "weights"
+
+    @property
+    def rollout_weights_path(self) -> Path:
+        """A rollout worker's own folder for the versions it downloads."""
+        if self.rollout_weights_dir:
+            return Path(self.rollout_weights_dir)
+        shm = Path("/dev/shm")
+        return shm / "streamrl" / f"{self.run}-fetched" if shm.is_dir() else self.run_path / "fetched"
+
+    @property
+    def weights_base_url(self) -> str:
+        """Where rollout workers reach the trainer's weight server ('' when it serves none)."""
+        if self.weights_url:
+            return self.weights_url.rstrip("/")
+        return f"http://{self.weights_host}:{self.weights_port}" if self.weights_port else ""
 
 
 FIELDS = {f.name: f for f in fields(Config)}
@@ -302,9 +326,30 @@ def _validate(cfg: Config) -> None:
     if cfg.epochs < 0 or cfg.val_k < 1 or cfg.export_every < 0:
         raise ConfigError(f"config keys epochs/val_k/export_every: expected epochs >= 0, val_k >= 1, export_every >= 0, "
                           f"got {cfg.epochs}, {cfg.val_k}, {cfg.export_every}")
+    _validate_weights_transport(cfg)
     if not cfg.run or any(c in cfg.run for c in " :*?[]{}"):
         raise ConfigError(f"config key 'run': expected a name without spaces, ':', braces or glob characters, "
                           f"got {cfg.run!r}")
+
+
+def _validate_weights_transport(cfg: Config) -> None:
+    if cfg.weights_fetch not in ("auto", "always", "never"):
+        raise ConfigError(f"config key 'weights_fetch': expected 'auto', 'always' or 'never', got {cfg.weights_fetch!r}")
+    if not 0 <= cfg.weights_port < 65536:
+        raise ConfigError(f"config key 'weights_port': expected a port 1-65535, or 0 for no weight server, got "
+                          f"{cfg.weights_port}")
+    if cfg.weights_url and not cfg.weights_url.startswith(("http://", "https://")):
+        raise ConfigError(f"config key 'weights_url': expected an http:// or https:// address, got {cfg.weights_url!r}")
+    if cfg.weights_port and not cfg.weights_url and cfg.weights_host in ("", "0.0.0.0", "::"):
+        raise ConfigError(f"config key 'weights_url': weights_host {cfg.weights_host!r} listens on every interface "
+                          f"but is no address a worker can reach; set weights_url (e.g. http://<trainer host>:"
+                          f"{cfg.weights_port})")
+    if cfg.rollout_weights_keep < 1 or cfg.fetch_timeout <= 0:
+        raise ConfigError(f"config keys rollout_weights_keep, fetch_timeout: expected an integer >= 1 and seconds > 0, "
+                          f"got {cfg.rollout_weights_keep}, {cfg.fetch_timeout}")
+    if cfg.rollout_weights_path.resolve() == cfg.weights_path.resolve():
+        raise ConfigError(f"config key 'rollout_weights_dir': {cfg.rollout_weights_dir!r} is the trainer's weights_dir; "
+                          f"a worker's downloads (and their pruning) need a folder of their own")
 
 
 def add_arguments(parser: argparse.ArgumentParser, shown: tuple[str, ...] | None = None) -> None:

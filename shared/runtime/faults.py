@@ -11,7 +11,7 @@ The points, in the order each service passes them:
     rollout  opened     a group's episodes have their 'started' events in their streams, nothing generated
              flushed    an engine step's tokens were written to their streams
              finished   every episode of a group has its end in its stream; the group is not published yet
-    syncer   pause, load, resume   the command was sent; no worker's acknowledgement was awaited
+    syncer   fetch, pause, load, resume   the command was sent; no worker's acknowledgement was awaited
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ENV = "FAULT_INJECT_STREAMRL_CRASH"
 POINTS = {
     "trainer": ("before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish"),
     "rollout": ("opened", "flushed", "finished"),
-    "syncer": ("pause", "load", "resume"),
+    "syncer": ("fetch", "pause", "load", "resume"),
 }
 _reached: Counter = Counter()
 

@@ -1,0 +1,151 @@
+"""Where a rollout worker's weights come from: the file a version event names, or a copy of it in a folder of the
+worker's own, downloaded from the trainer's weight server (``weights_fetch``: auto | always | never).
+
+A sync's ``fetch`` command starts ``prefetch`` in a thread, so the download and the sha256 check run while the worker
+goes on generating; the thread acks the fetch once a verified copy is here. The ``load`` inside the pause then only
+reads that copy (``local``): no download and no hashing in the pause. A load that no fetch preceded (by hand, or a
+worker catching up at start) gets its copy right then.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from shared.runtime import weight_fetch
+from shared.runtime.checksum import sha256_file
+from shared.runtime.config import Config
+
+
+def _stat_key(path: Path) -> tuple:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+class LocalWeights:
+    def __init__(self, cfg: Config, log):
+        self.mode, self.folder, self.keep, self.token = (cfg.weights_fetch, cfg.rollout_weights_path,
+                                                         cfg.rollout_weights_keep, cfg.weights_token)
+        self.log = log
+        self._lock = threading.Lock()
+        self._ready: dict[int, tuple[Path, str, tuple]] = {}  # version -> (verified file, sha256, its stat then)
+        self._failed: dict[int, str] = {}  # version -> why its last fetch failed (a load refuses with it)
+        self._running: dict[int, threading.Thread] = {}
+        self.stats = {"fetched_bytes": 0, "fetches": 0, "fetch_failures": 0}
+
+    def prefetch(self, version: int, path: str, sha256: str, url: str, done) -> None:
+        """Get a verified copy of ``version`` in a thread, then ``done(ok, error)`` (from that thread)."""
+        self._start(version, path, sha256, url, done)
+
+    def local(self, version: int, path: str, sha256: str, url: str = "", waiting=lambda: None) -> Path:
+        """The verified file to load ``version`` from: the copy a fetch made (waited for when it is still under
+        way), or one made now (``waiting()`` is called about every second meanwhile: the heartbeat). The error of a
+        failed fetch is raised once (a later load tries again)."""
+        with self._lock:
+            ready, running, failed = self._ready.get(version), self._running.get(version), version in self._failed
+        if running is None and not failed and not (ready and ready[1] == sha256 and self._unchanged(ready)):
+            running = self._start(version, path, sha256, url, None)
+        while running is not None and running.is_alive():
+            running.join(1.0)
+            waiting()
+        with self._lock:
+            error = self._failed.pop(version, None)
+            ready = self._ready.get(version)
+        if error is not None:
+            raise ValueError(error)
+        if not ready or ready[1] != sha256:
+            raise ValueError(f"weights v{version}: no verified copy here (sha256 {sha256[:12]}...)")
+        return ready[0]
+
+    def _start(self, version: int, path: str, sha256: str, url: str, done) -> threading.Thread:
+        def work() -> None:
+            if earlier is not None:  # the same version asked for again (a repeated sync): after the first, cheap
+                earlier.join()
+            try:
+                self._get(version, path, sha256, url)
+            except Exception as exc:  # any failure is an error ack: the syncer must hear from this worker
+                error = str(exc) or type(exc).__name__
+                with self._lock:
+                    self._failed[version] = error
+                    self.stats["fetch_failures"] += 1
+                self.log.error("weights fetch failed; keeping old version", version=version, url=url, error=error)
+                ok = False
+            else:
+                error, ok = "", True
+            with self._lock:
+                if self._running.get(version) is threading.current_thread():
+                    del self._running[version]
+            if done is not None:
+                done(ok, error)
+
+        thread = threading.Thread(target=work, daemon=True, name=f"fetch-v{version}")
+        with self._lock:
+            earlier = self._running.get(version)
+            self._failed.pop(version, None)
+            self._running[version] = thread
+        thread.start()
+        return thread
+
+    @staticmethod
+    def _unchanged(ready: tuple) -> bool:
+        try:
+            return _stat_key(ready[0]) == ready[2]  # the file verified then, unchanged since
+        except OSError:
+            return False
+
+    def loaded(self, version: int) -> None:
+        """``version`` is in the engine: downloads older than the newest few are deleted."""
+        with self._lock:
+            self._ready = {v: r for v, r in self._ready.items() if v >= version}
+        if self.folder.is_dir():
+            for v in weight_fetch.prune(self.folder, self.keep, version):
+                self.log.debug("deleted old downloaded weights", version=v)
+
+    # --- one version's file
+    def _get(self, version: int, path: str, sha256: str, url: str) -> Path:
+        with self._lock:
+            ready = self._ready.get(version)
+        if ready and ready[1] == sha256 and self._unchanged(ready):  # verified before (a sync repeated)
+            return ready[0]
+        published = Path(path)
+        unusable = None  # why the published file, readable here, is not the published version
+        if self.mode != "always" and published.is_file() and os.access(published, os.R_OK):
+            try:
+                return self._verified(version, published, sha256)
+            except ValueError as exc:
+                if self.mode == "never" or not url:
+                    raise
+                unusable = exc
+                self.log.warning("published weights file unusable here; downloading it", version=version,
+                                 error=str(exc))
+        elif self.mode == "never":
+            raise ValueError(f"weights v{version}: {path} is not readable on this host (weights_fetch = never)")
+        elif not url:
+            raise ValueError(f"weights v{version}: {path} is not readable on this host and the version event has no "
+                             f"url to download it from (the trainer serves weights only with weights_port > 0)")
+        try:
+            got = weight_fetch.fetch(url, version, sha256, self.folder, self.token, log=self.log)
+        except weight_fetch.FetchError as exc:
+            if unusable is None:
+                raise
+            raise ValueError(f"{unusable}; the download instead failed too: {exc}") from None
+        with self._lock:
+            self._ready[version] = (got.path, sha256, _stat_key(got.path))
+            self.stats["fetches"] += 1
+            self.stats["fetched_bytes"] += got.downloaded
+        self.log.info("weights fetched", version=version, url=url, mb=round(got.bytes / 1e6, 1),
+                      downloaded_mb=round(got.downloaded / 1e6, 1), resumed_from=got.resumed_from,
+                      seconds=round(got.seconds, 3))
+        return got.path
+
+    def _verified(self, version: int, path: Path, sha256: str) -> Path:
+        key = _stat_key(path)
+        if sha256:  # an event without one (hand-written) is taken as it is
+            actual = sha256_file(path)
+            if actual != sha256:
+                raise ValueError(f"weights {path}: sha256 {actual[:12]}... does not match the published "
+                                 f"{sha256[:12]}... (corrupt or truncated file)")
+        with self._lock:
+            self._ready[version] = (path, sha256, key)
+        return path

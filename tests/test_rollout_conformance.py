@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from services.rollout.worker import sha256_file
+from shared.runtime.checksum import sha256_file
 from services.trainer.batch import build_batch
 from services.trainer.step import policy_logprobs
 from shared.runtime.config import Config

@@ -23,6 +23,7 @@ def test_redis_url_env_with_password():
     ({"env": {"STREAMRL_NOPE": "1"}}, "unknown config key 'nope'"),
     ({"flags": {"flush_tokens": "1.5"}}, "'flush_tokens' (from flag --flush-tokens): expected int"),
     ({"flags": {"flush_tokens": "0"}}, "'flush_tokens': expected an integer >= 1, got 0"),
+    ({"flags": {"rollout_workers": "0"}}, "'rollout_workers': expected an integer >= 1, got 0"),
     ({"flags": {"run": "a b"}}, "config key 'run'"),
     ({"file": "not toml ===\n"}, "not valid TOML"),
 ])

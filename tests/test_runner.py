@@ -6,7 +6,7 @@ import uuid
 
 from shared.runtime.config import Config
 from services.driver.driver import ENDED
-from services.ops.runner import archive_ended_run
+from services.ops.runner import archive_ended_run, processes
 
 
 def test_ended_run_is_moved_aside_and_interrupted_run_is_kept(tmp_path):
@@ -20,3 +20,13 @@ def test_ended_run_is_moved_aside_and_interrupted_run_is_kept(tmp_path):
     assert dest is not None and dest.name.startswith(f"{cfg.run}.") and (dest / "trainer" / "checkpoint.pt").exists()
     assert not cfg.run_path.exists() and not cfg.weights_path.exists()
     assert archive_ended_run(cfg) is None  # nothing left to move
+
+
+def test_processes_start_as_many_rollout_workers_as_configured():
+    entries = {"redis": "exec streamrl redis", "rollout": "exec python -m services.rollout",
+               "trainer": "exec python -m services.trainer", "agents": "exec python -m services.gateway.agents_worker"}
+    names = [name for name, _ in processes(Config(rollout_workers=3), entries)]
+    assert names == ["rollout.1", "rollout.2", "rollout.3", "trainer"]  # no redis line, no agents without an agent
+    assert [n for n, _ in processes(Config(), entries)] == ["rollout", "trainer"]
+    assert [n for n, _ in processes(Config(agent="m:f", agent_workers=2), entries)] == [
+        "rollout", "trainer", "agents.1", "agents.2"]

@@ -46,6 +46,7 @@ class Config:
     rollout_device: str = ""  # the rollout engine's device; empty: device
     max_batch_size: int = 64  # sequences decoded together by the engine
     max_groups_in_flight: int = 8  # prompt groups one rollout worker holds at once
+    rollout_workers: int = 1  # rollout worker processes `streamrl run` starts (honcho start: `-c rollout=N`)
     group_size: int = 8  # episodes per prompt group (GRPO n); docs/training.md says why the defaults
     max_tokens: int = 32  # generated-token budget per episode
     temperature: float = 1.0  # sampling temperature (0: greedy)
@@ -301,6 +302,8 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("config keys lr, clip_low, clip_high, is_cap: expected lr > 0 and the others >= 0")
     if cfg.agent and ":" not in cfg.agent:
         raise ConfigError(f"config key 'agent': expected 'module:function', got {cfg.agent!r}")
+    if cfg.rollout_workers < 1:
+        raise ConfigError(f"config key 'rollout_workers': expected an integer >= 1, got {cfg.rollout_workers}")
     if cfg.agent_workers < 1 or cfg.agent_concurrency < 1:
         raise ConfigError(f"config keys agent_workers, agent_concurrency: expected integers >= 1, got "
                           f"{cfg.agent_workers}, {cfg.agent_concurrency}")

@@ -55,7 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.runs import rollout_tokens, streamrl_run  # noqa: E402
+from bench.runs import rollout_reports, streamrl_run  # noqa: E402
 from shared.runtime.config import FIELDS  # noqa: E402
 
 VARIANTS = [("sync", 0), ("async", 1), ("async", 2)]
@@ -92,8 +92,10 @@ def evaluate(model_dir: Path, weights: Path | None, rows: list[dict], max_tokens
         return greedy_accuracy(tmp, rows, max_tokens=max_tokens)
 
 
-def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str, seed: int = 0) -> dict:
-    run = f"bench-{tag}-{mode}{staleness}-s{seed}"
+def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str, seed: int = 0, extra: dict | None = None,
+                label: str = "") -> dict:
+    """One whole run of a variant; ``extra``: more config keys (bench/trajectory_async.py's sync modes)."""
+    run = f"bench-{tag}-{label or mode + str(staleness)}-s{seed}"
     per_version = args.steps_per_version
     flags = {"run": run, "mode": mode, "max_staleness": staleness, "dataset": "chain_sum",
              "model_dir": str(model_dir), "max_minutes": args.max_minutes,
@@ -105,9 +107,11 @@ def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str, seed
              "step_delay_ms": args.step_delay_ms, "simulated_train_us_per_token": args.simulated_train_us_per_token}
     if "val_every" in FIELDS:
         flags["val_every"] = 0  # validation rounds would cost both modes the same rollout time; leave them out
-    print(f"\n== {mode} max_staleness={staleness} seed {seed}", flush=True)
+    flags.update(extra or {})
+    print(f"\n== {label or mode} max_staleness={staleness} seed {seed}", flush=True)
     t_start, steps = streamrl_run(flags, args.verbose)
-    generated = rollout_tokens(flags)
+    reports = rollout_reports(Path(flags.get("run_dir", ROOT / "runs")), run)
+    generated = sum(int(r.get("tokens", 0)) for r in reports.values())
     versions = args.versions // per_version
     steps = [s for s in steps if s["step"] <= versions * per_version]  # the budget; steps after the end don't count
     weights = Path(f"/dev/shm/streamrl/{run}") if Path("/dev/shm").is_dir() else ROOT / "runs" / run / "weights"
@@ -122,9 +126,14 @@ def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str, seed
     print(f"   greedy accuracy of version {eval_version} on {len(args.eval_rows)} fixed problems: {final_eval:.3f} "
           f"({time.monotonic() - t0:.0f}s)", flush=True)
     shutil.rmtree(weights, ignore_errors=True)
+    busy = [r["busy_s"] / max(1e-9, r["busy_s"] + r["idle_s"]) for r in reports.values()]
+    counters = {k: sum(float(r.get(k, 0)) for r in reports.values())
+                for k in {k for r in reports.values() for k in r if k.startswith("repack")}}
     return summarize(steps, t_start, args.window) | {"run": run, "mode": mode, "max_staleness": staleness,
                                                      "final_eval": final_eval, "eval_version": eval_version,
-                                                     "seed": seed, "generated_tokens": generated}
+                                                     "seed": seed, "generated_tokens": generated,
+                                                     "rollout_busy": sum(busy) / max(1, len(busy)),
+                                                     "label": label or mode, **counters}
 
 
 def mean_over_seeds(runs: list[dict]) -> dict:
@@ -172,8 +181,8 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
     return next((t for t, r in curve if r >= target), None)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """The flags every whole-run benchmark of async RL shares (this one and bench/trajectory_async.py)."""
     p.add_argument("--quick", action="store_true", help="smaller sample budget, for a smoke run (~3 min)")
     p.add_argument("--budget", type=int, default=None, help="trained samples per variant (default 12288; quick 3072)")
     p.add_argument("--group-size", type=int, default=8)
@@ -199,7 +208,10 @@ def main() -> None:
                    help="simulated training cost per trained token (sleep)")
     p.add_argument("--verbose", action="store_true", help="echo the driver's progress lines")
     p.add_argument("--json", action="store_true", help="print every figure as JSON at the end")
-    args = p.parse_args()
+
+
+def prepare(args) -> None:
+    """Defaults that depend on other flags: the simulated GPU's costs, the budget in versions."""
     if args.simulate_gpu:
         args.step_delay_ms = args.step_delay_ms or SIMULATED_GPU["step_delay_ms"]
         args.simulated_train_us_per_token = (args.simulated_train_us_per_token or
@@ -207,6 +219,14 @@ def main() -> None:
     budget = args.budget or (3072 if args.quick else 12288)
     per_version = args.group_size * args.batch_groups
     args.versions = max(2, budget // per_version)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(p)
+    args = p.parse_args()
+    prepare(args)
+    per_version = args.group_size * args.batch_groups
     tag = uuid.uuid4().hex[:6]
     model_dir = ROOT / "runs" / f"bench-{tag}-model"
     t0 = time.monotonic()

@@ -53,9 +53,3 @@ def rollout_reports(run_dir: Path, run: str) -> dict[str, dict]:
         return {r["worker"]: r for _, r in metrics.read(connect(server.url), Keys(run), "rollout")}
     finally:
         server.stop()
-
-
-def rollout_tokens(flags: dict) -> int:
-    """Tokens the run's rollout workers generated (their last reports)."""
-    reports = rollout_reports(Path(flags.get("run_dir", ROOT / "runs")), flags["run"])
-    return sum(int(r.get("tokens", 0)) for r in reports.values())

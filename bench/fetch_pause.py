@@ -26,13 +26,11 @@ bench/sync_pause.py).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -43,7 +41,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from bench.sync_pause import LARGE, first_token_ms, generating, ms  # noqa: E402
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
+from bench.runs import finish, scratch_server  # noqa: E402
 from services.ops.tiny_model import make_tiny_model  # noqa: E402
 from services.syncer.syncer import Syncer  # noqa: E402
 from services.trainer.publish import publish, write_weights  # noqa: E402
@@ -147,29 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logs.setup("warning")
     t_start = time.perf_counter()
-    shm = Path("/dev/shm")
-    with tempfile.TemporaryDirectory() as tmp_name, \
-            tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None) as weights_name:
-        tmp = Path(tmp_name)
-        server = EmbeddedRedis(tmp / "redis").start()
-        try:
-            client = connect(server.url)
-            big = ("medium random-init", MEDIUM, 2) if args.quick else ("large random-init", LARGE, 3)
-            models = [(make_tiny_model(tmp / "tiny"), "tiny default", 5 if args.quick else 10),
-                      (make_tiny_model(tmp / "big", **big[1]), big[0], big[2])]
-            results = [bench_model(client, server.url, d, label, Path(weights_name), reps, case)
-                       for d, label, reps in models for case in CASES]
-        finally:
-            server.stop()
-    print(f"both folders in {'/dev/shm' if shm.is_dir() else 'a temp dir'}; weight server: uvicorn thread in the "
-          f"benchmark process, loopback HTTP; rollout worker: a process; syncer: Syncer.sync "
+    with scratch_server(weights_in_shm=True) as (tmp, url, weights_dir):
+        client = connect(url)
+        big = ("medium random-init", MEDIUM, 2) if args.quick else ("large random-init", LARGE, 3)
+        models = [(make_tiny_model(tmp / "tiny"), "tiny default", 5 if args.quick else 10),
+                  (make_tiny_model(tmp / "big", **big[1]), big[0], big[2])]
+        results = [bench_model(client, url, d, label, weights_dir, reps, case)
+                   for d, label, reps in models for case in CASES]
+    print(f"both folders in {'/dev/shm' if Path('/dev/shm').is_dir() else 'a temp dir'}; weight server: uvicorn "
+          f"thread in the benchmark process, loopback HTTP; rollout worker: a process; syncer: Syncer.sync "
           f"in the benchmark process; CPU, torch {torch.__version__}, {os.cpu_count()} cores")
-    print(render(results))
-    print(f"(total {time.perf_counter() - t_start:.1f} s)")
-    if args.json:
-        print(json.dumps(results, indent=1))
-    return 0
-
+    return finish(render(results), t_start, results, args.json)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,3 +55,32 @@ def rollout_reports(run_dir: Path, run: str) -> dict[str, dict]:
         return {r["worker"]: r for _, r in metrics.read(connect(server.url), Keys(run), "rollout")}
     finally:
         server.stop()
+
+
+@contextmanager
+def scratch_server(weights_in_shm: bool = False):
+    """A temporary folder with an embedded Redis serving from ``<tmp>/redis``, both gone afterwards:
+    ``(tmp, url, weights_dir)``; ``weights_dir`` is a second temporary folder, in /dev/shm when there is one and
+    ``weights_in_shm`` (weight files there cost no disk I/O), else None."""
+    sys.path.insert(0, str(ROOT))
+    from services.ops.redis_server import EmbeddedRedis
+
+    shm = Path("/dev/shm")
+    with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp_name, ExitStack() as stack:
+        weights = (Path(stack.enter_context(tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None)))
+                   if weights_in_shm else None)
+        tmp = Path(tmp_name)
+        server = EmbeddedRedis(tmp / "redis").start()
+        try:
+            yield tmp, server.url, weights
+        finally:
+            server.stop()
+
+
+def finish(table: str, t_start: float, results, as_json: bool) -> int:
+    """The end of a bench's ``main``: its table, the total time, the figures as JSON when asked; exit code 0."""
+    print(table)
+    print(f"(total {time.perf_counter() - t_start:.1f} s)")
+    if as_json:
+        print(json.dumps(results, indent=1, default=str))
+    return 0

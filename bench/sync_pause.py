@@ -28,13 +28,11 @@ much of the pause is the weights' bytes moving.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -53,7 +51,7 @@ from shared.runtime.connection import connect  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
 from shared.protocol import control, events  # noqa: E402
 from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
+from bench.runs import finish, scratch_server  # noqa: E402
 from services.ops.tiny_model import make_tiny_model  # noqa: E402
 
 LARGE = dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)  # ~113M parameters
@@ -185,26 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logs.setup("warning")
     t_start = time.perf_counter()
-    shm = Path("/dev/shm")
-    with tempfile.TemporaryDirectory() as tmp_name, \
-            tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None) as weights_name:
-        tmp, weights_dir = Path(tmp_name), Path(weights_name)
-        server = EmbeddedRedis(tmp / "redis").start()
-        try:
-            client = connect(server.url)
-            models = [(make_tiny_model(tmp / "tiny"), "tiny default", 3 if args.quick else 8),
-                      (make_tiny_model(tmp / "large", **LARGE), "large random-init", 1 if args.quick else 3)]
-            results = [bench_model(client, server.url, d, label, weights_dir, reps) for d, label, reps in models]
-        finally:
-            server.stop()
-    print(f"weights in {'/dev/shm' if shm.is_dir() else 'a temp dir'}; rollout worker: a process; syncer: Syncer.sync "
-          f"in the benchmark process; CPU, torch {torch.__version__}")
-    print(render(results))
-    print(f"(total {time.perf_counter() - t_start:.1f} s)")
-    if args.json:
-        print(json.dumps(results, indent=1))
-    return 0
-
+    with scratch_server(weights_in_shm=True) as (tmp, url, weights_dir):
+        client = connect(url)
+        models = [(make_tiny_model(tmp / "tiny"), "tiny default", 3 if args.quick else 8),
+                  (make_tiny_model(tmp / "large", **LARGE), "large random-init", 1 if args.quick else 3)]
+        results = [bench_model(client, url, d, label, weights_dir, reps) for d, label, reps in models]
+    print(f"weights in {'/dev/shm' if Path('/dev/shm').is_dir() else 'a temp dir'}; rollout worker: a process; "
+          f"syncer: Syncer.sync in the benchmark process; CPU, torch {torch.__version__}")
+    return finish(render(results), t_start, results, args.json)
 
 if __name__ == "__main__":
     sys.exit(main())

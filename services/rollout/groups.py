@@ -139,9 +139,13 @@ class Groups:
                 break
             pending = self.client.xpending_range(stream, GROUP, min="-", max="+", count=100)
             held = {run.group.entry_id for run in self.held.values()}
-            orphans = [p["message_id"] for p in pending
+            mine = pending
+            if any(n.stream == stream for n in self.repacked.values()):  # all of this worker's, not the first 100
+                mine = self.client.xpending_range(stream, GROUP, min="-", max="+", count=10_000,
+                                                  consumername=self.worker_id)
+            orphans = [p["message_id"] for p in mine
                        if p["consumer"].decode() == self.worker_id and p["message_id"].decode() not in held]
-            self._forget_stale_repacks(stream, {p["message_id"].decode() for p in pending
+            self._forget_stale_repacks(stream, {p["message_id"].decode() for p in mine
                                                 if p["consumer"].decode() == self.worker_id})
             for entry_id, fields in self.client.xclaim(stream, GROUP, self.worker_id, 0, orphans[:free]) \
                     if orphans else []:

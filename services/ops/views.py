@@ -67,7 +67,8 @@ def _describe(ev, decode_text) -> str:
         return f"{d['reason']} at {d['num_tokens']} tokens"
     if ev.kind == "resumed":
         takeover = f", takeover from {d['takeover_from']}" if d.get("takeover_from") else ""
-        return f"at {d['num_tokens']} tokens{takeover}"
+        repacked = f", repacked from {d['repacked']}" if d.get("repacked") else ""
+        return f"at {d['num_tokens']} tokens{takeover}{repacked}"
     if ev.kind == "tool_call":
         return f"{d['call_id']} {d['name']}({d['args']})"
     if ev.kind == "tool_result":

@@ -98,8 +98,10 @@ class Episodes:
         self.live[episode_id] = live
         self.events.open(episode_id, ep.last_seq + 1)
         takeover = run.takeover_from is not None and ep.last_worker != self.worker_id
+        repacked = run.repack is not None and ep.last_worker == run.repack.source != self.worker_id
         self._append(live, "resumed", {"num_tokens": len(ep.tokens),
-                                       **({"takeover_from": ep.last_worker} if takeover else {})})
+                                       **({"takeover_from": ep.last_worker} if takeover else {}),
+                                       **({"repacked": ep.last_worker} if repacked else {})})
         self.stats["resumed"] += 1
         self.log.info("episode resumed from stream", episode=episode_id, tokens=len(ep.tokens),
                       takeover_from=ep.last_worker if takeover else None)
@@ -158,6 +160,24 @@ class Episodes:
             if live.state in (State.GENERATING, State.PAUSED):
                 live.state = State.PAUSED
                 self._append(live, "aborted", {"reason": reason, "num_tokens": len(live.tokens)})
+
+    def stop_group(self, group_id: str, reason: str) -> list[LiveEpisode] | None:
+        """Stop generating the group's episodes here (an ``aborted`` event each) and make every event of the group
+        durable, so that it can leave this worker (a repack). The episodes that were generating, or None when
+        the group is no longer this worker's (fenced while flushing: dropped)."""
+        mine = [live for live in self.live.values() if live.group_id == group_id]
+        stopped = [live for live in mine if live.state is State.GENERATING]
+        for live in stopped:
+            if (rest := self.engine.abort(live.episode_id)) is not None:
+                self._record(live, rest)
+            live.state = State.PAUSED
+            self._append(live, "aborted", {"reason": reason, "num_tokens": len(live.tokens)})
+        self.flush([live.episode_id for live in mine])
+        return stopped if self.groups.get(group_id) is not None and all(map(self.owns, mine)) else None
+
+    def forget_group(self, group_id: str) -> None:
+        """The group has left this worker (handed over): forget it (``_forget_group``)."""
+        self._forget_group(group_id)
 
     def resume_all(self) -> None:
         """Continue every aborted episode from what its stream says, not from memory."""

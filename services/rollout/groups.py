@@ -28,6 +28,7 @@ class GroupRun:
     done: set[str] = field(default_factory=set)
     source: str = ""  # the prompts stream the group came from (training or validation)
     takeover_from: str | None = None  # the dead worker it was claimed from
+    repack: object | None = None  # the notice (shared/protocol/repacks.Repack) when another worker handed it here
 
     @property
     def complete(self) -> bool:
@@ -42,6 +43,8 @@ class Groups:
         self.held: dict[str, GroupRun] = {}
         self.published = 0
         self._missing_since: dict[str, float] = {}  # worker -> when its heartbeat key was first seen missing
+        self.claim_cap = cfg.max_groups_in_flight  # slots new claims may fill (a long-tail worker's share: repacker)
+        self.repacked: dict[str, object] = {}  # entry id -> repack notice: handed here, not re-opened yet
 
     def create_consumer_groups(self) -> None:
         for stream in (self.keys.val_prompts, self.keys.prompts):
@@ -58,13 +61,15 @@ class Groups:
         return sum(run.group.n / self.cfg.group_size if run.source == val else 1
                    for run in (*self.held.values(), *also))
 
-    def room(self, also=()) -> int:
-        """Training groups that may still start (beside ``also``: claimed, not held yet)."""
-        return max(0, int(self.cfg.max_groups_in_flight - self._slots_used(also) + 1e-9))
+    def room(self, also=(), cap: int | None = None) -> int:
+        """Training groups that may still start (beside ``also``: claimed, not held yet), of ``cap`` slots
+        (default: all, max_groups_in_flight)."""
+        cap = self.cfg.max_groups_in_flight if cap is None else cap
+        return max(0, int(cap - self._slots_used(also) + 1e-9))
 
     def val_room(self) -> int:
         """Validation groups that may still start (each of at most ``val_k`` episodes)."""
-        free = self.cfg.max_groups_in_flight - self._slots_used()
+        free = self.claim_cap - self._slots_used()
         return max(0, int(free * self.cfg.group_size / max(1, self.cfg.val_k) + 1e-9))
 
     def get(self, group_id: str) -> GroupRun | None:
@@ -75,7 +80,7 @@ class Groups:
         """New groups: validation ones first (no gate: never trained), then training ones as far as the gate
         allows for a worker at ``version``. Not yet held: the caller opens each (``hold``)."""
         runs = self._read(self.keys.val_prompts, self.val_room())
-        slots = self._reserve(self.room(also=runs), version)
+        slots = self._reserve(self.room(also=runs, cap=self.claim_cap), version)
         if slots.granted > 0:
             entries = self._read(self.keys.prompts, slots.granted)
             if slots.gated:
@@ -134,12 +139,20 @@ class Groups:
                 break
             pending = self.client.xpending_range(stream, GROUP, min="-", max="+", count=100)
             held = {run.group.entry_id for run in self.held.values()}
-            orphans = [p["message_id"] for p in pending
+            mine = pending
+            if any(n.stream == stream for n in self.repacked.values()):  # all of this worker's, not the first 100
+                mine = self.client.xpending_range(stream, GROUP, min="-", max="+", count=10_000,
+                                                  consumername=self.worker_id)
+            orphans = [p["message_id"] for p in mine
                        if p["consumer"].decode() == self.worker_id and p["message_id"].decode() not in held]
+            self._forget_stale_repacks(stream, {p["message_id"].decode() for p in mine
+                                                if p["consumer"].decode() == self.worker_id})
             for entry_id, fields in self.client.xclaim(stream, GROUP, self.worker_id, 0, orphans[:free]) \
                     if orphans else []:
                 if fields and (run := self.decode(stream, entry_id, fields)) is not None:
-                    self.log.warning("re-opening a group this worker no longer held", entry=entry_id.decode())
+                    run.repack = self.repacked.pop(entry_id.decode(), None)
+                    if run.repack is None:
+                        self.log.warning("re-opening a group this worker no longer held", entry=entry_id.decode())
                     runs.append(run)
                     free -= 1
             for owner, ids in self._dead_owners(pending, min_idle).items():
@@ -150,6 +163,11 @@ class Groups:
                         runs.append(run)
                         free -= 1
         return runs
+
+    def _forget_stale_repacks(self, stream: str, mine: set[str]) -> None:
+        """A repack notice whose entry is no longer pending here (another worker took it over) is dropped."""
+        for entry in [e for e, n in self.repacked.items() if n.stream == stream and e not in mine]:
+            del self.repacked[entry]
 
     def _dead_owners(self, pending, min_idle: int) -> dict[str, list]:
         idle: dict[str, list] = {}

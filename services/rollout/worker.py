@@ -21,6 +21,7 @@ from services.rollout.engine import Engine, EngineError
 from services.rollout.episodes import Episodes
 from services.rollout.groups import Groups
 from services.rollout.prompting import stop_token_ids
+from services.rollout.repacker import Repacker
 from services.rollout.tool_jobs import ToolJobs
 from services.rollout.weights import LocalWeights
 from shared.protocol import control, metrics, versions
@@ -54,6 +55,7 @@ class RolloutWorker:
                                  stop_token_ids(tokenizer, cfg.model_dir, cfg.stop),
                                  self.log)
         self.calls = CallServer(cfg, client, worker_id, engine, tokenizer, self.log)  # gateway calls (agents)
+        self.repack = Repacker(cfg, client, self.keys, worker_id, self.episodes, self.claims, self.log)  # long tails
         self.heartbeat = Heartbeat(client, self.keys, "rollout", worker_id, cfg.heartbeat_ttl)
         self.weights = LocalWeights(cfg, self.log)  # each version's file: the published one, or a download
         self.control_cursor = "$"
@@ -82,7 +84,7 @@ class RolloutWorker:
     @property
     def stats(self) -> dict:
         return {**self.episodes.stats, "groups": self.claims.published, "takeovers": self.takeovers,
-                **self.weights.stats}
+                **self.weights.stats, **self.repack.stats}
 
     def waiting_on_jobs(self) -> bool:
         return self.jobs.waiting()
@@ -95,6 +97,7 @@ class RolloutWorker:
             last = self.client.xrevrange(stream, count=1)
             self.prompt_cursors[stream] = last[0][0].decode() if last else "0-0"
         self.calls.start()
+        self.repack.start()
         self._catch_up()
         self.beat(force=True)
 
@@ -139,6 +142,7 @@ class RolloutWorker:
                         self.episodes.on_chunk(chunk)
             self.busy_s += time.monotonic() - t0
         self.episodes.flush(due_only=True)
+        self.repack.after_tick(self.busy_s)  # long-tail repack: policy, handoff (services/rollout/repacker.py)
         self.beat()
         if now >= self._next_report:
             self.report()
@@ -148,10 +152,11 @@ class RolloutWorker:
         driven: it is tried when a slot has freed (a group published or dropped), when a new prompt group or
         a resume (the gate moves with a sync) woke the worker, and at the latest every CLAIM_RECHECK_S (a gate
         slot given back by the trainer); never throttled, never on every engine step for nothing."""
-        if now >= self._next_takeover:
+        if now >= self._next_takeover or self.repack.waiting():  # a group repacked here: open it before new ones
             self._next_takeover = now + self.cfg.heartbeat_ttl / 2
             for run in self.claims.take_over():
                 self.takeovers += run.takeover_from is not None
+                self.repack.opened(run)
                 self.episodes.open_group(run)
         held = (len(self.claims.held), self.claims.published)
         if not (self._claim_wanted or held != self._claimed_with or now >= self._next_claim):
@@ -179,7 +184,8 @@ class RolloutWorker:
 
     def beat(self, force: bool = False) -> None:
         self.heartbeat.beat(force=force, version=self.engine.version, paused=int(self.paused),
-                            episodes=len(self.live), groups=len(self.claims.held))
+                            episodes=len(self.live), groups=len(self.claims.held), role=self.cfg.rollout_role,
+                            room=self.claims.room())
 
     def report(self, final: bool = False) -> None:
         """Throughput and busy/idle time, on the metrics stream every few seconds; ``final`` marks the last
@@ -221,13 +227,15 @@ class RolloutWorker:
         # one read of every stream that can give an idle worker work: control, new prompt groups, gateway calls,
         # results of its rq jobs (rq writes one stream per job); it returns at once when any has something
         streams = {self.keys.control: self.control_cursor, **self.prompt_cursors, **self.calls.wake_streams(),
-                   **self.jobs.result_streams()}
+                   **self.jobs.result_streams(), **self.repack.wake_streams()}
         reply = self.client.xread(streams, count=100, block=block_ms if block_ms else None)
         for stream, entries in reply or []:
             name = stream.decode() if isinstance(stream, bytes) else stream
             if name in self.prompt_cursors:  # new prompt groups: claim on this tick
                 self.prompt_cursors[name] = entries[-1][0].decode()
                 self._claim_wanted = True
+                continue
+            if self.repack.saw(name, entries):  # a long-tail worker: groups handed to it, opened on this tick
                 continue
             if name not in (self.keys.control, self.keys.calls):
                 continue  # a job's result: jobs.poll() picks it up on this tick

@@ -73,13 +73,16 @@ KINDS: dict[str, dict[str, tuple[str, bool, str]]] = {
         "call": ("int", False, "v2: the call these tokens answer (agent episodes); absent: the episode's response"),
     },
     "aborted": {
-        "reason": ("str", True, "why generation stopped: 'pause' (weight sync), 'shutdown', 'debug'"),
+        "reason": ("str", True, "why generation stopped: 'pause' (weight sync), 'shutdown', 'debug', 'repack' (the "
+                                "group was handed to a long-tail worker)"),
         "num_tokens": ("int", True, "response tokens in the stream at the abort (of the call, when 'call' is set)"),
         "call": ("int", False, "v2: the call whose generation stopped"),
     },
     "resumed": {
         "num_tokens": ("int", True, "response tokens replayed from the stream; generation continues after them"),
         "takeover_from": ("str", False, "the worker whose episode this was, when resumed after its crash"),
+        "repacked": ("str", False, "the worker that handed this episode over in a long-tail repack (its 'aborted' "
+                                   "event, reason 'repack', comes just before)"),
         "call": ("int", False, "v2: the call whose generation continues"),
     },
     "call": {

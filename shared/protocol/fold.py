@@ -178,7 +178,7 @@ def _apply_call_event(ep: Episode, ev: Event) -> None:
                              f"call {call.index} resumed at {d['num_tokens']} tokens but the stream holds "
                              f"{len(call.tokens)}")
         call.resumes.append({"version": ev.policy, "num_tokens": d["num_tokens"], "worker": ev.worker,
-                             "takeover_from": d.get("takeover_from"), "seq": ev.seq})
+                             "takeover_from": d.get("takeover_from"), "repacked": d.get("repacked"), "seq": ev.seq})
     elif ev.kind == "call_done":
         if d["num_tokens"] != len(call.tokens):
             raise EventError(ev.entry_id, "data.num_tokens",
@@ -259,7 +259,7 @@ def _apply(ep: Episode, ev: Event) -> None:
             raise EventError(ev.entry_id, "data.num_tokens",
                              f"resumed at {d['num_tokens']} tokens but the stream holds {len(ep.tokens)}")
         ep.resumes.append({"version": ev.policy, "num_tokens": d["num_tokens"], "worker": ev.worker,
-                           "takeover_from": d.get("takeover_from"), "seq": ev.seq})
+                           "takeover_from": d.get("takeover_from"), "repacked": d.get("repacked"), "seq": ev.seq})
         ep.status = "running"
     elif ev.kind == "tool_call":
         ep.tool_calls.append({"call_id": d["call_id"], "name": d["name"], "args": d["args"], "seq": ev.seq})

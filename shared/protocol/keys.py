@@ -110,4 +110,5 @@ class Keys:
     gate = property(lambda self: f"{self.base}gate")
     gate_started = property(lambda self: f"{self.base}gate:started")
     dead_letters = property(lambda self: f"{self.base}dead")
+    repacks = property(lambda self: f"{self.base}repacks")  # long-tail repacks: groups handed from a worker to another
     meta = property(lambda self: f"{self.base}meta")  # the run's identity: run, id, created, ended (shared/runtime/runstate.py)

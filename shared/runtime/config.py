@@ -62,6 +62,11 @@ class Config:
     step_delay_ms: float = 0.0  # drills and benchmarks: wrap the engine in a simulated slow one (engine/slow.py) sleeping this long per step
     heartbeat_ttl: float = 5.0  # seconds after its last heartbeat a worker counts as dead
     max_calls_in_flight: int = 64  # gateway LLM calls one rollout worker serves at once
+    # rollout: long-tail repack (docs/scale.md, "Long-tail repack")
+    rollout_role: str = "normal"  # normal | longtail: a long-tail worker takes groups repacked from other workers first (advertised in its heartbeat)
+    repack_below: float = 0.0  # a normal worker hands its long-tail groups to a long-tail worker once its generating episodes are <= this fraction of its capacity (min(max_batch_size, max_groups_in_flight x group_size)); 0: never (off)
+    repack_min_tokens: int = 32  # ... only groups with an episode that has generated at least this many tokens
+    longtail_claim_share: float = 0.5  # share of a long-tail worker's max_groups_in_flight it fills with new groups; the rest stays free for repacked ones
     # agents and the gateway
     agent: str = ""  # module:function(client, task) -> reward | {"reward", "details"}: a user agent run per episode
     agent_workers: int = 4  # agents worker processes `streamrl run` starts
@@ -330,9 +335,22 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"config keys epochs/val_k/export_every: expected epochs >= 0, val_k >= 1, export_every >= 0, "
                           f"got {cfg.epochs}, {cfg.val_k}, {cfg.export_every}")
     _validate_weights_transport(cfg)
+    _validate_repack(cfg)
     if not cfg.run or any(c in cfg.run for c in " :*?[]{}"):
         raise ConfigError(f"config key 'run': expected a name without spaces, ':', braces or glob characters, "
                           f"got {cfg.run!r}")
+
+
+def _validate_repack(cfg: Config) -> None:
+    if cfg.rollout_role not in ("normal", "longtail"):
+        raise ConfigError(f"config key 'rollout_role': expected 'normal' or 'longtail', got {cfg.rollout_role!r}")
+    if not 0 <= cfg.repack_below < 1:
+        raise ConfigError(f"config key 'repack_below': expected a fraction 0 <= x < 1 (0: off), got {cfg.repack_below}")
+    if cfg.repack_min_tokens < 1:
+        raise ConfigError(f"config key 'repack_min_tokens': expected an integer >= 1, got {cfg.repack_min_tokens}")
+    if not 0 <= cfg.longtail_claim_share <= 1:
+        raise ConfigError(f"config key 'longtail_claim_share': expected a fraction 0 <= x <= 1, got "
+                          f"{cfg.longtail_claim_share}")
 
 
 def _validate_weights_transport(cfg: Config) -> None:

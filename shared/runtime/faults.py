@@ -11,6 +11,9 @@ The points, in the order each service passes them:
     rollout  opened     a group's episodes have their 'started' events in their streams, nothing generated
              flushed    an engine step's tokens were written to their streams
              finished   every episode of a group has its end in its stream; the group is not published yet
+             repack_stopped  a group chosen for a long-tail repack: its episodes' 'aborted' events are in their
+                        streams, its prompt entry is still this worker's
+             repack_handed   ... its prompt entry is the long-tail worker's, the notice written; not forgotten here
     syncer   fetch, pause, load, resume   the command was sent; no worker's acknowledgement was awaited
 """
 
@@ -23,7 +26,7 @@ from collections import Counter
 ENV = "FAULT_INJECT_STREAMRL_CRASH"
 POINTS = {
     "trainer": ("before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish"),
-    "rollout": ("opened", "flushed", "finished"),
+    "rollout": ("opened", "flushed", "finished", "repack_stopped", "repack_handed"),
     "syncer": ("fetch", "pause", "load", "resume"),
 }
 _reached: Counter = Counter()

@@ -25,8 +25,9 @@ def test_ended_run_is_moved_aside_and_interrupted_run_is_kept(tmp_path):
 def test_processes_start_as_many_rollout_workers_as_configured():
     entries = {"redis": "exec streamrl redis", "rollout": "exec python -m services.rollout",
                "trainer": "exec python -m services.trainer", "agents": "exec python -m services.gateway.agents_worker"}
-    names = [name for name, _ in processes(Config(rollout_workers=3), entries)]
-    assert names == ["rollout.1", "rollout.2", "rollout.3", "trainer"]  # no redis line, no agents without an agent
-    assert [n for n, _ in processes(Config(), entries)] == ["rollout", "trainer"]
-    assert [n for n, _ in processes(Config(agent="m:f", agent_workers=2), entries)] == [
+    started = processes(Config(rollout_workers=3, longtail_workers=1), entries)
+    assert [name for name, _, _ in started] == ["rollout.1", "rollout.2", "rollout.3", "trainer"]  # no redis line,
+    assert [own for _, _, own in started] == [{}, {}, {"rollout_role": "longtail"}, {}]  # no agents without an agent
+    assert [n for n, _, _ in processes(Config(), entries)] == ["rollout", "trainer"]
+    assert [n for n, _, _ in processes(Config(agent="m:f", agent_workers=2), entries)] == [
         "rollout", "trainer", "agents.1", "agents.2"]

@@ -42,17 +42,20 @@ def archive_ended_run(cfg: Config, who: str = "streamrl run") -> Path | None:
     return dest
 
 
-def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str]]:
-    """(process name, command) for each process to start from the Procfile's ``entries``: the redis line is the
-    runner's own server, the agent lines only with an agent; ``rollout`` and ``agents`` as many times as the
-    config says (``rollout.1``, ``rollout.2``... like ``honcho start -c rollout=N``)."""
+def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str, dict]]:
+    """(process name, command, its own config keys) for each process to start from the Procfile's ``entries``:
+    the redis line is the runner's own server, the agent lines only with an agent; ``rollout`` and ``agents``
+    as many times as the config says (``rollout.1``, ``rollout.2``... like ``honcho start -c rollout=N``), the
+    last ``longtail_workers`` rollout copies as long-tail workers."""
     out = []
     for name, cmd in entries.items():
         if name == "redis" or (name in AGENT_PROCESSES and not cfg.agent):
             continue
         # agents workers each run agent_concurrency episodes at once; rollout workers each drive one engine
         copies = {"agents": cfg.agent_workers, "rollout": cfg.rollout_workers}.get(name, 1)
-        out += [(name if copies == 1 else f"{name}.{i + 1}", cmd) for i in range(copies)]
+        for i in range(copies):
+            own = {"rollout_role": "longtail"} if name == "rollout" and i >= copies - cfg.longtail_workers else {}
+            out.append((name if copies == 1 else f"{name}.{i + 1}", cmd, own))
     return out
 
 
@@ -81,8 +84,9 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
     manager = Manager()
     # the driver's progress lines are the view; the services' per-step info lines would bury them
     quiet = {**env, "STREAMRL_LOG_LEVEL": "warning"} if cfg.log_level == "info" else env
-    for name, cmd in processes(cfg, entries):
-        manager.add_process(name, cmd, env=env if name == "driver" else quiet)
+    for name, cmd, own in processes(cfg, entries):
+        manager.add_process(name, cmd, env={**(env if name == "driver" else quiet),
+                                            **{f"STREAMRL_{k.upper()}": str(v) for k, v in own.items()}})
     started = time.time()
     try:
         manager.loop()

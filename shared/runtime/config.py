@@ -64,6 +64,7 @@ class Config:
     max_calls_in_flight: int = 64  # gateway LLM calls one rollout worker serves at once
     # rollout: long-tail repack (docs/scale.md, "Long-tail repack")
     rollout_role: str = "normal"  # normal | longtail: a long-tail worker takes groups repacked from other workers first (advertised in its heartbeat)
+    longtail_workers: int = 0  # of the rollout_workers `streamrl run` starts, how many run as rollout_role=longtail (the last ones)
     repack_below: float = 0.0  # a normal worker hands its long-tail groups to a long-tail worker once its generating episodes are <= this fraction of its capacity (min(max_batch_size, max_groups_in_flight x group_size)); 0: never (off)
     repack_min_tokens: int = 32  # ... only groups with an episode that has generated at least this many tokens
     longtail_claim_share: float = 0.5  # share of a long-tail worker's max_groups_in_flight it fills with new groups; the rest stays free for repacked ones
@@ -342,6 +343,9 @@ def _validate(cfg: Config) -> None:
 
 
 def _validate_repack(cfg: Config) -> None:
+    if not 0 <= cfg.longtail_workers <= cfg.rollout_workers:
+        raise ConfigError(f"config key 'longtail_workers': expected 0 to rollout_workers ({cfg.rollout_workers}), got "
+                          f"{cfg.longtail_workers}")
     if cfg.rollout_role not in ("normal", "longtail"):
         raise ConfigError(f"config key 'rollout_role': expected 'normal' or 'longtail', got {cfg.rollout_role!r}")
     if not 0 <= cfg.repack_below < 1:

@@ -3,6 +3,7 @@ GPU cost model, long-tailed response lengths, the same task, model, seeds and sa
 
     sync      ``mode=sync``, ``max_staleness=0``: generate a batch with version v, train, publish, sync, repeat
     global    ``mode=async``: every new version pauses EVERY rollout worker at once (pause, load, resume)
+    repack    ``global``, and long-tail episodes repacked onto a long-tail worker (one of the N)
     rolling   ``mode=async`` with rolling version changes (at most ``max_loading`` workers paused at once),
               weights pulled through worker relays, and long-tail episodes repacked onto a long-tail worker
 
@@ -39,13 +40,25 @@ from bench.async_vs_sync import (  # noqa: E402
     add_common_args, evaluate, make_model, mean_over_seeds, prepare, run_variant)
 from shared.runtime.config import FIELDS  # noqa: E402
 
-# name -> (mode, config keys beside the common ones); max_staleness comes from --max-staleness (0 for sync)
+REPACK = {"repack_below": 0.25, "repack_min_tokens": 16, "longtail_workers": 1}
+# name -> (mode, config keys beside the common ones); max_staleness comes from --max-staleness (0 for sync).
+# "weights_port": "free" is replaced by a free loopback port when the variant starts (the trainer's weight server,
+# the root of the relays' fetch tree)
 VARIANTS = {
     "sync": ("sync", {}),
     "global": ("async", {}),
-    "rolling": ("async", {"sync_mode": "rolling", "max_loading": 1, "relay_fanout": 2,
-                          "repack_below": 0.25, "repack_min_tokens": 16, "longtail_workers": 1}),
+    "repack": ("async", REPACK),
+    "rolling": ("async", {"sync_mode": "rolling", "max_loading": 1, "weights_port": "free", "relay_port": -1,
+                          "relay_fanout": 2, **REPACK}),
 }
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def length_spread(max_tokens: int) -> tuple[int, int]:
@@ -62,7 +75,7 @@ def main() -> None:
     add_common_args(p)
     p.add_argument("--workers", type=int, default=8, help="rollout worker processes per run")
     p.add_argument("--max-staleness", type=int, default=2, help="of the async variants")
-    p.add_argument("--variants", default="sync,global,rolling", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default="sync,global,repack,rolling", help=f"comma-separated, of {', '.join(VARIANTS)}")
     # the trainer's simulated cost is lower than async_vs_sync's 400 us: with 8 workers at 400 us the trainer is
     # busy 85 % under the global pause already (measured), which would hide whatever the rollout side gains
     p.set_defaults(simulate_gpu=True, in_flight=8, simulated_train_us_per_token=100.0)
@@ -98,6 +111,7 @@ def main() -> None:
     for seed in range(args.seeds):  # interleaved: seed 0 of every variant, then seed 1...
         for n in names:
             mode, extra = VARIANTS[n]
+            extra = {k: free_port() if v == "free" else v for k, v in extra.items()}
             staleness = 0 if mode == "sync" else args.max_staleness
             runs[n].append(run_variant(args, mode, staleness, model_dir, tag, seed,
                                        extra={"rollout_workers": args.workers, **extra}, label=n))
@@ -117,7 +131,7 @@ def main() -> None:
               f"{r['generated_tokens'] / r['seconds']:>10.0f}{1 - r['tokens'] / max(1, r['generated_tokens']):>8.1%}"
               f"{r['rollout_busy']:>13.0%}{r['train_s'] / r['seconds']:>8.0%}{r['final_eval']:>7.3f}"
               f"{r['final_eval'] - base['final_eval']:>+9.3f}{r['eval_sd']:>7.3f}{r.get('repacks', 0):>8.0f}"
-              f"{r.get('repack_tokens', 0):>10.0f}")
+              f"{r.get('repacked_tokens', 0):>10.0f}")
     print(f"(tok/s: trained response tokens per second; unused: generated, never trained within the budget; "
           f"rollout busy: engine steps / wall, mean over workers; total {time.monotonic() - t0:.0f}s)")
     if args.json:

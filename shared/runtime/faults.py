@@ -11,6 +11,7 @@ The points, in the order each service passes them:
     rollout  opened     a group's episodes have their 'started' events in their streams, nothing generated
              flushed    an engine step's tokens were written to their streams
              finished   every episode of a group has its end in its stream; the group is not published yet
+             paused     a sync's pause was obeyed and acknowledged; the load has not come (a worker dying mid-update)
     syncer   fetch, pause, load, resume   the command was sent; no worker's acknowledgement was awaited
 """
 
@@ -23,7 +24,7 @@ from collections import Counter
 ENV = "FAULT_INJECT_STREAMRL_CRASH"
 POINTS = {
     "trainer": ("before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish"),
-    "rollout": ("opened", "flushed", "finished"),
+    "rollout": ("opened", "flushed", "finished", "paused"),
     "syncer": ("fetch", "pause", "load", "resume"),
 }
 _reached: Counter = Counter()

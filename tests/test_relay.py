@@ -114,3 +114,19 @@ def test_each_wave_of_a_round_is_written_once(client, keys):
     assert None not in sent and again is None
     targets = [c.targets for _, c in control.read_after(client, keys, "0-0")]
     assert targets == [("A",), ("B",), ("A",)]
+
+
+@pytest.mark.parametrize("flags, words", [
+    ({"sync_mode": "waves"}, "config key 'sync_mode': expected 'global' or 'rolling', got 'waves'"),
+    ({"max_loading": "0"}, "config key 'max_loading': expected an integer >= 1, got 0"),
+    ({"relay_fanout": "0"}, "config key 'relay_fanout': expected an integer >= 1, got 0"),
+    ({"relay_port": "-2"}, "config key 'relay_port': expected a port 1-65535, -1 (a free one) or 0 (no relay)"),
+    ({"relay_port": "9000", "relay_host": "0.0.0.0"}, "config key 'relay_host': expected an address other workers"),
+])
+def test_bad_rolling_and_relay_keys_name_the_key(flags, words):
+    from shared.runtime.config import ConfigError, load
+
+    with pytest.raises(ConfigError) as err:
+        load(env={}, overrides=flags)
+    assert words in str(err.value)
+    assert load(env={}, overrides={"sync_mode": "rolling", "relay_port": "-1"}).relay_port == -1

@@ -169,7 +169,7 @@ class RolloutWorker:
             return
         if self.claims.room() <= 0 and self.claims.val_room() <= 0:
             return
-        if self.cfg.sync_mode == "rolling" and not self._at_gate_version():  # retried in CLAIM_RECHECK_S
+        if self.cfg.sync_mode == "rolling" and self.cfg.mode != "sync" and not self._at_gate_version():  # retried in CLAIM_RECHECK_S
             self._claim_wanted, self._claimed_with, self._next_claim = False, held, now + CLAIM_RECHECK_S
             return
         self._claim_wanted = False

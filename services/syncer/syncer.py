@@ -73,6 +73,11 @@ class Syncer:
         self.cursor = "0-0"
         self._next_stuck_check, self._stuck = 0.0, set()  # workers seen paused between syncs
 
+    @property
+    def rolling(self) -> bool:
+        """sync_mode rolling; mode=sync keeps the global pause (nothing starts before every worker is at the version)."""
+        return self.cfg.sync_mode == "rolling" and self.cfg.mode != "sync"
+
     def live_workers(self) -> dict[str, dict]:
         # the rollout registry (no SCAN of the keyspace, which holds one stream per episode)
         return heartbeat.alive_of(self.client, self.keys, "rollout")
@@ -137,7 +142,7 @@ class Syncer:
         waves = self._waves(r)
         for i, wave in enumerate(waves):
             t_wave = time.monotonic()
-            targets = () if self.cfg.sync_mode == "global" else tuple(wave)
+            targets = tuple(wave) if self.rolling else ()
             for cmd in ("pause", "load", "resume"):
                 if cmd not in self.phases:
                     continue
@@ -155,7 +160,7 @@ class Syncer:
         paused_s = sum(r.durations.get(f"{c}_s", 0.0) for c in ("pause", "load", "resume"))
         record = {"version": version, "sync": sync_id, "workers": len(r.workers), "missing": sorted(r.missing),
                   "missing_why": r.why, "refused": r.refused, "total_s": time.monotonic() - t_start,
-                  "paused_s": paused_s, "sync_mode": self.cfg.sync_mode, "waves": len(waves),
+                  "paused_s": paused_s, "sync_mode": "rolling" if self.rolling else "global", "waves": len(waves),
                   "max_paused_s": r.longest_paused, "generating_min": r.generating_min,
                   "fetch_levels": r.fetch_levels, "relayed": r.relayed, **r.durations}
         metrics.record(self.client, self.keys, "sync", record)
@@ -166,7 +171,7 @@ class Syncer:
     def _waves(self, r: "_Round") -> list[list[str]]:
         """Global: one wave, every worker (the commands name no one, so a worker silent now obeys them later).
         Rolling: the workers that hold the version, ``max_loading`` at a time."""
-        if self.cfg.sync_mode == "global":
+        if not self.rolling:
             return [sorted(r.workers)]
         ready = sorted(r.workers - r.missing)
         n = self.cfg.max_loading

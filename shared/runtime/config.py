@@ -352,12 +352,17 @@ def _validate_weights_transport(cfg: Config) -> None:
     if cfg.rollout_weights_keep < 1 or cfg.fetch_timeout <= 0:
         raise ConfigError(f"config keys rollout_weights_keep, fetch_timeout: expected an integer >= 1 and seconds > 0, "
                           f"got {cfg.rollout_weights_keep}, {cfg.fetch_timeout}")
-    if cfg.sync_mode not in ("global", "rolling") or cfg.max_loading < 1 or cfg.relay_fanout < 1:
-        raise ConfigError(f"config keys sync_mode, max_loading, relay_fanout: expected 'global' or 'rolling', an "
-                          f"integer >= 1, an integer >= 1, got {cfg.sync_mode!r}, {cfg.max_loading}, {cfg.relay_fanout}")
-    if not -1 <= cfg.relay_port < 65536 or (cfg.relay_port and cfg.relay_host in ("", "0.0.0.0", "::")):
-        raise ConfigError(f"config keys relay_port, relay_host: expected a port 1-65535 (-1: a free one, 0: no relay) "
-                          f"and an address other workers can reach, got {cfg.relay_port}, {cfg.relay_host!r}")
+    if cfg.sync_mode not in ("global", "rolling"):
+        raise ConfigError(f"config key 'sync_mode': expected 'global' or 'rolling', got {cfg.sync_mode!r}")
+    for key in ("max_loading", "relay_fanout"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"config key {key!r}: expected an integer >= 1, got {getattr(cfg, key)}")
+    if not -1 <= cfg.relay_port < 65536:
+        raise ConfigError(f"config key 'relay_port': expected a port 1-65535, -1 (a free one) or 0 (no relay), got "
+                          f"{cfg.relay_port}")
+    if cfg.relay_port and cfg.relay_host in ("", "0.0.0.0", "::"):
+        raise ConfigError(f"config key 'relay_host': expected an address other workers can reach (it is advertised), "
+                          f"got {cfg.relay_host!r}")
     if cfg.rollout_weights_path.resolve() == cfg.weights_path.resolve():
         raise ConfigError(f"config key 'rollout_weights_dir': {cfg.rollout_weights_dir!r} is the trainer's weights_dir; "
                           f"a worker's downloads (and their pruning) need a folder of their own")

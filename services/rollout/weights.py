@@ -40,16 +40,16 @@ class LocalWeights:
         another worker's URL of the file, tried first; ``url`` (the trainer's) when that fails."""
         self._start(version, path, sha256, url, done, relay)
 
-    def served(self, name: str) -> Path | None:
+    def served(self, name: str) -> tuple[Path, str] | None:
         """What this worker's relay serves under ``name`` (v<NNNNNN>.safetensors): its verified copy of that version,
-        unchanged since it was verified; None when it holds none."""
+        unchanged since it was verified, and the sha256 it matched; None when it holds none (or no digest)."""
         try:
             version = int(name[1:].split(".")[0])
         except ValueError:
             return None
         with self._lock:
             ready = self._ready.get(version)
-        return ready[0] if ready and self._unchanged(ready) else None
+        return (ready[0], ready[1]) if ready and ready[1] and self._unchanged(ready) else None
 
     def local(self, version: int, path: str, sha256: str, url: str = "", waiting=lambda: None) -> Path:
         """The verified file to load ``version`` from: the copy a fetch made (waited for when it is still under

@@ -66,8 +66,9 @@ class Digests:
 
 
 def make_app(directory: str | Path, token: str = "", resolve=None) -> Starlette:
-    """``resolve(name) -> Path | None`` (a relay: a rollout worker's verified copies, wherever they are) replaces
-    the lookup of ``name`` in ``directory``."""
+    """``resolve(name) -> (Path, sha256 hex) | None`` (a relay: a rollout worker's verified copies, wherever they
+    are, with the digest it verified them against: not hashed again) replaces the lookup of ``name`` in
+    ``directory``."""
     folder = Path(directory)
     digests = Digests()
 
@@ -80,14 +81,15 @@ def make_app(directory: str | Path, token: str = "", resolve=None) -> Starlette:
         if not NAME.fullmatch(name):
             return PlainTextResponse(f"{name!r} is not a published version's file name (v<NNNNNN>.safetensors)\n",
                                      404)
-        path = folder / name if resolve is None else resolve(name)
+        path, digest = (folder / name, None) if resolve is None else (resolve(name) or (None, None))
         try:
             st = path.stat() if path is not None else None
         except OSError:
             st = None
-        if st is None or path is None or not path.is_file():
+        if st is None or not path.is_file():
             return PlainTextResponse(f"no {name} here (not published yet, or pruned)\n", 404)
-        digest = await anyio.to_thread.run_sync(digests.of, path, st)
+        if digest is None:
+            digest = await anyio.to_thread.run_sync(digests.of, path, st)
         headers = {"etag": etag(digest),
                    "repr-digest": f"sha-256=:{base64.b64encode(bytes.fromhex(digest)).decode()}:",
                    "cache-control": "no-transform"}

@@ -94,7 +94,8 @@ def test_rolling_update_through_a_relay_chain_never_pauses_every_worker_and_the_
         client, keys, redis_url, tiny_model_dir, tmp_path, start_syncer):
     """Three workers with folders of their own, each relaying (a free port), relay_fanout 1: a chain trainer -> A
     -> B -> C. Two versions, each changed one worker at a time while the other two generate; the trainer's server
-    sends each file once; every worker ends generating with version 2."""
+    sends each file once; every worker ends generating with version 2. Then the root relay dies: the next version
+    reaches the other two through B."""
     trainer_dir = tmp_path / "trainer"
     trainer_dir.mkdir()
     server = WeightServer(trainer_dir).start()
@@ -124,6 +125,18 @@ def test_rolling_update_through_a_relay_chain_never_pauses_every_worker_and_the_
         assert gate.opened_version(client, keys) == 2
         wait_until(_generating(client, keys, WORKERS, 2), "all three generating with version 2", 60, procs.values())
         assert {w: worker_info(client, keys, w)["version"] for w in WORKERS} == {w: "2" for w in WORKERS}
+        # the root relay dies (kill -9): whether the next sync still counts it live (its heartbeat key not lapsed
+        # yet, then it is let go at its fetch) or not, B takes the root's place and C still gets its copy from B
+        kill9(procs["A"])
+        path, digest = nudged_weights(tiny_model_dir, trainer_dir, 3)
+        publish(client, keys, 3, path, digest, step=3, url_base=server.url)
+        wait_until(lambda: len(_syncs(client, keys)) == 3, "the sync of version 3", 90, [procs["B"], procs["C"]])
+        rec = _syncs(client, keys)[-1]
+        assert rec["missing"] in ([], ["A"]) and rec["refused"] == {}, rec
+        assert rec["relayed"] == {"C": f"{relays['B']}/weights/v000003.safetensors"}
+        assert server.sent_bytes == sizes + path.stat().st_size
+        wait_until(_generating(client, keys, {"B", "C"}, 3), "B and C generating with version 3", 60,
+                   [procs["B"], procs["C"]])
     finally:
         kill9(*procs.values())
         server.stop()

@@ -86,8 +86,9 @@ def bench(client, redis_url: str, model_dir: str, root: Path, workers: int, fano
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     rows = []
     try:
-        wait(lambda: len([i for i in heartbeat.alive_of(client, keys, "rollout").values() if i.get("relay")]) == workers,
-             "every worker up with its relay", procs)
+        def relaying() -> int:
+            return sum(1 for info in heartbeat.alive_of(client, keys, "rollout").values() if info.get("relay"))
+        wait(lambda: relaying() == workers, "every worker up with its relay", procs)
         for version in range(1, 2 * reps + 1):
             mode = MODES[(version - 1) % 2]
             path, digest = write_weights(model, trainer_dir, version)

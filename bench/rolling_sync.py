@@ -104,8 +104,8 @@ def bench(client, redis_url: str, model_dir: str, root: Path, workers: int, reps
         for p in procs:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    med = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m)
-               for k in ("sync_s", "paused_s", "max_paused_s", "generating_min", "waves", "worker_s_paused")} for m in MODES}
+    fields = ("sync_s", "paused_s", "max_paused_s", "generating_min", "waves", "worker_s_paused")
+    med = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m) for k in fields} for m in MODES}
     return {"bytes": size, "workers": workers, "reps": reps, "step_ms": step_ms, "median": med, "runs": rows}
 
 
@@ -116,8 +116,8 @@ def render(label: str, r: dict) -> str:
            f"{'generating min':>14} {'worker-s paused':>15}"]
     for m in MODES:
         x = r["median"][m]
-        out.append(f"{m:<8} | {x['sync_s']:>7.2f} {x['paused_s']:>14.2f} {x['max_paused_s']:>16.2f} {x['waves']:>5.0f} "
-                   f"{x['generating_min']:>14.2f} {x['worker_s_paused']:>15.2f}")
+        out.append(f"{m:<8} | {x['sync_s']:>7.2f} {x['paused_s']:>14.2f} {x['max_paused_s']:>16.2f} "
+                   f"{x['waves']:>5.0f} {x['generating_min']:>14.2f} {x['worker_s_paused']:>15.2f}")
     return "\n".join(out)
 
 

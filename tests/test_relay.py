@@ -52,7 +52,8 @@ def test_a_relay_serves_its_verified_copy_so_the_trainer_sends_one_and_a_dead_re
     assert _fetch(a, 1, path, digest, server.url_of(1)) == (True, "")
     assert server.sent_bytes == size
     assert a.served(file_name(1)) == (tmp_path / "a" / file_name(1), digest) and a.served(file_name(2)) is None
-    relay = WeightServer(tmp_path / "unused", token=TOKEN, resolve=a.served, config_keys="relay_host, relay_port").start()
+    relay = WeightServer(tmp_path / "unused", token=TOKEN, resolve=a.served,
+                         config_keys="relay_host, relay_port").start()
     try:
         # what the relay holds: only a's verified copies, with the token
         assert httpx.head(relay.url_of(1)).status_code == 401

@@ -148,9 +148,9 @@ class LocalWeights:
             self.stats["fetches"] += 1
             self.stats["fetched_bytes"] += got.downloaded
             self.stats["relay_fetches" if got.relayed else "trainer_fetches"] += 1
-        self.log.info("weights fetched", version=version, url=relay if got.relayed else url, mb=round(got.bytes / 1e6, 1),
-                      downloaded_mb=round(got.downloaded / 1e6, 1), resumed_from=got.resumed_from,
-                      seconds=round(got.seconds, 3))
+        self.log.info("weights fetched", version=version, url=relay if got.relayed else url,
+                      mb=round(got.bytes / 1e6, 1), downloaded_mb=round(got.downloaded / 1e6, 1),
+                      resumed_from=got.resumed_from, seconds=round(got.seconds, 3))
         return got.path
 
     def _download(self, version: int, sha256: str, url: str, relay: str) -> weight_fetch.Fetched:

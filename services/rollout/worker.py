@@ -169,7 +169,8 @@ class RolloutWorker:
             return
         if self.claims.room() <= 0 and self.claims.val_room() <= 0:
             return
-        if self.cfg.sync_mode == "rolling" and self.cfg.mode != "sync" and not self._at_gate_version():  # retried in CLAIM_RECHECK_S
+        rolling = self.cfg.sync_mode == "rolling" and self.cfg.mode != "sync"
+        if rolling and not self._at_gate_version():  # behind the gate and the catch-up failed: retried later
             self._claim_wanted, self._claimed_with, self._next_claim = False, held, now + CLAIM_RECHECK_S
             return
         self._claim_wanted = False

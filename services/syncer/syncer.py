@@ -75,7 +75,7 @@ class Syncer:
 
     @property
     def rolling(self) -> bool:
-        """sync_mode rolling; mode=sync keeps the global pause (nothing starts before every worker is at the version)."""
+        """sync_mode rolling; mode=sync keeps the global pause (nothing starts before every worker has the version)."""
         return self.cfg.sync_mode == "rolling" and self.cfg.mode != "sync"
 
     def live_workers(self) -> dict[str, dict]:

@@ -32,11 +32,24 @@ class LocalWeights:
         self._ready: dict[int, tuple[Path, str, tuple]] = {}  # version -> (verified file, sha256, its stat then)
         self._failed: dict[int, str] = {}  # version -> why its last fetch failed (a load refuses with it)
         self._running: dict[int, threading.Thread] = {}
-        self.stats = {"fetched_bytes": 0, "fetches": 0, "fetch_failures": 0}
+        self.stats = {"fetched_bytes": 0, "fetches": 0, "fetch_failures": 0, "trainer_fetches": 0, "relay_fetches": 0,
+                      "relay_failures": 0}
 
-    def prefetch(self, version: int, path: str, sha256: str, url: str, done) -> None:
-        """Get a verified copy of ``version`` in a thread, then ``done(ok, error)`` (from that thread)."""
-        self._start(version, path, sha256, url, done)
+    def prefetch(self, version: int, path: str, sha256: str, url: str, done, relay: str = "") -> None:
+        """Get a verified copy of ``version`` in a thread, then ``done(ok, error)`` (from that thread). ``relay``:
+        another worker's URL of the file, tried first; ``url`` (the trainer's) when that fails."""
+        self._start(version, path, sha256, url, done, relay)
+
+    def served(self, name: str) -> tuple[Path, str] | None:
+        """What this worker's relay serves under ``name`` (v<NNNNNN>.safetensors): its verified copy of that version,
+        unchanged since it was verified, and the sha256 it matched; None when it holds none (or no digest)."""
+        try:
+            version = int(name[1:].split(".")[0])
+        except ValueError:
+            return None
+        with self._lock:
+            ready = self._ready.get(version)
+        return (ready[0], ready[1]) if ready and ready[1] and self._unchanged(ready) else None
 
     def local(self, version: int, path: str, sha256: str, url: str = "", waiting=lambda: None) -> Path:
         """The verified file to load ``version`` from: the copy a fetch made (waited for when it is still under
@@ -58,12 +71,12 @@ class LocalWeights:
             raise ValueError(f"weights v{version}: no verified copy here (sha256 {sha256[:12]}...)")
         return ready[0]
 
-    def _start(self, version: int, path: str, sha256: str, url: str, done) -> threading.Thread:
+    def _start(self, version: int, path: str, sha256: str, url: str, done, relay: str = "") -> threading.Thread:
         def work() -> None:
             if earlier is not None:  # the same version asked for again (a repeated sync): after the first, cheap
                 earlier.join()
             try:
-                self._get(version, path, sha256, url)
+                self._get(version, path, sha256, url, relay)
             except Exception as exc:  # any failure is an error ack: the syncer must hear from this worker
                 error = str(exc) or type(exc).__name__
                 with self._lock:
@@ -103,7 +116,7 @@ class LocalWeights:
                 self.log.debug("deleted old downloaded weights", version=v)
 
     # --- one version's file
-    def _get(self, version: int, path: str, sha256: str, url: str) -> Path:
+    def _get(self, version: int, path: str, sha256: str, url: str, relay: str = "") -> Path:
         with self._lock:
             ready = self._ready.get(version)
         if ready and ready[1] == sha256 and self._unchanged(ready):  # verified before (a sync repeated)
@@ -121,11 +134,11 @@ class LocalWeights:
                                  error=str(exc))
         elif self.mode == "never":
             raise ValueError(f"weights v{version}: {path} is not readable on this host (weights_fetch = never)")
-        elif not url:
+        elif not url and not relay:
             raise ValueError(f"weights v{version}: {path} is not readable on this host and the version event has no "
                              f"url to download it from (the trainer serves weights only with weights_port > 0)")
         try:
-            got = weight_fetch.fetch(url, version, sha256, self.folder, self.token, log=self.log)
+            got = self._download(version, sha256, url, relay)
         except weight_fetch.FetchError as exc:
             if unusable is None:
                 raise
@@ -134,10 +147,26 @@ class LocalWeights:
             self._ready[version] = (got.path, sha256, _stat_key(got.path))
             self.stats["fetches"] += 1
             self.stats["fetched_bytes"] += got.downloaded
-        self.log.info("weights fetched", version=version, url=url, mb=round(got.bytes / 1e6, 1),
-                      downloaded_mb=round(got.downloaded / 1e6, 1), resumed_from=got.resumed_from,
-                      seconds=round(got.seconds, 3))
+            self.stats["relay_fetches" if got.relayed else "trainer_fetches"] += 1
+        self.log.info("weights fetched", version=version, url=relay if got.relayed else url,
+                      mb=round(got.bytes / 1e6, 1), downloaded_mb=round(got.downloaded / 1e6, 1),
+                      resumed_from=got.resumed_from, seconds=round(got.seconds, 3))
         return got.path
+
+    def _download(self, version: int, sha256: str, url: str, relay: str) -> weight_fetch.Fetched:
+        """From ``relay`` when given (another worker), else, or when that fails, from ``url`` (the trainer); a cut
+        relay transfer's part file is resumed from the trainer (If-Range on the same sha256)."""
+        if relay:
+            try:
+                return weight_fetch.fetch(relay, version, sha256, self.folder, self.token, log=self.log, relayed=True)
+            except weight_fetch.FetchError as exc:
+                with self._lock:
+                    self.stats["relay_failures"] += 1
+                if not url:
+                    raise
+                self.log.warning("relay fetch failed; fetching from the trainer", version=version, relay=relay,
+                                 error=str(exc))
+        return weight_fetch.fetch(url, version, sha256, self.folder, self.token, log=self.log)
 
     def _verified(self, version: int, path: Path, sha256: str) -> Path:
         key = _stat_key(path)

@@ -31,7 +31,9 @@ from shared.protocol.events import EventError
 from shared.protocol.keys import Keys
 from shared.runtime.config import Config
 from shared.runtime.connection import connect
+from shared.runtime.faults import crash_point
 from shared.runtime.heartbeat import Heartbeat
+from shared.runtime.weight_server import WeightServer
 
 
 IDLE_BLOCK_MS = 1000  # longest blocking read of an idle worker (timers cut it shorter; any event ends it)
@@ -58,6 +60,8 @@ class RolloutWorker:
         self.repack = Repacker(cfg, client, self.keys, worker_id, self.episodes, self.claims, self.log)  # long tails
         self.heartbeat = Heartbeat(client, self.keys, "rollout", worker_id, cfg.heartbeat_ttl)
         self.weights = LocalWeights(cfg, self.log)  # each version's file: the published one, or a download
+        self.relay: WeightServer | None = None  # serves its verified copies to other workers (relay_port)
+        self._behind_gate_failed: int | None = None  # rolling: the gate version a catch-up load failed for
         self.control_cursor = "$"
         self.prompt_cursors = {self.keys.prompts: "$", self.keys.val_prompts: "$"}  # wake on new prompt groups
         self.seen = control.Seen()
@@ -97,6 +101,11 @@ class RolloutWorker:
             last = self.client.xrevrange(stream, count=1)
             self.prompt_cursors[stream] = last[0][0].decode() if last else "0-0"
         self.calls.start()
+        if self.cfg.relay_port:
+            self.relay = WeightServer(self.cfg.rollout_weights_path, self.cfg.relay_host, max(0, self.cfg.relay_port),
+                                      self.cfg.weights_token, resolve=self.weights.served,
+                                      config_keys="relay_host, relay_port").start()
+            self.log.info("relay serving verified weights", url=self.relay.url)
         self.repack.start()
         self._catch_up()
         self.beat(force=True)
@@ -115,6 +124,8 @@ class RolloutWorker:
         self._abort_all("shutdown")
         self.episodes.flush()
         self.heartbeat.stop()
+        if self.relay is not None:
+            self.relay.stop()
         self.report(final=True)
         self.log.info("stopped", **self.stats)
 
@@ -163,6 +174,10 @@ class RolloutWorker:
             return
         if self.claims.room() <= 0 and self.claims.val_room() <= 0:
             return
+        rolling = self.cfg.sync_mode == "rolling" and self.cfg.mode != "sync"
+        if rolling and not self._at_gate_version():  # behind the gate and the catch-up failed: retried later
+            self._claim_wanted, self._claimed_with, self._next_claim = False, held, now + CLAIM_RECHECK_S
+            return
         self._claim_wanted = False
         for run in self.claims.claim(self.engine.version):
             self.episodes.open_group(run)
@@ -183,9 +198,10 @@ class RolloutWorker:
         return max(1, min(block_ms, int((soonest - time.monotonic()) * 1000)))
 
     def beat(self, force: bool = False) -> None:
+        relay = {"relay": self.relay.url} if self.relay is not None else {}
         self.heartbeat.beat(force=force, version=self.engine.version, paused=int(self.paused),
                             episodes=len(self.live), groups=len(self.claims.held), role=self.cfg.rollout_role,
-                            room=self.claims.room())
+                            room=self.claims.room(), **relay)
 
     def report(self, final: bool = False) -> None:
         """Throughput and busy/idle time, on the metrics stream every few seconds; ``final`` marks the last
@@ -208,6 +224,22 @@ class RolloutWorker:
         gate_version, _ = gate.peek(self.client, self.keys)
         if gate_version is not None and gate_version > self.engine.version:
             self._catch_up()
+
+    def _at_gate_version(self) -> bool:
+        """Rolling: the syncer opens the gate for v once every worker that took part in the sync runs v; a worker
+        left out of it (silent, refused) must not start groups under that limit with older weights: it loads the
+        newest version first, and claims nothing while that fails (once per gate version, logged)."""
+        gate_version, _ = gate.peek(self.client, self.keys)
+        if gate_version is None or gate_version <= self.engine.version:
+            return True
+        if self._behind_gate_failed != gate_version:
+            try:
+                self._catch_up()
+            except (OSError, EngineError, ValueError) as exc:
+                self._behind_gate_failed = gate_version
+                self.log.error("behind the staleness gate and the newest version does not load; claiming nothing "
+                               "until the next version", gate=gate_version, version=self.engine.version, error=str(exc))
+        return gate_version <= self.engine.version
 
     def _load(self, version: int, path: str, sha256: str, url: str = "") -> None:
         # verified by the fetch before the pause, as a rule; else fetched now, the heartbeat kept meanwhile
@@ -248,14 +280,17 @@ class RolloutWorker:
                 except EventError as exc:
                     self.claims.dead_letter(self.keys.control, entry_id, str(exc))
                     continue
-                if isinstance(cmd, control.Command) and self.seen.first(cmd):  # a command read twice is obeyed once
+                if not isinstance(cmd, control.Command) or not cmd.for_worker(self.worker_id):
+                    continue  # an ack, or a command for other workers (a wave, a level of the fetch tree)
+                if self.seen.first(cmd):  # a command read twice is obeyed once
                     self._obey(cmd)
 
     def _obey(self, cmd: control.Command) -> None:
         ok, error = True, ""
         if cmd.cmd == "fetch":  # in a thread, while generation goes on; the thread acks once the copy is verified
             self.weights.prefetch(cmd.version, cmd.path, cmd.sha256, cmd.url, lambda ok, error: control.send_ack(
-                self.client, self.keys, cmd, self.worker_id, ok, self.engine.version, error))
+                self.client, self.keys, cmd, self.worker_id, ok, self.engine.version, error),
+                relay=cmd.sources.get(self.worker_id, ""))
             return
         if cmd.cmd == "pause":
             self._pause()
@@ -269,6 +304,8 @@ class RolloutWorker:
         elif cmd.cmd == "resume":
             self._resume()
         control.send_ack(self.client, self.keys, cmd, self.worker_id, ok, self.engine.version, error)
+        if cmd.cmd == "pause":
+            crash_point("rollout", "paused")  # tests only (shared/runtime/faults.py)
         self.beat(force=True)
 
     def _pause(self) -> None:

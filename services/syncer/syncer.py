@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, field
 
 import redis
 
@@ -30,8 +31,29 @@ from shared.runtime.config import Config
 from shared.runtime.faults import crash_point
 from shared.protocol.keys import Keys
 from shared.protocol.staleness import group_capacity
+from shared.runtime.weight_server import PREFIX, file_name
 
 
+
+
+@dataclass
+class _Round:
+    """One sync's state: what it moves, to whom, and what it has seen so far."""
+    sync: str
+    version: int
+    path: str
+    sha256: str
+    url: str
+    workers: set[str]  # live when it began
+    log: object
+    missing: set[str] = field(default_factory=set)  # died or stayed silent: not waited for again
+    refused: dict[str, str] = field(default_factory=dict)
+    why: dict[str, str] = field(default_factory=dict)
+    durations: dict[str, float] = field(default_factory=dict)  # per command, summed over waves and levels
+    relayed: dict[str, str] = field(default_factory=dict)  # worker -> the relay URL its fetch named
+    fetch_levels: int = 1
+    longest_paused: float = 0.0  # the longest wave: pause sent to resume acked
+    generating_min: float = 1.0  # the smallest fraction of the workers not in the wave being changed
 
 
 def groups_per_version(cfg: Config) -> int:
@@ -50,6 +72,11 @@ class Syncer:
         self.version = 0
         self.cursor = "0-0"
         self._next_stuck_check, self._stuck = 0.0, set()  # workers seen paused between syncs
+
+    @property
+    def rolling(self) -> bool:
+        """sync_mode rolling; mode=sync keeps the global pause (nothing starts before every worker has the version)."""
+        return self.cfg.sync_mode == "rolling" and self.cfg.mode != "sync"
 
     def live_workers(self) -> dict[str, dict]:
         # the rollout registry (no SCAN of the keyspace, which holds one stream per episode)
@@ -107,44 +134,108 @@ class Syncer:
 
     def sync(self, version: int, path: str, sha256: str, url: str = "") -> dict:
         sync_id = f"v{version}-{uuid.uuid4().hex[:6]}"
-        log = self.log.bind(version=version, sync=sync_id)
-        workers = set(self.live_workers())
-        durations, missing, refused, why = {}, set(), {}, {}
+        live = self.live_workers()
+        r = _Round(sync_id, version, path, sha256, url, set(live), self.log.bind(version=version, sync=sync_id))
         t_start = time.monotonic()
-        for cmd in self.phases:
-            if cmd == "resume":  # open the gate first: the resume wakes the workers, who then claim at once
-                self.set_gate(version)
-            t0 = time.monotonic()
-            cursor = control.last_id(self.client, self.keys)
-            weights = cmd in control.WITH_WEIGHTS
-            control.send_command(self.client, self.keys, control.Command(
-                cmd, sync_id, version, path if weights else "", sha256 if weights else "", url=url if weights else ""))
-            crash_point("syncer", cmd)  # tests only (shared/runtime/faults.py)
-            timeout = self.cfg.fetch_timeout if cmd == "fetch" else self.cfg.sync_timeout
-            acked, failed, silent, dead = self._wait_acks(sync_id, cmd, workers - missing, cursor, timeout)
-            durations[f"{cmd}_s"] = time.monotonic() - t0
-            for worker, error in failed.items():
-                log.error("worker refused the version; it keeps its old weights", worker=worker, error=error)
-            refused.update({f"{worker}": f"{cmd}: {error}" for worker, error in failed.items()})
-            if dead:
-                log.warning("workers died (heartbeat lapsed) before acknowledging; going on without them", cmd=cmd,
-                            workers=sorted(dead))
-            limit = "fetch_timeout" if cmd == "fetch" else "sync_timeout"
-            if silent:
-                log.warning(f"workers did not acknowledge within {limit}={timeout:g}s; going on without them", cmd=cmd,
-                            workers=sorted(silent))
-            why.update({w: f"{cmd}: heartbeat lapsed" for w in dead})
-            why.update({w: f"{cmd}: silent past {limit}" for w in silent})
-            missing |= silent | dead
+        if "fetch" in self.phases:
+            self._fetch(r, live)
+        waves = self._waves(r)
+        for i, wave in enumerate(waves):
+            t_wave = time.monotonic()
+            targets = tuple(wave) if self.rolling else ()
+            for cmd in ("pause", "load", "resume"):
+                if cmd not in self.phases:
+                    continue
+                if cmd == "resume" and i == len(waves) - 1:
+                    # open the gate first: the resume wakes the workers, who then claim at once. Rolling: only now
+                    # does every live worker run the version (the others, changed already, claimed under the old
+                    # limit meanwhile), so no group starts on an older version under the new limit.
+                    self.set_gate(version)
+                self._phase(r, cmd, set(wave), targets, part=str(i) if targets else "")
+            r.longest_paused = max(r.longest_paused, time.monotonic() - t_wave)
+            r.generating_min = min(r.generating_min, 1 - len(wave) / max(1, len(r.workers)))
+        if not waves:
+            self.set_gate(version)
         self.version = version
-        paused_s = sum(durations.get(f"{c}_s", 0.0) for c in ("pause", "load", "resume"))
-        record = {"version": version, "sync": sync_id, "workers": len(workers), "missing": sorted(missing),
-                  "missing_why": why, "refused": refused, "total_s": time.monotonic() - t_start,
-                  "paused_s": paused_s, **durations}
+        paused_s = sum(r.durations.get(f"{c}_s", 0.0) for c in ("pause", "load", "resume"))
+        record = {"version": version, "sync": sync_id, "workers": len(r.workers), "missing": sorted(r.missing),
+                  "missing_why": r.why, "refused": r.refused, "total_s": time.monotonic() - t_start,
+                  "paused_s": paused_s, "sync_mode": "rolling" if self.rolling else "global", "waves": len(waves),
+                  "max_paused_s": r.longest_paused, "generating_min": r.generating_min,
+                  "fetch_levels": r.fetch_levels, "relayed": r.relayed, **r.durations}
         metrics.record(self.client, self.keys, "sync", record)
-        log.info("synced", workers=len(workers), missing=len(missing), refused=len(refused),
-                 **{k: round(v, 4) for k, v in durations.items()})
+        r.log.info("synced", workers=len(r.workers), missing=len(r.missing), refused=len(r.refused), waves=len(waves),
+                   relayed=len(r.relayed), **{k: round(v, 4) for k, v in r.durations.items()})
         return record
+
+    def _waves(self, r: "_Round") -> list[list[str]]:
+        """Global: one wave, every worker (the commands name no one, so a worker silent now obeys them later).
+        Rolling: the workers that hold the version, ``max_loading`` at a time."""
+        if not self.rolling:
+            return [sorted(r.workers)]
+        ready = sorted(r.workers - r.missing)
+        n = self.cfg.max_loading
+        return [ready[i:i + n] for i in range(0, len(ready), n)]
+
+    def _fetch(self, r: "_Round", live: dict[str, dict]) -> None:
+        """Every worker gets a verified copy while it generates. With workers that relay (``relay`` in their
+        heartbeat), the fetch goes out level by level of a tree of fan-out ``relay_fanout`` rooted at the trainer:
+        the first k relaying workers download from the trainer, the next k² from those (once they acked), and so
+        on; a worker whose parent did not ack, and every fetch that fails from its relay, uses the trainer's URL."""
+        deadline = time.monotonic() + self.cfg.fetch_timeout
+        relays = {w: info["relay"] for w, info in live.items() if info.get("relay")}
+        if not relays:
+            self._phase(r, "fetch", set(r.workers), (), deadline=deadline)
+            return
+        order = sorted(relays) + sorted(r.workers - set(relays))  # relays nearer the root
+        k = self.cfg.relay_fanout
+        parent = {}  # node j (1-based; 0 is the trainer) hangs under node (j - 1) // k, when that one relays
+        for j, w in enumerate(order, start=1):
+            up = (j - 1) // k
+            parent[w] = order[up - 1] if up and order[up - 1] in relays else None
+        depth: dict[str, int] = {}
+        for w in order:
+            depth[w] = 1 if parent[w] is None else depth[parent[w]] + 1
+        have: set[str] = set()  # workers that acked a verified copy: they can serve it
+        for level in range(1, max(depth.values()) + 1):
+            wave = [w for w in order if depth[w] == level]
+            sources = {w: f"{relays[parent[w]].rstrip('/')}{PREFIX}{file_name(r.version)}" for w in wave
+                       if parent[w] in have and parent[w] in relays}
+            r.relayed.update(sources)
+            have |= self._phase(r, "fetch", set(wave), tuple(wave), part=str(level), sources=sources,
+                                deadline=deadline)
+        r.fetch_levels = max(depth.values())
+
+    def _phase(self, r: "_Round", cmd: str, awaited: set[str], targets: tuple, part: str = "",
+               sources: dict | None = None, deadline: float | None = None) -> set[str]:
+        """Send one command (to ``targets``, or everyone) and wait for the acks of ``awaited``: the workers that
+        acked it ok."""
+        t0 = time.monotonic()
+        cursor = control.last_id(self.client, self.keys)
+        weights = cmd in control.WITH_WEIGHTS
+        control.send_command(self.client, self.keys, control.Command(
+            cmd, r.sync, r.version, r.path if weights else "", r.sha256 if weights else "",
+            url=r.url if weights else "", targets=targets, sources=sources or {}), part=part)
+        crash_point("syncer", cmd)  # tests only (shared/runtime/faults.py)
+        timeout = self.cfg.fetch_timeout if cmd == "fetch" else self.cfg.sync_timeout
+        if deadline is not None:
+            timeout = max(0.0, deadline - time.monotonic())
+        acked, failed, silent, dead = self._wait_acks(r.sync, cmd, awaited - r.missing, cursor, timeout)
+        r.durations[f"{cmd}_s"] = r.durations.get(f"{cmd}_s", 0.0) + time.monotonic() - t0
+        for worker, error in failed.items():
+            r.log.error("worker refused the version; it keeps its old weights", worker=worker, error=error)
+        r.refused.update({f"{worker}": f"{cmd}: {error}" for worker, error in failed.items()})
+        if dead:
+            r.log.warning("workers died (heartbeat lapsed) before acknowledging; going on without them", cmd=cmd,
+                          workers=sorted(dead))
+        limit = "fetch_timeout" if cmd == "fetch" else "sync_timeout"
+        if silent:
+            r.log.warning(f"workers did not acknowledge within {limit}={timeout:g}s; going on without them", cmd=cmd,
+                          workers=sorted(silent))
+        r.why.update({w: f"{cmd}: heartbeat lapsed" for w in dead})
+        r.why.update({w: f"{cmd}: silent past {limit}" for w in silent})
+        r.missing |= silent | dead
+        return acked - set(failed)
 
     def _wait_acks(self, sync_id: str, cmd: str, workers: set[str], cursor: str, timeout: float):
         """Acks from ``workers`` for (sync, cmd); a worker that dies or stays

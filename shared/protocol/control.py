@@ -5,9 +5,13 @@ Command entries: ``type=cmd``, ``cmd`` (fetch | pause | load | resume), ``sync``
 of the sync round), ``version`` (fetch, load: the version), ``path`` and
 ``sha256`` (fetch, load: the published weights file and its checksum), ``url``
 (fetch, load; optional: where to download the file when ``path`` is not
-readable on the worker's host).
+readable on the worker's host), ``targets`` (optional, a JSON list of worker ids: only they obey the command; an
+entry without it is for every worker), ``sources`` (fetch, optional: a JSON object worker id -> the URL of a relay,
+another worker holding a verified copy, to download from instead of ``url``; ``url`` stays the fallback).
 
-A sync round is fetch, pause, load, resume. ``fetch``: each worker gets the version's file into a folder of its
+A sync round is fetch, pause, load, resume (``sync_mode`` rolling: the fetch, then pause, load, resume once per wave
+of at most ``max_loading`` workers, each command naming its wave in ``targets``; with relays the fetch goes out once
+per level of the relay tree, each naming its level). ``fetch``: each worker gets the version's file into a folder of its
 own (or checks the published one it can read) while it goes on generating, and acks once it holds a verified copy;
 ``load`` then loads that local copy inside the pause (a load with no fetch before it fetches then).
 
@@ -23,7 +27,8 @@ obeyed once by a worker that asks ``Seen.first`` and counted once by the syncer 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 from shared.protocol import once
 from shared.protocol.events import EventError
@@ -50,6 +55,12 @@ class Command:
     sha256: str = ""
     entry_id: str = ""
     url: str = ""
+    targets: tuple[str, ...] = ()  # the workers that obey it; () = every worker
+    sources: dict[str, str] = field(default_factory=dict)  # fetch: worker -> relay URL to try before ``url``
+
+    def for_worker(self, worker: str) -> bool:
+        """Whether ``worker`` obeys this command (a worker not named ignores it, and does not remember it)."""
+        return not self.targets or worker in self.targets
 
 
 def _s(v) -> str:
@@ -59,7 +70,27 @@ def _s(v) -> str:
 def encode_command(c: Command) -> dict:
     fields = {"type": "cmd", "cmd": c.cmd, "sync": c.sync, "version": str(c.version), "path": c.path,
               "sha256": c.sha256}
-    return {**fields, "url": c.url} if c.url else fields
+    if c.url:
+        fields["url"] = c.url
+    if c.targets:
+        fields["targets"] = json.dumps(sorted(c.targets))
+    if c.sources:
+        fields["sources"] = json.dumps(c.sources, sort_keys=True)
+    return fields
+
+
+def _json_field(entry_id: str, f: dict, name: str, kind: type, empty):
+    if not f.get(name):
+        return empty
+    try:
+        value = json.loads(f[name])
+    except ValueError:
+        value = None
+    ok = isinstance(value, kind) and all(isinstance(x, str) for x in (value.values() if kind is dict else value))
+    if not ok:
+        what = "a JSON list of worker ids" if kind is list else "a JSON object of worker id -> URL"
+        raise EventError(entry_id, name, f"expected {what}, got {f[name][:80]!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -101,7 +132,10 @@ def decode_entry(entry_id, fields: dict) -> Command | dict:
         raise EventError(entry_id, "version", f"expected an integer, got {f.get('version')!r}") from None
     if f["cmd"] in WITH_WEIGHTS and (version < 0 or not f.get("path")):
         raise EventError(entry_id, "path", f"a {f['cmd']} command needs version >= 0 and a weights path")
-    return Command(f["cmd"], f["sync"], version, f.get("path", ""), f.get("sha256", ""), entry_id, f.get("url", ""))
+    targets = tuple(_json_field(entry_id, f, "targets", list, []))
+    sources = _json_field(entry_id, f, "sources", dict, {})
+    return Command(f["cmd"], f["sync"], version, f.get("path", ""), f.get("sha256", ""), entry_id, f.get("url", ""),
+                   targets, sources)
 
 
 def ack(cmd: Command, worker: str, ok: bool, version: int, error: str = "") -> dict:
@@ -118,9 +152,11 @@ def _send(client, keys: Keys, marker: str, fields: dict, write: str) -> str | No
     return _s(entry_id)
 
 
-def send_command(client, keys: Keys, c: Command) -> str | None:
-    """Write ``c`` once per (sync, cmd): its entry id, None when it was already written (a retry)."""
-    return _send(client, keys, keys.control_sent(c.sync, c.cmd), encode_command(c), "control command")
+def send_command(client, keys: Keys, c: Command, part: str = "") -> str | None:
+    """Write ``c`` once per (sync, cmd, part): its entry id, None when it was already written (a retry). ``part``
+    names one of several commands of a kind in a round (a wave, a level of the fetch tree)."""
+    return _send(client, keys, keys.control_sent(c.sync, f"{c.cmd}#{part}" if part else c.cmd), encode_command(c),
+                 "control command")
 
 
 def send_ack(client, keys: Keys, cmd: Command, worker: str, ok: bool, version: int, error: str = "") -> str | None:

@@ -116,6 +116,11 @@ class Config:
     weights_url: str = ""  # the weight server's address as rollout workers reach it, put in each version event; empty: http://weights_host:weights_port
     weights_token: str = ""  # when set, the weight server asks for it as the bearer token; rollout workers send it
     fetch_timeout: float = 120.0  # seconds the syncer waits for every worker to hold a version's file (downloaded, verified) before it pauses them; a slower one then gets it inside its own pause
+    sync_mode: str = "global"  # how a version reaches the rollout workers (async mode): global (fetch, then pause every worker, load, resume) | rolling (fetch, then pause/load/resume one wave of at most max_loading workers at a time, so generation never stops; the gate opens once every worker runs the version)
+    max_loading: int = 1  # sync_mode rolling: at most this many rollout workers paused (loading) at once
+    relay_port: int = 0  # > 0: a rollout worker serves its downloaded, verified versions on this port (the weight server's code, weights_token) and other workers fetch from it; -1: a free port; 0: no relay
+    relay_host: str = "127.0.0.1"  # ... on this address, as other workers reach it (loopback by default; a private interface for workers on other hosts)
+    relay_fanout: int = 2  # the fetch tree: the trainer's server feeds this many relaying workers, each of them this many more, and so on
     # the run (driver)
     dataset: str = "arithmetic"  # built-in task, a .jsonl / .json / .parquet / .csv file, or a hub dataset name (local cache when offline)
     dataset_split: str = "train"  # split of a hub dataset to train on
@@ -372,6 +377,17 @@ def _validate_weights_transport(cfg: Config) -> None:
     if cfg.rollout_weights_keep < 1 or cfg.fetch_timeout <= 0:
         raise ConfigError(f"config keys rollout_weights_keep, fetch_timeout: expected an integer >= 1 and seconds > 0, "
                           f"got {cfg.rollout_weights_keep}, {cfg.fetch_timeout}")
+    if cfg.sync_mode not in ("global", "rolling"):
+        raise ConfigError(f"config key 'sync_mode': expected 'global' or 'rolling', got {cfg.sync_mode!r}")
+    for key in ("max_loading", "relay_fanout"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"config key {key!r}: expected an integer >= 1, got {getattr(cfg, key)}")
+    if not -1 <= cfg.relay_port < 65536:
+        raise ConfigError(f"config key 'relay_port': expected a port 1-65535, -1 (a free one) or 0 (no relay), got "
+                          f"{cfg.relay_port}")
+    if cfg.relay_port and cfg.relay_host in ("", "0.0.0.0", "::"):
+        raise ConfigError(f"config key 'relay_host': expected an address other workers can reach (it is advertised), "
+                          f"got {cfg.relay_host!r}")
     if cfg.rollout_weights_path.resolve() == cfg.weights_path.resolve():
         raise ConfigError(f"config key 'rollout_weights_dir': {cfg.rollout_weights_dir!r} is the trainer's weights_dir; "
                           f"a worker's downloads (and their pruning) need a folder of their own")

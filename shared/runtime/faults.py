@@ -14,6 +14,7 @@ The points, in the order each service passes them:
              repack_stopped  a group chosen for a long-tail repack: its episodes' 'aborted' events are in their
                         streams, its prompt entry is still this worker's
              repack_handed   ... its prompt entry is the long-tail worker's, the notice written; not forgotten here
+             paused     a sync's pause was obeyed and acknowledged; the load has not come (a worker dying mid-update)
     syncer   fetch, pause, load, resume   the command was sent; no worker's acknowledgement was awaited
 """
 
@@ -26,7 +27,7 @@ from collections import Counter
 ENV = "FAULT_INJECT_STREAMRL_CRASH"
 POINTS = {
     "trainer": ("before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish"),
-    "rollout": ("opened", "flushed", "finished", "repack_stopped", "repack_handed"),
+    "rollout": ("opened", "flushed", "finished", "repack_stopped", "repack_handed", "paused"),
     "syncer": ("fetch", "pause", "load", "resume"),
 }
 _reached: Counter = Counter()

@@ -40,10 +40,11 @@ class Fetched:
     resumed_from: int  # bytes of a partial file a first request of this call resumed from (0: none)
     requests: int  # HTTP requests made
     seconds: float
+    relayed: bool = False  # it came from a relay (another worker), not from the trainer
 
 
 def fetch(url: str, version: int, sha256: str, folder: str | Path, token: str = "", timeout: float = 60.0,
-          log=None, attempts: int = ATTEMPTS) -> Fetched:
+          log=None, attempts: int = ATTEMPTS, relayed: bool = False) -> Fetched:
     """Version ``version``'s file from ``url``, verified against ``sha256``, at ``folder/v<NNNNNN>.safetensors``."""
     if not url:
         raise FetchError(f"weights v{version}: no url to fetch it from (the version event has none: the trainer "
@@ -58,7 +59,7 @@ def fetch(url: str, version: int, sha256: str, folder: str | Path, token: str = 
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process on this folder fetching it: wait, then find it done
         if final.exists():
             if sha256_file(final) == sha256:
-                return Fetched(final, final.stat().st_size, 0, 0, 0, time.monotonic() - t0)
+                return Fetched(final, final.stat().st_size, 0, 0, 0, time.monotonic() - t0, relayed)
             final.unlink()  # left by an older run, or damaged: fetch it again
         part = folder / f".{final.name}.{sha256[:16]}.part"
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -78,7 +79,8 @@ def fetch(url: str, version: int, sha256: str, folder: str | Path, token: str = 
             raise FetchError(f"weights v{version} from {url}: sha256 {digest[:12]}... does not match the published "
                              f"{sha256[:12]}... (corrupt or truncated file); discarded")
         os.replace(part, final)
-        return Fetched(final, state.have, state.downloaded, state.resumed_from, state.requests, time.monotonic() - t0)
+        return Fetched(final, state.have, state.downloaded, state.resumed_from, state.requests, time.monotonic() - t0,
+                       relayed)
 
 
 def _download(client: httpx.Client, state: "_Transfer", attempts: int) -> None:

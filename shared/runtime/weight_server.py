@@ -65,7 +65,10 @@ class Digests:
             return self._known[key]
 
 
-def make_app(directory: str | Path, token: str = "") -> Starlette:
+def make_app(directory: str | Path, token: str = "", resolve=None) -> Starlette:
+    """``resolve(name) -> (Path, sha256 hex) | None`` (a relay: a rollout worker's verified copies, wherever they
+    are, with the digest it verified them against: not hashed again) replaces the lookup of ``name`` in
+    ``directory``."""
     folder = Path(directory)
     digests = Digests()
 
@@ -75,17 +78,18 @@ def make_app(directory: str | Path, token: str = "") -> Starlette:
             return PlainTextResponse("authorization: missing or wrong bearer token (config weights_token)\n", 401,
                                      headers={"WWW-Authenticate": "Bearer"})
         name = request.path_params["name"]
-        path = folder / name
         if not NAME.fullmatch(name):
             return PlainTextResponse(f"{name!r} is not a published version's file name (v<NNNNNN>.safetensors)\n",
                                      404)
+        path, digest = (folder / name, None) if resolve is None else (resolve(name) or (None, None))
         try:
-            st = path.stat()
+            st = path.stat() if path is not None else None
         except OSError:
             st = None
         if st is None or not path.is_file():
             return PlainTextResponse(f"no {name} here (not published yet, or pruned)\n", 404)
-        digest = await anyio.to_thread.run_sync(digests.of, path, st)
+        if digest is None:
+            digest = await anyio.to_thread.run_sync(digests.of, path, st)
         headers = {"etag": etag(digest),
                    "repr-digest": f"sha-256=:{base64.b64encode(bytes.fromhex(digest)).decode()}:",
                    "cache-control": "no-transform"}
@@ -94,14 +98,41 @@ def make_app(directory: str | Path, token: str = "") -> Starlette:
     return Starlette(routes=[Route(PREFIX + "{name}", weights, methods=["GET", "HEAD"])])
 
 
+class _Counted:
+    """The app, counting the file bytes it sends (bodies of 200 and 206 answers: what its uplink carried of weights)."""
+
+    def __init__(self, app):
+        self.app, self.sent_bytes = app, 0
+
+    async def __call__(self, scope, receive, send):
+        status = 0
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and status in (200, 206):
+                self.sent_bytes += len(message.get("body", b""))
+            await send(message)
+        await self.app(scope, receive, counted)
+
+
 class WeightServer:
     """``make_app`` served by uvicorn in a daemon thread of this process. ``start()`` binds first, so an address in
     use is a clear error at once; ``port=0`` takes a free port (``.port`` / ``.url`` say which)."""
 
-    def __init__(self, directory: str | Path, host: str = "127.0.0.1", port: int = 0, token: str = ""):
+    def __init__(self, directory: str | Path, host: str = "127.0.0.1", port: int = 0, token: str = "", resolve=None,
+                 config_keys: str = "weights_host, weights_port"):
         self.directory, self.host, self.port, self.token = Path(directory), host, port, token
+        self.resolve, self.config_keys = resolve, config_keys
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
+        self._app: _Counted | None = None
+
+    @property
+    def sent_bytes(self) -> int:
+        """File bytes sent since start."""
+        return self._app.sent_bytes if self._app else 0
 
     @property
     def url(self) -> str:
@@ -119,11 +150,12 @@ class WeightServer:
             sock.bind((self.host, self.port))
         except OSError as exc:
             sock.close()
-            raise OSError(f"weight server: cannot listen on {self.host}:{self.port} (config weights_host, "
-                          f"weights_port): {exc.strerror or exc}") from None
+            raise OSError(f"weight server: cannot listen on {self.host}:{self.port} (config "
+                          f"{self.config_keys}): {exc.strerror or exc}") from None
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(make_app(self.directory, self.token), log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=1)
+        self._app = _Counted(make_app(self.directory, self.token, self.resolve))
+        config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
                                         name="weight-server")

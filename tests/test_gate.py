@@ -43,6 +43,23 @@ def test_reserve_grants_up_to_the_limit_and_reports_no_gate(client, keys):
     assert gate.started(client, keys) == 2
 
 
+def test_a_worker_behind_the_gate_reserves_under_its_own_version_s_limit(client, keys):
+    """A rolling sync opens the gate for version 3 after its first wave; a worker still on version 1 may start
+    groups only up to version 1's limit, (η + 1 + 1)·B, so the start-rank bound holds for the version that
+    generates the group. No version (the driver of an agent run) means the gate's own limit."""
+    per_version, eta = 4, 1
+    gate.open(client, keys, 3, group_capacity(3, eta, per_version, 0), eta, per_version, complete=False)
+    g = gate.Gate(client, keys, sync_mode=False)
+    assert gate.complete_version(client, keys) is None
+    assert g.reserve(100, version=1).granted == (eta + 1 + 1) * per_version == 12
+    assert g.reserve(100, version=1).granted == 0  # version 1's limit is spent
+    assert g.reserve(5, version=2).granted == 4  # version 2's limit: 16
+    assert g.reserve(100, version=3).granted == (eta + 3 + 1) * per_version - 16 == 4
+    assert g.reserve(1).granted == 0 and gate.started(client, keys) == 20
+    gate.mark_complete(client, keys, 3)
+    assert gate.complete_version(client, keys) == 3 and gate.opened_version(client, keys) == 3
+
+
 def test_worker_refunds_slots_it_did_not_use_and_a_dead_lettered_entry(client, keys, tiny_model_dir):
     cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=4, tools="", max_groups_in_flight=4)
     gate.open(client, keys, 0, 3, 0)

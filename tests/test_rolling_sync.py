@@ -184,11 +184,12 @@ def test_a_worker_killed_between_its_pause_and_its_load_the_others_change_and_ta
     assert report["groups_enqueued_twice"] == 0 and report["samples_trained_twice"] == 0, report
 
 
-def test_the_gate_stays_at_the_old_version_until_the_last_wave_a_syncer_killed_after_the_first_is_repaired(
+def test_the_gate_opens_after_the_first_wave_complete_after_the_last_a_syncer_killed_between_is_repaired(
         client, keys, redis_url, tiny_model_dir, tmp_path, start_syncer):
     """The syncer process kills itself right after the first wave's resume (a crash point): A runs version 1 and
-    generates with it, B still runs 0, and the gate is still the one of version 0: no worker on version 0 ever
-    claims under version 1's limit. A restarted syncer finds B behind, changes both, and opens the gate."""
+    generates with it, B still runs 0; the gate is open for version 1 but not complete, and B, on version 0,
+    reserves only under version 0's limit (the gate's per-worker rule). A restarted syncer finds B behind,
+    changes it, and marks the gate complete."""
     enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}-3=") for i in range(24)])
     procs = {w: _worker(redis_url, keys, tiny_model_dir, w) for w in ("A", "B")}
     env = {**os.environ, "REDIS_URL": redis_url, "STREAMRL_RUN": keys.run, "STREAMRL_MODEL_DIR": tiny_model_dir,
@@ -205,13 +206,14 @@ def test_the_gate_stays_at_the_old_version_until_the_last_wave_a_syncer_killed_a
             kill9(first)
         loads = [(a["worker"], a["version"]) for _, a in control.read_after(client, keys, "0-0", 10_000)
                  if isinstance(a, dict) and a["cmd"] == "load"]
-        assert loads == [("A", "1")] and gate.opened_version(client, keys) == 0
-        # A, changed, generates with version 1 under the old gate; B never stopped
+        assert loads == [("A", "1")] and gate.opened_version(client, keys) == 1
+        assert gate.complete_version(client, keys) == 0
+        # A, changed, generates with version 1 under the new gate; B never stopped, on version 0's limit
         wait_until(_generating(client, keys, {"A"}, 1), "A generating with version 1", 60, procs.values())
-        assert worker_info(client, keys, "B")["version"] == "0" and gate.opened_version(client, keys) == 0
+        assert worker_info(client, keys, "B")["version"] == "0" and gate.complete_version(client, keys) == 0
         start_syncer()
         wait_until(lambda: _syncs(client, keys), "the repair sync", 60, procs.values())
-        assert gate.opened_version(client, keys) == 1
+        assert gate.opened_version(client, keys) == 1 and gate.complete_version(client, keys) == 1
         wait_until(_generating(client, keys, {"A", "B"}, 1), "both generating with version 1", 60, procs.values())
         assert _most_paused_at_once(client, keys, {"A", "B"}) == 1
     finally:

@@ -99,7 +99,7 @@ class Groups:
                 self.gate.refund(grant.granted)
                 return gate.Grant(0, False, None)
             return grant
-        return self.gate.reserve(want)
+        return self.gate.reserve(want, version=version)  # behind the gate (rolling): its own version's limit
 
     def _read(self, stream: str, count: int) -> list[GroupRun]:
         if count <= 0:

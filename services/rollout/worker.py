@@ -226,20 +226,21 @@ class RolloutWorker:
             self._catch_up()
 
     def _at_gate_version(self) -> bool:
-        """Rolling: the syncer opens the gate for v once every worker that took part in the sync runs v; a worker
-        left out of it (silent, refused) must not start groups under that limit with older weights: it loads the
-        newest version first, and claims nothing while that fails (once per gate version, logged)."""
-        gate_version, _ = gate.peek(self.client, self.keys)
-        if gate_version is None or gate_version <= self.engine.version:
+        """Rolling: the syncer marks the gate complete for v once every worker that took part in the sync runs v;
+        a worker left out of it (silent, refused) loads the newest version first, and claims nothing while that
+        fails (once per version, logged). A worker behind only while a rolling sync is under way claims under its
+        own version's limit (the gate's rule), and waits for its wave."""
+        complete = gate.complete_version(self.client, self.keys)
+        if complete is None or complete <= self.engine.version:
             return True
-        if self._behind_gate_failed != gate_version:
+        if self._behind_gate_failed != complete:
             try:
                 self._catch_up()
             except (OSError, EngineError, ValueError) as exc:
-                self._behind_gate_failed = gate_version
+                self._behind_gate_failed = complete
                 self.log.error("behind the staleness gate and the newest version does not load; claiming nothing "
-                               "until the next version", gate=gate_version, version=self.engine.version, error=str(exc))
-        return gate_version <= self.engine.version
+                               "until the next version", gate=complete, version=self.engine.version, error=str(exc))
+        return complete <= self.engine.version
 
     def _load(self, version: int, path: str, sha256: str, url: str = "") -> None:
         # verified by the fetch before the pause, as a rule; else fetched now, the heartbeat kept meanwhile

@@ -12,9 +12,12 @@ phase's duration goes to the metrics stream (``paused_s``: pause + load +
 resume, what generation lost). Only generation pauses: rq tool jobs keep running
 in their own processes.
 
-The gate is a hash ``gate`` {version, limit}: how many prompt groups may have
-started in total under the current version (AReaL's admission control,
-``shared.protocol.staleness.group_capacity``); rollout workers reserve starts against it.
+The gate is a hash ``gate`` {version, limit, per_version, complete}: how many prompt groups may
+have started in total under the current version (AReaL's admission control,
+``shared.protocol.staleness.group_capacity``); rollout workers reserve starts against it, a worker on an
+older version under its own version's limit. With ``sync_mode=rolling`` the pause, load and resume go to
+waves of at most ``max_loading`` workers; the gate opens after the first wave and is marked complete after
+the last.
 """
 
 from __future__ import annotations
@@ -82,9 +85,10 @@ class Syncer:
         # the rollout registry (no SCAN of the keyspace, which holds one stream per episode)
         return heartbeat.alive_of(self.client, self.keys, "rollout")
 
-    def set_gate(self, version: int) -> None:
+    def set_gate(self, version: int, complete: bool = True) -> None:
         limit = group_capacity(version, self.cfg.max_staleness, groups_per_version(self.cfg), started_groups=0)
-        gate.open(self.client, self.keys, version, limit, self.cfg.max_staleness)
+        gate.open(self.client, self.keys, version, limit, self.cfg.max_staleness, groups_per_version(self.cfg),
+                  complete=complete)
 
     def start(self) -> None:
         last = versions.latest(self.client, self.keys)
@@ -146,16 +150,18 @@ class Syncer:
             for cmd in ("pause", "load", "resume"):
                 if cmd not in self.phases:
                     continue
-                if cmd == "resume" and i == len(waves) - 1:
-                    # open the gate first: the resume wakes the workers, who then claim at once. Rolling: only now
-                    # does every live worker run the version (the others, changed already, claimed under the old
-                    # limit meanwhile), so no group starts on an older version under the new limit.
-                    self.set_gate(version)
+                if cmd == "resume" and i == (0 if self.rolling else len(waves) - 1):
+                    # open the gate first: the resume wakes the workers, who then claim at once. Rolling: after
+                    # the first wave; the workers still on the old version reserve under their own version's
+                    # limit (shared/protocol/gate.py), so no group starts on an older version under the new one
+                    self.set_gate(version, complete=not self.rolling or len(waves) == 1)
                 self._phase(r, cmd, set(wave), targets, part=str(i) if targets else "")
             r.longest_paused = max(r.longest_paused, time.monotonic() - t_wave)
             r.generating_min = min(r.generating_min, 1 - len(wave) / max(1, len(r.workers)))
         if not waves:
             self.set_gate(version)
+        elif self.rolling and len(waves) > 1:
+            gate.mark_complete(self.client, self.keys, version)  # every live worker runs it now
         self.version = version
         paused_s = sum(r.durations.get(f"{c}_s", 0.0) for c in ("pause", "load", "resume"))
         record = {"version": version, "sync": sync_id, "workers": len(r.workers), "missing": sorted(r.missing),

@@ -1,8 +1,10 @@
 """The staleness gate in Redis: the one owner of the keys ``gate`` and ``gate:started``.
 
-``gate`` is a hash {version, limit, max_staleness} that the syncer writes after each sync (``open``):
-``limit`` is how many prompt groups may have been started in total under the rule of
-``shared.protocol.staleness.group_capacity``. ``gate:started`` counts groups started so far:
+``gate`` is a hash {version, limit, max_staleness, per_version, complete} that the syncer writes after each
+sync (``open``): ``limit`` is how many prompt groups may have been started in total under the rule of
+``shared.protocol.staleness.group_capacity``; ``complete`` the newest version every live worker has loaded (a
+rolling sync opens the gate after its first wave, and marks it complete after its last). ``gate:started``
+counts groups started so far:
 
 - a rollout worker ``reserve``s slots before it claims that many groups (atomically: never past ``limit``);
   in an agent run the driver reserves a group's slot before it hands the group to the agents workers,
@@ -17,7 +19,9 @@ command whose reply was lost, a trainer re-judging a group after a restart) retu
 changes nothing, so slots neither leak nor are given back twice.
 
 What the gate promises: at most ``limit`` = (η + v + 1)·B groups are ever started (net of refunds) while the
-gate is at version v. When the trainer consumes groups in start order that bounds staleness by η
+gate is at version v, and a worker still running an older version w reserves only under ITS version's limit,
+(η + w + 1)·B, so a group's start rank is bounded by the version that generates it whichever version the
+gate is at: a rolling sync can open the gate as soon as one worker runs the new version. When the trainer consumes groups in start order that bounds staleness by η
 (``shared.protocol.staleness.group_capacity``). The trainer reads in FINISH order: a group that started early
 and finishes late is trained later than its start rank says, so the bound on the admission count is all the
 gate guarantees then. The trainer does not throw such a late group away: it trains it with the importance
@@ -40,9 +44,15 @@ local done = redis.call('GET', KEYS[3])
 if done then return {-2, tonumber(done)} end
 local limit = redis.call('HGET', KEYS[1], 'limit')
 if not limit then return {-1, -1} end
+limit = tonumber(limit)
 local version = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
+local per_version = tonumber(redis.call('HGET', KEYS[1], 'per_version') or '0')
+local worker_version = tonumber(ARGV[3])
+if worker_version >= 0 and worker_version < version then
+  limit = limit - (version - worker_version) * per_version  -- the limit of the worker's own version
+end
 local started = tonumber(redis.call('GET', KEYS[2]) or '0')
-local grant = math.min(tonumber(ARGV[1]), tonumber(limit) - started)
+local grant = math.min(tonumber(ARGV[1]), limit - started)
 if grant <= 0 then return {0, version} end
 redis.call('INCRBY', KEYS[2], grant)
 redis.call('SET', KEYS[3], grant, 'EX', ARGV[2])
@@ -64,9 +74,23 @@ class Grant:
     version: int | None  # the version the gate was opened for, None when no gate
 
 
-def open(client, keys: Keys, version: int, limit: int, max_staleness: int) -> None:
-    """The syncer, after a sync: up to ``limit`` groups started in total may be running or trained."""
-    client.hset(keys.gate, mapping={"version": version, "limit": limit, "max_staleness": max_staleness})
+def open(client, keys: Keys, version: int, limit: int, max_staleness: int, per_version: int = 0,
+         complete: bool = True) -> None:
+    """The syncer, after a sync: up to ``limit`` groups started in total may be running or trained; a worker on an
+    older version w reserves under ``limit`` - (version - w) x ``per_version`` (the groups the trainer takes per
+    version). ``complete``: every live worker runs ``version`` (a rolling sync: after its last wave)."""
+    fields = {"version": version, "limit": limit, "max_staleness": max_staleness, "per_version": per_version}
+    client.hset(keys.gate, mapping={**fields, **({"complete": version} if complete else {})})
+
+
+def mark_complete(client, keys: Keys, version: int) -> None:
+    """A rolling sync's last wave has loaded ``version``: every live worker runs it."""
+    client.hset(keys.gate, "complete", version)
+
+
+def complete_version(client, keys: Keys) -> int | None:
+    v = client.hget(keys.gate, "complete")
+    return None if v is None else int(v)
 
 
 def opened_version(client, keys: Keys) -> int | None:
@@ -91,14 +115,16 @@ class Gate:
         self.client, self.keys, self.sync_mode = client, keys, sync_mode
         self._reserve = client.register_script(_RESERVE)
 
-    def reserve(self, want: int, token: str | None = None) -> Grant:
+    def reserve(self, want: int, token: str | None = None, version: int | None = None) -> Grant:
         """Reserve up to ``want`` slots. ``token`` names the reservation (default: this call only): the driver of
-        an agent run reserves its group's slot as ``group:<id>``, so a restarted driver reserves it once."""
+        an agent run reserves its group's slot as ``group:<id>``, so a restarted driver reserves it once.
+        ``version``: the reserving worker's; behind the gate's, it reserves under its own version's limit."""
         if want <= 0:
             return Grant(0, False, None)
         token = token or uuid.uuid4().hex
         granted, version = (int(x) for x in self._reserve(
-            keys=[self.keys.gate, self.keys.gate_started, self.keys.gate_request(token)], args=[want, REQUEST_TTL_S]))
+            keys=[self.keys.gate, self.keys.gate_started, self.keys.gate_request(token)],
+            args=[want, REQUEST_TTL_S, -1 if version is None else version]))
         if granted == -2:  # this very call ran before (a retry): the slots it reserved then are this call's
             once.skipped("gate reserve", token=token, granted=version)
             granted, version = version, opened_version(self.client, self.keys)

@@ -48,7 +48,7 @@ VARIANTS = {
     "sync": ("sync", {}),
     "global": ("async", {}),
     "repack": ("async", REPACK),
-    "rolling": ("async", {"sync_mode": "rolling", "max_loading": 1, "weights_port": "free", "relay_port": -1,
+    "rolling": ("async", {"sync_mode": "rolling", "max_loading": 2, "weights_port": "free", "relay_port": -1,
                           "relay_fanout": 2, **REPACK}),
 }
 

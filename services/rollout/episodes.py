@@ -10,6 +10,7 @@ worker gets back starts clean (``open_group``).
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Callable
 
 from services.rollout.agent import Agent, Finish, ToolCall
 from services.rollout.engine import Chunk, EngineError, SamplingParams
@@ -17,6 +18,7 @@ from services.rollout.episode import LiveEpisode, State, episode_seed
 from services.rollout.groups import GroupRun, Groups
 from services.rollout.prompting import prompt_ids
 from services.rollout.tool_jobs import Outcome, ToolJobs
+from services.rollout.writer import StepWriter
 from shared.protocol.episode_log import EpisodeLog, Fenced
 from shared.protocol.events import EventError, decode
 from shared.protocol.fold import fold
@@ -32,7 +34,10 @@ class Episodes:
         self.live: dict[str, LiveEpisode] = {}
         self.paused = False
         self.stats = {"tokens": 0, "episodes": 0, "resumed": 0}
-        self._closing: list[LiveEpisode] | None = None  # during one_flush(): episodes ended, waiting for it
+        self._closing: list[LiveEpisode] | None = None  # during one_flush(): episodes ended in this step
+        self._ending: list[LiveEpisode] = []  # ended in a step; closed once their last events are in Redis
+        self.writer = StepWriter(f"step-writer-{self.worker_id}")  # the step's round trip, beside the next step
+        self.replies: list = []  # what the worker's wake read sent with a batch returned (``send_step``)
 
     def owns(self, live: LiveEpisode) -> bool:
         return self.live.get(live.episode_id) is live
@@ -40,6 +45,7 @@ class Episodes:
     # --- opening a group
     def open_group(self, run: GroupRun) -> None:
         gid = run.group.group_id
+        self.settle()  # nothing of this worker's in flight while the streams are read
         self._forget_group(gid)  # a group this worker held before (lost, now back): start from its streams
         self.groups.hold(run)
         fresh = []
@@ -248,18 +254,50 @@ class Episodes:
 
     @contextmanager
     def one_flush(self):
-        """Inside, an ending episode's last events are not written at once: on the way out, every episode that
-        ended is flushed in one pipeline (one round trip per engine step, not one per finishing episode), then
-        closed and its group published if complete."""
+        """Inside, an ending episode's last events are not written at once: they go with the step's batch
+        (``send_step``: one round trip per engine step, not one per finishing episode, beside the next step), and
+        the episode is closed, its group published if complete, once that batch is settled."""
         self._closing = []
         try:
             yield
         finally:
             closing, self._closing = self._closing, None
-            if closing:
-                self.flush([live.episode_id for live in closing])
-                for live in closing:
-                    self._closed(live)
+            self._ending += closing
+
+    def send_step(self, wake_read: Callable | None = None) -> None:
+        """After an engine step: this step's writes leave on the writer thread in one pipeline, while the caller
+        runs the next step. They are the events of every episode that ended in the step, every buffered event
+        when any is due by count or age, and ``wake_read(pipe)``: the worker's non-blocking read of the streams
+        that wake it, whose reply comes back in ``replies`` once settled."""
+        self.settle()
+        ending, self._ending = self._ending, []
+        batch = self.events.take(None if self.events.due() else [live.episode_id for live in ending])
+        if not batch and wake_read is None:
+            for live in ending:  # nothing of theirs is buffered or in flight: their end is in Redis already
+                self._closed(live)
+            return
+        self.writer.submit(lambda: self.events.send(batch, wake_read), (batch, ending))
+
+    def settle(self) -> None:
+        """Wait for the batch in flight, if any, and apply its results: a fenced episode drops its group (a step
+        later than a synchronous flush would, and before anything of the group is published); an ending episode
+        whose last events are now in Redis is closed and its group published when complete."""
+        if not self.writer.in_flight:
+            return
+        (results, extra), (batch, ending) = self.writer.wait()
+        written = self.events.entries_written
+        errors = self.events.settle(batch, results)
+        for reply in extra:
+            if isinstance(reply, Exception):
+                raise reply
+            self.replies.append(reply)
+        self._written(written, errors)
+        for live in ending:
+            self._closed(live)
+
+    def close_writer(self) -> None:
+        self.settle()
+        self.writer.close()
 
     def _close(self, live: LiveEpisode) -> None:
         live.state = State.DONE
@@ -289,10 +327,20 @@ class Episodes:
             self.events.append(live.episode_id, kind, data, self.engine.version)
 
     def flush(self, episode_ids: list[str] | None = None, due_only: bool = False) -> None:
-        """Write buffered events; a fenced episode drops its group (other errors raise)."""
+        """Write buffered events now (after the batch in flight, if any); a fenced episode drops its group (other
+        errors raise). An episode that ended in a step and is now all written is closed."""
+        self.settle()
         written = self.events.entries_written
         errors = self.events.maybe_flush() if due_only else self.events.flush(episode_ids)
-        if self.events.entries_written > written:
+        self._written(written, errors)
+        if self._ending:
+            done = [live for live in self._ending if self.events.written(live.episode_id)]
+            self._ending = [live for live in self._ending if live not in done]
+            for live in done:
+                self._closed(live)
+
+    def _written(self, entries_before: int, errors: dict[str, Exception]) -> None:
+        if self.events.entries_written > entries_before:
             crash_point("rollout", "flushed")  # tests only (shared/runtime/faults.py)
         lost: dict[str, str] = {}
         for episode_id, exc in errors.items():
@@ -319,5 +367,6 @@ class Episodes:
             self.engine.abort(episode_id)
             self.events.close(episode_id)
             del self.live[episode_id]
+        self._ending = [live for live in self._ending if live.group_id != group_id]
         self.jobs.forget(mine)
         self.groups.drop(group_id)

@@ -61,6 +61,7 @@ class RolloutWorker:
         self.seen = control.Seen()
         self._next_takeover = self._next_claim = 0.0
         self._claim_wanted, self._claimed_with = True, None  # event-driven claiming: see _claim
+        self._wake_sent = False  # the wake read went with the step's writes (tick)
         self._next_report = time.monotonic() + 5.0
         self.started_at = time.monotonic()
         self.busy_s = 0.0
@@ -111,6 +112,7 @@ class RolloutWorker:
         worker takes them over."""
         self._abort_all("shutdown")
         self.episodes.flush()
+        self.episodes.close_writer()
         self.heartbeat.stop()
         self.report(final=True)
         self.log.info("stopped", **self.stats)
@@ -118,9 +120,15 @@ class RolloutWorker:
     def tick(self, block_ms: int = 0) -> None:
         """One round: control and wake-ups, claims, jobs, one engine step, flushes. Idle (nothing to generate),
         the read of control blocks up to ``block_ms``, or less when a timer falls due; it wakes at once on a
-        command, a new prompt group, a gateway call or a finished rq job: no short polls."""
+        command, a new prompt group, a gateway call or a finished rq job: no short polls. Busy, that read is
+        non-blocking and rides with the step's writes (``episodes.send_step``): one round trip per engine step,
+        made while the next step runs; its reply is obeyed after that step."""
         busy = self.engine.has_unfinished() and not self.paused
-        self._handle_control(block_ms=0 if busy else self._idle_block_ms(block_ms))
+        if not (busy and self._wake_sent):
+            self.episodes.settle()  # the reply of a read in flight first: the cursors move in order
+            self._on_replies()
+            self._handle_control(block_ms=0 if busy else self._idle_block_ms(block_ms))
+        self._wake_sent = False
         now = time.monotonic()
         if not self.paused:
             if self.cfg.mode == "sync":
@@ -131,14 +139,19 @@ class RolloutWorker:
             self.episodes.on_job(outcome)
         if not self.paused and self.engine.has_unfinished():
             t0 = time.monotonic()
-            with self.episodes.one_flush():  # every episode that ends in this step: one round trip
+            with self.episodes.one_flush():  # every episode that ends in this step: in the step's one round trip
                 for chunk in self.engine.step():  # chunks are routed by request id (= episode id)
                     if self.calls.owns(chunk.request_id):
                         self.calls.on_chunk(chunk)
                     else:
                         self.episodes.on_chunk(chunk)
             self.busy_s += time.monotonic() - t0
-        self.episodes.flush(due_only=True)
+            self.episodes.settle()  # the previous step's writes, made while this step ran
+            self._on_replies()  # may pause: that writes everything now
+            self._wake_sent = self.engine.has_unfinished() and not self.paused
+            self.episodes.send_step(self._wake_read() if self._wake_sent else None)
+        else:
+            self.episodes.flush(due_only=True)
         self.beat()
         if now >= self._next_report:
             self.report()
@@ -217,12 +230,28 @@ class RolloutWorker:
         self.log.info("weights loaded", version=version, path=str(local))
 
     # --- control: fetch / pause / load / resume
+    def _wake_streams(self) -> dict:
+        # every stream that can give an idle worker work: control, new prompt groups, gateway calls, results of
+        # its rq jobs (rq writes one stream per job)
+        return {self.keys.control: self.control_cursor, **self.prompt_cursors, **self.calls.wake_streams(),
+                **self.jobs.result_streams()}
+
+    def _wake_read(self):
+        """The non-blocking read of the wake streams, for the step's pipeline (built on the writer thread, from
+        the cursors as they are now: they move only when its reply is obeyed, after the next step)."""
+        streams = self._wake_streams()
+        return lambda pipe: pipe.xread(streams, count=100)
+
+    def _on_replies(self) -> None:
+        replies, self.episodes.replies = self.episodes.replies, []
+        for reply in replies:
+            self._on_wake(reply)
+
     def _handle_control(self, block_ms: int) -> None:
-        # one read of every stream that can give an idle worker work: control, new prompt groups, gateway calls,
-        # results of its rq jobs (rq writes one stream per job); it returns at once when any has something
-        streams = {self.keys.control: self.control_cursor, **self.prompt_cursors, **self.calls.wake_streams(),
-                   **self.jobs.result_streams()}
-        reply = self.client.xread(streams, count=100, block=block_ms if block_ms else None)
+        # one read of every wake stream; it returns at once when any has something
+        self._on_wake(self.client.xread(self._wake_streams(), count=100, block=block_ms if block_ms else None))
+
+    def _on_wake(self, reply) -> None:
         for stream, entries in reply or []:
             name = stream.decode() if isinstance(stream, bytes) else stream
             if name in self.prompt_cursors:  # new prompt groups: claim on this tick

@@ -5,9 +5,11 @@
 One real RolloutWorker, in this process, with the same config as a rollout_scaling worker (default flush
 settings, batch 64, `step_delay_ms`: the engine sleeps that long after each step, SIMULATED GPU time), against an
 embedded Redis, with the prompts queue kept full. Timers wrap the engine's own step (the tiny model's forward and
-sampling, run on this CPU) and the worker's flushes (``Episodes.flush``: encode plus one pipeline round trip, which
-the tick waits for before the next engine step). Printed per engine step: wall time, this process's CPU, the
-engine's CPU, the flushes' wall and CPU time, tokens, and Redis commands by type (INFO commandstats).
+sampling, run on this CPU), the worker's synchronous flushes (``Episodes.flush``: encode plus one pipeline round
+trip, waited for at once) and, where the worker has one, its wait for the step writer (``StepWriter.wait``: the
+step's batch, written on a thread while the next engine step ran; only what is left of its round trip when that
+step ends is waited for). Printed per engine step: wall time, this process's CPU, the engine's CPU, the flushes'
+wall and CPU time, the writer wait, tokens, and Redis commands by type (INFO commandstats).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def main(argv=None) -> int:
             end = time.monotonic() + 3.0
             while time.monotonic() < end:
                 worker.tick()
-            acc = {"engine_cpu": 0.0, "flush_wall": 0.0, "flush_cpu": 0.0, "steps": 0}
+            acc = {"engine_cpu": 0.0, "flush_wall": 0.0, "flush_cpu": 0.0, "wait_wall": 0.0, "wait_cpu": 0.0,
+                   "steps": 0}
             inner = engine.inner.step
 
             def counted():
@@ -83,6 +86,9 @@ def main(argv=None) -> int:
                 return inner()
             engine.inner.step = timed(counted, acc, None, "engine_cpu")
             worker.episodes.flush = timed(worker.episodes.flush, acc, "flush_wall", "flush_cpu")
+            writer = getattr(worker.episodes, "writer", None)  # main before the step writer has none
+            if writer is not None:
+                writer.wait = timed(writer.wait, acc, "wait_wall", "wait_cpu")
             client.config_resetstat()
             tokens0, t0, c0 = worker.stats["tokens"], time.monotonic(), time.process_time()
             while time.monotonic() < t0 + args.seconds:
@@ -97,7 +103,8 @@ def main(argv=None) -> int:
     ms = lambda x: f"{x / n * 1e3:.2f} ms"  # noqa: E731
     print(f"{n} engine steps in {wall:.1f} s: per step wall {ms(wall)}, process CPU {ms(proc_cpu)}, engine CPU "
           f"{ms(acc['engine_cpu'])} (the tiny model on this CPU), flushes wall {ms(acc['flush_wall'])} "
-          f"({acc['flush_wall'] / wall:.0%} of wall), flushes CPU {ms(acc['flush_cpu'])}; {tokens / n:.1f} tokens "
+          f"({acc['flush_wall'] / wall:.0%} of wall), flushes CPU {ms(acc['flush_cpu'])}, step-writer wait "
+          f"{ms(acc['wait_wall'])} ({acc['wait_wall'] / wall:.0%} of wall); {tokens / n:.1f} tokens "
           f"per step, {tokens / wall:,.0f} tokens/s; CPU per token outside the engine "
           f"{(proc_cpu - acc['engine_cpu']) / max(1, tokens) * 1e6:.0f} us")
     calls = sorted(((k.removeprefix("cmdstat_"), v["calls"]) for k, v in stats.items()), key=lambda kv: -kv[1])

@@ -4,7 +4,7 @@ recording tokens, tool calls and results, scoring and ending; every event goes t
 Ownership: an episode is this worker's while it is in ``live``; every write path checks that first. When an
 append is fenced (another worker owns the episode now), the whole group leaves this worker at once: its live
 episodes, engine requests, tool and reward jobs and log buffers; nothing later touches it, and a group this
-worker gets back starts clean (``open_group``).
+worker gets back starts clean (``open_groups``).
 """
 
 from __future__ import annotations
@@ -43,27 +43,33 @@ class Episodes:
         return self.live.get(live.episode_id) is live
 
     # --- opening a group
-    def open_group(self, run: GroupRun) -> None:
-        gid = run.group.group_id
+    def open_groups(self, runs: list[GroupRun]) -> None:
+        """Open groups claimed or taken over together: one round trip reads every episode stream of them all, one
+        more makes every new episode's start durable."""
+        if not runs:
+            return
         self.settle()  # nothing of this worker's in flight while the streams are read
-        self._forget_group(gid)  # a group this worker held before (lost, now back): start from its streams
-        self.groups.hold(run)
+        for run in runs:
+            self._forget_group(run.group.group_id)  # a group this worker held before (lost, now back): from its streams
+            self.groups.hold(run)
+        streams = iter(self.events.read_many([episode_id for run in runs for episode_id in run.episodes]))
         fresh = []
-        # one round trip reads every episode stream, one more makes every new episode's start durable
-        for index, (episode_id, entries) in enumerate(zip(run.episodes, self.events.read_many(run.episodes))):
-            if not self.groups.holds(run):
-                return  # lost while opening (fenced): nothing more touches it
-            if entries:
-                self._resume_from_stream(run, episode_id, entries)
-            elif (live := self._start(run, index, episode_id)) is not None:
-                fresh.append(live)
+        for run in runs:
+            for index, (episode_id, entries) in enumerate(zip(run.episodes, [next(streams) for _ in run.episodes])):
+                if not self.groups.holds(run):
+                    continue  # lost while opening (fenced): nothing more touches it
+                if entries:
+                    self._resume_from_stream(run, episode_id, entries)
+                elif (live := self._start(run, index, episode_id)) is not None:
+                    fresh.append(live)
         if fresh:
             self.flush([live.episode_id for live in fresh])
             crash_point("rollout", "opened")  # tests only (shared/runtime/faults.py)
         for live in fresh:
             if self.owns(live):
                 self._generate(live)
-        self.groups.maybe_publish(run)
+        for run in runs:
+            self.groups.maybe_publish(run)
 
     def _params(self, run: GroupRun, index: int) -> SamplingParams:
         o, c = run.group.sampling, self.cfg
@@ -267,33 +273,42 @@ class Episodes:
     def send_step(self, wake_read: Callable | None = None) -> None:
         """After an engine step: this step's writes leave on the writer thread in one pipeline, while the caller
         runs the next step. They are the events of every episode that ended in the step, every buffered event
-        when any is due by count or age, and ``wake_read(pipe)``: the worker's non-blocking read of the streams
-        that wake it, whose reply comes back in ``replies`` once settled."""
+        when any is due by count or age, the publishes of groups completed by the batch settled last, and
+        ``wake_read(pipe)``: the worker's non-blocking read of the streams that wake it, whose reply comes back
+        in ``replies`` once settled."""
         self.settle()
         ending, self._ending = self._ending, []
         batch = self.events.take(None if self.events.due() else [live.episode_id for live in ending])
-        if not batch and wake_read is None:
+        publishing = self.groups.take_queued()
+        if not batch and wake_read is None and not publishing:
             for live in ending:  # nothing of theirs is buffered or in flight: their end is in Redis already
                 self._closed(live)
             return
-        self.writer.submit(lambda: self.events.send(batch, wake_read), (batch, ending))
 
-    def settle(self) -> None:
+        def also(pipe):
+            self.groups.add(pipe, publishing)
+            if wake_read is not None:
+                wake_read(pipe)
+        self.writer.submit(lambda: self.events.send(batch, also), (batch, ending, publishing))
+
+    def settle(self, publish_later: bool = False) -> None:
         """Wait for the batch in flight, if any, and apply its results: a fenced episode drops its group (a step
         later than a synchronous flush would, and before anything of the group is published); an ending episode
-        whose last events are now in Redis is closed and its group published when complete."""
+        whose last events are now in Redis is closed and its group published when complete (with
+        ``publish_later``, in the next step's pipeline)."""
         if not self.writer.in_flight:
             return
-        (results, extra), (batch, ending) = self.writer.wait()
+        (results, extra), (batch, ending, publishing) = self.writer.wait()
         written = self.events.entries_written
         errors = self.events.settle(batch, results)
-        for reply in extra:
+        self.groups.settle(publishing, extra[:len(publishing)])
+        for reply in extra[len(publishing):]:
             if isinstance(reply, Exception):
                 raise reply
             self.replies.append(reply)
         self._written(written, errors)
         for live in ending:
-            self._closed(live)
+            self._closed(live, publish_later)
 
     def close_writer(self) -> None:
         self.settle()
@@ -307,7 +322,7 @@ class Episodes:
         self.flush([live.episode_id])
         self._closed(live)
 
-    def _closed(self, live: LiveEpisode) -> None:
+    def _closed(self, live: LiveEpisode, publish_later: bool = False) -> None:
         """After the episode's end is in its stream: forget it here, publish its group when complete."""
         if not self.owns(live):
             return
@@ -317,7 +332,7 @@ class Episodes:
         run = self.groups.get(live.group_id)
         if run is not None:
             run.done.add(live.episode_id)
-            self.groups.maybe_publish(run)
+            self.groups.maybe_publish(run, later=publish_later)
         if self.reward.group_aware:  # the rest of the group may have been waiting for this one
             self._score_group(live.group_id)
 
@@ -338,6 +353,7 @@ class Episodes:
             self._ending = [live for live in self._ending if live not in done]
             for live in done:
                 self._closed(live)
+        self.groups.publish_queued()
 
     def _written(self, entries_before: int, errors: dict[str, Exception]) -> None:
         if self.events.entries_written > entries_before:

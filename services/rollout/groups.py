@@ -41,6 +41,8 @@ class Groups:
         self.publisher = Publisher(client, keys)
         self.held: dict[str, GroupRun] = {}
         self.published = 0
+        self.queued: list[GroupRun] = []  # complete, to publish with the next step's writes (maybe_publish)
+        self.publishing: set[str] = set()  # prompt entries of groups queued or in flight: not orphans
         self._missing_since: dict[str, float] = {}  # worker -> when its heartbeat key was first seen missing
 
     def create_consumer_groups(self) -> None:
@@ -133,7 +135,7 @@ class Groups:
             if free <= 0:
                 break
             pending = self.client.xpending_range(stream, GROUP, min="-", max="+", count=100)
-            held = {run.group.entry_id for run in self.held.values()}
+            held = {run.group.entry_id for run in self.held.values()} | self.publishing
             orphans = [p["message_id"] for p in pending
                        if p["consumer"].decode() == self.worker_id and p["message_id"].decode() not in held]
             for entry_id, fields in self.client.xclaim(stream, GROUP, self.worker_id, 0, orphans[:free]) \
@@ -169,17 +171,55 @@ class Groups:
         return dead
 
     # --- publishing
-    def maybe_publish(self, run: GroupRun) -> bool:
+    def maybe_publish(self, run: GroupRun, later: bool = False) -> bool:
+        """Publish a complete group (every episode's end is in its stream): now, or with ``later`` queued for the
+        next step's pipeline (``add_queued``; ``publish_queued`` sends what is left now)."""
         if not run.complete or not self.holds(run):
             return False
         g = run.group
         crash_point("rollout", "finished")  # tests only (shared/runtime/faults.py)
-        samples = self.keys.val_samples if run.source == self.keys.val_prompts else self.keys.samples
-        self.publisher.publish(Sample(g.group_id, run.episodes, self.worker_id, g.n), samples, run.source, g.entry_id)
+        if later:
+            self.queued.append(run)
+            self.publishing.add(g.entry_id)
+        else:
+            self.publisher.publish(self._sample(run), *self._where(run))
         del self.held[g.group_id]
         self.published += 1
-        self.log.info("group finished", group=g.group_id)
+        self.log.info("group finished", group=g.group_id, queued=later)
         return True
+
+    def take_queued(self) -> list[GroupRun]:
+        runs, self.queued = self.queued, []
+        return runs
+
+    def add(self, pipe, runs: list[GroupRun]) -> None:
+        """The publishes of ``runs`` as commands of a pipeline (built on the writer thread: reads only ``runs``)."""
+        for run in runs:
+            self.publisher.add(pipe, self._sample(run), *self._where(run))
+
+    def settle(self, runs: list[GroupRun], results: list) -> None:
+        """``add``'s results: a server that did not have the script gets each of those publishes again (loading
+        it); any other error raises (the groups stay pending: a takeover publishes them, once)."""
+        for run, result in zip(runs, results):
+            if isinstance(result, redis.exceptions.NoScriptError):
+                self.publisher.publish(self._sample(run), *self._where(run))
+            elif isinstance(result, Exception):
+                raise result
+            self.publishing.discard(run.group.entry_id)
+
+    def publish_queued(self) -> None:
+        """Whatever is queued, published now (pause, shutdown, a worker going idle)."""
+        for run in self.take_queued():
+            self.publisher.publish(self._sample(run), *self._where(run))
+            self.publishing.discard(run.group.entry_id)
+
+    def _sample(self, run: GroupRun) -> Sample:
+        g = run.group
+        return Sample(g.group_id, run.episodes, self.worker_id, g.n)
+
+    def _where(self, run: GroupRun) -> tuple[str, str, str]:
+        samples = self.keys.val_samples if run.source == self.keys.val_prompts else self.keys.samples
+        return samples, run.source, run.group.entry_id
 
     def dead_letter(self, stream: str, entry_id, reason: str) -> None:
         entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)

@@ -146,7 +146,7 @@ class RolloutWorker:
                     else:
                         self.episodes.on_chunk(chunk)
             self.busy_s += time.monotonic() - t0
-            self.episodes.settle()  # the previous step's writes, made while this step ran
+            self.episodes.settle(publish_later=True)  # the previous step's writes, made while this step ran
             self._on_replies()  # may pause: that writes everything now
             self._wake_sent = self.engine.has_unfinished() and not self.paused
             self.episodes.send_step(self._wake_read() if self._wake_sent else None)
@@ -163,17 +163,16 @@ class RolloutWorker:
         slot given back by the trainer); never throttled, never on every engine step for nothing."""
         if now >= self._next_takeover:
             self._next_takeover = now + self.cfg.heartbeat_ttl / 2
-            for run in self.claims.take_over():
-                self.takeovers += run.takeover_from is not None
-                self.episodes.open_group(run)
+            runs = self.claims.take_over()
+            self.takeovers += sum(run.takeover_from is not None for run in runs)
+            self.episodes.open_groups(runs)
         held = (len(self.claims.held), self.claims.published)
         if not (self._claim_wanted or held != self._claimed_with or now >= self._next_claim):
             return
         if self.claims.room() <= 0 and self.claims.val_room() <= 0:
             return
         self._claim_wanted = False
-        for run in self.claims.claim(self.engine.version):
-            self.episodes.open_group(run)
+        self.episodes.open_groups(self.claims.claim(self.engine.version))  # one pipeline for all of them
         self._claimed_with, self._next_claim = (len(self.claims.held), self.claims.published), now + CLAIM_RECHECK_S
 
     def _idle_block_ms(self, block_ms: int) -> int:

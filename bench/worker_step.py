@@ -48,6 +48,22 @@ def timed(fn, acc: dict, wall: str | None, cpu_key: str):
     return wrapper
 
 
+def count_round_trips(acc: dict) -> None:
+    """Count every packet of commands the process sends to Redis (a single command or a whole pipeline: one round
+    trip each), by thread: the main thread waits for its own; the step writer's travel beside the next step."""
+    import threading
+
+    import redis.connection
+
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(self, *a, **k):
+        key = "trips_main" if threading.current_thread() is threading.main_thread() else "trips_other"
+        acc[key] = acc.get(key, 0) + 1
+        return send(self, *a, **k)
+    redis.connection.AbstractConnection.send_packed_command = counted
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=15.0, help="measured time (after 3 s of warm-up)")
@@ -89,12 +105,14 @@ def main(argv=None) -> int:
             writer = getattr(worker.episodes, "writer", None)  # main before the step writer has none
             if writer is not None:
                 writer.wait = timed(writer.wait, acc, "wait_wall", "wait_cpu")
+            count_round_trips(acc)
             client.config_resetstat()
             tokens0, t0, c0 = worker.stats["tokens"], time.monotonic(), time.process_time()
             while time.monotonic() < t0 + args.seconds:
                 worker.tick()
             wall, proc_cpu, n = time.monotonic() - t0, time.process_time() - c0, max(1, acc["steps"])
             tokens = worker.stats["tokens"] - tokens0
+            trips = (acc.get("trips_main", 0), acc.get("trips_other", 0))
             stats = client.info("commandstats")
             worker.shutdown()
             client.close()
@@ -109,6 +127,8 @@ def main(argv=None) -> int:
           f"{(proc_cpu - acc['engine_cpu']) / max(1, tokens) * 1e6:.0f} us")
     calls = sorted(((k.removeprefix("cmdstat_"), v["calls"]) for k, v in stats.items()), key=lambda kv: -kv[1])
     print("Redis commands per engine step: " + ", ".join(f"{k} {c / n:.2f}" for k, c in calls if c / n >= 0.05))
+    print(f"Redis round trips per engine step: {trips[0] / n:.2f} waited for by the main thread, {trips[1] / n:.2f} on "
+          f"the step writer's thread (beside the next engine step)")
     print(f"load average at end: {cpu.load_average()}")
     return 0
 

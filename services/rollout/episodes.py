@@ -38,6 +38,7 @@ class Episodes:
         self._ending: list[LiveEpisode] = []  # ended in a step; closed once their last events are in Redis
         self.writer = StepWriter(f"step-writer-{self.worker_id}")  # the step's round trip, beside the next step
         self.replies: list = []  # what the worker's wake read sent with a batch returned (``send_step``)
+        self._sent: set[str] = set()  # episodes with events in the batch in flight
 
     def owns(self, live: LiveEpisode) -> bool:
         return self.live.get(live.episode_id) is live
@@ -48,7 +49,8 @@ class Episodes:
         more makes every new episode's start durable."""
         if not runs:
             return
-        self.settle()  # nothing of this worker's in flight while the streams are read
+        if self._in_flight([episode_id for run in runs for episode_id in run.episodes]):
+            self.settle()  # a group this worker held before: nothing of it in flight while its streams are read
         for run in runs:
             self._forget_group(run.group.group_id)  # a group this worker held before (lost, now back): from its streams
             self.groups.hold(run)
@@ -289,6 +291,7 @@ class Episodes:
             self.groups.add(pipe, publishing)
             if wake_read is not None:
                 wake_read(pipe)
+        self._sent = {episode_id for episode_id, _ in batch.targets}
         self.writer.submit(lambda: self.events.send(batch, also), (batch, ending, publishing))
 
     def settle(self, publish_later: bool = False) -> None:
@@ -309,6 +312,10 @@ class Episodes:
         self._written(written, errors)
         for live in ending:
             self._closed(live, publish_later)
+
+    def _in_flight(self, episode_ids: list[str] | None) -> bool:
+        """Whether the batch in flight holds events of these episodes (of any, for None)."""
+        return self.writer.in_flight and (episode_ids is None or not self._sent.isdisjoint(episode_ids))
 
     def close_writer(self) -> None:
         self.settle()
@@ -342,9 +349,11 @@ class Episodes:
             self.events.append(live.episode_id, kind, data, self.engine.version)
 
     def flush(self, episode_ids: list[str] | None = None, due_only: bool = False) -> None:
-        """Write buffered events now (after the batch in flight, if any); a fenced episode drops its group (other
-        errors raise). An episode that ended in a step and is now all written is closed."""
-        self.settle()
+        """Write buffered events now (after the batch in flight when it holds any of these episodes); a fenced
+        episode drops its group (other errors raise). An episode that ended in a step and is now all written is
+        closed."""
+        if due_only or self._in_flight(episode_ids):
+            self.settle()
         written = self.events.entries_written
         errors = self.events.maybe_flush() if due_only else self.events.flush(episode_ids)
         self._written(written, errors)

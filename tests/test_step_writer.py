@@ -13,6 +13,7 @@ import structlog
 
 from services.ops.checker import check, read_run
 from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.events import decode
 from shared.protocol.fold import fold
 from shared.protocol.keys import ROLLOUT_GROUP
 from shared.protocol.prompts import PromptGroup, enqueue
@@ -79,8 +80,7 @@ def test_a_fence_reported_a_step_later_drops_the_group_and_nothing_of_it_is_publ
     assert not client.exists(keys.sampled(fenced["group"]))
     pending = client.xpending_range(keys.prompts, ROLLOUT_GROUP, "-", "+", 100)
     assert len(pending) == 1  # the fenced group's prompt stays pending: its new owner publishes it
-    last = intruder.read(fenced["episode"])[-1][1]
-    assert last[b"worker"] == b"X"  # nothing of A's after the intruder's entry
+    assert decode(*intruder.read(fenced["episode"])[-1]).worker == "X"  # nothing of A's after the intruder's entry
     assert not [live for live in a.live.values() if live.group_id == fenced["group"]]
 
 

@@ -271,6 +271,9 @@ class Episodes:
         finally:
             closing, self._closing = self._closing, None
             self._ending += closing
+            for live in closing:
+                if (run := self.groups.get(live.group_id)) is not None:
+                    run.ended.add(live.episode_id)
 
     def send_step(self, wake_read: Callable | None = None) -> None:
         """After an engine step: this step's writes leave on the writer thread in one pipeline, while the caller

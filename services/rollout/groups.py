@@ -26,6 +26,13 @@ class GroupRun:
     group: PromptGroup
     episodes: list[str] = field(default_factory=list)
     done: set[str] = field(default_factory=set)
+    ended: set[str] = field(default_factory=set)  # their end recorded, its write maybe still in flight
+
+    @property
+    def generating(self) -> bool:
+        """Some episode of it may still use the engine (a group whose every episode ended frees its slot while its
+        last writes and its publish are in flight)."""
+        return len(self.done | self.ended) < len(self.episodes)
     source: str = ""  # the prompts stream the group came from (training or validation)
     takeover_from: str | None = None  # the dead worker it was claimed from
 
@@ -53,20 +60,20 @@ class Groups:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    def _slots_used(self, also=()) -> float:
+    def slots_used(self, also=()) -> float:
         """In-flight capacity is ``max_groups_in_flight`` training groups; a validation group (one or ``val_k``
         episodes) takes its episodes' share of a slot, not a whole one, so a round is claimed at once."""
         val = self.keys.val_prompts
         return sum(run.group.n / self.cfg.group_size if run.source == val else 1
-                   for run in (*self.held.values(), *also))
+                   for run in (*self.held.values(), *also) if run.generating)
 
     def room(self, also=()) -> int:
         """Training groups that may still start (beside ``also``: claimed, not held yet)."""
-        return max(0, int(self.cfg.max_groups_in_flight - self._slots_used(also) + 1e-9))
+        return max(0, int(self.cfg.max_groups_in_flight - self.slots_used(also) + 1e-9))
 
     def val_room(self) -> int:
         """Validation groups that may still start (each of at most ``val_k`` episodes)."""
-        free = self.cfg.max_groups_in_flight - self._slots_used()
+        free = self.cfg.max_groups_in_flight - self.slots_used()
         return max(0, int(free * self.cfg.group_size / max(1, self.cfg.val_k) + 1e-9))
 
     def get(self, group_id: str) -> GroupRun | None:

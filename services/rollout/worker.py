@@ -158,22 +158,23 @@ class RolloutWorker:
 
     def _claim(self, now: float) -> None:
         """Take over dead workers' groups (every heartbeat_ttl / 2), then claim new ones. Claiming is event
-        driven: it is tried when a slot has freed (a group published or dropped), when a new prompt group or
-        a resume (the gate moves with a sync) woke the worker, and at the latest every CLAIM_RECHECK_S (a gate
-        slot given back by the trainer); never throttled, never on every engine step for nothing."""
+        driven: it is tried when a slot has freed (every episode of a group ended, or it was dropped), when a new
+        prompt group or a resume (the gate moves with a sync) woke the worker, and at the latest every
+        CLAIM_RECHECK_S (a gate slot given back by the trainer); never throttled, never on every engine step for
+        nothing."""
         if now >= self._next_takeover:
             self._next_takeover = now + self.cfg.heartbeat_ttl / 2
             runs = self.claims.take_over()
             self.takeovers += sum(run.takeover_from is not None for run in runs)
             self.episodes.open_groups(runs)
-        held = (len(self.claims.held), self.claims.published)
+        held = (self.claims.slots_used(), self.claims.published)
         if not (self._claim_wanted or held != self._claimed_with or now >= self._next_claim):
             return
         if self.claims.room() <= 0 and self.claims.val_room() <= 0:
             return
         self._claim_wanted = False
         self.episodes.open_groups(self.claims.claim(self.engine.version))  # one pipeline for all of them
-        self._claimed_with, self._next_claim = (len(self.claims.held), self.claims.published), now + CLAIM_RECHECK_S
+        self._claimed_with, self._next_claim = (self.claims.slots_used(), self.claims.published), now + CLAIM_RECHECK_S
 
     def _idle_block_ms(self, block_ms: int) -> int:
         """``block_ms``, cut short by the next timer: heartbeat, takeover check, claim recheck, metrics report,

@@ -12,7 +12,7 @@ worker writes with, fenced EVALSHA appends in one pipeline per flush) at the def
 (``flush_tokens`` 16, ``flush_ms`` 50 from shared/runtime/config.py), driven the way the worker drives it: every
 step appends one token to each episode, flushes the episodes that ended in it (their ``finished`` events: the
 worker's ``one_flush``), then calls ``maybe_flush`` (all pending episodes, once one is due); an ended episode is
-replaced by a new one whose ``started`` event is flushed at once (as the worker's ``open_group`` does). At 5,000
+replaced by a new one whose ``started`` event is flushed at once (as the worker's ``open_groups`` does). At 5,000
 tokens/s and batch 64 the 50 ms age limit flushes first, so entries hold about 4-5 tokens: the per-GPU rate, not
 only the total, sets the entry rate the server sees.
 
@@ -104,7 +104,7 @@ class SimulatedGPU:
             del self.episodes[eid]
             fresh.append(self.open(remaining=self.a.episode_tokens))
         if fresh:
-            self._timed(self.log.flush, fresh, latencies)  # started events are flushed at once, as open_group does
+            self._timed(self.log.flush, fresh, latencies)  # started events are flushed at once, as open_groups does
         return len(self.episodes), self.log.entries_written - entries0
 
     @staticmethod

@@ -69,18 +69,23 @@ from services.ops.tiny_model import load_tokenizer, make_tiny_model  # noqa: E40
 
 class MemoryLog(EpisodeLog):
     """The in-memory sink: EpisodeLog's buffering and flush policy unchanged, but a
-    flush appends the Event objects to a dict in this process (no encode, no Redis)."""
+    flush appends the Event objects to a dict in this process (no encode, no Redis). The worker's other commands
+    that ride in the step's pipeline (its wake read) still go to Redis, in a round trip of their own."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.store: dict[str, list] = defaultdict(list)
 
-    def _send(self, targets):
+    def _send(self, targets, also=None):
         results = []
         for episode_id, p in targets:
             stream = self.store[episode_id]
             stream.extend(p.events)
             results.append([f"{len(stream)}-0"] * len(p.events))
+        if also is not None:
+            pipe = self.client.pipeline(transaction=False)
+            also(pipe)
+            results += pipe.execute(raise_on_error=False)
         return results
 
     def read(self, episode_id: str) -> list[tuple]:

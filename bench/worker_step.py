@@ -5,9 +5,11 @@
 One real RolloutWorker, in this process, with the same config as a rollout_scaling worker (default flush
 settings, batch 64, `step_delay_ms`: the engine sleeps that long after each step, SIMULATED GPU time), against an
 embedded Redis, with the prompts queue kept full. Timers wrap the engine's own step (the tiny model's forward and
-sampling, run on this CPU) and the worker's flushes (``Episodes.flush``: encode plus one pipeline round trip, which
-the tick waits for before the next engine step). Printed per engine step: wall time, this process's CPU, the
-engine's CPU, the flushes' wall and CPU time, tokens, and Redis commands by type (INFO commandstats).
+sampling, run on this CPU), the worker's synchronous flushes (``Episodes.flush``: encode plus one pipeline round
+trip, waited for at once) and, where the worker has one, its wait for the step writer (``StepWriter.wait``: the
+step's batch, written on a thread while the next engine step ran; only what is left of its round trip when that
+step ends is waited for). Printed per engine step: wall time, this process's CPU, the engine's CPU, the flushes'
+wall and CPU time, the writer wait, tokens, and Redis commands by type (INFO commandstats).
 """
 
 from __future__ import annotations
@@ -46,6 +48,22 @@ def timed(fn, acc: dict, wall: str | None, cpu_key: str):
     return wrapper
 
 
+def count_round_trips(acc: dict) -> None:
+    """Count every packet of commands the process sends to Redis (a single command or a whole pipeline: one round
+    trip each), by thread: the main thread waits for its own; the step writer's travel beside the next step."""
+    import threading
+
+    import redis.connection
+
+    send = redis.connection.AbstractConnection.send_packed_command
+
+    def counted(self, *a, **k):
+        key = "trips_main" if threading.current_thread() is threading.main_thread() else "trips_other"
+        acc[key] = acc.get(key, 0) + 1
+        return send(self, *a, **k)
+    redis.connection.AbstractConnection.send_packed_command = counted
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=15.0, help="measured time (after 3 s of warm-up)")
@@ -75,7 +93,8 @@ def main(argv=None) -> int:
             end = time.monotonic() + 3.0
             while time.monotonic() < end:
                 worker.tick()
-            acc = {"engine_cpu": 0.0, "flush_wall": 0.0, "flush_cpu": 0.0, "steps": 0}
+            acc = {"engine_cpu": 0.0, "flush_wall": 0.0, "flush_cpu": 0.0, "wait_wall": 0.0, "wait_cpu": 0.0,
+                   "steps": 0}
             inner = engine.inner.step
 
             def counted():
@@ -83,12 +102,17 @@ def main(argv=None) -> int:
                 return inner()
             engine.inner.step = timed(counted, acc, None, "engine_cpu")
             worker.episodes.flush = timed(worker.episodes.flush, acc, "flush_wall", "flush_cpu")
+            writer = getattr(worker.episodes, "writer", None)  # main before the step writer has none
+            if writer is not None:
+                writer.wait = timed(writer.wait, acc, "wait_wall", "wait_cpu")
+            count_round_trips(acc)
             client.config_resetstat()
             tokens0, t0, c0 = worker.stats["tokens"], time.monotonic(), time.process_time()
             while time.monotonic() < t0 + args.seconds:
                 worker.tick()
             wall, proc_cpu, n = time.monotonic() - t0, time.process_time() - c0, max(1, acc["steps"])
             tokens = worker.stats["tokens"] - tokens0
+            trips = (acc.get("trips_main", 0), acc.get("trips_other", 0))
             stats = client.info("commandstats")
             worker.shutdown()
             client.close()
@@ -97,11 +121,14 @@ def main(argv=None) -> int:
     ms = lambda x: f"{x / n * 1e3:.2f} ms"  # noqa: E731
     print(f"{n} engine steps in {wall:.1f} s: per step wall {ms(wall)}, process CPU {ms(proc_cpu)}, engine CPU "
           f"{ms(acc['engine_cpu'])} (the tiny model on this CPU), flushes wall {ms(acc['flush_wall'])} "
-          f"({acc['flush_wall'] / wall:.0%} of wall), flushes CPU {ms(acc['flush_cpu'])}; {tokens / n:.1f} tokens "
+          f"({acc['flush_wall'] / wall:.0%} of wall), flushes CPU {ms(acc['flush_cpu'])}, step-writer wait "
+          f"{ms(acc['wait_wall'])} ({acc['wait_wall'] / wall:.0%} of wall); {tokens / n:.1f} tokens "
           f"per step, {tokens / wall:,.0f} tokens/s; CPU per token outside the engine "
           f"{(proc_cpu - acc['engine_cpu']) / max(1, tokens) * 1e6:.0f} us")
     calls = sorted(((k.removeprefix("cmdstat_"), v["calls"]) for k, v in stats.items()), key=lambda kv: -kv[1])
     print("Redis commands per engine step: " + ", ".join(f"{k} {c / n:.2f}" for k, c in calls if c / n >= 0.05))
+    print(f"Redis round trips per engine step: {trips[0] / n:.2f} waited for by the main thread, {trips[1] / n:.2f} on "
+          f"the step writer's thread (beside the next engine step)")
     print(f"load average at end: {cpu.load_average()}")
     return 0
 

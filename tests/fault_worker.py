@@ -4,7 +4,8 @@ On SIGUSR1 the worker, at the next tick boundary where some episode holds
 generated tokens not yet flushed (or after 10 s), writes its final counters
 (a ``rollout`` metrics record with ``final: true``, what a warm shutdown
 writes) and a ``fault_probe`` record (episodes in flight, tokens generated
-but not yet flushed to their streams), then stops itself with SIGSTOP. The
+but not yet flushed to their streams, once the step writer's batch in flight
+has landed), then stops itself with SIGSTOP. The
 fault suite then sends SIGKILL: the process dies with exactly that state, so
 the tokens a kill -9 loses are known and `streamrl check` can compare them
 with the tokens generated again.
@@ -30,6 +31,7 @@ def _run_with_probe(self: RolloutWorker, should_stop=lambda: False) -> None:
     def probed() -> bool:
         if asked["probe"]:
             asked.setdefault("since", time.monotonic())
+            self.episodes.settle()  # the step's batch in flight lands first: the kill comes after it
             unflushed = {eid: self.events.pending_tokens(eid) for eid in self.live}  # live episodes: logs open
             if not sum(unflushed.values()) and time.monotonic() - asked["since"] < 10:
                 return should_stop()  # wait (up to 10 s) for a tick with tokens generated but not yet flushed

@@ -101,6 +101,8 @@ def test_only_unflushed_tokens_are_generated_again(client, keys, tiny_model_dir)
     enqueue(client, keys, [PromptGroup(g, n, prompt=f"{g}: 3*4=") for g, n in GROUPS])
     a = make_worker(cfg, client, "A")
     tick_until(a, lambda: a.stats["tokens"] >= 150)
+    if a.episodes.writer.in_flight:  # the step's batch on the writer thread lands (the crash comes after it)
+        a.episodes.writer.wait()
     in_flight = len(a.live)
     stored = sum(len(ep.tokens) for ep in _snapshot(client, keys).values())
     unflushed = a.stats["tokens"] - stored

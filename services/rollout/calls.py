@@ -51,6 +51,9 @@ class LiveCall:
         return self.params.max_tokens - len(self.tokens)
 
 
+CLAIM_RECHECK_S = 1.0  # claims follow the wake read; this only bounds the wait for a call it could not see
+
+
 class CallServer:
     def __init__(self, cfg, client: redis.Redis, worker_id: str, engine, tokenizer, log):
         self.cfg, self.client, self.worker_id, self.engine = cfg, client, worker_id, engine
@@ -63,6 +66,7 @@ class CallServer:
         self.paused = False
         self.cursor = "$"
         self._next_takeover = 0.0
+        self._claim_wanted, self._next_claim = True, 0.0  # claims are event driven: see _claim
         self._missing_since: dict[str, float] = {}
         self.stats = {"calls": 0, "call_tokens": 0, "call_takeovers": 0, "call_resumes": 0}
 
@@ -84,6 +88,7 @@ class CallServer:
         if (stream.decode() if isinstance(stream, bytes) else stream) != self.keys.calls:
             return False
         self.cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        self._claim_wanted = True
         return True
 
     def owns(self, request_id: str) -> bool:
@@ -97,15 +102,19 @@ class CallServer:
             if now >= self._next_takeover:
                 self._next_takeover = now + self.cfg.heartbeat_ttl / 2
                 self._take_over()
-            self._claim()
+            self._claim(now)
         self._check(self.events.maybe_flush())
 
-    def _claim(self) -> None:
+    def _claim(self, now: float) -> None:
+        """New calls, when the worker's wake read saw one (``saw``), when the last claim filled every free slot
+        (more may wait), and at the latest every CLAIM_RECHECK_S: not one read per engine step for nothing."""
         room = self.cfg.max_calls_in_flight - len(self.live)
-        if room <= 0:
+        if room <= 0 or not (self._claim_wanted or now >= self._next_claim):
             return
         reply = self.client.xreadgroup(GROUP, self.worker_id, {self.keys.calls: ">"}, count=room)
-        for entry_id, fields in (e for _, es in reply or [] for e in es):
+        entries = [e for _, es in reply or [] for e in es]
+        self._claim_wanted, self._next_claim = len(entries) >= room, now + CLAIM_RECHECK_S
+        for entry_id, fields in entries:
             self.cursor = max(self.cursor, entry_id.decode(), key=_id_key)
             self._open(entry_id, fields)
 

@@ -4,12 +4,13 @@ recording tokens, tool calls and results, scoring and ending; every event goes t
 Ownership: an episode is this worker's while it is in ``live``; every write path checks that first. When an
 append is fenced (another worker owns the episode now), the whole group leaves this worker at once: its live
 episodes, engine requests, tool and reward jobs and log buffers; nothing later touches it, and a group this
-worker gets back starts clean (``open_group``).
+worker gets back starts clean (``open_groups``).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Callable
 
 from services.rollout.agent import Agent, Finish, ToolCall
 from services.rollout.engine import Chunk, EngineError, SamplingParams
@@ -17,6 +18,7 @@ from services.rollout.episode import LiveEpisode, State, episode_seed
 from services.rollout.groups import GroupRun, Groups
 from services.rollout.prompting import prompt_ids
 from services.rollout.tool_jobs import Outcome, ToolJobs
+from services.rollout.writer import StepWriter
 from shared.protocol.episode_log import EpisodeLog, Fenced
 from shared.protocol.events import EventError, decode
 from shared.protocol.fold import fold
@@ -32,32 +34,44 @@ class Episodes:
         self.live: dict[str, LiveEpisode] = {}
         self.paused = False
         self.stats = {"tokens": 0, "episodes": 0, "resumed": 0}
-        self._closing: list[LiveEpisode] | None = None  # during one_flush(): episodes ended, waiting for it
+        self._closing: list[LiveEpisode] | None = None  # during one_flush(): episodes ended in this step
+        self._ending: list[LiveEpisode] = []  # ended in a step; closed once their last events are in Redis
+        self.writer = StepWriter(f"step-writer-{self.worker_id}")  # the step's round trip, beside the next step
+        self.replies: list = []  # what the worker's wake read sent with a batch returned (``send_step``)
+        self._sent: set[str] = set()  # episodes with events in the batch in flight
 
     def owns(self, live: LiveEpisode) -> bool:
         return self.live.get(live.episode_id) is live
 
     # --- opening a group
-    def open_group(self, run: GroupRun) -> None:
-        gid = run.group.group_id
-        self._forget_group(gid)  # a group this worker held before (lost, now back): start from its streams
-        self.groups.hold(run)
+    def open_groups(self, runs: list[GroupRun]) -> None:
+        """Open groups claimed or taken over together: one round trip reads every episode stream of them all, one
+        more makes every new episode's start durable."""
+        if not runs:
+            return
+        if self._in_flight([episode_id for run in runs for episode_id in run.episodes]):
+            self.settle()  # a group this worker held before: nothing of it in flight while its streams are read
+        for run in runs:
+            self._forget_group(run.group.group_id)  # a group this worker held before (lost, now back): from its streams
+            self.groups.hold(run)
+        streams = iter(self.events.read_many([episode_id for run in runs for episode_id in run.episodes]))
         fresh = []
-        # one round trip reads every episode stream, one more makes every new episode's start durable
-        for index, (episode_id, entries) in enumerate(zip(run.episodes, self.events.read_many(run.episodes))):
-            if not self.groups.holds(run):
-                return  # lost while opening (fenced): nothing more touches it
-            if entries:
-                self._resume_from_stream(run, episode_id, entries)
-            elif (live := self._start(run, index, episode_id)) is not None:
-                fresh.append(live)
+        for run in runs:
+            for index, (episode_id, entries) in enumerate(zip(run.episodes, [next(streams) for _ in run.episodes])):
+                if not self.groups.holds(run):
+                    continue  # lost while opening (fenced): nothing more touches it
+                if entries:
+                    self._resume_from_stream(run, episode_id, entries)
+                elif (live := self._start(run, index, episode_id)) is not None:
+                    fresh.append(live)
         if fresh:
             self.flush([live.episode_id for live in fresh])
             crash_point("rollout", "opened")  # tests only (shared/runtime/faults.py)
         for live in fresh:
             if self.owns(live):
                 self._generate(live)
-        self.groups.maybe_publish(run)
+        for run in runs:
+            self.groups.maybe_publish(run)
 
     def _params(self, run: GroupRun, index: int) -> SamplingParams:
         o, c = run.group.sampling, self.cfg
@@ -268,18 +282,67 @@ class Episodes:
 
     @contextmanager
     def one_flush(self):
-        """Inside, an ending episode's last events are not written at once: on the way out, every episode that
-        ended is flushed in one pipeline (one round trip per engine step, not one per finishing episode), then
-        closed and its group published if complete."""
+        """Inside, an ending episode's last events are not written at once: they go with the step's batch
+        (``send_step``: one round trip per engine step, not one per finishing episode, beside the next step), and
+        the episode is closed, its group published if complete, once that batch is settled."""
         self._closing = []
         try:
             yield
         finally:
             closing, self._closing = self._closing, None
-            if closing:
-                self.flush([live.episode_id for live in closing])
-                for live in closing:
-                    self._closed(live)
+            self._ending += closing
+            for live in closing:
+                if (run := self.groups.get(live.group_id)) is not None:
+                    run.ended.add(live.episode_id)
+
+    def send_step(self, wake_read: Callable | None = None) -> None:
+        """After an engine step: this step's writes leave on the writer thread in one pipeline, while the caller
+        runs the next step. They are the events of every episode that ended in the step, every buffered event
+        when any is due by count or age, the publishes of groups completed by the batch settled last, and
+        ``wake_read(pipe)``: the worker's non-blocking read of the streams that wake it, whose reply comes back
+        in ``replies`` once settled."""
+        self.settle()
+        ending, self._ending = self._ending, []
+        batch = self.events.take(None if self.events.due() else [live.episode_id for live in ending])
+        publishing = self.groups.take_queued()
+        if not batch and wake_read is None and not publishing:
+            for live in ending:  # nothing of theirs is buffered or in flight: their end is in Redis already
+                self._closed(live)
+            return
+
+        def also(pipe):
+            self.groups.add(pipe, publishing)
+            if wake_read is not None:
+                wake_read(pipe)
+        self._sent = {episode_id for episode_id, _ in batch.targets}
+        self.writer.submit(lambda: self.events.send(batch, also), (batch, ending, publishing))
+
+    def settle(self, publish_later: bool = False) -> None:
+        """Wait for the batch in flight, if any, and apply its results: a fenced episode drops its group (a step
+        later than a synchronous flush would, and before anything of the group is published); an ending episode
+        whose last events are now in Redis is closed and its group published when complete (with
+        ``publish_later``, in the next step's pipeline)."""
+        if not self.writer.in_flight:
+            return
+        (results, extra), (batch, ending, publishing) = self.writer.wait()
+        written = self.events.entries_written
+        errors = self.events.settle(batch, results)
+        self.groups.settle(publishing, extra[:len(publishing)])
+        for reply in extra[len(publishing):]:
+            if isinstance(reply, Exception):
+                raise reply
+            self.replies.append(reply)
+        self._written(written, errors)
+        for live in ending:
+            self._closed(live, publish_later)
+
+    def _in_flight(self, episode_ids: list[str] | None) -> bool:
+        """Whether the batch in flight holds events of these episodes (of any, for None)."""
+        return self.writer.in_flight and (episode_ids is None or not self._sent.isdisjoint(episode_ids))
+
+    def close_writer(self) -> None:
+        self.settle()
+        self.writer.close()
 
     def _close(self, live: LiveEpisode) -> None:
         live.state = State.DONE
@@ -289,7 +352,7 @@ class Episodes:
         self.flush([live.episode_id])
         self._closed(live)
 
-    def _closed(self, live: LiveEpisode) -> None:
+    def _closed(self, live: LiveEpisode, publish_later: bool = False) -> None:
         """After the episode's end is in its stream: forget it here, publish its group when complete."""
         if not self.owns(live):
             return
@@ -299,7 +362,7 @@ class Episodes:
         run = self.groups.get(live.group_id)
         if run is not None:
             run.done.add(live.episode_id)
-            self.groups.maybe_publish(run)
+            self.groups.maybe_publish(run, later=publish_later)
         if self.reward.group_aware:  # the rest of the group may have been waiting for this one
             self._score_group(live.group_id)
 
@@ -309,10 +372,23 @@ class Episodes:
             self.events.append(live.episode_id, kind, data, self.engine.version)
 
     def flush(self, episode_ids: list[str] | None = None, due_only: bool = False) -> None:
-        """Write buffered events; a fenced episode drops its group (other errors raise)."""
+        """Write buffered events now (after the batch in flight when it holds any of these episodes); a fenced
+        episode drops its group (other errors raise). An episode that ended in a step and is now all written is
+        closed."""
+        if due_only or self._in_flight(episode_ids):
+            self.settle()
         written = self.events.entries_written
         errors = self.events.maybe_flush() if due_only else self.events.flush(episode_ids)
-        if self.events.entries_written > written:
+        self._written(written, errors)
+        if self._ending:
+            done = [live for live in self._ending if self.events.written(live.episode_id)]
+            self._ending = [live for live in self._ending if live not in done]
+            for live in done:
+                self._closed(live)
+        self.groups.publish_queued()
+
+    def _written(self, entries_before: int, errors: dict[str, Exception]) -> None:
+        if self.events.entries_written > entries_before:
             crash_point("rollout", "flushed")  # tests only (shared/runtime/faults.py)
         lost: dict[str, str] = {}
         for episode_id, exc in errors.items():
@@ -339,5 +415,6 @@ class Episodes:
             self.engine.abort(episode_id)
             self.events.close(episode_id)
             del self.live[episode_id]
+        self._ending = [live for live in self._ending if live.group_id != group_id]
         self.jobs.forget(mine)
         self.groups.drop(group_id)

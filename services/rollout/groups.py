@@ -26,6 +26,13 @@ class GroupRun:
     group: PromptGroup
     episodes: list[str] = field(default_factory=list)
     done: set[str] = field(default_factory=set)
+    ended: set[str] = field(default_factory=set)  # their end recorded, its write maybe still in flight
+
+    @property
+    def generating(self) -> bool:
+        """Some episode of it may still use the engine (a group whose every episode ended frees its slot while its
+        last writes and its publish are in flight)."""
+        return len(self.done | self.ended) < len(self.episodes)
     source: str = ""  # the prompts stream the group came from (training or validation)
     takeover_from: str | None = None  # the dead worker it was claimed from
     repack: object | None = None  # the notice (shared/protocol/repacks.Repack) when another worker handed it here
@@ -42,6 +49,8 @@ class Groups:
         self.publisher = Publisher(client, keys)
         self.held: dict[str, GroupRun] = {}
         self.published = 0
+        self.queued: list[GroupRun] = []  # complete, to publish with the next step's writes (maybe_publish)
+        self.publishing: set[str] = set()  # prompt entries of groups queued or in flight: not orphans
         self._missing_since: dict[str, float] = {}  # worker -> when its heartbeat key was first seen missing
         self.claim_cap = cfg.max_groups_in_flight  # slots new claims may fill (a long-tail worker's share: repacker)
         self.repacked: dict[str, object] = {}  # entry id -> repack notice: handed here, not re-opened yet
@@ -54,22 +63,22 @@ class Groups:
                 if "BUSYGROUP" not in str(exc):
                     raise
 
-    def _slots_used(self, also=()) -> float:
+    def slots_used(self, also=()) -> float:
         """In-flight capacity is ``max_groups_in_flight`` training groups; a validation group (one or ``val_k``
         episodes) takes its episodes' share of a slot, not a whole one, so a round is claimed at once."""
         val = self.keys.val_prompts
         return sum(run.group.n / self.cfg.group_size if run.source == val else 1
-                   for run in (*self.held.values(), *also))
+                   for run in (*self.held.values(), *also) if run.generating)
 
     def room(self, also=(), cap: int | None = None) -> int:
         """Training groups that may still start (beside ``also``: claimed, not held yet), of ``cap`` slots
         (default: all, max_groups_in_flight)."""
         cap = self.cfg.max_groups_in_flight if cap is None else cap
-        return max(0, int(cap - self._slots_used(also) + 1e-9))
+        return max(0, int(cap - self.slots_used(also) + 1e-9))
 
     def val_room(self) -> int:
         """Validation groups that may still start (each of at most ``val_k`` episodes)."""
-        free = self.claim_cap - self._slots_used()
+        free = self.claim_cap - self.slots_used()
         return max(0, int(free * self.cfg.group_size / max(1, self.cfg.val_k) + 1e-9))
 
     def get(self, group_id: str) -> GroupRun | None:
@@ -138,7 +147,7 @@ class Groups:
             if free <= 0:
                 break
             pending = self.client.xpending_range(stream, GROUP, min="-", max="+", count=100)
-            held = {run.group.entry_id for run in self.held.values()}
+            held = {run.group.entry_id for run in self.held.values()} | self.publishing
             mine = pending
             if any(n.stream == stream for n in self.repacked.values()):  # all of this worker's, not the first 100
                 mine = self.client.xpending_range(stream, GROUP, min="-", max="+", count=10_000,
@@ -187,17 +196,55 @@ class Groups:
         return dead
 
     # --- publishing
-    def maybe_publish(self, run: GroupRun) -> bool:
+    def maybe_publish(self, run: GroupRun, later: bool = False) -> bool:
+        """Publish a complete group (every episode's end is in its stream): now, or with ``later`` queued for the
+        next step's pipeline (``add_queued``; ``publish_queued`` sends what is left now)."""
         if not run.complete or not self.holds(run):
             return False
         g = run.group
         crash_point("rollout", "finished")  # tests only (shared/runtime/faults.py)
-        samples = self.keys.val_samples if run.source == self.keys.val_prompts else self.keys.samples
-        self.publisher.publish(Sample(g.group_id, run.episodes, self.worker_id, g.n), samples, run.source, g.entry_id)
+        if later:
+            self.queued.append(run)
+            self.publishing.add(g.entry_id)
+        else:
+            self.publisher.publish(self._sample(run), *self._where(run))
         del self.held[g.group_id]
         self.published += 1
-        self.log.info("group finished", group=g.group_id)
+        self.log.info("group finished", group=g.group_id, queued=later)
         return True
+
+    def take_queued(self) -> list[GroupRun]:
+        runs, self.queued = self.queued, []
+        return runs
+
+    def add(self, pipe, runs: list[GroupRun]) -> None:
+        """The publishes of ``runs`` as commands of a pipeline (built on the writer thread: reads only ``runs``)."""
+        for run in runs:
+            self.publisher.add(pipe, self._sample(run), *self._where(run))
+
+    def settle(self, runs: list[GroupRun], results: list) -> None:
+        """``add``'s results: a server that did not have the script gets each of those publishes again (loading
+        it); any other error raises (the groups stay pending: a takeover publishes them, once)."""
+        for run, result in zip(runs, results):
+            if isinstance(result, redis.exceptions.NoScriptError):
+                self.publisher.publish(self._sample(run), *self._where(run))
+            elif isinstance(result, Exception):
+                raise result
+            self.publishing.discard(run.group.entry_id)
+
+    def publish_queued(self) -> None:
+        """Whatever is queued, published now (pause, shutdown, a worker going idle)."""
+        for run in self.take_queued():
+            self.publisher.publish(self._sample(run), *self._where(run))
+            self.publishing.discard(run.group.entry_id)
+
+    def _sample(self, run: GroupRun) -> Sample:
+        g = run.group
+        return Sample(g.group_id, run.episodes, self.worker_id, g.n)
+
+    def _where(self, run: GroupRun) -> tuple[str, str, str]:
+        samples = self.keys.val_samples if run.source == self.keys.val_prompts else self.keys.samples
+        return samples, run.source, run.group.entry_id
 
     def dead_letter(self, stream: str, entry_id, reason: str) -> None:
         entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)

@@ -67,6 +67,7 @@ class RolloutWorker:
         self.seen = control.Seen()
         self._next_takeover = self._next_claim = 0.0
         self._claim_wanted, self._claimed_with = True, None  # event-driven claiming: see _claim
+        self._wake_sent = False  # the wake read went with the step's writes (tick)
         self._next_report = time.monotonic() + 5.0
         self.started_at = time.monotonic()
         self.busy_s = 0.0
@@ -123,6 +124,7 @@ class RolloutWorker:
         worker takes them over."""
         self._abort_all("shutdown")
         self.episodes.flush()
+        self.episodes.close_writer()
         self.heartbeat.stop()
         if self.relay is not None:
             self.relay.stop()
@@ -132,9 +134,15 @@ class RolloutWorker:
     def tick(self, block_ms: int = 0) -> None:
         """One round: control and wake-ups, claims, jobs, one engine step, flushes. Idle (nothing to generate),
         the read of control blocks up to ``block_ms``, or less when a timer falls due; it wakes at once on a
-        command, a new prompt group, a gateway call or a finished rq job: no short polls."""
+        command, a new prompt group, a gateway call or a finished rq job: no short polls. Busy, that read is
+        non-blocking and rides with the step's writes (``episodes.send_step``): one round trip per engine step,
+        made while the next step runs; its reply is obeyed after that step."""
         busy = self.engine.has_unfinished() and not self.paused
-        self._handle_control(block_ms=0 if busy else self._idle_block_ms(block_ms))
+        if not (busy and self._wake_sent):
+            self.episodes.settle()  # the reply of a read in flight first: the cursors move in order
+            self._on_replies()
+            self._handle_control(block_ms=0 if busy else self._idle_block_ms(block_ms))
+        self._wake_sent = False
         now = time.monotonic()
         if not self.paused:
             if self.cfg.mode == "sync":
@@ -145,14 +153,19 @@ class RolloutWorker:
             self.episodes.on_job(outcome)
         if not self.paused and self.engine.has_unfinished():
             t0 = time.monotonic()
-            with self.episodes.one_flush():  # every episode that ends in this step: one round trip
+            with self.episodes.one_flush():  # every episode that ends in this step: in the step's one round trip
                 for chunk in self.engine.step():  # chunks are routed by request id (= episode id)
                     if self.calls.owns(chunk.request_id):
                         self.calls.on_chunk(chunk)
                     else:
                         self.episodes.on_chunk(chunk)
             self.busy_s += time.monotonic() - t0
-        self.episodes.flush(due_only=True)
+            self.episodes.settle(publish_later=True)  # the previous step's writes, made while this step ran
+            self._on_replies()  # may pause: that writes everything now
+            self._wake_sent = self.engine.has_unfinished() and not self.paused
+            self.episodes.send_step(self._wake_read() if self._wake_sent else None)
+        else:
+            self.episodes.flush(due_only=True)
         self.repack.after_tick(self.busy_s)  # long-tail repack: policy, handoff (services/rollout/repacker.py)
         self.beat()
         if now >= self._next_report:
@@ -160,16 +173,18 @@ class RolloutWorker:
 
     def _claim(self, now: float) -> None:
         """Take over dead workers' groups (every heartbeat_ttl / 2), then claim new ones. Claiming is event
-        driven: it is tried when a slot has freed (a group published or dropped), when a new prompt group or
-        a resume (the gate moves with a sync) woke the worker, and at the latest every CLAIM_RECHECK_S (a gate
-        slot given back by the trainer); never throttled, never on every engine step for nothing."""
+        driven: it is tried when a slot has freed (every episode of a group ended, or it was dropped), when a new
+        prompt group or a resume (the gate moves with a sync) woke the worker, and at the latest every
+        CLAIM_RECHECK_S (a gate slot given back by the trainer); never throttled, never on every engine step for
+        nothing."""
         if now >= self._next_takeover or self.repack.waiting():  # a group repacked here: open it before new ones
             self._next_takeover = now + self.cfg.heartbeat_ttl / 2
-            for run in self.claims.take_over():
-                self.takeovers += run.takeover_from is not None
+            runs = self.claims.take_over()
+            self.takeovers += sum(run.takeover_from is not None for run in runs)
+            for run in runs:
                 self.repack.opened(run)
-                self.episodes.open_group(run)
-        held = (len(self.claims.held), self.claims.published)
+            self.episodes.open_groups(runs)
+        held = (self.claims.slots_used(), self.claims.published)
         if not (self._claim_wanted or held != self._claimed_with or now >= self._next_claim):
             return
         if self.claims.room() <= 0 and self.claims.val_room() <= 0:
@@ -179,9 +194,8 @@ class RolloutWorker:
             self._claim_wanted, self._claimed_with, self._next_claim = False, held, now + CLAIM_RECHECK_S
             return
         self._claim_wanted = False
-        for run in self.claims.claim(self.engine.version):
-            self.episodes.open_group(run)
-        self._claimed_with, self._next_claim = (len(self.claims.held), self.claims.published), now + CLAIM_RECHECK_S
+        self.episodes.open_groups(self.claims.claim(self.engine.version))  # one pipeline for all of them
+        self._claimed_with, self._next_claim = (self.claims.slots_used(), self.claims.published), now + CLAIM_RECHECK_S
 
     def _idle_block_ms(self, block_ms: int) -> int:
         """``block_ms``, cut short by the next timer: heartbeat, takeover check, claim recheck, metrics report,
@@ -256,12 +270,28 @@ class RolloutWorker:
         self.log.info("weights loaded", version=version, path=str(local))
 
     # --- control: fetch / pause / load / resume
+    def _wake_streams(self) -> dict:
+        # every stream that can give an idle worker work: control, new prompt groups, gateway calls, results of
+        # its rq jobs (rq writes one stream per job)
+        return {self.keys.control: self.control_cursor, **self.prompt_cursors, **self.calls.wake_streams(),
+                **self.jobs.result_streams(), **self.repack.wake_streams()}
+
+    def _wake_read(self):
+        """The non-blocking read of the wake streams, for the step's pipeline (built on the writer thread, from
+        the cursors as they are now: they move only when its reply is obeyed, after the next step)."""
+        streams = self._wake_streams()
+        return lambda pipe: pipe.xread(streams, count=100)
+
+    def _on_replies(self) -> None:
+        replies, self.episodes.replies = self.episodes.replies, []
+        for reply in replies:
+            self._on_wake(reply)
+
     def _handle_control(self, block_ms: int) -> None:
-        # one read of every stream that can give an idle worker work: control, new prompt groups, gateway calls,
-        # results of its rq jobs (rq writes one stream per job); it returns at once when any has something
-        streams = {self.keys.control: self.control_cursor, **self.prompt_cursors, **self.calls.wake_streams(),
-                   **self.jobs.result_streams(), **self.repack.wake_streams()}
-        reply = self.client.xread(streams, count=100, block=block_ms if block_ms else None)
+        # one read of every wake stream; it returns at once when any has something
+        self._on_wake(self.client.xread(self._wake_streams(), count=100, block=block_ms if block_ms else None))
+
+    def _on_wake(self, reply) -> None:
         for stream, entries in reply or []:
             name = stream.decode() if isinstance(stream, bytes) else stream
             if name in self.prompt_cursors:  # new prompt groups: claim on this tick

@@ -9,12 +9,20 @@ Every append is fenced: a server-side script checks that the stream's last
 ``seq`` is the one this writer expects before adding. Two writers can never
 interleave in one episode (a worker presumed dead that wakes up, say): the
 loser gets ``Fenced`` and must drop the episode.
+
+A flush is three parts, so that the round trip can run in another thread while
+the caller goes on (``services/rollout/writer.py``): ``take`` moves buffered
+events into a ``Batch`` (events appended meanwhile get the seqs after it),
+``send`` writes it in one pipeline (with any other commands the caller adds to
+the same pipeline), ``settle`` applies the results. One batch at a time: an
+episode with a batch in flight cannot be taken again before it is settled.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import redis
 
@@ -61,6 +69,23 @@ class _Pending:
     events: list[Event] = field(default_factory=list)
     num_tokens: int = 0
     since: float | None = None  # clock time of the oldest unwritten event
+    inflight: int = 0  # events taken into a batch not settled yet (their seqs follow next_seq)
+
+
+@dataclass
+class _Taken:
+    next_seq: int  # seq of the batch's first event for this episode
+    events: list[Event]
+    pending: _Pending  # the buffer it came from (a closed or re-opened episode has another, or none)
+
+
+@dataclass
+class Batch:
+    """Events taken out of the buffers: ``send`` writes them, ``settle`` applies the results."""
+    targets: list[tuple[str, _Taken]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.targets)
 
 
 class EpisodeLog:
@@ -82,7 +107,7 @@ class EpisodeLog:
 
     def append(self, episode_id: str, kind: str, data: dict, policy: int) -> None:
         p = self._pending[episode_id]
-        seq = p.next_seq + len(p.events)
+        seq = p.next_seq + p.inflight + len(p.events)
         p.events.append(Event(kind=kind, policy=policy, worker=self.worker, seq=seq, data=data))
         if p.since is None:
             p.since = self.clock()
@@ -102,6 +127,11 @@ class EpisodeLog:
     def pending_tokens(self, episode_id: str) -> int:
         return self._pending[episode_id].num_tokens
 
+    def written(self, episode_id: str) -> bool:
+        """Every event appended to this episode is in its stream (none buffered, none in flight)."""
+        p = self._pending.get(episode_id)
+        return p is None or (not p.events and not p.inflight)
+
     def due(self) -> bool:
         now = self.clock()
         return any(p.num_tokens >= self.flush_tokens or
@@ -117,45 +147,81 @@ class EpisodeLog:
         return self.flush() if self.due() else {}
 
     def flush(self, episode_ids: list[str] | None = None) -> dict[str, Exception]:
-        """Write pending events (of all episodes, or those named) in one pipeline.
+        """Write pending events (of all episodes, or those named) in one pipeline, now.
 
         Returns {episode_id: error} for episodes that could not be written;
         a fenced episode is closed (its pending events dropped).
         """
-        targets = [(e, p) for e, p in self._pending.items()
-                   if p.events and (episode_ids is None or e in episode_ids)]
-        if not targets:
+        batch = self.take(episode_ids)
+        if not batch:
             return {}
-        results = self._send(targets)
-        if any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
-            self._sha = self.client.script_load(_APPEND)  # the server restarted and forgot the script
-            results = self._send(targets)
+        return self.settle(batch, self.send(batch)[0])
+
+    def take(self, episode_ids: list[str] | None = None) -> Batch:
+        """Move the pending events (of all episodes, or those named) into a batch for ``send``."""
+        wanted = None if episode_ids is None else set(episode_ids)
+        batch = Batch()
+        for episode_id, p in self._pending.items():
+            if not p.events or (wanted is not None and episode_id not in wanted):
+                continue
+            if p.inflight:
+                raise RuntimeError(f"episode {episode_id}: a batch of its events is in flight; settle it first")
+            batch.targets.append((episode_id, _Taken(p.next_seq, p.events, p)))
+            p.inflight, p.events, p.num_tokens, p.since = len(p.events), [], 0, None
+        return batch
+
+    def send(self, batch: Batch, also: Callable | None = None) -> tuple[list, list]:
+        """Write a batch in one pipeline (safe to call from another thread: it touches nothing but the batch and
+        a pipeline of its own). ``also(pipe)`` adds the caller's other commands to the same round trip.
+        Returns (one result per episode, the results of ``also``'s commands); errors are returned, not raised."""
+        results = self._send(batch.targets, also)
+        return results[:len(batch.targets)], results[len(batch.targets):]
+
+    def settle(self, batch: Batch, results: list) -> dict[str, Exception]:
+        """Apply ``send``'s results: written events leave the buffers, a fenced episode is closed. Returns
+        {episode_id: error} as ``flush`` does. A server that forgot the script (restarted) gets it again and
+        the episodes it refused are written now."""
+        retry = [i for i, r in enumerate(results) if isinstance(r, redis.exceptions.NoScriptError)]
+        if retry:
+            self._sha = self.client.script_load(_APPEND)
+            again = self._send([batch.targets[i] for i in retry])
+            results = list(results)
+            for i, result in zip(retry, again):
+                results[i] = result
         errors: dict[str, Exception] = {}
-        for (episode_id, p), result in zip(targets, results):
+        for (episode_id, taken), result in zip(batch.targets, results):
+            p = taken.pending
+            current = self._pending.get(episode_id) is p
             if isinstance(result, Exception):
                 if "FENCED" in str(result):
                     errors[episode_id] = Fenced(episode_id, str(result))
-                    self.close(episode_id)
+                    if current:
+                        self.close(episode_id)
                 else:
                     errors[episode_id] = result
+                    if current:  # not written: back in front of what was appended since (same seqs)
+                        p.events, p.inflight = taken.events + p.events, 0
                 continue
             self.entries_written += len(result)
-            p.next_seq += len(p.events)
-            p.events, p.num_tokens, p.since = [], 0, None
+            if current:
+                p.next_seq += len(taken.events)
+                p.inflight = 0
         return errors
 
-    def _send(self, targets: list[tuple[str, _Pending]]) -> list:
+    def _send(self, targets: list[tuple[str, _Taken]], also: Callable | None = None) -> list:
         """One pipeline, one EVALSHA per episode (no SCRIPT EXISTS round trip). Sent as a raw command: a
         cluster pipeline refuses ``evalsha()`` but routes the command by its key like any other (the script
         is loaded on every primary by ``script_load``)."""
         pipe = self.client.pipeline(transaction=False)
-        for episode_id, p in targets:
-            args: list = [p.next_seq]
-            for ev in p.events:
+        for episode_id, t in targets:
+            args: list = [t.next_seq]
+            for ev in t.events:
                 f = encode(ev)
                 args += [f["type"], f["v"], f["policy"], f["worker"], f["seq"], f["data"]]
             key = self.keys.episode(episode_id)
             pipe.execute_command("EVALSHA", self._sha, 1, key, *args, **node_of(self.client, key))
+        if also is not None:
+            also(pipe)
         return pipe.execute(raise_on_error=False)
 
     def flush_or_raise(self, episode_ids: list[str] | None = None) -> None:

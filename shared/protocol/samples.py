@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from shared.protocol.events import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
+from shared.protocol.routing import node_of
 
 SAMPLED_TTL_S = 7 * 24 * 3600
 
@@ -82,9 +83,19 @@ class Publisher:
         self._script = client.register_script(_PUBLISH)
 
     def publish(self, sample: Sample, samples_key: str, prompts_key: str, prompts_entry: str) -> None:
-        self._script(keys=[self.keys.sampled(sample.group_id), samples_key, prompts_key],
-                     args=[sample.group_id, ",".join(sample.episodes), sample.worker,
-                           sample.n or len(sample.episodes), ROLLOUT_GROUP, prompts_entry, SAMPLED_TTL_S])
+        self._script(**self._call(sample, samples_key, prompts_key, prompts_entry))
+
+    def add(self, pipe, sample: Sample, samples_key: str, prompts_key: str, prompts_entry: str) -> None:
+        """``publish`` as one command of the caller's pipeline (no SCRIPT EXISTS round trip): its result is
+        ``NoScriptError`` when the server does not have the script yet (``publish`` loads it)."""
+        call = self._call(sample, samples_key, prompts_key, prompts_entry)
+        pipe.execute_command("EVALSHA", self._script.sha, len(call["keys"]), *call["keys"], *call["args"],
+                             **node_of(self._script.registered_client, call["keys"][0]))
+
+    def _call(self, sample: Sample, samples_key: str, prompts_key: str, prompts_entry: str) -> dict:
+        return {"keys": [self.keys.sampled(sample.group_id), samples_key, prompts_key],
+                "args": [sample.group_id, ",".join(sample.episodes), sample.worker,
+                         sample.n or len(sample.episodes), ROLLOUT_GROUP, prompts_entry, SAMPLED_TTL_S]}
 
 
 def read_all(client, stream: str) -> tuple[list[Sample], list[tuple[str, str]]]:

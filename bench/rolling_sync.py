@@ -21,13 +21,11 @@ forward competing, the rate before a sync varied more than the sync changed it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -37,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
+from bench.runs import finish, scratch_server  # noqa: E402
 from services.ops.tiny_model import make_tiny_model  # noqa: E402
 from services.syncer.syncer import Syncer  # noqa: E402
 from services.trainer.publish import publish, write_weights  # noqa: E402
@@ -131,26 +129,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logs.setup("warning")
     t_start = time.perf_counter()
-    shm = Path("/dev/shm")
-    with tempfile.TemporaryDirectory() as tmp_name, \
-            tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None) as weights_name:
-        tmp = Path(tmp_name)
-        redis = EmbeddedRedis(tmp / "redis").start()
-        try:
-            client = connect(redis.url)
-            label = "tiny default" if args.quick else "medium random-init (~30M parameters, float32)"
-            model_dir = make_tiny_model(tmp / "model") if args.quick else make_tiny_model(tmp / "model", **MEDIUM)
-            result = bench(client, redis.url, model_dir, Path(weights_name), args.workers, args.reps,
-                           args.step_delay_ms)
-        finally:
-            redis.stop()
-    print(f"weights in {'/dev/shm' if shm.is_dir() else 'a temp dir'}, read by every worker (no download); syncer: "
-          f"Syncer.sync in the benchmark process; CPU, torch {torch.__version__}, {os.cpu_count()} cores (shared box)")
-    print(render(label, result))
-    print(f"(total {time.perf_counter() - t_start:.1f} s)")
-    if args.json:
-        print(json.dumps(result, indent=1))
-    return 0
+    with scratch_server(weights_in_shm=True) as (tmp, url, weights_dir):
+        client = connect(url)
+        label = "tiny default" if args.quick else "medium random-init (~30M parameters, float32)"
+        model_dir = make_tiny_model(tmp / "model") if args.quick else make_tiny_model(tmp / "model", **MEDIUM)
+        result = bench(client, url, model_dir, weights_dir, args.workers, args.reps,
+                       args.step_delay_ms)
+    print(f"weights in {'/dev/shm' if Path('/dev/shm').is_dir() else 'a temp dir'}, read by every worker (no "
+          f"download); syncer: Syncer.sync in the benchmark process; CPU, torch {torch.__version__}, "
+          f"{os.cpu_count()} cores (shared box)")
+    return finish(render(label, result), t_start, result, args.json)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from bench.runs import finish, scratch_server  # noqa: E402
+from bench.runs import finish, scratch_server, wait  # noqa: E402
 from services.ops.tiny_model import make_tiny_model  # noqa: E402
 from services.syncer.syncer import Syncer  # noqa: E402
 from services.trainer.publish import publish, write_weights  # noqa: E402
@@ -54,16 +54,6 @@ class TrainerOnlySyncer(Syncer):
 
     def live_workers(self) -> dict[str, dict]:
         return {w: {k: v for k, v in info.items() if k != "relay"} for w, info in super().live_workers().items()}
-
-
-def wait(cond, what: str, procs, timeout: float = 300.0):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        for p in procs:
-            assert p.poll() is None, f"a rollout worker exited with {p.returncode} waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def bench(client, redis_url: str, model_dir: str, root: Path, workers: int, fanout: int, reps: int) -> dict:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from bench.runs import finish, scratch_server  # noqa: E402
+from bench.runs import finish, scratch_server, wait  # noqa: E402
 from services.ops.tiny_model import make_tiny_model  # noqa: E402
 from services.syncer.syncer import Syncer  # noqa: E402
 from services.trainer.publish import publish, write_weights  # noqa: E402
@@ -47,16 +47,6 @@ from shared.runtime.connection import connect  # noqa: E402
 
 MEDIUM = dict(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=2048)  # ~30M parameters
 MODES = ("global", "rolling")
-
-
-def wait(cond, what: str, procs, timeout: float = 300.0):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        for p in procs:
-            assert p.poll() is None, f"a rollout worker exited with {p.returncode} waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def bench(client, redis_url: str, model_dir: str, root: Path, workers: int, reps: int, step_ms: int) -> dict:

@@ -84,3 +84,15 @@ def finish(table: str, t_start: float, results, as_json: bool) -> int:
     if as_json:
         print(json.dumps(results, indent=1, default=str))
     return 0
+
+
+def wait(cond, what: str, procs, timeout: float = 300.0):
+    """``cond()``'s value once truthy, polled every 50 ms; fails naming ``what`` when a rollout worker process of
+    ``procs`` exits meanwhile or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        for p in procs:
+            assert p.poll() is None, f"a rollout worker exited with {p.returncode} waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value

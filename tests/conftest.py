@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 
 import pytest
@@ -85,3 +86,28 @@ def cluster_client(redis_cluster):
     c = connect(redis_cluster.url)
     yield c
     c.close()
+
+
+@pytest.fixture
+def start_syncer(request, client, keys, tiny_model_dir):
+    """Real Syncer.run loops in threads, reading the versions stream like the process does (config overrides as
+    keywords; heartbeat_ttl: the test module's HEARTBEAT_TTL)."""
+    running = []
+
+    from services.syncer.syncer import Syncer
+    from shared.runtime import logs
+    from shared.runtime.config import Config
+
+    def start(**overrides) -> Syncer:
+        cfg = Config(**{"run": keys.run, "model_dir": tiny_model_dir, "sync_timeout": 20.0,
+                        "heartbeat_ttl": getattr(request.module, "HEARTBEAT_TTL", 5.0), **overrides})
+        stop = threading.Event()
+        syncer = Syncer(cfg, client, logs.get("syncer-test"))
+        thread = threading.Thread(target=syncer.run, kwargs={"should_stop": stop.is_set}, daemon=True)
+        thread.start()
+        running.append((stop, thread))
+        return syncer
+    yield start
+    for stop, thread in running:
+        stop.set()
+        thread.join(30)

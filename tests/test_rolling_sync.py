@@ -9,17 +9,14 @@ import json
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 
-from services.syncer.syncer import Syncer
 from services.trainer.publish import publish
 from shared.protocol import control, gate, metrics
 from shared.protocol.fold import fold
 from shared.protocol.prompts import PromptGroup, enqueue
 from shared.runtime import faults, logs
-from shared.runtime.config import Config
 from shared.runtime.heartbeat import alive_of
 from shared.runtime.weight_server import WeightServer
 from tests.models import nudged_weights
@@ -40,22 +37,10 @@ def _worker(redis_url, keys, model_dir, worker_id, *extra, env=None):
 
 
 @pytest.fixture
-def start_syncer(client, keys, tiny_model_dir):
-    running = []
-
-    def start(**overrides) -> Syncer:
-        cfg = Config(**{"run": keys.run, "model_dir": tiny_model_dir, "sync_timeout": 20.0, "fetch_timeout": 20.0,
-                        "heartbeat_ttl": HEARTBEAT_TTL, "sync_mode": "rolling", "max_loading": 1, **overrides})
-        stop = threading.Event()
-        syncer = Syncer(cfg, client, logs.get("syncer-test"))
-        thread = threading.Thread(target=syncer.run, kwargs={"should_stop": stop.is_set}, daemon=True)
-        thread.start()
-        running.append((stop, thread))
-        return syncer
-    yield start
-    for stop, thread in running:
-        stop.set()
-        thread.join(30)
+def start_syncer(start_syncer):
+    """tests/conftest.py's syncer threads, rolling, one worker loading at a time."""
+    return lambda **overrides: start_syncer(**{"fetch_timeout": 20.0, "sync_mode": "rolling", "max_loading": 1,
+                                               **overrides})
 
 
 def _versions_by_worker(client, keys) -> dict[str, set[int]]:

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import pytest
 
-from services.syncer.syncer import Syncer
 from services.trainer.publish import publish
-from shared.runtime import logs
-from shared.runtime.config import Config
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold
 from shared.protocol.prompts import PromptGroup, enqueue
@@ -57,26 +53,6 @@ def _commands(client, keys, cmd: str) -> list:
 
 def _sync_records(client, keys) -> list[dict]:
     return [rec for _, rec in metrics.read(client, keys, "sync")]
-
-
-@pytest.fixture
-def start_syncer(client, keys, tiny_model_dir):
-    """Real Syncer.run loops in threads, reading the versions stream like the process does."""
-    running = []
-
-    def start(**overrides) -> Syncer:
-        cfg = Config(**{"run": keys.run, "model_dir": tiny_model_dir, "sync_timeout": 20.0,
-                        "heartbeat_ttl": HEARTBEAT_TTL, **overrides})
-        stop = threading.Event()
-        syncer = Syncer(cfg, client, logs.get("syncer-test"))
-        thread = threading.Thread(target=syncer.run, kwargs={"should_stop": stop.is_set}, daemon=True)
-        thread.start()
-        running.append((stop, thread))
-        return syncer
-    yield start
-    for stop, thread in running:
-        stop.set()
-        thread.join(30)
 
 
 def _generating(client, keys, workers: set[str], version: int):

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from services.rollout.engine import EngineError, SamplingParams, make_engine
 from services.rollout.engine.vllm_engine import parse_vllm_args, request_seed
-from shared.runtime.config import Config, ConfigError, _validate
+from shared.runtime.config import Config, ConfigError
+from shared.runtime.config_checks import validate
 from tests.rollout_harness import make_vllm_engine
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -35,11 +36,11 @@ def test_vllm_args_reach_only_vllm(tiny_model_dir):
 
 
 def test_vllm_args_config_key_must_be_a_json_object():
-    _validate(Config(vllm_args='{"gpu_memory_utilization": 0.8}'))
+    validate(Config(vllm_args='{"gpu_memory_utilization": 0.8}'))
     with pytest.raises(ConfigError, match="config key 'vllm_args': expected a JSON object"):
-        _validate(Config(vllm_args="[1, 2]"))
+        validate(Config(vllm_args="[1, 2]"))
     with pytest.raises(ConfigError, match="config key 'vllm_args'"):
-        _validate(Config(vllm_args="dtype=float32"))
+        validate(Config(vllm_args="dtype=float32"))
     assert parse_vllm_args('{"dtype": "float32"}') == {"dtype": "float32"}
     assert parse_vllm_args("") == {}
     with pytest.raises(EngineError, match="vllm_args: expected a JSON object"):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from bench.runs import finish, scratch_server, wait  # noqa: E402
+from bench.runs import MEDIUM, finish, keep_only, kill_all, scratch_server, wait  # noqa: E402
 from services.ops.tiny_model import make_tiny_model  # noqa: E402
 from services.syncer.syncer import Syncer  # noqa: E402
 from services.trainer.publish import publish, write_weights  # noqa: E402
@@ -45,7 +44,6 @@ from shared.runtime.config import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 from shared.runtime.weight_server import WeightServer  # noqa: E402
 
-MEDIUM = dict(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=2048)  # ~30M parameters
 MODES = ("trainer only", "relay tree")
 
 
@@ -90,14 +88,10 @@ def bench(client, redis_url: str, model_dir: str, root: Path, workers: int, fano
                          "levels": record["fetch_levels"], "relayed": len(record["relayed"])})
             print(f"  v{version} {mode:<13} trainer sent {sent / 1e6:8.1f} MB = {rows[-1]['copies']:.2f} copies, "
                   f"fetch {record['fetch_s']:.2f} s, {record['fetch_levels']} level(s)", flush=True)
-            for old in trainer_dir.glob("v*.safetensors"):
-                if old != path:
-                    old.unlink()
+            keep_only(trainer_dir, path)
         size = path.stat().st_size
     finally:
-        for p in procs:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        kill_all(procs)
         server.stop()
     med = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m)
                for k in ("trainer_bytes", "copies", "fetch_s", "levels", "relayed")} for m in MODES}

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from bench.sync_pause import LARGE, first_token_ms, generating, ms  # noqa: E402
-from bench.runs import finish, scratch_server  # noqa: E402
+from bench.runs import MEDIUM, finish, keep_only, kill_all, scratch_server  # noqa: E402
 from services.ops.tiny_model import make_tiny_model  # noqa: E402
 from services.syncer.syncer import Syncer  # noqa: E402
 from services.trainer.publish import publish, write_weights  # noqa: E402
@@ -53,7 +52,6 @@ from shared.runtime.config import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 from shared.runtime.weight_server import WeightServer  # noqa: E402
 
-MEDIUM = dict(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=2048)  # ~30M parameters
 ORDERS = {"fetch first": ("fetch", "pause", "load", "resume"), "in the pause": ("pause", "load", "resume")}
 
 
@@ -101,13 +99,10 @@ def bench_model(client, redis_url: str, model_dir: str, label: str, root: Path, 
                          "paused_s": record["paused_s"], "pause_s": record["pause_s"], "load_s": record["load_s"],
                          "total_s": record["total_s"],
                          "pause_to_first_token_s": (first - pause_ms) / 1000})
-            for old in trainer_dir.glob("v*.safetensors"):  # the trainer prunes its folder too
-                if old != path:
-                    old.unlink()
+            keep_only(trainer_dir, path)
         size = path.stat().st_size
     finally:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait()
+        kill_all([worker])
         server.stop()
     med = {order: {k: statistics.median(r[k] for r in rows if r["order"] == order)
                    for k in ("fetch_s", "paused_s", "pause_s", "load_s", "total_s", "pause_to_first_token_s")}

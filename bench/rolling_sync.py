@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from bench.runs import finish, scratch_server, wait  # noqa: E402
+from bench.runs import MEDIUM, finish, keep_only, kill_all, scratch_server, wait  # noqa: E402
 from services.ops.tiny_model import make_tiny_model  # noqa: E402
 from services.syncer.syncer import Syncer  # noqa: E402
 from services.trainer.publish import publish, write_weights  # noqa: E402
@@ -45,7 +44,6 @@ from shared.runtime import heartbeat, logs  # noqa: E402
 from shared.runtime.config import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 
-MEDIUM = dict(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=2048)  # ~30M parameters
 MODES = ("global", "rolling")
 
 
@@ -84,14 +82,10 @@ def bench(client, redis_url: str, model_dir: str, root: Path, workers: int, reps
             r = rows[-1]
             print(f"  v{version} {mode:<8} sync {r['sync_s']:.2f} s, longest paused {r['max_paused_s']:.2f} s, "
                   f"generating min {r['generating_min']:.2f}, worker-s paused {r['worker_s_paused']:.2f}", flush=True)
-            for old in trainer_dir.glob("v*.safetensors"):
-                if old != path:
-                    old.unlink()
+            keep_only(trainer_dir, path)
         size = path.stat().st_size
     finally:
-        for p in procs:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        kill_all(procs)
     fields = ("sync_s", "paused_s", "max_paused_s", "generating_min", "waves", "worker_s_paused")
     med = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m) for k in fields} for m in MODES}
     return {"bytes": size, "workers": workers, "reps": reps, "step_ms": step_ms, "median": med, "runs": rows}

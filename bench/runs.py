@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -75,6 +76,23 @@ def scratch_server(weights_in_shm: bool = False):
             yield tmp, server.url, weights
         finally:
             server.stop()
+
+
+MEDIUM = dict(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=2048)  # ~30M parameters, float32
+
+
+def keep_only(folder: Path, newest: Path) -> None:
+    """Remove every weights file in ``folder`` but ``newest``, as the trainer prunes its folder."""
+    for old in folder.glob("v*.safetensors"):
+        if old != newest:
+            old.unlink()
+
+
+def kill_all(procs) -> None:
+    """SIGKILL each process group of ``procs`` (rollout workers started with ``start_new_session``), and reap it."""
+    for p in procs:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
 
 
 def finish(table: str, t_start: float, results, as_json: bool) -> int:

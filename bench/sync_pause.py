@@ -28,8 +28,6 @@ much of the pause is the weights' bytes moving.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -51,7 +49,7 @@ from shared.runtime.connection import connect  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
 from shared.protocol import control, events  # noqa: E402
 from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
-from bench.runs import finish, scratch_server  # noqa: E402
+from bench.runs import finish, keep_only, kill_all, scratch_server  # noqa: E402
 from services.ops.tiny_model import make_tiny_model  # noqa: E402
 
 LARGE = dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)  # ~113M parameters
@@ -144,13 +142,10 @@ def bench_model(client, redis_url: str, model_dir: str, label: str, weights_dir:
                 assert time.monotonic() < deadline, "generation did not resume"
                 time.sleep(0.01)
             rows.append({**record, "write_s": write_s, "pause_to_first_token_s": (first - pause_ms) / 1000})
-            for old in weights_dir.glob("v*.safetensors"):
-                if old != path:
-                    old.unlink()
+            keep_only(weights_dir, path)
         size = path.stat().st_size
     finally:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait()
+        kill_all([worker])
     med = {k: statistics.median(r[k] for r in rows) for k in ("pause_to_first_token_s", "total_s", "pause_s",
                                                                "load_s", "resume_s", "write_s")}
     return {"model": label, "params": params, "bytes": size, "reps": reps, "copy": copy, "median": med,

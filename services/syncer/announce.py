@@ -33,8 +33,7 @@ class Announcer:
         last = versions.latest(s.client, s.keys)
         cursor = last.entry_id if last else "0-0"
         s.version = last.version if last else 0
-        s.set_gate(s.version, complete=False)
-        self.announced[s.version] = time.monotonic()
+        s.set_gate(s.version, complete=False)  # complete as soon as every live worker runs it (no record)
         self.check()
         pulls_cursor = pulls.last_id(s.client, s.keys)
         s.log.info("ready", version=s.version, sync_mode="pull")
@@ -83,8 +82,10 @@ class Announcer:
         if behind:
             return
         gate.mark_complete(s.client, s.keys, s.version)
-        since = self.announced.pop(s.version, time.monotonic())
+        since = self.announced.pop(s.version, None)
         self.announced = {v: t for v, t in self.announced.items() if v > s.version}
+        if since is None:  # the version this syncer found at start: no announcement of its own to time
+            return
         record = {"version": s.version, "sync": f"v{s.version}-pull", "workers": len(live), "missing": [],
                   "refused": {}, "sync_mode": "pull", "total_s": time.monotonic() - since, "paused_s": 0.0,
                   "waves": 0}

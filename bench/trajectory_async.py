@@ -6,6 +6,9 @@ GPU cost model, long-tailed response lengths, the same task, model, seeds and sa
     repack    ``global``, and long-tail episodes repacked onto a long-tail worker (one of the N)
     rolling   ``mode=async`` with rolling version changes (at most ``max_loading`` workers paused at once),
               weights pulled through worker relays, and long-tail episodes repacked onto a long-tail worker
+    pull      ``rolling``'s relays and repack, but each version announced, not forced (``sync_mode=pull``): every
+              worker downloads it from its relay parent while it generates and loads it at a cheap point of its
+              own, at most ``max_loading`` loading at once
 
 Each variant is a whole ``streamrl run`` (embedded Redis, every Procfile process, ``rollout_workers`` rollout
 processes). The task is ``chain_sum``: the reference responses' lengths (characters = tokens of the tiny
@@ -20,6 +23,7 @@ same whatever the batch), the trainer sleeps per trained token; printed with eve
     PYTHONPATH=. python bench/trajectory_async.py                  # 8 workers, ~15-25 min on a 2-core box
     PYTHONPATH=. python bench/trajectory_async.py --quick --workers 4
     PYTHONPATH=. python bench/trajectory_async.py --variants global,rolling --seeds 2
+    PYTHONPATH=. python bench/trajectory_async.py --variants global,rolling,pull      (pull: not in the default set)
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ VARIANTS = {
     "repack": ("async", REPACK),
     "rolling": ("async", {"sync_mode": "rolling", "max_loading": 2, "weights_port": "free", "relay_port": -1,
                           "relay_fanout": 2, **REPACK}),
+    "pull": ("async", {"sync_mode": "pull", "max_loading": 2, "weights_port": "free", "relay_port": -1,
+                       "relay_fanout": 2, **REPACK}),
 }
 
 

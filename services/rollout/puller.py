@@ -61,7 +61,8 @@ class Puller:
 
     def next_due(self) -> float | None:
         """When a refused lease is worth asking again (an idle worker's wait ends then at the latest)."""
-        return self._lease_retry if self.on and self.target is not None and not self._lease_wanted else None
+        waiting = self.on and self.target is not None and self.target.version in self.done and not self._lease_wanted
+        return self._lease_retry if waiting else None
 
     def saw(self, name: str, entries, engine_version: int) -> bool:
         """Entries of the versions or pulls stream (True: they were this module's)."""
@@ -113,6 +114,7 @@ class Puller:
             return
         if v.version <= engine_version:
             self.target = None
+            self.done = {n: d for n, d in self.done.items() if n > engine_version}
             return
         if v.version not in self.done:
             return  # still downloading
@@ -153,5 +155,6 @@ class Puller:
         pulls.release(self.client, self.keys, self.worker_id, v.version, source=source, reason=reason,
                       announced_s=f"{since:.3f}", paused_s=f"{paused:.3f}")
         self.target, self._lease_wanted = None, True
+        self.done = {n: d for n, d in self.done.items() if n > v.version}
         self.log.info("pulled version loaded", version=v.version, reason=reason, source=source,
                       announced_s=round(since, 3), paused_s=round(paused, 3))

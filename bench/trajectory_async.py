@@ -138,6 +138,13 @@ def main() -> None:
               f"{r['rollout_busy']:>13.0%}{r['train_s'] / r['seconds']:>8.0%}{r['final_eval']:>7.3f}"
               f"{r['final_eval'] - base['final_eval']:>+9.3f}{r['eval_sd']:>7.3f}{r.get('repacks', 0):>8.0f}"
               f"{r.get('repacked_tokens', 0):>10.0f}")
+    for n, r in results.items():
+        if r.get("pulled"):  # sync_mode pull: the workers' own counters, summed over them
+            print(f"{n}: {r['pulled']:.0f} versions loaded by pull over the workers (from relays "
+                  f"{r.get('pulled_from_relay', 0):.0f}, the trainer {r.get('pulled_from_trainer', 0):.0f}, its file "
+                  f"read locally {r.get('pulled_local', 0):.0f}); mean publish to loaded "
+                  f"{r['pull_announced_s'] / r['pulled']:.3f}s, mean pause per load {r['pull_paused_s'] / r['pulled']:.3f}s, "
+                  f"lease refusals {r.get('pull_lease_refused', 0):.0f}")
     print(f"(tok/s: trained response tokens per second; unused: generated, never trained within the budget; "
           f"rollout busy: engine steps / wall, mean over workers; total {time.monotonic() - t0:.0f}s)")
     if args.json:

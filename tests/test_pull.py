@@ -29,6 +29,7 @@ TOKEN = "pull-s3cret"
     (State(gated=False, busy_slots=2, slots=4, waited_s=0), None),  # half busy: not below 0.5
     (State(gated=False, busy_slots=4, slots=4, waited_s=9.9), None),
     (State(gated=False, busy_slots=4, slots=4, waited_s=10.0), "overdue"),
+    (State(gated=False, busy_slots=4, slots=4, waited_s=0, behind=True), "behind"),
 ])
 def test_the_load_policy_loads_at_a_cheap_point_or_when_overdue(state, reason):
     assert decide(state, below=0.5, max_wait_s=10.0) == reason

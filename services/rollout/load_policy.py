@@ -3,6 +3,8 @@ no Redis, no engine (services/rollout/puller.py applies it between engine steps,
 
 A load pauses this worker's generation (abort, load, resume by replay), so it is cheapest when little is running:
 
+    behind   the gate is complete for a newer version than it runs: every other live worker moved on while it
+             counted as dead (a stalled heartbeat); it catches up first
     gated    the last claim got nothing under this worker's version (the gate's per-worker limit is spent):
              its slots empty out and stay empty until it runs a newer version
     idle     nothing is generating
@@ -24,10 +26,13 @@ class State:
     busy_slots: float  # slots held by groups still generating
     slots: int  # max_groups_in_flight
     waited_s: float  # since the version was announced (published)
+    behind: bool = False  # the gate is complete for a version newer than the one it runs
 
 
 def decide(s: State, below: float, max_wait_s: float) -> str | None:
-    """The reason to load now (gated, idle, quiet, overdue), or None to go on generating."""
+    """The reason to load now (behind, gated, idle, quiet, overdue), or None to go on generating."""
+    if s.behind:
+        return "behind"
     if s.gated:
         return "gated"
     if s.busy_slots <= 0:

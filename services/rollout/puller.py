@@ -13,7 +13,8 @@
   pause, load, resume (episodes abort and continue by replay; every token keeps its version), its heartbeat
   carries the new version, then the lease goes back.
 
-``stats`` (in the worker's metrics records): versions pulled (loaded), from the trainer / a relay, seconds from
+``stats`` (in the worker's metrics records): versions pulled (loaded), from the trainer / a relay / the trainer's
+own file read here (``weights_fetch`` auto on the trainer's host: nothing downloaded), seconds from
 the announcement (the version's publish time) to loaded (sum and max), seconds paused for loads.
 """
 
@@ -42,7 +43,8 @@ class Puller:
         self.done: dict[int, tuple[bool, str]] = {}  # version -> (ok, error) once its download ended
         self._lease_retry = 0.0  # time.monotonic(): a refused lease is asked for again then, or on a release
         self._lease_wanted = True
-        self.stats = {"pulled": 0, "pulled_from_trainer": 0, "pulled_from_relay": 0, "pull_announced_s": 0.0,
+        self.behind = False  # the gate is complete for a newer version than the engine's (load_policy: behind)
+        self.stats = {"pulled": 0, "pulled_from_trainer": 0, "pulled_from_relay": 0, "pulled_local": 0, "pull_announced_s": 0.0,
                       "pull_announced_max_s": 0.0, "pull_paused_s": 0.0, "pull_lease_refused": 0}
 
     def relay_wait_s(self) -> float:
@@ -99,6 +101,15 @@ class Puller:
         self.log.info("version announced; fetching it while generating", version=v.version, relay=relay or None)
         self.weights.prefetch(v.version, v.path, v.sha256, v.url, done, relay=relay)
 
+    def complete(self, complete: int | None, engine_version: int) -> None:
+        """The gate's complete version, read before a claim: newer than the engine's, this worker was counted out
+        (its heartbeat lapsed) while every other one moved on; it fetches the newest version if it is not already."""
+        self.behind = complete is not None and complete > engine_version
+        if self.behind and (self.target is None or self.target.version < complete):
+            latest = versions.latest(self.client, self.keys)
+            if latest is not None:
+                self.announce(latest, engine_version)
+
     def _parent_url(self, version: int) -> str:
         """This worker's relay parent's URL of ``version``, "" for the trainer (the root level, or no relays)."""
         live = heartbeat.alive_of(self.client, self.keys, "rollout")
@@ -124,7 +135,7 @@ class Puller:
             return
         announced = v.time or self.seen_at
         state = load_policy.State(gated=gated, busy_slots=busy_slots, slots=self.cfg.max_groups_in_flight,
-                                  waited_s=max(0.0, time.time() - announced))
+                                  waited_s=max(0.0, time.time() - announced), behind=self.behind)
         reason = load_policy.decide(state, self.cfg.pull_load_below, self.cfg.pull_max_wait_s)
         now = time.monotonic()
         if reason is None or not (self._lease_wanted or now >= self._lease_retry):
@@ -148,13 +159,13 @@ class Puller:
         since = max(0.0, time.time() - announced)
         source = self.weights.sources.get(v.version, "trainer")
         self.stats["pulled"] += 1
-        self.stats[f"pulled_from_{'relay' if source == 'relay' else 'trainer'}"] += 1
+        self.stats["pulled_local" if source == "local" else f"pulled_from_{source}"] += 1  # local: the trainer's file
         self.stats["pull_announced_s"] += since
         self.stats["pull_announced_max_s"] = max(self.stats["pull_announced_max_s"], since)
         self.stats["pull_paused_s"] += paused
         pulls.release(self.client, self.keys, self.worker_id, v.version, source=source, reason=reason,
                       announced_s=f"{since:.3f}", paused_s=f"{paused:.3f}")
-        self.target, self._lease_wanted = None, True
+        self.target, self._lease_wanted, self.behind = None, True, False
         self.done = {n: d for n, d in self.done.items() if n > v.version}
         self.log.info("pulled version loaded", version=v.version, reason=reason, source=source,
                       announced_s=round(since, 3), paused_s=round(paused, 3))

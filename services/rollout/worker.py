@@ -5,7 +5,8 @@
 All episode state lives in the streams; what this process holds is a cache of it. Resuming after a pause and
 taking over a dead worker's groups are the same operation: replay the stream, then continue from prompt +
 tokens so far (``episodes``). Groups are claimed, taken over and published by ``groups``, tool calls and
-rewards run as rq jobs (``tool_jobs``), and one agent loop (``agent``) says what an episode does next.
+rewards run as rq jobs (``tool_jobs``), and one agent loop (``agent``) says what an episode does next. With
+``sync_mode = pull`` no command comes: the worker fetches announced versions and loads them itself (``puller``).
 """
 
 from __future__ import annotations
@@ -196,6 +197,8 @@ class RolloutWorker:
         if self.claims.room() <= 0 and self.claims.val_room() <= 0:
             return
         rolling = self.cfg.sync_mode == "rolling" and self.cfg.mode != "sync"
+        if self.puller.on:  # the gate complete for a newer version than this worker's: it was counted out
+            self.puller.complete(gate.complete_version(self.client, self.keys), self.engine.version)
         if rolling and not self._at_gate_version():  # behind the gate and the catch-up failed: retried later
             self._claim_wanted, self._claimed_with, self._next_claim = False, held, now + CLAIM_RECHECK_S
             return

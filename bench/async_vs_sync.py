@@ -128,7 +128,7 @@ def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str, seed
     shutil.rmtree(weights, ignore_errors=True)
     busy = [r["busy_s"] / max(1e-9, r["busy_s"] + r["idle_s"]) for r in reports.values()]
     counters = {k: sum(float(r.get(k, 0)) for r in reports.values())
-                for k in {k for r in reports.values() for k in r if k.startswith("repack")}}
+                for k in {k for r in reports.values() for k in r if k.startswith(("repack", "pull"))}}
     return summarize(steps, t_start, args.window) | {"run": run, "mode": mode, "max_staleness": staleness,
                                                      "final_eval": final_eval, "eval_version": eval_version,
                                                      "seed": seed, "generated_tokens": generated,

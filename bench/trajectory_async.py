@@ -6,6 +6,9 @@ GPU cost model, long-tailed response lengths, the same task, model, seeds and sa
     repack    ``global``, and long-tail episodes repacked onto a long-tail worker (one of the N)
     rolling   ``mode=async`` with rolling version changes (at most ``max_loading`` workers paused at once),
               weights pulled through worker relays, and long-tail episodes repacked onto a long-tail worker
+    pull      ``rolling``'s relays and repack, but each version announced, not forced (``sync_mode=pull``): every
+              worker downloads it from its relay parent while it generates and loads it at a cheap point of its
+              own, at most ``max_loading`` loading at once
 
 Each variant is a whole ``streamrl run`` (embedded Redis, every Procfile process, ``rollout_workers`` rollout
 processes). The task is ``chain_sum``: the reference responses' lengths (characters = tokens of the tiny
@@ -20,6 +23,7 @@ same whatever the batch), the trainer sleeps per trained token; printed with eve
     PYTHONPATH=. python bench/trajectory_async.py                  # 8 workers, ~15-25 min on a 2-core box
     PYTHONPATH=. python bench/trajectory_async.py --quick --workers 4
     PYTHONPATH=. python bench/trajectory_async.py --variants global,rolling --seeds 2
+    PYTHONPATH=. python bench/trajectory_async.py --variants global,rolling,pull      (pull: not in the default set)
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ VARIANTS = {
     "repack": ("async", REPACK),
     "rolling": ("async", {"sync_mode": "rolling", "max_loading": 2, "weights_port": "free", "relay_port": -1,
                           "relay_fanout": 2, **REPACK}),
+    "pull": ("async", {"sync_mode": "pull", "max_loading": 2, "weights_port": "free", "relay_port": -1,
+                       "relay_fanout": 2, **REPACK}),
 }
 
 
@@ -132,6 +138,13 @@ def main() -> None:
               f"{r['rollout_busy']:>13.0%}{r['train_s'] / r['seconds']:>8.0%}{r['final_eval']:>7.3f}"
               f"{r['final_eval'] - base['final_eval']:>+9.3f}{r['eval_sd']:>7.3f}{r.get('repacks', 0):>8.0f}"
               f"{r.get('repacked_tokens', 0):>10.0f}")
+    for n, r in results.items():
+        if r.get("pulled"):  # sync_mode pull: the workers' own counters, summed over them
+            print(f"{n}: {r['pulled']:.0f} versions loaded by pull over the workers (from relays "
+                  f"{r.get('pulled_from_relay', 0):.0f}, the trainer {r.get('pulled_from_trainer', 0):.0f}, its file "
+                  f"read locally {r.get('pulled_local', 0):.0f}); mean publish to loaded "
+                  f"{r['pull_announced_s'] / r['pulled']:.3f}s, mean pause per load {r['pull_paused_s'] / r['pulled']:.3f}s, "
+                  f"lease refusals {r.get('pull_lease_refused', 0):.0f}")
     print(f"(tok/s: trained response tokens per second; unused: generated, never trained within the budget; "
           f"rollout busy: engine steps / wall, mean over workers; total {time.monotonic() - t0:.0f}s)")
     if args.json:

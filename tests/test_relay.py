@@ -119,7 +119,7 @@ def test_each_wave_of_a_round_is_written_once(client, keys):
 
 
 @pytest.mark.parametrize("flags, words", [
-    ({"sync_mode": "waves"}, "config key 'sync_mode': expected 'global' or 'rolling', got 'waves'"),
+    ({"sync_mode": "waves"}, "config key 'sync_mode': expected 'global', 'rolling' or 'pull', got 'waves'"),
     ({"max_loading": "0"}, "config key 'max_loading': expected an integer >= 1, got 0"),
     ({"relay_fanout": "0"}, "config key 'relay_fanout': expected an integer >= 1, got 0"),
     ({"relay_port": "-2"}, "config key 'relay_port': expected a port 1-65535, -1 (a free one) or 0 (no relay)"),

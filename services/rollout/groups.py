@@ -54,6 +54,7 @@ class Groups:
         self._missing_since: dict[str, float] = {}  # worker -> when its heartbeat key was first seen missing
         self.claim_cap = cfg.max_groups_in_flight  # slots new claims may fill (a long-tail worker's share: repacker)
         self.repacked: dict[str, object] = {}  # entry id -> repack notice: handed here, not re-opened yet
+        self.gated = False  # the last claim got nothing: the gate's limit for the worker's version is spent
 
     def create_consumer_groups(self) -> None:
         for stream in (self.keys.val_prompts, self.keys.prompts):
@@ -90,6 +91,7 @@ class Groups:
         allows for a worker at ``version``. Not yet held: the caller opens each (``hold``)."""
         runs = self._read(self.keys.val_prompts, self.val_room())
         slots = self._reserve(self.room(also=runs, cap=self.claim_cap), version)
+        self.gated = slots.gated and slots.granted == 0  # the gate's limit for this version is spent (pull policy)
         if slots.granted > 0:
             entries = self._read(self.keys.prompts, slots.granted)
             if slots.gated:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 from shared.runtime import weight_fetch
@@ -29,26 +30,45 @@ class LocalWeights:
                                                          cfg.rollout_weights_keep, cfg.weights_token)
         self.log = log
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified when a version's fetch ends (a relay waits on it)
+        self._newest = -1  # the newest version fetched, being fetched or loaded here (a relay waits for newer ones)
+        self.sources: dict[int, str] = {}  # version -> where its verified copy came from: trainer | relay | local
         self._ready: dict[int, tuple[Path, str, tuple]] = {}  # version -> (verified file, sha256, its stat then)
         self._failed: dict[int, str] = {}  # version -> why its last fetch failed (a load refuses with it)
         self._running: dict[int, threading.Thread] = {}
         self.stats = {"fetched_bytes": 0, "fetches": 0, "fetch_failures": 0, "trainer_fetches": 0, "relay_fetches": 0,
-                      "relay_failures": 0}
+                      "relay_failures": 0, "relay_waits": 0}
 
     def prefetch(self, version: int, path: str, sha256: str, url: str, done, relay: str = "") -> None:
         """Get a verified copy of ``version`` in a thread, then ``done(ok, error)`` (from that thread). ``relay``:
         another worker's URL of the file, tried first; ``url`` (the trainer's) when that fails."""
         self._start(version, path, sha256, url, done, relay)
 
-    def served(self, name: str) -> tuple[Path, str] | None:
+    def served(self, name: str, wait_s: float = 0.0) -> tuple[Path, str] | None:
         """What this worker's relay serves under ``name`` (v<NNNNNN>.safetensors): its verified copy of that version,
-        unchanged since it was verified, and the sha256 it matched; None when it holds none (or no digest)."""
+        unchanged since it was verified, and the sha256 it matched; None when it holds none (or no digest).
+        ``wait_s`` > 0 (sync_mode pull: a child asks as soon as the version is announced): a version this worker is
+        fetching, or newer than any it has seen (announced, its fetch not started yet), is waited for, up to
+        ``wait_s``, on the condition its fetch notifies when it ends; not polled."""
         try:
             version = int(name[1:].split(".")[0])
         except ValueError:
             return None
-        with self._lock:
-            ready = self._ready.get(version)
+        deadline = time.monotonic() + wait_s
+        with self._changed:
+            waited = False
+            while True:
+                ready = self._ready.get(version)
+                if ready or version in self._failed:
+                    break
+                coming = version in self._running or version > self._newest
+                left = deadline - time.monotonic()
+                if not coming or left <= 0:
+                    break
+                if not waited:
+                    waited = True
+                    self.stats["relay_waits"] += 1
+                self._changed.wait(left)
         return (ready[0], ready[1]) if ready and ready[1] and self._unchanged(ready) else None
 
     def local(self, version: int, path: str, sha256: str, url: str = "", waiting=lambda: None) -> Path:
@@ -86,9 +106,10 @@ class LocalWeights:
                 ok = False
             else:
                 error, ok = "", True
-            with self._lock:
+            with self._changed:
                 if self._running.get(version) is threading.current_thread():
                     del self._running[version]
+                self._changed.notify_all()
             if done is not None:
                 done(ok, error)
 
@@ -97,6 +118,7 @@ class LocalWeights:
             earlier = self._running.get(version)
             self._failed.pop(version, None)
             self._running[version] = thread
+            self._newest = max(self._newest, version)
         thread.start()
         return thread
 
@@ -111,6 +133,8 @@ class LocalWeights:
         """``version`` is in the engine: downloads older than the newest few are deleted."""
         with self._lock:
             self._ready = {v: r for v, r in self._ready.items() if v >= version}
+            self._newest = max(self._newest, version)
+            self.sources = {v: src for v, src in self.sources.items() if v >= version}
         if self.folder.is_dir():
             for v in weight_fetch.prune(self.folder, self.keep, version):
                 self.log.debug("deleted old downloaded weights", version=v)
@@ -148,6 +172,7 @@ class LocalWeights:
             self.stats["fetches"] += 1
             self.stats["fetched_bytes"] += got.downloaded
             self.stats["relay_fetches" if got.relayed else "trainer_fetches"] += 1
+            self.sources[version] = "relay" if got.relayed else "trainer"
         self.log.info("weights fetched", version=version, url=relay if got.relayed else url,
                       mb=round(got.bytes / 1e6, 1), downloaded_mb=round(got.downloaded / 1e6, 1),
                       resumed_from=got.resumed_from, seconds=round(got.seconds, 3))
@@ -177,4 +202,5 @@ class LocalWeights:
                                  f"{sha256[:12]}... (corrupt or truncated file)")
         with self._lock:
             self._ready[version] = (path, sha256, key)
+            self.sources[version] = "local"
         return path

@@ -5,7 +5,8 @@
 All episode state lives in the streams; what this process holds is a cache of it. Resuming after a pause and
 taking over a dead worker's groups are the same operation: replay the stream, then continue from prompt +
 tokens so far (``episodes``). Groups are claimed, taken over and published by ``groups``, tool calls and
-rewards run as rq jobs (``tool_jobs``), and one agent loop (``agent``) says what an episode does next.
+rewards run as rq jobs (``tool_jobs``), and one agent loop (``agent``) says what an episode does next. With
+``sync_mode = pull`` no command comes: the worker fetches announced versions and loads them itself (``puller``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from services.rollout.engine import Engine, EngineError
 from services.rollout.episodes import Episodes
 from services.rollout.groups import Groups
 from services.rollout.prompting import stop_token_ids
+from services.rollout.puller import Puller
 from services.rollout.repacker import Repacker
 from services.rollout.tool_jobs import ToolJobs
 from services.rollout.weights import LocalWeights
@@ -61,6 +63,7 @@ class RolloutWorker:
         self.heartbeat = Heartbeat(client, self.keys, "rollout", worker_id, cfg.heartbeat_ttl)
         self.weights = LocalWeights(cfg, self.log)  # each version's file: the published one, or a download
         self.relay: WeightServer | None = None  # serves its verified copies to other workers (relay_port)
+        self.puller = Puller(cfg, client, self.keys, worker_id, self.weights, self.log)  # sync_mode pull
         self._behind_gate_failed: int | None = None  # rolling: the gate version a catch-up load failed for
         self.control_cursor = "$"
         self.prompt_cursors = {self.keys.prompts: "$", self.keys.val_prompts: "$"}  # wake on new prompt groups
@@ -89,7 +92,7 @@ class RolloutWorker:
     @property
     def stats(self) -> dict:
         return {**self.episodes.stats, "groups": self.claims.published, "takeovers": self.takeovers,
-                **self.weights.stats, **self.repack.stats}
+                **self.weights.stats, **self.repack.stats, **self.puller.stats}
 
     def waiting_on_jobs(self) -> bool:
         return self.jobs.waiting()
@@ -103,11 +106,13 @@ class RolloutWorker:
             self.prompt_cursors[stream] = last[0][0].decode() if last else "0-0"
         self.calls.start()
         if self.cfg.relay_port:
+            wait_s = self.puller.relay_wait_s()  # pull: a child asks for a version this worker may still be fetching
             self.relay = WeightServer(self.cfg.rollout_weights_path, self.cfg.relay_host, max(0, self.cfg.relay_port),
-                                      self.cfg.weights_token, resolve=self.weights.served,
+                                      self.cfg.weights_token, resolve=lambda name: self.weights.served(name, wait_s),
                                       config_keys="relay_host, relay_port").start()
             self.log.info("relay serving verified weights", url=self.relay.url)
         self.repack.start()
+        self.puller.start()
         self._catch_up()
         self.beat(force=True)
 
@@ -148,6 +153,8 @@ class RolloutWorker:
             if self.cfg.mode == "sync":
                 self._catch_up_to_gate()
             self._claim(now)
+        if self.puller.on and not self.paused:  # between engine steps: load a pulled version at a cheap point
+            self.puller.tick(self.engine.version, self.claims.slots_used(), self.claims.gated, self._load_pulled)
         self.calls.tick(self.paused)
         for outcome in self.jobs.poll():
             self.episodes.on_job(outcome)
@@ -190,6 +197,8 @@ class RolloutWorker:
         if self.claims.room() <= 0 and self.claims.val_room() <= 0:
             return
         rolling = self.cfg.sync_mode == "rolling" and self.cfg.mode != "sync"
+        if self.puller.on:  # the gate complete for a newer version than this worker's: it was counted out
+            self.puller.complete(gate.complete_version(self.client, self.keys), self.engine.version)
         if rolling and not self._at_gate_version():  # behind the gate and the catch-up failed: retried later
             self._claim_wanted, self._claimed_with, self._next_claim = False, held, now + CLAIM_RECHECK_S
             return
@@ -203,7 +212,7 @@ class RolloutWorker:
         if not block_ms:
             return 0
         due = [self.heartbeat.next_due(), self._next_takeover, self._next_report, self.episodes.events.next_due(),
-               self.calls.events.next_due(), self.jobs.next_deadline()]
+               self.calls.events.next_due(), self.jobs.next_deadline(), self.puller.next_due()]
         if self.claims.room() > 0 or self.claims.val_room() > 0:
             due.append(self._next_claim)
         soonest = min((t for t in due if t is not None), default=None)
@@ -269,12 +278,22 @@ class RolloutWorker:
         self.weights.loaded(version)
         self.log.info("weights loaded", version=version, path=str(local))
 
+    def _load_pulled(self, v: versions.Version) -> None:
+        """sync_mode pull, under the load lease: this worker's own pause, load, resume; the heartbeat carries the
+        new version before the lease goes back (the syncer marks the gate complete from the heartbeats)."""
+        try:
+            self._load(v.version, v.path, v.sha256, v.url)
+        except EngineError as exc:
+            raise ValueError(str(exc)) from None
+        self._claim_wanted = True  # a newer version: the gate's limit for it
+        self.beat(force=True)
+
     # --- control: fetch / pause / load / resume
     def _wake_streams(self) -> dict:
         # every stream that can give an idle worker work: control, new prompt groups, gateway calls, results of
         # its rq jobs (rq writes one stream per job)
         return {self.keys.control: self.control_cursor, **self.prompt_cursors, **self.calls.wake_streams(),
-                **self.jobs.result_streams(), **self.repack.wake_streams()}
+                **self.jobs.result_streams(), **self.repack.wake_streams(), **self.puller.wake_streams()}
 
     def _wake_read(self):
         """The non-blocking read of the wake streams, for the step's pipeline (built on the writer thread, from
@@ -299,6 +318,8 @@ class RolloutWorker:
                 self._claim_wanted = True
                 continue
             if self.repack.saw(name, entries):  # a long-tail worker: groups handed to it, opened on this tick
+                continue
+            if self.puller.saw(name, entries, self.engine.version):  # pull: a version announced, a lease freed
                 continue
             if name not in (self.keys.control, self.keys.calls):
                 continue  # a job's result: jobs.poll() picks it up on this tick

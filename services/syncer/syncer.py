@@ -17,7 +17,7 @@ have started in total under the current version (AReaL's admission control,
 ``shared.protocol.staleness.group_capacity``); rollout workers reserve starts against it, a worker on an
 older version under its own version's limit. With ``sync_mode=rolling`` the pause, load and resume go to
 waves of at most ``max_loading`` workers; the gate opens after the first wave and is marked complete after
-the last.
+the last. With ``sync_mode=pull`` the syncer sends no command at all (``announce.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 import redis
 
-from shared.protocol import control, gate, metrics, versions
+from shared.protocol import control, gate, metrics, relay_tree, versions
+from services.syncer.announce import Announcer
 from shared.runtime import heartbeat
 from shared.runtime.config import Config
 from shared.runtime.faults import crash_point
@@ -101,7 +102,14 @@ class Syncer:
                 self.sync(last.version, last.path, last.sha256, last.url)
         self.set_gate(self.version)
 
+    @property
+    def pull(self) -> bool:
+        """sync_mode pull: workers fetch and load announced versions themselves (services/syncer/announce.py)."""
+        return self.cfg.sync_mode == "pull" and self.cfg.mode != "sync"
+
     def run(self, should_stop=lambda: False) -> None:
+        if self.pull:
+            return Announcer(self).run(should_stop)
         self.start()
         self.log.info("ready", version=self.version)
         while not should_stop():
@@ -193,15 +201,9 @@ class Syncer:
         if not relays:
             self._phase(r, "fetch", set(r.workers), (), deadline=deadline)
             return
-        order = sorted(relays) + sorted(r.workers - set(relays))  # relays nearer the root
-        k = self.cfg.relay_fanout
-        parent = {}  # node j (1-based; 0 is the trainer) hangs under node (j - 1) // k, when that one relays
-        for j, w in enumerate(order, start=1):
-            up = (j - 1) // k
-            parent[w] = order[up - 1] if up and order[up - 1] in relays else None
-        depth: dict[str, int] = {}
-        for w in order:
-            depth[w] = 1 if parent[w] is None else depth[parent[w]] + 1
+        parent = relay_tree.parents(r.workers, relays, self.cfg.relay_fanout)  # shared/protocol/relay_tree.py
+        order = relay_tree.order(r.workers, relays)
+        depth = relay_tree.depths(parent)
         have: set[str] = set()  # workers that acked a verified copy: they can serve it
         for level in range(1, max(depth.values()) + 1):
             wave = [w for w in order if depth[w] == level]

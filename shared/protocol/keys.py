@@ -111,4 +111,6 @@ class Keys:
     gate_started = property(lambda self: f"{self.base}gate:started")
     dead_letters = property(lambda self: f"{self.base}dead")
     repacks = property(lambda self: f"{self.base}repacks")  # long-tail repacks: groups handed from a worker to another
+    pulls = property(lambda self: f"{self.base}pulls")  # sync_mode pull: each worker's fetched / leased / loaded
+    load_lease = property(lambda self: f"{self.base}load-lease")  # sync_mode pull: workers loading now -> lease expiry
     meta = property(lambda self: f"{self.base}meta")  # the run's identity: run, id, created, ended (shared/runtime/runstate.py)

@@ -114,8 +114,11 @@ class Config:
     weights_url: str = ""  # the weight server's address as rollout workers reach it, put in each version event; empty: http://weights_host:weights_port
     weights_token: str = ""  # when set, the weight server asks for it as the bearer token; rollout workers send it
     fetch_timeout: float = 120.0  # seconds the syncer waits for every worker to hold a version's file (downloaded, verified) before it pauses them; a slower one then gets it inside its own pause
-    sync_mode: str = "global"  # how a version reaches the rollout workers (async mode): global (fetch, then pause every worker, load, resume) | rolling (fetch, then pause/load/resume one wave of at most max_loading workers at a time, so generation never stops; the gate opens once every worker runs the version)
-    max_loading: int = 1  # sync_mode rolling: at most this many rollout workers paused (loading) at once
+    sync_mode: str = "global"  # how a version reaches the rollout workers (async mode): global (fetch, then pause every worker, load, resume) | rolling (fetch, then pause/load/resume one wave of at most max_loading workers at a time, so generation never stops; the gate opens once every worker runs the version) | pull (the syncer only opens the gate; each worker downloads an announced version itself, from its relay parent or the trainer, while it generates, and loads it at a cheap point of its own under a lease of at most max_loading workers)
+    max_loading: int = 1  # sync_mode rolling and pull: at most this many rollout workers paused (loading) at once
+    pull_load_below: float = 0.5  # sync_mode pull: a worker holding a downloaded newer version loads it once fewer than this fraction of its max_groups_in_flight slots still generate (at once when gated or idle)
+    pull_max_wait_s: float = 10.0  # sync_mode pull: ... and at the latest this many seconds after the version was published, however busy it is
+    load_lease_s: float = 60.0  # sync_mode pull: a load lease expires this many seconds after it was taken (a worker killed while loading blocks the others at most this long); longer than a load takes
     relay_port: int = 0  # > 0: a rollout worker serves its downloaded, verified versions on this port (the weight server's code, weights_token) and other workers fetch from it; -1: a free port; 0: no relay
     relay_host: str = "127.0.0.1"  # ... on this address, as other workers reach it (loopback by default; a private interface for workers on other hosts)
     relay_fanout: int = 2  # the fetch tree: the trainer's server feeds this many relaying workers, each of them this many more, and so on

@@ -140,8 +140,14 @@ def _validate_weights_transport(cfg: Config) -> None:
     if cfg.rollout_weights_keep < 1 or cfg.fetch_timeout <= 0:
         raise ConfigError(f"config keys rollout_weights_keep, fetch_timeout: expected an integer >= 1 and seconds > 0, "
                           f"got {cfg.rollout_weights_keep}, {cfg.fetch_timeout}")
-    if cfg.sync_mode not in ("global", "rolling"):
-        raise ConfigError(f"config key 'sync_mode': expected 'global' or 'rolling', got {cfg.sync_mode!r}")
+    if cfg.sync_mode not in ("global", "rolling", "pull"):
+        raise ConfigError(f"config key 'sync_mode': expected 'global', 'rolling' or 'pull', got {cfg.sync_mode!r}")
+    if not 0 <= cfg.pull_load_below <= 1:
+        raise ConfigError(f"config key 'pull_load_below': expected a fraction 0-1 of a worker's slots, got "
+                          f"{cfg.pull_load_below}")
+    for key in ("pull_max_wait_s", "load_lease_s"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"config key {key!r}: expected seconds > 0, got {getattr(cfg, key)}")
     for key in ("max_loading", "relay_fanout"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"config key {key!r}: expected an integer >= 1, got {getattr(cfg, key)}")

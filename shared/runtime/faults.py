@@ -15,6 +15,7 @@ The points, in the order each service passes them:
                         streams, its prompt entry is still this worker's
              repack_handed   ... its prompt entry is the long-tail worker's, the notice written; not forgotten here
              paused     a sync's pause was obeyed and acknowledged; the load has not come (a worker dying mid-update)
+             pull_leased  sync_mode pull: the worker holds the load lease; nothing paused or loaded yet
     syncer   fetch, pause, load, resume   the command was sent; no worker's acknowledgement was awaited
 """
 
@@ -27,7 +28,7 @@ from collections import Counter
 ENV = "FAULT_INJECT_STREAMRL_CRASH"
 POINTS = {
     "trainer": ("before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish"),
-    "rollout": ("opened", "flushed", "finished", "repack_stopped", "repack_handed", "paused"),
+    "rollout": ("opened", "flushed", "finished", "repack_stopped", "repack_handed", "paused", "pull_leased"),
     "syncer": ("fetch", "pause", "load", "resume"),
 }
 _reached: Counter = Counter()

@@ -68,7 +68,7 @@ class Digests:
 def make_app(directory: str | Path, token: str = "", resolve=None) -> Starlette:
     """``resolve(name) -> (Path, sha256 hex) | None`` (a relay: a rollout worker's verified copies, wherever they
     are, with the digest it verified them against: not hashed again) replaces the lookup of ``name`` in
-    ``directory``."""
+    ``directory``; it runs in a worker thread and may block (a relay waiting for a copy it is fetching)."""
     folder = Path(directory)
     digests = Digests()
 
@@ -81,7 +81,9 @@ def make_app(directory: str | Path, token: str = "", resolve=None) -> Starlette:
         if not NAME.fullmatch(name):
             return PlainTextResponse(f"{name!r} is not a published version's file name (v<NNNNNN>.safetensors)\n",
                                      404)
-        path, digest = (folder / name, None) if resolve is None else (resolve(name) or (None, None))
+        # a relay's resolve may wait for a copy still on its way (sync_mode pull): in a thread, not on the loop
+        path, digest = (folder / name, None) if resolve is None else (
+            await anyio.to_thread.run_sync(resolve, name) or (None, None))
         try:
             st = path.stat() if path is not None else None
         except OSError:

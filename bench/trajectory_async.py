@@ -82,6 +82,10 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=8, help="rollout worker processes per run")
     p.add_argument("--max-staleness", type=int, default=2, help="of the async variants")
     p.add_argument("--variants", default="sync,global,repack,rolling", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--weights-fetch", choices=("always", "auto"), default="always",
+                   help="always: every async variant's workers download each version over HTTP (the trainer's "
+                        "weight server, and relays where the variant has them), as on a cluster; auto: workers on "
+                        "the trainer's host read its file and the relays carry nothing")
     # the trainer's simulated cost is lower than async_vs_sync's 400 us: with 8 workers at 400 us the trainer is
     # busy 85 % under the global pause already (measured), which would hide whatever the rollout side gains
     p.set_defaults(simulate_gpu=True, in_flight=8, simulated_train_us_per_token=100.0)
@@ -104,6 +108,8 @@ def main() -> None:
           f"{os.cpu_count()} CPUs", flush=True)
     print(f"SIMULATED COST (not measured hardware): every engine step sleeps {args.step_delay_ms:g} ms, the "
           f"trainer sleeps {args.simulated_train_us_per_token:g} us per trained token", flush=True)
+    print(f"weights: {'downloaded over HTTP by every async variant' if args.weights_fetch == 'always' else 'read from the trainer folder (one host)'} "
+          f"(--weights-fetch {args.weights_fetch})", flush=True)
     tag = uuid.uuid4().hex[:6]
     model_dir = ROOT / "runs" / f"bench-{tag}-model"
     t0 = time.monotonic()
@@ -117,6 +123,8 @@ def main() -> None:
     for seed in range(args.seeds):  # interleaved: seed 0 of every variant, then seed 1...
         for n in names:
             mode, extra = VARIANTS[n]
+            if mode == "async" and args.weights_fetch == "always":
+                extra = {"weights_fetch": "always", "weights_port": "free", **extra}
             extra = {k: free_port() if v == "free" else v for k, v in extra.items()}
             staleness = 0 if mode == "sync" else args.max_staleness
             runs[n].append(run_variant(args, mode, staleness, model_dir, tag, seed,

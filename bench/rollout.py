@@ -81,7 +81,7 @@ class MemoryLog(EpisodeLog):
         for episode_id, p in targets:
             stream = self.store[episode_id]
             stream.extend(p.events)
-            results.append([f"{len(stream)}-0"] * len(p.events))
+            results.append(len(p.events))
         if also is not None:
             pipe = self.client.pipeline(transaction=False)
             also(pipe)

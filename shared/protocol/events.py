@@ -158,16 +158,22 @@ def pack_logprobs(logprobs) -> bytes:
     return np.asarray(logprobs, dtype="<f4").tobytes()
 
 
+def encode_data(event: Event) -> bytes:
+    """The event's msgpack payload (the ``data`` field): ids and logprobs packed as bytes."""
+    data = event.data
+    packed = None
+    for name, (typ, _, _) in KINDS[event.kind].items():
+        if typ in ("ids", "logprobs") and name in data:
+            if packed is None:
+                packed = dict(data)
+            packed[name] = pack_ids(data[name]) if typ == "ids" else pack_logprobs(data[name])
+    return msgpack.packb(data if packed is None else packed, use_bin_type=True)
+
+
 def encode(event: Event) -> dict[str, bytes | str]:
     """Event -> stream entry fields (header strings, msgpack payload last)."""
-    data = dict(event.data)
-    for name, (typ, _, _) in KINDS[event.kind].items():
-        if name in data and typ == "ids":
-            data[name] = pack_ids(data[name])
-        elif name in data and typ == "logprobs":
-            data[name] = pack_logprobs(data[name])
     return {"type": event.kind, "v": str(SCHEMA_VERSION), "policy": str(event.policy),
-            "worker": event.worker, "seq": str(event.seq), "data": msgpack.packb(data, use_bin_type=True)}
+            "worker": event.worker, "seq": str(event.seq), "data": encode_data(event)}
 
 
 def _text(value: Any) -> str:

@@ -158,16 +158,15 @@ def pack_logprobs(logprobs) -> bytes:
     return np.asarray(logprobs, dtype="<f4").tobytes()
 
 
+_PACKED = {kind: tuple((name, pack_ids if typ == "ids" else pack_logprobs) for name, (typ, _, _) in payload.items()
+                       if typ in ("ids", "logprobs")) for kind, payload in KINDS.items()}  # kind -> fields packed as bytes
+
+
 def encode_data(event: Event) -> bytes:
     """The event's msgpack payload (the ``data`` field): ids and logprobs packed as bytes."""
     data = event.data
-    packed = None
-    for name, (typ, _, _) in KINDS[event.kind].items():
-        if typ in ("ids", "logprobs") and name in data:
-            if packed is None:
-                packed = dict(data)
-            packed[name] = pack_ids(data[name]) if typ == "ids" else pack_logprobs(data[name])
-    return msgpack.packb(data if packed is None else packed, use_bin_type=True)
+    packed = [(name, pack(data[name])) for name, pack in _PACKED[event.kind] if name in data]
+    return msgpack.packb({**data, **dict(packed)} if packed else data, use_bin_type=True)
 
 
 def encode(event: Event) -> dict[str, bytes | str]:

@@ -186,3 +186,16 @@ def test_entries_keep_their_plain_header_fields(client, keys):
     assert [(h["type"], h["v"], h["policy"], h["worker"], h["seq"]) for h in headers[1:]] == [
         (b"tokens", b"2", b"3", b"w-7", b"1"), (b"aborted", b"2", b"3", b"w-7", b"2"), (b"tokens", b"2", b"4", b"w-7", b"3")]
     assert log.entries_written == 4
+
+
+def test_a_flush_of_many_episodes_is_one_script_call_on_one_server(client, keys):
+    log = EpisodeLog(client, keys, "w", flush_tokens=100)
+    for e in range(12):
+        log.open(f"e{e}")
+        log.append_tokens(f"e{e}", [e, e + 1], [0.0, 0.0], 0)
+    client.config_resetstat()
+    assert log.flush() == {}
+    stats = client.info("commandstats")
+    assert stats["cmdstat_evalsha"]["calls"] == 1 and stats["cmdstat_xadd"]["calls"] == 12
+    assert log.entries_written == 12
+    assert [client.xlen(keys.episode(f"e{e}")) for e in range(12)] == [1] * 12

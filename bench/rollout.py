@@ -81,7 +81,7 @@ class MemoryLog(EpisodeLog):
         for episode_id, p in targets:
             stream = self.store[episode_id]
             stream.extend(p.events)
-            results.append([f"{len(stream)}-0"] * len(p.events))
+            results.append(len(p.events))
         if also is not None:
             pipe = self.client.pipeline(transaction=False)
             also(pipe)
@@ -133,8 +133,11 @@ def rollout_once(client, engine, tok, cfg: Config, sink: str, n_groups: int, log
     return out
 
 
-def bench_throughput(client, model_dir: str, reps: int, n_groups: int, max_tokens: int, label: str) -> dict:
+def bench_throughput(client, model_dir: str, reps: int, n_groups: int, max_tokens: int, label: str,
+                     flush_ms: float | None = None) -> dict:
     cfg = Config(model_dir=model_dir, tools="", temperature=1.0, max_tokens=max_tokens)  # default flush and batch
+    if flush_ms is not None:
+        cfg = cfg.replace(flush_ms=flush_ms)
     tok = load_tokenizer(model_dir)
     engine = TorchEngine(model_dir, max_batch_size=cfg.max_batch_size)
     params = sum(p.numel() for p in engine.runner.model.parameters())
@@ -293,7 +296,8 @@ def render(result: dict) -> str:
     if "throughput" in result:
         t0 = result["throughput"][0]
         out += [f"1. Throughput, Redis EpisodeLog vs in-memory sink: flush_tokens {t0['flush_tokens']}, flush_ms "
-                f"{t0['flush_ms']:g} (defaults), {t0['group_size']} episodes per group, {t0['max_groups_in_flight']} "
+                f"{t0['flush_ms']:g} ({'defaults' if t0['flush_ms'] == Config().flush_ms else 'flush_ms from --flush-ms'}), "
+                f"{t0['group_size']} episodes per group, {t0['max_groups_in_flight']} "
                 f"groups in flight; median of interleaved reps",
                 "   wall: tokens per wall-clock second; CPU: tokens per CPU second of this process (engine + worker "
                 "+ client) plus the Redis server's CPU seconds",
@@ -337,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="also print the full results as JSON")
     ap.add_argument("--only", default="throughput,resume,kill")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--flush-ms", type=float, default=None,
+                    help="throughput only: the episode log's flush_ms for both sinks (default: the config's default)")
     args = ap.parse_args(argv)
     parts = set(args.only.split(","))
     logs.setup("warning")
@@ -357,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                 scenarios = [(model_dir, "tiny default", 32, 8 if q else 48, 2 if q else 10),
                              (model_dir, "tiny default", 256, 8 if q else 16, 2 if q else 6),
                              (small, "small", 64, 8 if q else 16, 1 if q else 5)]
-                result["throughput"] = [bench_throughput(client, m, reps, groups_n, max_tokens, label)
+                result["throughput"] = [bench_throughput(client, m, reps, groups_n, max_tokens, label, args.flush_ms)
                                         for m, label, max_tokens, groups_n, reps in scenarios]
                 print(render({"throughput": result["throughput"]}), flush=True)
             if "resume" in parts:

@@ -4,6 +4,7 @@ import pytest
 
 from shared.protocol.episode_log import EpisodeLog, Fenced
 from shared.protocol.events import Event
+from shared.runtime.connection import is_cluster_client
 from tests.helpers import started
 
 
@@ -148,3 +149,60 @@ def test_appends_go_on_after_the_server_forgets_its_scripts(client, keys):
     assert log.flush() == {}
     ep = log.replay("e1")
     assert ep.tokens == [1, 2, 3, 4, 5, 6] and ep.status == "finished" and ep.last_seq == 3
+
+
+def test_fence_refuses_a_writer_behind_and_a_writer_ahead_and_spares_the_batch_s_other_episodes(client, keys):
+    """The fence is the stream's length: a writer that expects fewer entries than the stream holds (another writer
+    appended) or more (the server lost the stream's tail) is refused; in the same batch the episodes whose writer
+    is right are written."""
+    log = EpisodeLog(client, keys, "w")
+    for e in ("ok", "behind", "ahead"):
+        _start(log, e)
+    client.xadd(keys.episode("behind"), {"type": "tokens", "v": "2", "policy": "0", "worker": "other", "seq": "1",
+                                         "data": b"\x80"})  # another writer's entry at seq 1
+    log.open("ahead", next_seq=5)  # this writer believes 5 entries are there; the stream holds 1
+    for e in ("ok", "behind", "ahead"):
+        log.append_tokens(e, [7, 8], [-0.5, -0.25], 0)
+    errors = log.flush()
+    assert sorted(errors) == ["ahead", "behind"] and all(isinstance(x, Fenced) for x in errors.values())
+    assert "holds 2 entries" in str(errors["behind"]) and "expected seq 1" in str(errors["behind"])
+    assert "holds 1 entries" in str(errors["ahead"]) and "expected seq 5" in str(errors["ahead"])
+    assert client.xlen(keys.episode("behind")) == 2 and client.xlen(keys.episode("ahead")) == 1
+    assert log.replay("ok").tokens == [7, 8]
+    assert log.written("ok") and "behind" not in log._pending and "ahead" not in log._pending
+
+
+def test_entries_keep_their_plain_header_fields(client, keys):
+    """v and worker travel once per batch and the seq is counted up by the script: every entry still carries
+    type, v, policy, worker, seq and the payload, readable with redis-cli."""
+    log = EpisodeLog(client, keys, "w-7", flush_tokens=100)
+    _start(log)
+    log.append_tokens("e1", [1, 2], [0.0, 0.0], 3)
+    log.append("e1", "aborted", {"reason": "pause", "num_tokens": 2}, 3)
+    log.append_tokens("e1", [4], [0.0], 4)
+    assert log.flush() == {}
+    entries = client.xrange(keys.episode("e1"))
+    headers = [{k.decode() if isinstance(k, bytes) else k: v for k, v in f.items()} for _, f in entries]
+    assert [list(h) for h in headers] == [["type", "v", "policy", "worker", "seq", "data"]] * 4
+    assert [(h["type"], h["v"], h["policy"], h["worker"], h["seq"]) for h in headers[1:]] == [
+        (b"tokens", b"2", b"3", b"w-7", b"1"), (b"aborted", b"2", b"3", b"w-7", b"2"), (b"tokens", b"2", b"4", b"w-7", b"3")]
+    assert log.entries_written == 4
+
+
+def test_a_flush_of_many_episodes_is_one_script_call_on_one_server(client, keys):
+    """One script call for the whole flush on one server; on a cluster (tests/test_cluster.py runs this module
+    there too) one per episode, each on its stream's node."""
+    cluster = is_cluster_client(client)
+    nodes = {"target_nodes": client.PRIMARIES} if cluster else {}
+    log = EpisodeLog(client, keys, "w", flush_tokens=100)
+    for e in range(12):
+        log.open(f"e{e}")
+        log.append_tokens(f"e{e}", [e, e + 1], [0.0, 0.0], 0)
+    client.config_resetstat(**nodes)
+    assert log.flush() == {}
+    stats = client.info("commandstats", **nodes)
+    per_node = list(stats.values()) if cluster else [stats]
+    calls = {name: sum(s.get(f"cmdstat_{name}", {}).get("calls", 0) for s in per_node) for name in ("evalsha", "xadd")}
+    assert calls == {"evalsha": 12 if cluster else 1, "xadd": 12}
+    assert log.entries_written == 12
+    assert [client.xlen(keys.episode(f"e{e}")) for e in range(12)] == [1] * 12

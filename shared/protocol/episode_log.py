@@ -5,10 +5,20 @@ episode has ``flush_tokens`` tokens pending or the oldest pending event is
 ``flush_ms`` old (``maybe_flush``), or when asked (``flush``). Consecutive
 token chunks of one policy version coalesce into one ``tokens`` event.
 
-Every append is fenced: a server-side script checks that the stream's last
-``seq`` is the one this writer expects before adding. Two writers can never
-interleave in one episode (a worker presumed dead that wakes up, say): the
-loser gets ``Fenced`` and must drop the episode.
+Every append is fenced: a server-side script checks that the stream's length
+(XLEN) is the ``seq`` this writer expects next before adding. That is the last
+entry's seq + 1 because every entry of an episode stream is appended by this
+script with seq = its position (fold refuses a gap or a duplicate), and no
+code deletes or trims an episode stream. Two writers can never interleave in
+one episode (a worker presumed dead that wakes up, say), and a writer ahead of
+the stream (the server lost its tail) cannot append either: the loser gets
+``Fenced`` and must drop the episode.
+
+On one server a batch is one script call for all its episodes (the fence is
+per episode: a fenced one leaves the others written); on a cluster, where the
+streams live in different slots, one call per episode, routed to its node.
+The header fields shared by every event of a batch (``v``, ``worker``) and the
+seq (the expected one, counted up) travel once per call, not once per event.
 
 A flush is three parts, so that the round trip can run in another thread while
 the caller goes on (``services/rollout/writer.py``): ``take`` moves buffered
@@ -26,32 +36,32 @@ from typing import Callable
 
 import redis
 
-from shared.protocol.events import Event, encode
+from shared.protocol.events import SCHEMA_VERSION, Event, encode_data
 from shared.protocol.fold import Episode, fold
 from shared.protocol.keys import Keys
 from shared.protocol.routing import node_of
 
 _APPEND = """
-local nextseq = 0
-local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-if #last > 0 then
-  nextseq = nil
-  local f = last[1][2]
-  for i = 1, #f, 2 do
-    if f[i] == 'seq' then nextseq = tonumber(f[i + 1]) end
+local v, worker, out, a = ARGV[1], ARGV[2], {}, 3
+for k = 1, #KEYS do
+  local seq, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  a = a + 2
+  local len = redis.pcall('XLEN', KEYS[k])
+  if type(len) == 'table' then
+    out[k] = 'ERROR ' .. tostring(len.err)
+  elseif len ~= seq then
+    out[k] = 'FENCED stream holds ' .. len .. ' entries (next seq ' .. len .. '), writer expected seq ' .. seq
+  else
+    for i = 0, n - 1 do
+      local j = a + 3 * i
+      redis.call('XADD', KEYS[k], '*', 'type', ARGV[j], 'v', v, 'policy', ARGV[j + 1], 'worker', worker,
+                 'seq', seq + i, 'data', ARGV[j + 2])
+    end
+    out[k] = n
   end
-  if nextseq == nil then return redis.error_reply('FENCED last entry has no numeric seq') end
-  nextseq = nextseq + 1
+  a = a + 3 * n
 end
-if nextseq ~= tonumber(ARGV[1]) then
-  return redis.error_reply('FENCED stream is at seq ' .. nextseq .. ', writer expected ' .. ARGV[1])
-end
-local ids = {}
-for i = 2, #ARGV, 6 do
-  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', 'type', ARGV[i], 'v', ARGV[i + 1], 'policy', ARGV[i + 2],
-                             'worker', ARGV[i + 3], 'seq', ARGV[i + 4], 'data', ARGV[i + 5])
-end
-return ids
+return out
 """
 
 
@@ -94,6 +104,7 @@ class EpisodeLog:
         self.client, self.keys, self.worker = client, keys, worker
         self.flush_tokens, self.flush_ms, self.clock = flush_tokens, flush_ms, clock
         self._sha = client.script_load(_APPEND)
+        self._cluster = hasattr(client, "get_node_from_key")  # see shared/protocol/routing.py
         self._pending: dict[str, _Pending] = {}
         self.entries_written = 0
 
@@ -202,27 +213,39 @@ class EpisodeLog:
                     if current:  # not written: back in front of what was appended since (same seqs)
                         p.events, p.inflight = taken.events + p.events, 0
                 continue
-            self.entries_written += len(result)
+            self.entries_written += result
             if current:
                 p.next_seq += len(taken.events)
                 p.inflight = 0
         return errors
 
     def _send(self, targets: list[tuple[str, _Taken]], also: Callable | None = None) -> list:
-        """One pipeline, one EVALSHA per episode (no SCRIPT EXISTS round trip). Sent as a raw command: a
-        cluster pipeline refuses ``evalsha()`` but routes the command by its key like any other (the script
-        is loaded on every primary by ``script_load``)."""
+        """One pipeline: the append script for the targets (one call on a single server, one per episode on a
+        cluster), then ``also``'s commands. Returns one result per target (the number of entries written, or
+        an exception), then ``also``'s results. Sent as a raw command: a cluster pipeline refuses ``evalsha()``
+        but routes the command by its key like any other (the script is loaded on every primary by
+        ``script_load``); redis-py's ``Script`` would add a SCRIPT EXISTS round trip."""
         pipe = self.client.pipeline(transaction=False)
-        for episode_id, t in targets:
-            args: list = [t.next_seq]
-            for ev in t.events:
-                f = encode(ev)
-                args += [f["type"], f["v"], f["policy"], f["worker"], f["seq"], f["data"]]
-            key = self.keys.episode(episode_id)
-            pipe.execute_command("EVALSHA", self._sha, 1, key, *args, **node_of(self.client, key))
+        calls = [targets] if targets and not self._cluster else [[t] for t in targets]
+        for group in calls:
+            keys = [self.keys.episode(episode_id) for episode_id, _ in group]
+            args: list = [str(SCHEMA_VERSION), self.worker]
+            for _, t in group:
+                args += (t.next_seq, len(t.events))
+                for ev in t.events:
+                    args += (ev.kind, ev.policy, encode_data(ev))
+            pipe.execute_command("EVALSHA", self._sha, len(keys), *keys, *args, **node_of(self.client, keys[0]))
         if also is not None:
             also(pipe)
-        return pipe.execute(raise_on_error=False)
+        replies = pipe.execute(raise_on_error=False)
+        results: list = []
+        for group, reply in zip(calls, replies):
+            if isinstance(reply, Exception):
+                results += [reply] * len(group)
+            else:
+                results += [r if isinstance(r, int) else redis.exceptions.ResponseError(
+                    r.decode() if isinstance(r, bytes) else r) for r in reply]
+        return results + replies[len(calls):]
 
     def flush_or_raise(self, episode_ids: list[str] | None = None) -> None:
         errors = self.flush(episode_ids)

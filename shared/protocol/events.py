@@ -158,16 +158,21 @@ def pack_logprobs(logprobs) -> bytes:
     return np.asarray(logprobs, dtype="<f4").tobytes()
 
 
+_PACKED = {kind: tuple((name, pack_ids if typ == "ids" else pack_logprobs) for name, (typ, _, _) in payload.items()
+                       if typ in ("ids", "logprobs")) for kind, payload in KINDS.items()}  # kind -> fields packed as bytes
+
+
+def encode_data(event: Event) -> bytes:
+    """The event's msgpack payload (the ``data`` field): ids and logprobs packed as bytes."""
+    data = event.data
+    packed = [(name, pack(data[name])) for name, pack in _PACKED[event.kind] if name in data]
+    return msgpack.packb({**data, **dict(packed)} if packed else data, use_bin_type=True)
+
+
 def encode(event: Event) -> dict[str, bytes | str]:
     """Event -> stream entry fields (header strings, msgpack payload last)."""
-    data = dict(event.data)
-    for name, (typ, _, _) in KINDS[event.kind].items():
-        if name in data and typ == "ids":
-            data[name] = pack_ids(data[name])
-        elif name in data and typ == "logprobs":
-            data[name] = pack_logprobs(data[name])
     return {"type": event.kind, "v": str(SCHEMA_VERSION), "policy": str(event.policy),
-            "worker": event.worker, "seq": str(event.seq), "data": msgpack.packb(data, use_bin_type=True)}
+            "worker": event.worker, "seq": str(event.seq), "data": encode_data(event)}
 
 
 def _text(value: Any) -> str:

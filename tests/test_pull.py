@@ -15,7 +15,7 @@ from services.rollout.weights import LocalWeights
 from shared.protocol import pulls, relay_tree
 from shared.runtime import logs
 from shared.runtime.config import Config, ConfigError, load
-from shared.runtime.weight_server import WeightServer, file_name
+from shared.runtime.weight_server import WeightServer
 from tests.models import nudged_weights
 from tests.procs import wait_until
 
@@ -51,17 +51,6 @@ def test_the_relay_tree_hangs_each_worker_under_a_relaying_one_with_a_smaller_pl
         relay_tree.parents(["A"], ["A"], 0)
 
 
-def _holding_at_once(records: list[pulls.Pull]) -> int:
-    held, most = set(), 0
-    for p in records:
-        if p.event == "acquired":
-            held.add(p.worker)
-        elif p.event in ("released", "expired"):
-            held.discard(p.worker)
-        most = max(most, len(held))
-    return most
-
-
 def test_the_load_lease_grants_max_loading_records_each_holder_and_expires_a_dead_ones(client, keys):
     first = pulls.acquire(client, keys, "A", 1, max_loading=2, lease_s=60, reason="idle")
     assert first.granted and first.holders == 1
@@ -82,7 +71,7 @@ def test_the_load_lease_grants_max_loading_records_each_holder_and_expires_a_dea
         ("acquired", "A"), ("acquired", "B"), ("released", "A"), ("acquired", "C"), ("released", "C"),
         ("expired", "B"), ("acquired", "D")]
     assert records[0].extra == {"reason": "idle"} and records[2].extra == {"paused_s": "0.1"}
-    assert _holding_at_once(records) == 2
+    assert pulls.most_holders(records) == 2
 
 
 def _weights(keys, folder) -> LocalWeights:

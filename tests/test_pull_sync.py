@@ -38,19 +38,6 @@ def _versions(client, keys, workers) -> dict[str, int]:
     return {w: int(worker_info(client, keys, w).get("version", -1)) for w in workers}
 
 
-def _most_leases_at_once(records: list[pulls.Pull]) -> int:
-    """From the order of the pulls stream alone (no clocks): a worker holds the lease from its ``acquired`` entry to
-    its ``released`` or ``expired`` one; the most holders at any point."""
-    held, most = set(), 0
-    for p in records:
-        if p.event == "acquired":
-            held.add(p.worker)
-        elif p.event in ("released", "expired"):
-            held.discard(p.worker)
-        most = max(most, len(held))
-    return most
-
-
 def _last_report(client, keys, worker) -> dict:
     recs = [rec for _, rec in metrics.read(client, keys, "rollout") if rec.get("worker") == worker]
     return recs[-1] if recs else {}
@@ -90,7 +77,7 @@ def test_workers_pull_each_version_through_the_relay_chain_and_load_one_at_a_tim
         server.stop()
     assert [e for _, e in control.read_after(client, keys, "0-0", 10_000) if isinstance(e, control.Command)] == []
     records = pulls.read_all(client, keys)
-    assert _most_leases_at_once(records) == 1
+    assert pulls.most_holders(records) == 1
     loaded = sorted((p.worker, p.version) for p in records if p.event == "released")
     assert loaded == [(w, v) for w in WORKERS for v in (1, 2)]
     fetched = {(p.worker, p.version): p.extra["source"] for p in records if p.event == "fetched"}
@@ -132,7 +119,7 @@ def test_a_worker_killed_holding_the_load_lease_blocks_the_others_only_until_it_
         kill9(*procs.values())
         server.stop()
     records = pulls.read_all(client, keys)
-    assert _most_leases_at_once(records) == 1
+    assert pulls.most_holders(records) == 1
     held = [(p.event, p.worker) for p in records if p.event != "fetched"]
     assert ("acquired", "B") in held and ("expired", "B") in held and ("released", "B") not in held
     assert sorted((p.worker, p.version) for p in records if p.event == "released") == [

@@ -139,3 +139,16 @@ def read_all(client, keys: Keys) -> list[Pull]:
 def last_id(client, keys: Keys) -> str:
     last = client.xrevrange(keys.pulls, count=1)
     return _s(last[0][0]) if last else "0-0"
+
+
+def most_holders(records: list[Pull]) -> int:
+    """From the order of the pulls record alone (no clocks): a worker holds the lease from its ``acquired`` entry to
+    its ``released`` or ``expired`` one; the most holders at any point (what ``max_loading`` caps)."""
+    held, most = set(), 0
+    for p in records:
+        if p.event == "acquired":
+            held.add(p.worker)
+        elif p.event in ("released", "expired"):
+            held.discard(p.worker)
+        most = max(most, len(held))
+    return most

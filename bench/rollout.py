@@ -88,6 +88,9 @@ class MemoryLog(EpisodeLog):
             results += pipe.execute(raise_on_error=False)
         return results
 
+    def send_and_read(self, batch, episode_ids):
+        return self._send(batch.targets), self.read_many(episode_ids)
+
     def read(self, episode_id: str) -> list[tuple]:
         return [(f"{i + 1}-0", encode(ev)) for i, ev in enumerate(self.store.get(episode_id, []))]
 

@@ -101,8 +101,9 @@ def main(argv=None) -> int:
                 acc["steps"] += 1
                 return inner()
             engine.inner.step = timed(counted, acc, None, "engine_cpu")
-            worker.episodes.flush = timed(worker.episodes.flush, acc, "flush_wall", "flush_cpu")
-            writer = getattr(worker.episodes, "writer", None)  # main before the step writer has none
+            owner = getattr(worker.episodes, "writes", worker.episodes)  # the flushes' owner: writes.py, or older trees
+            owner.flush = timed(owner.flush, acc, "flush_wall", "flush_cpu")
+            writer = getattr(owner, "writer", None)  # main before the step writer has none
             if writer is not None:
                 writer.wait = timed(writer.wait, acc, "wait_wall", "wait_cpu")
             count_round_trips(acc)

@@ -31,7 +31,7 @@ def _run_with_probe(self: RolloutWorker, should_stop=lambda: False) -> None:
     def probed() -> bool:
         if asked["probe"]:
             asked.setdefault("since", time.monotonic())
-            self.episodes.settle()  # the step's batch in flight lands first: the kill comes after it
+            self.episodes.writes.settle()  # the step's batch in flight lands first: the kill comes after it
             unflushed = {eid: self.events.pending_tokens(eid) for eid in self.live}  # live episodes: logs open
             if not sum(unflushed.values()) and time.monotonic() - asked["since"] < 10:
                 return should_stop()  # wait (up to 10 s) for a tick with tokens generated but not yet flushed

@@ -206,3 +206,24 @@ def test_a_flush_of_many_episodes_is_one_script_call_on_one_server(client, keys)
     assert calls == {"evalsha": 12 if cluster else 1, "xadd": 12}
     assert log.entries_written == 12
     assert [client.xlen(keys.episode(f"e{e}")) for e in range(12)] == [1] * 12
+
+
+def test_send_and_read_writes_starts_only_into_empty_streams_and_reads_after_them(client, keys):
+    """Opening a group in one round trip: the starts are written fenced at seq 0 and the streams read after them. A
+    stream that already held events keeps them (the start is refused) and its read shows what it held."""
+    other = EpisodeLog(client, keys, "other")
+    _start(other, "held")
+    other.append_tokens("held", [4, 5], [-0.1, -0.2], 0)
+    other.flush_or_raise()
+    log = EpisodeLog(client, keys, "w")
+    for e in ("new", "held"):
+        log.open(e)
+        log.append(e, "started", started(episode_id=e).data, 0)
+    batch = log.take(["new", "held"])
+    results, streams = log.send_and_read(batch, ["new", "held", "none"])
+    errors = log.settle(batch, results)
+    assert list(errors) == ["held"] and isinstance(errors["held"], Fenced)
+    assert [len(s) for s in streams] == [1, 2, 0]
+    assert log.replay("new").events[0].worker == "w" and log.written("new")
+    assert [e.worker for e in log.replay("held").events] == ["other", "other"]
+    assert log.replay("held").tokens == [4, 5] and "held" not in log._pending

@@ -50,10 +50,10 @@ def test_a_fence_reported_a_step_later_drops_the_group_and_nothing_of_it_is_publ
     a = make_worker(cfg, client, "A")
     intruder = EpisodeLog(client, keys, "X")
     fenced: dict[str, str] = {}
-    send_step = a.episodes.send_step
+    send_step = a.episodes.writes.send_step
 
     def intrude_then_send(wake_read=None):
-        ending = a.episodes._ending  # ended in this step: their last events leave with this step's batch
+        ending = a.episodes.writes.ending  # ended in this step: their last events leave with this step's batch
         for live in ending if not fenced else ():
             run = a.claims.get(live.group_id)
             if run is None or run.done | {e.episode_id for e in ending if e.group_id == run.group.group_id} \
@@ -67,9 +67,9 @@ def test_a_fence_reported_a_step_later_drops_the_group_and_nothing_of_it_is_publ
             break
         send_step(wake_read)
         if fenced.get("episode") and "in_flight" not in fenced:
-            fenced["in_flight"] = str(a.episodes.writer.in_flight)
+            fenced["in_flight"] = str(a.episodes.writes.writer.in_flight)
 
-    a.episodes.send_step = intrude_then_send
+    a.episodes.writes.send_step = intrude_then_send
     with structlog.testing.capture_logs() as logs:
         tick_until(a, lambda: bool(fenced) and fenced["group"] not in a.groups)
         tick_until(a, lambda: len(samples(client, keys)) == len(groups) - 1 and not a.groups)
@@ -142,19 +142,19 @@ def test_a_pause_and_a_shutdown_with_a_batch_in_flight_lose_no_token(client, key
     def in_streams() -> int:
         return sum(len(ep.tokens) for ep in snapshot(client, keys, groups).values())
 
-    tick_until(a, lambda: a.episodes.writer.in_flight and a.stats["tokens"] >= 40)
+    tick_until(a, lambda: a.episodes.writes.writer.in_flight and a.stats["tokens"] >= 40)
     send(client, keys, "pause")  # read with the step's writes, obeyed one step later
     tick_until(a, lambda: a.paused)
-    assert not a.episodes.writer.in_flight
+    assert not a.episodes.writes.writer.in_flight
     assert in_streams() == a.stats["tokens"]
     stored = snapshot(client, keys, groups)
     for episode_id, live in a.live.items():
         assert stored[episode_id].tokens == live.tokens, episode_id
     produced = a.stats["tokens"]
     send(client, keys, "resume", sync="s2")
-    tick_until(a, lambda: a.episodes.writer.in_flight and a.stats["tokens"] >= produced + 20 and a.live)
+    tick_until(a, lambda: a.episodes.writes.writer.in_flight and a.stats["tokens"] >= produced + 20 and a.live)
     a.shutdown()
-    assert not a.episodes.writer.in_flight
+    assert not a.episodes.writes.writer.in_flight
     assert in_streams() == a.stats["tokens"]
     stored = snapshot(client, keys, groups)
     for episode_id, live in a.live.items():

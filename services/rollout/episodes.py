@@ -4,13 +4,11 @@ recording tokens, tool calls and results, scoring and ending; every event goes t
 Ownership: an episode is this worker's while it is in ``live``; every write path checks that first. When an
 append is fenced (another worker owns the episode now), the whole group leaves this worker at once: its live
 episodes, engine requests, tool and reward jobs and log buffers; nothing later touches it, and a group this
-worker gets back starts clean (``open_groups``).
+worker gets back starts clean (``open_groups``). When the writes travel, and what their results do (an ended
+episode closed, a fenced group dropped): ``writes.py``.
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
-from typing import Callable
 
 from services.rollout.agent import Agent, Finish, ToolCall
 from services.rollout.engine import Chunk, EngineError, SamplingParams
@@ -18,8 +16,8 @@ from services.rollout.episode import LiveEpisode, State, episode_seed
 from services.rollout.groups import GroupRun, Groups
 from services.rollout.prompting import prompt_ids
 from services.rollout.tool_jobs import Outcome, ToolJobs
-from services.rollout.writer import StepWriter
-from shared.protocol.episode_log import EpisodeLog, Fenced
+from services.rollout.writes import Writes
+from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError, decode
 from shared.protocol.fold import fold
 from shared.runtime.faults import crash_point
@@ -28,44 +26,64 @@ from shared.runtime.faults import crash_point
 class Episodes:
     def __init__(self, cfg, events: EpisodeLog, engine, tokenizer, agent: Agent, jobs: ToolJobs, groups: Groups,
                  reward, stop_token_ids: tuple[int, ...], log):
-        self.cfg, self.events, self.engine, self.tok, self.agent = cfg, events, engine, tokenizer, agent
+        self.cfg, self.engine, self.tok, self.agent = cfg, engine, tokenizer, agent
         self.jobs, self.groups, self.reward, self.stop_token_ids, self.log = jobs, groups, reward, stop_token_ids, log
         self.worker_id = events.worker
         self.live: dict[str, LiveEpisode] = {}
         self.paused = False
         self.stats = {"tokens": 0, "episodes": 0, "resumed": 0}
-        self._closing: list[LiveEpisode] | None = None  # during one_flush(): episodes ended in this step
-        self._ending: list[LiveEpisode] = []  # ended in a step; closed once their last events are in Redis
-        self.writer = StepWriter(f"step-writer-{self.worker_id}")  # the step's round trip, beside the next step
-        self.replies: list = []  # what the worker's wake read sent with a batch returned (``send_step``)
-        self._sent: set[str] = set()  # episodes with events in the batch in flight
+        self.writes = Writes(events, groups, self._closed, self._fenced)  # when writes travel (writes.py)
+
+    @property
+    def events(self) -> EpisodeLog:
+        return self.writes.events
+
+    @events.setter
+    def events(self, log: EpisodeLog) -> None:  # bench/rollout.py swaps in an in-memory log
+        self.writes.events = log
 
     def owns(self, live: LiveEpisode) -> bool:
         return self.live.get(live.episode_id) is live
 
     # --- opening a group
     def open_groups(self, runs: list[GroupRun]) -> None:
-        """Open groups claimed or taken over together: one round trip reads every episode stream of them all, one
-        more makes every new episode's start durable."""
+        """Open groups claimed or taken over together, in one round trip: it writes the ``started`` event of every
+        episode of a newly claimed group, fenced at seq 0 (durable before generation starts), and reads every
+        episode stream of them all. A start refused there (the stream was not empty: a group held before) is
+        resumed from what was read; a taken-over or repacked group's episodes with empty streams are started in a
+        second round trip."""
         if not runs:
             return
-        if self._in_flight([episode_id for run in runs for episode_id in run.episodes]):
-            self.settle()  # a group this worker held before: nothing of it in flight while its streams are read
+        episode_ids = [episode_id for run in runs for episode_id in run.episodes]
+        if self.writes.in_flight(episode_ids):
+            self.writes.settle()  # a group this worker held before: nothing of it in flight while its streams are read
         for run in runs:
             self._forget_group(run.group.group_id)  # a group this worker held before (lost, now back): from its streams
             self.groups.hold(run)
-        streams = iter(self.events.read_many([episode_id for run in runs for episode_id in run.episodes]))
-        fresh = []
+        guessed = {}  # the episodes of newly claimed groups: their streams are empty, but for a group held before
+        for run in (run for run in runs if run.takeover_from is None and run.repack is None):
+            ids = prompt_ids(self.tok, run.group)
+            if len(ids) + 1 <= self.engine.max_model_len:  # a prompt too long fails after the read: not guessed
+                guessed.update((episode_id, self._start(run, index, episode_id, ids))
+                               for index, episode_id in enumerate(run.episodes))
+        streams, refused = self.writes.start_and_read(list(guessed), episode_ids)
+        streams = iter(streams)
+        fresh, unwritten = [], []
         for run in runs:
             for index, (episode_id, entries) in enumerate(zip(run.episodes, [next(streams) for _ in run.episodes])):
                 if not self.groups.holds(run):
                     continue  # lost while opening (fenced): nothing more touches it
-                if entries:
+                if episode_id in guessed and episode_id not in refused:
+                    fresh.append(guessed[episode_id])
+                elif entries:
+                    self.live.pop(episode_id, None)  # a refused start
                     self._resume_from_stream(run, episode_id, entries)
                 elif (live := self._start(run, index, episode_id)) is not None:
-                    fresh.append(live)
+                    unwritten.append(live)
+        if unwritten:
+            self.flush([live.episode_id for live in unwritten])
+        fresh += unwritten
         if fresh:
-            self.flush([live.episode_id for live in fresh])
             crash_point("rollout", "opened")  # tests only (shared/runtime/faults.py)
         for live in fresh:
             if self.owns(live):
@@ -80,12 +98,13 @@ class Episodes:
                               max_tokens=int(o.get("max_tokens", c.max_tokens)), stop_token_ids=self.stop_token_ids,
                               seed=int(o.get("seed", episode_seed(c.seed, run.group.group_id, index))))
 
-    def _start(self, run: GroupRun, index: int, episode_id: str) -> LiveEpisode | None:
+    def _start(self, run: GroupRun, index: int, episode_id: str, ids: list[int] | None = None) -> LiveEpisode | None:
         """A new episode (its stream is empty): the ``started`` event, buffered; the caller flushes it and
         starts generation. None when it failed at once (prompt too long)."""
         group = run.group
         params = self._params(run, index)
-        live = LiveEpisode(episode_id, group.group_id, index, prompt_ids(self.tok, group), params, group.task)
+        ids = prompt_ids(self.tok, group) if ids is None else ids
+        live = LiveEpisode(episode_id, group.group_id, index, list(ids), params, group.task)
         self.live[episode_id] = live
         self.events.open(episode_id)
         self._append(live, "started", {"episode_id": episode_id, "group_id": group.group_id, "index": index,
@@ -273,84 +292,12 @@ class Episodes:
 
     def _finished(self, live: LiveEpisode, reason: str, reward: float, details: dict) -> None:
         self._append(live, "finished", {"reason": reason, "reward": reward, "details": details})
-        self._close(live)
+        self.writes.close(live)
 
     def _fail(self, live: LiveEpisode, error: str, where: str) -> None:
         self.log.warning("episode failed", episode=live.episode_id, error=error, where=where)
         self._append(live, "failed", {"error": error, "where": where})
-        self._close(live)
-
-    @contextmanager
-    def one_flush(self):
-        """Inside, an ending episode's last events are not written at once: they go with the step's batch
-        (``send_step``: one round trip per engine step, not one per finishing episode, beside the next step), and
-        the episode is closed, its group published if complete, once that batch is settled."""
-        self._closing = []
-        try:
-            yield
-        finally:
-            closing, self._closing = self._closing, None
-            self._ending += closing
-            for live in closing:
-                if (run := self.groups.get(live.group_id)) is not None:
-                    run.ended.add(live.episode_id)
-
-    def send_step(self, wake_read: Callable | None = None) -> None:
-        """After an engine step: this step's writes leave on the writer thread in one pipeline, while the caller
-        runs the next step. They are the events of every episode that ended in the step, every buffered event
-        when any is due by count or age, the publishes of groups completed by the batch settled last, and
-        ``wake_read(pipe)``: the worker's non-blocking read of the streams that wake it, whose reply comes back
-        in ``replies`` once settled."""
-        self.settle()
-        ending, self._ending = self._ending, []
-        batch = self.events.take(None if self.events.due() else [live.episode_id for live in ending])
-        publishing = self.groups.take_queued()
-        if not batch and wake_read is None and not publishing:
-            for live in ending:  # nothing of theirs is buffered or in flight: their end is in Redis already
-                self._closed(live)
-            return
-
-        def also(pipe):
-            self.groups.add(pipe, publishing)
-            if wake_read is not None:
-                wake_read(pipe)
-        self._sent = {episode_id for episode_id, _ in batch.targets}
-        self.writer.submit(lambda: self.events.send(batch, also), (batch, ending, publishing))
-
-    def settle(self, publish_later: bool = False) -> None:
-        """Wait for the batch in flight, if any, and apply its results: a fenced episode drops its group (a step
-        later than a synchronous flush would, and before anything of the group is published); an ending episode
-        whose last events are now in Redis is closed and its group published when complete (with
-        ``publish_later``, in the next step's pipeline)."""
-        if not self.writer.in_flight:
-            return
-        (results, extra), (batch, ending, publishing) = self.writer.wait()
-        written = self.events.entries_written
-        errors = self.events.settle(batch, results)
-        self.groups.settle(publishing, extra[:len(publishing)])
-        for reply in extra[len(publishing):]:
-            if isinstance(reply, Exception):
-                raise reply
-            self.replies.append(reply)
-        self._written(written, errors)
-        for live in ending:
-            self._closed(live, publish_later)
-
-    def _in_flight(self, episode_ids: list[str] | None) -> bool:
-        """Whether the batch in flight holds events of these episodes (of any, for None)."""
-        return self.writer.in_flight and (episode_ids is None or not self._sent.isdisjoint(episode_ids))
-
-    def close_writer(self) -> None:
-        self.settle()
-        self.writer.close()
-
-    def _close(self, live: LiveEpisode) -> None:
-        live.state = State.DONE
-        if self._closing is not None:
-            self._closing.append(live)
-            return
-        self.flush([live.episode_id])
-        self._closed(live)
+        self.writes.close(live)
 
     def _closed(self, live: LiveEpisode, publish_later: bool = False) -> None:
         """After the episode's end is in its stream: forget it here, publish its group when complete."""
@@ -372,28 +319,12 @@ class Episodes:
             self.events.append(live.episode_id, kind, data, self.engine.version)
 
     def flush(self, episode_ids: list[str] | None = None, due_only: bool = False) -> None:
-        """Write buffered events now (after the batch in flight when it holds any of these episodes); a fenced
-        episode drops its group (other errors raise). An episode that ended in a step and is now all written is
-        closed."""
-        if due_only or self._in_flight(episode_ids):
-            self.settle()
-        written = self.events.entries_written
-        errors = self.events.maybe_flush() if due_only else self.events.flush(episode_ids)
-        self._written(written, errors)
-        if self._ending:
-            done = [live for live in self._ending if self.events.written(live.episode_id)]
-            self._ending = [live for live in self._ending if live not in done]
-            for live in done:
-                self._closed(live)
-        self.groups.publish_queued()
+        self.writes.flush(episode_ids, due_only)
 
-    def _written(self, entries_before: int, errors: dict[str, Exception]) -> None:
-        if self.events.entries_written > entries_before:
-            crash_point("rollout", "flushed")  # tests only (shared/runtime/faults.py)
+    def _fenced(self, episode_ids: list[str]) -> None:
+        """Appends refused: another worker owns these episodes' groups now; each group leaves this worker."""
         lost: dict[str, str] = {}
-        for episode_id, exc in errors.items():
-            if not isinstance(exc, Fenced):
-                raise exc
+        for episode_id in episode_ids:
             live = self.live.get(episode_id)
             lost.setdefault(live.group_id if live else episode_id.rsplit("-", 1)[0], episode_id)
         for group_id, episode_id in lost.items():
@@ -415,6 +346,6 @@ class Episodes:
             self.engine.abort(episode_id)
             self.events.close(episode_id)
             del self.live[episode_id]
-        self._ending = [live for live in self._ending if live.group_id != group_id]
+        self.writes.forget(group_id)
         self.jobs.forget(mine)
         self.groups.drop(group_id)

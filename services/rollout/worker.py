@@ -129,7 +129,7 @@ class RolloutWorker:
         worker takes them over."""
         self._abort_all("shutdown")
         self.episodes.flush()
-        self.episodes.close_writer()
+        self.episodes.writes.stop()
         self.heartbeat.stop()
         if self.relay is not None:
             self.relay.stop()
@@ -140,11 +140,11 @@ class RolloutWorker:
         """One round: control and wake-ups, claims, jobs, one engine step, flushes. Idle (nothing to generate),
         the read of control blocks up to ``block_ms``, or less when a timer falls due; it wakes at once on a
         command, a new prompt group, a gateway call or a finished rq job: no short polls. Busy, that read is
-        non-blocking and rides with the step's writes (``episodes.send_step``): one round trip per engine step,
+        non-blocking and rides with the step's writes (``writes.send_step``): one round trip per engine step,
         made while the next step runs; its reply is obeyed after that step."""
         busy = self.engine.has_unfinished() and not self.paused
         if not (busy and self._wake_sent):
-            self.episodes.settle()  # the reply of a read in flight first: the cursors move in order
+            self.episodes.writes.settle()  # the reply of a read in flight first: the cursors move in order
             self._on_replies()
             self._handle_control(block_ms=0 if busy else self._idle_block_ms(block_ms))
         self._wake_sent = False
@@ -160,17 +160,17 @@ class RolloutWorker:
             self.episodes.on_job(outcome)
         if not self.paused and self.engine.has_unfinished():
             t0 = time.monotonic()
-            with self.episodes.one_flush():  # every episode that ends in this step: in the step's one round trip
+            with self.episodes.writes.one_flush():  # every episode that ends in this step: in the step's one round trip
                 for chunk in self.engine.step():  # chunks are routed by request id (= episode id)
                     if self.calls.owns(chunk.request_id):
                         self.calls.on_chunk(chunk)
                     else:
                         self.episodes.on_chunk(chunk)
             self.busy_s += time.monotonic() - t0
-            self.episodes.settle(publish_later=True)  # the previous step's writes, made while this step ran
+            self.episodes.writes.settle(publish_later=True)  # the previous step's writes, made while this step ran
             self._on_replies()  # may pause: that writes everything now
             self._wake_sent = self.engine.has_unfinished() and not self.paused
-            self.episodes.send_step(self._wake_read() if self._wake_sent else None)
+            self.episodes.writes.send_step(self._wake_read() if self._wake_sent else None)
         else:
             self.episodes.flush(due_only=True)
         self.repack.after_tick(self.busy_s)  # long-tail repack: policy, handoff (services/rollout/repacker.py)
@@ -302,7 +302,7 @@ class RolloutWorker:
         return lambda pipe: pipe.xread(streams, count=100)
 
     def _on_replies(self) -> None:
-        replies, self.episodes.replies = self.episodes.replies, []
+        replies, self.episodes.writes.replies = self.episodes.writes.replies, []
         for reply in replies:
             self._on_wake(reply)
 

@@ -188,6 +188,18 @@ class EpisodeLog:
         results = self._send(batch.targets, also)
         return results[:len(batch.targets)], results[len(batch.targets):]
 
+    def send_and_read(self, batch: Batch, episode_ids: list[str]) -> tuple[list, list[list[tuple]]]:
+        """``send`` the batch and ``read_many`` these episodes in the same round trip, the reads after the writes.
+        Returns (one result per episode of the batch, as ``send``; the streams read). A read error raises."""
+        def reads(pipe):
+            for episode_id in episode_ids:
+                pipe.xrange(self.keys.episode(episode_id))
+        results, streams = self.send(batch, reads)
+        for entries in streams:
+            if isinstance(entries, Exception):
+                raise entries
+        return results, streams
+
     def settle(self, batch: Batch, results: list) -> dict[str, Exception]:
         """Apply ``send``'s results: written events leave the buffers, a fenced episode is closed. Returns
         {episode_id: error} as ``flush`` does. A server that forgot the script (restarted) gets it again and

@@ -51,6 +51,17 @@ def test_the_relay_tree_hangs_each_worker_under_a_relaying_one_with_a_smaller_pl
         relay_tree.parents(["A"], ["A"], 0)
 
 
+def test_workers_sharing_a_download_folder_are_one_node_and_never_fetch_from_each_other():
+    """Workers on one host downloading into one folder share each download under the folder's lock: a worker holding
+    it while it asks a sibling would wait for a copy that waits for the lock (stalls of the relay's whole wait)."""
+    one_host = relay_tree.parents(list("ABCDEFGH"), list("ABCDEFGH"), 2, {w: "h1:/dev/shm/x" for w in "ABCDEFGH"})
+    assert set(one_host.values()) == {None}  # one node under the trainer: one download, taken by the first to lock
+    hosts = {"A": "h1", "B": "h1", "C": "h2", "D": "h2", "E": "h3", "F": ""}  # F: no folder given, a node of its own
+    tree = relay_tree.parents(list("ABCDEF"), list("BCDEF"), 1, hosts)
+    assert tree == {"A": None, "B": None, "C": "B", "D": "B", "E": "C", "F": "E"}  # h1 serves through B, h2 through C
+    assert all(hosts[w] != hosts[p] for w, p in tree.items() if p is not None and hosts[w])
+
+
 def test_the_load_lease_grants_max_loading_records_each_holder_and_expires_a_dead_ones(client, keys):
     first = pulls.acquire(client, keys, "A", 1, max_loading=2, lease_s=60, reason="idle")
     assert first.granted and first.holders == 1

@@ -114,7 +114,9 @@ class Puller:
         """This worker's relay parent's URL of ``version``, "" for the trainer (the root level, or no relays)."""
         live = heartbeat.alive_of(self.client, self.keys, "rollout")
         relays = {w: info["relay"] for w, info in live.items() if info.get("relay")}
-        parent = relay_tree.parents(set(live) | {self.worker_id}, relays, self.cfg.relay_fanout).get(self.worker_id)
+        folders = {**{w: info.get("fetch_dir", "") for w, info in live.items()}, self.worker_id: self.weights.folder_id}
+        parent = relay_tree.parents(set(live) | {self.worker_id}, relays, self.cfg.relay_fanout,
+                                    folders).get(self.worker_id)
         return f"{relays[parent].rstrip('/')}{PREFIX}{file_name(version)}" if parent else ""
 
     def tick(self, engine_version: int, busy_slots: float, gated: bool, load) -> None:

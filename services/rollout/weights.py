@@ -10,6 +10,7 @@ worker catching up at start) gets its copy right then.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -38,6 +39,12 @@ class LocalWeights:
         self._running: dict[int, threading.Thread] = {}
         self.stats = {"fetched_bytes": 0, "fetches": 0, "fetch_failures": 0, "trainer_fetches": 0, "relay_fetches": 0,
                       "relay_failures": 0, "relay_waits": 0}
+
+    @property
+    def folder_id(self) -> str:
+        """Which folder this worker downloads into, as the relay tree tells folders apart: host and path (workers on
+        one host with the same folder share each download: ``shared/protocol/relay_tree.py``)."""
+        return f"{socket.gethostname()}:{self.folder.absolute()}"
 
     def prefetch(self, version: int, path: str, sha256: str, url: str, done, relay: str = "") -> None:
         """Get a verified copy of ``version`` in a thread, then ``done(ok, error)`` (from that thread). ``relay``:

@@ -221,7 +221,7 @@ class RolloutWorker:
         return max(1, min(block_ms, int((soonest - time.monotonic()) * 1000)))
 
     def beat(self, force: bool = False) -> None:
-        relay = {"relay": self.relay.url} if self.relay is not None else {}
+        relay = {"relay": self.relay.url, "fetch_dir": self.weights.folder_id} if self.relay is not None else {}
         self.heartbeat.beat(force=force, version=self.engine.version, paused=int(self.paused),
                             episodes=len(self.live), groups=len(self.claims.held), role=self.cfg.rollout_role,
                             room=self.claims.room(), **relay)

@@ -201,7 +201,8 @@ class Syncer:
         if not relays:
             self._phase(r, "fetch", set(r.workers), (), deadline=deadline)
             return
-        parent = relay_tree.parents(r.workers, relays, self.cfg.relay_fanout)  # shared/protocol/relay_tree.py
+        folders = {w: info.get("fetch_dir", "") for w, info in live.items()}  # one host's shared folder: one node
+        parent = relay_tree.parents(r.workers, relays, self.cfg.relay_fanout, folders)  # shared/protocol/relay_tree.py
         order = relay_tree.order(r.workers, relays)
         depth = relay_tree.depths(parent)
         have: set[str] = set()  # workers that acked a verified copy: they can serve it

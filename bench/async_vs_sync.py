@@ -105,6 +105,8 @@ def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str, seed
              "lr": args.lr, "tools": "", "log_level": "warning", "seed": seed,
              "steps_per_version": per_version, "hard_max_staleness": args.hard_max_staleness,
              "step_delay_ms": args.step_delay_ms, "simulated_train_us_per_token": args.simulated_train_us_per_token}
+    if getattr(args, "simulated_load_ms", 0):  # bench/trajectory_async.py's flag
+        flags["simulated_load_ms"] = args.simulated_load_ms
     if "val_every" in FIELDS:
         flags["val_every"] = 0  # validation rounds would cost both modes the same rollout time; leave them out
     flags.update(extra or {})

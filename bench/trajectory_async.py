@@ -18,7 +18,9 @@ own counters), repacks and tokens moved. The variants' config keys are in VARIAN
 have is one line naming it.
 
 SIMULATED COST: every engine step sleeps ``--step-delay-ms`` (a memory-bound GPU decode step costs about the
-same whatever the batch), the trainer sleeps per trained token; printed with every result. Usage:
+same whatever the batch), the trainer sleeps per trained token, and with ``--simulated-load-ms`` every weight load
+in a worker sleeps too (a large model's load takes seconds on a GPU, the tiny model's milliseconds); printed with
+every result. Usage:
 
     PYTHONPATH=. python bench/trajectory_async.py                  # 8 workers, ~15-25 min on a 2-core box
     PYTHONPATH=. python bench/trajectory_async.py --quick --workers 4
@@ -86,6 +88,10 @@ def main() -> None:
                    help="always: every async variant's workers download each version over HTTP (the trainer's "
                         "weight server, and relays where the variant has them), as on a cluster; auto: workers on "
                         "the trainer's host read its file and the relays carry nothing")
+    p.add_argument("--max-loading", type=int, default=0,
+                   help="max_loading of the rolling and pull variants (0: theirs, 2)")
+    p.add_argument("--simulated-load-ms", type=float, default=0.0,
+                   help="simulated cost of one weight load in each worker (sleep; 0: none, the tiny model's own load)")
     # the trainer's simulated cost is lower than async_vs_sync's 400 us: with 8 workers at 400 us the trainer is
     # busy 85 % under the global pause already (measured), which would hide whatever the rollout side gains
     p.set_defaults(simulate_gpu=True, in_flight=8, simulated_train_us_per_token=100.0)
@@ -107,7 +113,10 @@ def main() -> None:
           f"= {p99 / median:.1f}x), async max_staleness {args.max_staleness}, {args.seeds} seed(s), "
           f"{os.cpu_count()} CPUs", flush=True)
     print(f"SIMULATED COST (not measured hardware): every engine step sleeps {args.step_delay_ms:g} ms, the "
-          f"trainer sleeps {args.simulated_train_us_per_token:g} us per trained token", flush=True)
+          f"trainer sleeps {args.simulated_train_us_per_token:g} us per trained token"
+          + (f", every weight load sleeps {args.simulated_load_ms:g} ms" if args.simulated_load_ms else ""), flush=True)
+    if args.simulated_load_ms and "simulated_load_ms" not in FIELDS:
+        raise SystemExit("this tree's config has no key simulated_load_ms: --simulated-load-ms cannot run here")
     print(f"weights: {'downloaded over HTTP by every async variant' if args.weights_fetch == 'always' else 'read from the trainer folder (one host)'} "
           f"(--weights-fetch {args.weights_fetch})", flush=True)
     tag = uuid.uuid4().hex[:6]
@@ -126,6 +135,8 @@ def main() -> None:
             if mode == "async" and args.weights_fetch == "always":
                 extra = {"weights_fetch": "always", "weights_port": "free", **extra}
             extra = {k: free_port() if v == "free" else v for k, v in extra.items()}
+            if args.max_loading and "max_loading" in extra:
+                extra["max_loading"] = args.max_loading
             staleness = 0 if mode == "sync" else args.max_staleness
             runs[n].append(run_variant(args, mode, staleness, model_dir, tag, seed,
                                        extra={"rollout_workers": args.workers, **extra}, label=n))
@@ -134,7 +145,8 @@ def main() -> None:
     base = results.get("global") or next(iter(results.values()))
     sync = results.get("sync")
     print(f"\nresults: {args.workers} rollout workers; SIMULATED COST: {args.step_delay_ms:g} ms per engine step, "
-          f"{args.simulated_train_us_per_token:g} us per trained token")
+          f"{args.simulated_train_us_per_token:g} us per trained token"
+          + (f", {args.simulated_load_ms:g} ms per weight load" if args.simulated_load_ms else ""))
     print(f"{'variant':<9}{'samples':>8}{'seconds':>9}{'tok/s':>8}{'x global':>9}{'x sync':>8}{'gen tok/s':>10}"
           f"{'unused':>8}{'rollout busy':>13}{'train %':>8}{'eval':>7}{'- global':>9}{'sd':>7}{'repacks':>8}"
           f"{'tok moved':>10}")

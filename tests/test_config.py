@@ -44,6 +44,6 @@ def test_missing_file_is_clear():
 
 
 def test_simulated_costs_must_not_be_negative():
-    for key in ("step_delay_ms", "simulated_train_us_per_token"):
+    for key in ("step_delay_ms", "simulated_train_us_per_token", "simulated_load_ms"):
         with pytest.raises(ConfigError, match=f"{key}.*expected >= 0"):
             load(env={}, overrides={key: "-1"})

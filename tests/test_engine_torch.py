@@ -4,6 +4,7 @@ continuous batching, log-prob correctness and weight swaps."""
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 import torch
@@ -351,3 +352,16 @@ def test_make_engine(tiny_model_dir, monkeypatch):
         make_engine("vllm", tiny_model_dir)
     with pytest.raises(EngineError, match="unknown engine 'tgi'"):
         make_engine("tgi", tiny_model_dir)
+
+
+def test_the_simulated_slow_engine_costs_its_delays_and_loads_the_real_weights(tiny_model_dir, model, tmp_path):
+    """SIMULATED costs for benchmarks (engine/slow.py): a fixed sleep per step and per load, around the real engine."""
+    save_file({k: v + 0.5 for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    eng = make_engine("torch", tiny_model_dir, step_delay_ms=1, load_delay_ms=300)
+    plain = make_engine("torch", tiny_model_dir)
+    assert type(plain) is TorchEngine and type(eng) is not TorchEngine
+    t0 = time.monotonic()
+    eng.load_weights(str(tmp_path), 2)
+    assert time.monotonic() - t0 >= 0.3 and eng.version == eng.inner.version == 2
+    eng.add_request("x", PROMPTS[0], SamplingParams(seed=3), 4)
+    assert Collector(eng).drain().versions == {2}

@@ -58,6 +58,7 @@ class Config:
     reward_timeout: float = 60.0  # seconds one reward job may run; past it the episode fails (where: reward)
     simulated_train_us_per_token: float = 0.0  # benchmarks only: the trainer also sleeps this long per trained token, a SIMULATED stand-in for GPU training time on a CPU box (bench/async_vs_sync.py --simulate-gpu)
     step_delay_ms: float = 0.0  # drills and benchmarks: wrap the engine in a simulated slow one (engine/slow.py) sleeping this long per step
+    simulated_load_ms: float = 0.0  # benchmarks only: that simulated engine also sleeps this long per weight load, a SIMULATED stand-in for loading a large model's weights on a GPU (bench/trajectory_async.py --simulated-load-ms)
     heartbeat_ttl: float = 5.0  # seconds after its last heartbeat a worker counts as dead
     max_calls_in_flight: int = 64  # gateway LLM calls one rollout worker serves at once
     # rollout: long-tail repack (docs/scale.md, "Long-tail repack")

@@ -50,9 +50,9 @@ def validate(cfg: Config) -> None:
     for key in ("ppo_minibatches",):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"config key {key!r}: expected an integer >= 1, got {getattr(cfg, key)}")
-    if cfg.step_delay_ms < 0 or cfg.simulated_train_us_per_token < 0:
-        raise ConfigError(f"config keys step_delay_ms, simulated_train_us_per_token: expected >= 0, got "
-                          f"{cfg.step_delay_ms}, {cfg.simulated_train_us_per_token}")
+    if cfg.step_delay_ms < 0 or cfg.simulated_train_us_per_token < 0 or cfg.simulated_load_ms < 0:
+        raise ConfigError(f"config keys step_delay_ms, simulated_train_us_per_token, simulated_load_ms: expected >= 0, "
+                          f"got {cfg.step_delay_ms}, {cfg.simulated_train_us_per_token}, {cfg.simulated_load_ms}")
     if cfg.micro_batch_tokens < 0 or cfg.hard_max_staleness < 0:
         raise ConfigError(f"config keys micro_batch_tokens, hard_max_staleness: expected integers >= 0, got "
                           f"{cfg.micro_batch_tokens}, {cfg.hard_max_staleness}")

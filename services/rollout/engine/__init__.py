@@ -17,14 +17,14 @@ def __getattr__(name: str):
 
 
 def make_engine(kind: str, model_dir: str, device: str = "cpu", vllm_args: str = "", step_delay_ms: float = 0.0,
-                **kw) -> Engine:
+                load_delay_ms: float = 0.0, **kw) -> Engine:
     """``vllm_args`` (the config key: a JSON object of extra vllm.EngineArgs) only reaches the vLLM engine;
-    ``step_delay_ms`` > 0 wraps the engine in ``slow.SlowEngine`` (drills and benchmarks)."""
+    ``step_delay_ms`` or ``load_delay_ms`` > 0 wraps the engine in ``slow.SlowEngine`` (drills and benchmarks)."""
     engine = _make(kind, model_dir, device, vllm_args, **kw)
-    if step_delay_ms > 0:
+    if step_delay_ms > 0 or load_delay_ms > 0:
         from services.rollout.engine.slow import SlowEngine
 
-        return SlowEngine(engine, step_delay_ms)
+        return SlowEngine(engine, step_delay_ms, load_delay_ms)
     return engine
 
 

@@ -1,7 +1,9 @@
-"""A simulated slow engine for drills and benchmarks: any engine, plus a fixed sleep after each ``step``.
+"""A simulated slow engine for drills and benchmarks: any engine, plus a fixed sleep after each ``step`` (a
+memory-bound GPU decode step costs about the same whatever the batch) and, optionally, after each weight load (a
+large model's weights take seconds to load on a GPU; the tiny model's take milliseconds).
 
-``make_engine`` applies it when the config key ``step_delay_ms`` is set (fault drills stretch episodes so that
-a kill lands mid-generation); production configs leave it at 0 and never see this wrapper.
+``make_engine`` applies it when the config key ``step_delay_ms`` or ``simulated_load_ms`` is set (fault drills
+stretch episodes so that a kill lands mid-generation); production configs leave both at 0 and never see it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from services.rollout.engine.base import Chunk, Engine, SamplingParams
 
 
 class SlowEngine:
-    def __init__(self, inner: Engine, step_delay_ms: float):
-        self.inner, self.delay_s = inner, step_delay_ms / 1000
+    def __init__(self, inner: Engine, step_delay_ms: float, load_delay_ms: float = 0.0):
+        self.inner, self.delay_s, self.load_delay_s = inner, step_delay_ms / 1000, load_delay_ms / 1000
 
     @property
     def version(self) -> int:
@@ -47,3 +49,4 @@ class SlowEngine:
 
     def load_weights(self, path: str, version: int) -> None:
         self.inner.load_weights(path, version)
+        time.sleep(self.load_delay_s)

@@ -30,6 +30,9 @@ class LocalWeights:
         self.mode, self.folder, self.keep, self.token = (cfg.weights_fetch, cfg.rollout_weights_path,
                                                          cfg.rollout_weights_keep, cfg.weights_token)
         self.log = log
+        # which folder this worker downloads into, as the relay tree tells folders apart: host and path (workers on
+        # one host with the same folder share each download: shared/protocol/relay_tree.py); in every heartbeat
+        self.folder_id = f"{socket.gethostname()}:{self.folder.absolute()}"
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified when a version's fetch ends (a relay waits on it)
         self._newest = -1  # the newest version fetched, being fetched or loaded here (a relay waits for newer ones)
@@ -39,12 +42,6 @@ class LocalWeights:
         self._running: dict[int, threading.Thread] = {}
         self.stats = {"fetched_bytes": 0, "fetches": 0, "fetch_failures": 0, "trainer_fetches": 0, "relay_fetches": 0,
                       "relay_failures": 0, "relay_waits": 0}
-
-    @property
-    def folder_id(self) -> str:
-        """Which folder this worker downloads into, as the relay tree tells folders apart: host and path (workers on
-        one host with the same folder share each download: ``shared/protocol/relay_tree.py``)."""
-        return f"{socket.gethostname()}:{self.folder.absolute()}"
 
     def prefetch(self, version: int, path: str, sha256: str, url: str, done, relay: str = "") -> None:
         """Get a verified copy of ``version`` in a thread, then ``done(ok, error)`` (from that thread). ``relay``:

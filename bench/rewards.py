@@ -3,7 +3,7 @@ queue (what every non-inline reward_fn costs per episode: enqueue, a tools worke
 
     python bench/rewards.py [--jobs 100]
 
-Starts its own EmbeddedRedis and one `python -m services.rollout.tools_worker`; prints one JSON line.
+Starts its own EmbeddedRedis and one `python -m services.rollout.jobs.tools_worker`; prints one JSON line.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.ops.redis_server import EmbeddedRedis  # noqa: E402
 from services.rollout import rewards  # noqa: E402
-from services.rollout.tool_jobs import ToolJobs  # noqa: E402
+from services.rollout.jobs.tool_jobs import ToolJobs  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 
-SPEC = "services.rollout.rewards:arithmetic"
+SPEC = "services.rollout.jobs.rewards:arithmetic"
 RESPONSE, TASK = "<call>calc: 6*7</call><result>42</result>answer: 42", {"answer": "42"}
 
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         server = EmbeddedRedis(Path(tmp) / "redis").start()
         keys = Keys("benchrewards")
-        worker = subprocess.Popen([sys.executable, "-m", "services.rollout.tools_worker", "--run", keys.run,
+        worker = subprocess.Popen([sys.executable, "-m", "services.rollout.jobs.tools_worker", "--run", keys.run,
                                    "--redis-url", server.url, "--log-level", "warning"])
         try:
             client = connect(server.url)

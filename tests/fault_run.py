@@ -25,7 +25,7 @@ from tests.procs import spawn, wait_until
 
 COMMANDS = {  # process kind -> (module, args)
     "rollout": ("tests.fault_worker", ()),
-    "tools": ("services.rollout.tools_worker", ()),
+    "tools": ("services.rollout.jobs.tools_worker", ()),
     "trainer": ("services.trainer", ()),
     "syncer": ("services.syncer", ()),
     "driver": ("services.ops.cli", ("drive",)),

@@ -21,7 +21,7 @@ from tests.procs import spawn, stop, wait_until
 
 def start_tools_worker(redis_url, keys):
     """A real rq worker process serving the run's tool queue (tool calls and reward jobs)."""
-    return spawn("services.rollout.tools_worker", "--run", keys.run, "--redis-url", redis_url, "--log-level", "warning")
+    return spawn("services.rollout.jobs.tools_worker", "--run", keys.run, "--redis-url", redis_url, "--log-level", "warning")
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from shared.protocol import calls, control, dead_letters, gate, prompts, samples
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.keys import PREFIX, ROLLOUT_GROUP, Keys
 from shared.runtime import config as configmod
+from shared.runtime import config_sources
 from shared.runtime.connection import connect, is_cluster, is_cluster_client, redact
 from shared.runtime.heartbeat import Heartbeat, alive, alive_of
 from tests import (test_checker, test_episode_log, test_gate, test_heartbeat, test_idempotent_writes,
@@ -139,13 +140,13 @@ def test_heartbeats_are_listed_from_every_shard(cluster_client, keys):
 
 def test_rq_gets_a_single_server_of_its_own_when_the_run_is_on_a_cluster(redis_cluster, redis_url):
     with pytest.raises(configmod.ConfigError, match="rq_redis_url.*Redis Cluster.*set rq_redis_url"):
-        configmod.load(env={"REDIS_URL": redis_cluster.url})
+        config_sources.load(env={"REDIS_URL": redis_cluster.url})
     with pytest.raises(configmod.ConfigError, match="rq_redis_url.*single Redis server"):
-        configmod.load(env={"REDIS_URL": redis_cluster.url, "STREAMRL_RQ_REDIS_URL": redis_cluster.url})
-    cfg = configmod.load(env={"REDIS_URL": redis_cluster.url, "STREAMRL_RQ_REDIS_URL": redis_url})
+        config_sources.load(env={"REDIS_URL": redis_cluster.url, "STREAMRL_RQ_REDIS_URL": redis_cluster.url})
+    cfg = config_sources.load(env={"REDIS_URL": redis_cluster.url, "STREAMRL_RQ_REDIS_URL": redis_url})
     assert configmod.rq_url(cfg) == redis_url and "cluster-secret" not in str(
-        pytest.raises(configmod.ConfigError, configmod.load, env={"REDIS_URL": redis_cluster.url}).value)
-    assert configmod.rq_url(configmod.load(env={"REDIS_URL": redis_url})) == redis_url
+        pytest.raises(configmod.ConfigError, config_sources.load, env={"REDIS_URL": redis_cluster.url}).value)
+    assert configmod.rq_url(config_sources.load(env={"REDIS_URL": redis_url})) == redis_url
 
 
 def test_keys_stay_readable_and_name_their_hash_tags():
@@ -154,4 +155,4 @@ def test_keys_stay_readable_and_name_their_hash_tags():
     assert k.episode("q000-000003-0").split(":") == [PREFIX, "demo", "ep", "{q000-000003-0}"]
     assert [p.split(":") for p in k.patterns] == [[PREFIX, "{demo}", "*"], [PREFIX, "demo", "ep", "{*}"]]
     with pytest.raises(configmod.ConfigError, match="run.*braces"):
-        configmod.load(env={"STREAMRL_RUN": "a{b}"})
+        config_sources.load(env={"STREAMRL_RUN": "a{b}"})

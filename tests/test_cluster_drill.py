@@ -67,7 +67,7 @@ def test_reward_jobs_run_on_rqs_own_server_when_the_run_is_on_a_cluster(redis_cl
     its jobs every tool_jobs.CHECK_S instead; every episode is scored once, by the rq worker."""
     cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=8, tools="",
                  reward_fn="tests.debug_tools:slow_reward", redis_url=redis_cluster.url, rq_redis_url=redis_url)
-    tools = spawn("services.rollout.tools_worker", "--run", keys.run, "--redis-url", redis_cluster.url,
+    tools = spawn("services.rollout.jobs.tools_worker", "--run", keys.run, "--redis-url", redis_cluster.url,
                   "--rq-redis-url", redis_url, "--log-level", "warning")
     try:
         enqueue(cluster_client, keys, [PromptGroup(f"r{i}", 2, prompt=f"{i}+1=", task={"sleep": "0.2"})

@@ -10,8 +10,8 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from services.rollout import continuation as cont
-from services.rollout import rewards
+from services.rollout.episodes import continuation as cont
+from services.rollout.jobs import rewards
 from services.rollout.engine import make_engine
 from services.trainer.publish import publish, sha256
 from shared.runtime.config import Config
@@ -146,7 +146,7 @@ def test_tool_calls_run_in_process_also_from_a_pending_call(calc_model_dir):
     sampling = {"temperature": 0.0, "max_tokens": 80, "stop_token_ids": [tok.eos_token_id], "seed": 1}
     start = Event("started", 0, "w", 0, {"episode_id": "c", "group_id": "c", "index": 0, "prompt_ids": prompt,
                                          "sampling": sampling, "task": {"answer": "42"}})
-    reward = rewards.load("services.rollout.rewards:arithmetic")
+    reward = rewards.load("services.rollout.jobs.rewards:arithmetic")
     fresh = cont.continue_from(cont.prefix_at(raw([start]), 0), engine, tok, reward, {"calc"})
     assert [(c["name"], c["args"], c["ok"], c["output"]) for c in fresh.tool_calls] == [("calc", "6*7", True, "42")]
     assert fresh.finish_reason == "stop" and fresh.reward == 1.0

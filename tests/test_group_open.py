@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import structlog
 
-from services.rollout.groups import GroupRun
+from services.rollout.groups.claims import GroupRun
 from shared.protocol.fold import fold
 from shared.protocol.prompts import PromptGroup, enqueue
 from shared.runtime.config import Config

@@ -10,11 +10,12 @@ import threading
 import httpx
 import pytest
 
-from services.rollout.load_policy import State, decide
-from services.rollout.weights import LocalWeights
+from services.rollout.weights.load_policy import State, decide
+from services.rollout.weights.local import LocalWeights
 from shared.protocol import pulls, relay_tree
 from shared.runtime import logs
-from shared.runtime.config import Config, ConfigError, load
+from shared.runtime.config import Config, ConfigError
+from shared.runtime.config_sources import load
 from shared.runtime.weight_server import WeightServer
 from tests.models import nudged_weights
 from tests.procs import wait_until

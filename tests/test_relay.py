@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from services.rollout.weights import LocalWeights
+from services.rollout.weights.local import LocalWeights
 from shared.protocol import control
 from shared.protocol.events import EventError
 from shared.runtime import logs
@@ -126,7 +126,8 @@ def test_each_wave_of_a_round_is_written_once(client, keys):
     ({"relay_port": "9000", "relay_host": "0.0.0.0"}, "config key 'relay_host': expected an address other workers"),
 ])
 def test_bad_rolling_and_relay_keys_name_the_key(flags, words):
-    from shared.runtime.config import ConfigError, load
+    from shared.runtime.config import ConfigError
+    from shared.runtime.config_sources import load
 
     with pytest.raises(ConfigError) as err:
         load(env={}, overrides=flags)

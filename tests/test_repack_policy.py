@@ -1,13 +1,14 @@
-"""The long-tail repack policy (services/rollout/repack.py): pure functions, and the config keys that drive it."""
+"""The long-tail repack policy (services/rollout/groups/repack_policy.py): pure functions, and the config keys that drive it."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.rollout.repack import GroupTail, capacity, choose, claim_cap, pick_target
+from services.rollout.groups.repack_policy import GroupTail, capacity, choose, claim_cap, pick_target
 from shared.protocol import repacks
 from shared.protocol.events import EventError
-from shared.runtime.config import ConfigError, load
+from shared.runtime.config import ConfigError
+from shared.runtime.config_sources import load
 
 CAP = 16  # a worker generating 16 episodes when full
 

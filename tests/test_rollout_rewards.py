@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.rollout import rewards
+from services.rollout.jobs import rewards
 from shared.runtime.config import Config
 from shared.protocol.keys import ROLLOUT_GROUP
 from shared.protocol.prompts import PromptGroup, enqueue
@@ -19,7 +19,7 @@ def order(entry_id: str) -> tuple[int, int]:
 
 
 def test_built_in_reward_is_inline_user_rewards_are_jobs():
-    assert rewards.load("services.rollout.rewards:arithmetic").inline
+    assert rewards.load("services.rollout.jobs.rewards:arithmetic").inline
     assert not rewards.load("tests.debug_tools:slow_reward").inline  # async: never in the decode loop
     assert not rewards.load("tests.debug_tools:raising_reward").inline
     assert rewards.run_reward("tests.debug_tools:slow_reward", "1+1=", "2", {}) == [1.0, {"prompt": "1+1="}]

@@ -1,4 +1,4 @@
-"""The rollout worker's step writer (services/rollout/writer.py): an engine step's writes travel on a thread while
+"""The rollout worker's step writer (services/rollout/episodes/step_writer.py): an engine step's writes travel on a thread while
 the next step runs, and their results are applied one step later. What must still hold: a fence reported late
 drops the whole group before anything of it is published; a group is published only after every episode's end is
 in its stream (killed in between, nothing is lost or trained twice); a pause or a shutdown with a batch in flight

@@ -13,7 +13,8 @@ from services.syncer.syncer import Syncer
 from shared.protocol.ledger import read_ledger
 from services.trainer.trainer import Trainer
 from shared.runtime import logs
-from shared.runtime.config import Config, ConfigError, load
+from shared.runtime.config import Config, ConfigError
+from shared.runtime.config_sources import load
 from shared.runtime.connection import connect
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold

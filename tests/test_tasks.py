@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from services.rollout.rewards import arithmetic as reward
+from services.rollout.jobs.rewards import arithmetic as reward
 from services.driver import tasks
 from services.ops.tiny_model import build_tokenizer, sft_examples
 

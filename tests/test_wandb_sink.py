@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.runtime.config import Config, ConfigError, load
+from shared.runtime.config import Config, ConfigError
+from shared.runtime.config_sources import load
 from shared.runtime.tensorboard import TensorBoard
 from tests.procs import wait_until
 

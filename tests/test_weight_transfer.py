@@ -10,11 +10,12 @@ import threading
 import httpx
 import pytest
 
-from services.rollout.weights import LocalWeights
+from services.rollout.weights.local import LocalWeights
 from shared.protocol import versions
 from shared.runtime import logs
 from shared.runtime.checksum import sha256_file
-from shared.runtime.config import Config, ConfigError, load
+from shared.runtime.config import Config, ConfigError
+from shared.runtime.config_sources import load
 from shared.runtime.weight_fetch import FetchError, fetch, prune
 from shared.runtime.weight_server import WeightServer, file_name
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import redis
 
 from shared.runtime import config as configmod
+from shared.runtime import config_sources
 from shared.runtime import runstate
 from shared.runtime.connection import connect, is_cluster, redact
 from shared.protocol.events import EventError
@@ -136,7 +137,7 @@ def cmd_replay(cfg, args) -> int:
 
 def _replay_version(cfg, args, log, version: int) -> tuple[str | None, str, str]:
     """(weights path or None for model_dir, sha256, label) of the version a continuation runs with."""
-    from services.rollout import continuation as cont
+    from services.rollout.episodes import continuation as cont
 
     if args.weights:
         if args.version is None:
@@ -153,7 +154,7 @@ def _replay_version(cfg, args, log, version: int) -> tuple[str | None, str, str]
 def _replay_continue_agent(cfg, args, log, entries, ep, decode_text) -> int:
     """`replay --continue` of an agent episode: the agent runs again against a scratch stack (writes nothing)."""
     from services.ops import agent_replay
-    from services.rollout import continuation as cont
+    from services.rollout.episodes import continuation as cont
 
     if args.from_seq is not None:
         raise CLIError(f"--from-seq: episode {args.episode} is an agent episode; use --from-call K")
@@ -180,8 +181,8 @@ def _replay_continue_agent(cfg, args, log, entries, ep, decode_text) -> int:
 
 def _replay_continue(cfg, args, log, entries, ep, decode_text) -> int:
     """`replay --continue`: generate the episode's continuation in-process; writes nothing to Redis."""
-    from services.rollout import continuation as cont
-    from services.rollout import rewards
+    from services.rollout.episodes import continuation as cont
+    from services.rollout.jobs import rewards
     from services.rollout.engine import EngineError, make_engine
 
     try:
@@ -292,7 +293,7 @@ def cmd_check(cfg, args) -> int:
 def cmd_config(cfg, args) -> int:
     from shared.runtime.configdoc import render
 
-    _, sources = configmod.from_args(args, with_sources=True)
+    _, sources = config_sources.from_args(args, with_sources=True)
     if args.json:
         print(json.dumps({k: {"value": getattr(cfg, k), "source": sources.get(k, "default")}
                           for k in configmod.FIELDS}, indent=2))
@@ -314,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, func, help: str, shown: tuple[str, ...] | None = ("where",)) -> argparse.ArgumentParser:
         """``shown``: the config sections (full-line comments in shared/runtime/config.py) that --help lists."""
         p = sub.add_parser(name, help=help, description=help, formatter_class=argparse.RawDescriptionHelpFormatter)
-        configmod.add_arguments(p, shown)
+        config_sources.add_arguments(p, shown)
         p.set_defaults(func=func)
         return p
 
@@ -375,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = configmod.from_args(args)
+        cfg = config_sources.from_args(args)
         from shared.runtime import logs
 
         logs.setup(cfg.log_level)

@@ -187,7 +187,7 @@ def greedy_accuracy(model_dir: str | Path, rows: list[dict], max_tokens: int = 1
     import torch
     from transformers import AutoModelForCausalLM
 
-    from services.rollout.rewards import arithmetic
+    from services.rollout.jobs.rewards import arithmetic
 
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()

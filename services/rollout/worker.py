@@ -4,9 +4,10 @@
 
 All episode state lives in the streams; what this process holds is a cache of it. Resuming after a pause and
 taking over a dead worker's groups are the same operation: replay the stream, then continue from prompt +
-tokens so far (``episodes``). Groups are claimed, taken over and published by ``groups``, tool calls and
-rewards run as rq jobs (``tool_jobs``), and one agent loop (``agent``) says what an episode does next. With
-``sync_mode = pull`` no command comes: the worker fetches announced versions and loads them itself (``puller``).
+tokens so far (``episodes/``). Groups are claimed, taken over, published and repacked by ``groups/``, tool calls
+and rewards run as rq jobs (``jobs/``), gateway calls are served by ``calls/``, and one agent loop
+(``episodes/agent_loop.py``) says what an episode does next. How new versions arrive (the syncer's commands,
+rolling waves, or pulled by the worker itself) is one ``weights/sync_modes.py`` object, chosen once at start.
 """
 
 from __future__ import annotations
@@ -15,19 +16,18 @@ import time
 
 import redis
 
-from services.rollout import rewards, tools
-from services.rollout.agent import Agent
-from services.rollout.calls import CallServer
+from services.rollout.jobs import rewards, tools
+from services.rollout.episodes.agent_loop import Agent
+from services.rollout.calls.server import CallServer
 from services.rollout.engine import Engine, EngineError
-from services.rollout.episodes import Episodes
-from services.rollout.groups import Groups
-from services.rollout.prompting import stop_token_ids
-from services.rollout.puller import Puller
-from services.rollout.repacker import Repacker
-from services.rollout.tool_jobs import ToolJobs
-from services.rollout.weights import LocalWeights
+from services.rollout.episodes.lifecycle import Episodes
+from services.rollout.groups.claims import Groups
+from services.rollout.episodes.prompting import stop_token_ids
+from services.rollout.groups.repacker import Repacker
+from services.rollout.jobs.tool_jobs import ToolJobs
+from services.rollout.weights import sync_modes
+from services.rollout.weights.local import LocalWeights
 from shared.protocol import control, metrics, versions
-from shared.protocol import gate
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError
 from shared.protocol.keys import Keys
@@ -63,8 +63,7 @@ class RolloutWorker:
         self.heartbeat = Heartbeat(client, self.keys, "rollout", worker_id, cfg.heartbeat_ttl)
         self.weights = LocalWeights(cfg, self.log)  # each version's file: the published one, or a download
         self.relay: WeightServer | None = None  # serves its verified copies to other workers (relay_port)
-        self.puller = Puller(cfg, client, self.keys, worker_id, self.weights, self.log)  # sync_mode pull
-        self._behind_gate_failed: int | None = None  # rolling: the gate version a catch-up load failed for
+        self.sync = sync_modes.choose(cfg, self)  # how new versions arrive: commanded, rolling, pulled, lockstep
         self.control_cursor = "$"
         self.prompt_cursors = {self.keys.prompts: "$", self.keys.val_prompts: "$"}  # wake on new prompt groups
         self.seen = control.Seen()
@@ -92,7 +91,7 @@ class RolloutWorker:
     @property
     def stats(self) -> dict:
         return {**self.episodes.stats, "groups": self.claims.published, "takeovers": self.takeovers,
-                **self.weights.stats, **self.repack.stats, **self.puller.stats}
+                **self.weights.stats, **self.repack.stats, **self.sync.stats}
 
     def waiting_on_jobs(self) -> bool:
         return self.jobs.waiting()
@@ -106,14 +105,14 @@ class RolloutWorker:
             self.prompt_cursors[stream] = last[0][0].decode() if last else "0-0"
         self.calls.start()
         if self.cfg.relay_port:
-            wait_s = self.puller.relay_wait_s()  # pull: a child asks for a version this worker may still be fetching
+            wait_s = self.sync.relay_wait_s  # pull: a child asks for a version this worker may still be fetching
             self.relay = WeightServer(self.cfg.rollout_weights_path, self.cfg.relay_host, max(0, self.cfg.relay_port),
                                       self.cfg.weights_token, resolve=lambda name: self.weights.served(name, wait_s),
                                       config_keys="relay_host, relay_port").start()
             self.log.info("relay serving verified weights", url=self.relay.url)
         self.repack.start()
-        self.puller.start()
-        self._catch_up()
+        self.sync.start()
+        self.catch_up()
         self.beat(force=True)
 
     def run(self, should_stop=lambda: False) -> None:
@@ -150,11 +149,9 @@ class RolloutWorker:
         self._wake_sent = False
         now = time.monotonic()
         if not self.paused:
-            if self.cfg.mode == "sync":
-                self._catch_up_to_gate()
+            self.sync.before_claims()
             self._claim(now)
-        if self.puller.on and not self.paused:  # between engine steps: load a pulled version at a cheap point
-            self.puller.tick(self.engine.version, self.claims.slots_used(), self.claims.gated, self._load_pulled)
+            self.sync.between_steps()  # pull: load a downloaded version at a cheap point
         self.calls.tick(self.paused)
         for outcome in self.jobs.poll():
             self.episodes.on_job(outcome)
@@ -173,7 +170,7 @@ class RolloutWorker:
             self.episodes.writes.send_step(self._wake_read() if self._wake_sent else None)
         else:
             self.episodes.flush(due_only=True)
-        self.repack.after_tick(self.busy_s)  # long-tail repack: policy, handoff (services/rollout/repacker.py)
+        self.repack.after_tick(self.busy_s)  # long-tail repack: policy, handoff (services/rollout/groups/repacker.py)
         self.beat()
         if now >= self._next_report:
             self.report()
@@ -196,10 +193,7 @@ class RolloutWorker:
             return
         if self.claims.room() <= 0 and self.claims.val_room() <= 0:
             return
-        rolling = self.cfg.sync_mode == "rolling" and self.cfg.mode != "sync"
-        if self.puller.on:  # the gate complete for a newer version than this worker's: it was counted out
-            self.puller.complete(gate.complete_version(self.client, self.keys), self.engine.version)
-        if rolling and not self._at_gate_version():  # behind the gate and the catch-up failed: retried later
+        if not self.sync.may_claim():  # rolling: behind the gate and the catch-up failed: retried later
             self._claim_wanted, self._claimed_with, self._next_claim = False, held, now + CLAIM_RECHECK_S
             return
         self._claim_wanted = False
@@ -212,7 +206,7 @@ class RolloutWorker:
         if not block_ms:
             return 0
         due = [self.heartbeat.next_due(), self._next_takeover, self._next_report, self.episodes.events.next_due(),
-               self.calls.events.next_due(), self.jobs.next_deadline(), self.puller.next_due()]
+               self.calls.events.next_due(), self.jobs.next_deadline(), self.sync.next_due()]
         if self.claims.room() > 0 or self.claims.val_room() > 0:
             due.append(self._next_claim)
         soonest = min((t for t in due if t is not None), default=None)
@@ -236,34 +230,11 @@ class RolloutWorker:
             "idle_s": max(elapsed - self.busy_s, 0.0), "final": final, **self.stats, **self.calls.stats})
 
     # --- weights
-    def _catch_up(self) -> None:
+    def catch_up(self) -> None:
         """Load the newest published version before generating anything."""
         latest = versions.latest(self.client, self.keys)
         if latest and latest.version > self.engine.version:
             self._load(latest.version, latest.path, latest.sha256, latest.url)
-
-    def _catch_up_to_gate(self) -> None:
-        """Sync mode: a gate opened for a newer version than this worker's means it missed a sync."""
-        gate_version, _ = gate.peek(self.client, self.keys)
-        if gate_version is not None and gate_version > self.engine.version:
-            self._catch_up()
-
-    def _at_gate_version(self) -> bool:
-        """Rolling: the syncer marks the gate complete for v once every worker that took part in the sync runs v;
-        a worker left out of it (silent, refused) loads the newest version first, and claims nothing while that
-        fails (once per version, logged). A worker behind only while a rolling sync is under way claims under its
-        own version's limit (the gate's rule), and waits for its wave."""
-        complete = gate.complete_version(self.client, self.keys)
-        if complete is None or complete <= self.engine.version:
-            return True
-        if self._behind_gate_failed != complete:
-            try:
-                self._catch_up()
-            except (OSError, EngineError, ValueError) as exc:
-                self._behind_gate_failed = complete
-                self.log.error("behind the staleness gate and the newest version does not load; claiming nothing "
-                               "until the next version", gate=complete, version=self.engine.version, error=str(exc))
-        return complete <= self.engine.version
 
     def _load(self, version: int, path: str, sha256: str, url: str = "") -> None:
         # verified by the fetch before the pause, as a rule; else fetched now, the heartbeat kept meanwhile
@@ -278,7 +249,7 @@ class RolloutWorker:
         self.weights.loaded(version)
         self.log.info("weights loaded", version=version, path=str(local))
 
-    def _load_pulled(self, v: versions.Version) -> None:
+    def load_pulled(self, v: versions.Version) -> None:
         """sync_mode pull, under the load lease: this worker's own pause, load, resume; the heartbeat carries the
         new version before the lease goes back (the syncer marks the gate complete from the heartbeats)."""
         try:
@@ -293,7 +264,7 @@ class RolloutWorker:
         # every stream that can give an idle worker work: control, new prompt groups, gateway calls, results of
         # its rq jobs (rq writes one stream per job)
         return {self.keys.control: self.control_cursor, **self.prompt_cursors, **self.calls.wake_streams(),
-                **self.jobs.result_streams(), **self.repack.wake_streams(), **self.puller.wake_streams()}
+                **self.jobs.result_streams(), **self.repack.wake_streams(), **self.sync.wake_streams()}
 
     def _wake_read(self):
         """The non-blocking read of the wake streams, for the step's pipeline (built on the writer thread, from
@@ -319,7 +290,7 @@ class RolloutWorker:
                 continue
             if self.repack.saw(name, entries):  # a long-tail worker: groups handed to it, opened on this tick
                 continue
-            if self.puller.saw(name, entries, self.engine.version):  # pull: a version announced, a lease freed
+            if self.sync.saw(name, entries):  # pull: a version announced, a lease freed
                 continue
             if name not in (self.keys.control, self.keys.calls):
                 continue  # a job's result: jobs.poll() picks it up on this tick

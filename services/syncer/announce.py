@@ -1,7 +1,7 @@
 """The syncer in ``sync_mode = pull``: a version is announced, not forced.
 
 The trainer's entry on the ``versions`` stream is the announcement (path, sha256, url); each rollout worker
-downloads it itself and loads it at a cheap point of its own (services/rollout/puller.py). The syncer sends no
+downloads it itself and loads it at a cheap point of its own (services/rollout/weights/puller.py). The syncer sends no
 command: it opens the staleness gate for the new version at once, not complete (a worker still on an older
 version w reserves only under w's own limit: shared/protocol/gate.py keeps the bound exact whatever mix of
 versions runs), and marks it complete once every live worker's heartbeat reports the version or a newer one. It

@@ -21,7 +21,7 @@ The header fields shared by every event of a batch (``v``, ``worker``) and the
 seq (the expected one, counted up) travel once per call, not once per event.
 
 A flush is three parts, so that the round trip can run in another thread while
-the caller goes on (``services/rollout/writer.py``): ``take`` moves buffered
+the caller goes on (``services/rollout/episodes/step_writer.py``): ``take`` moves buffered
 events into a ``Batch`` (events appended meanwhile get the seqs after it),
 ``send`` writes it in one pipeline (with any other commands the caller adds to
 the same pipeline), ``settle`` applies the results. One batch at a time: an

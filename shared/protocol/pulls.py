@@ -11,7 +11,7 @@ release instead of polling. A worker also appends ``fetched`` when its download 
 ``pulls`` entries, every field plain text: ``event`` (fetched | acquired | released | expired), ``worker``,
 ``version``, ``holders`` (acquired, released: how many held the lease right after), and per event:
 ``source`` (fetched: trainer | relay | local), ``seconds`` (fetched: the download), ``reason`` (acquired: what
-the load policy said, services/rollout/load_policy.py), ``announced_s`` (released: seconds from the version's
+the load policy said, services/rollout/weights/load_policy.py), ``announced_s`` (released: seconds from the version's
 publish to loaded), ``paused_s`` (released: the worker's pause for the load).
 """
 

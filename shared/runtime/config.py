@@ -1,20 +1,16 @@
-"""One flat config object for every service (nanoGPT style).
+"""One flat config object for every service (nanoGPT style): its keys, types, defaults and one-line descriptions.
 
-Precedence, lowest first: defaults below < TOML file (``--config`` or
-``STREAMRL_CONFIG``) < environment ``STREAMRL_<KEY>`` (and ``REDIS_URL``) <
-command-line flags ``--<key>``. An unknown key or a value of the wrong type is
-a ConfigError naming the key, the source and the expected type.
+Where values come from (defaults < TOML file < environment < flags) and how they are read and validated:
+``config_sources.py``; the rules on values: ``config_checks.py``; ``--help`` and ``streamrl config`` read the
+descriptions below (``configdoc.py``). This module imports none of them.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -54,7 +50,7 @@ class Config:
     tools: str = ""  # tools the model may call, comma-separated: built-in names (calc) or module:function specs; empty: single-turn
     tool_timeout: float = 10.0  # seconds one tool call may run (rq job timeout)
     max_tool_calls: int = 4  # per episode; one more ends it with reason 'tool_limit'
-    reward_fn: str = "services.rollout.rewards:arithmetic"  # module:function(response, task[, prompt=]) -> float | (float, dict), may be async; runs as an rq job unless marked @rewards.inline
+    reward_fn: str = "services.rollout.jobs.rewards:arithmetic"  # module:function(response, task[, prompt=]) -> float | (float, dict), may be async; runs as an rq job unless marked @rewards.inline
     reward_timeout: float = 60.0  # seconds one reward job may run; past it the episode fails (where: reward)
     simulated_train_us_per_token: float = 0.0  # benchmarks only: the trainer also sleeps this long per trained token, a SIMULATED stand-in for GPU training time on a CPU box (bench/async_vs_sync.py --simulate-gpu)
     step_delay_ms: float = 0.0  # drills and benchmarks: wrap the engine in a simulated slow one (engine/slow.py) sleeping this long per step
@@ -184,84 +180,6 @@ class Config:
 FIELDS = {f.name: f for f in fields(Config)}
 
 
-def _coerce(key: str, value: Any, source: str) -> Any:
-    if key not in FIELDS:
-        raise ConfigError(f"unknown config key {key!r} (from {source}); known keys: {', '.join(FIELDS)}")
-    typ = FIELDS[key].type
-    want = {"int": int, "float": float, "str": str, "bool": bool}[typ if isinstance(typ, str) else typ.__name__]
-    if isinstance(value, str) and want is not str:
-        text = value.strip().lower()
-        try:
-            if want is bool:
-                if text not in ("1", "0", "true", "false", "yes", "no"):
-                    raise ValueError
-                return text in ("1", "true", "yes")
-            return want(text)
-        except ValueError:
-            raise ConfigError(f"config key {key!r} (from {source}): expected {want.__name__}, got {value!r}") from None
-    if want is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-        raise ConfigError(f"config key {key!r} (from {source}): expected {want.__name__}, got {value!r}")
-    return value
-
-
-def load(path: str | None = None, env: Mapping[str, str] | None = None,
-         overrides: Mapping[str, Any] | None = None) -> Config:
-    return load_with_sources(path, env, overrides)[0]
-
-
-def load_with_sources(path: str | None = None, env: Mapping[str, str] | None = None,
-                      overrides: Mapping[str, Any] | None = None) -> tuple[Config, dict[str, str]]:
-    """The config and, per key set by something other than its default, where it came from."""
-    env = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    path = path or env.get("STREAMRL_CONFIG")
-    if path:
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except OSError as exc:
-            raise ConfigError(f"config file {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path}: not valid TOML ({exc})") from None
-        for key, value in data.items():
-            values[key] = _coerce(key, value, f"file {path}")
-            sources[key] = f"file {path}"
-    if "REDIS_URL" in env:
-        values["redis_url"] = env["REDIS_URL"]
-        sources["redis_url"] = "environment REDIS_URL"
-    for name, value in env.items():
-        if name.startswith("STREAMRL_") and name != "STREAMRL_CONFIG":
-            key = name.removeprefix("STREAMRL_").lower()
-            values[key] = _coerce(key, value, f"environment {name}")
-            sources[key] = f"environment {name}"
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            values[key] = _coerce(key, value, f"flag --{key.replace('_', '-')}")
-            sources[key] = f"flag --{key.replace('_', '-')}"
-    cfg = Config(**values)
-    from shared.runtime.config_checks import validate  # imports this module: loaded here, not at the top
-
-    validate(cfg)
-    return cfg, sources
-
-
 def rq_url(cfg: Config) -> str:
     """The URL of the rq job queues' Redis: ``rq_redis_url``, else ``redis_url``."""
     return cfg.rq_redis_url or cfg.redis_url
-
-
-def add_arguments(parser: argparse.ArgumentParser, shown: tuple[str, ...] | None = None) -> None:
-    """One ``--<key>`` flag per config field, plus ``--config FILE``; --help lists the keys of the sections
-    (the full-line comments above) whose title contains one of ``shown`` (None: all), with their descriptions."""
-    from shared.runtime.configdoc import add_arguments as add
-
-    add(parser, shown)
-
-
-def from_args(args: argparse.Namespace, with_sources: bool = False):
-    overrides = {k.removeprefix("cfg_"): v for k, v in vars(args).items() if k.startswith("cfg_")}
-    loaded = load_with_sources(getattr(args, "config", None), overrides=overrides)
-    return loaded if with_sources else loaded[0]

@@ -1,6 +1,6 @@
 """The config's value rules: each check names the key, what was expected and what it got (``ConfigError``).
 
-``config.load`` runs ``validate`` on every config it builds, whatever the values came from (file, environment,
+``config_sources.load`` runs ``validate`` on every config it builds, whatever the values came from (file, environment,
 flags), so a service never starts on a value it would misread. The rules are grouped by topic.
 """
 

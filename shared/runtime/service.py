@@ -16,6 +16,7 @@ import uuid
 import redis
 
 from shared.runtime import config as configmod
+from shared.runtime import config_sources
 from shared.runtime import logs, runstate
 from shared.runtime.connection import connect, redact
 from shared.runtime.heartbeat import Heartbeat
@@ -33,10 +34,10 @@ class Service:
         parser.add_argument("--worker-id", help="process id used in events and heartbeats (default host-pid-rand)")
         if extra_args:
             extra_args(parser)
-        configmod.add_arguments(parser, SHOWN.get(name))
+        config_sources.add_arguments(parser, SHOWN.get(name))
         self.args = parser.parse_args(argv)
         try:
-            self.cfg = configmod.from_args(self.args)
+            self.cfg = config_sources.from_args(self.args)
         except configmod.ConfigError as exc:
             print(f"{name}: {exc}", file=sys.stderr)
             raise SystemExit(2) from None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 
-from services.rollout import load_policy
+from services.rollout.weights import load_policy
 from shared.protocol import pulls, relay_tree, versions
 from shared.protocol.events import EventError
 from shared.runtime import heartbeat
@@ -36,7 +36,6 @@ class Puller:
     def __init__(self, cfg, client, keys, worker_id: str, weights, log):
         self.cfg, self.client, self.keys, self.worker_id, self.weights = cfg, client, keys, worker_id, weights
         self.log = log
-        self.on = cfg.sync_mode == "pull" and cfg.mode != "sync"
         self.cursor = self.pulls_cursor = "0-0"
         self.target: versions.Version | None = None  # the newest announced version newer than the engine's
         self.seen_at = 0.0  # time.time() when the target was seen (its publish time is used when it has one)
@@ -48,28 +47,25 @@ class Puller:
                       "pull_announced_max_s": 0.0, "pull_paused_s": 0.0, "pull_lease_refused": 0}
 
     def relay_wait_s(self) -> float:
-        """How long this worker's relay waits for a copy it is fetching (0 outside pull mode: the syncer orders)."""
-        return min(RELAY_WAIT_S, self.cfg.fetch_timeout) if self.on else 0.0
+        """How long this worker's relay waits for a copy it is fetching (a child may ask before the copy is here)."""
+        return min(RELAY_WAIT_S, self.cfg.fetch_timeout)
 
     def start(self) -> None:
         """From here on every announced version wakes it (before the worker's catch-up: none is missed)."""
-        if self.on:
-            last = self.client.xrevrange(self.keys.versions, count=1)
-            self.cursor = last[0][0].decode() if last else "0-0"
-            self.pulls_cursor = pulls.last_id(self.client, self.keys)
+        last = self.client.xrevrange(self.keys.versions, count=1)
+        self.cursor = last[0][0].decode() if last else "0-0"
+        self.pulls_cursor = pulls.last_id(self.client, self.keys)
 
     def wake_streams(self) -> dict:
-        return {self.keys.versions: self.cursor, self.keys.pulls: self.pulls_cursor} if self.on else {}
+        return {self.keys.versions: self.cursor, self.keys.pulls: self.pulls_cursor}
 
     def next_due(self) -> float | None:
         """When a refused lease is worth asking again (an idle worker's wait ends then at the latest)."""
-        waiting = self.on and self.target is not None and self.target.version in self.done and not self._lease_wanted
+        waiting = self.target is not None and self.target.version in self.done and not self._lease_wanted
         return self._lease_retry if waiting else None
 
     def saw(self, name: str, entries, engine_version: int) -> bool:
         """Entries of the versions or pulls stream (True: they were this module's)."""
-        if not self.on:
-            return False
         if name == self.keys.pulls:
             self.pulls_cursor = entries[-1][0].decode()
             if any(p.event in ("released", "expired") for p in pulls.decode_entries(entries)):

@@ -1,4 +1,4 @@
-"""Long-tail repack through the log: both ends of it in a rollout worker (the policy is ``repack``).
+"""Long-tail repack through the log: both ends of it in a rollout worker (the policy is ``repack_policy``).
 
 Source (a normal worker, ``repack_below`` > 0), after each tick's flushes: when the policy picks groups and a
 live long-tail worker has room, for each group: abort its generating episodes (an ``aborted`` event each,
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import time
 
-from services.rollout import repack
-from services.rollout.episode import State
+from services.rollout.groups import repack_policy as repack
+from services.rollout.episodes.live import State
 from shared.protocol import repacks
 from shared.protocol.events import EventError
 from shared.protocol.fold import fold

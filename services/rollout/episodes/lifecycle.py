@@ -5,18 +5,18 @@ Ownership: an episode is this worker's while it is in ``live``; every write path
 append is fenced (another worker owns the episode now), the whole group leaves this worker at once: its live
 episodes, engine requests, tool and reward jobs and log buffers; nothing later touches it, and a group this
 worker gets back starts clean (``open_groups``). When the writes travel, and what their results do (an ended
-episode closed, a fenced group dropped): ``writes.py``.
+episode closed, a fenced group dropped): ``settlement.py``.
 """
 
 from __future__ import annotations
 
-from services.rollout.agent import Agent, Finish, ToolCall
+from services.rollout.episodes.agent_loop import Agent, Finish, ToolCall
 from services.rollout.engine import Chunk, EngineError, SamplingParams
-from services.rollout.episode import LiveEpisode, State, episode_seed
-from services.rollout.groups import GroupRun, Groups
-from services.rollout.prompting import prompt_ids
-from services.rollout.tool_jobs import Outcome, ToolJobs
-from services.rollout.writes import Writes
+from services.rollout.episodes.live import LiveEpisode, State, episode_seed
+from services.rollout.groups.claims import GroupRun, Groups
+from services.rollout.episodes.prompting import prompt_ids
+from services.rollout.jobs.tool_jobs import Outcome, ToolJobs
+from services.rollout.episodes.settlement import Writes
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError, decode
 from shared.protocol.fold import fold

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import redis
 
-from services.rollout.call_log import CallLog
+from services.rollout.calls.call_log import CallLog
 from services.rollout.engine import Chunk, EngineError, SamplingParams
-from services.rollout.episode import stable_seed
+from services.rollout.episodes.live import stable_seed
 from shared.protocol.calls import CallRequest, decode_request
 from shared.protocol.episode_log import Fenced
 from shared.protocol.events import EventError

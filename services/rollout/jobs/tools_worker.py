@@ -1,4 +1,4 @@
-"""`python -m services.rollout.tools_worker`: an rq worker that runs tool calls
+"""`python -m services.rollout.jobs.tools_worker`: an rq worker that runs tool calls
 (JSON serializer, no pickle). Tool jobs keep running while generation pauses."""
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from services.rollout import rewards, tools
-from services.rollout.agent import Agent, Finish, ToolCall
+from services.rollout.jobs import rewards, tools
+from services.rollout.episodes.agent_loop import Agent, Finish, ToolCall
 from services.rollout.engine import EngineError, SamplingParams
-from services.rollout.episode import LiveEpisode, index_after_seq
+from services.rollout.episodes.live import LiveEpisode, index_after_seq
 from shared.protocol.events import TERMINAL_KINDS, decode
 from shared.protocol.fold import PROMPT_VERSION, Episode, fold
 from shared.protocol.versions import Version

@@ -21,7 +21,7 @@ from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from services.rollout import rewards, tools
+from services.rollout.jobs import rewards, tools
 
 CHECK_S = 0.1  # queues on another server: how often a worker waiting on jobs looks at them
 

@@ -1,4 +1,4 @@
-"""The long-tail repack policy: pure functions, no Redis, no engine (services/rollout/repacker.py applies them).
+"""The long-tail repack policy: pure functions, no Redis, no engine (services/rollout/groups/repacker.py applies them).
 
 When most of a normal worker's batch has finished and a few long episodes remain, its engine steps a
 near-empty batch until they end, and it holds those groups' slots meanwhile. The policy says which groups to

@@ -1,5 +1,5 @@
 """When a worker that pulls its weights (``sync_mode = pull``) loads a version it has downloaded: a pure function,
-no Redis, no engine (services/rollout/puller.py applies it between engine steps, then asks for the load lease).
+no Redis, no engine (services/rollout/weights/puller.py applies it between engine steps, then asks for the load lease).
 
 A load pauses this worker's generation (abort, load, resume by replay), so it is cheapest when little is running:
 

@@ -29,7 +29,7 @@ CALL_OPEN, CALL_CLOSE = "<call>", "</call>"
 CALL_RE = re.compile(r"<call>(.*?)</call>\s*$", re.S)
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_OUTPUT_CHARS = 256
-BUILTIN = {"calc": "services.rollout.tools:calc"}  # built-in name -> spec
+BUILTIN = {"calc": "services.rollout.jobs.tools:calc"}  # built-in name -> spec
 
 
 class ToolError(Exception):

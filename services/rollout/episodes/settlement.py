@@ -3,7 +3,7 @@
 Two ways out of the episode log's buffers:
 - ``flush``: now, on the worker's thread. Used where a write must be durable before what follows it: a tool call
   before its job exists, a response before it is scored, a group before it leaves on a repack, a pause.
-- ``send_step``: after an engine step, on the step writer's thread (``writer.py``) while the next step runs. Inside
+- ``send_step``: after an engine step, on the step writer's thread (``step_writer.py``) while the next step runs. Inside
   ``one_flush``, an episode that ends is not written at once: its last events go with the step's batch.
 
 What the results do: an episode whose end is in its stream is closed (``closed``, given by the caller: forget it,
@@ -16,9 +16,9 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable
 
-from services.rollout.episode import LiveEpisode, State
-from services.rollout.groups import Groups
-from services.rollout.writer import StepWriter
+from services.rollout.episodes.live import LiveEpisode, State
+from services.rollout.groups.claims import Groups
+from services.rollout.episodes.step_writer import StepWriter
 from shared.protocol.episode_log import Batch, EpisodeLog, Fenced
 from shared.runtime.faults import crash_point
 

@@ -6,7 +6,7 @@ each generation turn and after a tool result. The rollout worker (tools as rq jo
     after_chunk(ep, reason)  -> ToolCall | Finish | None (keep generating)
     add_result(ep, ok, out)  -> token ids appended to the response (masked: not trained on)
 
-``ep`` is a ``LiveEpisode`` (``services.rollout.episode``); the transitions update its counters in place.
+``ep`` is a ``LiveEpisode`` (``services.rollout.episodes.live``); the transitions update its counters in place.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from services.rollout import tools as tools_mod
-from services.rollout.episode import LiveEpisode
+from services.rollout.jobs import tools as tools_mod
+from services.rollout.episodes.live import LiveEpisode
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,9 @@ from shared.protocol.events import decode as decode_event  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
 from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
-from tests.chat_models import make_chat_model  # noqa: E402
-from tests.gateway_stack import env_for, free_port, start_agent_episode, wait_alive, wait_http  # noqa: E402
-from tests.procs import spawn, stop  # noqa: E402
+from tests.support.chat_models import make_chat_model  # noqa: E402
+from tests.support.gateway_stack import env_for, free_port, start_agent_episode, wait_alive, wait_http  # noqa: E402
+from tests.support.procs import spawn, stop  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "What is 12+30? Think step by step."}]
 

@@ -17,7 +17,7 @@ tokens/s and batch 64 the 50 ms age limit flushes first, so entries hold about 4
 only the total, sets the entry rate the server sees.
 
 The ramp offers 1, 2, 4, ... simulated GPUs, spread over ``--writers`` processes (started and stopped with
-tests/procs.py). A writer that falls behind its steps skips them (a real worker would also slow down: the flush is
+tests/support/procs.py). A writer that falls behind its steps skips them (a real worker would also slow down: the flush is
 synchronous in its loop), so "achieved" falls below "offered". Per step, over ``--step-seconds`` after a warm-up:
 offered and achieved tokens/s, flushes/s and entries/s, p50/p99 of the flush latency (one ``flush`` call: encode +
 one pipeline round trip; the append itself is a buffer write), and CPU: the server's (INFO cpu, summed over the
@@ -167,7 +167,7 @@ def quantile(xs: list[float], q: float) -> float:
 
 
 def run_step(client, url: str, tmp: Path, gpus: int, a) -> dict:
-    from tests.procs import spawn, stop, wait_until
+    from tests.support.procs import spawn, stop, wait_until
 
     keys = Keys(f"cap-{uuid.uuid4().hex[:6]}-g{gpus}")
     n_writers = min(a.writers, gpus)

@@ -18,7 +18,7 @@ With no syncer the gate is never opened, which in async mode lets every worker c
 for (shared/protocol/gate.py). The bench keeps the prompts queue topped up (a consumer-group lag of at least
 ``4 x max_groups_in_flight x workers`` groups) so no worker starves; the smallest lag seen is printed.
 
-Each variant: spawn the workers (tests/procs.py), wait for every heartbeat, enqueue, let them run ``--warmup`` s,
+Each variant: spawn the workers (tests/support/procs.py), wait for every heartbeat, enqueue, let them run ``--warmup`` s,
 then measure ``--seconds``: samples (finished episodes, in published groups) whose group was published in the
 window, by the samples stream's own entry ids, and the generated tokens of those episodes (their streams, folded).
 CPU over the window: the workers' (from /proc), the Redis server's (INFO cpu), and the whole box's, so a reader
@@ -51,7 +51,7 @@ from shared.protocol.keys import ROLLOUT_GROUP, Keys  # noqa: E402
 from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
 from shared.runtime.config import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
-from tests.procs import spawn, stop, wait_until  # noqa: E402
+from tests.support.procs import spawn, stop, wait_until  # noqa: E402
 
 DEFAULTS = Config()
 

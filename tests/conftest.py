@@ -73,8 +73,8 @@ CLUSTER_PASSWORD = "cluster-secret"
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory):
-    """A real 3-master Redis Cluster (password-protected) on loopback for the session: tests/redis_cluster.py."""
-    from tests.redis_cluster import LocalCluster
+    """A real 3-master Redis Cluster (password-protected) on loopback for the session: tests/support/redis_cluster.py."""
+    from tests.support.redis_cluster import LocalCluster
 
     cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), password=CLUSTER_PASSWORD).start()
     yield cluster

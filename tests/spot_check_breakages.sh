@@ -17,26 +17,26 @@ run() {  # name, file, sed expression, tests...
 }
 run "1 trainer never refunds the gate slot of a group it does not train" services/trainer/trainer.py \
   's/^            gate.refund_group(self.client, self.keys, group_id)/            pass/' \
-  tests/test_trainer.py::test_untrainable_groups_are_acknowledged_without_a_training_step \
-  tests/test_trainer.py::test_an_unreadable_episode_stream_is_dead_lettered_and_its_group_trains_without_it
+  tests/trainer/test_trainer.py::test_untrainable_groups_are_acknowledged_without_a_training_step \
+  tests/trainer/test_trainer.py::test_an_unreadable_episode_stream_is_dead_lettered_and_its_group_trains_without_it
 run "2 restore never appends the checkpoint's ledger line" services/trainer/commit.py \
   's/^        ledger.append_ledger(directory, state\["ledger_record"\])/        pass/' \
-  tests/test_trainer.py::test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothing_twice
+  tests/trainer/test_trainer.py::test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothing_twice
 run "3 the syncer never re-syncs a worker left paused" services/syncer/syncer.py \
   's/^        if stuck \& self._stuck and latest:/        if False:/' \
-  tests/test_syncer.py::test_a_worker_left_paused_by_a_lost_resume_is_synced_again_and_a_lost_gate_is_set_again
+  tests/sync/test_syncer.py::test_a_worker_left_paused_by_a_lost_resume_is_synced_again_and_a_lost_gate_is_set_again
 run "4 the check reads one page of pending entries only" services/ops/check_data.py \
   's/^        if len(batch) < 1000:/        if True:/' \
-  tests/test_checker.py::test_the_check_reads_every_pending_entry_past_one_page_of_1000
+  tests/ops/test_checker.py::test_the_check_reads_every_pending_entry_past_one_page_of_1000
 run "5 an idle trainer never republishes a lost version" services/trainer/trainer.py \
   's/^        if publish.latest_version(self.client, self.keys) < self.version and path.exists():/        if False:/' \
-  tests/test_trainer.py::test_an_idle_trainer_publishes_again_a_version_redis_lost_and_keeps_only_weights_a_worker_may_load
+  tests/trainer/test_trainer.py::test_an_idle_trainer_publishes_again_a_version_redis_lost_and_keeps_only_weights_a_worker_may_load
 run "6 the policy-gradient sign flipped" services/trainer/loss.py \
   's/^    unclipped = ratio \* adv$/    unclipped = -ratio * adv/; s/^    clipped_obj = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) \* adv$/    clipped_obj = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv/' \
-  tests/test_trainer.py::test_one_step_raises_the_rewarded_episode_and_lowers_the_other
+  tests/trainer/test_trainer.py::test_one_step_raises_the_rewarded_episode_and_lowers_the_other
 run "7 episode appends do not reload the script after NOSCRIPT" shared/protocol/episode_log.py \
   's/^        if any(isinstance(r, redis.exceptions.NoScriptError) for r in results):/        if False:/' \
-  tests/test_episode_log.py::test_appends_go_on_after_the_server_forgets_its_scripts
+  tests/protocol/test_episode_log.py::test_appends_go_on_after_the_server_forgets_its_scripts
 run "8 the syncer does not record why it went on without a worker" services/syncer/syncer.py \
   's/^            why.update({w: f"{cmd}: silent past sync_timeout" for w in silent})/            pass/' \
-  tests/test_syncer.py
+  tests/sync/test_syncer.py

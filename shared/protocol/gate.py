@@ -26,7 +26,7 @@ gate is at: a rolling sync can open the gate as soon as one worker runs the new 
 and finishes late is trained later than its start rank says, so the bound on the admission count is all the
 gate guarantees then. The trainer does not throw such a late group away: it trains it with the importance
 weights of docs/training.md (tokens past ``hard_max_staleness`` masked and counted), and refunds the slot only
-of a group it never trains. tests/test_gate.py checks the admission bound under finish order.
+of a group it never trains. tests/protocol/test_gate.py checks the admission bound under finish order.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Kinds and who writes them: ``train`` (trainer, one per optimizer step: loss, rew
 ``sync`` (syncer, one per weight sync: per-phase durations, workers missing), ``rollout`` (each rollout
 worker every few seconds: tokens, episodes, busy/idle seconds; ``final: true`` on its last record, whose
 counters are complete), ``validation`` (driver, one per validation round), ``fault_probe`` (a crash drill's
-worker, tests/fault_worker.py, just before it is killed: its counters and unflushed tokens). The stream is capped
+worker, tests/support/fault_worker.py, just before it is killed: its counters and unflushed tokens). The stream is capped
 (approximately ``MAXLEN`` entries); the trainer also appends its records to ``metrics.jsonl`` in the run folder.
 
 Duplicates are tolerated by the reader, not prevented by the writer (a record is informational and written

@@ -1,0 +1,341 @@
+"""The gateway end to end: a stock `openai` client, real rollout workers (subprocesses), real rq agents
+workers, weight syncs and kill -9 of every process that serves a call."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from services.driver import agents as driver_agents
+from services.gateway.__main__ import build
+from services.trainer.batch import build_batch
+from shared.runtime import logs
+from shared.runtime.config import Config
+from shared.protocol import calls as calls_codec, samples as samples_codec
+from shared.protocol.keys import Keys
+from tests.support.chat_models import CALC_TOOL, calc_conversation, scripted_chat_model
+from tests.support.gateway_agents import calc_agent
+from tests.support.gateway_stack import (InProcessGateway, env_for, episode, free_port, start_agent_episode, wait_alive,
+                                 wait_http)
+from tests.support.procs import kill9, spawn, stop, wait_until
+from tests.support.rollout_harness import acks, send
+from services.gateway.runner import _append_last
+from services.gateway.chat import template_messages
+from shared.protocol.episode_log import EpisodeLog
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+TASK = {"question": "2+3?", "answer": "5"}
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return scripted_chat_model(tmp_path_factory.mktemp("chat"), [(calc_conversation(2, 3), [CALC_TOOL])])
+
+
+@pytest.fixture(scope="module")
+def stack(chat_dir, redis_server):
+    """One run: a rollout worker (slowed a little, so a sync can land mid-call) and an in-process gateway."""
+    from shared.runtime.connection import connect
+
+    client = connect(redis_server.url)
+    keys = Keys("gw-stack")
+    env = env_for(redis_server.url, keys, chat_dir, heartbeat_ttl=2, step_delay_ms=20, temperature=0)
+    worker = spawn("services.rollout", "--worker-id", "rw1", env=env)
+    cfg = Config(run=keys.run, model_dir=chat_dir, redis_url=redis_server.url, gateway_timeout=120,
+                 temperature=0.0, max_tokens=96)  # the server's policy: greedy unless a request says otherwise
+    with InProcessGateway(build(cfg, client, logs.get("gateway-test"))) as gw:
+        wait_alive(client, keys, "rollout", "rw1")
+        yield {"client": client, "keys": keys, "gw": gw, "env": env, "dir": chat_dir, "url": redis_server.url}
+    stop(worker)
+
+
+def oai(base_url: str, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="test", **kw)
+
+
+def in_thread(fn, *args):
+    out = {}
+    t = threading.Thread(target=lambda: out.update(result=fn(*args)), daemon=True)
+    t.start()
+    return t, out
+
+
+def describe(ep) -> str:
+    return "\n".join(f"{e.seq} {e.kind} v{e.policy} {e.worker} " + str({k: (len(v) if isinstance(v, list) else v)
+                                                                       for k, v in e.data.items() if k != "messages"})
+                     for e in ep.events)
+
+
+def call_tokens(client, keys, eid, index):
+    ep = episode(client, keys, eid)
+    call = ep.calls.get(index)
+    return len(call.tokens) if call else 0
+
+
+def test_multi_turn_tool_episode_survives_a_weight_sync_and_trains_on_exactly_the_generated_ids(stack):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "sync-0", TASK)
+    t, out = in_thread(calc_agent, oai(gw.base_url("sync-0")), TASK)
+    wait_until(lambda: call_tokens(client, keys, "sync-0", 0) >= 4, what="call 0 generating")
+    send(client, keys, "pause", sync="s1")
+    wait_until(lambda: acks(client, keys, "pause"), what="pause ack")
+    send(client, keys, "load", sync="s1", version=1, path=str(Path(stack["dir"]) / "model.safetensors"))
+    wait_until(lambda: acks(client, keys, "load"), what="load ack")
+    send(client, keys, "resume", sync="s1")
+    t.join(timeout=120)
+    result = out["result"]
+    ep = episode(client, keys, "sync-0")
+    assert result == {"reward": 1.0, "details": {"turns": 3, "answer": "answer: 5"}}, describe(ep)
+    c0 = ep.calls[0]
+    assert c0.aborts and c0.aborts[0]["reason"] == "pause" and c0.resumes and set(c0.versions) == {0, 1}
+    assert [ep.calls[i].extends for i in range(3)] == [-1, 0, 1] and not ep.branches
+    # token exactness: the one training row is every call's exact prompt and completion ids
+    generated = [t for i in range(3) for t in ep.calls[i].tokens]
+    assert ep.prompt_ids + ep.tokens == ep.calls[2].prompt_ids + ep.calls[2].tokens
+    assert [t for t, m in zip(ep.tokens, ep.mask) if m] == generated
+    tok = AutoTokenizer.from_pretrained(stack["dir"])
+    rendered = tok.apply_chat_template(template_messages(calc_conversation(2, 3)), tools=[CALC_TOOL], tokenize=False)
+    assert tok.decode(ep.prompt_ids + ep.tokens) + "\n" == rendered  # same as a full render, never re-tokenized
+    _append_last(EpisodeLog(client, keys, "test"), "sync-0", "finished", {"reason": "stop", "reward": 1.0})
+    batch = build_batch([[episode(client, keys, "sync-0")]], pad_id=0)
+    row = batch.input_ids[0][:len(ep.prompt_ids) + len(ep.tokens)].tolist()
+    assert row == ep.prompt_ids + ep.tokens
+    start = len(ep.prompt_ids) - 1  # target index of the first response token
+    targets = batch.targets[0][start:start + len(ep.tokens)].tolist()
+    assert [t for t, m in zip(targets, ep.mask) if m] == generated  # the trained positions: exactly these ids
+    assert batch.greedy_tokens == len(generated)  # (greedy here: kept out of the loss, docs/training.md)
+
+
+def test_streaming_deltas_and_a_retry_answered_from_the_stream(stack):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "stream-0", TASK)
+    api = oai(gw.base_url("stream-0"))
+    body = dict(model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC_TOOL], temperature=0,
+                max_tokens=96)
+    chunks = list(api.chat.completions.create(stream=True, stream_options={"include_usage": True}, **body))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["calc"] and json.loads(calls[0].function.arguments) == {"e": "2+3"}
+    assert chunks[-1].usage.completion_tokens > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    again = api.chat.completions.create(**body)  # same request: answered from the stream
+    assert again.choices[0].message.tool_calls[0].function.arguments == calls[0].function.arguments
+    assert client.hget(keys.call_index("stream-0"), "#n") == b"1"
+    assert again.usage.completion_tokens == chunks[-1].usage.completion_tokens
+
+
+def test_the_example_agent_runs_unchanged_against_the_gateway(stack):
+    from examples.calc import agent
+
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "example-0", {"prompt": "2+3?", "answer": 5})
+    out = agent(oai(gw.base_url("example-0")), {"prompt": "2+3?", "answer": 5})
+    assert out["reward"] == 1.0
+    ep = episode(client, keys, "example-0")
+    assert len(ep.calls) == 3 and not ep.branches
+
+
+def test_a_rewritten_history_forks_and_each_chain_trains_as_its_own_row(stack):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "fork-0", TASK)
+    api = oai(gw.base_url("fork-0"))
+    ask = [{"role": "user", "content": "2+3?"}]
+    first = api.chat.completions.create(model="policy", messages=ask, tools=[CALC_TOOL]).choices[0].message
+    follow = ask + [first.model_dump(exclude_none=True), {"role": "tool", "content": "5"}]
+    api.chat.completions.create(model="policy", messages=follow, tools=[CALC_TOOL])  # extends call 0
+    rewritten = [{"role": "user", "content": "2+3? Use the tool."}, {"role": "tool", "content": "5"}]
+    api.chat.completions.create(model="policy", messages=rewritten, tools=[CALC_TOOL], max_tokens=8)  # a fork
+    ep = episode(client, keys, "fork-0")
+    assert [ep.calls[i].extends for i in range(3)] == [-1, 0, -1]
+    assert len(ep.rows) == 2 and ep.rows[0].tokens == ep.calls[2].tokens
+    assert ep.rows[1].prompt_ids + ep.rows[1].tokens == ep.calls[1].prompt_ids + ep.calls[1].tokens
+
+
+def test_a_call_that_changes_temperature_starts_a_new_chain(stack):
+    """A row trains under one sampling transform: a follow-up at another temperature is a new chain (a fork),
+    and each row carries its own calls' temperature."""
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "temp-0", TASK)
+    api = oai(gw.base_url("temp-0"))
+    messages = [{"role": "user", "content": TASK["question"]}]
+    first = api.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL], temperature=0,
+                                        max_tokens=96).choices[0].message
+    messages += [first.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "5"}]
+    api.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL], temperature=0.5, max_tokens=8)
+    ep = episode(client, keys, "temp-0")
+    assert ep.calls[1].extends == -1 and len(ep.branches) == 1
+    assert ep.sampling["temperature"] == 0.5 and ep.branches[0].sampling["temperature"] == 0.0
+
+
+def test_completions_endpoint_extends_a_call(stack):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "cmpl-0", TASK)
+    api = oai(gw.base_url("cmpl-0"))
+    first = api.completions.create(model="policy", prompt="2+3", max_tokens=8, temperature=0)
+    assert first.choices[0].finish_reason in ("stop", "length") and first.usage.completion_tokens >= 1
+    ep = episode(client, keys, "cmpl-0")
+    context = ep.calls[0].prompt_ids + ep.calls[0].tokens
+    api.completions.create(model="policy", prompt=context + [10, 11], max_tokens=4, temperature=0)
+    ep = episode(client, keys, "cmpl-0")
+    assert ep.calls[1].extends == 0 and ep.calls[1].new_ids == [10, 11]
+
+
+def test_gateway_killed_mid_call_the_clients_retry_is_answered_without_generating_again(stack, chat_dir):
+    client, keys = stack["client"], stack["keys"]
+    port = free_port()
+    env = env_for(stack["url"], keys, chat_dir, gateway_port=port, gateway_timeout=120)
+    gateway = spawn("services.gateway", env=env)
+    wait_http(port)
+    start_agent_episode(client, keys, "gwkill-0", TASK)
+    api = oai(f"http://127.0.0.1:{port}/ep/gwkill-0/v1", max_retries=8)
+    body = dict(model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC_TOOL], temperature=0,
+                max_tokens=96)
+    t, out = in_thread(lambda: api.chat.completions.create(**body))
+    wait_until(lambda: call_tokens(client, keys, "gwkill-0", 0) >= 4, what="call generating")
+    kill9(gateway)
+    gateway = spawn("services.gateway", env=env)
+    try:
+        t.join(timeout=120)
+        reply = out["result"]
+        assert reply.choices[0].finish_reason == "tool_calls"
+        assert client.hget(keys.call_index("gwkill-0"), "#n") == b"1"  # one call made, the retry matched it
+        ep = episode(client, keys, "gwkill-0")
+        assert len([e for e in ep.events if e.kind == "call"]) == 1
+        assert reply.usage.completion_tokens == len(ep.calls[0].tokens)
+    finally:
+        stop(gateway)
+
+
+def test_agent_runner_killed_minus_9_reruns_and_no_call_is_generated_twice(stack, chat_dir, tmp_path):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    hold = tmp_path / "go"
+    cfg = Config(run=keys.run, agent="tests.support.gateway_agents:calc_agent", gateway_port=gw.port, temperature=0,
+                 heartbeat_ttl=2, group_size=1)
+    env = env_for(stack["url"], keys, chat_dir, heartbeat_ttl=2)
+    a = spawn("services.gateway.agents_worker", "--worker-id", "ag1", env=env)
+    driver_agents.enqueue_group(cfg, client, keys, "dur", {**TASK, "hold": str(hold)}, 1)
+    wait_until(lambda: client.exists(keys.episode("dur-0")) and
+               sum(c.done for c in episode(client, keys, "dur-0").calls.values()) == 2, what="two calls done")
+    kill9(a)
+    hold.write_text("go")
+    b = spawn("services.gateway.agents_worker", "--worker-id", "ag2", env=env)
+    try:
+        wait_until(lambda: client.xlen(keys.samples) >= 1, timeout=120, what="group published")
+        ep = episode(client, keys, "dur-0")
+        assert ep.status == "finished" and ep.reward == 1.0
+        assert sorted(e.data["call"] for e in ep.events if e.kind == "call") == [0, 1, 2]  # each call made once
+        requests = [r for r in (calls_codec.decode_request(i, f) for i, f in client.xrange(keys.calls))
+                    if r.episode_id == "dur-0"]
+        assert len(requests) == 3  # the re-run's first two calls were answered from the stream
+        assert [s.group_id for s in samples_codec.read_all(client, keys.samples)[0]] == ["dur"]
+        assert ep.events[-1].worker == "ag2"
+    finally:
+        stop(b)
+
+
+def test_a_tool_running_across_a_weight_sync_ends_while_paused_and_the_episode_completes(stack):
+    """Tools run in the agent, which a sync never pauses: the rollout worker pauses and loads new weights
+    while a tool runs; the tool runs to its end while the worker is still paused (the pause does not hold
+    it), and after the resume the agent's next call completes the episode."""
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "slowtool-0", TASK)
+    started, release, ended = threading.Event(), threading.Event(), threading.Event()
+    t, out = in_thread(calc_agent, oai(gw.base_url("slowtool-0")),
+                       {**TASK, "tool_started": started, "tool_release": release, "tool_ended": ended})
+    assert started.wait(120), "the agent never reached its tool call"
+    n_pause, n_load = len(acks(client, keys, "pause")), len(acks(client, keys, "load"))
+    send(client, keys, "pause", sync="s-slowtool")
+    wait_until(lambda: len(acks(client, keys, "pause")) > n_pause, what="pause ack")
+    send(client, keys, "load", sync="s-slowtool", version=7, path=str(Path(stack["dir"]) / "model.safetensors"))
+    wait_until(lambda: len(acks(client, keys, "load")) > n_load, what="load ack")
+    release.set()
+    assert ended.wait(30), "the tool did not end while the rollout worker was paused"
+    assert t.is_alive()  # the agent's next call waits for the resume
+    send(client, keys, "resume", sync="s-slowtool")
+    t.join(timeout=120)
+    assert not t.is_alive(), "the agent did not finish after the resume"
+    assert out["result"]["reward"] == 1.0, describe(episode(client, keys, "slowtool-0"))
+    assert 7 in episode(client, keys, "slowtool-0").versions  # the answer was generated under the loaded version
+
+
+def test_an_agents_worker_runs_agent_concurrency_episodes_at_once(stack, chat_dir, tmp_path):
+    client, keys = stack["client"], stack["keys"]
+    hold = tmp_path / "go"
+    cfg = Config(run=keys.run, agent="tests.support.gateway_agents:held_agent", gateway_port=stack["gw"].port, group_size=1)
+    w = spawn("services.gateway.agents_worker", "--worker-id", "agc",
+              env=env_for(stack["url"], keys, chat_dir, agent_concurrency=3))
+    try:
+        for i in range(3):
+            driver_agents.enqueue_group(cfg, client, keys, f"conc{i}", {**TASK, "hold": str(hold)}, 1)
+        running = lambda: {k for k in client.hkeys(keys.agents_running) if k.startswith(b"conc")}
+        wait_until(lambda: len(running()) == 3, what="three agent episodes running at once in one worker")
+        hold.write_text("go")
+        wait_until(lambda: not running(), what="the three episodes ended")
+        published = {s.group_id for s in samples_codec.read_all(client, keys.samples)[0]}
+        assert {"conc0", "conc1", "conc2"} <= published
+    finally:
+        stop(w)
+    assert w.returncode == 0  # a warm stop
+
+
+def test_replay_continue_reruns_an_agent_from_a_chosen_call_and_writes_nothing_to_the_run(stack, tmp_path):
+    """`streamrl replay EP --continue --from-call 1`: the agent runs again on a scratch stack; call 0 is answered
+    from the copied stream, calls 1 and 2 are generated again with v0 (greedy; the stack's worker holds the same
+    weights under whatever version earlier tests loaded: the same tokens), the reward comes back, and the run's own streams are untouched."""
+    import subprocess
+    import sys
+
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "again-0", TASK, agent="tests.support.gateway_agents:calc_agent")
+    assert calc_agent(oai(gw.base_url("again-0")), TASK)["reward"] == 1.0
+    _append_last(EpisodeLog(client, keys, "test"), "again-0", "finished", {"reason": "stop", "reward": 1.0})
+    before = {k: client.xlen(k) for k in (keys.episode("again-0"), keys.calls)}
+    original = episode(client, keys, "again-0")
+    env = {**stack["env"], "STREAMRL_RUN_DIR": str(tmp_path / "runs")}
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "replay", "again-0", "--continue", "--from-call",
+                          "1", "--version", "0", "--json"], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert r["from_call"] == 1 and r["reward"] == 1.0 and not r["error"]
+    assert sorted(map(int, r["calls"])) == [0, 1, 2]
+    for i in range(3):
+        assert r["calls"][str(i)]["tokens"] == original.calls[i].tokens
+    assert r["generated_by_replay"] == [1, 2]  # call 0 came from the copied stream
+    assert r["calls"]["1"]["extends"] == 0  # generated again as the continuation of call 0 from the stream
+    assert {k: client.xlen(k) for k in before} == before  # nothing written to the run
+    bad = subprocess.run([sys.executable, "-m", "services.ops.cli", "replay", "again-0", "--continue", "--from-call",
+                          "9"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--from-call 9" in bad.stderr and "calls 0..2" in bad.stderr
+
+
+def test_rollout_worker_killed_minus_9_mid_call_another_takes_the_call_over(chat_dir, redis_server, client):
+    keys = Keys("gw-takeover")
+    env = env_for(redis_server.url, keys, chat_dir, heartbeat_ttl=2, step_delay_ms=60, temperature=0)
+    first = spawn("services.rollout", "--worker-id", "rA", env=env)
+    cfg = Config(run=keys.run, model_dir=chat_dir, redis_url=redis_server.url, gateway_timeout=120)
+    with InProcessGateway(build(cfg, client, logs.get("gateway-test"))) as gw:
+        wait_alive(client, keys, "rollout", "rA")
+        start_agent_episode(client, keys, "tk-0", TASK)
+        body = dict(model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC_TOOL],
+                    temperature=0, max_tokens=96)
+        t, out = in_thread(lambda: oai(gw.base_url("tk-0")).chat.completions.create(**body))
+        wait_until(lambda: call_tokens(client, keys, "tk-0", 0) >= 4, what="call generating")
+        kill9(first)
+        second = spawn("services.rollout", "--worker-id", "rB", env=env)
+        try:
+            t.join(timeout=150)
+            reply = out["result"]
+            ep = episode(client, keys, "tk-0")
+            call = ep.calls[0]
+            assert call.resumes and call.resumes[-1]["takeover_from"] == "rA" and call.resumes[-1]["worker"] == "rB"
+            assert reply.choices[0].finish_reason == "tool_calls"
+            assert json.loads(reply.choices[0].message.tool_calls[0].function.arguments) == {"e": "2+3"}
+            assert reply.usage.completion_tokens == len(call.tokens)  # greedy: not one token generated twice
+        finally:
+            stop(second)

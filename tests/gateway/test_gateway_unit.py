@@ -1,0 +1,113 @@
+"""Gateway pieces without processes: tool-call parsing, template diffs, canonical matching, bad requests."""
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from transformers import AutoTokenizer
+
+from services.gateway import toolparse
+from services.gateway.app import make_app
+from services.gateway.chat import Renderer, canonical, template_messages
+from services.gateway.core import Gateway
+from shared.runtime import logs
+from shared.runtime.config import Config
+from tests.support.chat_models import CALC_TOOL, calc_conversation, make_chat_model, tool_call_message
+from tests.support.gateway_stack import start_agent_episode
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return make_chat_model(tmp_path_factory.mktemp("chat"), max_len=160)
+
+
+@pytest.fixture(scope="module")
+def tok(chat_dir):
+    return AutoTokenizer.from_pretrained(chat_dir)
+
+
+def test_hermes_tool_calls_are_parsed_and_bad_ones_stay_text():
+    p = toolparse.parse('ok <tool_call>{"name": "calc", "arguments": {"e": "1+2"}}</tool_call>')
+    assert p.content == "ok" and p.calls == [{"name": "calc", "arguments": '{"e": "1+2"}'}]
+    two = toolparse.parse('<tool_call>{"name": "a", "arguments": "{}"}</tool_call>'
+                          '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    assert [c["name"] for c in two.calls] == ["a", "b"] and two.content == ""
+    bad = toolparse.parse('<tool_call>{"name": "calc", "arguments": {"e": </tool_call>')
+    assert bad.calls == [] and bad.problems and bad.content.startswith("<tool_call>")
+    thought = toolparse.parse('<think><tool_call>{"name": "x"}</tool_call></think>done')
+    assert thought.calls == []
+    assert toolparse.safe_prefix_len("abc <tool") == 4 and toolparse.safe_prefix_len("abc <tool_call>{") == 4
+    assert toolparse.safe_prefix_len("a < b") == 5
+
+
+def test_bridge_appends_exactly_what_a_full_render_would(tok):
+    r = Renderer(tok)
+    conv = calc_conversation(2, 3)
+    tools = [CALC_TOOL]
+    first = r.full(conv[:1], tools)
+    completion = tok.encode(tok.apply_chat_template(template_messages(conv[:2]), tools=tools, tokenize=False),
+                            add_special_tokens=False)[len(first):]
+    completion = completion[:completion.index(r.end_id) + 1]  # what the engine returns: up to the stop token
+    bridge = r.bridge(True, conv[2:3], tools)
+    assert first + completion + bridge == r.full(conv[:3], tools)
+    assert r.bridge(False, conv[2:3], tools)[0] == r.end_id  # a turn cut by length gets its end token
+    message, problems = r.assistant(completion, 0)
+    assert not problems and canonical(message) == canonical(conv[1])
+
+
+def test_canonical_ignores_ids_and_argument_formatting():
+    a = tool_call_message("1+2", call_id="a")
+    b = {**tool_call_message("1+2", call_id="b"), "content": None}
+    b["tool_calls"][0]["function"]["arguments"] = json.dumps({"e": "1+2"}, indent=2)
+    assert canonical(a) == canonical(b)
+
+
+@pytest.fixture
+def http(chat_dir, tok, client, keys):
+    cfg = Config(run=keys.run, model_dir=chat_dir)
+    gw = Gateway(cfg, client, tok, 160, ["chat", "policy"], logs.get("gateway-test"))
+    start_agent_episode(client, keys, "g-0")
+    return TestClient(make_app(gw))
+
+
+def _post(http, body, episode="g-0", raw=None):
+    return http.post(f"/ep/{episode}/v1/chat/completions", content=raw if raw is not None else json.dumps(body),
+                     headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["two chars"]}, 400, "stop"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),  # over the 160-token context
+])
+def test_bad_requests_name_the_field(http, client, keys, body, status, param):
+    r = _post(http, body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+    assert not client.exists(keys.calls)  # nothing was handed to the workers
+
+
+def test_malformed_json_unknown_episode_and_models(http):
+    r = _post(http, None, raw=b"{not json")
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = _post(http, {"messages": [{"role": "user", "content": "hi"}]}, episode="nope-0")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "episode_not_found"
+    assert [m["id"] for m in http.get("/ep/g-0/v1/models").json()["data"]] == ["chat", "policy"]
+    r = _post(http, {"messages": [{"role": "user", "content": "x" * 200}]})
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_api_key_is_required_when_set(chat_dir, tok, client, keys):
+    cfg = Config(run=keys.run, model_dir=chat_dir)
+    gw = Gateway(cfg, client, tok, 160, ["chat"], logs.get("gateway-test"))
+    http = TestClient(make_app(gw, api_key="sesame"))
+    assert http.get("/v1/models").status_code == 401
+    assert http.get("/v1/models", headers={"authorization": "Bearer sesame"}).status_code == 200

@@ -1,0 +1,96 @@
+"""The README's sequence on one run name: `streamrl run` for a few versions, then the Procfile processes the way
+`honcho start` runs them. One run, one folder (runs/<run>/ holds its Redis data too), one rule for an ended run
+(moved aside, started afresh), and an end-of-run check with every count known."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from shared.protocol.keys import Keys
+from shared.runtime import runstate
+from services.ops.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Run in its own process group; on timeout, nothing of it survives."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{cmd} ran past {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def base_env(run_dir: Path, run_name: str, model_dir: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_") and k != "REDIS_URL"}
+    env.update({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", "OMP_NUM_THREADS": "1",
+                "STREAMRL_RUN": run_name, "STREAMRL_RUN_DIR": str(run_dir), "STREAMRL_MODEL_DIR": model_dir,
+                "STREAMRL_MAX_VERSIONS": "3", "STREAMRL_MAX_MINUTES": "3", "STREAMRL_VAL_EVERY": "0"})
+    return env
+
+
+@pytest.mark.slow
+def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
+    name = f"seq{uuid.uuid4().hex[:8]}"
+    run_dir = tmp_path / "runs"
+    run_path = run_dir / name
+    env = base_env(run_dir, name, tiny_model_dir)
+    try:
+        # 1. `streamrl run`: its embedded Redis keeps its data in the run's folder; the check at the end is complete
+        first = run([sys.executable, "-m", "services.ops.cli", "run"], env, timeout=280)
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+        check = first.stderr[first.stderr.index("streamrl check at the end of the run"):]
+        assert re.search(r"tokens generated again\s+\d+", check), check  # known: every worker wrote its final record
+        assert "unknown" not in check and "workers_without_final_report" not in check and check.strip().endswith("ok")
+        assert (run_path / "redis" / "appendonlydir").is_dir() and (run_path / "ENDED").exists()
+        first_id = runstate.read_marker(run_path)["id"]
+
+        # 2. the Procfile under honcho (its redis line is `streamrl redis`, on redis_url's port): the same folder,
+        #    and the same rule as `streamrl run` for an ended run: moved aside, started afresh
+        port = free_port()
+        honcho_env = {**env, "REDIS_URL": f"redis://127.0.0.1:{port}/0"}
+        second = run([sys.executable, "-m", "honcho", "start", "-f", str(ROOT / "Procfile")], honcho_env, timeout=280)
+        out = second.stdout + second.stderr
+        assert second.returncode == 0, out[-4000:]
+        assert f"streamrl redis: run {name!r} had ended; its files are now in" in out
+        reached = re.search(r"driver: reached version (\d+); ending the run", out)
+        assert reached and int(reached.group(1)) >= 3, out[-4000:]  # a step may publish past 3 before the check
+        archived = [p for p in run_dir.iterdir() if p.name.startswith(f"{name}.")]
+        assert len(archived) == 1 and runstate.read_marker(archived[0])["id"] == first_id
+        assert (archived[0] / "redis" / "appendonlydir").is_dir()
+        second_id = runstate.read_marker(run_path)["id"]
+        assert second_id != first_id and (run_path / "redis" / "appendonlydir").is_dir()
+        assert json.loads((run_path / "ENDED").read_text())["version"] >= 3
+        assert "Traceback" not in out
+    finally:
+        shutil.rmtree(Path("/dev/shm/streamrl") / name, ignore_errors=True)
+
+
+def test_driver_on_an_ended_run_continues_nothing_in_one_line(redis_url, client, tmp_path):
+    """With a Redis whose data is not in the run's folder (REDIS_URL), an ended run cannot be moved aside:
+    the driver says so in one line and exits at once, starting nothing."""
+    keys = Keys(f"ended{uuid.uuid4().hex[:8]}")
+    runstate.bind(client, keys, tmp_path / keys.run, redis_url)
+    runstate.mark_ended(client, keys, 5)
+    env = {**os.environ, "REDIS_URL": redis_url, "STREAMRL_RUN": keys.run, "STREAMRL_RUN_DIR": str(tmp_path)}
+    out = run([sys.executable, "-m", "services.ops.cli", "drive"], env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"driver: run {keys.run!r} ended at version 5 on ")
+    assert "nothing to continue" in lines[0] and "--run NAME" in lines[0]
+    assert not client.exists(keys.prompts)

@@ -1,0 +1,84 @@
+"""Processes for gateway tests: real rollout workers, gateways and agents workers
+as subprocesses (so they can be killed -9), or a gateway served in-process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import tempfile
+
+import httpx
+import uvicorn
+
+from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.fold import fold
+from shared.protocol.keys import Keys
+from tests.support.procs import ROOT, wait_until
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_for(redis_url: str, keys: Keys, model_dir: str, **cfg) -> dict:
+    env = {**os.environ, "REDIS_URL": redis_url, "STREAMRL_RUN": keys.run, "STREAMRL_MODEL_DIR": model_dir,
+           "STREAMRL_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
+           # the run's folder is the test's own: a run name reused by another test session meets no old state
+           "STREAMRL_RUN_DIR": tempfile.mkdtemp(prefix=f"streamrl-{keys.run}-")}
+    for k, v in cfg.items():
+        env[f"STREAMRL_{k.upper()}"] = str(v)
+    return env
+
+
+def wait_http(port: int, timeout: float = 90.0) -> None:
+    def up():
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+    wait_until(up, f"gateway on port {port}", timeout)
+
+
+def wait_alive(client, keys: Keys, service: str, worker_id: str, timeout: float = 120.0) -> None:
+    wait_until(lambda: client.exists(keys.alive(service, worker_id)), f"{service} {worker_id} alive", timeout)
+
+
+def start_agent_episode(client, keys: Keys, episode_id: str, task: dict | None = None, agent: str = "test:agent"):
+    """What the agent runner writes first: the episode's 'started' event (prompts come with calls)."""
+    log = EpisodeLog(client, keys, "test-runner")
+    log.open(episode_id)
+    log.append(episode_id, "started", {"episode_id": episode_id, "group_id": episode_id.rsplit("-", 1)[0],
+                                       "index": 0, "prompt_ids": [], "sampling": {"temperature": 0.0},
+                                       "task": task or {}, "agent": agent}, 0)
+    log.flush_or_raise()
+
+
+def episode(client, keys: Keys, episode_id: str):
+    return fold(client.xrange(keys.episode(episode_id)))
+
+
+class InProcessGateway:
+    """The gateway app on a free loopback port, served by uvicorn in a thread."""
+
+    def __init__(self, gw, api_key: str = ""):
+        from services.gateway.app import make_app
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(make_app(gw, api_key), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        wait_until(lambda: self.server.started, "in-process gateway", 30)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def base_url(self, episode_id: str) -> str:
+        return f"http://127.0.0.1:{self.port}/ep/{episode_id}/v1"

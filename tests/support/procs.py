@@ -1,0 +1,77 @@
+"""The one way tests start service processes and wait for something to happen.
+
+`spawn` starts `python -m <module> <args>` in its own process group (so `kill9` takes everything it
+started); `wait_until` polls a condition against a deadline, fails naming what it waited for, and
+fails at once when a process the test depends on has died. No test sleeps a fixed time to
+synchronise with another process: it waits for the state it needs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = str(Path(__file__).resolve().parents[2])
+POLL_S = 0.02  # how often a condition is re-read; only the deadline bounds how long a wait may take
+
+
+def spawn(module: str, *args: str, env: dict | None = None, log: str | Path | None = None,
+          stderr_pipe: bool = False) -> subprocess.Popen:
+    """``python -m module args`` from the project root, in a new session; its output to ``log`` if given, or its
+    stderr to a text pipe (``proc.communicate()``) with ``stderr_pipe``."""
+    out = open(log, "ab") if log else None
+    try:
+        return subprocess.Popen([sys.executable, "-m", module, *map(str, args)], env=env, cwd=ROOT,
+                                start_new_session=True, stdout=out,
+                                stderr=subprocess.STDOUT if out else subprocess.PIPE if stderr_pipe else None,
+                                text=stderr_pipe or None)
+    finally:
+        if out:
+            out.close()
+
+
+def kill9(*procs: subprocess.Popen) -> None:
+    """kill -9 each process's group and reap it."""
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(30)
+
+
+def stop(*procs: subprocess.Popen, timeout: float = 30.0) -> list[int]:
+    """Warm stop (SIGTERM, as honcho does); kill -9 what has not exited by ``timeout``. The exit codes."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout))
+        except subprocess.TimeoutExpired:
+            kill9(proc)
+            codes.append(proc.returncode)
+    return codes
+
+
+def wait_until(cond, what: str, timeout: float = 90.0, procs=(), poll: float = POLL_S):
+    """Poll ``cond()`` until it is truthy and return its value; ``AssertionError`` naming ``what`` at the
+    deadline, or as soon as one of ``procs`` has exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        for proc in procs:
+            if proc.poll() is not None:
+                raise AssertionError(f"a process ({proc.args[2] if len(proc.args) > 2 else proc.args}) exited "
+                                     f"with {proc.returncode} while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(poll)

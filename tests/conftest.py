@@ -1,8 +1,13 @@
-"""One real Redis-protocol server per test session, on a free loopback port."""
+"""One real Redis-protocol server per test session (per xdist worker), on a free loopback port."""
 
 from __future__ import annotations
 
 import os
+
+# One torch thread in this process and in every process a test starts (they inherit the environment), as
+# `streamrl run` gives its services: the suite runs two test workers and several service processes on two cores,
+# and more threads only spin against each other (a scripted model's fit took 125 s instead of 3 s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 import threading
 import uuid
 

@@ -20,10 +20,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from services.trainer.checkpoint import _fsync_dir
+
+
+def _dcp():
+    """torch.distributed.checkpoint, imported on first use: only runs under torchrun need it, and its import costs
+    every trainer process about a second of CPU at start."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict
+
+    return dcp, state_dict
 
 
 def folder(directory: Path) -> Path:
@@ -44,7 +51,8 @@ def save(directory: Path, model, opt, meta: dict, main: bool) -> Path:
     if main:
         shutil.rmtree(tmp, ignore_errors=True)  # a crash's half-written folder of this version
     dist.barrier()  # before any rank writes into it
-    model_state, optim_state = get_state_dict(model, opt)
+    dcp, state_dict = _dcp()
+    model_state, optim_state = state_dict.get_state_dict(model, opt)
     dcp.save({"model": model_state, "optim": optim_state, "rng": torch.get_rng_state()}, checkpoint_id=tmp)
     if main:
         with open(tmp / "meta.json", "w") as fh:
@@ -65,9 +73,10 @@ def load(directory: Path, model, opt) -> dict | None:
     path = latest(directory)
     if path is None:
         return None
-    model_state, optim_state = get_state_dict(model, opt)
+    dcp, state_dict = _dcp()
+    model_state, optim_state = state_dict.get_state_dict(model, opt)
     state = {"model": model_state, "optim": optim_state, "rng": torch.get_rng_state()}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    state_dict.set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     torch.set_rng_state(state["rng"])
     return json.loads((path / "meta.json").read_text())

@@ -90,8 +90,15 @@ def test_bad_dataset_rows_name_the_file_row_and_field(tmp_path, text, words):
 def test_missing_file_and_uncached_hub_dataset_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="mine.parquet: no such file"):
         tasks.load_rows(str(tmp_path / "mine.parquet"))
+    import datasets
+    import huggingface_hub.constants
+
+    # offline as a person sets it before the process starts: the libraries read these at import time, and an
+    # earlier test may have imported them (the environment alone would leave a ~20 s network timeout here)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="config key 'eval_dataset': someone/nothing-here") as exc:
         tasks.load_rows("someone/nothing-here", key="eval_dataset")
     assert "\n" not in str(exc.value)

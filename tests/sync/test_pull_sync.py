@@ -26,12 +26,13 @@ from tests.sync.test_rolling_sync import WORKERS, _generating, _syncs, _worker
 pytestmark = pytest.mark.slow  # real rollout worker processes
 
 HEARTBEAT_TTL = 3.0
+PULL_MAX_WAIT_S = 2.0  # busy workers load a version this long after it was announced (the default, 10 s, only waits)
 
 
 def _puller(redis_url, keys, model_dir, worker_id, tmp_path, *extra, env=None):
     return _worker(redis_url, keys, model_dir, worker_id, "--sync-mode", "pull", "--max-loading", "1",
                    "--weights-fetch", "always", "--rollout-weights-dir", tmp_path / f"own-{worker_id}",
-                   "--relay-port", "-1", "--relay-fanout", "1", *extra, env=env)
+                   "--relay-port", "-1", "--relay-fanout", "1", "--pull-max-wait-s", PULL_MAX_WAIT_S, *extra, env=env)
 
 
 def _versions(client, keys, workers) -> dict[str, int]:

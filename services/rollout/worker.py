@@ -237,6 +237,8 @@ class RolloutWorker:
             self._load(latest.version, latest.path, latest.sha256, latest.url)
 
     def _load(self, version: int, path: str, sha256: str, url: str = "") -> None:
+        if version < self.engine.version:  # never back: every path that loads checks first; this is the last word
+            raise ValueError(f"version {version} is older than the one this worker runs ({self.engine.version})")
         # verified by the fetch before the pause, as a rule; else fetched now, the heartbeat kept meanwhile
         local = self.weights.local(version, path, sha256, url, waiting=lambda: self.beat(force=True))
         was_running = not self.paused
@@ -310,6 +312,11 @@ class RolloutWorker:
 
     def _obey(self, cmd: control.Command) -> None:
         ok, error = True, ""
+        if 0 <= cmd.version < self.engine.version:  # a sync older than what this worker runs: it caught up meanwhile
+            self.log.debug("command of an older sync acknowledged and ignored", cmd=cmd.cmd, sync=cmd.sync,
+                           version=cmd.version, current=self.engine.version)
+            control.send_ack(self.client, self.keys, cmd, self.worker_id, ok, self.engine.version, error)
+            return
         if cmd.cmd == "fetch":  # in a thread, while generation goes on; the thread acks once the copy is verified
             self.weights.prefetch(cmd.version, cmd.path, cmd.sha256, cmd.url, lambda ok, error: control.send_ack(
                 self.client, self.keys, cmd, self.worker_id, ok, self.engine.version, error),

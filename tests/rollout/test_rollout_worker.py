@@ -170,3 +170,34 @@ def test_corrupt_weights_are_refused_and_old_version_kept(client, keys, tiny_mod
     (ack,) = acks(client, keys, "load")
     assert ack["ok"] == "0" and "sha256" in ack["error"] and ack["version"] == "0"
     assert worker.engine.version == 0 and not worker.paused
+
+
+def test_commands_of_an_older_sync_are_acknowledged_and_never_load_an_older_version(client, keys, tiny_model_dir,
+                                                                                   tmp_path):
+    """Issue 28: a worker that caught up to version 2 (here at start) then reads the queued fetch, pause, load and
+    resume of version 1's sync (a rolling wave it missed while stalled): each is acked ok and ignored, so it never
+    loads version 1 and is never left paused; a pause with no version (a person's) is still obeyed, and a load of
+    an older version asked for directly is refused."""
+    from services.trainer.publish import publish
+    from tests.support.models import nudged_weights
+
+    old_path, old_sha = nudged_weights(tiny_model_dir, tmp_path / "v1", 1)
+    publish(client, keys, 2, *nudged_weights(tiny_model_dir, tmp_path / "v2", 2), step=2)
+    enqueue(client, keys, [PromptGroup("g", 2, prompt="1+1=")])
+    worker = make_worker(Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=64, tools="", flush_tokens=4),
+                         client)
+    assert worker.engine.version == 2
+    for cmd in ("fetch", "pause", "load", "resume"):
+        send(client, keys, cmd, "old-sync", version=1, path=str(old_path), sha256=old_sha)
+    tick_until(worker, lambda: acks(client, keys, "resume"))
+    for cmd in ("fetch", "pause", "load", "resume"):
+        (ack,) = acks(client, keys, cmd)
+        assert ack["ok"] == "1" and ack["version"] == "2", (cmd, ack)
+    assert worker.engine.version == 2 and not worker.paused
+    tick_until(worker, lambda: len(samples(client, keys)) == 1)  # it went on generating, on version 2
+    assert {v for ep in episodes(client, keys, [("g", 2)]).values() for v in ep.versions} == {2}
+    send(client, keys, "pause", "by-hand")
+    tick_until(worker, lambda: worker.paused)
+    with pytest.raises(ValueError, match="version 1 is older than the one this worker runs"):
+        worker._load(1, str(old_path), old_sha)
+    assert worker.engine.version == 2

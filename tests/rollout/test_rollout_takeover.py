@@ -158,3 +158,32 @@ def test_fenced_worker_drops_whole_groups_and_gets_them_back_clean(client, keys,
     assert got == sorted(g for g, _ in GROUPS)  # every group exactly once
     after = episodes(client, keys, GROUPS)
     assert all(ep.status == "finished" and sum(e.kind == "finished" for e in ep.events) == 1 for ep in after.values())
+
+
+def test_a_heartbeat_miss_from_an_earlier_stall_does_not_make_a_live_worker_dead_at_once(client, keys, monkeypatch):
+    """Issue 28: B saw X's heartbeat missing once (X stalled), X came back while it had no idle entries (so no check
+    saw it alive), and much later every heartbeat lapsed at once (a Redis restart). X counts as dead only after a
+    whole heartbeat_ttl of sightings from then, never on the first look (its groups were taken over 0.4 s after
+    Redis came back)."""
+    import types
+
+    from services.rollout.groups import claims
+    from shared.runtime import logs
+
+    clock = types.SimpleNamespace(now=100.0)
+    monkeypatch.setattr(claims, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
+    groups = claims.Groups(Config(run=keys.run, heartbeat_ttl=2.0), client, keys, "B", logs.get("takeover-test"))
+    idle = [{"consumer": b"X", "time_since_delivered": 60_000, "message_id": b"1-0"}]
+    assert groups._dead_owners(idle, 2000) == {}  # X's heartbeat missing: first sighting
+    clock.now += 1.0
+    assert groups._dead_owners([], 2000) == {}  # X alive again, nothing of it idle: nobody looks at it
+    clock.now += 600.0
+    assert groups._dead_owners(idle, 2000) == {}  # the mass lapse: a first sighting again, not dead at once
+    for _ in range(3):
+        clock.now += 0.5
+        assert groups._dead_owners(idle, 2000) == {}
+    clock.now += 0.5
+    assert groups._dead_owners(idle, 2000) == {"X": [b"1-0"]}  # missing check after check for a whole ttl
+    client.hset(keys.alive("rollout", "X"), "version", 0)  # X alive: never dead, whatever its record said
+    clock.now += 5.0
+    assert groups._dead_owners(idle, 2000) == {}

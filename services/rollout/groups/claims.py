@@ -51,7 +51,7 @@ class Groups:
         self.published = 0
         self.queued: list[GroupRun] = []  # complete, to publish with the next step's writes (maybe_publish)
         self.publishing: set[str] = set()  # prompt entries of groups queued or in flight: not orphans
-        self._missing_since: dict[str, float] = {}  # worker -> when its heartbeat key was first seen missing
+        self._missing_since: dict[str, tuple[float, float]] = {}  # worker -> heartbeat key missing: first, last seen
         self.claim_cap = cfg.max_groups_in_flight  # slots new claims may fill (a long-tail worker's share: repacker)
         self.repacked: dict[str, object] = {}  # entry id -> repack notice: handed here, not re-opened yet
         self.gated = False  # the last claim got nothing: the gate's limit for the worker's version is spent
@@ -181,19 +181,26 @@ class Groups:
             del self.repacked[entry]
 
     def _dead_owners(self, pending, min_idle: int) -> dict[str, list]:
+        """Owners of idle pending entries whose heartbeat has been missing for a whole heartbeat_ttl, seen so check
+        after check: after a Redis restart every heartbeat key lapses at once, and live workers write theirs again
+        within heartbeat_ttl / 3. A record of a stall that ended unseen (the owner alive again while it had no
+        idle entries, or this worker not looking) does not count: a sighting more than heartbeat_ttl after the
+        last one starts the clock again."""
         idle: dict[str, list] = {}
         for p in pending:
             owner = p["consumer"].decode()
             if owner != self.worker_id and p["time_since_delivered"] >= min_idle:
                 idle.setdefault(owner, []).append(p["message_id"])
-        dead = {}
+        dead, now = {}, time.monotonic()
         for owner, ids in idle.items():
             if self.client.exists(self.keys.alive("rollout", owner)):
                 self._missing_since.pop(owner, None)
                 continue
-            # dead once its heartbeat has been missing for a whole heartbeat_ttl: after a Redis restart every
-            # heartbeat key lapses at once, and live workers write theirs again within heartbeat_ttl / 3
-            if time.monotonic() - self._missing_since.setdefault(owner, time.monotonic()) >= self.cfg.heartbeat_ttl:
+            first, last = self._missing_since.get(owner, (now, now))
+            if now - last > self.cfg.heartbeat_ttl:
+                first = now
+            self._missing_since[owner] = (first, now)
+            if now - first >= self.cfg.heartbeat_ttl:
                 dead[owner] = ids
         return dead
 

@@ -74,6 +74,19 @@ def test_handoff_moves_the_entry_only_from_its_owner(client, keys):
     assert not bad and (got.group, got.source, got.target, got.tokens) == ("g1", "A", "L", 30)
 
 
+def test_a_group_handed_over_is_opened_as_repacked_even_when_the_takeover_timer_runs_before_the_notice_is_read(
+        client, keys, tiny_model_dir):
+    """Issue 28: the long-tail worker's take-over pass can run before its idle read brings the notice; the entry
+    is pending under it then, and it must open it as a repacked group (its `resumed` events carry `repacked`),
+    never as an orphan of its own."""
+    enqueue(client, keys, [PromptGroup("g1", 2, prompt="g1: 3*4=")])
+    tail = make_worker(_cfg(keys, tiny_model_dir, rollout_role="longtail"), client, "L")  # its cursor: before
+    [(_, [(entry, _)])] = client.xreadgroup(ROLLOUT_GROUP, "A", {keys.prompts: ">"}, count=1)
+    assert repacks.handoff(client, keys, repacks.Repack(keys.prompts, entry.decode(), "g1", "A", "L", 2)) is not None
+    [run] = tail.claims.take_over()  # the timer first: the notice has not been read by any tick yet
+    assert run.repack is not None and run.repack.source == "A" and run.takeover_from is None
+
+
 def test_a_repacked_episode_gives_the_tokens_of_an_unrepacked_run_and_every_group_once(client, keys,
                                                                                       tiny_model_dir):
     _enqueue(client, keys)

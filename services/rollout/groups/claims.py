@@ -54,6 +54,7 @@ class Groups:
         self._missing_since: dict[str, tuple[float, float]] = {}  # worker -> heartbeat key missing: first, last seen
         self.claim_cap = cfg.max_groups_in_flight  # slots new claims may fill (a long-tail worker's share: repacker)
         self.repacked: dict[str, object] = {}  # entry id -> repack notice: handed here, not re-opened yet
+        self.read_notices = None  # a long-tail worker's: reads the repack notices written so far (repacker.py)
         self.gated = False  # the last claim got nothing: the gate's limit for the worker's version is spent
 
     def create_consumer_groups(self) -> None:
@@ -156,6 +157,8 @@ class Groups:
                                                   consumername=self.worker_id)
             orphans = [p["message_id"] for p in mine
                        if p["consumer"].decode() == self.worker_id and p["message_id"].decode() not in held]
+            if self.read_notices and any(o.decode() not in self.repacked for o in orphans):
+                self.read_notices()  # a hand-over moves the entry and writes its notice at once: read it first
             self._forget_stale_repacks(stream, {p["message_id"].decode() for p in mine
                                                 if p["consumer"].decode() == self.worker_id})
             for entry_id, fields in self.client.xclaim(stream, GROUP, self.worker_id, 0, orphans[:free]) \

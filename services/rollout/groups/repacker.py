@@ -51,6 +51,13 @@ class Repacker:
     def start(self) -> None:
         if self.longtail:
             self.cursor = repacks.last_id(self.client, self.keys)
+            self.claims.read_notices = self.read_notices
+
+    def read_notices(self) -> None:
+        """The notices written since the last read, now: the take-over pass calls it before it would re-open an
+        entry pending here as an orphan (the timer may run before the idle read has brought the notice)."""
+        for stream, entries in self.client.xread({self.keys.repacks: self.cursor}, count=1000) or []:
+            self.saw(stream.decode() if isinstance(stream, bytes) else stream, entries)
 
     def wake_streams(self) -> dict[str, str]:
         """Streams the idle blocking read adds: a long-tail worker wakes on a notice."""

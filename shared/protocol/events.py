@@ -10,7 +10,8 @@ which are the version-2 rules without the new kinds and fields).
 This module is the code *and* the documentation of the schema; the README's
 "Event schema" section is printed from it (``streamrl schema``).
 
-An episode is one Redis stream, ``streamrl:<run>:ep:<episode_id>``. Each entry
+An episode is one Redis stream, ``streamrl:<run>:ep:{<episode_id>}`` (the braces: its own Redis Cluster
+hash tag; ``streamrl schema`` lists every key). Each entry
 has five plain header fields, readable with ``redis-cli XRANGE``, and one
 msgpack payload field, always written last (so ``redis-cli -x`` can supply it
 from stdin):
@@ -35,11 +36,11 @@ Types used in payloads:
 Writing an episode by hand (redis-cli + the msgpack library only):
 
     python -c 'import msgpack,sys; sys.stdout.buffer.write(msgpack.packb({"episode_id":"e1","group_id":"g1","index":0,"prompt_ids":[20,21,22],"sampling":{"max_tokens":8},"task":{}}))' \\
-      | redis-cli -x XADD streamrl:demo:ep:e1 '*' type started v 1 policy 0 worker me seq 0 data
+      | redis-cli -x XADD 'streamrl:demo:ep:{e1}' '*' type started v 2 policy 0 worker me seq 0 data
     python -c 'import msgpack,sys; sys.stdout.buffer.write(msgpack.packb({"ids":[30,31],"logprobs":[-0.5,-1.25]}))' \\
-      | redis-cli -x XADD streamrl:demo:ep:e1 '*' type tokens v 1 policy 0 worker me seq 1 data
+      | redis-cli -x XADD 'streamrl:demo:ep:{e1}' '*' type tokens v 2 policy 0 worker me seq 1 data
     python -c 'import msgpack,sys; sys.stdout.buffer.write(msgpack.packb({"reason":"stop","reward":1.0,"details":{}}))' \\
-      | redis-cli -x XADD streamrl:demo:ep:e1 '*' type finished v 1 policy 0 worker me seq 2 data
+      | redis-cli -x XADD 'streamrl:demo:ep:{e1}' '*' type finished v 2 policy 0 worker me seq 2 data
     streamrl replay e1 --run demo
 """
 

@@ -114,3 +114,45 @@ class Keys:
     pulls = property(lambda self: f"{self.base}pulls")  # sync_mode pull: each worker's fetched / leased / loaded
     load_lease = property(lambda self: f"{self.base}load-lease")  # sync_mode pull: workers loading now -> lease expiry
     meta = property(lambda self: f"{self.base}meta")  # the run's identity: run, id, created, ended (shared/runtime/runstate.py)
+
+
+# Every key the code builds, for `streamrl schema` (shared/protocol/schema.py) and the test that keeps this table
+# whole (tests/protocol/test_schema.py: every builder of Keys is here, and every key here is one a builder makes):
+# (Keys builder, its example arguments, Redis type, the module that owns what it holds, what it holds).
+CATALOG = (
+    ("episode", ("<episode id>",), "stream", "shared/protocol/events.py", "an episode's events (own hash tag)"),
+    ("prompts", (), "stream", "shared/protocol/prompts.py", "prompt groups to roll out (consumer group rollout)"),
+    ("val_prompts", (), "stream", "shared/protocol/prompts.py", "held-out prompt groups, served first"),
+    ("agent_groups", (), "stream", "shared/protocol/prompts.py", "agent runs: groups handed to agent jobs"),
+    ("samples", (), "stream", "shared/protocol/samples.py", "finished groups (consumer group trainer)"),
+    ("val_samples", (), "stream", "shared/protocol/samples.py", "finished validation groups (read by the driver)"),
+    ("versions", (), "stream", "shared/protocol/versions.py", "published policy versions"),
+    ("control", (), "stream", "shared/protocol/control.py", "fetch / pause / load / resume and their acks"),
+    ("metrics", (), "stream", "shared/protocol/metrics.py", "every process's metrics records"),
+    ("dead_letters", (), "stream", "shared/protocol/dead_letters.py", "entries no reader could use, with why"),
+    ("repacks", (), "stream", "shared/protocol/repacks.py", "long-tail repack notices"),
+    ("pulls", (), "stream", "shared/protocol/pulls.py", "sync_mode pull: fetched / acquired / released / expired"),
+    ("calls", (), "stream", "shared/protocol/calls.py", "LLM call requests from the gateway (consumer group rollout)"),
+    ("gate", (), "hash", "shared/protocol/gate.py", "the staleness gate: version, limit, complete"),
+    ("gate_started", (), "string", "shared/protocol/gate.py", "groups started under the gate (a counter)"),
+    ("gate_request", ("<token>",), "string", "shared/protocol/gate.py", "one reservation's outcome (TTL)"),
+    ("load_lease", (), "zset", "shared/protocol/pulls.py", "sync_mode pull: workers loading now -> lease expiry"),
+    ("meta", (), "hash", "shared/runtime/runstate.py", "the run's identity: run, id, created, ended"),
+    ("alive", ("<service>", "<worker id>"), "hash", "shared/runtime/heartbeat.py", "a process's heartbeat (TTL)"),
+    ("alive_registry", ("<service>",), "set", "shared/runtime/heartbeat.py", "workers that have beaten once"),
+    ("sampled", ("<group id>",), "string", "shared/protocol/once.py", "a group's samples entry written (once)"),
+    ("enqueued", ("<group id>",), "string", "shared/protocol/once.py", "a prompt group enqueued (once)"),
+    ("control_sent", ("<sync>", "<cmd>", "<worker>"), "string", "shared/protocol/once.py",
+     "a command (or a worker's ack) written (once)"),
+    ("dead_lettered", ("<stream>", "<entry id>"), "string", "shared/protocol/once.py", "a dead letter written (once)"),
+    ("driver_enqueued", (), "string", "services/driver/driver.py", "prompt groups the driver has enqueued so far"),
+    ("val_requested", (), "set", "services/driver/validation.py", "validation rounds asked for (versions)"),
+    ("call_index", ("<episode id>",), "hash", "shared/protocol/calls.py",
+     "an agent episode's calls: request digest -> call index"),
+    ("agents_done", ("<group id>",), "set", "services/gateway/runner.py", "a group's agent episodes that ended"),
+    ("agents_running", (), "hash", "services/gateway/agents_worker.py", "agent episode -> JSON {worker, job args}"),
+    ("tool_queue", (), "rq queue", "services/rollout/jobs/tool_jobs.py",
+     "tool calls and rewards (rq: rq:queue:<name>, jobs rq:job:<run>-<episode>-<call or kind>)"),
+    ("agent_queue", (), "rq queue", "services/driver/agents.py",
+     "agent episodes (rq: rq:queue:<name>, jobs rq:job:<run>-<episode>[-r<attempt>])"),
+)

@@ -5,9 +5,9 @@
 
 Each headline benchmark writes `bench/results/<name>.json` (`bench/record.py`). A row whose measured code changed
 after the commit it ran at is marked STALE (with the commit), not shown as current: the check is content-based
-(`git diff -M` between that commit and HEAD over the measured paths, renames and import-only edits ignored), so
-moving files does not make a figure stale and editing them does. A benchmark with no result file yet shows as
-"not measured" with its command. Only the block between the markers changes; the history below stays.
+(`git diff -M` between that commit and HEAD over the measured paths; renames, import lines and comments
+ignored), so moving files does not make a figure stale and editing them does. A benchmark with no result file
+yet shows as "not measured" with its command. Only the block between the markers changes; the history below stays.
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ HEADLINES = [
     ("redis_capacity", "event-log capacity of one Redis node", "python bench/redis_capacity.py"),
 ]
 
-IMPORT_LINE = re.compile(r"^[+-]\s*(from\s+\S+\s+)?import\s")
+IMPORT_LINE = re.compile(r"^[+-]\s*((from\s+\S+\s+)?import\s|#)")  # import lines and comments do not count
 
 
 def changed_lines(commit: str, paths: list[str], root: Path = ROOT) -> int | None:
-    """Lines of code under ``paths`` that changed from ``commit`` to HEAD, renames and import lines not counted;
-    None when the commit is unknown here."""
+    """Lines of code under ``paths`` that changed from ``commit`` to HEAD; renamed files (git's rename detection),
+    import lines, comment lines and blank lines are not counted. None when the commit is unknown here."""
     if not commit or subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root,
                                     capture_output=True).returncode != 0:
         return None

@@ -32,7 +32,8 @@ HEADLINES = [
      "python bench/async_vs_sync.py --simulate-gpu --simulated-train-us-per-token 250"),
     ("trajectory_async", "pulled weights vs a global pause, 8 workers, 1 s loads",
      "python bench/trajectory_async.py --budget 3072 --workers 8 --in-flight 4 --step-delay-ms 100 "
-     "--simulated-train-us-per-token 50 --simulated-load-ms 1000 --variants global,pull --seeds 2"),
+     "--simulated-train-us-per-token 50 --warm-steps 200 --eval-size 200 --max-minutes 6 --simulated-load-ms 1000 "
+     "--variants global,pull --seeds 2"),
     ("rollout-throughput", "event-log overhead on rollout throughput",
      "python bench/rollout.py --only throughput"),
     ("rollout-resume", "resume of a 4,096-token episode", "python bench/rollout.py --only resume"),

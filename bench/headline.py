@@ -78,26 +78,30 @@ def _cell(text: str) -> str:
 
 
 def table(results: dict[str, dict], changed=changed_lines, headlines=HEADLINES) -> str:
-    """The markdown table: one row per headline figure of each result, in ``headlines`` order; results not named
-    there follow. ``changed(commit, paths)``: see changed_lines (tests pass a fake)."""
+    """The markdown table: one row per benchmark, in ``headlines`` order (results not named there follow), its
+    figures one per line. ``changed(commit, paths)``: see changed_lines (tests pass a fake)."""
     lines = ["| what | figure | command | date, commit | box |", "|---|---|---|---|---|"]
     names = [h[0] for h in headlines] + sorted(set(results) - {h[0] for h in headlines})
     defaults = {h[0]: (h[1], h[2]) for h in headlines}
     for name in names:
+        what, command = defaults.get(name, (name, ""))
         r = results.get(name)
         if r is None:
-            what, command = defaults[name]
             lines.append(f"| {_cell(what)} | not measured yet | `{_cell(command)}` | | |")
             continue
         stale = staleness(r, changed)
         notes = [n for n in ("quick run" if r.get("quick") else "",
                              f"SIMULATED: {r['simulated']}" if r.get("simulated") else "") if n]
+        what += f" ({'; '.join(notes)})" if notes else ""
+        rows = r.get("rows", [])
+        figures = [f"{row['what']}: **{row['value']}**" if len(rows) > 1 else f"**{row['value']}** ({row['what']})"
+                   for row in rows]
+        figure = "<br>".join(_cell(f) for f in figures)
+        if stale:
+            figure = f"**{stale}**<br>~~{figure}~~"
         when = f"{r.get('date', '?')[:10]}, `{(r.get('commit') or '?')[:7]}`"
-        for row in r.get("rows", []):
-            figure = row["value"] if not stale else f"~~{row['value']}~~ **{stale}**"
-            what = row["what"] + (f" ({'; '.join(notes)})" if notes else "")
-            lines.append(f"| {_cell(what)} | {_cell(figure)} | `{_cell(r.get('command', ''))}` | {when} | "
-                         f"{_cell(r.get('machine', ''))} |")
+        lines.append(f"| {_cell(what)} | {figure} | `{_cell(r.get('command', ''))}` | {when} | "
+                     f"{_cell(r.get('machine', ''))} |")
     return "\n".join(lines)
 
 

@@ -28,7 +28,11 @@ def test_fresh_row_and_missing_benchmark():
     out = headline.table({"a": result()}, changed=lambda c, p: 0, headlines=HEADLINES)
     lines = out.splitlines()
     assert lines[0].startswith("| what | figure | command |")
-    assert lines[2] == ("| overhead | 0.95x | `python bench/a.py` | 2026-11-25, `abc1234` | 2 CPUs (EPYC), no GPU |")
+    assert lines[2] == ("| figure a | **0.95x** (overhead) | `python bench/a.py` | 2026-11-25, `abc1234` | "
+                        "2 CPUs (EPYC), no GPU |")
+    two = headline.table({"a": result(rows=[{"what": "x", "value": "1"}, {"what": "y", "value": "2"}])},
+                         changed=lambda c, p: 0, headlines=HEADLINES)
+    assert "| figure a | x: **1**<br>y: **2** |" in two
     assert lines[3] == "| figure b | not measured yet | `python bench/b.py --x` | | |"
 
 
@@ -36,7 +40,7 @@ def test_stale_rows_are_marked():
     changed = {"abc1234def": 12, "gone": None}
     out = headline.table({"a": result(), "b": result(name="b", commit="gone")},
                          changed=lambda c, p: changed[c], headlines=HEADLINES)
-    assert "~~0.95x~~ **STALE: 12 lines of services/rollout changed since abc1234**" in out
+    assert "| **STALE: 12 lines of services/rollout changed since abc1234**<br>~~**0.95x** (overhead)~~ |" in out
     assert "STALE: commit gone is not in this history" in out
     dirty = headline.table({"a": result(dirty=True)}, changed=lambda c, p: 0, headlines=HEADLINES)
     assert "STALE: ran with uncommitted changes" in dirty
@@ -45,7 +49,7 @@ def test_stale_rows_are_marked():
 def test_quick_and_simulated_are_said_in_the_row():
     out = headline.table({"a": result(quick=True, simulated="every engine step sleeps 20 ms")},
                          changed=lambda c, p: 0, headlines=HEADLINES)
-    assert "| overhead (quick run; SIMULATED: every engine step sleeps 20 ms) | 0.95x |" in out
+    assert "| figure a (quick run; SIMULATED: every engine step sleeps 20 ms) | **0.95x** (overhead) |" in out
 
 
 def test_rewrite_touches_only_the_block():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # moves with tests/
 _spec = importlib.util.spec_from_file_location("bench_headline", ROOT / "bench" / "headline.py")
 headline = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(headline)

@@ -276,6 +276,16 @@ def main() -> None:
           f"over {args.seeds} seed(s); total {time.monotonic() - t0:.0f}s)")
     if args.json:
         print(json.dumps({"target": target, "start_eval": start_eval, "results": results}, default=str))
+    from bench.record import record
+
+    record("async_vs_sync", [
+        {"what": f"async (max_staleness {r['max_staleness']}) over sync, trained tokens/s on chain_sum, "
+                 f"{args.seeds} seed(s)",
+         "value": f"{r['tokens_per_s'] / sync['tokens_per_s']:.2f}x ({r['tokens_per_s']:,.0f} vs "
+                  f"{sync['tokens_per_s']:,.0f}); greedy eval {r['final_eval'] - sync['final_eval']:+.3f} vs sync"}
+        for r in results[1:]], ["services", "shared", "bench/async_vs_sync.py", "bench/runs.py"], quick=args.quick,
+        simulated=(f"every engine step sleeps {args.step_delay_ms:g} ms, the trainer {args.simulated_train_us_per_token:g}"
+                   f" us per trained token" if args.step_delay_ms or args.simulated_train_us_per_token else ""))
 
 
 if __name__ == "__main__":

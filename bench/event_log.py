@@ -256,6 +256,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n(total {result['elapsed_s']:.1f} s)")
     if args.json:
         print(json.dumps(result, indent=1))
+    from bench.record import record
+
+    w16 = next(w for w in write if w["chunk"] == 16)
+    r16 = next(r for r in replay if r["chunk"] == 16)
+    record("event_log", [
+        {"what": "fenced EpisodeLog appends vs raw pipelined XADD (16-token entries, 64 episodes)",
+         "value": f"{w16['ratio']:.2f}x the entries/s ({w16['episodelog']['entries_per_s']:,.0f} vs "
+                  f"{w16['raw']['entries_per_s']:,.0f})"},
+        {"what": "replay (XRANGE + fold) of a 4,096-token episode in 16-token entries",
+         "value": f"{r16['replay_ms']:.1f} ms (XRANGE alone {r16['xrange_ms']:.1f} ms)"}],
+        ["shared/protocol", "bench/event_log.py"], quick=args.quick)
     return 0
 
 

@@ -104,6 +104,15 @@ def main() -> None:
         print(f"  gateway      median {statistics.median(g_ms):8.1f} ms")
         print(f"  ratio gateway/direct (median of pairs) {statistics.median(ratios):.3f}  "
               f"(+{statistics.median(g_ms) - statistics.median(d_ms):.1f} ms)")
+        from bench.record import record
+
+        record("gateway", [
+            {"what": f"a {args.tokens}-token call through the gateway (stock openai client) vs the same prompt "
+                     f"through the prompts stream, tiny model",
+             "value": f"{statistics.median(ratios):.3f}x the time, median of {args.calls} pairs "
+                      f"(+{statistics.median(g_ms) - statistics.median(d_ms):.1f} ms on "
+                      f"{statistics.median(d_ms):.0f} ms)"}],
+            ["services/gateway", "services/rollout", "shared", "bench/gateway.py"])
     finally:
         for p in procs:
             stop(p)

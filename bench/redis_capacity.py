@@ -347,6 +347,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at end: {cpu.load_average()}; total {time.monotonic() - t_start:.0f} s")
     if a.json:
         print(json.dumps(rows, indent=1))
+    i, _ = knee(rows, a.tolerance)
+    if i != 0 and not a.redis_url:
+        from bench.record import record
+
+        last = rows[-1] if i is None else rows[i - 1]
+        per_core = last["achieved"] / last["cpu_server_max"] if last["cpu_server_max"] > 0 else float("nan")
+        record("redis_capacity", [
+            {"what": "event-log token writes one Redis node absorbs, as GPUs of rollout at "
+                     f"{a.gpu_tokens_per_s:,.0f} tokens/s, batch {a.batch}",
+             "value": f"{per_core / a.gpu_tokens_per_s:.0f} GPUs per fully used server core "
+                      f"({last['cpu_server_max'] * 1e6 / last['achieved']:.1f} us of server CPU per token; "
+                      f"this box held {last['gpus']} at {last['achieved']:,.0f} tokens/s)"}],
+            ["shared/protocol", "bench/redis_capacity.py"], quick=a.quick,
+            simulated=f"no model runs: one GPU = {a.batch} episodes at {a.gpu_tokens_per_s:,.0f} tokens/s")
     return 0
 
 

@@ -122,7 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"weights in {'/dev/shm' if Path('/dev/shm').is_dir() else 'a temp dir'}, read by every worker (no "
           f"download); syncer: Syncer.sync in the benchmark process; CPU, torch {torch.__version__}, "
           f"{os.cpu_count()} cores (shared box)")
-    return finish(render(label, result), t_start, result, args.json)
+    rc = finish(render(label, result), t_start, result, args.json)
+    from bench.record import record
+
+    g, r = result["median"]["global"], result["median"]["rolling"]
+    record("rolling_sync", [
+        {"what": f"rolling vs global version change, {args.workers} workers: fewest generating during a sync, "
+                 f"longest a worker stands paused, whole sync",
+         "value": f"rolling {r['generating_min']:.0%} generating, {r['max_paused_s']:.2f} s paused, sync "
+                  f"{r['sync_s']:.2f} s; global {g['generating_min']:.0%}, {g['max_paused_s']:.2f} s, {g['sync_s']:.2f} s"}],
+        ["services/syncer", "services/rollout", "shared", "bench/rolling_sync.py"], quick=args.quick,
+        simulated=f"every engine step sleeps {args.step_delay_ms} ms")
+    return rc
 
 
 if __name__ == "__main__":

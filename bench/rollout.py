@@ -382,6 +382,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(total {time.perf_counter() - t_start:.1f} s)")
     if args.json:
         print(json.dumps(result, indent=1))
+    from bench.record import record
+
+    measures = ["services/rollout", "shared/protocol", "bench/rollout.py"]
+    if "throughput" in result and args.flush_ms is None:
+        record("rollout-throughput", [
+            {"what": f"rollout throughput with the Redis event log over an in-memory sink, {t['model']} model, "
+                     f"{t['max_tokens']}-token episodes",
+             "value": f"{t['ratio_median']:.3f} wall, {t['cpu_ratio_median']:.3f} per CPU-s "
+                      f"({(1 - t['ratio_median']) * 100:.1f} % overhead)"}
+            for t in result["throughput"]], measures, quick=q, argv=argv)
+    if "resume" in result:
+        r = result["resume"]
+        record("rollout-resume", [
+            {"what": f"resume of a {r['tokens']:,}-token episode ({r['entries']} entries) after an abort",
+             "value": f"{r['resume_ms']:.0f} ms (replay {r['replay_ms']:.1f} ms + re-prefill {r['prefill_ms']:.0f} ms)"
+                      f" vs {r['generate_s']:.1f} s to generate: {r['speedup']:.0f}x"}], measures, quick=q, argv=argv)
     return 0
 
 

@@ -185,7 +185,17 @@ def main(argv: list[str] | None = None) -> int:
         results = [bench_model(client, url, d, label, weights_dir, reps) for d, label, reps in models]
     print(f"weights in {'/dev/shm' if Path('/dev/shm').is_dir() else 'a temp dir'}; rollout worker: a process; "
           f"syncer: Syncer.sync in the benchmark process; CPU, torch {torch.__version__}")
-    return finish(render(results), t_start, results, args.json)
+    rc = finish(render(results), t_start, results, args.json)
+    from bench.record import record
+
+    record("sync_pause", [
+        {"what": f"weight sync, {r['model']} model ({r['bytes'] / 1e6:,.1f} MB): generation paused "
+                 f"(pause + load + resume), and pause sent to first new token",
+         "value": f"{(r['median']['pause_s'] + r['median']['load_s'] + r['median']['resume_s']) * 1e3:,.0f} ms paused, "
+                  f"{r['median']['pause_to_first_token_s'] * 1e3:,.0f} ms to the first token"} for r in results],
+        ["services/syncer", "services/rollout", "services/trainer/publish.py", "shared", "bench/sync_pause.py"],
+        quick=args.quick)
+    return rc
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -169,6 +169,18 @@ def main() -> None:
           f"rollout busy: engine steps / wall, mean over workers; total {time.monotonic() - t0:.0f}s)")
     if args.json:
         print(json.dumps({n: {k: v for k, v in r.items() if k != "curve"} for n, r in results.items()}, default=str))
+    from bench.record import record
+
+    base_name = "global" if "global" in results else next(iter(results))
+    record("trajectory_async", [
+        {"what": f"{n} over {base_name}, trained tokens/s, {args.workers} rollout workers, {args.seeds} seed(s)",
+         "value": f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x ({r['tokens_per_s']:,.0f} vs "
+                  f"{base['tokens_per_s']:,.0f}); rollout busy {r['rollout_busy']:.0%} vs {base['rollout_busy']:.0%}"}
+        for n, r in results.items() if n != base_name], ["services", "shared", "bench/trajectory_async.py",
+                                                          "bench/async_vs_sync.py", "bench/runs.py"],
+        simulated=f"every engine step sleeps {args.step_delay_ms:g} ms, the trainer "
+                  f"{args.simulated_train_us_per_token:g} us per trained token"
+                  + (f", every weight load {args.simulated_load_ms:g} ms" if args.simulated_load_ms else ""))
 
 
 if __name__ == "__main__":

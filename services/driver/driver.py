@@ -128,7 +128,7 @@ class Driver:
         return f"[{time.monotonic() - t0:6.0f}s] " + format_line(snapshot(self.client, self.keys))
 
     def run(self) -> int:
-        if ended := runstate.ended(self.meta):  # an ended run is never continued (README: "One run, one state")
+        if ended := runstate.ended(self.meta):  # an ended run is never continued (docs/operations.md)
             print(f"driver: run {self.cfg.run!r} ended {ended}; nothing to continue on {redact(self.cfg.redis_url)}; "
                   f"start another with --run NAME", flush=True)
             return 0

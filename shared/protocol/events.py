@@ -7,8 +7,8 @@ Version 2 adds agent episodes (LLM calls made through the gateway): the kinds
 stream may mix both: a version-1 entry is read under the version-1 rules,
 which are the version-2 rules without the new kinds and fields).
 
-This module is the code *and* the documentation of the schema; the README's
-"Event schema" section is printed from it (``streamrl schema``).
+This module is the code *and* the documentation of the schema; docs/events.md
+summarises it; ``streamrl schema`` prints it.
 
 An episode is one Redis stream, ``streamrl:<run>:ep:{<episode_id>}`` (the braces: its own Redis Cluster
 hash tag; ``streamrl schema`` lists every key). Each entry
@@ -246,7 +246,7 @@ def decode(entry_id: Any, fields: dict) -> Event:
 
 
 def describe() -> str:
-    """The schema as Markdown, for the README and `streamrl schema`."""
+    """The schema as Markdown, for `streamrl schema` (docs/events.md summarises it)."""
     lines = [f"Schema version {SCHEMA_VERSION}. Header fields: " + ", ".join(f"`{h}`" for h in HEADER_FIELDS) + ".", ""]
     for kind, payload in KINDS.items():
         lines.append(f"- `{kind}`")

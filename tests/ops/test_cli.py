@@ -17,7 +17,7 @@ def streamrl(env, *args, stdin: bytes | None = None):
 
 
 def test_hand_written_episode_replays(cli_env, keys):
-    """The README's recipe: redis-cli -x with a msgpack payload per event."""
+    """docs/events.md's recipe: redis-cli -x with a msgpack payload per event."""
     key = keys.episode("e1")
     events = [("started", {"episode_id": "e1", "group_id": "g1", "index": 0, "prompt_ids": [20, 21, 22],
                            "sampling": {"max_tokens": 8}, "task": {}}),

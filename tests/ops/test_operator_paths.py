@@ -1,4 +1,4 @@
-"""The README's sequence on one run name: `streamrl run` for a few versions, then the Procfile processes the way
+"""docs/operations.md's sequence on one run name: `streamrl run` for a few versions, then the Procfile processes the way
 `honcho start` runs them. One run, one folder (runs/<run>/ holds its Redis data too), one rule for an ended run
 (moved aside, started afresh), and an end-of-run check with every count known."""
 

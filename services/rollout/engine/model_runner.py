@@ -58,8 +58,8 @@ class ModelRunner:
         ids, mask = ids.to(self.device), mask.to(self.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                          use_cache=True, logits_to_keep=1)
-        self._check_layers(out.past_key_values)
-        self._merge([rid for rid, _ in requests], out.past_key_values, mask, mask.sum(-1))
+        self._check_layers(out.cache)
+        self._merge([rid for rid, _ in requests], out.cache, mask, mask.sum(-1))
         return out.logits[:, -1]
 
     @torch.inference_mode()
@@ -68,8 +68,8 @@ class ModelRunner:
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device)[:, None]
         mask = torch.cat([self.mask, torch.ones_like(ids)], dim=1)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=self.positions[:, None],
-                         past_key_values=self.cache, use_cache=True)
-        self.cache, self.mask, self.positions = out.past_key_values, mask, self.positions + 1
+                         cache=self.cache, use_cache=True)
+        self.cache, self.mask, self.positions = out.cache, mask, self.positions + 1
         return out.logits[:, -1]
 
     def remove(self, request_ids: Iterable[str]) -> None:

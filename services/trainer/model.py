@@ -49,7 +49,7 @@ class Policy:
         self.device = check_device(cfg.device_of("trainer"), cfg.dtype)
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         if cfg.grad_checkpointing:
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23's name
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -103,7 +103,10 @@ def entropy(logits: torch.Tensor, temperature: torch.Tensor, mask: torch.Tensor)
 def no_dropout(model) -> None:
     """Forward without dropout, gradients still flowing: eval mode, or, with gradient checkpointing (which
     transformers runs only in training mode), training mode with every dropout module switched off."""
-    if getattr(model, "is_gradient_checkpointing", False):
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.23
+    if checkpointing is None:  # earlier releases' name (deprecated in 5.23)
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if checkpointing:
         model.train()
         for m in model.modules():
             if isinstance(m, torch.nn.Dropout):

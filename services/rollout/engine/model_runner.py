@@ -9,6 +9,7 @@ then trim all-padding columns) between decode steps."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 import torch
@@ -35,6 +36,9 @@ class ModelRunner:
             raise EngineError(f"cannot load model from {model_dir!r}: {exc}") from exc
         self._check_servable(model.config, model_dir)
         self.model = model.to(self.device).eval()
+        # the KV cache's name, in and out: `cache` from transformers 5.24, `past_key_values` before (deprecated
+        # in 5.24, gone in 5.40; vLLM 0.32 pins transformers < 5.20, so both are in use)
+        self.cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.pad_id = self.model.config.pad_token_id or 0
         self.rows: list[str] = []
         self.cache: DynamicCache | None = None
@@ -58,8 +62,9 @@ class ModelRunner:
         ids, mask = ids.to(self.device), mask.to(self.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                          use_cache=True, logits_to_keep=1)
-        self._check_layers(out.past_key_values)
-        self._merge([rid for rid, _ in requests], out.past_key_values, mask, mask.sum(-1))
+        cache = getattr(out, self.cache_name)
+        self._check_layers(cache)
+        self._merge([rid for rid, _ in requests], cache, mask, mask.sum(-1))
         return out.logits[:, -1]
 
     @torch.inference_mode()
@@ -68,8 +73,8 @@ class ModelRunner:
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device)[:, None]
         mask = torch.cat([self.mask, torch.ones_like(ids)], dim=1)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=self.positions[:, None],
-                         past_key_values=self.cache, use_cache=True)
-        self.cache, self.mask, self.positions = out.past_key_values, mask, self.positions + 1
+                         use_cache=True, **{self.cache_name: self.cache})
+        self.cache, self.mask, self.positions = getattr(out, self.cache_name), mask, self.positions + 1
         return out.logits[:, -1]
 
     def remove(self, request_ids: Iterable[str]) -> None:

@@ -16,7 +16,7 @@ from services.ops.redis_server import find_binary
 from shared.protocol import events, schema
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold
-from shared.protocol.keys import CATALOG, Keys
+from shared.protocol.keys import CATALOG, PREFIX, Keys
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_KEYS = {"episode_id", "is_episode", "alive_name", "alive_pattern", "patterns", "run", "base", "episode_prefix"}
@@ -50,8 +50,8 @@ def test_every_key_of_a_run_matches_the_runs_scan_patterns_with_its_hash_tags():
             assert key.endswith("-demo"), key
             continue
         assert any(fnmatch.fnmatchcase(key, p) for p in keys.patterns), key
-        assert key.startswith("streamrl:{demo}:") or key.startswith("streamrl:demo:ep:{"), key
-    assert ("streamrl:demo:ep:{<episode id>}", "episode") in {(k, b) for k, b, *_ in table}
+        assert key.startswith(keys.base) or key.startswith(keys.episode_prefix), key
+    assert keys.base.endswith("{demo}:") and keys.episode("e1").endswith(":ep:{e1}")  # the hash tags
 
 
 def test_streamrl_schema_prints_every_key_as_built(cli_env):
@@ -60,7 +60,7 @@ def test_streamrl_schema_prints_every_key_as_built(cli_env):
     assert out.returncode == 0, out.stderr
     for key, builder, *_ in schema.key_table():
         assert f"| `{key}` | `{builder}` |" in out.stdout
-    assert "streamrl:<run>:<name>" not in out.stdout  # the old, wrong rule
+    assert f"{PREFIX}:<run>:<name>" not in out.stdout  # the old, wrong rule
 
 
 def _docstring_commands() -> list[str]:
@@ -84,7 +84,7 @@ def test_the_hand_written_episode_in_the_docstring_runs_and_replays(redis_server
     for command in commands[:-1]:
         shell = (command.replace("python -c", f"{sys.executable} -c")
                  .replace("redis-cli -x", f"{cli} -p {redis_server.port} -x")
-                 .replace("streamrl:demo:", f"streamrl:{keys.run}:"))
+                 .replace(Keys("demo").episode_prefix, keys.episode_prefix))
         done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=30)
         assert done.returncode == 0 and "ERR" not in done.stdout, (shell, done.stdout, done.stderr)
     ep = fold(EpisodeLog(client, keys, "reader").read("e1"))  # read back through the codec

@@ -51,7 +51,7 @@ class Groups:
         self.published = 0
         self.queued: list[GroupRun] = []  # complete, to publish with the next step's writes (maybe_publish)
         self.publishing: set[str] = set()  # prompt entries of groups queued or in flight: not orphans
-        self._missing_since: dict[str, tuple[float, float]] = {}  # worker -> heartbeat key missing: first, last seen
+        self._missing_since: dict[str, float] = {}  # worker -> when its heartbeat key was first seen missing
         self.claim_cap = cfg.max_groups_in_flight  # slots new claims may fill (a long-tail worker's share: repacker)
         self.repacked: dict[str, object] = {}  # entry id -> repack notice: handed here, not re-opened yet
         self.read_notices = None  # a long-tail worker's: reads the repack notices written so far (repacker.py)
@@ -145,6 +145,7 @@ class Groups:
         """Groups to re-open: pending under this worker but no longer held (dropped after a fence, or a
         publish Redis forgot), then those of workers whose heartbeat has been missing for heartbeat_ttl."""
         free, runs = self.room(), []
+        self._forget_revived()
         min_idle = int(self.cfg.heartbeat_ttl * 1000)
         for stream in (self.keys.val_prompts, self.keys.prompts):
             if free <= 0:
@@ -183,27 +184,32 @@ class Groups:
         for entry in [e for e, n in self.repacked.items() if n.stream == stream and e not in mine]:
             del self.repacked[entry]
 
+    def _forget_revived(self) -> None:
+        """Drop the heartbeat-miss record of every owner alive again, on every take-over pass (room or not): a
+        record of a stall that ended must not make the owner dead on first look at the next mass lapse."""
+        if self._missing_since:
+            owners = list(self._missing_since)
+            pipe = self.client.pipeline(transaction=False)
+            for owner in owners:
+                pipe.exists(self.keys.alive("rollout", owner))
+            for owner, alive in zip(owners, pipe.execute()):
+                if alive:
+                    del self._missing_since[owner]
+
     def _dead_owners(self, pending, min_idle: int) -> dict[str, list]:
-        """Owners of idle pending entries whose heartbeat has been missing for a whole heartbeat_ttl, seen so check
-        after check: after a Redis restart every heartbeat key lapses at once, and live workers write theirs again
-        within heartbeat_ttl / 3. A record of a stall that ended unseen (the owner alive again while it had no
-        idle entries, or this worker not looking) does not count: a sighting more than heartbeat_ttl after the
-        last one starts the clock again."""
+        """Owners of idle pending entries whose heartbeat has been missing for a whole heartbeat_ttl: after a Redis
+        restart every heartbeat key lapses at once, and live workers write theirs again within heartbeat_ttl / 3."""
         idle: dict[str, list] = {}
         for p in pending:
             owner = p["consumer"].decode()
             if owner != self.worker_id and p["time_since_delivered"] >= min_idle:
                 idle.setdefault(owner, []).append(p["message_id"])
-        dead, now = {}, time.monotonic()
+        dead = {}
         for owner, ids in idle.items():
             if self.client.exists(self.keys.alive("rollout", owner)):
                 self._missing_since.pop(owner, None)
                 continue
-            first, last = self._missing_since.get(owner, (now, now))
-            if now - last > self.cfg.heartbeat_ttl:
-                first = now
-            self._missing_since[owner] = (first, now)
-            if now - first >= self.cfg.heartbeat_ttl:
+            if time.monotonic() - self._missing_since.setdefault(owner, time.monotonic()) >= self.cfg.heartbeat_ttl:
                 dead[owner] = ids
         return dead
 

@@ -204,3 +204,24 @@ def version_sequence(numbers: list[int]) -> tuple[list[int], list[int]]:
             repeated.append(v)
         newest = max(newest, v)
     return repeated, sorted(set(range(1, newest + 1)) - set(numbers))
+
+
+def loads_backwards(control_entries: list[tuple[str, dict]], pull_loads: list[tuple[str, int]]) -> list[str]:
+    """Times a worker reported running an older version than it had reported before: each control ack carries the
+    version the worker runs after the command (in stream order, per worker), and each pulled load the version
+    loaded (sync_mode pull). A worker never goes back to an older version, in any mode."""
+    found, newest = [], {}
+    acks = []
+    for entry_id, fields in control_entries:
+        try:
+            entry = control.decode_entry(entry_id, fields)
+        except EventError:
+            continue  # counted as bad input
+        if isinstance(entry, dict) and entry.get("version", "").lstrip("-").isdigit():
+            acks.append((entry["worker"], int(entry["version"]), f"{entry['cmd']} ack {entry_id}"))
+    for worker, version, what in [*acks, *((w, v, f"pulled load of {v}") for w, v in pull_loads)]:
+        key = (worker, what.startswith("pulled"))
+        if version < newest.get(key, -1):
+            found.append(f"{worker}: {what} at version {version} after {newest[key]}")
+        newest[key] = max(newest.get(key, -1), version)
+    return found

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from shared.protocol import dead_letters, metrics, versions
+from shared.protocol import dead_letters, metrics, pulls, versions
 from shared.protocol.events import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from shared.protocol.ledger import read_ledger
@@ -58,6 +58,7 @@ class RunData:
     versions: list[int] = field(default_factory=list)  # version numbers in the versions stream, in stream order
     agent_groups: list[tuple[str, dict]] = field(default_factory=list)  # agent runs: groups handed to agent jobs
     agents_busy: set[str] = field(default_factory=set)  # agent episodes whose job waits in the queue or runs
+    pull_loads: list[tuple[str, int]] = field(default_factory=list)  # sync_mode pull: (worker, version) loaded, in order
 
 
 def _consumer_group(client, stream: str, name: str) -> ConsumerGroup:
@@ -116,6 +117,8 @@ def read_run(client, keys: Keys, run_path: Path, rq_client=None) -> RunData:
     data.dead = [asdict(d) for d in dead_letters.read_all(client, keys)]
     for _, rec in metrics.read(client, keys, "rollout"):
         data.reports[rec.get("worker", "")] = rec
+    data.pull_loads = [(p.worker, p.version) for p in pulls.read_all(client, keys) if p.event == "released"
+                       and not p.extra.get("error")]
     for entry_id, fields in client.xrange(keys.versions):
         try:
             data.versions.append(versions.decode(entry_id, fields).version)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 MUST_BE_ZERO = ("groups_lost", "groups_enqueued_twice", "episodes_finished_twice", "samples_trained_twice",
-                "versions_repeated", "bad_input_not_dead_lettered")
+                "versions_repeated", "bad_input_not_dead_lettered", "loads_backwards")
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Report:
     trained_unfinished: int = 0
     bad_input_not_dead_lettered: int = 0
     bad_input_found: int = 0
+    loads_backwards: int = 0
     dead_letters: int = 0
     takeovers: int = 0
     tail_resumes: int = 0
@@ -48,7 +49,8 @@ def format_report(r: Report, run: str) -> str:
             ("tokens generated again", "unknown" if r.tokens_generated_again is None else r.tokens_generated_again,
              False),
             ("trained, then lost by Redis", r.trained_unfinished, False),
-            ("bad input not dead-lettered", r.bad_input_not_dead_lettered, True)]
+            ("bad input not dead-lettered", r.bad_input_not_dead_lettered, True),
+            ("weight loads going backwards", r.loads_backwards, True)]
     lines = [f"run {run!r}: {r.groups_enqueued} groups enqueued, {r.groups_published} finished, "
              f"{r.groups_trained} trained, {r.groups_skipped} judged untrainable, {r.groups_in_flight} in flight; "
              f"{r.episodes} episodes, {r.tokens_in_streams} policy tokens in streams"]

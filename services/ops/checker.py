@@ -45,6 +45,13 @@ bad_input_not_dead_lettered
     used (its group was delivered), with no dead letter naming that stream
     (and, for the first three, that entry).
 
+loads_backwards
+    a worker reporting an older version than it reported before: the
+    version each control ack carries (what the worker runs after the
+    command), in stream order per worker, and each pulled load (``pulls``
+    stream, sync_mode pull). A command of an older sync is acked and ignored,
+    so no ack goes back.
+
 Informational counts: takeovers (resumes after a crashed worker), tail
 resumes (a worker found the stream behind what it had written, e.g. after a
 Redis restart lost the last second, and continued from the stream), dead
@@ -56,14 +63,14 @@ letters, groups trained / skipped, groups pending at the end.
 from __future__ import annotations
 
 from services.ops.check_counts import (EpisodeStats, count_bad_input, count_lost, dead_lettered, enqueued_twice,
-                                       episode_stats, ledger_counts, sample_groups, token_writers,
+                                       episode_stats, ledger_counts, loads_backwards, sample_groups, token_writers,
                                        tokens_generated_again, valid_groups, version_sequence)
 from services.ops.check_data import ConsumerGroup, RunData, _entries, id_key, read_run
 from services.ops.check_report import MUST_BE_ZERO, Report, format_report
 
 __all__ = ["ConsumerGroup", "EpisodeStats", "MUST_BE_ZERO", "Report", "RunData", "_entries", "check", "count_bad_input",
            "count_lost", "dead_lettered", "enqueued_twice", "episode_stats", "format_report", "id_key",
-           "ledger_counts", "read_run", "sample_groups", "token_writers", "tokens_generated_again", "valid_groups",
+           "ledger_counts", "loads_backwards", "read_run", "sample_groups", "token_writers", "tokens_generated_again", "valid_groups",
            "version_sequence"]
 
 
@@ -97,6 +104,8 @@ def check(data: RunData) -> Report:
     r.trained_unfinished = len(set(unfinished))
     r.bad_input_not_dead_lettered, r.bad_input_found = len(bad_missing), bad_found
     r.dead_letters = len(data.dead)
+    backwards = loads_backwards(data.control, data.pull_loads)
+    r.loads_backwards = len(backwards)
     r.takeovers = sum(s.takeovers for s in stats.values())
     r.tail_resumes = sum(s.tail_resumes for s in stats.values())
     r.tokens_in_streams = sum(s.policy_tokens for s in stats.values())
@@ -105,6 +114,6 @@ def check(data: RunData) -> Report:
                  "groups_trained_twice": twice_trained[:50],
                  "groups_enqueued_twice": twice_enqueued[:50], "versions_repeated": repeated[:50],
                  "versions_missing": gaps[:50], "trained_unfinished": sorted(set(unfinished))[:50],
-                 "bad_input_not_dead_lettered": bad_missing[:50], "workers_without_final_report": no_report,
+                 "bad_input_not_dead_lettered": bad_missing[:50], "loads_backwards": backwards[:50], "workers_without_final_report": no_report,
                  "tokens_generated": {w: int(rep.get("tokens", 0)) for w, rep in sorted(data.reports.items())}}
     return r

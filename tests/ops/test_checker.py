@@ -232,6 +232,27 @@ def test_a_group_enqueued_twice_and_a_version_published_twice_fail_the_check():
     assert r.ok and r.versions_missing == 1 and r.details["versions_missing"] == [2]
 
 
+def test_a_worker_reporting_an_older_version_than_before_fails_the_check():
+    """Issue 28's row: the acks of each worker carry the version it runs after the command; one lower than an
+    earlier one (a backwards load), or a pulled load of an older version, is a failure."""
+    from shared.protocol import control
+
+    def ack(entry_id, worker, cmd, version):
+        return (entry_id, _b(control.ack(control.Command(cmd, f"s{version}", version), worker, True, version)))
+
+    data = _finished_run()
+    data.control = [ack("1-0", "A", "load", 1), ack("2-0", "B", "load", 1), ack("3-0", "A", "resume", 2),
+                    ack("4-0", "B", "pause", 1)]
+    data.pull_loads = [("C", 1), ("C", 2)]
+    assert check(data).ok and check(data).loads_backwards == 0
+    data.control.append(ack("5-0", "A", "load", 1))  # A went back from 2 to 1
+    data.pull_loads.append(("C", 1))
+    r = check(data)
+    assert r.loads_backwards == 2 and not r.ok
+    assert r.details["loads_backwards"] == ["A: load ack 5-0 at version 1 after 2", "C: pulled load of 1 at version 1 after 2"]
+    assert "weight loads going backwards" in checker.format_report(r, "demo")
+
+
 def test_agent_group_never_published_with_no_job_in_hand_is_lost():
     data = _finished_run(("g1",))
     data.agent_groups = _prompts("a1", "a2", "a3", start=50)

@@ -117,9 +117,3 @@ def start_syncer(request, client, keys, tiny_model_dir):
         stop.set()
         thread.join(30)
 
-
-def pytest_collection_modifyitems(session, config, items):
-    """Modules with multi-process drills (marked ``slow``) first, each module's tests in their own order: the
-    test workers take the longest files first, so no long file starts last and runs alone at the end."""
-    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in slow_modules)

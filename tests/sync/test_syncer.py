@@ -25,10 +25,10 @@ pytestmark = pytest.mark.slow  # real rollout worker processes
 HEARTBEAT_TTL = 3.0
 
 
-def _worker(redis_url, keys, model_dir, worker_id, heartbeat_ttl=HEARTBEAT_TTL):
+def _worker(redis_url, keys, model_dir, worker_id, heartbeat_ttl=HEARTBEAT_TTL, step_delay_ms=10):
     return spawn("services.rollout", "--worker-id", worker_id, "--run", keys.run, "--redis-url", redis_url,
                  "--model-dir", model_dir, "--max-tokens", "400", "--tools", "", "--flush-tokens", "4",
-                 "--flush-ms", "20", "--heartbeat-ttl", heartbeat_ttl, "--step-delay-ms", "10",
+                 "--flush-ms", "20", "--heartbeat-ttl", heartbeat_ttl, "--step-delay-ms", step_delay_ms,
                  "--max-groups-in-flight", "2", "--log-level", "warning")
 
 
@@ -64,7 +64,9 @@ def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, r
     start_syncer()
     # workers go on generating while a sync's fetch phase waits (for C here): groups enough to outlast the syncs
     enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}+{i}=") for i in range(16)])
-    procs = {w: _worker(redis_url, keys, tiny_model_dir, w) for w in ("A", "B", "C")}
+    # 30 ms per step (a sleep, no CPU): with one torch thread the engine is fast enough that 10 ms steps could
+    # finish every group before the second sync, leaving a survivor nothing to generate with version 2
+    procs = {w: _worker(redis_url, keys, tiny_model_dir, w, step_delay_ms=30) for w in ("A", "B", "C")}
     try:
         wait_until(_generating(client, keys, set(procs), 0), "all three generating", 90, procs.values())
         path, digest = nudged_weights(tiny_model_dir, tmp_path, 1)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 ROOT = str(Path(__file__).resolve().parents[2])
-POLL_S = 0.02  # how often a condition is re-read; only the deadline bounds how long a wait may take
+POLL_S = 0.05  # how often a condition is re-read; only the deadline bounds how long a wait may take
 
 
 def spawn(module: str, *args: str, env: dict | None = None, log: str | Path | None = None,

@@ -272,10 +272,12 @@ def ensure_default_model(cfg, warm_steps: int | None = None, force: bool = False
 
 
 def ensure_model(cfg) -> str:
-    """The model folder of ``cfg.model_dir``: the default tiny model is created when missing; anything else
-    must resolve (a folder or a cached hub id), else ModelNotFound names the key and what was tried."""
+    """The model folder of ``cfg.model_dir``: the default tiny model is created when missing, and remade when it
+    was made for another recipe (an agent run after a plain one needs the chat format and a 1,024-token context:
+    on the plain model every agent call was refused as too long); anything else must resolve (a folder or a
+    cached hub id), else ModelNotFound names the key and what was tried."""
     from shared.runtime.models import is_default, resolve_model
 
-    if is_default(cfg.model_dir) and not Path(cfg.model_dir, "config.json").exists():
+    if is_default(cfg.model_dir):
         ensure_default_model(cfg)
     return resolve_model(cfg.model_dir)

@@ -52,3 +52,20 @@ def test_the_default_model_is_remade_only_when_a_run_wants_another_recipe(tmp_pa
     assert json.loads((tmp_path / "tiny" / tiny_model.RECIPE_FILE).read_text())["format"] == "agent"
     (tmp_path / "tiny" / tiny_model.RECIPE_FILE).unlink()  # made before recipes were recorded: remade, not trusted
     assert ensure_default_model(agent, warm_steps=0) is True
+
+
+def test_a_run_on_the_default_model_remakes_it_for_its_recipe(tmp_path, monkeypatch):
+    """What `streamrl run` checks before anything starts (``ensure_model``): the README's agent example after the
+    default run found the plain model (256-token context) and every agent call was refused as too long; the run's
+    own check now remakes the default model for the agent recipe, and reuses it for the same one."""
+    monkeypatch.chdir(tmp_path)  # the default model_dir, models/tiny, is relative to where the run starts
+    monkeypatch.setattr(tiny_model, "DEFAULT_WARM_STEPS", 0)
+    monkeypatch.setattr(tiny_model, "AGENT_WARM_STEPS", 0)
+    context = lambda: json.loads((tmp_path / "models" / "tiny" / "config.json").read_text())["max_position_embeddings"]
+    tiny_model.ensure_model(Config(run="dm"))
+    assert context() == tiny_model.DEFAULT_MODEL["max_position_embeddings"]
+    tiny_model.ensure_model(Config(run="dm", agent="examples.calc:agent"))
+    assert context() == tiny_model.AGENT_CONTEXT
+    made = (tmp_path / "models" / "tiny" / "config.json").stat().st_mtime_ns
+    tiny_model.ensure_model(Config(run="dm", agent="examples.calc:agent"))
+    assert (tmp_path / "models" / "tiny" / "config.json").stat().st_mtime_ns == made  # the same recipe: reused

@@ -42,7 +42,7 @@ def _run_client(cfg) -> redis.Redis:
 def cmd_redis(cfg, args) -> int:
     from urllib.parse import urlparse
 
-    from services.ops.redis_server import EmbeddedRedis
+    from services.ops.redis_server import start_for_run
 
     if is_cluster(cfg.redis_url):
         raise CLIError(f"redis_url {redact(cfg.redis_url)} names a Redis Cluster; `streamrl redis` serves one server "
@@ -55,10 +55,9 @@ def cmd_redis(cfg, args) -> int:
 
         archive_ended_run(cfg, who="streamrl redis")
     data_dir = Path(args.data_dir or cfg.run_path / "redis")
-    server = EmbeddedRedis(data_dir, port=url.port or 6379, host="127.0.0.1", password=url.password)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))  # handled below, in the main thread
-    server.start(quiet=False)
+    server = start_for_run(cfg, port=url.port or 6379, data_dir=data_dir, quiet=False)  # with the run's password
     print(f"streamrl redis: serving {redact(server.url)} (append-only, fsync every second) in {data_dir}",
           file=sys.stderr, flush=True)
     try:
@@ -224,7 +223,14 @@ def cmd_redis_cli(cfg, args) -> int:
     url, cluster = cfg.redis_url, []
     if is_cluster(url):  # redis-cli takes a node's plain URL, and -c to follow the cluster's redirects
         url, cluster = url.replace("+cluster://", "://", 1), ["-c"]
-    os.execv(binary, [binary, "-u", url, "--no-auth-warning", *cluster, *rest])
+    from urllib.parse import unquote, urlsplit
+
+    from shared.runtime.secrets import without_password
+
+    env = dict(os.environ)
+    if urlsplit(url).password:  # in the environment, not on the command line (`ps` shows argv to every user)
+        env["REDISCLI_AUTH"] = unquote(urlsplit(url).password)
+    os.execve(binary, [binary, "-u", without_password(url), "--no-auth-warning", *cluster, *rest], env)
 
 
 def cmd_schema(cfg, args) -> int:
@@ -304,7 +310,12 @@ def cmd_config(cfg, args) -> int:
 
 def cmd_drive(cfg, args) -> int:
     from services.driver.driver import drive
+    from shared.runtime import secrets
 
+    try:
+        connect(cfg.redis_url, wait=cfg.redis_wait).close()
+    except redis.exceptions.AuthenticationError:  # under `honcho start`: `streamrl redis` made the run's secrets
+        cfg = secrets.apply(cfg)[0]  # after this process read its config
     return drive(cfg)
 
 

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import redis
 
+from shared.runtime import secrets
+from shared.runtime.secrets import private_dir
+
 DRAIN_CLIENT = "streamrl-drain"  # the name of drain's own connection (`redis-cli client list` shows it)
 
 
@@ -57,19 +60,23 @@ class EmbeddedRedis:
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def command(self) -> list[str]:
-        cmd = [find_binary(), "--port", str(self.port), "--bind", self.host, "--dir", str(self.data_dir.resolve()),
+        """The server's argv: no secret in it (``ps`` shows argv to every user); the password goes in on stdin
+        (``-``: the server reads config lines from stdin first)."""
+        cmd = [find_binary(), *(["-"] if self.password else []), "--port", str(self.port), "--bind", self.host, "--dir", str(self.data_dir.resolve()),
                "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no",
                "--logfile", "", "--loglevel", "warning", "--protected-mode", "yes",
                # blocking timeouts fire within ~10 ms instead of ~100 (bench/redis_hz.py: 0.3% of a core idle)
                "--hz", "100"]
-        if self.password:
-            cmd += ["--requirepass", self.password]
         return cmd
 
     def start(self, timeout: float = 10.0, quiet: bool = True) -> "EmbeddedRedis":
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)  # its append-only files hold every stream: the owner's only
         out = subprocess.DEVNULL if quiet else None
-        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=out, start_new_session=True)
+        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=out, start_new_session=True,
+                                     stdin=subprocess.PIPE if self.password else subprocess.DEVNULL)
+        if self.password:
+            self.proc.stdin.write(f'requirepass "{self.password}"\n'.encode())
+            self.proc.stdin.close()
         deadline = time.monotonic() + timeout
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
         while True:
@@ -126,3 +133,19 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def start_for_run(cfg, port: int = 0, host: str = "127.0.0.1", data_dir: str | Path | None = None,
+                  quiet: bool = True, timeout: float = 10.0) -> EmbeddedRedis:
+    """The run's embedded server, with the run's password: the one in ``cfg.redis_url`` when it has one, else the
+    run's secrets file's (made now when missing, with the gateway key and the weights token: secrets.py). The file
+    records which server (``host:port``) the password is for, so every process of the run that connects there
+    finds it. ``port`` 0: a free one. The server's URL (``.url``) carries the password: give processes
+    ``secrets.without_password(server.url)``."""
+    from urllib.parse import urlsplit
+
+    server = EmbeddedRedis(data_dir or cfg.run_path / "redis", port=port, host=host)
+    given = {"redis_password": urlsplit(cfg.redis_url).password or "", "gateway_api_key": cfg.gateway_api_key,
+             "weights_token": cfg.weights_token, "redis_server": f"{server.host}:{server.port}"}
+    server.password = secrets.load_or_create(cfg.run_path, given)["redis_password"]
+    return server.start(timeout=timeout, quiet=quiet)

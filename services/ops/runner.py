@@ -20,7 +20,8 @@ from honcho.manager import Manager
 from shared.runtime.config import Config
 from shared.runtime.connection import redact
 from services.driver.driver import ENDED
-from services.ops.redis_server import EmbeddedRedis
+from services.ops.redis_server import start_for_run
+from shared.runtime import secrets
 
 
 AGENT_PROCESSES = ("gateway", "agents")  # Procfile lines started only when config 'agent' is set
@@ -77,8 +78,13 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
         env[f"STREAMRL_{f.name.upper()}"] = str(getattr(cfg, f.name))
     if "REDIS_URL" not in os.environ:
         archive_ended_run(cfg)
-        server = EmbeddedRedis(cfg.run_path / "redis").start()
-        env["REDIS_URL"] = env["STREAMRL_REDIS_URL"] = server.url
+        server = start_for_run(cfg)
+        env["REDIS_URL"] = env["STREAMRL_REDIS_URL"] = secrets.without_password(server.url)
+    else:  # your own server: its secrets (the password in REDIS_URL included) stay where you put them
+        secrets.load_or_create(cfg.run_path, {"gateway_api_key": cfg.gateway_api_key,
+                                              "weights_token": cfg.weights_token})
+    for key in secrets.CONFIG_KEYS:  # every process reads them from the run's secrets file (0600), not from here
+        env[f"STREAMRL_{key.upper()}"] = ""
     print(f"streamrl run: run {cfg.run!r} on {redact(env['REDIS_URL'])}"
           f"{' (embedded, append-only)' if server else ''}", file=sys.stderr, flush=True)
     manager = Manager()
@@ -105,7 +111,7 @@ def end_of_run_check(cfg: Config, redis_url: str) -> None:
     from shared.protocol.keys import Keys
     from shared.runtime.connection import connect
 
-    client = connect(redis_url, wait=10)
+    client = connect(secrets.apply(cfg.replace(redis_url=redis_url))[0].redis_url, wait=10)
     rq_client = connect(cfg.rq_redis_url, wait=10) if cfg.rq_redis_url else None
     report = check(read_run(client, Keys(cfg.run), cfg.run_path, rq_client))
     print("streamrl run: streamrl check at the end of the run (groups still in flight are not lost):\n"

@@ -11,6 +11,7 @@ import os
 import tomllib
 from typing import Any, Mapping
 
+from shared.runtime import secrets
 from shared.runtime.config import FIELDS, Config, ConfigError
 from shared.runtime.config_checks import validate
 from shared.runtime.configdoc import add_arguments as _add_documented
@@ -75,6 +76,9 @@ def load_with_sources(path: str | None = None, env: Mapping[str, str] | None = N
             sources[key] = f"flag --{key.replace('_', '-')}"
     cfg = Config(**values)
     validate(cfg)
+    cfg, filled = secrets.apply(cfg)  # the run's secrets file fills the secrets nothing else gave
+    for key in filled:
+        sources[key] = f"file {secrets.path(cfg.run_path)}"
     return cfg, sources
 
 

@@ -17,7 +17,7 @@ import redis
 
 from shared.runtime import config as configmod
 from shared.runtime import config_sources
-from shared.runtime import logs, runstate
+from shared.runtime import logs, runstate, secrets
 from shared.runtime.connection import connect, redact
 from shared.runtime.heartbeat import Heartbeat
 from shared.protocol.keys import Keys
@@ -51,7 +51,11 @@ class Service:
         signal.signal(signal.SIGINT, self._stop)
         sys.excepthook = self._excepthook
         self.log.info("connecting", redis=redact(self.cfg.redis_url))
-        self.client: redis.Redis = connect(self.cfg.redis_url, wait=self.cfg.redis_wait)
+        try:
+            self.client: redis.Redis = connect(self.cfg.redis_url, wait=self.cfg.redis_wait)
+        except redis.exceptions.AuthenticationError:  # under `honcho start` `streamrl redis` may have written
+            self.cfg = secrets.apply(self.cfg)[0]  # the run's secrets after this process read its config
+            self.client = connect(self.cfg.redis_url, wait=self.cfg.redis_wait)
         try:
             self.meta = runstate.bind(self.client, self.keys, self.cfg.run_path, self.cfg.redis_url)
         except runstate.RunStateError as exc:

@@ -32,7 +32,7 @@ def group_specs(cfg, group_id: str, task: dict, n: int) -> list[dict]:
     """The job specs of one group's agent episodes (JSON: rq runs them with the JSON serializer)."""
     episodes = [f"{group_id}-{i}" for i in range(n)]
     return [{"run": cfg.run, "episode_id": eid, "group_id": group_id, "index": i, "episodes": episodes,
-             "task": task, "agent": cfg.agent, "gateway_url": cfg.agent_gateway_url, "api_key": cfg.gateway_api_key,
+             "task": task, "agent": cfg.agent, "gateway_url": cfg.agent_gateway_url,
              "timeout": cfg.agent_timeout, "attempt": 0,
              "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens}}
             for i, eid in enumerate(episodes)]

@@ -30,7 +30,22 @@ from rq.timeouts import TimerDeathPenalty
 
 from services.gateway import runner
 from shared.runtime.connection import connect
+from shared.runtime.job_guard import Check, guarded_job_class
 from shared.runtime.service import Service
+
+RUN_EPISODE = "services.gateway.runner.run_episode"
+
+
+def allowed(cfg) -> dict[str, Check]:
+    """The one job this run's agents workers run: an episode of the run's own agent (config ``agent``)."""
+    def check(args: tuple, kwargs: dict) -> str | None:
+        spec = args[0] if len(args) == 1 and not kwargs else None
+        if not isinstance(spec, dict):
+            return "expected one argument, the episode's spec"
+        if spec.get("agent") != cfg.agent or spec.get("run") != cfg.run:
+            return f"agent {spec.get('agent')!r} of run {spec.get('run')!r} is not this run's ({cfg.agent!r}, {cfg.run!r})"
+        return None
+    return {RUN_EPISODE: check}
 
 _CLAIM = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
@@ -86,6 +101,7 @@ def _work(worker) -> None:
 def main(argv=None) -> None:
     svc = Service("agents", argv)
     runner.WORKER_ID = svc.worker_id
+    runner.GATEWAY = (svc.cfg.agent_gateway_url, svc.cfg.gateway_api_key)  # from the config, never from a job
     if svc.cfg.rq_redis_url:  # the jobs' rq connection is another server: they write the run's streams through this
         runner.CLIENT = svc.client
     reaper = Reaper(svc.cfg, connect(svc.cfg.redis_url), svc.keys, svc.worker_id, svc.log, svc.rq_connect())
@@ -106,9 +122,11 @@ def main(argv=None) -> None:
             time.sleep(min(1.0, ttl / 3))
 
     threading.Thread(target=beat, daemon=True, name="agents-heartbeat").start()
-    queue = Queue(svc.keys.agent_queue, connection=svc.rq_client, serializer=JSONSerializer)
-    main_worker = SimpleWorker([queue], connection=svc.rq_client, serializer=JSONSerializer, name=svc.worker_id)
-    others = [ThreadWorker([queue], connection=svc.rq_connect(), serializer=JSONSerializer,
+    job_class = guarded_job_class(allowed(svc.cfg), svc.log)
+    queue = Queue(svc.keys.agent_queue, connection=svc.rq_client, serializer=JSONSerializer, job_class=job_class)
+    main_worker = SimpleWorker([queue], connection=svc.rq_client, serializer=JSONSerializer, name=svc.worker_id,
+                               job_class=job_class)
+    others = [ThreadWorker([queue], connection=svc.rq_connect(), serializer=JSONSerializer, job_class=job_class,
                            name=f"{svc.worker_id}.{k}") for k in range(1, svc.cfg.agent_concurrency)]
     threads = [threading.Thread(target=_work, args=(w,), daemon=True, name=w.name) for w in others]
     for t in threads:

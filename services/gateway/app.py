@@ -26,6 +26,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.gateway import toolparse
 from services.gateway.core import Gateway, GatewayError, Prepared
+from services.gateway.limits import MAX_BODY, parse_body
+from shared.runtime import secrets
 
 
 def _error(exc: GatewayError) -> JSONResponse:
@@ -42,12 +44,25 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
 
     app = FastAPI(title="streamrl gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
 
+    def authorized(path: str, header: str) -> bool:
+        """The gateway's key anywhere; an episode's own key (secrets.episode_key) on that episode's routes."""
+        given = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        if secrets.same(given, api_key):
+            return True
+        parts = path.split("/")
+        return len(parts) > 3 and parts[1] == "ep" and secrets.same(given, secrets.episode_key(api_key, parts[2]))
+
     @app.middleware("http")
     async def _guard(request: Request, call_next):
-        if api_key and request.url.path != "/healthz" and \
-                request.headers.get("authorization", "") != f"Bearer {api_key}":
-            return _error(GatewayError(401, "authorization: missing or wrong API key (Bearer token)", None,
+        if api_key and request.url.path != "/healthz" and not authorized(request.scope["path"],
+                                                                         request.headers.get("authorization", "")):
+            gw.log.warning("request refused: wrong key", path=request.scope["path"][:200],
+                           client=request.client.host if request.client else None)
+            return _error(GatewayError(401, "authorization: missing or wrong API key (Bearer token; an agent "
+                                            "episode's key is good for its own episode only)", None,
                                        "invalid_api_key"))
+        if int(request.headers.get("content-length") or 0) > MAX_BODY:
+            return _error(GatewayError(413, f"request body: more than {MAX_BODY} bytes", None, "body_too_large"))
         try:
             return await call_next(request)
         except GatewayError as exc:
@@ -57,11 +72,12 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
             return _error(GatewayError(500, f"internal error: {exc.__class__.__name__}", None, "internal_error"))
 
     async def _body(request: Request):
-        raw = await request.body()
-        try:
-            return json.loads(raw or b"null")
-        except ValueError as exc:
-            raise GatewayError(400, f"request body: malformed JSON ({exc})", None, "invalid_json") from None
+        raw = bytearray()
+        async for chunk in request.stream():  # a body without a Content-Length is counted as it arrives
+            raw += chunk
+            if len(raw) > MAX_BODY:
+                raise GatewayError(413, f"request body: more than {MAX_BODY} bytes", None, "body_too_large")
+        return parse_body(bytes(raw))
 
     def _models() -> dict:
         return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "streamrl"}

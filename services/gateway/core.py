@@ -10,6 +10,7 @@ episode's call index, and is answered from the stream without generating.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -52,12 +53,18 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise GatewayError(400, f"{name}: expected a number, got {json.dumps(value)}", name, "invalid_type")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise GatewayError(400, f"{name}: expected a finite number, got {json.dumps(value)}", name, "invalid_type")
     if value < lo or value > hi or (lo_open and value == lo):
         raise GatewayError(400, f"{name}: expected {'>' if lo_open else '>='} {lo:g} and <= {hi:g}, got {value}",
                            name, "invalid_value")
     return float(value)
+
+
+def _named_function(item) -> bool:
+    """A tool or a tool call: an object whose ``function`` is an object with a string ``name``."""
+    return isinstance(item, dict) and isinstance(item.get("function"), dict) and \
+        isinstance(item["function"].get("name"), str)
 
 
 class Gateway:
@@ -124,13 +131,12 @@ class Gateway:
                 raise GatewayError(400, f"messages[{i}].role: expected one of {', '.join(ROLES)}, got "
                                         f"{json.dumps(m.get('role') if isinstance(m, dict) else m)}",
                                    f"messages[{i}].role")
-            for c in m.get("tool_calls") or []:
-                if not isinstance(c, dict) or not isinstance((c.get("function") or {}).get("name"), str):
-                    raise GatewayError(400, f"messages[{i}].tool_calls: expected objects with function.name",
-                                       f"messages[{i}].tool_calls")
+            calls = m.get("tool_calls")
+            if calls is not None and not (isinstance(calls, list) and all(_named_function(c) for c in calls)):
+                raise GatewayError(400, f"messages[{i}].tool_calls: expected an array of objects with function.name",
+                                   f"messages[{i}].tool_calls")
         tools = body.get("tools")
-        if tools is not None and not (isinstance(tools, list) and all(
-                isinstance(t, dict) and isinstance((t.get("function") or {}).get("name"), str) for t in tools)):
+        if tools is not None and not (isinstance(tools, list) and all(_named_function(t) for t in tools)):
             raise GatewayError(400, "tools: expected an array of {type: function, function: {name, ...}}", "tools")
         return messages, tools or None
 

@@ -21,10 +21,11 @@ import time
 from shared.protocol.episode_log import EpisodeLog, Fenced
 from shared.protocol.fold import fold
 from shared.protocol.keys import Keys
-from shared.runtime import logs, specs
+from shared.runtime import logs, secrets, specs
 
 WORKER_ID = "agents-inline"  # set by the agents worker process: who runs the job (for the reaper)
 CLIENT = None  # set by the agents worker process: the run's Redis (None: the job's rq connection is that server)
+GATEWAY = ("", "")  # set by the agents worker process from its config: (gateway URL, gateway key); never from a job
 
 _PUBLISH = """
 redis.call('SADD', KEYS[1], ARGV[1])
@@ -106,7 +107,9 @@ def run_episode(spec: dict) -> dict:
     result = {"episode_id": eid, "rerun": bool(ep.calls) or ep.done}
     if not ep.done:
         t0 = time.monotonic()
-        oai = openai.OpenAI(base_url=f"{spec['gateway_url']}/ep/{eid}/v1", api_key=spec.get("api_key") or "streamrl",
+        url, key = GATEWAY if GATEWAY[0] else (spec["gateway_url"], "")
+        # the agent holds its episode's own key, never the gateway's: it can call into this episode only
+        oai = openai.OpenAI(base_url=f"{url}/ep/{eid}/v1", api_key=secrets.episode_key(key, eid) if key else "streamrl",
                             max_retries=100, timeout=spec.get("timeout", 600.0))
         try:
             reward, details = normalise(load_agent(spec["agent"])(oai, dict(spec["task"])))

@@ -68,7 +68,7 @@ def test_reward_jobs_run_on_rqs_own_server_when_the_run_is_on_a_cluster(redis_cl
     cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=8, tools="",
                  reward_fn="tests.support.debug_tools:slow_reward", redis_url=redis_cluster.url, rq_redis_url=redis_url)
     tools = spawn("services.rollout.jobs.tools_worker", "--run", keys.run, "--redis-url", redis_cluster.url,
-                  "--rq-redis-url", redis_url, "--log-level", "warning")
+                  "--rq-redis-url", redis_url, "--log-level", "warning", "--reward-fn", cfg.reward_fn)
     try:
         enqueue(cluster_client, keys, [PromptGroup(f"r{i}", 2, prompt=f"{i}+1=", task={"sleep": "0.2"})
                                        for i in range(3)])

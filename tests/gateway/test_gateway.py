@@ -217,7 +217,7 @@ def test_agent_runner_killed_minus_9_reruns_and_no_call_is_generated_twice(stack
     hold = tmp_path / "go"
     cfg = Config(run=keys.run, agent="tests.support.gateway_agents:calc_agent", gateway_port=gw.port, temperature=0,
                  heartbeat_ttl=2, group_size=1)
-    env = env_for(stack["url"], keys, chat_dir, heartbeat_ttl=2)
+    env = env_for(stack["url"], keys, chat_dir, heartbeat_ttl=2, agent=cfg.agent, gateway_port=gw.port)
     a = spawn("services.gateway.agents_worker", "--worker-id", "ag1", env=env)
     driver_agents.enqueue_group(cfg, client, keys, "dur", {**TASK, "hold": str(hold)}, 1)
     wait_until(lambda: client.exists(keys.episode("dur-0")) and
@@ -269,7 +269,8 @@ def test_an_agents_worker_runs_agent_concurrency_episodes_at_once(stack, chat_di
     hold = tmp_path / "go"
     cfg = Config(run=keys.run, agent="tests.support.gateway_agents:held_agent", gateway_port=stack["gw"].port, group_size=1)
     w = spawn("services.gateway.agents_worker", "--worker-id", "agc",
-              env=env_for(stack["url"], keys, chat_dir, agent_concurrency=3))
+              env=env_for(stack["url"], keys, chat_dir, agent_concurrency=3, agent=cfg.agent,
+                          gateway_port=stack["gw"].port))
     try:
         for i in range(3):
             driver_agents.enqueue_group(cfg, client, keys, f"conc{i}", {**TASK, "hold": str(hold)}, 1)

@@ -30,6 +30,7 @@ def test_built_in_reward_is_inline_user_rewards_are_jobs():
 def test_slow_reward_does_not_delay_other_episodes_tokens(client, keys, tiny_model_dir, tools_worker):
     cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=48, tools="", flush_tokens=4, flush_ms=20.0,
                  step_delay_ms=40.0, reward_fn="tests.support.debug_tools:slow_reward", heartbeat_ttl=2.0)
+    tools_worker(cfg)
     enqueue(client, keys, [PromptGroup("slow", 1, prompt="5+5=", task={"sleep": 3}, sampling={"max_tokens": 2}),
                            PromptGroup("busy", 3, prompt="7+1=")])
     worker = make_worker(cfg, client)
@@ -48,6 +49,7 @@ def test_slow_reward_does_not_delay_other_episodes_tokens(client, keys, tiny_mod
 def test_raising_reward_fails_the_episode_and_the_group_is_published(client, keys, tiny_model_dir, tools_worker):
     cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=8, tools="",
                  reward_fn="tests.support.debug_tools:raising_reward")
+    tools_worker(cfg)
     enqueue(client, keys, [PromptGroup("bad", 2, prompt="1+1=", task={"raise": "boom"}),
                            PromptGroup("good", 1, prompt="1+2=")])
     worker = make_worker(cfg, client)
@@ -65,6 +67,7 @@ def test_raising_reward_fails_the_episode_and_the_group_is_published(client, key
 def test_group_aware_reward_scores_once_the_whole_group_has_generated(client, keys, tiny_model_dir, tools_worker):
     cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=16, tools="", temperature=1.0,
                  reward_fn="tests.support.debug_tools:longest_in_group")
+    tools_worker(cfg)
     assert rewards.load(cfg.reward_fn).group_aware and not rewards.load(cfg.reward_fn).inline
     enqueue(client, keys, [PromptGroup("g", 3, prompt="4+4=")])
     worker = make_worker(cfg, client)

@@ -59,6 +59,7 @@ def test_group_finishes_once_with_sample_and_ack(client, keys, tiny_model_dir):
 
 def test_tools_run_as_rq_jobs_and_errors_become_results(client, keys, scripted_dir, tools_worker):
     cfg = _cfg(keys, scripted_dir)
+    tools_worker(cfg)
     groups = [(p[0], 1) for p, _ in SCRIPTS if p[0] != "S"]
     enqueue(client, keys, [PromptGroup(g, 1, prompt=f"{g}:", task={"answer": "42"}) for g, _ in groups])
     worker = make_worker(cfg, client)
@@ -83,6 +84,7 @@ def test_tools_run_as_rq_jobs_and_errors_become_results(client, keys, scripted_d
 
 def test_tool_job_completes_during_a_pause(client, keys, scripted_dir, tools_worker):
     cfg = _cfg(keys, scripted_dir, tool_timeout=10.0)
+    tools_worker(cfg)
     enqueue(client, keys, [PromptGroup("S", 1, prompt="S:")])
     worker = make_worker(cfg, client)
     log = EpisodeLog(client, keys, "reader")
@@ -118,7 +120,7 @@ def test_a_takeover_with_a_tool_call_pending_reattaches_to_its_job_and_answers_i
     enqueued_at = Job.fetch(job_id, connection=client).enqueued_at
     client.delete(keys.alive("rollout", "A"))  # A is gone (what its heartbeat's TTL does after a kill -9)
     wait_claimable(client, keys, "A", cfg.heartbeat_ttl)
-    tools = start_tools_worker(redis_url, keys)
+    tools = start_tools_worker(redis_url, keys, cfg)
     try:
         b = make_worker(cfg, client, "B")
         tick_until(b, lambda: len(samples(client, keys)) == 1, timeout=90)

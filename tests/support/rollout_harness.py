@@ -19,16 +19,21 @@ from shared.protocol.keys import ROLLOUT_GROUP
 from tests.support.procs import spawn, stop, wait_until
 
 
-def start_tools_worker(redis_url, keys):
-    """A real rq worker process serving the run's tool queue (tool calls and reward jobs)."""
-    return spawn("services.rollout.jobs.tools_worker", "--run", keys.run, "--redis-url", redis_url, "--log-level", "warning")
+def start_tools_worker(redis_url, keys, cfg: Config | None = None):
+    """A real rq worker process serving the run's tool queue (tool calls and reward jobs): it runs only the tools
+    and the reward ``cfg`` names (the run's config), as a run's tools worker does."""
+    cfg = cfg or Config(run=keys.run)
+    return spawn("services.rollout.jobs.tools_worker", "--run", keys.run, "--redis-url", redis_url, "--log-level",
+                 "warning", "--tools", cfg.tools, "--reward-fn", cfg.reward_fn)
 
 
 @pytest.fixture
 def tools_worker(redis_url, keys):
-    proc = start_tools_worker(redis_url, keys)
-    yield proc
-    stop(proc)
+    """Call it with the test's config: ``tools_worker(cfg)`` starts the worker (stopped at the end)."""
+    procs = []
+    yield lambda cfg: procs.append(start_tools_worker(redis_url, keys, cfg)) or procs[-1]
+    for proc in procs:
+        stop(proc)
 
 
 def make_worker(cfg: Config, client, worker_id: str = "w1", engine=None) -> RolloutWorker:

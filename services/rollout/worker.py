@@ -34,6 +34,7 @@ from shared.protocol.keys import Keys
 from shared.runtime.config import Config
 from shared.runtime.connection import connect
 from shared.runtime.faults import crash_point
+from shared.runtime import weight_origins
 from shared.runtime.heartbeat import Heartbeat
 from shared.runtime.weight_server import WeightServer
 
@@ -62,6 +63,8 @@ class RolloutWorker:
         self.repack = Repacker(cfg, client, self.keys, worker_id, self.episodes, self.claims, self.log)  # long tails
         self.heartbeat = Heartbeat(client, self.keys, "rollout", worker_id, cfg.heartbeat_ttl)
         self.weights = LocalWeights(cfg, self.log)  # each version's file: the published one, or a download
+        # the token goes only where the run announced a weight server (not to a URL a control entry names)
+        self.weights.announced = lambda: weight_origins.announced(client, self.keys, cfg.weights_base_url)
         self.relay: WeightServer | None = None  # serves its verified copies to other workers (relay_port)
         self.sync = sync_modes.choose(cfg, self)  # how new versions arrive: commanded, rolling, pulled, lockstep
         self.control_cursor = "$"

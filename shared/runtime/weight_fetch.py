@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -26,6 +27,18 @@ from shared.runtime.weight_server import NAME, etag, file_name
 ATTEMPTS = 3  # transfers per fetch: the first, then resumes of a cut one
 CHUNK = 1 << 20
 PROGRESS_S = 5.0  # a long download logs how far it got this often
+
+
+def origin(url: str) -> str:
+    """``scheme://host:port`` of ``url`` (the default port filled in), '' when it has none."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    except ValueError:
+        return ""
+    if not parts.hostname or not port:
+        return ""
+    return f"{parts.scheme.lower()}://{parts.hostname.lower()}:{port}"
 
 
 class FetchError(ValueError):
@@ -44,8 +57,14 @@ class Fetched:
 
 
 def fetch(url: str, version: int, sha256: str, folder: str | Path, token: str = "", timeout: float = 60.0,
-          log=None, attempts: int = ATTEMPTS, relayed: bool = False) -> Fetched:
-    """Version ``version``'s file from ``url``, verified against ``sha256``, at ``folder/v<NNNNNN>.safetensors``."""
+          log=None, attempts: int = ATTEMPTS, relayed: bool = False, trusted: set[str] | None = None) -> Fetched:
+    """Version ``version``'s file from ``url``, verified against ``sha256``, at ``folder/v<NNNNNN>.safetensors``.
+    ``trusted``: the origins the token may be sent to (weight_origins.announced); a URL elsewhere is refused
+    before any request (None: no check, for callers that name the server themselves)."""
+    if token and trusted is not None and origin(url) not in trusted:
+        raise FetchError(f"weights v{version} from {url}: not an origin the run announced (the trainer's "
+                         f"weights_url, a version event's url, a live relay's heartbeat: {', '.join(sorted(trusted))}"
+                         f"); the weights token is not sent there")
     if not url:
         raise FetchError(f"weights v{version}: no url to fetch it from (the version event has none: the trainer "
                          f"serves weights only with weights_port > 0)")
@@ -65,8 +84,9 @@ def fetch(url: str, version: int, sha256: str, folder: str | Path, token: str = 
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         state = _Transfer(url, version, sha256, part, log)
         try:
+            # no redirects: the token goes to the announced origin and nowhere else
             with httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), headers=headers,
-                              follow_redirects=True) as client:
+                              follow_redirects=False) as client:
                 _download(client, state, attempts)
                 if state.hash.hexdigest() != sha256 and state.resumed_from > 0:
                     state.restart()  # the partial file it went on from was bad: once more, from the first byte

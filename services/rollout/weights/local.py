@@ -30,6 +30,7 @@ class LocalWeights:
         self.mode, self.folder, self.keep, self.token = (cfg.weights_fetch, cfg.rollout_weights_path,
                                                          cfg.rollout_weights_keep, cfg.weights_token)
         self.log = log
+        self.announced = None  # () -> the origins the token may go to (weight_origins.announced); set by the worker
         # which folder this worker downloads into, as the relay tree tells folders apart: host and path (workers on
         # one host with the same folder share each download: shared/protocol/relay_tree.py); in every heartbeat
         self.folder_id = f"{socket.gethostname()}:{self.folder.absolute()}"
@@ -185,9 +186,11 @@ class LocalWeights:
     def _download(self, version: int, sha256: str, url: str, relay: str) -> weight_fetch.Fetched:
         """From ``relay`` when given (another worker), else, or when that fails, from ``url`` (the trainer); a cut
         relay transfer's part file is resumed from the trainer (If-Range on the same sha256)."""
+        trusted = self.announced() if self.announced is not None else None
         if relay:
             try:
-                return weight_fetch.fetch(relay, version, sha256, self.folder, self.token, log=self.log, relayed=True)
+                return weight_fetch.fetch(relay, version, sha256, self.folder, self.token, log=self.log, relayed=True,
+                                          trusted=trusted)
             except weight_fetch.FetchError as exc:
                 with self._lock:
                     self.stats["relay_failures"] += 1
@@ -195,7 +198,7 @@ class LocalWeights:
                     raise
                 self.log.warning("relay fetch failed; fetching from the trainer", version=version, relay=relay,
                                  error=str(exc))
-        return weight_fetch.fetch(url, version, sha256, self.folder, self.token, log=self.log)
+        return weight_fetch.fetch(url, version, sha256, self.folder, self.token, log=self.log, trusted=trusted)
 
     def _verified(self, version: int, path: Path, sha256: str) -> Path:
         key = _stat_key(path)

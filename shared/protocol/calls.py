@@ -22,6 +22,7 @@ from typing import Any
 
 import msgpack
 
+from shared.protocol import sampling
 from shared.protocol.events import EventError
 from shared.protocol.keys import Keys
 
@@ -99,6 +100,9 @@ def decode_request(entry_id, fields: dict) -> CallRequest:
         raise EventError(entry_id, "data.prompt_ids", "expected a non-empty list of non-negative ints")
     if not isinstance(data.get("sampling"), dict) or "max_tokens" not in data["sampling"]:
         raise EventError(entry_id, "data.sampling", "expected a map with max_tokens")
+    sampling.check(entry_id, "data.sampling", data["sampling"])
+    if not isinstance(data.get("messages", ""), str):
+        raise EventError(entry_id, "data.messages", "expected str")
     if not isinstance(data.get("extends"), int) or not isinstance(data.get("digest"), str):
         raise EventError(entry_id, "data.extends", "expected int 'extends' and str 'digest'")
     return CallRequest(episode_id, data["digest"], data["extends"], ids, data["sampling"],

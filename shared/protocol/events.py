@@ -46,6 +46,8 @@ Writing an episode by hand (redis-cli + the msgpack library only):
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,7 +179,7 @@ def encode(event: Event) -> dict[str, bytes | str]:
 
 
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def _header_int(entry_id: str, fields: dict, name: str) -> int:
@@ -238,6 +240,12 @@ def decode(entry_id: Any, fields: dict) -> Event:
             data[name] = _unpack_array(entry_id, f"data.{name}", value, "<f4", float)
         elif not isinstance(value, _CHECKS[typ]) or (typ in ("int", "float") and isinstance(value, bool)):
             raise EventError(entry_id, f"data.{name}", f"expected {typ}, got {type(value).__name__}")
+        elif typ == "float" and not math.isfinite(value):
+            raise EventError(entry_id, f"data.{name}", f"expected a finite number, got {value}")
+        elif name == "sampling":
+            from shared.protocol import sampling  # (it imports EventError from here)
+
+            sampling.check(entry_id, f"data.{name}", value)
     if kind == "tokens" and len(data["ids"]) != len(data["logprobs"]):
         raise EventError(entry_id, "data.logprobs",
                          f"{len(data['logprobs'])} log-probs for {len(data['ids'])} token ids")

@@ -18,9 +18,11 @@ from typing import Any
 
 import msgpack
 
-from shared.protocol import once
+from shared.protocol import once, sampling
 from shared.protocol.routing import node_of
 from shared.protocol.events import EventError
+
+MAX_GROUP = 4096  # episodes in one group at most (a poison n of 10**9 would take a worker's memory)
 
 _ENQUEUE = """
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
@@ -67,10 +69,10 @@ def decode_group(entry_id, fields: dict) -> PromptGroup:
         raise EventError(entry_id, "v", f"unknown prompt schema version {_s(f['v'])!r}; expected '1'")
     try:
         n = int(_s(f.get("n", "")))
-        if n < 1:
+        if not 1 <= n <= MAX_GROUP:
             raise ValueError
     except ValueError:
-        raise EventError(entry_id, "n", f"expected an integer >= 1, got {_s(f.get('n'))!r}") from None
+        raise EventError(entry_id, "n", f"expected an integer >= 1 and <= {MAX_GROUP}, got {_s(f.get('n'))!r}") from None
     try:
         data = msgpack.unpackb(f["data"], raw=False) if "data" in f else None
     except Exception as exc:
@@ -90,6 +92,14 @@ def decode_group(entry_id, fields: dict) -> PromptGroup:
     for name in ("task", "sampling"):
         if not isinstance(data.get(name, {}), dict):
             raise EventError(entry_id, f"data.{name}", "expected a map")
+    sampling.check(entry_id, "data.sampling", data.get("sampling", {}))
+    if isinstance(prompt, list):
+        for i, m in enumerate(prompt):
+            content = m.get("content")
+            if not (content is None or isinstance(content, str) or (isinstance(content, list) and all(
+                    isinstance(part, dict) for part in content))):
+                raise EventError(entry_id, f"data.prompt[{i}].content", f"expected text, a list of parts or "
+                                                                        f"nothing, got {type(content).__name__}")
     return PromptGroup(group_id, n, prompt, ids, data.get("task", {}), data.get("sampling", {}), entry_id)
 
 

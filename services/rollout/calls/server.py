@@ -57,6 +57,7 @@ CLAIM_RECHECK_S = 1.0  # claims follow the wake read; this only bounds the wait 
 class CallServer:
     def __init__(self, cfg, client: redis.Redis, worker_id: str, engine, tokenizer, log):
         self.cfg, self.client, self.worker_id, self.engine = cfg, client, worker_id, engine
+        self.vocab = len(tokenizer)  # token ids at or above it would crash the engine
         self.log = log.bind(part="calls")
         self.keys = Keys(cfg.run)
         self.events = CallLog(client, self.keys, worker_id, cfg.flush_tokens, cfg.flush_ms)
@@ -121,6 +122,9 @@ class CallServer:
     def _open(self, entry_id, fields, takeover_from: str | None = None) -> None:
         try:
             req = decode_request(entry_id, fields)
+            if max(req.prompt_ids) >= self.vocab:  # a poison entry's ids would crash the engine
+                raise EventError(req.entry_id, "data.prompt_ids", f"token id {max(req.prompt_ids)} is not below "
+                                                                  f"the tokenizer's {self.vocab}")
             ep = fold(self.events.read(req.episode_id))
         except EventError as exc:
             self._dead_letter(entry_id, str(exc))

@@ -109,6 +109,10 @@ class Episodes:
         self.events.open(episode_id)
         self._append(live, "started", {"episode_id": episode_id, "group_id": group.group_id, "index": index,
                                        "prompt_ids": live.prompt_ids, "sampling": params.to_dict(), "task": group.task})
+        if any(i >= len(self.tok) for i in live.prompt_ids):  # a poison entry's ids: the episode fails, not the worker
+            self._fail(live, f"prompt token id {max(live.prompt_ids)} is not below the tokenizer's {len(self.tok)} "
+                             f"(prompt group entry {group.entry_id})", "prompt")
+            return None
         if len(live.prompt_ids) + 1 > self.engine.max_model_len:
             self._fail(live, f"prompt of {len(live.prompt_ids)} tokens does not fit the model's context of "
                              f"{self.engine.max_model_len} tokens (prompt group entry {group.entry_id})", "prompt")

@@ -300,6 +300,10 @@ def cmd_config(cfg, args) -> int:
     from shared.runtime.configdoc import render
 
     _, sources = config_sources.from_args(args, with_sources=True)
+    if not args.show_secrets:
+        from shared.runtime.secrets import redacted
+
+        cfg = redacted(cfg)
     if args.json:
         print(json.dumps({k: {"value": getattr(cfg, k), "source": sources.get(k, "default")}
                           for k in configmod.FIELDS}, indent=2))
@@ -375,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("config", cmd_config, "print the effective config, each key with where its value came from (file, "
                                   "environment, flag, default), as TOML a --config file can hold", None)
     p.add_argument("--json", action="store_true", help="machine-readable: {key: {value, source}}")
+    p.add_argument("--show-secrets", action="store_true", help="print the gateway key, the weights token and the "
+                                                               "Redis password too (redacted by default)")
     p = add("check", cmd_check, "count what exactly-once forbids in a run: groups lost, finished or trained "
                                 "twice, tokens generated again (exit 1 when a count that must be 0 is not)")
     p.add_argument("--json", action="store_true", help="machine-readable output")

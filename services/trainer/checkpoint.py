@@ -38,6 +38,8 @@ def atomic_write(path: Path, write) -> None:
     """``write(tmp_path)``, fsync, rename over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))  # the owner's only, from the start
+    os.chmod(tmp, 0o600)
     write(tmp)
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
@@ -79,9 +81,9 @@ def load(directory: Path) -> dict | None:
     path = directory / "checkpoint.pt"
     if not path.exists():
         return None
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data: no pickle code
     if "optimizer" in state:
         return state | {"optimizer_version": state["version"]}
     opt_path = directory / "optimizer.pt"
-    opt = torch.load(opt_path, map_location="cpu", weights_only=False) if opt_path.exists() else None
+    opt = torch.load(opt_path, map_location="cpu", weights_only=True) if opt_path.exists() else None
     return state | {"optimizer": opt and opt["optimizer"], "optimizer_version": opt and opt["version"]}

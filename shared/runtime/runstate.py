@@ -22,6 +22,7 @@ import redis
 from shared.protocol.keys import Keys
 from shared.protocol.ledger import read_ledger
 from shared.runtime.connection import redact
+from shared.runtime.secrets import private_dir
 
 MARKER = "run.json"  # in the run's folder: which run (id) this folder's state belongs to
 
@@ -42,8 +43,7 @@ def read_marker(run_path: Path) -> dict | None:
 
 def write_marker(run_path: Path, meta: dict, redis_url: str) -> None:
     """Atomic (several processes of one run write the same content at once)."""
-    run_path = Path(run_path)
-    run_path.mkdir(parents=True, exist_ok=True)
+    run_path = private_dir(run_path)  # 0700: the run's Redis data, checkpoints and secrets are in it
     tmp = run_path / f".{MARKER}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
     body = {k: meta[k] for k in ("run", "id", "created") if k in meta}
     tmp.write_text(json.dumps({**body, "redis": redact(redis_url)}) + "\n")

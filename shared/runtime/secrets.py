@@ -134,6 +134,14 @@ def apply(cfg):
     return (cfg.replace(**changes) if changes else cfg), changes
 
 
+def redacted(cfg):
+    """``cfg`` with its secrets shown as ``***`` (the Redis password inside redis_url / rq_redis_url too)."""
+    from shared.runtime.connection import redact
+
+    return cfg.replace(**{k: REDACTED for k in CONFIG_KEYS if getattr(cfg, k)},
+                       redis_url=redact(cfg.redis_url), rq_redis_url=redact(cfg.rq_redis_url))
+
+
 def episode_key(api_key: str, episode_id: str) -> str:
     """The bearer key of one agent episode: only that episode's calls are accepted with it (an agent never holds
     the gateway's own key, so it cannot call into other episodes)."""

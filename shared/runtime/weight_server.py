@@ -65,6 +65,14 @@ class Digests:
             return self._known[key]
 
 
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path``, its links followed, is in ``folder`` (its links followed too)."""
+    try:
+        return path.resolve().is_relative_to(folder.resolve())
+    except OSError:
+        return False
+
+
 def make_app(directory: str | Path, token: str = "", resolve=None) -> Starlette:
     """``resolve(name) -> (Path, sha256 hex) | None`` (a relay: a rollout worker's verified copies, wherever they
     are, with the digest it verified them against: not hashed again) replaces the lookup of ``name`` in
@@ -90,6 +98,8 @@ def make_app(directory: str | Path, token: str = "", resolve=None) -> Starlette:
             st = None
         if st is None or not path.is_file():
             return PlainTextResponse(f"no {name} here (not published yet, or pruned)\n", 404)
+        if resolve is None and not _inside(path, folder):  # a symlink out of the folder: not served
+            return PlainTextResponse(f"{name} is a link out of the served folder; not served\n", 404)
         if digest is None:
             digest = await anyio.to_thread.run_sync(digests.of, path, st)
         headers = {"etag": etag(digest),

@@ -122,6 +122,12 @@ def _inject_garbage(run: LiveRun) -> dict[str, list[tuple[str, str]]]:
                                       stdin=b"\xc1\xff not msgpack"), "msgpack"))
     got[k.prompts].append((run.client.xadd(k.prompts, {"group_id": "junk3", "n": "2", "data": msgpack.packb(
         {"prompt": 42})}).decode(), "data.prompt"))
+    # well-formed entries with poison inside (issue 34): a worker that met them crashed, and again on every restart
+    got[k.prompts].append((run.client.xadd(k.prompts, {"group_id": "junk4", "n": "2", "v": "1", "data": msgpack.packb(
+        {"prompt": "1+1=", "sampling": {"temperature": "hot"}})}).decode(), "data.sampling.temperature"))
+    got[k.calls] = [(run.client.xadd(k.calls, {"episode_id": "nobody-0", "call": "0", "v": "1", "data": msgpack.packb(
+        {"digest": "d", "extends": -1, "prompt_ids": [1, 2], "messages": "",
+         "sampling": {"max_tokens": 4, "temperature": float("nan")}})}).decode(), "data.sampling.temperature")]
     got[k.samples].append((_redis_cli(run, "XADD", k.samples, "*", "garbage", "1"), "group_id"))
     got[k.samples].append((_redis_cli(run, "XADD", k.samples, "*", "group_id", "nope"), "episodes"))
     got[k.control].append((_redis_cli(run, "XADD", k.control, "*", "type", "cmd", "cmd", "explode", "sync", "x"),

@@ -24,6 +24,7 @@ from services.rollout.engine import Chunk, EngineError, SamplingParams
 from services.rollout.episodes.live import stable_seed
 from shared.protocol.calls import CallRequest, decode_request
 from shared.protocol.episode_log import Fenced
+from shared.protocol import dead_letters
 from shared.protocol.events import EventError
 from shared.protocol.fold import fold
 from shared.protocol.keys import ROLLOUT_GROUP as GROUP, Keys
@@ -268,8 +269,7 @@ class CallServer:
     def _dead_letter(self, entry_id, reason: str) -> None:
         entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         self.log.error("bad call request sent to dead letters", entry=entry_id, reason=reason)
-        self.client.xadd(self.keys.dead_letters, {"stream": self.keys.calls, "entry": entry_id, "reason": reason,
-                                                  "by": self.worker_id})
+        dead_letters.send(self.client, self.keys, self.keys.calls, entry_id, reason, self.worker_id)  # once
 
     def _take_over(self) -> None:
         room = self.cfg.max_calls_in_flight - len(self.live)

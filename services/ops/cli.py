@@ -20,6 +20,7 @@ from shared.runtime import config as configmod
 from shared.runtime import config_sources
 from shared.runtime import runstate
 from shared.runtime.connection import connect, is_cluster, redact
+from shared.runtime.secrets import cli_auth, redacted
 from shared.protocol.events import EventError
 from shared.protocol.keys import Keys
 
@@ -223,14 +224,8 @@ def cmd_redis_cli(cfg, args) -> int:
     url, cluster = cfg.redis_url, []
     if is_cluster(url):  # redis-cli takes a node's plain URL, and -c to follow the cluster's redirects
         url, cluster = url.replace("+cluster://", "://", 1), ["-c"]
-    from urllib.parse import unquote, urlsplit
-
-    from shared.runtime.secrets import without_password
-
-    env = dict(os.environ)
-    if urlsplit(url).password:  # in the environment, not on the command line (`ps` shows argv to every user)
-        env["REDISCLI_AUTH"] = unquote(urlsplit(url).password)
-    os.execve(binary, [binary, "-u", without_password(url), "--no-auth-warning", *cluster, *rest], env)
+    url, auth = cli_auth(url)  # the password in the environment, not on the command line
+    os.execve(binary, [binary, "-u", url, "--no-auth-warning", *cluster, *rest], {**os.environ, **auth})
 
 
 def cmd_schema(cfg, args) -> int:
@@ -300,10 +295,7 @@ def cmd_config(cfg, args) -> int:
     from shared.runtime.configdoc import render
 
     _, sources = config_sources.from_args(args, with_sources=True)
-    if not args.show_secrets:
-        from shared.runtime.secrets import redacted
-
-        cfg = redacted(cfg)
+    cfg = cfg if args.show_secrets else redacted(cfg)
     if args.json:
         print(json.dumps({k: {"value": getattr(cfg, k), "source": sources.get(k, "default")}
                           for k in configmod.FIELDS}, indent=2))
@@ -314,13 +306,9 @@ def cmd_config(cfg, args) -> int:
 
 def cmd_drive(cfg, args) -> int:
     from services.driver.driver import drive
-    from shared.runtime import secrets
+    from shared.runtime.secrets import connect_run
 
-    try:
-        connect(cfg.redis_url, wait=cfg.redis_wait).close()
-    except redis.exceptions.AuthenticationError:  # under `honcho start`: `streamrl redis` made the run's secrets
-        cfg = secrets.apply(cfg)[0]  # after this process read its config
-    return drive(cfg)
+    return drive(connect_run(cfg)[0])  # (honcho start: `streamrl redis` may make the run's secrets just now)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -379,8 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("config", cmd_config, "print the effective config, each key with where its value came from (file, "
                                   "environment, flag, default), as TOML a --config file can hold", None)
     p.add_argument("--json", action="store_true", help="machine-readable: {key: {value, source}}")
-    p.add_argument("--show-secrets", action="store_true", help="print the gateway key, the weights token and the "
-                                                               "Redis password too (redacted by default)")
+    p.add_argument("--show-secrets", action="store_true", help="print the secrets too (redacted by default)")
     p = add("check", cmd_check, "count what exactly-once forbids in a run: groups lost, finished or trained "
                                 "twice, tokens generated again (exit 1 when a count that must be 0 is not)")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -71,7 +71,7 @@ class Config:
     gateway_host: str = "127.0.0.1"  # the gateway listens here (loopback by default)
     gateway_port: int = 8321  # ... on this port
     gateway_url: str = ""  # how agents reach a gateway; empty: http://gateway_host:gateway_port
-    gateway_api_key: str = ""  # when set, the gateway asks for it as the bearer token
+    gateway_api_key: str = ""  # the gateway's bearer key; empty: the run's secrets file's (streamrl run makes one); agents get per-episode keys derived from it (docs/security.md)
     gateway_timeout: float = 60.0  # seconds a non-streaming call is held before a 503 asking the client to retry
     # trainer
     batch_groups: int = 8  # prompt groups per optimizer step
@@ -109,7 +109,7 @@ class Config:
     weights_host: str = "127.0.0.1"  # the trainer's weight server listens here (loopback by default; 0.0.0.0 for workers on other hosts)
     weights_port: int = 0  # ... on this port: HTTP GET (with ranges) and HEAD of the files in weights_dir; 0: no server (workers read weights_dir)
     weights_url: str = ""  # the weight server's address as rollout workers reach it, put in each version event; empty: http://weights_host:weights_port
-    weights_token: str = ""  # when set, the weight server asks for it as the bearer token; rollout workers send it
+    weights_token: str = ""  # the weight server's bearer token, sent by rollout workers to announced origins only; empty: the run's secrets file's (streamrl run makes one)
     fetch_timeout: float = 120.0  # seconds the syncer waits for every worker to hold a version's file (downloaded, verified) before it pauses them; a slower one then gets it inside its own pause
     sync_mode: str = "global"  # how a version reaches the rollout workers (async mode): global (fetch, then pause every worker, load, resume) | rolling (fetch, then pause/load/resume one wave of at most max_loading workers at a time, so generation never stops; the gate opens once every worker runs the version) | pull (the syncer only opens the gate; each worker downloads an announced version itself, from its relay parent or the trainer, while it generates, and loads it at a cheap point of its own under a lease of at most max_loading workers)
     max_loading: int = 1  # sync_mode rolling and pull: at most this many rollout workers paused (loading) at once

@@ -142,6 +142,31 @@ def redacted(cfg):
                        redis_url=redact(cfg.redis_url), rq_redis_url=redact(cfg.rq_redis_url))
 
 
+def connect_run(cfg, wait: float | None = None):
+    """(cfg, client) for the run's Redis. Under ``honcho start`` every process starts at once and ``streamrl
+    redis`` may write the run's secrets after this process read its config: a refused password reads them again,
+    once."""
+    import redis
+
+    from shared.runtime.connection import connect
+
+    wait = cfg.redis_wait if wait is None else wait
+    try:
+        return cfg, connect(cfg.redis_url, wait=wait)
+    except redis.exceptions.AuthenticationError:
+        cfg = apply(cfg)[0]
+        return cfg, connect(cfg.redis_url, wait=wait)
+
+
+def cli_auth(url: str) -> tuple[str, dict]:
+    """(``url`` without its password, environment for redis-cli): the password goes in REDISCLI_AUTH, never on
+    a command line (``ps`` shows argv to every user)."""
+    from urllib.parse import unquote
+
+    password = urlsplit(url).password
+    return without_password(url), ({"REDISCLI_AUTH": unquote(password)} if password else {})
+
+
 def episode_key(api_key: str, episode_id: str) -> str:
     """The bearer key of one agent episode: only that episode's calls are accepted with it (an agent never holds
     the gateway's own key, so it cannot call into other episodes)."""

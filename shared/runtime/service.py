@@ -51,11 +51,7 @@ class Service:
         signal.signal(signal.SIGINT, self._stop)
         sys.excepthook = self._excepthook
         self.log.info("connecting", redis=redact(self.cfg.redis_url))
-        try:
-            self.client: redis.Redis = connect(self.cfg.redis_url, wait=self.cfg.redis_wait)
-        except redis.exceptions.AuthenticationError:  # under `honcho start` `streamrl redis` may have written
-            self.cfg = secrets.apply(self.cfg)[0]  # the run's secrets after this process read its config
-            self.client = connect(self.cfg.redis_url, wait=self.cfg.redis_wait)
+        self.cfg, self.client = secrets.connect_run(self.cfg)  # (honcho start: `streamrl redis` makes the secrets)
         try:
             self.meta = runstate.bind(self.client, self.keys, self.cfg.run_path, self.cfg.redis_url)
         except runstate.RunStateError as exc:

@@ -67,6 +67,9 @@ def _named_function(item) -> bool:
         isinstance(item["function"].get("name"), str)
 
 
+from services.gateway import schema  # noqa: E402 (it imports GatewayError from here)
+
+
 class Gateway:
     def __init__(self, cfg, client, tokenizer, max_model_len: int, model_names: list[str], log):
         self.cfg, self.client, self.tok, self.log = cfg, client, tokenizer, log
@@ -142,6 +145,7 @@ class Gateway:
 
     # --- making the call
     def prepare_chat(self, episode_id: str, body: Any) -> Prepared:
+        schema.check(body, schema.Chat)
         sampling = self._common(body)
         messages, tools = self._messages(body)
         dg = digest("chat", {"messages": [canonical(m) for m in messages], "tools": tools, "sampling": sampling})
@@ -168,6 +172,7 @@ class Gateway:
                         self.model_names[0])
 
     def prepare_completion(self, episode_id: str, body: Any) -> Prepared:
+        schema.check(body, schema.Completion)
         sampling = self._common(body)
         prompt = body.get("prompt")
         if isinstance(prompt, str) and prompt:

@@ -85,7 +85,7 @@ def _post(http, body, episode="g-0", raw=None):
     ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
     ({"messages": []}, 400, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools[0].function"),
     ({"messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),  # over the 160-token context
 ])
 def test_bad_requests_name_the_field(http, client, keys, body, status, param):

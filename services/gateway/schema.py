@@ -1,0 +1,83 @@
+"""The shape of a request body, checked with pydantic before any field is used: each field the gateway reads
+has its JSON type (strict: true is not a number, "1" is not an integer; numbers finite), every other field is
+let through as OpenAI clients send many. The first problem is a 400 naming the field
+(``messages[0].tool_calls``); ranges and meanings are checked after (``core.py``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from services.gateway.core import GatewayError
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class Function(_Open):
+    name: str
+
+
+class Named(_Open):  # a tool, or a tool call: {"type": "function", "function": {"name": ...}}
+    function: Function
+
+
+class Message(_Open):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[Named] | None = None
+
+
+class _Common(_Open):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = None
+    stream: bool | None = None
+    logprobs: bool | None = None
+    stop: str | list[str] | None = None
+    stream_options: dict[str, Any] | None = None
+
+
+class Chat(_Common):
+    messages: list[Message]
+    tools: list[Named] | None = None
+
+
+class Completion(_Common):
+    prompt: str | list[int]
+
+
+_TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none")
+
+
+def _param(loc: tuple) -> str:
+    """pydantic's error location as the field's path (``messages[0].role``); a union's type tags left out."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part.lower().split("-")[0] in _TYPE_TAGS:
+            break
+        else:
+            out += f".{part}" if out else part
+    return out or "body"
+
+
+def check(body: Any, kind: type[_Open]) -> None:
+    """GatewayError 400 naming the first field of ``body`` whose type is wrong for a ``kind`` request."""
+    if not isinstance(body, dict):
+        raise GatewayError(400, "request body: expected a JSON object", None, "invalid_type")
+    try:
+        kind.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        param = _param(err["loc"])
+        got = json.dumps(err.get("input"), default=str)[:80] if err["type"] != "missing" else "nothing"
+        raise GatewayError(400, f"{param}: {err['msg'][0].lower()}{err['msg'][1:]} (got {got})", param,
+                           "invalid_type") from None

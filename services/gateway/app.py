@@ -61,8 +61,10 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
             return _error(GatewayError(401, "authorization: missing or wrong API key (Bearer token; an agent "
                                             "episode's key is good for its own episode only)", None,
                                        "invalid_api_key"))
-        if int(request.headers.get("content-length") or 0) > MAX_BODY:
-            return _error(GatewayError(413, f"request body: more than {MAX_BODY} bytes", None, "body_too_large"))
+        length = request.headers.get("content-length") or "0"
+        if not length.isdigit() or int(length) > MAX_BODY:  # (a length that is no number: h11 stops it first)
+            return _error(GatewayError(413, f"request body: Content-Length {length[:20]}: expected at most "
+                                            f"{MAX_BODY} bytes", None, "body_too_large"))
         try:
             return await call_next(request)
         except GatewayError as exc:

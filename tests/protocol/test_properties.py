@@ -148,11 +148,16 @@ def test_episode_events_written_to_a_stream_fold_back_to_the_episode(client, key
 
 chat = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": text}),
                 min_size=1, max_size=3)
+# sampling as the codecs accept it (shared/protocol/sampling.py; tests/protocol/test_poison.py feeds them the rest)
+sampling_maps = st.fixed_dictionaries({}, optional={
+    "temperature": st.floats(0, 100), "top_p": st.floats(0, 1, exclude_min=True), "top_k": st.integers(0, 1000),
+    "max_tokens": st.integers(1, 4096), "seed": st.integers(-2**63, 2**64 - 1),
+    "stop_token_ids": st.lists(st.integers(0, 2**31 - 1), max_size=4)})
 prompt_groups = st.builds(
     lambda gid, n, prompt, task, sampling: PromptGroup(gid, n, prompt[0], prompt[1], task, sampling),
     ids_text, st.integers(1, 64),
     st.one_of(st.tuples(text | chat, st.none()), st.tuples(st.none(), st.lists(st.integers(0, 2**32 - 1), max_size=8))),
-    msgpack_maps, msgpack_maps)
+    msgpack_maps, sampling_maps)
 
 
 @FIXTURES
@@ -274,7 +279,7 @@ call_requests = st.builds(
                                                                            messages),
     st.sampled_from(["e1", "e2"]), text, st.integers(-1, 20), st.lists(st.integers(0, 2**32 - 1), min_size=1,
                                                                         max_size=8),
-    st.builds(lambda extra, max_tokens: {**extra, "max_tokens": max_tokens}, msgpack_maps, st.integers(1, 4096)),
+    st.builds(lambda extra, max_tokens: {**extra, "max_tokens": max_tokens}, sampling_maps, st.integers(1, 4096)),
     text)
 
 

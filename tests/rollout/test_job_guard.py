@@ -52,3 +52,14 @@ def test_a_live_tools_worker_refuses_os_system_and_runs_nothing(redis_url, clien
         stop(proc)
     refused = [line for line in log.read_text().splitlines() if "job refused" in line]
     assert len(refused) == 3 and "os.system" in refused[0]
+
+
+def test_the_agents_worker_runs_only_the_runs_agent():
+    from services.gateway.agents_worker import RUN_EPISODE, allowed as agent_rules
+
+    rules = agent_rules(Config(run="r", agent="examples.calc:agent"))
+    assert refusal(RUN_EPISODE, ({"run": "r", "agent": "examples.calc:agent"},), {}, (), rules) is None
+    assert "is not this run's" in refusal(RUN_EPISODE, ({"run": "r", "agent": "os:system"},), {}, (), rules)
+    assert "is not this run's" in refusal(RUN_EPISODE, ({"run": "other", "agent": "examples.calc:agent"},), {}, (),
+                                          rules)
+    assert "spec" in refusal(RUN_EPISODE, ("x",), {}, (), rules)

@@ -113,9 +113,10 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None, 
         if ended():
             export_at_end(cfg)
             restarts = {name: r for name, (_, r) in keep_processes(pid_dir).items()}
-            end_of_run_check(cfg, env["REDIS_URL"], restarts)  # last: the lines a person reads when the run is over
+            own_url = server.url if server else env["REDIS_URL"]  # the runner's own: with the run's password
+            end_of_run_check(cfg, own_url, restarts)  # last: the lines a person reads when the run is over
             if chaos is not None:
-                print_chaos(cfg, env["REDIS_URL"], chaos, restarts, time.time() - started)
+                print_chaos(cfg, own_url, chaos, restarts, time.time() - started)
     finally:
         stop_watch.set()
         if server:
@@ -139,7 +140,7 @@ def end_of_run_check(cfg: Config, redis_url: str, restarts: dict[str, int] | Non
     from shared.protocol.keys import Keys
     from shared.runtime.connection import connect
 
-    client = connect(secrets.apply(cfg.replace(redis_url=redis_url))[0].redis_url, wait=10)
+    client = connect(redis_url, wait=10)
     rq_client = connect(cfg.rq_redis_url, wait=10) if cfg.rq_redis_url else None
     report = check(read_run(client, Keys(cfg.run), cfg.run_path, rq_client, cfg))
     restarted = ", ".join(f"{name} {n}" for name, n in sorted((restarts or {}).items()) if n) or "none"

@@ -137,8 +137,9 @@ def end_of_run_check(cfg: Config, redis_url: str, restarts: dict[str, int] | Non
     rq_client = connect(cfg.rq_redis_url, wait=10) if cfg.rq_redis_url else None
     report = check(read_run(client, Keys(cfg.run), cfg.run_path, rq_client, cfg))
     restarted = ", ".join(f"{name} {n}" for name, n in sorted((restarts or {}).items()) if n) or "none"
+    *rows, verdict = format_report(report, cfg.run).split("\n")
     print("streamrl run: streamrl check at the end of the run (groups still in flight are not lost):\n"
-          + format_report(report, cfg.run) + f"\nprocesses restarted: {restarted}", file=sys.stderr, flush=True)
+          + "\n".join([*rows, f"  processes restarted: {restarted}", verdict]), file=sys.stderr, flush=True)
 
 
 def export_at_end(cfg: Config) -> None:

@@ -432,8 +432,9 @@ def inject(data: RunData, fault: str, group: str, amount: int) -> dict[str, int]
                                                    if eid.rsplit("-", 1)[0] == group)}
     if fault == "repack hand-over unmarked":
         entries = data.episodes[f"{group}-0"]
-        hand_over = raw([Event("aborted", 0, "S", 2, {"reason": "repack", "num_tokens": 0}),
-                         Event("resumed", 0, "T", 3, {"num_tokens": 0})])
+        n = episode_stats(entries).policy_tokens  # where the hand-over happened: after every token so far
+        hand_over = raw([Event("aborted", 0, "S", 2, {"reason": "repack", "num_tokens": n}),
+                         Event("resumed", 0, "T", 3, {"num_tokens": n})])
         data.episodes[f"{group}-0"] = entries[:2] + [(f"99{i}-1", f) for i, (_, f) in enumerate(_entries(hand_over))] \
             + [(entries[2][0], {**entries[2][1], "seq": b"4"})]
         return {"repacks_unmarked": 1}

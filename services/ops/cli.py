@@ -382,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         logs.setup(cfg.log_level)
         return args.func(cfg, args) or 0
     except (CLIError, configmod.ConfigError, EventError, runstate.RunStateError) as exc:
-        print(f"streamrl {args.command}: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():  # a preflight finds several problems: one line each
+            print(f"streamrl {args.command}: {line}", file=sys.stderr)
         return 2
     except redis.exceptions.RedisError as exc:
         print(f"streamrl {args.command}: Redis error: {exc}", file=sys.stderr)

@@ -17,7 +17,7 @@ from pathlib import Path
 from honcho.environ import parse_procfile
 from honcho.manager import Manager
 
-from shared.runtime.config import Config
+from shared.runtime.config import Config, ConfigError
 from shared.runtime.connection import redact
 from services.driver.driver import ENDED
 from services.ops.redis_server import EmbeddedRedis
@@ -42,6 +42,20 @@ def archive_ended_run(cfg: Config, who: str = "streamrl run") -> Path | None:
     return dest
 
 
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout streamrl runs from: its Procfile
+
+
+def find_procfile(procfile: str) -> Path:
+    """``procfile`` as given, else (a relative name not found here) the same name at the package's root."""
+    path = Path(procfile)
+    if path.exists():
+        return path
+    if not path.is_absolute() and (PACKAGE_ROOT / path).exists():
+        return PACKAGE_ROOT / path
+    raise ConfigError(f"--procfile {procfile}: no such file in {Path.cwd()}"
+                      + ("" if path.is_absolute() else f" nor in streamrl's checkout {PACKAGE_ROOT}"))
+
+
 def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str, dict]]:
     """(process name, command, its own config keys) for each process to start from the Procfile's ``entries``:
     the redis line is the runner's own server, the agent lines only with an agent; ``rollout`` and ``agents``
@@ -60,17 +74,19 @@ def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str, dict
 
 
 def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) -> int:
-    path = Path(procfile)
-    if not path.exists():
-        raise FileNotFoundError(f"no Procfile at {path.resolve()}")
+    path = find_procfile(procfile)
     entries = parse_procfile(path.read_text()).processes
+    from services.ops import preflight
     from services.ops.tiny_model import ensure_model
 
     ensure_model(cfg)  # before anything starts: a model_dir that does not resolve is one line, nothing to clean up
+    preflight.check(cfg)  # every problem found from files and imports, one line each; nothing under runs/ yet
     server = None
     # every process gets the very same config: each key as STREAMRL_<KEY>
     env = {**os.environ, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
     env.pop("STREAMRL_CONFIG", None)
+    # the Procfile's lines call `streamrl` and `python`: this interpreter's, even when its venv is not activated
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if cfg.device == "cpu":  # several torch processes share the cores: one thread each, not N fighting over N
         env.setdefault("OMP_NUM_THREADS", "1")  # (measured: a tiny model's decode step 4 ms vs 42 ms on 2 cores)
     for f in fields(Config):

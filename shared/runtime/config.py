@@ -122,7 +122,7 @@ class Config:
     # the run (driver)
     dataset: str = "arithmetic"  # built-in task, a .jsonl / .json / .parquet / .csv file, or a hub dataset name (local cache when offline)
     dataset_split: str = "train"  # split of a hub dataset to train on
-    prompt_key: str = "prompt"  # column holding the prompt: text or chat messages; a 'messages' column is used when this one is absent
+    prompt_key: str = "prompt"  # column holding the prompt: text or chat messages; with the default 'prompt', a 'messages' column is used when there is none (a key you name must exist)
     answer_key: str = "answer"  # column holding the ground truth (handed to the reward as task['answer']); optional with chat rows
     shuffle: bool = True  # shuffle the training rows with the run's seed, again every epoch
     epochs: int = 0  # passes over the training rows, then the run ends once they are trained; 0: cycle until max_versions / max_minutes

@@ -18,6 +18,7 @@ from honcho.environ import parse_procfile
 from honcho.manager import Manager
 
 from shared.runtime.config import Config, ConfigError
+from shared.runtime import runstate
 from shared.runtime.connection import redact
 from services.driver.driver import ENDED
 from services.ops.redis_server import EmbeddedRedis
@@ -27,17 +28,25 @@ AGENT_PROCESSES = ("gateway", "agents")  # Procfile lines started only when conf
 
 
 def archive_ended_run(cfg: Config, who: str = "streamrl run") -> Path | None:
-    """A run the driver ended is done: move its folder aside (runs/<run>.<time>), its Redis data with it, so
-    this one starts afresh. A run that was interrupted (no ENDED file) is continued from its streams and
+    """A run the driver ended is done: move its folder aside (runs/<run>.<time>), its Redis data with it, and its
+    weights folder (the default one, keyed by its id) into it as ``weights/``, so this one starts afresh and
+    nothing of the ended run is lost; nothing of another run (another id) is touched. A run that was interrupted (no ENDED file) is continued from its streams and
     checkpoint instead. The one rule for `streamrl run` and `honcho start` (whose `streamrl redis` calls it)."""
     if not (cfg.run_path / ENDED).exists():
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((cfg.run_path / ENDED).stat().st_mtime))
     dest = cfg.run_path.with_name(f"{cfg.run}.{stamp}")
+    marker = runstate.read_marker(cfg.run_path) or {}
     cfg.run_path.rename(dest)
-    if not cfg.weights_dir:  # the default weights folder belongs to the run
-        shutil.rmtree(cfg.weights_path, ignore_errors=True)
-    print(f"{who}: run {cfg.run!r} had ended; its files are now in {dest}; starting it afresh",
+    kept = ""
+    if not cfg.weights_dir and marker.get("id"):  # the ended run's own weights folder (keyed by its id): with it
+        ended = cfg.replace(run_id=marker["id"])
+        if ended.weights_path.is_dir() and not (dest / "weights").exists():
+            shutil.move(str(ended.weights_path), str(dest / "weights"))
+            kept = ", its kept weights in weights/"
+        if not cfg.rollout_weights_dir:  # a rollout worker's downloads: copies of those, made by the run
+            shutil.rmtree(ended.rollout_weights_path, ignore_errors=True)
+    print(f"{who}: run {cfg.run!r} had ended; its files are now in {dest}{kept}; starting it afresh",
           file=sys.stderr, flush=True)
     return dest
 
@@ -54,6 +63,23 @@ def find_procfile(procfile: str) -> Path:
         return PACKAGE_ROOT / path
     raise ConfigError(f"--procfile {procfile}: no such file in {Path.cwd()}"
                       + ("" if path.is_absolute() else f" nor in streamrl's checkout {PACKAGE_ROOT}"))
+
+
+MODEL_KEYS = ("model_dir", "tokenizer", "lora_rank", "lora_targets")  # what an interrupted run's checkpoint is of
+
+
+def check_continuation(cfg: Config) -> None:
+    """An interrupted run continues with the model it was made with (its checkpoint is of that model): another
+    one is a ConfigError, one line per key, before anything starts."""
+    if (cfg.run_path / ENDED).exists():
+        return  # an ended run is moved aside: this one starts afresh with whatever model it names
+    made = runstate.recorded_config(runstate.read_marker(cfg.run_path))
+    lines = [f"config key {key!r}: run {cfg.run!r} was interrupted; it was made with {key} {made[key]!r} "
+             f"({cfg.run_path / runstate.MARKER}), not {getattr(cfg, key)!r}: continue it with --{key.replace('_', '-')} "
+             f"{made[key]}, or start another with --run NAME"
+             for key in MODEL_KEYS if key in made and made[key] != getattr(cfg, key)]
+    if lines:
+        raise ConfigError("\n".join(lines))
 
 
 def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str, dict]]:
@@ -79,6 +105,7 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
     from services.ops import preflight
     from services.ops.tiny_model import ensure_model
 
+    check_continuation(cfg)
     ensure_model(cfg)  # before anything starts: a model_dir that does not resolve is one line, nothing to clean up
     preflight.check(cfg)  # every problem found from files and imports, one line each; nothing under runs/ yet
     server = None

@@ -78,6 +78,16 @@ def check_continuation(cfg: Config) -> None:
              f"({cfg.run_path / runstate.MARKER}), not {getattr(cfg, key)!r}: continue it with --{key.replace('_', '-')} "
              f"{made[key]}, or start another with --run NAME"
              for key in MODEL_KEYS if key in made and made[key] != getattr(cfg, key)]
+    from services.ops.tiny_model import default_recipe
+    from shared.runtime.models import is_default
+
+    if made and not lines and is_default(cfg.model_dir):  # the default model is remade for another recipe: not here
+        was = default_recipe(cfg.replace(**{k: made[k] for k in ("agent", "tools", "dataset", "seed") if k in made}))
+        if {**was, "warm_steps": None} != {**default_recipe(cfg), "warm_steps": None}:
+            lines.append(f"config key 'model_dir': run {cfg.run!r} was interrupted; it was made on the default model "
+                         f"for {was}, and this run wants {default_recipe(cfg)}, which would remake {cfg.model_dir} "
+                         f"under its checkpoint: continue it with the settings it was made with "
+                         f"({cfg.run_path / runstate.MARKER}), or start another with --run NAME")
     if lines:
         raise ConfigError("\n".join(lines))
 

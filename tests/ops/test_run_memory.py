@@ -123,3 +123,29 @@ def test_runs_lists_ended_archived_and_interrupted_runs(tmp_path):
                                                            ("b", "b", "live")]
     assert (rows[1].model, rows[1].version, rows[1].reward) == ("models/m", 7, 0.5)
     assert list_runs(run_dir, live=lambda *_: False)[2].state == "interrupted"
+
+
+def test_the_readme_order_default_agent_default_gets_each_run_its_recipes_model(tmp_path, monkeypatch, capsys):
+    """README's order of commands: `./dev run`, `./dev run --agent examples.calc:agent`, `./dev run` again: each run
+    starts on the default model made for its own recipe (remade with one line when the last run wanted another)."""
+    from services.ops import tiny_model
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tiny_model, "DEFAULT_WARM_STEPS", 0)
+    monkeypatch.setattr(tiny_model, "AGENT_WARM_STEPS", 0)
+    context = lambda: json.loads((tmp_path / "models" / "tiny" / "config.json").read_text())["max_position_embeddings"]
+    for cfg, want in [(Config(), 256), (Config(agent="examples.calc:agent"), tiny_model.AGENT_CONTEXT), (Config(), 256)]:
+        tiny_model.ensure_model(cfg)
+        assert context() == want
+    assert capsys.readouterr().err.count("remaking it") == 2
+
+
+def test_an_interrupted_run_on_the_default_model_is_not_remade_under_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    runstate.write_marker(tmp_path / "runs" / "demo", {"run": "demo", "id": "abc", "created": "t", "config": json.dumps(
+        runstate.recordable(Config()))}, "redis://127.0.0.1:1/0")
+    assert main(["run", "--run-dir", "runs", "--agent", "examples.calc:agent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was interrupted; it was made on the default model for" in err[0]
+    assert not (tmp_path / "models").exists()

@@ -149,3 +149,26 @@ def test_an_interrupted_run_on_the_default_model_is_not_remade_under_it(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "was interrupted; it was made on the default model for" in err[0]
     assert not (tmp_path / "models").exists()
+
+
+def test_run_outside_the_checkout_finds_its_procfile(tmp_path, monkeypatch):
+    from services.ops.runner import PACKAGE_ROOT, find_procfile
+
+    monkeypatch.chdir(tmp_path)
+    assert find_procfile("Procfile") == PACKAGE_ROOT / "Procfile"
+    (tmp_path / "Procfile").write_text("driver: exec true\n")
+    assert find_procfile("Procfile").resolve() == tmp_path / "Procfile"  # one here wins
+
+
+def test_the_venvs_streamrl_runs_its_lines_without_the_venv_on_path(tmp_path, redis_url, tiny_model_dir):
+    """`.venv/bin/streamrl run` with the venv not activated: the Procfile's `streamrl` lines still find it."""
+    import subprocess
+    import sys
+
+    (tmp_path / "Procfile").write_text("driver: exec streamrl schema\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
+    env.update({"PATH": "/usr/bin:/bin", "REDIS_URL": redis_url, "STREAMRL_RUN_DIR": str(tmp_path / "runs")})
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "run", "--model-dir", tiny_model_dir],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "not found" not in out.stdout + out.stderr and "samples" in out.stdout  # the schema was printed

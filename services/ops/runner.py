@@ -169,7 +169,8 @@ def export_at_end(cfg: Config) -> None:
     """The last published version as a Hugging Face folder in the run's folder (kept when the run is archived)."""
     from services.trainer.export import export_last
 
-    out = export_last(cfg)
+    marker = runstate.read_marker(cfg.run_path) or {}
+    out = export_last(cfg.replace(run_id=marker.get("id", cfg.run_id)))  # its weights folder is keyed by the id
     if out:
         print(f"streamrl run: exported the last version to {out} (AutoModelForCausalLM.from_pretrained loads it)",
               file=sys.stderr, flush=True)

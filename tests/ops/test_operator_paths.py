@@ -60,6 +60,7 @@ def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
         assert re.search(r"tokens generated again\s+\d+", check), check  # known: every worker wrote its final record
         assert "unknown" not in check and "workers_without_final_report" not in check and check.strip().endswith("ok")
         assert (run_path / "redis" / "appendonlydir").is_dir() and (run_path / "ENDED").exists()
+        assert "streamrl run: exported the last version to" in first.stderr  # found in the id-keyed weights folder
         first_id = runstate.read_marker(run_path)["id"]
         assert runstate.read_marker(run_path)["config"]["model_dir"] == tiny_model_dir  # the effective config
         first_weights = Config(run=name, run_id=first_id).weights_path  # keyed by the run's id
@@ -84,6 +85,9 @@ def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
         assert (archived[0] / "redis" / "appendonlydir").is_dir()
         assert sorted((archived[0] / "weights").glob("v*.safetensors")) and not first_weights.exists()  # moved along
         reads_run(env, archived[0].name, name, archived[0], tmp_path / "export-archived", archived[0] / "weights")  # the archived run, by its folder
+        listed = run([sys.executable, "-m", "services.ops.cli", "runs", "--json"], env, timeout=60)
+        states = {r["folder"]: (r["run"], r["state"]) for r in json.loads(listed.stdout)}
+        assert states == {archived[0].name: (name, "archived"), name: (name, "ended")}, listed.stdout
         second_id = runstate.read_marker(run_path)["id"]
         assert second_id != first_id and (run_path / "redis" / "appendonlydir").is_dir()
         assert json.loads((run_path / "ENDED").read_text())["version"] >= 3
@@ -109,6 +113,10 @@ def reads_run(env: dict, folder_name: str, run_name: str, run_path: Path, out: P
     episode = next(s["key"] for s in json.loads(inspect.stdout) if ":ep:" in s["key"])
     replay = run(cli + ["replay", "--run", folder_name, Keys(run_name).episode_id(episode)], env, timeout=120)
     assert replay.returncode == 0 and "status finished" in replay.stdout, replay.stderr
+    dbsize = run(cli + ["redis-cli", "--run", folder_name, "--", "DBSIZE"], env, timeout=120)
+    assert dbsize.returncode == 0 and int(dbsize.stdout.split()[-1]) > 0, dbsize.stdout + dbsize.stderr
+    status = run(cli + ["status", "--run", folder_name], env, timeout=120)
+    assert status.returncode == 0 and "reward" in status.stdout, status.stderr
     check = run(cli + ["check", "--run", folder_name], env, timeout=120)
     assert check.returncode == 0 and check.stdout.strip().endswith("ok"), check.stdout + check.stderr
     version = int(min(weights.glob("v*.safetensors")).name[1:7])  # the oldest kept (the newest is exported)

@@ -15,7 +15,9 @@ entry expires (the job monitoring interval + 60 s) and a maintenance pass runs
 heartbeats: it writes ``alive:agents:<id>`` every second, and a job listed in
 ``agents:running`` under a worker whose heartbeat key has been missing for a
 whole ``heartbeat_ttl`` is enqueued again (one claim per job, by a
-compare-and-set). The re-run's calls are answered from the episode stream.
+compare-and-set). The re-run's calls are answered from the episode stream. The
+dead worker's job is moved to rq's canceled registry (meta ``superseded_by``),
+so rq never lists a failure for an episode that finished.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import threading
 import time
 
 from rq import Queue, SimpleWorker
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 
@@ -60,14 +64,31 @@ class Reaper:
             spec = {**entry["spec"], "attempt": entry["spec"].get("attempt", 0) + 1}
             mine = json.dumps({"worker": f"requeued-by-{self.worker_id}", "spec": spec})
             if self.client.eval(_CLAIM, 1, self.keys.agents_running, eid, raw, mine):
-                self.queue.enqueue_call(runner.run_episode.__module__ + ".run_episode", args=(spec,),
-                                        job_id=f"{spec['run']}-{spec['episode_id']}-r{spec['attempt']}",
-                                        timeout=int(spec.get("timeout", 600)) + 60, result_ttl=3600,
-                                        failure_ttl=86400, at_front=True)
+                rerun = self.queue.enqueue_call(runner.run_episode.__module__ + ".run_episode", args=(spec,),
+                                                job_id=f"{spec['run']}-{spec['episode_id']}-r{spec['attempt']}",
+                                                timeout=int(spec.get("timeout", 600)) + 60, result_ttl=3600,
+                                                failure_ttl=86400, at_front=True)
+                self.retire(entry.get("job"), rerun.id)
                 self.log.warning("agent episode re-run: its worker died", episode=eid.decode(), dead=owner,
                                  attempt=spec["attempt"])
                 requeued += 1
         return requeued
+
+    def retire(self, job_id: str | None, rerun_id: str) -> None:
+        """The dead worker's job is not a failure: its episode runs again as ``rerun_id``. Out of rq's started
+        registry (where rq would later find it abandoned and list it failed) into the canceled one, with a note
+        of what replaced it; a job already gone or already ended is left as it is."""
+        if not job_id:
+            return
+        try:
+            job = Job.fetch(job_id, connection=self.queue.connection, serializer=JSONSerializer)
+        except NoSuchJobError:
+            return
+        if job.get_status(refresh=False) != JobStatus.STARTED:
+            return
+        job.meta["superseded_by"] = rerun_id
+        job.save_meta()
+        job.cancel()
 
 
 class ThreadWorker(SimpleWorker):

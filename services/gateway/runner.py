@@ -87,11 +87,13 @@ def run_episode(spec: dict) -> dict:
 
     import openai
 
-    client = CLIENT or get_current_job().connection
+    job = get_current_job()
+    client = CLIENT or job.connection
     keys = Keys(spec["run"])
     eid = spec["episode_id"]
     log = logs.get("agents", episode=eid, worker=WORKER_ID)
-    client.hset(keys.agents_running, eid, json.dumps({"worker": WORKER_ID, "spec": spec}))
+    # the job's rq id too: a reaper that runs the episode again retires this job (rq would later call it failed)
+    client.hset(keys.agents_running, eid, json.dumps({"worker": WORKER_ID, "spec": spec, "job": job.id if job else None}))
     events = EpisodeLog(client, keys, WORKER_ID)
     if not events.read(eid):
         events.open(eid, 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.protocol import control, samples
 from shared.protocol.events import TERMINAL_KINDS, EventError, decode
@@ -95,6 +95,8 @@ class EpisodeStats:
     takeovers: int = 0
     tail_resumes: int = 0
     bad_entries: int = 0
+    repack_unmarked: int = 0  # hand-overs of a repack whose 'resumed' does not name the source in 'repacked'
+    trained_versions: Counter = field(default_factory=Counter)  # policy version -> tokens the loss would train
     status: str = "unreadable"  # fold's status, or 'unreadable' when fold refuses the stream
     error: str = ""
 
@@ -114,6 +116,10 @@ def episode_stats(entries: list[tuple[str, dict]]) -> EpisodeStats:
         elif ev.kind == "tokens":
             st.policy_tokens += len(ev.data["ids"])
         elif ev.kind == "resumed":
+            if previous is not None and previous.kind == "aborted" and previous.data.get("reason") == "repack":
+                source = previous.worker  # the target names it; a takeover of a dead target names the target
+                if ev.data.get("repacked") != source and ev.data.get("takeover_from") in (None, source):
+                    st.repack_unmarked += 1
             if ev.data.get("takeover_from"):
                 st.takeovers += 1
             elif previous is not None and previous.kind not in ("aborted", "tool_result") and "call" not in ev.data:
@@ -122,9 +128,14 @@ def episode_stats(entries: list[tuple[str, dict]]) -> EpisodeStats:
                 st.tail_resumes += 1
         previous = ev
     try:
-        st.status = fold(entries).status
+        ep = fold(entries)
     except EventError as exc:
         st.error = str(exc)
+        return st
+    st.status = ep.status
+    for row in ep.rows:  # what the trainer's loss would take: policy tokens of sampled (not greedy) rows
+        if float(row.sampling.get("temperature", 1.0)) > 0:
+            st.trained_versions.update(v for v, m in zip(row.versions, row.mask) if m and v >= 0)
     return st
 
 
@@ -225,3 +236,31 @@ def loads_backwards(control_entries: list[tuple[str, dict]], pull_loads: list[tu
             found.append(f"{worker}: {what} at version {version} after {newest[key]}")
         newest[key] = max(newest.get(key, -1), version)
     return found
+
+
+def trained_past_bound(data: RunData, stats: dict[str, EpisodeStats]) -> tuple[int | None, int, list[str]]:
+    """(tokens trained more than the run's staleness bound behind, the oldest trained token's staleness, which
+    groups). A group committed in the ledger line of version V was trained by policy V − 1; each of its finished
+    episodes' sampled policy tokens made by version v is V − 1 − v versions stale. The bound is 0 in mode sync (the
+    gate opens a version's groups only after every worker runs it) and ``hard_max_staleness`` when set (the
+    trainer masks older tokens out: the tokens past it less the trainer's own ``stale_tokens_masked``); with
+    neither there is no bound (None)."""
+    published, _ = sample_groups(data.samples)
+    past, oldest, groups = 0, 0, []
+    for rec in data.ledger:
+        if "commit" not in rec:
+            continue  # a line of groups judged untrainable: nothing trained
+        at = int(rec["version"]) - 1
+        for g in rec.get("groups", []):
+            n = 0
+            for eid in (published[g][-1][1] if g in published else []):
+                for v, count in stats[eid].trained_versions.items() if eid in stats else ():
+                    oldest = max(oldest, at - v)
+                    if data.staleness_bound is not None and at - v > data.staleness_bound:
+                        n += count
+            if n:
+                past += n
+                groups.append(f"{g} ({n} tokens at version {at})")
+    if data.staleness_bound is None:
+        return None, oldest, []
+    return max(0, past - data.stale_tokens_masked), oldest, groups

@@ -59,6 +59,18 @@ class RunData:
     agent_groups: list[tuple[str, dict]] = field(default_factory=list)  # agent runs: groups handed to agent jobs
     agents_busy: set[str] = field(default_factory=set)  # agent episodes whose job waits in the queue or runs
     pull_loads: list[tuple[str, int]] = field(default_factory=list)  # sync_mode pull: (worker, version) loaded, in order
+    staleness_bound: int | None = None  # versions a trained token may lag (staleness_bound(cfg)); None: no bound
+    stale_tokens_masked: int = 0  # the trainer's count of tokens it masked out as past hard_max_staleness
+
+
+def staleness_bound(cfg) -> int | None:
+    """The staleness no trained token may exceed under this config: 0 in mode sync, else hard_max_staleness (the
+    trainer masks what is older) when set, else None (the admission gate bounds groups in start order only)."""
+    if cfg is None:
+        return None
+    if cfg.mode == "sync":
+        return 0
+    return cfg.hard_max_staleness or None
 
 
 def _consumer_group(client, stream: str, name: str) -> ConsumerGroup:
@@ -94,11 +106,13 @@ def _agents_busy(client, keys: Keys, rq_client=None) -> set[str]:
     return busy
 
 
-def read_run(client, keys: Keys, run_path: Path, rq_client=None) -> RunData:
-    """Everything the checker counts. ``rq_client``: the rq queues' server when it is not ``client``'s."""
+def read_run(client, keys: Keys, run_path: Path, rq_client=None, cfg=None) -> RunData:
+    """Everything the checker counts. ``rq_client``: the rq queues' server when it is not ``client``'s; ``cfg``:
+    the run's config (its staleness bound; without it, trained tokens are not checked against one)."""
     data = RunData(prompts_key=keys.prompts, samples_key=keys.samples, control_key=keys.control,
                    episode_key_prefix=keys.episode_prefix,
-                   episode_key_suffix=keys.episode("").removeprefix(keys.episode_prefix))
+                   episode_key_suffix=keys.episode("").removeprefix(keys.episode_prefix),
+                   staleness_bound=staleness_bound(cfg))
     data.prompts = _entries(client.xrange(keys.prompts))
     data.rollout = _consumer_group(client, keys.prompts, ROLLOUT_GROUP)
     data.samples = _entries(client.xrange(keys.samples))
@@ -117,6 +131,8 @@ def read_run(client, keys: Keys, run_path: Path, rq_client=None) -> RunData:
     data.dead = [asdict(d) for d in dead_letters.read_all(client, keys)]
     for _, rec in metrics.read(client, keys, "rollout"):
         data.reports[rec.get("worker", "")] = rec
+    for _, rec in metrics.read(client, keys, "train"):  # cumulative: the last record has the total
+        data.stale_tokens_masked = int(rec.get("stale_tokens_masked", 0))
     data.pull_loads = [(p.worker, p.version) for p in pulls.read_all(client, keys) if p.event == "released"
                        and not p.extra.get("error")]
     for entry_id, fields in client.xrange(keys.versions):

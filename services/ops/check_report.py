@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 MUST_BE_ZERO = ("groups_lost", "groups_enqueued_twice", "episodes_finished_twice", "samples_trained_twice",
-                "versions_repeated", "bad_input_not_dead_lettered", "loads_backwards")
+                "versions_repeated", "bad_input_not_dead_lettered", "loads_backwards", "tokens_past_staleness_bound",
+                "repacks_unmarked")
 
 
 @dataclass
@@ -27,6 +28,10 @@ class Report:
     bad_input_not_dead_lettered: int = 0
     bad_input_found: int = 0
     loads_backwards: int = 0
+    tokens_past_staleness_bound: int | None = 0  # None: the run has no bound (mode async, hard_max_staleness 0)
+    staleness_bound: int | None = None
+    oldest_trained: int = 0  # versions behind, the stalest token trained
+    repacks_unmarked: int = 0
     dead_letters: int = 0
     takeovers: int = 0
     tail_resumes: int = 0
@@ -35,7 +40,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return all(getattr(self, k) == 0 for k in MUST_BE_ZERO)
+        return all(getattr(self, k) in (0, None) for k in MUST_BE_ZERO)  # None: not measurable on this run
 
     def to_json(self) -> dict:
         return {**asdict(self), "ok": self.ok, "must_be_zero": list(MUST_BE_ZERO)}
@@ -50,13 +55,18 @@ def format_report(r: Report, run: str) -> str:
              False),
             ("trained, then lost by Redis", r.trained_unfinished, False),
             ("bad input not dead-lettered", r.bad_input_not_dead_lettered, True),
-            ("weight loads going backwards", r.loads_backwards, True)]
+            ("weight loads going backwards", r.loads_backwards, True),
+            (f"tokens trained > {r.staleness_bound} versions stale" if r.staleness_bound is not None else
+             "tokens trained past a bound", "no bound" if r.tokens_past_staleness_bound is None
+             else r.tokens_past_staleness_bound, r.tokens_past_staleness_bound is not None),
+            ("repack hand-overs not marked", r.repacks_unmarked, True)]
     lines = [f"run {run!r}: {r.groups_enqueued} groups enqueued, {r.groups_published} finished, "
              f"{r.groups_trained} trained, {r.groups_skipped} judged untrainable, {r.groups_in_flight} in flight; "
              f"{r.episodes} episodes, {r.tokens_in_streams} policy tokens in streams"]
     for name, value, must in rows:
         flag = ("ok" if value == 0 else "FAIL") if must else ""
         lines.append(f"  {name:<32} {value!s:>8}  {flag}")
+    lines.append(f"  {'stalest token trained (versions)':<32} {r.oldest_trained:>8}")
     lines.append(f"  {'takeovers after a crash':<32} {r.takeovers:>8}")
     lines.append(f"  {'resumes after a lost tail':<32} {r.tail_resumes:>8}")
     lines.append(f"  {'bad input found / dead letters':<32} {f'{r.bad_input_found}/{r.dead_letters}':>8}")

@@ -45,6 +45,21 @@ bad_input_not_dead_lettered
     used (its group was delivered), with no dead letter naming that stream
     (and, for the first three, that entry).
 
+tokens_past_staleness_bound
+    policy tokens the trainer trained more versions behind than the run's
+    bound: a group in the ledger line of version V was trained by policy
+    V - 1, and each sampled policy token of its finished episodes made by
+    version v is V - 1 - v stale. The bound is 0 with ``mode = sync`` and
+    ``hard_max_staleness`` when set (the trainer masks older tokens out, so
+    the count is the tokens past it less the trainer's own
+    ``stale_tokens_masked``); without either there is no bound ("no bound":
+    the admission gate bounds groups in start order only, docs/training.md)
+    and the row only shows the stalest token trained.
+repacks_unmarked
+    long-tail repacks whose hand-over ``resumed`` (the event right after the
+    source's ``aborted`` with reason ``repack``) does not name the source in
+    ``repacked`` (and is not a takeover from a dead target).
+
 loads_backwards
     a worker reporting an older version than it reported before: the
     version each control ack carries (what the worker runs after the
@@ -64,7 +79,7 @@ from __future__ import annotations
 
 from services.ops.check_counts import (EpisodeStats, count_bad_input, count_lost, dead_lettered, enqueued_twice,
                                        episode_stats, ledger_counts, loads_backwards, sample_groups, token_writers,
-                                       tokens_generated_again, valid_groups, version_sequence)
+                                       tokens_generated_again, trained_past_bound, valid_groups, version_sequence)
 from services.ops.check_data import ConsumerGroup, RunData, _entries, id_key, read_run
 from services.ops.check_report import MUST_BE_ZERO, Report, format_report
 
@@ -106,6 +121,10 @@ def check(data: RunData) -> Report:
     r.dead_letters = len(data.dead)
     backwards = loads_backwards(data.control, data.pull_loads)
     r.loads_backwards = len(backwards)
+    r.staleness_bound = data.staleness_bound
+    r.tokens_past_staleness_bound, r.oldest_trained, past = trained_past_bound(data, stats)
+    unmarked = sorted(eid for eid, st in stats.items() if st.repack_unmarked)
+    r.repacks_unmarked = sum(stats[eid].repack_unmarked for eid in unmarked)
     r.takeovers = sum(s.takeovers for s in stats.values())
     r.tail_resumes = sum(s.tail_resumes for s in stats.values())
     r.tokens_in_streams = sum(s.policy_tokens for s in stats.values())
@@ -114,6 +133,8 @@ def check(data: RunData) -> Report:
                  "groups_trained_twice": twice_trained[:50],
                  "groups_enqueued_twice": twice_enqueued[:50], "versions_repeated": repeated[:50],
                  "versions_missing": gaps[:50], "trained_unfinished": sorted(set(unfinished))[:50],
-                 "bad_input_not_dead_lettered": bad_missing[:50], "loads_backwards": backwards[:50], "workers_without_final_report": no_report,
+                 "bad_input_not_dead_lettered": bad_missing[:50], "loads_backwards": backwards[:50],
+                 "tokens_past_staleness_bound": past[:50], "repacks_unmarked": unmarked[:50],
+                 "workers_without_final_report": no_report,
                  "tokens_generated": {w: int(rep.get("tokens", 0)) for w, rep in sorted(data.reports.items())}}
     return r

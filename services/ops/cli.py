@@ -213,7 +213,7 @@ def cmd_check(cfg, args) -> int:
     from services.ops.checker import check, format_report, read_run
 
     rq_client = _client(cfg, url=cfg.rq_redis_url) if cfg.rq_redis_url else None
-    report = check(read_run(_run_client(cfg, args), args.keys, args.run_path, rq_client))
+    report = check(read_run(_run_client(cfg, args), args.keys, args.run_path, rq_client, cfg))
     print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report, cfg.run))
     return 0 if report.ok else 1
 

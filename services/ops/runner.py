@@ -160,7 +160,7 @@ def end_of_run_check(cfg: Config, redis_url: str) -> None:
 
     client = connect(redis_url, wait=10)
     rq_client = connect(cfg.rq_redis_url, wait=10) if cfg.rq_redis_url else None
-    report = check(read_run(client, Keys(cfg.run), cfg.run_path, rq_client))
+    report = check(read_run(client, Keys(cfg.run), cfg.run_path, rq_client, cfg))
     print("streamrl run: streamrl check at the end of the run (groups still in flight are not lost):\n"
           + format_report(report, cfg.run), file=sys.stderr, flush=True)
 

@@ -44,6 +44,7 @@ class Batch:
     policy_failures: int = 0  # episodes trained with reward 0 because the policy ended them badly
     greedy_tokens: int = 0  # policy tokens of greedy episodes, not trained
     stale_tokens_masked: int = 0  # policy tokens past hard_max_staleness, not trained
+    version: int = 0  # the trainer's version the batch was built for (staleness = version - token version)
 
     @property
     def num_tokens(self) -> int:
@@ -117,4 +118,5 @@ def build_batch(groups: list[list[Episode]], pad_id: int, trainer_version: int =
                  torch.tensor([float(s.get("temperature", 1.0)) for s in sampling]),
                  torch.tensor([int(s.get("top_k", 0) or 0) for s in sampling]),
                  torch.tensor([float(s.get("top_p", 1.0) or 1.0) for s in sampling]),
-                 rewards, [ep.episode_id for ep in episodes], sum(f for _, f in judged), greedy_tokens, stale)
+                 rewards, [ep.episode_id for ep in episodes], sum(f for _, f in judged), greedy_tokens, stale,
+                 trainer_version)

@@ -33,7 +33,7 @@ _FIELDS = (("input_ids", torch.long, "BL"), ("attention_mask", torch.long, "BL")
            ("loss_mask", torch.float32, "BT"), ("behav_logp", torch.float32, "BT"), ("versions", torch.long, "BT"),
            ("advantages", torch.float32, "B"), ("temperature", torch.float32, "B"), ("top_k", torch.long, "B"),
            ("top_p", torch.float32, "B"), ("rewards", torch.float32, "B"))
-_COUNTS = ("policy_failures", "greedy_tokens", "stale_tokens_masked")
+_COUNTS = ("policy_failures", "greedy_tokens", "stale_tokens_masked", "version")  # Batch's int fields, in order
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,9 @@ from torch import Tensor
 
 from shared.protocol.logprobs import token_logprobs  # noqa: F401  (the one log-prob definition, re-exported)
 
+from services.trainer.corrections import Correction, behaviour_weights
+
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-IS_MODES = ("truncate", "mask")
 
 
 def grpo_advantages(rewards: Tensor | Sequence[Sequence[float]], eps: float = 1e-6,
@@ -85,10 +86,13 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
 def decoupled_ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
                        clip_low: float = 0.2, clip_high: float = 0.2, is_cap: float | None = 5.0,
                        agg: str = "token-mean", is_mode: str = "truncate", clip_ratio_c: float | None = None,
-                       denom: float | None = None) -> tuple[Tensor, dict[str, float]]:
+                       denom: float | None = None, is_level: str = "token", icepop_beta: float = 0.0,
+                       m2po_tau: float = 0.0) -> tuple[Tensor, dict[str, float]]:
     """AReaL's decoupled PPO: o = w · min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A) with
-    r = exp(logp − prox_logp) (the trust region, around the proximal policy) and the behaviour
-    importance weight w̃ = exp(prox_logp − behav_logp), detached, capped at ``is_cap``:
+    r = exp(logp − prox_logp) (the trust region, around the proximal policy) and w the behaviour importance
+    weight, detached, from prox_logp − behav_logp (services/trainer/corrections.py: ``is_level`` token |
+    sequence | geometric, capped at ``is_cap`` by ``is_mode``; IcePop's ``icepop_beta`` and M2PO's ``m2po_tau``
+    masks). At token level:
 
     - ``is_mode="truncate"``: w = min(w̃, is_cap) (truncated IS: the token still trains, weight capped);
     - ``is_mode="mask"``: w = w̃ if w̃ ≤ is_cap else 0 (the token is dropped from the objective, as AReaL's
@@ -97,31 +101,15 @@ def decoupled_ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, adva
     ``is_cap=None``: no cap. ``clip_ratio_c``: dual-clip as in ``ppo_clip_loss`` (on r). loss = −aggregate(o).
     With prox == behav, w = 1 and the loss equals ``ppo_clip_loss(logp, prox_logp, ...)``. Stats:
     clip_fraction, approx_kl (to behaviour), is_weight_mean, is_weight_max (after the cap),
-    is_truncated_fraction and is_masked_fraction (tokens with w̃ > is_cap, by mode; the other is 0)."""
-    if is_cap is not None and not is_cap >= 1:
-        raise ValueError(f"decoupled_ppo_loss: is_cap must be >= 1 (or None: no cap), got {is_cap!r}")
-    if is_mode not in IS_MODES:
-        raise ValueError(f"decoupled_ppo_loss: unknown is_mode {is_mode!r}; expected one of {', '.join(IS_MODES)}")
+    is_truncated_fraction and is_masked_fraction (weights over is_cap, by mode; the other is 0),
+    icepop_masked_fraction, m2po_masked_fraction."""
+    correction = Correction(is_level, is_mode, is_cap, icepop_beta, m2po_tau)  # validates each value
     keep, adv = _prepare(logp, advantages, mask, agg, prox_logp=prox_logp, behav_logp=behav_logp)
     logp, prox, behav = _clean(logp, keep), _clean(prox_logp, keep), _clean(behav_logp, keep)
-    raw_w = torch.exp(prox - behav).detach()
-    over = keep & (raw_w > is_cap) if is_cap is not None else torch.zeros_like(keep)
-    if is_cap is None:
-        w = raw_w
-    elif is_mode == "truncate":
-        w = raw_w.clamp(max=is_cap)
-    else:
-        w = torch.where(over, 0.0, raw_w)
+    w, weight_stats = behaviour_weights(prox, behav, keep, correction)
     obj, clipped = _clipped_objective(logp, prox, adv, clip_low, clip_high, clip_ratio_c)
     loss = -_aggregate(w * obj, keep, agg, denom)
-    stats = _stats(logp, behav, keep, clipped & (w > 0))
-    n = max(int(keep.sum()), 1)
-    capped = int(over.sum()) / n
-    stats |= {"is_weight_mean": float(torch.where(keep, w, 0.0).sum()) / n,
-              "is_weight_max": float(torch.where(keep, w, 0.0).max()) if keep.any() else 0.0,
-              "is_truncated_fraction": capped if is_mode == "truncate" else 0.0,
-              "is_masked_fraction": capped if is_mode == "mask" else 0.0}
-    return loss, stats
+    return loss, _stats(logp, behav, keep, clipped & (w > 0)) | weight_stats
 
 
 def _prepare(logp: Tensor, advantages: Tensor, mask: Tensor, agg: str, **others: Tensor) -> tuple[Tensor, Tensor]:

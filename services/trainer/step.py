@@ -27,10 +27,12 @@ import torch
 
 from services.trainer.batch import Batch
 from services.trainer.distributed import LOCAL, Shard, as_float
+from services.trainer.corrections import mismatch
 from services.trainer.loss import aggregate_denominator, decoupled_ppo_loss, ppo_clip_loss
 from shared.protocol.logprobs import token_logprobs
 
-WEIGHTED_STATS = ("clip_fraction", "approx_kl", "is_weight_mean", "is_truncated_fraction", "is_masked_fraction")
+WEIGHTED_STATS = ("clip_fraction", "approx_kl", "is_weight_mean", "is_truncated_fraction", "is_masked_fraction",
+                  "icepop_masked_fraction", "m2po_masked_fraction")
 
 
 @dataclass
@@ -45,11 +47,15 @@ class StepConfig:
     ppo_minibatches: int = 2
     micro_batch_tokens: int = 0  # 0: no limit
     max_grad_norm: float = 1.0
+    is_level: str = "token"
+    icepop_beta: float = 0.0
+    m2po_tau: float = 0.0
 
     @classmethod
     def from_config(cls, cfg) -> "StepConfig":
         return cls(cfg.loss, cfg.agg, cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c or None, cfg.is_cap or None,
-                   cfg.is_mode, cfg.ppo_minibatches, cfg.micro_batch_tokens, cfg.max_grad_norm)
+                   cfg.is_mode, cfg.ppo_minibatches, cfg.micro_batch_tokens, cfg.max_grad_norm, cfg.is_level,
+                   cfg.icepop_beta, cfg.m2po_tau)
 
 
 def policy_logprobs(model, mb: Batch, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +133,8 @@ def plan(batch: Batch, sc: StepConfig, shard: Shard = LOCAL) -> list[tuple[list[
 
 
 def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=None, shard: Shard = LOCAL) -> dict:
-    """Run the step; return its stats (python floats; counts as ints). ``kl(mb, logp, device)``, when given, is
+    """Run the step; return its stats (python floats; counts as ints; ``mismatch_kl`` and its split by staleness
+    from the proximal forward: under torchrun over this rank's rows). ``kl(mb, logp, device)``, when given, is
     a token-mean penalty over a micro-batch (``kl_coef`` × KL to the reference), added with the micro-batch's
     share of its minibatch's tokens. ``shard``: this rank's place under torchrun (the stats are every rank's)."""
     no_dropout(model)
@@ -143,6 +150,9 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=No
                     prox[micro, :logp.shape[1]] = logp.float().cpu()
                     s, n = entropy(logits, mb.temperature.to(device), mb.loss_mask.to(device))
                     ent_sum, ent_n = ent_sum + s, ent_n + n
+    own = sorted(r for _, micros in steps for micro in micros for r in micro)  # rows whose prox this rank has
+    drift = mismatch(prox[own], batch.behav_logp[own], batch.loss_mask[own].bool(), batch.versions[own],
+                     batch.version)
     sums = dict.fromkeys(WEIGHTED_STATS, 0.0)
     weight_max, losses, norms, skipped, counted, kl_sum = 0.0, [], [], 0, 0, 0.0
     for rows, micros in steps:
@@ -179,7 +189,7 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=No
     return out | {"is_weight_max": weight_max, "loss": sum(losses) / max(len(losses), 1),
                   "grad_norm": _mean([g for g in norms if math.isfinite(g)]), "entropy": ent_sum / max(ent_n, 1),
                   "ppo_steps": len(steps) - skipped, "nonfinite_skipped": skipped,
-                  "micro_batches": int(shard.sum([sum(bool(m) for _, micros in steps for m in micros)])[0])} | \
+                  "micro_batches": int(shard.sum([sum(bool(m) for _, micros in steps for m in micros)])[0])} | drift | \
         ({"kl": kl_sum / max(counted, 1)} if kl else {})
 
 
@@ -193,7 +203,8 @@ def _micro_loss(model, mb: Batch, prox: torch.Tensor, sc: StepConfig, denom: flo
     mask, behav, adv = mb.loss_mask.to(device), mb.behav_logp.to(device), mb.advantages.to(device)
     if sc.loss == "decoupled":
         loss, stats = decoupled_ppo_loss(logp, prox.to(device), behav, adv, mask, sc.clip_low, sc.clip_high,
-                                         sc.is_cap, sc.agg, sc.is_mode, sc.clip_ratio_c, denom)
+                                         sc.is_cap, sc.agg, sc.is_mode, sc.clip_ratio_c, denom, sc.is_level,
+                                         sc.icepop_beta, sc.m2po_tau)
     else:
         loss, stats = ppo_clip_loss(logp, behav, adv, mask, sc.clip_low, sc.clip_high, sc.agg, sc.clip_ratio_c,
                                     denom)

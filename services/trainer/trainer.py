@@ -39,7 +39,7 @@ from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError
 from shared.protocol.fold import Episode, fold
 from shared.protocol.keys import TRAINER_GROUP as GROUP, Keys
-from shared.protocol.staleness import staleness_histogram
+from shared.protocol.staleness import staleness_histogram, version_spans
 from shared.runtime.tensorboard import TensorBoard
 
 CONSUMER = "trainer"  # one trainer per run: a stable name gets its own pending entries back after a restart
@@ -291,6 +291,7 @@ class Trainer:
                 "batch_policy_failures": batch.policy_failures,
                 "staleness": {str(k): v for k, v in sorted(hist.items())},
                 "staleness_max": max(hist, default=0), "stale_dropped": self.counts["groups_dropped"],
+                **version_spans(eps),
                 **stats, **self.counts}
 
     def record(self, metrics: dict) -> None:

@@ -60,3 +60,12 @@ def staleness_histogram(trainer_version: int, samples_token_versions: Iterable[S
 def _check_max_staleness(max_staleness: int) -> None:
     if max_staleness < 0:
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+
+
+def version_spans(episodes) -> dict[str, float]:
+    """How many policy versions each response's tokens were generated with (a response that crossed two weight
+    syncs mid-generation spans 3; verl's ``max_partial_span``): ``version_span_max`` and ``version_span_mean``
+    over episodes with policy tokens (objects with ``versions``: −1 for tokens no policy generated)."""
+    spans = [len({v for v in ep.versions if v >= 0}) for ep in episodes]
+    spans = [n for n in spans if n]
+    return {"version_span_max": max(spans, default=0), "version_span_mean": sum(spans) / len(spans) if spans else 0.0}

@@ -85,6 +85,9 @@ class Config:
     clip_ratio_c: float = 3.0  # dual-clip: objective >= c·A for A < 0 (verl's clip_ratio_c); 0 disables
     is_cap: float = 5.0  # cap on the proximal/behaviour importance weight (decoupled); 0 disables
     is_mode: str = "mask"  # mask: tokens whose weight is over is_cap leave the objective (AReaL) | truncate: weight = is_cap
+    is_level: str = "token"  # the weight's level: token (AReaL) | sequence (exp of the summed log-ratio) | geometric (its mean)
+    icepop_beta: float = 0.0  # IcePop: tokens whose ratio is outside [1/beta, beta] leave the objective; 0: off
+    m2po_tau: float = 0.0  # M2PO: drop the largest log-ratios until their mean square is <= tau (e.g. 0.04); 0: off
     ppo_minibatches: int = 2  # optimizer steps per batch, one per minibatch, against one proximal forward
     micro_batch_tokens: int = 4096  # padded tokens per forward/backward (gradients accumulate); 0: no limit
     max_grad_norm: float = 1.0  # clip the gradient to this global norm

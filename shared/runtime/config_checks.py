@@ -62,6 +62,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'clip_ratio_c': expected a number > 1 (or 0: off), got {cfg.clip_ratio_c}")
     if cfg.is_cap != 0 and not cfg.is_cap >= 1:
         raise ConfigError(f"config key 'is_cap': expected a number >= 1 (or 0: off), got {cfg.is_cap}")
+    if cfg.is_level not in ("token", "sequence", "geometric"):
+        raise ConfigError(f"config key 'is_level': expected 'token', 'sequence' or 'geometric', got {cfg.is_level!r}")
+    if cfg.icepop_beta != 0 and not cfg.icepop_beta > 1:
+        raise ConfigError(f"config key 'icepop_beta': expected a number > 1 (or 0: off), got {cfg.icepop_beta}")
+    if not cfg.m2po_tau >= 0:
+        raise ConfigError(f"config key 'm2po_tau': expected a number > 0 (or 0: off), got {cfg.m2po_tau}")
     if cfg.loss not in ("decoupled", "ppo"):
         raise ConfigError(f"config key 'loss': expected 'decoupled' or 'ppo', got {cfg.loss!r}")
     if cfg.mode not in ("async", "sync"):

@@ -235,6 +235,13 @@ def test_agent_runner_killed_minus_9_reruns_and_no_call_is_generated_twice(stack
         assert len(requests) == 3  # the re-run's first two calls were answered from the stream
         assert [s.group_id for s in samples_codec.read_all(client, keys.samples)[0]] == ["dur"]
         assert ep.events[-1].worker == "ag2"
+        # rq's books: the killed worker's job is not left started (rq would later call it failed, abandoned)
+        q = driver_agents.queue(client, keys)
+        first = driver_agents.job_id(keys.run, "dur-0")
+        assert first not in q.started_job_registry.get_job_ids()
+        assert q.failed_job_registry.get_job_ids() == []
+        assert first in q.canceled_job_registry.get_job_ids()
+        assert q.fetch_job(first).meta["superseded_by"] == driver_agents.job_id(keys.run, "dur-0", 1)
     finally:
         stop(b)
 

@@ -277,3 +277,62 @@ def test_the_check_reads_every_pending_entry_past_one_page_of_1000(client, keys,
     client.xack(keys.samples, TRAINER_GROUP, ids[999])  # one acknowledged, right at the first page's end
     data = read_run(client, keys, tmp_path)
     assert data.trainer.pending == set(ids) - {ids[999]}
+
+
+def _versions_run(token_policy: int, trained_at: int, temperature: float = 1.0) -> RunData:
+    """One group g1, two episodes whose 3 policy tokens each were made by ``token_policy``, committed in the ledger
+    line of version ``trained_at + 1`` (so trained by policy ``trained_at``)."""
+    data = _finished_run(("g1",))
+    for i in range(2):
+        eid = f"g1-{i}"
+        evs = [Event("started", 0, "w", 0, {"episode_id": eid, "group_id": "g1", "index": 0, "prompt_ids": [5, 6],
+                                            "sampling": {"max_tokens": 32, "temperature": temperature}, "task": {}}),
+               tokens(1, [10, 11, 12], policy=token_policy), finished(2)]
+        data.episodes[eid] = checker._entries(raw(evs))
+    data.ledger = [{"commit": trained_at + 1, "version": trained_at + 1, "groups": ["g1"], "skipped": []}]
+    return data
+
+
+def test_tokens_trained_past_the_staleness_bound_fail_the_check_and_masked_ones_do_not():
+    data = _versions_run(token_policy=2, trained_at=5)  # 3 versions stale
+    r = check(data)
+    assert r.tokens_past_staleness_bound is None and r.oldest_trained == 3 and r.ok  # no bound: shown, not judged
+    data.staleness_bound = 2  # hard_max_staleness 2: the trainer must have masked all six
+    r = check(data)
+    assert r.tokens_past_staleness_bound == 6 and not r.ok
+    assert r.details["tokens_past_staleness_bound"] == ["g1 (6 tokens at version 5)"]
+    data.stale_tokens_masked = 6  # it did
+    assert check(data).tokens_past_staleness_bound == 0 and check(data).ok
+    data.staleness_bound = 3  # exactly at the bound trains
+    data.stale_tokens_masked = 0
+    assert check(data).tokens_past_staleness_bound == 0
+    greedy = _versions_run(token_policy=2, trained_at=5, temperature=0.0)  # greedy rows are not trained at all
+    greedy.staleness_bound = 0
+    assert check(greedy).tokens_past_staleness_bound == 0
+
+
+def test_the_staleness_bound_comes_from_the_run_config():
+    from services.ops.check_data import staleness_bound
+    from shared.runtime.config import Config
+
+    assert staleness_bound(Config(mode="sync", max_staleness=0)) == 0
+    assert staleness_bound(Config(hard_max_staleness=4)) == 4
+    assert staleness_bound(Config()) is None and staleness_bound(None) is None
+
+
+def test_a_repack_hand_over_must_name_its_source():
+    base = [started(), tokens(1, [1, 2, 3], worker="S"), Event("aborted", 0, "S", 2, {"reason": "repack",
+                                                                                      "num_tokens": 3})]
+    marked = base + [Event("resumed", 0, "T", 3, {"num_tokens": 3, "repacked": "S"}), finished(4)]
+    assert episode_stats(checker._entries(raw(marked))).repack_unmarked == 0
+    orphan = base + [Event("resumed", 0, "T", 3, {"num_tokens": 3, "takeover_from": "S"}), finished(4)]
+    assert episode_stats(checker._entries(raw(orphan))).repack_unmarked == 1  # the target re-opened it as an orphan
+    bare = base + [Event("resumed", 0, "T", 3, {"num_tokens": 3}), finished(4)]
+    assert episode_stats(checker._entries(raw(bare))).repack_unmarked == 1
+    dead_target = base + [Event("resumed", 0, "U", 3, {"num_tokens": 3, "takeover_from": "T"}), finished(4)]
+    assert episode_stats(checker._entries(raw(dead_target))).repack_unmarked == 0  # the target died first
+    data = _finished_run(("g1",))
+    data.episodes["g1-0"] = checker._entries(raw(bare))
+    data.reports["w"]["tokens"] = 3
+    r = check(data)
+    assert r.repacks_unmarked == 1 and r.details["repacks_unmarked"] == ["g1-0"] and not r.ok

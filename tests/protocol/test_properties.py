@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.ops.check_report import MUST_BE_ZERO
-from services.ops.checker import ConsumerGroup, RunData, _entries, check
+from services.ops.checker import ConsumerGroup, RunData, _entries, check, episode_stats
 from services.trainer.batch import build_batch
 from shared.protocol import calls, control, dead_letters, gate, ledger, metrics, prompts, samples, versions
 from shared.protocol.events import Event, EventError, encode
@@ -361,15 +361,18 @@ def clean_runs(draw):
     (built as tests/ops/test_checker.py builds its RunData)."""
     groups = [f"g{i}" for i in range(draw(st.integers(1, 4)))]
     size, ntok = draw(st.integers(1, 3)), draw(st.integers(1, 4))
-    episodes = {f"{g}-{i}": _entries(raw([started(episode_id=f"{g}-{i}"), tokens(1, range(ntok)), finished(2)]))
-                for g in groups for i in range(size)}
+    # group k is made by policy k and committed at version k + 1 (trained by policy k): 0 versions stale
+    episodes = {f"{g}-{i}": _entries(raw([started(episode_id=f"{g}-{i}", policy=k), tokens(1, range(ntok), policy=k),
+                                          finished(2, policy=k)]))
+                for k, g in enumerate(groups) for i in range(size)}
     return RunData(
         prompts=[(f"{1 + i}-0", encode_group(PromptGroup(g, size, prompt="1+1="))) for i, g in enumerate(groups)],
         rollout=ConsumerGroup(f"{len(groups)}-0"),
         samples=[(f"{100 + i}-0", samples.encode(samples.Sample(g, [f"{g}-{j}" for j in range(size)], "w", size)))
                  for i, g in enumerate(groups)],
         trainer=ConsumerGroup(f"{99 + len(groups)}-0"), episodes=episodes,
-        ledger=[{"version": 1 + i, "groups": [g], "skipped": []} for i, g in enumerate(groups)],
+        ledger=[{"commit": 1 + i, "version": 1 + i, "groups": [g], "skipped": []} for i, g in enumerate(groups)],
+        staleness_bound=0,  # as in mode sync
         reports={"w": {"worker": "w", "tokens": ntok * len(episodes), "final": True}},
         versions=list(range(1, draw(st.integers(1, 4)))))
 
@@ -422,6 +425,18 @@ def inject(data: RunData, fault: str, group: str, amount: int) -> dict[str, int]
         data.prompts.append(("50-0", {"group_id": "bad group", "n": "2"}))
         data.rollout = ConsumerGroup("50-0")
         return {"bad_input_not_dead_lettered": 1}
+    if fault == "tokens trained stale":  # the group's commit came `amount` versions later than its tokens
+        data.ledger[position] = {**data.ledger[position], "commit": position + 1 + amount,
+                                 "version": position + 1 + amount}
+        return {"tokens_past_staleness_bound": sum(episode_stats(x).policy_tokens for eid, x in data.episodes.items()
+                                                   if eid.rsplit("-", 1)[0] == group)}
+    if fault == "repack hand-over unmarked":
+        entries = data.episodes[f"{group}-0"]
+        hand_over = raw([Event("aborted", 0, "S", 2, {"reason": "repack", "num_tokens": 0}),
+                         Event("resumed", 0, "T", 3, {"num_tokens": 0})])
+        data.episodes[f"{group}-0"] = entries[:2] + [(f"99{i}-1", f) for i, (_, f) in enumerate(_entries(hand_over))] \
+            + [(entries[2][0], {**entries[2][1], "seq": b"4"})]
+        return {"repacks_unmarked": 1}
     assert fault == "unreadable episode entry"
     data.episodes[f"{group}-0"] = data.episodes[f"{group}-0"] + [("998-0", {"type": b"tokens", "v": b"9"})]
     return {"bad_input_not_dead_lettered": 1}
@@ -430,7 +445,8 @@ def inject(data: RunData, fault: str, group: str, amount: int) -> dict[str, int]
 FAULTS = ("group delivered, never published", "sample acknowledged, in no ledger record", "group enqueued twice",
           "group trained again", "group published twice", "episode finished twice", "version published twice",
           "version missing", "tokens generated again", "trained episode lost its finish", "bad control entry",
-          "bad samples entry, read", "bad prompts entry, delivered", "unreadable episode entry")
+          "bad samples entry, read", "bad prompts entry, delivered", "unreadable episode entry",
+          "tokens trained stale", "repack hand-over unmarked")
 
 
 @settings(max_examples=150, deadline=None)

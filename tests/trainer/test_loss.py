@@ -154,7 +154,8 @@ def test_all_masked_batch_gives_zero_loss_and_zero_gradient():
         assert loss.item() == 0.0
         assert torch.equal(_grad(loss, logp), torch.zeros(2, 3))
         assert stats == {"clip_fraction": 0.0, "approx_kl": 0.0, "is_weight_mean": 0.0, "is_weight_max": 0.0,
-                         "is_truncated_fraction": 0.0, "is_masked_fraction": 0.0}
+                         "is_truncated_fraction": 0.0, "is_masked_fraction": 0.0, "icepop_masked_fraction": 0.0,
+                         "m2po_masked_fraction": 0.0}
 
 
 # --- clipping

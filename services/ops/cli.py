@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("schema", cmd_schema, "print every stream's schema (from its codec module)")
     p = add("redis-cli", cmd_redis_cli, "run redis-cli (valkey-cli) against the run's server: streamrl redis-cli -- XRANGE ...")
     p.add_argument("args", nargs=argparse.REMAINDER, help="redis-cli arguments, after --")
+    p = sub.add_parser("keep", help="run one process (every Procfile line does) and start it again when it crashes "
+                                    "(services/ops/keep.py): streamrl keep -- python -m services.trainer")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the command, after --")
     return parser
 
 
@@ -326,6 +329,11 @@ def _read_run(cfg, sources, args, stack: contextlib.ExitStack):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keep"] and argv[1:2] not in (["-h"], ["--help"]):  # no config: the command it runs reads it
+        from services.ops import keep
+
+        return keep.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         cfg, sources = config_sources.from_args(args, with_sources=True)

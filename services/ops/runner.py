@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -21,6 +22,7 @@ from shared.runtime.config import Config, ConfigError
 from shared.runtime import runstate
 from shared.runtime.connection import redact
 from services.driver.driver import ENDED
+from services.ops.keep import keep_server
 from services.ops.redis_server import EmbeddedRedis
 
 
@@ -141,12 +143,16 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
         manager.add_process(name, cmd, env={**(env if name == "driver" else quiet),
                                             **{f"STREAMRL_{k.upper()}": str(v) for k, v in own.items()}})
     started = time.time()
+    stop_watch = threading.Event()
+    if server:  # the services survive a Redis crash: start it again, as `streamrl keep` does every Procfile line
+        keep_server(server, stop_watch)
     try:
         manager.loop()
         if (cfg.run_path / ENDED).exists() and (cfg.run_path / ENDED).stat().st_mtime >= started:
             export_at_end(cfg)
             end_of_run_check(cfg, env["REDIS_URL"])  # last: the lines a person reads when the run is over
     finally:
+        stop_watch.set()
         if server:
             server.stop()
     return manager.returncode or 0

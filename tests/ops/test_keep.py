@@ -1,0 +1,129 @@
+"""`streamrl keep`: the restart rule (pure), and the supervisor around real processes: a crash is restarted, a
+clean exit ends, exit 2 is not retried, a crash loop stops with the process's last line, SIGTERM reaches the
+process once and nothing restarts after it; `streamrl run`'s own Redis is started again when it dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from services.ops import keep
+from services.ops.keep import BACKOFF_MAX_S, MAX_RESTARTS, WINDOW_S, History, decide
+from services.ops.redis_server import EmbeddedRedis
+from shared.runtime.connection import connect
+from tests.support.procs import wait_until
+
+
+def test_the_rule_restarts_crashes_with_backoff_and_stops_a_loop():
+    h = History()
+    delays = [decide(1, False, h, t)[1] for t in (0.0, 1.0, 2.0, 3.0, 4.0)]
+    assert delays == sorted(delays) and delays[0] == 0.5 and max(delays) <= BACKOFF_MAX_S
+    assert decide(-9, False, h, 5.0)[0] == "loop"  # the sixth crash within the window
+    h = History()
+    for t in range(MAX_RESTARTS):
+        decide(1, False, h, t * WINDOW_S)  # one a minute: never a loop, the backoff starts over
+    assert decide(1, False, h, MAX_RESTARTS * WINDOW_S) == ("restart", 0.5)
+    assert decide(0, False, History(), 0.0) == ("end", 0.0)
+    assert decide(2, False, History(), 0.0) == ("fatal", 0.0)  # a config or run-identity error
+    assert decide(-9, True, History(), 0.0) == ("end", 0.0)  # the run is stopping: nothing restarts
+
+
+def _script(tmp_path, body: str) -> list[str]:
+    path = tmp_path / "proc.py"
+    path.write_text(body)
+    return [sys.executable, str(path)]
+
+
+def _keep(command, **kw):
+    return subprocess.Popen([sys.executable, "-m", "services.ops.keep", "--", *command], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+
+
+def test_a_crashing_process_is_started_again_until_it_ends_cleanly(tmp_path):
+    count = tmp_path / "count"
+    cmd = _script(tmp_path, f"""
+import os, sys
+p = {str(count)!r}
+n = int(open(p).read()) if os.path.exists(p) else 0
+open(p, "w").write(str(n + 1))
+print("run", n, flush=True)
+if n == 0:
+    os.kill(os.getpid(), 9)   # killed by a signal
+sys.exit(1 if n == 1 else 0)  # then a crash, then a clean end
+""")
+    out, _ = _keep(cmd).communicate(timeout=60)
+    assert count.read_text() == "3"
+    assert "keep: " in out and "killed by SIGKILL; restart 1" in out and "exit code 1; restart 2" in out
+    assert out.count("run ") == 3
+
+
+def test_exit_2_is_not_retried_and_a_crash_loop_stops_with_the_last_line(tmp_path, monkeypatch):
+    p = _keep(_script(tmp_path, "import sys; print('bad value for key x', flush=True); sys.exit(2)"))
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 2 and out.count("bad value") == 1 and "restart" not in out
+    loop = _keep(_script(tmp_path, "import sys; print('boom: the last words', flush=True); sys.exit(3)"))
+    out, _ = loop.communicate(timeout=120)  # 0.5 + 1 + 2 + 4 + 8 s of backoff
+    assert loop.returncode == 3
+    assert out.splitlines().count("boom: the last words") == MAX_RESTARTS + 1  # the first run and 5 restarts
+    assert f"crashed {MAX_RESTARTS + 1} times" in out and "Its last line: boom: the last words" in out
+
+
+def test_sigterm_reaches_the_process_once_and_nothing_restarts(tmp_path):
+    marks = tmp_path / "marks"
+    cmd = _script(tmp_path, f"""
+import signal, sys, time
+def stop(*a):
+    open({str(marks)!r}, "a").write("term\\n")
+    time.sleep(0.5)   # a warm stop
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+while True:
+    time.sleep(0.2)
+""")
+    p = _keep(cmd)
+    assert p.stdout.readline().strip() == "ready"
+    os.killpg(p.pid, signal.SIGTERM)  # as honcho stops a run: the supervisor's group
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 0 and marks.read_text() == "term\n" and "restart" not in out
+
+
+def test_a_killed_supervisor_takes_its_process_with_it(tmp_path):
+    pidfile = tmp_path / "pid"
+    cmd = _script(tmp_path, f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(60)")
+    p = _keep(cmd)
+    wait_until(lambda: pidfile.exists() and pidfile.read_text(), "the child's pid")
+    child = int(pidfile.read_text())
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(10)
+
+    def gone():
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return True
+        return open(f"/proc/{child}/stat").read().split()[2] == "Z"  # a zombie awaiting its reaper is dead too
+    wait_until(gone, "the orphan killed")
+
+
+def test_the_runs_own_redis_is_started_again_on_its_port_with_its_data(tmp_path):
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    stop = threading.Event()
+    try:
+        client = connect(server.url)
+        client.set("k", "v")
+        time.sleep(1.2)  # appendfsync everysec
+        lines = []
+        watcher = keep.keep_server(server, stop, out=type("W", (), {"write": lambda s, x: lines.append(x),
+                                                                     "flush": lambda s: None})())
+        os.kill(server.proc.pid, signal.SIGKILL)
+        wait_until(lambda: watcher.restarts == 1 and connect(server.url, wait=5).get("k") == b"v",
+                   "redis back with its data", timeout=30)
+        assert any("redis killed by SIGKILL; restart 1" in x for x in lines)
+    finally:
+        stop.set()
+        server.stop()

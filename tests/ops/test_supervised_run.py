@@ -1,0 +1,76 @@
+"""`streamrl run` (honcho's manager over the Procfile, each line under `streamrl keep`): a service killed with
+kill -9 mid-run is started again and the run goes on to its end with the check all zero; a process that keeps
+crashing stops the run with its own last line, within the backoff's bound."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.ops.keep import PID_DIR_ENV
+from shared.protocol.ledger import read_ledger
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # whole runs
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_") and k != "REDIS_URL"}
+    return {**env, "PYTHONPATH": str(ROOT), **extra}
+
+
+def _run_args(tmp_path, model_dir, *extra) -> list[str]:
+    return [sys.executable, "-m", "services.ops.cli", "run", "--run", "kept", "--model-dir", model_dir,
+            "--run-dir", str(tmp_path / "runs"), "--weights-dir", str(tmp_path / "weights"), "--max-minutes", "4",
+            "--group-size", "4", "--batch-groups", "2", "--max-tokens", "8", "--val-every", "0",
+            "--heartbeat-ttl", "2", *extra]
+
+
+def _child(pid_dir: Path, name: str) -> int | None:
+    for f in pid_dir.glob("*.pid"):
+        pid, who = f.read_text().split(maxsplit=1)
+        if who.strip() == name:
+            return int(pid)
+    return None
+
+
+def test_a_service_killed_mid_run_is_restarted_and_the_run_ends_with_the_check_all_zero(tmp_path, tiny_model_dir):
+    pids = tmp_path / "pids"
+    proc = subprocess.Popen(_run_args(tmp_path, tiny_model_dir, "--max-versions", "10"), cwd=ROOT,
+                            env=_env(**{PID_DIR_ENV: str(pids)}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 180
+        ledger = tmp_path / "runs" / "kept" / "trainer"
+        while not (read_ledger(ledger) and _child(pids, "trainer")):  # a version committed: mid-run
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never committed a version"
+            time.sleep(0.2)
+        os.kill(_child(pids, "trainer"), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert re.search(r"keep: trainer killed by SIGKILL; restart 1 in [\d.]+ s", out), out[-3000:]
+    reached = re.search(r"driver: reached version (\d+); ending the run", out)
+    assert reached and int(reached.group(1)) >= 10, out[-3000:]
+    assert out.rstrip().endswith("ok"), out[-3000:]  # the end-of-run check: every must-be-zero count is 0
+
+
+def test_a_process_that_keeps_crashing_stops_the_run_with_its_last_line(tmp_path, tiny_model_dir):
+    procfile = tmp_path / "Procfile"
+    procfile.write_text((ROOT / "Procfile").read_text() + "crasher: exec streamrl keep -- python -c "
+                        "\"import sys; print('crasher: config key x: expected y', flush=True); sys.exit(1)\"\n")
+    out = subprocess.run(_run_args(tmp_path, tiny_model_dir, "--max-versions", "100000", "--procfile",
+                                   str(procfile)), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    log = out.stdout + out.stderr
+    assert out.returncode != 0, log[-3000:]
+    assert "crashed 6 times within 60 s (exit code 1); stopping the run. Its last line: crasher: config key x: " \
+           "expected y" in log, log[-3000:]

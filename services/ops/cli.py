@@ -169,10 +169,16 @@ def cmd_status(cfg, args) -> int:
     client, keys = _run_client(cfg, args), args.keys
     if not client.exists(keys.versions, keys.prompts, keys.samples, keys.metrics):
         raise CLIError(f"run {cfg.run!r} has no streams on {cfg.redis_url.split('@')[-1]}")
+    from services.ops.keep import processes
+
     while True:
         snap = snapshot(client, keys)
+        # restarts by `streamrl keep` under `streamrl run` (its pid files in the run's folder, when on this machine)
+        snap["restarts"] = {name: n for name, (_, n) in processes(cfg.run_path / "procs").items() if n}
+        restarted = ", ".join(f"{name} {n}" for name, n in sorted(snap["restarts"].items()))
         print(json.dumps(snap, default=str) if args.json else
-              f"{time.strftime('%H:%M:%S')} run {cfg.run}: {format_line(snap)}", flush=True)
+              f"{time.strftime('%H:%M:%S')} run {cfg.run}: {format_line(snap)}"
+              + (f"  restarted: {restarted}" if restarted else ""), flush=True)
         if not args.watch:
             return 0
         time.sleep(args.interval)
@@ -206,7 +212,13 @@ def cmd_export(cfg, args) -> int:
 def cmd_run(cfg, args) -> int:
     from services.ops.runner import run
 
-    return run(cfg, args.procfile)
+    from services.ops.chaos import from_args
+
+    try:
+        chaos = from_args(args)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    return run(cfg, args.procfile, chaos=chaos)
 
 
 def cmd_check(cfg, args) -> int:
@@ -237,6 +249,8 @@ def cmd_drive(cfg, args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from services.ops.chaos import add_arguments as chaos_arguments
+
     parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -288,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("run", cmd_run, "run the whole job: embedded Redis + every Procfile process, until the driver ends",
             None)
     p.add_argument("--procfile", default="Procfile")
+    chaos_arguments(p)
     add("drive", cmd_drive, "steer a run (the Procfile's driver line) and end it", ("where", "driver"))
     p = add("config", cmd_config, "print the effective config, each key with where its value came from (file, "
                                   "environment, flag, default), as TOML a --config file can hold", None)

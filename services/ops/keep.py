@@ -9,8 +9,8 @@ end). What it does when its process exits (``decide``, pure):
   again cannot help, so it exits 2 and the run stops;
 - anything else (a crash, kill -9, Redis gone for longer than ``redis_wait``): starts it again after a backoff
   (0.5 s, doubling up to 10 s, counted over the last minute), one log line per restart;
-- more than ``MAX_RESTARTS`` crashes within ``WINDOW_S``: a crash loop; it exits with the process's code and
-  its last line, and the run stops.
+- more than ``MAX_RESTARTS`` crashes in a row within ``WINDOW_S``, each within ``STABLE_S`` of its start (it
+  never came up): a crash loop; it exits with the process's code and its last line, and the run stops.
 
 SIGTERM / SIGINT (honcho stopping the run) is passed to the process once and nothing is restarted after it.
 The process runs in its own process group (``--chaos`` and drills kill it with its children), and dies with
@@ -26,11 +26,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 WINDOW_S = 60.0
 MAX_RESTARTS = 5
+STABLE_S = 10.0  # a process that ran this long had come up: its crash is not part of a loop
 BACKOFF_S, BACKOFF_MAX_S = 0.5, 10.0
 FATAL_CODES = (2,)  # the process refused its config or its run: the same again would fail the same way
+NAME_ENV = "KEEP_NAME"  # the process's name in the run (honcho's: rollout.2), for its lines and its pid file
 PID_DIR_ENV = "KEEP_PID_DIR"  # where each kept child's pid is written (not STREAMRL_*: those are config keys)
 
 
@@ -40,13 +43,17 @@ class History:
     restarts: int = 0
 
 
-def decide(code: int, stopping: bool, history: History, now: float) -> tuple[str, float]:
-    """What to do when the process exited with ``code`` (negative: killed by that signal): ("end", 0) exit as it
-    did, ("fatal", 0) exit 2 at once, ("loop", 0) a crash loop, ("restart", delay seconds). Records the crash."""
+def decide(code: int, stopping: bool, history: History, now: float, ran_s: float = 0.0) -> tuple[str, float]:
+    """What to do when the process exited with ``code`` (negative: killed by that signal) after running ``ran_s``
+    seconds: ("end", 0) exit as it did, ("fatal", 0) exit 2 at once, ("loop", 0) a crash loop, ("restart", delay
+    seconds). A process that ran ``STABLE_S`` or more had come up: its crash starts the count and the backoff
+    afresh (a kill -9 now and then is not a loop, however often it happens); one that died sooner counts."""
     if stopping or code == 0:
         return "end", 0.0
     if code in FATAL_CODES:
         return "fatal", 0.0
+    if ran_s >= STABLE_S:
+        history.crashes = []
     history.crashes = [t for t in history.crashes if now - t < WINDOW_S] + [now]
     if len(history.crashes) > MAX_RESTARTS:
         return "loop", 0.0
@@ -81,7 +88,7 @@ def name_of(command: list[str]) -> str:
 
 class Keeper:
     def __init__(self, command: list[str], name: str | None = None, out=None):
-        self.command, self.name = command, name or name_of(command)
+        self.command, self.name = command, name or os.environ.get(NAME_ENV) or name_of(command)
         self.out = out or sys.stdout
         self.stopping = False
         self.child: subprocess.Popen | None = None
@@ -102,10 +109,12 @@ class Keeper:
         self.child = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       preexec_fn=_die_with_parent)
         pid_dir = os.environ.get(PID_DIR_ENV)
-        if pid_dir:  # `streamrl run --chaos` picks its victims here
+        if pid_dir:  # `streamrl run`: --chaos picks its victims here, the end-of-run check counts the restarts
             os.makedirs(pid_dir, exist_ok=True)
-            with open(os.path.join(pid_dir, f"{os.getpid()}.pid"), "w") as fh:
-                fh.write(f"{self.child.pid} {self.name}\n")
+            tmp = os.path.join(pid_dir, f".{os.getpid()}.tmp")
+            with open(tmp, "w") as fh:
+                fh.write(f"{self.child.pid} {self.name} {self.history.restarts}\n")
+            os.replace(tmp, os.path.join(pid_dir, f"{os.getpid()}.pid"))
 
     def _relay(self) -> int:
         """Copy the child's output through, remembering its last line; its exit code."""
@@ -122,10 +131,11 @@ class Keeper:
         signal.signal(signal.SIGINT, self._signal)
         while True:
             self._start()
+            began = time.monotonic()
             if self.stopping and self.child.poll() is None:  # the signal came while it was starting
                 os.kill(self.child.pid, signal.SIGTERM)
             code = self._relay()
-            action, delay = decide(code, self.stopping, self.history, time.monotonic())
+            action, delay = decide(code, self.stopping, self.history, time.monotonic(), time.monotonic() - began)
             if action == "end":  # a clean exit, or the run stopping: a signal's own exit is clean too
                 return 0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else (code if code > 0 else 1)
             if action == "fatal":
@@ -136,12 +146,24 @@ class Keeper:
                 return code if code > 0 else 1
             self.history.restarts += 1
             self.say(f"{describe(code)}; restart {self.history.restarts} in {delay:g} s "
-                     f"({len(self.history.crashes)} crashes in the last {WINDOW_S:g} s)")
+                     f"({len(self.history.crashes)} in a row within {WINDOW_S:g} s)")
             deadline = time.monotonic() + delay
             while time.monotonic() < deadline and not self.stopping:
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
             if self.stopping:
                 return 0
+
+
+def processes(pid_dir) -> dict[str, tuple[int, int]]:
+    """{name: (its current pid, restarts so far)} from the files each ``keep`` writes in ``pid_dir``."""
+    out = {}
+    for path in sorted(Path(pid_dir).glob("*.pid")) if pid_dir and Path(pid_dir).is_dir() else []:
+        try:
+            pid, name, restarts = path.read_text().split()
+        except (OSError, ValueError):
+            continue  # being replaced, or not ours
+        out[name] = (int(pid), int(restarts))
+    return out
 
 
 def keep_server(server, stop, out=None, log_every_s: float = 0.5):
@@ -159,7 +181,8 @@ def keep_server(server, stop, out=None, log_every_s: float = 0.5):
             code = server.proc.poll() if server.proc is not None else None
             if code is None:
                 continue
-            action, delay = decide(code if code else 1, False, history, time.monotonic())
+            # a server that start() returned is up (it answered); a Redis that cannot come up fails start() instead
+            action, delay = decide(code if code else 1, False, history, time.monotonic(), STABLE_S)
             if action != "restart":
                 thread.failed = f"the embedded Redis crashed {len(history.crashes)} times within {WINDOW_S:g} s"
                 print(f"keep: {thread.failed}; not starting it again", file=out, flush=True)

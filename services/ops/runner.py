@@ -22,7 +22,8 @@ from shared.runtime.config import Config, ConfigError
 from shared.runtime import runstate
 from shared.runtime.connection import redact
 from services.driver.driver import ENDED
-from services.ops.keep import keep_server
+from services.ops.keep import NAME_ENV, PID_DIR_ENV, keep_server
+from services.ops.keep import processes as keep_processes
 from services.ops.redis_server import EmbeddedRedis
 
 
@@ -111,7 +112,8 @@ def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str, dict
     return out
 
 
-def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) -> int:
+def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None, chaos=None) -> int:
+    """``chaos``: a ``services.ops.chaos.Chaos`` to kill processes while the run goes (``--chaos``)."""
     path = find_procfile(procfile)
     entries = parse_procfile(path.read_text()).processes
     from services.ops import preflight
@@ -136,21 +138,31 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
         env["REDIS_URL"] = env["STREAMRL_REDIS_URL"] = server.url
     print(f"streamrl run: run {cfg.run!r} on {redact(env['REDIS_URL'])}"
           f"{' (embedded, append-only)' if server else ''}", file=sys.stderr, flush=True)
+    pid_dir = cfg.run_path / "procs"  # each `streamrl keep` writes its process's pid and restarts here
+    for old in pid_dir.glob("*.pid") if pid_dir.is_dir() else []:
+        old.unlink()
+    env[PID_DIR_ENV] = str(pid_dir)
     manager = Manager()
     # the driver's progress lines are the view; the services' per-step info lines would bury them
     quiet = {**env, "STREAMRL_LOG_LEVEL": "warning"} if cfg.log_level == "info" else env
     for name, cmd, own in processes(cfg, entries):
-        manager.add_process(name, cmd, env={**(env if name == "driver" else quiet),
+        manager.add_process(name, cmd, env={**(env if name == "driver" else quiet), NAME_ENV: name,
                                             **{f"STREAMRL_{k.upper()}": str(v) for k, v in own.items()}})
     started = time.time()
     stop_watch = threading.Event()
     if server:  # the services survive a Redis crash: start it again, as `streamrl keep` does every Procfile line
         keep_server(server, stop_watch)
+    ended = lambda: (cfg.run_path / ENDED).exists() and (cfg.run_path / ENDED).stat().st_mtime >= started  # noqa: E731
+    if chaos is not None:
+        chaos.start(stop_watch, lambda: keep_processes(pid_dir), server, ended, out=sys.stderr)
     try:
         manager.loop()
-        if (cfg.run_path / ENDED).exists() and (cfg.run_path / ENDED).stat().st_mtime >= started:
+        if ended():
             export_at_end(cfg)
-            end_of_run_check(cfg, env["REDIS_URL"])  # last: the lines a person reads when the run is over
+            restarts = {name: r for name, (_, r) in keep_processes(pid_dir).items()}
+            end_of_run_check(cfg, env["REDIS_URL"], restarts)  # last: the lines a person reads when the run is over
+            if chaos is not None:
+                print_chaos(cfg, env["REDIS_URL"], chaos, restarts, time.time() - started)
     finally:
         stop_watch.set()
         if server:
@@ -158,7 +170,17 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None) 
     return manager.returncode or 0
 
 
-def end_of_run_check(cfg: Config, redis_url: str) -> None:
+def print_chaos(cfg: Config, redis_url: str, chaos, restarts: dict[str, int], seconds: float) -> None:
+    from services.ops.chaos import summary
+    from shared.protocol.keys import Keys
+    from shared.runtime.connection import connect
+
+    client = connect(redis_url, wait=10)
+    times = [int(entry_id.decode().split("-")[0]) / 1000 for entry_id, _ in client.xrange(Keys(cfg.run).versions)]
+    print("streamrl run: " + "\n".join(summary(chaos, times, restarts, seconds)), file=sys.stderr, flush=True)
+
+
+def end_of_run_check(cfg: Config, redis_url: str, restarts: dict[str, int] | None = None) -> None:
     """After every process has stopped (warm), so each worker's final record is in: every count is known."""
     from services.ops.checker import check, format_report, read_run
     from shared.protocol.keys import Keys
@@ -167,8 +189,9 @@ def end_of_run_check(cfg: Config, redis_url: str) -> None:
     client = connect(redis_url, wait=10)
     rq_client = connect(cfg.rq_redis_url, wait=10) if cfg.rq_redis_url else None
     report = check(read_run(client, Keys(cfg.run), cfg.run_path, rq_client, cfg))
+    restarted = ", ".join(f"{name} {n}" for name, n in sorted((restarts or {}).items()) if n) or "none"
     print("streamrl run: streamrl check at the end of the run (groups still in flight are not lost):\n"
-          + format_report(report, cfg.run), file=sys.stderr, flush=True)
+          + format_report(report, cfg.run) + f"\nprocesses restarted: {restarted}", file=sys.stderr, flush=True)
 
 
 def export_at_end(cfg: Config) -> None:

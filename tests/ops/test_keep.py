@@ -27,6 +27,9 @@ def test_the_rule_restarts_crashes_with_backoff_and_stops_a_loop():
     for t in range(MAX_RESTARTS):
         decide(1, False, h, t * WINDOW_S)  # one a minute: never a loop, the backoff starts over
     assert decide(1, False, h, MAX_RESTARTS * WINDOW_S) == ("restart", 0.5)
+    h = History()
+    for t in range(3 * MAX_RESTARTS):  # killed every 12 s after coming up (chaos): never a loop, no backoff
+        assert decide(-9, False, h, 12.0 * t, ran_s=11.0) == ("restart", 0.5)
     assert decide(0, False, History(), 0.0) == ("end", 0.0)
     assert decide(2, False, History(), 0.0) == ("fatal", 0.0)  # a config or run-identity error
     assert decide(-9, True, History(), 0.0) == ("end", 0.0)  # the run is stopping: nothing restarts
@@ -127,3 +130,20 @@ def test_the_runs_own_redis_is_started_again_on_its_port_with_its_data(tmp_path)
     finally:
         stop.set()
         server.stop()
+
+
+def test_chaos_picks_only_allowed_kinds_and_sums_up_kills_restarts_and_recovery():
+    import random
+
+    from services.ops.chaos import Chaos, Kill, summary
+
+    c = Chaos(5.0, seed=3, only=frozenset({"rollout", "redis"}))
+    rng = random.Random(3)
+    picks = {c.choose(rng, ["rollout.1", "rollout.2", "trainer", "redis"]) for _ in range(50)}
+    assert picks == {"rollout.1", "rollout.2", "redis"}
+    assert c.choose(rng, ["trainer"]) is None
+    c.kills = [Kill(100.0, "rollout.1"), Kill(110.0, "redis"), Kill(130.0, "rollout.1")]
+    lines = summary(c, [99.0, 101.5, 114.0], {"rollout.1": 2, "trainer": 0, "redis": 1}, 40.0)
+    assert lines[0] == "chaos: 3 kills in 40 s (one every 5 s, seed 3): redis 1, rollout.1 2"
+    assert lines[1] == "  restarts: redis 1, rollout.1 2"
+    assert lines[2] == "  kill to the next version: median 2.8 s, max 4.0 s (2 of 3 kills were followed by a version)"

@@ -1,6 +1,6 @@
 """`streamrl run` (honcho's manager over the Procfile, each line under `streamrl keep`): a service killed with
-kill -9 mid-run is started again and the run goes on to its end with the check all zero; a process that keeps
-crashing stops the run with its own last line, within the backoff's bound."""
+kill -9 mid-run, and the embedded Redis killed by `--chaos`, are started again and the run goes on to its end with
+the check all zero; a process that keeps crashing stops the run with its own last line."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.ops.keep import PID_DIR_ENV
+from services.ops.keep import processes
 from shared.protocol.ledger import read_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,17 +34,15 @@ def _run_args(tmp_path, model_dir, *extra) -> list[str]:
 
 
 def _child(pid_dir: Path, name: str) -> int | None:
-    for f in pid_dir.glob("*.pid"):
-        pid, who = f.read_text().split(maxsplit=1)
-        if who.strip() == name:
-            return int(pid)
-    return None
+    return processes(pid_dir).get(name, (None, 0))[0]
 
 
 def test_a_service_killed_mid_run_is_restarted_and_the_run_ends_with_the_check_all_zero(tmp_path, tiny_model_dir):
-    pids = tmp_path / "pids"
-    proc = subprocess.Popen(_run_args(tmp_path, tiny_model_dir, "--max-versions", "10"), cwd=ROOT,
-                            env=_env(**{PID_DIR_ENV: str(pids)}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    pids = tmp_path / "runs" / "kept" / "procs"  # where each `streamrl keep` writes its process's pid
+    # and chaos kills the embedded Redis every 4 s (the runner starts it again on its port over its data)
+    proc = subprocess.Popen(_run_args(tmp_path, tiny_model_dir, "--max-versions", "12", "--chaos", "4",
+                                      "--chaos-only", "redis"), cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
         deadline = time.monotonic() + 180
@@ -60,8 +58,11 @@ def test_a_service_killed_mid_run_is_restarted_and_the_run_ends_with_the_check_a
     assert proc.returncode == 0, out[-3000:]
     assert re.search(r"keep: trainer killed by SIGKILL; restart 1 in [\d.]+ s", out), out[-3000:]
     reached = re.search(r"driver: reached version (\d+); ending the run", out)
-    assert reached and int(reached.group(1)) >= 10, out[-3000:]
-    assert out.rstrip().endswith("ok"), out[-3000:]  # the end-of-run check: every must-be-zero count is 0
+    assert reached and int(reached.group(1)) >= 12, out[-3000:]
+    assert "\nok\nprocesses restarted: " in out and "trainer 1" in out, out[-3000:]  # the check: all zero
+    kills = re.search(r"chaos: (\d+) kills in \d+ s \(one every 4 s, seed 0\): redis (\d+)", out)
+    assert kills and int(kills.group(1)) == int(kills.group(2)) >= 1, out[-3000:]
+    assert re.search(r"keep: redis killed by SIGKILL; restart 1 in [\d.]+ s on port", out), out[-3000:]
 
 
 def test_a_process_that_keeps_crashing_stops_the_run_with_its_last_line(tmp_path, tiny_model_dir):

@@ -1,0 +1,74 @@
+"""The default job with and without `--chaos`, side by side on one box: wall time, the last-100-step reward, the
+end-of-run check, and the chaos summary (issue 29's goal: check all zero, reward within 0.05, time <= 1.5x).
+
+    python bench/chaos.py [--every 5] [--seed 0] [--max-versions 1000] [--pairs 1]
+
+Each pair runs `streamrl run` twice in fresh run folders (the default tiny model, made once), plain then
+`--chaos EVERY`; nothing else should run on the box. Prints one line per run and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one(root: Path, name: str, max_versions: int, chaos: list[str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_") and k != "REDIS_URL"}
+    args = [sys.executable, "-m", "services.ops.cli", "run", "--run", name, "--run-dir", str(root / "runs"),
+            "--model-dir", str(root / "model"), "--max-versions", str(max_versions), "--max-minutes", "30", *chaos]
+    t0 = time.monotonic()
+    out = subprocess.run(args, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    seconds = time.monotonic() - t0
+    log = out.stdout + out.stderr
+    rewards = [json.loads(line)["reward_mean"] for line in
+               (root / "runs" / name / "metrics.jsonl").read_text().splitlines() if '"reward_mean"' in line]
+    summary = [line for line in log.splitlines() if line.startswith(("streamrl run: chaos:", "  restarts:",
+                                                                      "  kill to the next"))]
+    return {"name": name, "rc": out.returncode, "seconds": seconds, "check_ok": "\nok\n" in log,
+            "last100": sum(rewards[-100:]) / max(len(rewards[-100:]), 1), "steps": len(rewards),
+            "regen": (re.findall(r"tokens generated again\s+(\S+)", log) or ["?"])[-1],
+            "takeovers": (re.findall(r"takeovers after a crash\s+(\d+)", log) or ["?"])[-1], "summary": summary,
+            "tail": log[-1500:] if out.returncode else ""}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--every", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-versions", type=int, default=1000)
+    ap.add_argument("--pairs", type=int, default=1)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
+    subprocess.run([sys.executable, "-m", "services.ops.cli", "make-model", "--model-dir", str(root / "model")],
+                   cwd=ROOT, check=True, capture_output=True)
+    ok = True
+    for i in range(args.pairs):
+        plain = one(root, f"plain{i}", args.max_versions, [])
+        chaotic = one(root, f"chaos{i}", args.max_versions, ["--chaos", str(args.every), "--chaos-seed",
+                                                             str(args.seed + i)])
+        for r in (plain, chaotic):
+            print(f"{r['name']}: rc {r['rc']}, {r['seconds']:.0f} s, {r['steps']} steps, last-100 reward "
+                  f"{r['last100']:.3f}, check {'ok' if r['check_ok'] else 'FAILED'}, tokens generated again "
+                  f"{r['regen']}, takeovers {r['takeovers']}", flush=True)
+            for line in r["summary"]:
+                print("   ", line.removeprefix("streamrl run: "))
+            if r["tail"]:
+                print(r["tail"])
+        print(f"pair {i}: time chaos/plain {chaotic['seconds'] / plain['seconds']:.2f}x, reward difference "
+              f"{chaotic['last100'] - plain['last100']:+.3f}", flush=True)
+        ok &= plain["check_ok"] and chaotic["check_ok"] and chaotic["rc"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,6 +30,7 @@ def one(root: Path, name: str, max_versions: int, chaos: list[str]) -> dict:
     out = subprocess.run(args, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
     seconds = time.monotonic() - t0
     log = out.stdout + out.stderr
+    (root / f"{name}.log").write_text(log)
     rewards = [json.loads(line)["reward_mean"] for line in
                (root / "runs" / name / "metrics.jsonl").read_text().splitlines() if '"reward_mean"' in line]
     summary = [line for line in log.splitlines() if line.startswith(("streamrl run: chaos:", "  restarts:",
@@ -38,7 +39,9 @@ def one(root: Path, name: str, max_versions: int, chaos: list[str]) -> dict:
             "last100": sum(rewards[-100:]) / max(len(rewards[-100:]), 1), "steps": len(rewards),
             "regen": (re.findall(r"tokens generated again\s+(\S+)", log) or ["?"])[-1],
             "takeovers": (re.findall(r"takeovers after a crash\s+(\d+)", log) or ["?"])[-1], "summary": summary,
-            "tail": log[-1500:] if out.returncode else ""}
+            "tail": "\n".join(line for line in log.splitlines() if "crashed" in line or "Traceback" in line
+                              or line.startswith("streamrl run:"))[-3000:] + f"\n(log: {root / name}.log)"
+            if out.returncode else ""}
 
 
 def main() -> int:

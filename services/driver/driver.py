@@ -9,6 +9,7 @@ staleness, workers), and exits after ``max_versions`` versions or
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 
@@ -22,6 +23,8 @@ from shared.protocol.prompts import PromptGroup, enqueue, group_id
 from services.driver.status import alive_services, format_line, snapshot
 from shared.runtime.tensorboard import TensorBoard
 from services.driver.validation import Validator, split
+
+SINCE_ENV = "KEEP_SINCE"  # when `streamrl keep` (services/ops/keep.py) first started this process, unix seconds
 
 SERVICES = ("rollout", "trainer", "syncer")
 ENDED = "ENDED"  # file in the run's folder once the driver ended the run: the next start moves it aside
@@ -139,7 +142,9 @@ class Driver:
         if self.cfg.max_versions and latest_version(self.client, self.keys) >= self.cfg.max_versions:
             print(f"driver: run {self.cfg.run!r} is already at version {self.cfg.max_versions}; start another with "
                   f"--run NAME", flush=True)
-        t0 = time.monotonic()
+        # the clock of max_minutes runs from when this driver was first started in this session: a driver that
+        # `streamrl keep` restarted after a crash goes on with it (a continued run, started again, gets a new one)
+        t0 = time.monotonic() - max(0.0, time.time() - float(os.environ.get(SINCE_ENV, time.time())))
         depth = queue_depth(self.cfg, alive_services(self.client, self.keys).get("rollout", 1))
         next_print = 0.0
         wake = {self.keys.samples: "$", self.keys.val_samples: "$", self.keys.versions: "$"}

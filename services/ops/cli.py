@@ -155,6 +155,29 @@ def cmd_runs(cfg, args) -> int:
     return 0
 
 
+def cmd_episodes(cfg, args) -> int:
+    from services.ops import episodes as eps
+
+    try:
+        filters = eps.Filters(tuple(o for o in args.outcome.split(",") if o), args.reward_below, args.reward_above,
+                              args.min_aborts, args.min_span, args.taken_over, args.repacked,
+                              None if args.kind is None else args.kind == "agent")
+        rows = eps.ordered([s for s in eps.read_summaries(_run_client(cfg), Keys(cfg.run)) if filters.keep(s)],
+                           args.sort, args.desc)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    shown = rows[:args.limit] if args.limit else rows
+    if args.json:
+        print(json.dumps([eps.to_json(s) for s in shown], indent=1))
+    else:
+        for s in shown:
+            print(s.episode_id if args.ids else s.line())
+        if not args.ids:
+            print(f"{len(rows)} episodes match" + (f"; the first {len(shown)} shown (--limit)" if len(shown) < len(rows)
+                                                   else ""), file=sys.stderr)
+    return 0
+
+
 def cmd_schema(cfg, args) -> int:
     from shared.protocol import schema
 
@@ -314,6 +337,22 @@ def build_parser() -> argparse.ArgumentParser:
                               "folders --run reads too), with model, last version and reward, times", None)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     add("schema", cmd_schema, "print every stream's schema (from its codec module)")
+    p = add("episodes", cmd_episodes, "find episodes by outcome, reward, aborts, takeovers, versions spanned: one "
+                                      "line each (ids for streamrl replay)")
+    p.add_argument("--outcome", default="", metavar="LIST",
+                   help="finished,failed,truncated,running,paused,unreadable (comma-separated; default any)")
+    p.add_argument("--reward-below", type=float, metavar="X")
+    p.add_argument("--reward-above", type=float, metavar="X")
+    p.add_argument("--min-aborts", type=int, default=0, metavar="N")
+    p.add_argument("--min-span", type=int, default=0, metavar="N", help="tokens from at least N policy versions")
+    p.add_argument("--taken-over", action="store_true", help="continued by another worker after a crash")
+    p.add_argument("--repacked", action="store_true", help="handed over in a long-tail repack")
+    p.add_argument("--kind", choices=("agent", "plain"), help="agent episodes (through the gateway) or plain ones")
+    p.add_argument("--sort", default="id", help="id, reward, length, span or aborts (default id)")
+    p.add_argument("--desc", action="store_true", help="sort descending")
+    p.add_argument("--limit", type=int, default=50, metavar="N", help="lines shown (default 50; 0: all)")
+    p.add_argument("--ids", action="store_true", help="print only the ids")
+    p.add_argument("--json", action="store_true")
     p = add("redis-cli", cmd_redis_cli, "run redis-cli (valkey-cli) against the run's server: streamrl redis-cli -- XRANGE ...")
     p.add_argument("args", nargs=argparse.REMAINDER, help="redis-cli arguments, after --")
     p = sub.add_parser("keep", help="run one process (every Procfile line does) and start it again when it crashes "

@@ -33,6 +33,7 @@ MAX_RESTARTS = 5
 STABLE_S = 10.0  # a process that ran this long had come up: its crash is not part of a loop
 BACKOFF_S, BACKOFF_MAX_S = 0.5, 10.0
 FATAL_CODES = (2,)  # the process refused its config or its run: the same again would fail the same way
+SINCE_ENV = "KEEP_SINCE"  # given to the process: when keep first started it (the driver's max_minutes clock)
 NAME_ENV = "KEEP_NAME"  # the process's name in the run (honcho's: rollout.2), for its lines and its pid file
 PID_DIR_ENV = "KEEP_PID_DIR"  # where each kept child's pid is written (not STREAMRL_*: those are config keys)
 
@@ -94,6 +95,7 @@ class Keeper:
         self.child: subprocess.Popen | None = None
         self.last_line = ""
         self.history = History()
+        self.since = time.time()  # the driver's max_minutes runs from here, across its restarts
 
     def _signal(self, signum, frame) -> None:
         if self.stopping:
@@ -106,8 +108,9 @@ class Keeper:
         print(f"keep: {self.name} {text}", file=self.out, flush=True)
 
     def _start(self) -> None:
+        env = {**os.environ, SINCE_ENV: os.environ.get(SINCE_ENV, str(self.since))}
         self.child = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      preexec_fn=_die_with_parent)
+                                      preexec_fn=_die_with_parent, env=env)
         pid_dir = os.environ.get(PID_DIR_ENV)
         if pid_dir:  # `streamrl run`: --chaos picks its victims here, the end-of-run check counts the restarts
             os.makedirs(pid_dir, exist_ok=True)

@@ -147,3 +147,21 @@ def test_chaos_picks_only_allowed_kinds_and_sums_up_kills_restarts_and_recovery(
     assert lines[0] == "chaos: 3 kills in 40 s (one every 5 s, seed 3): redis 1, rollout.1 2"
     assert lines[1] == "  restarts: redis 1, rollout.1 2"
     assert lines[2] == "  kill to the next version: median 2.8 s, max 4.0 s (2 of 3 kills were followed by a version)"
+
+
+def test_a_restarted_process_keeps_the_time_it_was_first_started(tmp_path):
+    """The driver's max_minutes clock runs across its restarts: keep gives every start the same KEEP_SINCE."""
+    from services.driver.driver import SINCE_ENV as DRIVER_READS
+
+    assert keep.SINCE_ENV == DRIVER_READS
+    seen = tmp_path / "seen"
+    cmd = _script(tmp_path, f"""
+import os, sys
+with open({str(seen)!r}, "a") as fh:
+    fh.write(os.environ[{keep.SINCE_ENV!r}] + "\\n")
+sys.exit(1 if len(open({str(seen)!r}).read().split()) < 2 else 0)
+""")
+    t0 = time.time()
+    _keep(cmd).communicate(timeout=60)
+    first, second = seen.read_text().split()
+    assert first == second and t0 - 5 < float(first) <= time.time()

@@ -22,7 +22,7 @@ from shared.runtime import config_sources
 from shared.runtime import runstate
 from shared.runtime.connection import connect, is_cluster, redact
 from shared.protocol.events import EventError
-from shared.protocol.keys import Keys
+from services.ops import run_target
 from services.ops.replay import ReplayError
 
 
@@ -146,11 +146,7 @@ def cmd_redis_cli(cfg, args) -> int:
 def cmd_runs(cfg, args) -> int:
     from services.ops import run_target, runs
 
-    def live(folder, marker) -> bool:
-        target = run_target.Target(cfg, Keys(marker.get("run", folder.name)), folder, marker)
-        return run_target.serving_url(target, {}) is not None
-
-    rows = runs.list_runs(Path(cfg.run_dir), live)
+    rows = runs.list_runs(Path(cfg.run_dir), lambda folder, marker: run_target.is_live(cfg, folder, marker))
     print(json.dumps(runs.as_json(rows), indent=2) if args.json else runs.format_runs(rows, cfg.run_dir))
     return 0
 
@@ -162,7 +158,7 @@ def cmd_episodes(cfg, args) -> int:
         filters = eps.Filters(tuple(o for o in args.outcome.split(",") if o), args.reward_below, args.reward_above,
                               args.min_aborts, args.min_span, args.taken_over, args.repacked,
                               None if args.kind is None else args.kind == "agent")
-        rows = eps.ordered([s for s in eps.read_summaries(_run_client(cfg), Keys(cfg.run)) if filters.keep(s)],
+        rows = eps.ordered([s for s in eps.read_summaries(_run_client(cfg, args), args.keys) if filters.keep(s)],
                            args.sort, args.desc)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
@@ -361,27 +357,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-READS_A_RUN = ("inspect", "replay", "check", "status", "export", "redis-cli")  # a run, ended or archived too
-
-
-def _read_run(cfg, sources, args, stack: contextlib.ExitStack):
-    """The config of a command that reads a run: the run's recorded config under the command's own settings
-    (one line for each that differs), its keys and folder on ``args``, and its data served for the command
-    when no server holds it (a copy, stopped afterwards: services/ops/serve_ended.py)."""
-    from services.ops import run_target, serve_ended
-
-    target, notes = run_target.resolve(cfg, sources)
-    for line in notes:
-        print(f"streamrl {args.command}: {line}", file=sys.stderr, flush=True)
-    args.keys, args.run_path, args.served = target.keys, target.path, False
-    url = run_target.serving_url(target, sources) if args.command != "export" else None  # export reads files
-    if url is None and args.command != "export" and serve_ended.has_data(target.path):
-        url, args.served = stack.enter_context(serve_ended.ServedCopy(target.path)), True
-        print(f"streamrl {args.command}: no server holds run {cfg.run!r}; serving a copy of {target.path / 'redis'} "
-              f"on {redact(url)} for this command (the run's folder is not changed)", file=sys.stderr, flush=True)
-    return target.cfg.replace(redis_url=url) if url else target.cfg
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keep"] and argv[1:2] not in (["-h"], ["--help"]):  # no config: the command it runs reads it
@@ -395,8 +370,8 @@ def main(argv: list[str] | None = None) -> int:
 
         logs.setup(cfg.log_level)
         with contextlib.ExitStack() as stack:
-            if args.command in READS_A_RUN:
-                cfg = _read_run(cfg, sources, args, stack)
+            if args.command in run_target.READS_A_RUN:  # an ended or archived run too (run_target.py)
+                cfg = run_target.for_command(cfg, sources, args, stack)
             return args.func(cfg, args) or 0
     except (CLIError, ReplayError, configmod.ConfigError, EventError, runstate.RunStateError) as exc:
         for line in str(exc).splitlines():  # a preflight finds several problems: one line each

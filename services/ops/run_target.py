@@ -4,6 +4,7 @@ recorded (run.json) under the command's own settings, and a server that holds it
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,8 +13,9 @@ import redis
 from shared.protocol.keys import Keys
 from shared.runtime import runstate
 from shared.runtime.config import FIELDS, Config
-from shared.runtime.connection import is_cluster
+from shared.runtime.connection import is_cluster, redact
 
+READS_A_RUN = ("inspect", "replay", "check", "status", "export", "redis-cli", "episodes")  # ended or archived too
 # keys that say where the command runs, not what the run was made of: never taken from the record
 WHERE = ("run", "run_id", "redis_url", "rq_redis_url", "run_dir", "redis_wait", "log_level")
 
@@ -79,3 +81,26 @@ def serving_url(target: Target, sources: dict) -> str | None:
         return url  # the command named its server: that one, whatever it holds
     candidates = [url] + [u for u in [(target.marker or {}).get("redis", "")] if u and "***" not in u and u != url]
     return next((u for u in candidates if holds_run(u, target)), None)
+
+
+def is_live(cfg: Config, folder: Path, marker: dict) -> bool:
+    """Whether a server holds the run of ``folder`` now (`streamrl runs`)."""
+    return serving_url(Target(cfg, Keys(marker.get("run", folder.name)), folder, marker), {}) is not None
+
+
+def for_command(cfg: Config, sources: dict, args, stack) -> Config:
+    """The config of a command that reads a run: the run's recorded config under the command's own settings
+    (one line for each that differs), its keys and folder on ``args``, and its data served for the command
+    when no server holds it (a copy, stopped when ``stack`` closes: services/ops/serve_ended.py)."""
+    from services.ops import serve_ended
+
+    target, notes = resolve(cfg, sources)
+    for line in notes:
+        print(f"streamrl {args.command}: {line}", file=sys.stderr, flush=True)
+    args.keys, args.run_path, args.served = target.keys, target.path, False
+    url = serving_url(target, sources) if args.command != "export" else None  # export reads files only
+    if url is None and args.command != "export" and serve_ended.has_data(target.path):
+        url, args.served = stack.enter_context(serve_ended.ServedCopy(target.path)), True
+        print(f"streamrl {args.command}: no server holds run {cfg.run!r}; serving a copy of {target.path / 'redis'} "
+              f"on {redact(url)} for this command (the run's folder is not changed)", file=sys.stderr, flush=True)
+    return target.cfg.replace(redis_url=url) if url else target.cfg

@@ -56,7 +56,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.runs import rollout_reports, streamrl_run  # noqa: E402
-from shared.runtime.config import FIELDS  # noqa: E402
+from shared.runtime import runstate  # noqa: E402
+from shared.runtime.config import FIELDS, Config  # noqa: E402
 
 VARIANTS = [("sync", 0), ("async", 1), ("async", 2)]
 # --simulate-gpu: a named cost model standing in for a GPU on this CPU box (printed with every result). A
@@ -116,7 +117,8 @@ def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str, seed
     generated = sum(int(r.get("tokens", 0)) for r in reports.values())
     versions = args.versions // per_version
     steps = [s for s in steps if s["step"] <= versions * per_version]  # the budget; steps after the end don't count
-    weights = Path(f"/dev/shm/streamrl/{run}") if Path("/dev/shm").is_dir() else ROOT / "runs" / run / "weights"
+    run_path = Path(flags.get("run_dir", ROOT / "runs")) / run  # the default weights folder is keyed by the run's id
+    weights = Config(run=run, run_dir=str(run_path.parent), run_id=runstate.read_marker(run_path)["id"]).weights_path
     t0 = time.monotonic()
     # the trainer goes on for a step or few while the run shuts down and prunes old files: the first kept
     # version at or past the budget (printed; at most a few steps past it)

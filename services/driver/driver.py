@@ -61,7 +61,8 @@ class Driver:
         self.client = connect(cfg.redis_url, wait=cfg.redis_wait)
         self.rq_client = connect(cfg.rq_redis_url, wait=cfg.redis_wait) if cfg.rq_redis_url else self.client
         self.keys = Keys(cfg.run)
-        self.meta = runstate.bind(self.client, self.keys, cfg.run_path, cfg.redis_url)
+        self.meta = runstate.bind(self.client, self.keys, cfg.run_path, cfg.redis_url,
+                                   config=runstate.recordable(cfg))
         rows, held_out = load_task(cfg)
         self.rows = tasks.RowOrder(rows, cfg.seed, cfg.shuffle)
         self.tensorboard = TensorBoard(cfg, "driver")

@@ -103,7 +103,10 @@ def write_plots(cfg: Config, out_dir: Path | None = None) -> list[Path]:
         if any(m.get(key) for m in train):
             ax.plot(steps, [m.get(key, 0.0) for m in train], label=label, linewidth=0.8)
     ax.set(xlabel="optimizer step", ylabel="fraction of trained tokens", title="Trust region and importance weights")
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    else:  # neither the clip nor the IS cap ever bound: say so (a legend of nothing is a matplotlib warning)
+        ax.text(0.5, 0.5, "the PPO clip and the IS cap never bound", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     trust = out_dir / "trust_region.png"
     fig.savefig(trust, dpi=100)

@@ -44,6 +44,9 @@ def format_line(s: dict) -> str:
     m, val, sync = s["train"], s["validation"], s["sync"]
     parts = [f"version {s['version']:3d}", f"step {m.get('step', 0):4d}",
              f"reward {m.get('reward_mean', float('nan')):.3f}"]
+    if m.get("batch_policy_failures"):  # why a reward can be 0 whatever the reward function says
+        parts[-1] += (f" ({m['batch_policy_failures']}/{m.get('samples', '?')} cut short by max_tokens, the context "
+                      f"or max_tool_calls: scored 0)")
     if val:
         parts.append(f"val@v{val['version']} {val['reward_mean']:.3f} (greedy {val['reward_greedy']:.3f})")
     parts += [f"samples/s {s['samples_per_s']:5.1f}", f"staleness max {m.get('staleness_max', 0)}",

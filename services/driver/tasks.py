@@ -81,6 +81,7 @@ def load_rows(source: str, split: str = "train", prompt_key: str = "prompt", ans
     kind = FILE_KINDS.get(Path(source).suffix.lower())
     where = f"config key {key!r}: {source}"
     datasets.disable_progress_bars()
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)  # its errors come back as one line below
     try:
         if kind:
             if not Path(source).is_file():
@@ -112,12 +113,13 @@ def _first_bad_line(path: str) -> str | None:
 
 
 def normalize_row(row: dict, i: int, where: str, prompt_key: str, answer_key: str) -> dict:
-    """One dataset row as a task row. The prompt is ``row[prompt_key]`` (text or chat messages), else a
-    ``messages`` column; chat messages that end with an assistant turn give it as the answer when the row has
+    """One dataset row as a task row. The prompt is ``row[prompt_key]`` (text or chat messages), else (only
+    when ``prompt_key`` is the default ``prompt``) a ``messages`` column; chat messages that end with an assistant turn give it as the answer when the row has
     no ``answer_key`` (the reference reply), and the prompt is the turns before it."""
     from shared.runtime.prompt_format import PromptError, check_messages
 
-    column = prompt_key if row.get(prompt_key) is not None else "messages" if row.get("messages") is not None else None
+    fallback = prompt_key == "prompt" and row.get("messages") is not None  # only the default key falls back
+    column = prompt_key if row.get(prompt_key) is not None else "messages" if fallback else None
     if column is None:
         raise ValueError(f"{where}: row {i}: missing field {prompt_key!r} (config key 'prompt_key'; columns: "
                          f"{', '.join(row)})")

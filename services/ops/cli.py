@@ -7,6 +7,7 @@ entry, no server) is one line on stderr and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -22,7 +23,8 @@ from shared.runtime import runstate
 from shared.runtime.connection import connect, is_cluster, redact
 from shared.runtime.secrets import cli_auth, redacted
 from shared.protocol.events import EventError
-from shared.protocol.keys import Keys
+from services.ops import run_target
+from services.ops.replay import ReplayError
 
 
 class CLIError(Exception):
@@ -33,10 +35,10 @@ def _client(cfg, wait: float = 3.0, url: str = "") -> redis.Redis:
     return connect(url or cfg.redis_url, wait=wait)
 
 
-def _run_client(cfg) -> redis.Redis:
+def _run_client(cfg, args) -> redis.Redis:
     """A client for reading a run, once its folder and its Redis agree (runstate.bind; creates nothing)."""
     client = _client(cfg)
-    runstate.bind(client, Keys(cfg.run), cfg.run_path, cfg.redis_url, create=False)
+    runstate.bind(client, args.keys, args.run_path, cfg.redis_url, create=False)
     return client
 
 
@@ -77,8 +79,8 @@ def cmd_redis(cfg, args) -> int:
 def cmd_inspect(cfg, args) -> int:
     from services.ops.views import format_streams, run_streams
 
-    keys = Keys(cfg.run)
-    streams = run_streams(_run_client(cfg), keys)
+    keys = args.keys
+    streams = run_streams(_run_client(cfg, args), keys)
     if args.json:
         print(json.dumps(streams, indent=2))
     else:
@@ -86,29 +88,12 @@ def cmd_inspect(cfg, args) -> int:
     return 0
 
 
-def _model_dir(cfg) -> str:
-    from shared.runtime.models import resolve_model
-
-    return resolve_model(cfg.model_dir)
-
-
-def _decoder(cfg):
-    path = cfg.tokenizer or _model_dir(cfg)
-    if not path or not Path(path, "tokenizer.json").exists():
-        if cfg.tokenizer:
-            raise CLIError(f"tokenizer {cfg.tokenizer!r}: no tokenizer.json there")
-        return None
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    return lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-
 def cmd_replay(cfg, args) -> int:
     from shared.protocol.episode_log import EpisodeLog
+    from services.ops.replay import continue_agent, continue_text, decoder
     from services.ops.views import format_timeline, timeline_json
 
-    keys = Keys(cfg.run)
+    keys = args.keys
     log = EpisodeLog(_client(cfg), keys, worker="cli")
     entries = log.read(args.episode)
     if not entries:
@@ -119,93 +104,19 @@ def cmd_replay(cfg, args) -> int:
         ep = fold(entries)
     except EventError as exc:
         raise CLIError(f"episode {args.episode}: {exc}") from None
-    decode_text = None if args.no_text else _decoder(cfg)
+    decode_text = None if args.no_text else decoder(cfg)
     if args.cont and ep.agent:
-        return _replay_continue_agent(cfg, args, log, entries, ep, decode_text)
+        return continue_agent(cfg, args, log, entries, ep, decode_text)
     if args.cont:
         if args.from_call is not None:
             raise CLIError(f"--from-call: episode {args.episode} is not an agent episode; use --from-seq N")
-        return _replay_continue(cfg, args, log, entries, ep, decode_text)
+        return continue_text(cfg, args, log, entries, ep, decode_text)
     if args.from_seq is not None or args.version is not None or args.weights or args.from_call is not None:
         raise CLIError("--from-seq, --from-call, --version and --weights go with --continue")
     if args.json:
         print(json.dumps(timeline_json(ep, decode_text), default=str))
     else:
         print(format_timeline(ep, decode_text))
-    return 0
-
-
-def _replay_version(cfg, args, log, version: int) -> tuple[str | None, str, str]:
-    """(weights path or None for model_dir, sha256, label) of the version a continuation runs with."""
-    from services.rollout.episodes import continuation as cont
-
-    if args.weights:
-        if args.version is None:
-            raise cont.ContinuationError("--weights PATH needs --version V: the version to tag its tokens with")
-        if not Path(args.weights).exists():
-            raise cont.ContinuationError(f"--weights {args.weights}: no such file or folder")
-        return args.weights, "", f"{args.weights} (tagged v{version})"
-    from shared.protocol import versions
-
-    path, sha = cont.resolve_version(versions.read_all(log.client, Keys(cfg.run)), version, cfg.model_dir)
-    return path, sha, f"v{version} ({path or cfg.model_dir})"
-
-
-def _replay_continue_agent(cfg, args, log, entries, ep, decode_text) -> int:
-    """`replay --continue` of an agent episode: the agent runs again against a scratch stack (writes nothing)."""
-    from services.ops import agent_replay
-    from services.rollout.episodes import continuation as cont
-
-    if args.from_seq is not None:
-        raise CLIError(f"--from-seq: episode {args.episode} is an agent episode; use --from-call K")
-    try:
-        agent_replay.from_call_of(ep, args.from_call)
-        version = args.version if args.version is not None else max(
-            (v for c in ep.calls.values() for v in c.versions), default=0)
-        path, sha, _ = _replay_version(cfg, args, log, version)
-        result = agent_replay.continue_agent(cfg, entries, args.from_call, version, (path, sha), _model_dir(cfg),
-                                             log=lambda line: print(line, file=sys.stderr, flush=True))
-    except (cont.ContinuationError, agent_replay.AgentReplayError) as exc:
-        raise CLIError(f"episode {args.episode}: {exc}") from None
-    if args.json:
-        print(json.dumps({"from_call": result.from_call, "version": result.version, "reward": result.reward,
-                          "original_reward": ep.reward, "error": result.error,
-                          "generated_by_replay": sorted({e.data.get("call") for e in result.rerun.events
-                                                         if e.kind == "tokens" and e.worker == "replay"}),
-                          "calls": {i: {"tokens": c.tokens, "versions": sorted(set(c.versions)), "extends": c.extends}
-                                    for i, c in result.rerun.calls.items()}}))
-    else:
-        print(agent_replay.format_replay(result, decode_text))
-    return 0
-
-
-def _replay_continue(cfg, args, log, entries, ep, decode_text) -> int:
-    """`replay --continue`: generate the episode's continuation in-process; writes nothing to Redis."""
-    from services.rollout.episodes import continuation as cont
-    from services.rollout.jobs import rewards
-    from services.rollout.engine import EngineError, make_engine
-
-    try:
-        prefix = cont.prefix_at(entries, args.from_seq)
-        version = prefix.policy if args.version is None else args.version
-        path, sha, label = _replay_version(cfg, args, log, version)
-        reward_fn = rewards.load(cfg.reward_fn)
-        try:
-            engine = make_engine(cfg.engine, _model_dir(cfg), device=cfg.device_of("rollout"), max_batch_size=1,
-                                 vllm_args=cfg.vllm_args)
-        except EngineError as exc:
-            raise cont.ContinuationError(f"model_dir {cfg.model_dir}: {exc}") from None
-        cont.load_version(engine, version, path, sha)
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(cfg.tokenizer or _model_dir(cfg))
-        result = cont.continue_from(prefix, engine, tok, reward_fn, cfg.tools, cfg.max_tool_calls, cfg.tool_timeout)
-    except (cont.ContinuationError, ValueError) as exc:
-        raise CLIError(f"episode {args.episode}: {exc}") from None
-    if args.json:
-        print(json.dumps(cont.as_dict(prefix, result, decode_text), default=str))
-    else:
-        print(cont.format_result(prefix, result, label, ep, decode_text))
     return 0
 
 
@@ -225,7 +136,20 @@ def cmd_redis_cli(cfg, args) -> int:
     if is_cluster(url):  # redis-cli takes a node's plain URL, and -c to follow the cluster's redirects
         url, cluster = url.replace("+cluster://", "://", 1), ["-c"]
     url, auth = cli_auth(url)  # the password in the environment, not on the command line
-    os.execve(binary, [binary, "-u", url, "--no-auth-warning", *cluster, *rest], {**os.environ, **auth})
+    argv, env = [binary, "-u", url, "--no-auth-warning", *cluster, *rest], {**os.environ, **auth}
+    if args.served:  # the run's data served for this command only: the server stops once redis-cli is done
+        import subprocess
+
+        return subprocess.run(argv, env=env).returncode
+    os.execve(binary, argv, env)
+
+
+def cmd_runs(cfg, args) -> int:
+    from services.ops import run_target, runs
+
+    rows = runs.list_runs(Path(cfg.run_dir), lambda folder, marker: run_target.is_live(cfg, folder, marker))
+    print(json.dumps(runs.as_json(rows), indent=2) if args.json else runs.format_runs(rows, cfg.run_dir))
+    return 0
 
 
 def cmd_episodes(cfg, args) -> int:
@@ -235,7 +159,7 @@ def cmd_episodes(cfg, args) -> int:
         filters = eps.Filters(tuple(o for o in args.outcome.split(",") if o), args.reward_below, args.reward_above,
                               args.min_aborts, args.min_span, args.taken_over, args.repacked,
                               None if args.kind is None else args.kind == "agent")
-        rows = eps.ordered([s for s in eps.read_summaries(_run_client(cfg), Keys(cfg.run)) if filters.keep(s)],
+        rows = eps.ordered([s for s in eps.read_summaries(_run_client(cfg, args), args.keys) if filters.keep(s)],
                            args.sort, args.desc)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
@@ -262,7 +186,7 @@ def cmd_status(cfg, args) -> int:
 
     from services.driver.status import format_line, snapshot
 
-    client, keys = _run_client(cfg), Keys(cfg.run)
+    client, keys = _run_client(cfg, args), args.keys
     if not client.exists(keys.versions, keys.prompts, keys.samples, keys.metrics):
         raise CLIError(f"run {cfg.run!r} has no streams on {cfg.redis_url.split('@')[-1]}")
     from services.ops.keep import processes
@@ -321,7 +245,7 @@ def cmd_check(cfg, args) -> int:
     from services.ops.checker import check, format_report, read_run
 
     rq_client = _client(cfg, url=cfg.rq_redis_url) if cfg.rq_redis_url else None
-    report = check(read_run(_run_client(cfg), Keys(cfg.run), cfg.run_path, rq_client, cfg))
+    report = check(read_run(_run_client(cfg, args), args.keys, args.run_path, rq_client, cfg))
     print(json.dumps(report.to_json(), indent=2) if args.json else format_report(report, cfg.run))
     return 0 if report.ok else 1
 
@@ -409,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("check", cmd_check, "count what exactly-once forbids in a run: groups lost, finished or trained "
                                 "twice, tokens generated again (exit 1 when a count that must be 0 is not)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = add("runs", cmd_runs, "list the runs under run_dir: live, interrupted, ended or archived (the NAME.<time> "
+                              "folders --run reads too), with model, last version and reward, times", None)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     add("schema", cmd_schema, "print every stream's schema (from its codec module)")
     p = add("episodes", cmd_episodes, "find episodes by outcome, reward, aborts, takeovers, versions spanned: one "
                                       "line each (ids for streamrl replay)")
@@ -442,13 +369,17 @@ def main(argv: list[str] | None = None) -> int:
         return keep.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        cfg = config_sources.from_args(args)
+        cfg, sources = config_sources.from_args(args, with_sources=True)
         from shared.runtime import logs
 
         logs.setup(cfg.log_level)
-        return args.func(cfg, args) or 0
-    except (CLIError, configmod.ConfigError, EventError, runstate.RunStateError) as exc:
-        print(f"streamrl {args.command}: {exc}", file=sys.stderr)
+        with contextlib.ExitStack() as stack:
+            if args.command in run_target.READS_A_RUN:  # an ended or archived run too (run_target.py)
+                cfg = run_target.for_command(cfg, sources, args, stack)
+            return args.func(cfg, args) or 0
+    except (CLIError, ReplayError, configmod.ConfigError, EventError, runstate.RunStateError) as exc:
+        for line in str(exc).splitlines():  # a preflight finds several problems: one line each
+            print(f"streamrl {args.command}: {line}", file=sys.stderr)
         return 2
     except redis.exceptions.RedisError as exc:
         print(f"streamrl {args.command}: Redis error: {exc}", file=sys.stderr)

@@ -84,7 +84,8 @@ class EmbeddedRedis:
                 raise ServerError(f"{self.command()[0]} exited with code {self.proc.returncode} on port {self.port}")
             try:
                 # a server that answers may be someone else's on the same port
-                if client.info("server")["process_id"] == self.proc.pid:
+                # ... and one still loading its append-only file answers INFO but refuses commands (LOADING)
+                if client.info("server")["process_id"] == self.proc.pid and not client.info("persistence")["loading"]:
                     break
             except (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError,
                     redis.exceptions.AuthenticationError):

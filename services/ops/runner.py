@@ -18,7 +18,8 @@ from pathlib import Path
 from honcho.environ import parse_procfile
 from honcho.manager import Manager
 
-from shared.runtime.config import Config
+from shared.runtime.config import Config, ConfigError
+from shared.runtime import runstate
 from shared.runtime.connection import redact
 from services.driver.driver import ENDED
 from services.ops.keep import NAME_ENV, PID_DIR_ENV, keep_server
@@ -31,19 +32,68 @@ AGENT_PROCESSES = ("gateway", "agents")  # Procfile lines started only when conf
 
 
 def archive_ended_run(cfg: Config, who: str = "streamrl run") -> Path | None:
-    """A run the driver ended is done: move its folder aside (runs/<run>.<time>), its Redis data with it, so
-    this one starts afresh. A run that was interrupted (no ENDED file) is continued from its streams and
+    """A run the driver ended is done: move its folder aside (runs/<run>.<time>), its Redis data with it, and its
+    weights folder (the default one, keyed by its id) into it as ``weights/``, so this one starts afresh and
+    nothing of the ended run is lost; nothing of another run (another id) is touched. A run that was interrupted (no ENDED file) is continued from its streams and
     checkpoint instead. The one rule for `streamrl run` and `honcho start` (whose `streamrl redis` calls it)."""
     if not (cfg.run_path / ENDED).exists():
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((cfg.run_path / ENDED).stat().st_mtime))
     dest = cfg.run_path.with_name(f"{cfg.run}.{stamp}")
+    marker = runstate.read_marker(cfg.run_path) or {}
     cfg.run_path.rename(dest)
-    if not cfg.weights_dir:  # the default weights folder belongs to the run
-        shutil.rmtree(cfg.weights_path, ignore_errors=True)
-    print(f"{who}: run {cfg.run!r} had ended; its files are now in {dest}; starting it afresh",
+    kept = ""
+    if not cfg.weights_dir and marker.get("id"):  # the ended run's own weights folder (keyed by its id): with it
+        ended = cfg.replace(run_id=marker["id"])
+        if ended.weights_path.is_dir() and not (dest / "weights").exists():
+            shutil.move(str(ended.weights_path), str(dest / "weights"))
+            kept = ", its kept weights in weights/"
+        if not cfg.rollout_weights_dir:  # a rollout worker's downloads: copies of those, made by the run
+            shutil.rmtree(ended.rollout_weights_path, ignore_errors=True)
+    print(f"{who}: run {cfg.run!r} had ended; its files are now in {dest}{kept}; starting it afresh",
           file=sys.stderr, flush=True)
     return dest
+
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the checkout streamrl runs from: its Procfile
+
+
+def find_procfile(procfile: str) -> Path:
+    """``procfile`` as given, else (a relative name not found here) the same name at the package's root."""
+    path = Path(procfile)
+    if path.exists():
+        return path
+    if not path.is_absolute() and (PACKAGE_ROOT / path).exists():
+        return PACKAGE_ROOT / path
+    raise ConfigError(f"--procfile {procfile}: no such file in {Path.cwd()}"
+                      + ("" if path.is_absolute() else f" nor in streamrl's checkout {PACKAGE_ROOT}"))
+
+
+MODEL_KEYS = ("model_dir", "tokenizer", "lora_rank", "lora_targets")  # what an interrupted run's checkpoint is of
+
+
+def check_continuation(cfg: Config) -> None:
+    """An interrupted run continues with the model it was made with (its checkpoint is of that model): another
+    one is a ConfigError, one line per key, before anything starts."""
+    if (cfg.run_path / ENDED).exists():
+        return  # an ended run is moved aside: this one starts afresh with whatever model it names
+    made = runstate.recorded_config(runstate.read_marker(cfg.run_path))
+    lines = [f"config key {key!r}: run {cfg.run!r} was interrupted; it was made with {key} {made[key]!r} "
+             f"({cfg.run_path / runstate.MARKER}), not {getattr(cfg, key)!r}: continue it with --{key.replace('_', '-')} "
+             f"{made[key]}, or start another with --run NAME"
+             for key in MODEL_KEYS if key in made and made[key] != getattr(cfg, key)]
+    from services.ops.tiny_model import default_recipe
+    from shared.runtime.models import is_default
+
+    if made and not lines and is_default(cfg.model_dir):  # the default model is remade for another recipe: not here
+        was = default_recipe(cfg.replace(**{k: made[k] for k in ("agent", "tools", "dataset", "seed") if k in made}))
+        if {**was, "warm_steps": None} != {**default_recipe(cfg), "warm_steps": None}:
+            lines.append(f"config key 'model_dir': run {cfg.run!r} was interrupted; it was made on the default model "
+                         f"for {was}, and this run wants {default_recipe(cfg)}, which would remake {cfg.model_dir} "
+                         f"under its checkpoint: continue it with the settings it was made with "
+                         f"({cfg.run_path / runstate.MARKER}), or start another with --run NAME")
+    if lines:
+        raise ConfigError("\n".join(lines))
 
 
 def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str, dict]]:
@@ -65,17 +115,20 @@ def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str, dict
 
 def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None, chaos=None) -> int:
     """``chaos``: a ``services.ops.chaos.Chaos`` to kill processes while the run goes (``--chaos``)."""
-    path = Path(procfile)
-    if not path.exists():
-        raise FileNotFoundError(f"no Procfile at {path.resolve()}")
+    path = find_procfile(procfile)
     entries = parse_procfile(path.read_text()).processes
+    from services.ops import preflight
     from services.ops.tiny_model import ensure_model
 
+    check_continuation(cfg)
     ensure_model(cfg)  # before anything starts: a model_dir that does not resolve is one line, nothing to clean up
+    preflight.check(cfg)  # every problem found from files and imports, one line each; nothing under runs/ yet
     server = None
     # every process gets the very same config: each key as STREAMRL_<KEY>
     env = {**os.environ, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
     env.pop("STREAMRL_CONFIG", None)
+    # the Procfile's lines call `streamrl` and `python`: this interpreter's, even when its venv is not activated
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     if cfg.device == "cpu":  # several torch processes share the cores: one thread each, not N fighting over N
         env.setdefault("OMP_NUM_THREADS", "1")  # (measured: a tiny model's decode step 4 ms vs 42 ms on 2 cores)
     for f in fields(Config):
@@ -144,15 +197,17 @@ def end_of_run_check(cfg: Config, redis_url: str, restarts: dict[str, int] | Non
     rq_client = connect(cfg.rq_redis_url, wait=10) if cfg.rq_redis_url else None
     report = check(read_run(client, Keys(cfg.run), cfg.run_path, rq_client, cfg))
     restarted = ", ".join(f"{name} {n}" for name, n in sorted((restarts or {}).items()) if n) or "none"
+    *rows, verdict = format_report(report, cfg.run).split("\n")
     print("streamrl run: streamrl check at the end of the run (groups still in flight are not lost):\n"
-          + format_report(report, cfg.run) + f"\nprocesses restarted: {restarted}", file=sys.stderr, flush=True)
+          + "\n".join([*rows, f"  processes restarted: {restarted}", verdict]), file=sys.stderr, flush=True)
 
 
 def export_at_end(cfg: Config) -> None:
     """The last published version as a Hugging Face folder in the run's folder (kept when the run is archived)."""
     from services.trainer.export import export_last
 
-    out = export_last(cfg)
+    marker = runstate.read_marker(cfg.run_path) or {}
+    out = export_last(cfg.replace(run_id=marker.get("id", cfg.run_id)))  # its weights folder is keyed by the id
     if out:
         print(f"streamrl run: exported the last version to {out} (AutoModelForCausalLM.from_pretrained loads it)",
               file=sys.stderr, flush=True)

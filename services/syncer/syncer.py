@@ -30,7 +30,7 @@ import redis
 
 from shared.protocol import control, gate, metrics, relay_tree, versions
 from services.syncer.announce import Announcer
-from shared.runtime import heartbeat
+from shared.runtime import heartbeat, runstate
 from shared.runtime.config import Config
 from shared.runtime.faults import crash_point
 from shared.protocol.keys import Keys
@@ -234,7 +234,9 @@ class Syncer:
         for worker, error in failed.items():
             r.log.error("worker refused the version; it keeps its old weights", worker=worker, error=error)
         r.refused.update({f"{worker}": f"{cmd}: {error}" for worker, error in failed.items()})
-        if dead:
+        if dead and runstate.ended(runstate.read_meta(self.client, self.keys)):  # the run's own shutdown
+            r.log.info("workers stopped with the run before acknowledging", cmd=cmd, workers=sorted(dead))
+        elif dead:
             r.log.warning("workers died (heartbeat lapsed) before acknowledging; going on without them", cmd=cmd,
                           workers=sorted(dead))
         limit = "fetch_timeout" if cmd == "fetch" else "sync_timeout"

@@ -4,7 +4,7 @@ template), generation config and safetensors of version N, loadable with ``AutoM
 Made from a published version file (merged weights under the base model's names): by the trainer every
 ``export_every`` versions, by `streamrl run` for the last version once every process has stopped, and by
 `streamrl export --version V` for any version whose file is still kept. The export folder lives in the run's
-folder, which archiving moves aside but never deletes (the weights folder is deleted)."""
+folder, which archiving moves aside but never deletes (the run's kept versions move into it as ``weights/``)."""
 
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ from shared.protocol import dead_letters, gate, ledger, samples
 from shared.protocol.metrics import record as record_metrics
 from services.trainer.batch import Batch, build_batch, trained_reward
 from services.trainer.step import StepConfig, train_on_batch
+from shared.runtime.folders import private_folder
 from shared.runtime.config import Config, ConfigError
 from shared.runtime.faults import crash_point
 from shared.runtime.runstate import bind
@@ -53,7 +54,7 @@ class Trainer:
         self.keys = Keys(cfg.run)
         self.episodes = EpisodeLog(client, self.keys, "trainer")
         self.ckpt_dir = cfg.run_path / "trainer"
-        self.weights_dir = cfg.weights_path
+        self.weights_dir = private_folder(cfg.weights_path, "weights_dir")  # per user and run id, 0700
         self.metrics_path = cfg.run_path / "metrics.jsonl"
         self.launched = distributed.launched()  # under torchrun: one of WORLD_SIZE ranks (distributed.py)
         if self.launched and cfg.lora_rank > 0:

@@ -25,6 +25,7 @@ class Config:
     rq_redis_url: str = ""  # the Redis of the rq job queues (tools, rewards, agent episodes); empty: redis_url. Must be a single server (rq does not run on a cluster): required when redis_url is a cluster
     run_dir: str = "runs"  # each run's state is in <run_dir>/<run>: Redis data, trainer checkpoint, metrics, plots
     redis_wait: float = 30.0  # seconds a process retries a Redis that does not answer (at start, after a restart) before it stops with one line
+    run_id: str = ""  # the run's id (run.json, Redis meta): set by each process when it binds to the run, never by hand; keys the default weights folders, so two runs of one name never share one
     log_level: str = "info"  # debug | info | warning | error (`streamrl run` runs the services at warning when info)
     # episode log
     flush_tokens: int = 16  # flush an episode's buffered tokens once this many are pending
@@ -100,14 +101,14 @@ class Config:
     lora_targets: str = "all-linear"  # modules that get adapters: all-linear, or comma-separated names (q_proj,v_proj)
     kl_coef: float = 0.0  # > 0: add kl_coef x KL(policy || frozen reference = the initial model) to the loss
     kl_estimator: str = "k3"  # k1 (log ratio) | k3 (Schulman's unbiased, always >= 0)
-    weights_dir: str = ""  # published versions; empty: /dev/shm/streamrl/<run> when /dev/shm exists
+    weights_dir: str = ""  # published versions; empty: /dev/shm/streamrl-<uid>/<run>-<run id> when /dev/shm exists (private to you, one per run), else <run_dir>/<run>/weights
     # staleness and sync
     max_staleness: int = 1  # versions a trained token may lag the trainer; 0 with mode=sync is synchronous RL
     mode: str = "async"  # async | sync (rollout waits for the trainer, trainer for a full batch)
     sync_timeout: float = 30.0  # seconds the syncer waits for a worker's ack before going on without it
     # staleness and sync: weights over the wire (docs/operations.md section 8)
     weights_fetch: str = "auto"  # how a rollout worker gets a version's file: auto (the published path when it is readable here, else a download from the version's url) | always (download) | never (the published path only)
-    rollout_weights_dir: str = ""  # a rollout worker's own folder for downloaded versions (never weights_dir); empty: /dev/shm/streamrl/<run>-fetched when /dev/shm exists, else <run_dir>/<run>/fetched
+    rollout_weights_dir: str = ""  # a rollout worker's own folder for downloaded versions (never weights_dir); empty: /dev/shm/streamrl-<uid>/<run>-<run id>-fetched when /dev/shm exists, else <run_dir>/<run>/fetched
     rollout_weights_keep: int = 2  # downloaded versions a rollout worker keeps; older ones are deleted
     weights_host: str = "127.0.0.1"  # the trainer's weight server listens here (loopback by default; 0.0.0.0 for workers on other hosts)
     weights_port: int = 0  # ... on this port: HTTP GET (with ranges) and HEAD of the files in weights_dir; 0: no server (workers read weights_dir)
@@ -125,7 +126,7 @@ class Config:
     # the run (driver)
     dataset: str = "arithmetic"  # built-in task, a .jsonl / .json / .parquet / .csv file, or a hub dataset name (local cache when offline)
     dataset_split: str = "train"  # split of a hub dataset to train on
-    prompt_key: str = "prompt"  # column holding the prompt: text or chat messages; a 'messages' column is used when this one is absent
+    prompt_key: str = "prompt"  # column holding the prompt: text or chat messages; with the default 'prompt', a 'messages' column is used when there is none (a key you name must exist)
     answer_key: str = "answer"  # column holding the ground truth (handed to the reward as task['answer']); optional with chat rows
     shuffle: bool = True  # shuffle the training rows with the run's seed, again every epoch
     epochs: int = 0  # passes over the training rows, then the run ends once they are trained; 0: cycle until max_versions / max_minutes
@@ -158,19 +159,28 @@ class Config:
         return self.gateway_url.rstrip("/") or f"http://{self.gateway_host}:{self.gateway_port}"
 
     @property
+    def _run_key(self) -> str:
+        return f"{self.run}-{self.run_id}" if self.run_id else self.run
+
+    @property
     def weights_path(self) -> Path:
+        """weights_dir, else /dev/shm/streamrl-<uid>/<run>-<run id> (per user, per run: shared/runtime/folders.py)."""
+        from shared.runtime.folders import shared_memory_root
+
         if self.weights_dir:
             return Path(self.weights_dir)
-        shm = Path("/dev/shm")
-        return shm / "streamrl" / self.run if shm.is_dir() else self.run_path / "weights"
+        root = shared_memory_root()
+        return root / self._run_key if root else self.run_path / "weights"
 
     @property
     def rollout_weights_path(self) -> Path:
         """A rollout worker's own folder for the versions it downloads."""
+        from shared.runtime.folders import shared_memory_root
+
         if self.rollout_weights_dir:
             return Path(self.rollout_weights_dir)
-        shm = Path("/dev/shm")
-        return shm / "streamrl" / f"{self.run}-fetched" if shm.is_dir() else self.run_path / "fetched"
+        root = shared_memory_root()
+        return root / f"{self._run_key}-fetched" if root else self.run_path / "fetched"
 
     @property
     def weights_base_url(self) -> str:

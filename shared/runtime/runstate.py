@@ -3,7 +3,8 @@
 A run's state is in two places: its Redis data (streams, consumer groups) and its folder
 ``<run_dir>/<run>/`` (trainer checkpoint and ledger, metrics, plots; by default the Redis data too, in
 ``redis/``). Both carry the same identity: Redis holds ``streamrl:<run>:meta`` {run, id, created,
-ended?}, the folder holds ``run.json`` {run, id, created, redis}. Every process binds to the run when it
+config, ended?}, the folder holds ``run.json`` {run, id, created, redis, config}: ``config`` is the effective
+config the run was made with (secrets left out), which commands naming ``--run`` start from. Every process binds to the run when it
 has connected (``bind``): the first one creates the identity, the others find it, and a process that finds
 the two disagreeing (another run's data, or a folder whose Redis is gone: a trainer checkpoint ahead of an
 empty server) stops with one line that says what disagrees and how to continue or start afresh.
@@ -15,12 +16,14 @@ import json
 import os
 import time
 import uuid
+from dataclasses import fields
 from pathlib import Path
 
 import redis
 
 from shared.protocol.keys import Keys
 from shared.protocol.ledger import read_ledger
+from shared.runtime.config import Config
 from shared.runtime.connection import redact
 from shared.runtime.secrets import private_dir
 
@@ -41,12 +44,42 @@ def read_marker(run_path: Path) -> dict | None:
                             f"to: delete it only if {run_path} holds no state you want to keep") from None
 
 
+def is_secret(key: str) -> bool:
+    """A config key whose value is a credential: never recorded (gateway_api_key, weights_token, a *_password)."""
+    parts = key.lower().split("_")
+    return bool({"token", "password", "secret", "apikey"} & set(parts)) or key.lower().endswith("api_key")
+
+
+def recordable(cfg: Config) -> dict:
+    """The effective config as the run records it: every key but the secrets, URLs with their password hidden."""
+    out = {}
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if is_secret(f.name) and isinstance(value, str):
+            continue
+        out[f.name] = redact(value) if isinstance(value, str) and "://" in value else value
+    return out
+
+
+def recorded_config(meta: dict | None) -> dict:
+    """The config a run recorded ({} for a run from before configs were recorded)."""
+    raw = (meta or {}).get("config")
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return {}
+    return raw if isinstance(raw, dict) else {}
+
+
 def write_marker(run_path: Path, meta: dict, redis_url: str) -> None:
     """Atomic (several processes of one run write the same content at once)."""
     run_path = private_dir(run_path)  # 0700: the run's Redis data, checkpoints and secrets are in it
     tmp = run_path / f".{MARKER}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
     body = {k: meta[k] for k in ("run", "id", "created") if k in meta}
-    tmp.write_text(json.dumps({**body, "redis": redact(redis_url)}) + "\n")
+    config = recorded_config(meta)
+    tmp.write_text(json.dumps({**body, "redis": redact(redis_url), **({"config": config} if config else {})},
+                              indent=1) + "\n")
     os.replace(tmp, run_path / MARKER)
 
 
@@ -84,9 +117,11 @@ def _create(client: redis.Redis, keys: Keys, base: dict) -> dict:
     return read_meta(client, keys)
 
 
-def bind(client: redis.Redis, keys: Keys, run_path: Path, redis_url: str, create: bool = True) -> dict | None:
-    """The run's identity once folder and Redis agree (created when neither has one and ``create``);
-    RunStateError when they disagree. Read-only callers (``create=False``) get None for a run not yet named."""
+def bind(client: redis.Redis, keys: Keys, run_path: Path, redis_url: str, create: bool = True,
+         config: dict | None = None) -> dict | None:
+    """The run's identity once folder and Redis agree (created when neither has one and ``create``, with
+    ``config``: :func:`recordable`, the effective config the run records); RunStateError when they disagree.
+    Read-only callers (``create=False``) get None for a run not yet named."""
     run_path, where, run = Path(run_path), redact(redis_url), keys.run
     fresh = f"start afresh: move {run_path} aside (or pick another --run)"
     local = read_marker(run_path)  # the folder first: whoever wrote it had already named the run in Redis
@@ -97,6 +132,8 @@ def bind(client: redis.Redis, keys: Keys, run_path: Path, redis_url: str, create
                 f"run {run!r}: {run_path} belongs to run {_ident(local)} but Redis at {where} holds run "
                 f"{_ident(meta)}: two different runs, not mixed; continue the folder's run on the Redis it ran on "
                 f"({local.get('redis', '?')}; `streamrl redis` serves {run_path / 'redis'}), or {fresh}")
+        if create and local.get("redis") != redact(redis_url):  # served on another port now (`streamrl run`)
+            write_marker(run_path, {**local, **meta}, redis_url)
         return meta
     if meta:
         if local_state(run_path):
@@ -109,7 +146,10 @@ def bind(client: redis.Redis, keys: Keys, run_path: Path, redis_url: str, create
     has_data = _has_data(client, keys)
     if local:
         if has_data:  # data of the run from before its name was recorded: adopt it
-            return _create(client, keys, {k: local[k] for k in ("run", "id", "created") if k in local}) if create else local
+            adopted = {k: local[k] for k in ("run", "id", "created") if k in local}
+            if local.get("config"):
+                adopted["config"] = json.dumps(local["config"])
+            return _create(client, keys, adopted) if create else local
         state = local_state(run_path)
         raise RunStateError(
             f"run {run!r}: {run_path} belongs to run {_ident(local)}{f' and holds {state}' if state else ''} but "
@@ -123,7 +163,8 @@ def bind(client: redis.Redis, keys: Keys, run_path: Path, redis_url: str, create
     if not create:
         return None
     meta = _create(client, keys, {"run": run, "id": uuid.uuid4().hex[:12],
-                                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+                                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                  **({"config": json.dumps(config)} if config else {})})
     write_marker(run_path, meta, redis_url)
     return meta
 

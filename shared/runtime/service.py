@@ -53,7 +53,9 @@ class Service:
         self.log.info("connecting", redis=redact(self.cfg.redis_url))
         self.cfg, self.client = secrets.connect_run(self.cfg)  # (honcho start: `streamrl redis` makes the secrets)
         try:
-            self.meta = runstate.bind(self.client, self.keys, self.cfg.run_path, self.cfg.redis_url)
+            self.meta = runstate.bind(self.client, self.keys, self.cfg.run_path, self.cfg.redis_url,
+                                       config=runstate.recordable(self.cfg))
+            self.cfg = self.cfg.replace(run_id=self.meta["id"])  # keys the default weights folders
         except runstate.RunStateError as exc:
             print(f"{name}: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None

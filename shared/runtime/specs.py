@@ -10,11 +10,11 @@ def load(spec: str, key: str) -> Callable:
     """The function ``spec`` names; ValueError naming the config ``key`` and the spec when it cannot be loaded."""
     module, sep, name = spec.strip().partition(":")
     if not sep or not module or not name:
-        raise ValueError(f"{key} {spec!r}: expected 'module:function'")
+        raise ValueError(f"config key {key!r}: {spec!r}: expected 'module:function'")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{key} {spec!r}: cannot load ({exc})") from None
+        raise ValueError(f"config key {key!r}: {spec!r}: cannot load ({exc})") from None
     if not callable(fn):
-        raise ValueError(f"{key} {spec!r}: not callable")
+        raise ValueError(f"config key {key!r}: {spec!r}: not callable")
     return fn

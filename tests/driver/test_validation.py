@@ -96,7 +96,9 @@ def test_status_line_and_cli(client, keys, cli_env):
     snap = snapshot(client, keys)
     line = format_line(snap)
     assert "version   3" in line and "reward 0.250" in line and "val@v2 0.500 (greedy 0.750)" in line
-    assert "dropped 2" in line and snap["samples_per_s"] > 0
+    assert "dropped 2" in line and snap["samples_per_s"] > 0 and "scored 0" not in line
+    cut = format_line({**snap, "train": {"reward_mean": 0.0, "batch_policy_failures": 60, "samples": 64}})
+    assert "reward 0.000 (60/64 cut short by max_tokens, the context or max_tool_calls: scored 0)" in cut
     out = subprocess.run([sys.executable, "-m", "services.ops.cli", "status"], env=cli_env, capture_output=True, text=True)
     assert out.returncode == 0 and "reward 0.250" in out.stdout
     env = {**cli_env, "STREAMRL_RUN": "no-such-run"}

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import pytest
 
 from shared.protocol.keys import Keys
 from shared.runtime import runstate
+from shared.runtime.config import Config
 from services.ops.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,9 +58,17 @@ def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
         check = first.stderr[first.stderr.index("streamrl check at the end of the run"):]
         assert re.search(r"tokens generated again\s+\d+", check), check  # known: every worker wrote its final record
-        assert "unknown" not in check and "workers_without_final_report" not in check and check.split("\nprocesses restarted:")[0].strip().endswith("ok")
+        assert "unknown" not in check and "workers_without_final_report" not in check and re.search(r"^ok$", check, re.M)
         assert (run_path / "redis" / "appendonlydir").is_dir() and (run_path / "ENDED").exists()
+        assert "streamrl run: exported the last version to" in first.stderr  # found in the id-keyed weights folder
         first_id = runstate.read_marker(run_path)["id"]
+        assert runstate.read_marker(run_path)["config"]["model_dir"] == tiny_model_dir  # the effective config
+        first_weights = Config(run=name, run_id=first_id).weights_path  # keyed by the run's id
+        assert sorted(first_weights.glob("v*.safetensors"))
+
+        # 1b. the ended run read without starting it: its data served from a copy, its recorded config (no
+        #     model_dir given), and its folder byte-identical afterwards
+        reads_run(env, name, name, run_path, tmp_path / "export-ended", first_weights)
 
         # 2. the Procfile under honcho (its redis line is `streamrl redis`, on redis_url's port): the same folder,
         #    and the same rule as `streamrl run` for an ended run: moved aside, started afresh
@@ -73,12 +83,47 @@ def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
         archived = [p for p in run_dir.iterdir() if p.name.startswith(f"{name}.")]
         assert len(archived) == 1 and runstate.read_marker(archived[0])["id"] == first_id
         assert (archived[0] / "redis" / "appendonlydir").is_dir()
+        assert sorted((archived[0] / "weights").glob("v*.safetensors")) and not first_weights.exists()  # moved along
+        reads_run(env, archived[0].name, name, archived[0], tmp_path / "export-archived", archived[0] / "weights")  # the archived run, by its folder
+        listed = run([sys.executable, "-m", "services.ops.cli", "runs", "--json"], env, timeout=60)
+        states = {r["folder"]: (r["run"], r["state"]) for r in json.loads(listed.stdout)}
+        assert states == {archived[0].name: (name, "archived"), name: (name, "ended")}, listed.stdout
         second_id = runstate.read_marker(run_path)["id"]
         assert second_id != first_id and (run_path / "redis" / "appendonlydir").is_dir()
         assert json.loads((run_path / "ENDED").read_text())["version"] >= 3
         assert "Traceback" not in out
     finally:
-        shutil.rmtree(Path("/dev/shm/streamrl") / name, ignore_errors=True)
+        for folder in Path("/dev/shm").glob(f"streamrl-{os.getuid()}/{name}-*"):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def tree_hash(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def reads_run(env: dict, folder_name: str, run_name: str, run_path: Path, out: Path, weights: Path) -> None:
+    """inspect, replay, check and export of a run no server serves, as `--run <folder name>`, with no model_dir
+    given: each works and the run's folder is byte-for-byte what it was."""
+    env = {k: v for k, v in env.items() if k not in ("STREAMRL_MODEL_DIR", "STREAMRL_RUN")}
+    cli = [sys.executable, "-m", "services.ops.cli"]
+    before = tree_hash(run_path)
+    inspect = run(cli + ["inspect", "--run", folder_name, "--json"], env, timeout=120)
+    assert inspect.returncode == 0 and "serving a copy of" in inspect.stderr, inspect.stderr
+    episode = next(s["key"] for s in json.loads(inspect.stdout) if ":ep:" in s["key"])
+    replay = run(cli + ["replay", "--run", folder_name, Keys(run_name).episode_id(episode)], env, timeout=120)
+    assert replay.returncode == 0 and "status finished" in replay.stdout, replay.stderr
+    dbsize = run(cli + ["redis-cli", "--run", folder_name, "--", "DBSIZE"], env, timeout=120)
+    assert dbsize.returncode == 0 and int(dbsize.stdout.split()[-1]) > 0, dbsize.stdout + dbsize.stderr
+    status = run(cli + ["status", "--run", folder_name], env, timeout=120)
+    assert status.returncode == 0 and "reward" in status.stdout, status.stderr
+    check = run(cli + ["check", "--run", folder_name], env, timeout=120)
+    assert check.returncode == 0 and re.search(r"^ok$", check.stdout, re.M), check.stdout + check.stderr
+    version = int(min(weights.glob("v*.safetensors")).name[1:7])  # the oldest kept (the newest is exported)
+    export = run(cli + ["export", "--run", folder_name, "--version", str(version), "--out", str(out)], env, timeout=120)
+    assert export.returncode == 0, export.stderr
+    assert json.loads((out / "streamrl.json").read_text())["version"] == version and (out / "config.json").exists()
+    assert tree_hash(run_path) == before
 
 
 def test_driver_on_an_ended_run_continues_nothing_in_one_line(redis_url, client, tmp_path):

@@ -11,14 +11,13 @@ from services.ops.runner import archive_ended_run, processes
 
 def test_ended_run_is_moved_aside_and_interrupted_run_is_kept(tmp_path):
     cfg = Config(run=f"archive{uuid.uuid4().hex[:8]}", run_dir=str(tmp_path / "runs"), weights_dir="")
-    cfg.weights_path.mkdir(parents=True)  # the default weights folder of this run (/dev/shm/streamrl/<run>)
     (cfg.run_path / "trainer").mkdir(parents=True)
     (cfg.run_path / "trainer" / "checkpoint.pt").write_bytes(b"x")
     assert archive_ended_run(cfg) is None and (cfg.run_path / "trainer" / "checkpoint.pt").exists()
     (cfg.run_path / ENDED).write_text("{}")
     dest = archive_ended_run(cfg)
     assert dest is not None and dest.name.startswith(f"{cfg.run}.") and (dest / "trainer" / "checkpoint.pt").exists()
-    assert not cfg.run_path.exists() and not cfg.weights_path.exists()
+    assert not cfg.run_path.exists()  # its weights move with it: tests/ops/test_run_memory.py
     assert archive_ended_run(cfg) is None  # nothing left to move
 
 

@@ -18,7 +18,7 @@ from services.ops.check_report import MUST_BE_ZERO
 from services.ops.checker import ConsumerGroup, RunData, _entries, check, episode_stats
 from services.trainer.batch import build_batch
 from shared.protocol import calls, control, dead_letters, gate, ledger, metrics, prompts, samples, versions
-from shared.protocol.events import Event, EventError, decode, encode
+from shared.protocol.events import Event, EventError, encode
 from shared.protocol.fold import Episode, fold
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
 from shared.protocol.prompts import PromptGroup, encode_group
@@ -437,8 +437,7 @@ def inject(data: RunData, fault: str, group: str, amount: int) -> dict[str, int]
                                                    if eid.rsplit("-", 1)[0] == group)}
     if fault == "repack hand-over unmarked":
         entries = data.episodes[f"{group}-0"]
-        held = decode(*entries[1])  # the hand-over comes after it: resumed names the tokens the stream holds
-        n = len(held.data["ids"]) if held.kind == "tokens" else 0
+        n = episode_stats(entries).policy_tokens  # where the hand-over happened: after every token so far
         hand_over = raw([Event("aborted", 0, "S", 2, {"reason": "repack", "num_tokens": n}),
                          Event("resumed", 0, "T", 3, {"num_tokens": n})])
         data.episodes[f"{group}-0"] = entries[:2] + [(f"99{i}-1", f) for i, (_, f) in enumerate(_entries(hand_over))] \

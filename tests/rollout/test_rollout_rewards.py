@@ -23,7 +23,7 @@ def test_built_in_reward_is_inline_user_rewards_are_jobs():
     assert not rewards.load("tests.support.debug_tools:slow_reward").inline  # async: never in the decode loop
     assert not rewards.load("tests.support.debug_tools:raising_reward").inline
     assert rewards.run_reward("tests.support.debug_tools:slow_reward", "1+1=", "2", {}) == [1.0, {"prompt": "1+1="}]
-    with pytest.raises(ValueError, match="reward_fn 'nope:f': cannot load"):
+    with pytest.raises(ValueError, match="config key 'reward_fn': 'nope:f': cannot load"):
         rewards.load("nope:f")
 
 

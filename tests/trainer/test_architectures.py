@@ -108,3 +108,22 @@ def test_a_sliding_window_model_is_refused_at_engine_start(tmp_path):
     model_dir = make_arch_model("mistral-sliding", tmp_path / "m")
     with pytest.raises(EngineError, match="cannot serve.*DynamicSlidingWindowLayer.*sliding_window=32"):
         TorchEngine(model_dir)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_gemma_sliding_windows_are_one_line_naming_the_config_values_that_work(kind):
+    """Gemma 2/3 slide on some layers; the old advice (sliding_window: null) crashed inside transformers with a raw
+    TypeError. Each refusal is one EngineError naming what works, and what it names does work."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    from services.rollout.engine.model_runner import ModelRunner
+
+    make = {"gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}[kind]
+    dims = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, max_position_embeddings=128, sliding_window=64)
+    for config in (make(**dims), make(**{**dims, "sliding_window": None})):
+        with pytest.raises(EngineError) as err:
+            ModelRunner._check_servable(config, "m")
+        assert len(str(err.value).splitlines()) == 1
+        assert '"layer_types" to "full_attention" for every layer' in str(err.value) and "vllm" in str(err.value)
+    ModelRunner._check_servable(make(**dims, layer_types=["full_attention"] * 2), "m")  # what it names: served

@@ -70,7 +70,7 @@ def test_kl_reference_stays_frozen_and_starts_at_zero(tiny_model_dir, lora):
         logits = policy.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         logp = token_logprobs(logits, targets, temp, top_k, top_p)
         penalty = policy.kl_penalty()(mb, logp, "cpu")  # kl_coef x token-mean KL over the rows
-        loss, stats = -logp.mean() + penalty, {"kl": float(penalty) / 0.5}
+        loss, stats = -logp.mean() + penalty, {"kl": float(penalty.detach()) / 0.5}
         if step == 0:
             assert stats["kl"] == pytest.approx(0.0, abs=1e-6)  # policy = reference at the start
         opt.zero_grad()

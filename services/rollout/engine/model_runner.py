@@ -131,13 +131,19 @@ class ModelRunner:
     def _check_servable(config, model_dir: str) -> None:
         """Refuse at start a model whose KV cache is not plain full attention (sliding windows and the like):
         the batch merges and trims every layer's cache by position, which such a cache does not allow."""
-        layers = DynamicCache(config=config).layers
+        window = getattr(config.get_text_config(), "sliding_window", None)
+        works = ('engine \'vllm\' serves it; or, while prompt + max_tokens stay within the window, set "layer_types" '
+                 'to "full_attention" for every layer in its config.json and keep "sliding_window" (a null '
+                 'sliding_window breaks the model)')
+        try:
+            layers = DynamicCache(config=config).layers
+        except (TypeError, ValueError) as exc:  # e.g. sliding_window null on a model whose layers slide
+            raise EngineError(f"the torch engine cannot serve the model at {model_dir!r}: its KV cache cannot be "
+                              f"built ({str(exc).splitlines()[0]}; sliding_window={window}); {works}") from None
         kinds = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
         if kinds:
-            window = getattr(config.get_text_config(), "sliding_window", None)
             raise EngineError(f"the torch engine cannot serve the model at {model_dir!r}: its cache has {kinds} layers "
-                              f"(sliding_window={window}); it supports full-attention KV caches only (engine 'vllm' "
-                              f"serves it, or set sliding_window to null in config.json if the context fits)")
+                              f"(sliding_window={window}); it supports full-attention KV caches only: {works}")
 
     @staticmethod
     def _check_layers(cache: DynamicCache) -> None:

@@ -64,11 +64,11 @@ def registry(config: str) -> dict[str, Callable]:
             continue
         spec = BUILTIN.get(item, item)
         if ":" not in spec:
-            raise ValueError(f"tools {item!r}: not a built-in tool ({', '.join(BUILTIN)}) nor a 'module:function' "
+            raise ValueError(f"config key 'tools': {item!r}: not a built-in tool ({', '.join(BUILTIN)}) nor a 'module:function' "
                              f"spec")
         name = spec.rsplit(":", 1)[1]
         if name in out:
-            raise ValueError(f"tools {config!r}: two tools named {name!r}")
+            raise ValueError(f"config key 'tools': {config!r}: two tools named {name!r}")
         out[name] = specs.load(spec, "tools")
     return out
 

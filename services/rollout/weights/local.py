@@ -18,6 +18,7 @@ from pathlib import Path
 from shared.runtime import weight_fetch
 from shared.runtime.checksum import sha256_file
 from shared.runtime.config import Config
+from shared.runtime.folders import private_folder
 
 
 def _stat_key(path: Path) -> tuple:
@@ -29,6 +30,8 @@ class LocalWeights:
     def __init__(self, cfg: Config, log):
         self.mode, self.folder, self.keep, self.token = (cfg.weights_fetch, cfg.rollout_weights_path,
                                                          cfg.rollout_weights_keep, cfg.weights_token)
+        if self.mode != "never":
+            private_folder(self.folder, "rollout_weights_dir", create=False)  # per user and run id, 0700
         self.log = log
         self.announced = None  # () -> the origins the token may go to (weight_origins.announced); set by the worker
         # which folder this worker downloads into, as the relay tree tells folders apart: host and path (workers on

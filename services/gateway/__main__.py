@@ -31,8 +31,22 @@ def main(argv=None) -> None:
         svc.log.error("cannot start the gateway", model_dir=svc.cfg.model_dir, error=str(exc))
         sys.exit(2)
     svc.log.info("listening", host=svc.cfg.gateway_host, port=svc.cfg.gateway_port)
-    uvicorn.run(make_app(gw, svc.cfg.gateway_api_key), host=svc.cfg.gateway_host, port=svc.cfg.gateway_port,
-                log_level="warning", timeout_graceful_shutdown=3)  # calls held open: retried from the stream
+    config = uvicorn.Config(make_app(gw, svc.cfg.gateway_api_key), host=svc.cfg.gateway_host,
+                            port=svc.cfg.gateway_port, log_level="warning", timeout_graceful_shutdown=3)
+    Server(config, gw).run()
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, telling the gateway when it is told to stop: every call held open answers 503 (retry)
+    within a second, so the graceful shutdown ends before its timeout instead of cancelling them (tracebacks)."""
+
+    def __init__(self, config, gw: Gateway):
+        super().__init__(config)
+        self.gw = gw
+
+    def handle_exit(self, sig, frame) -> None:
+        self.gw.stopping.set()
+        super().handle_exit(sig, frame)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ too, and keep running while a weight sync pauses generation). ``agent_concurrenc
 of them run in threads of one process (agents mostly wait: on the LLM, on their
 tools), each with its own rq name; only the main thread's handles signals, and
 the others use rq's timer death penalty (signals reach the main thread only).
-A warm stop (SIGTERM) lets every running episode end; anything cut short is run
-again by a reaper. Run several processes for more (``streamrl run`` starts
+A warm stop (SIGTERM) gives running episodes STOP_GRACE_S to end; anything cut
+short is run again by a reaper. Run several processes for more (``streamrl run`` starts
 ``agent_workers`` of them).
 
 Durability: rq 3.0 retries an abandoned job only once its started-registry
@@ -23,6 +23,7 @@ so rq never lists a failure for an episode that finished.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -115,6 +116,29 @@ class ThreadWorker(SimpleWorker):
         pass
 
 
+STOP_GRACE_S = 3.0  # a warm stop's wait for running episodes: honcho kills -9 what is left after 5 s
+
+
+class MainWorker(SimpleWorker):
+    """The main thread's worker. On SIGTERM (rq's warm stop: no new job) the episodes running in this process get
+    STOP_GRACE_S to end; then the process exits 0 with one line. An episode cut short stays in ``agents:running``
+    and a reaper runs it again if the run goes on (its calls answered from its stream); at the end of a run the
+    gateway and the rollout workers are stopping too, so no episode could end anyway."""
+    others: list = []
+
+    def request_stop(self, signum, frame):
+        def cut_short() -> None:
+            running = [w.get_current_job_id() for w in [self, *self.others]]
+            running = [j for j in running if j]
+            if running:
+                self.log.warning("stopping: %d agent episode(s) cut short (a reaper runs them again if the run goes "
+                                 "on): %s", len(running), ", ".join(running))
+                os._exit(0)
+
+        threading.Timer(STOP_GRACE_S, cut_short).start()
+        super().request_stop(signum, frame)
+
+
 def _work(worker) -> None:
     worker.work(with_scheduler=False, logging_level="WARNING")
 
@@ -145,10 +169,11 @@ def main(argv=None) -> None:
     threading.Thread(target=beat, daemon=True, name="agents-heartbeat").start()
     job_class = guarded_job_class(allowed(svc.cfg), svc.log)
     queue = Queue(svc.keys.agent_queue, connection=svc.rq_client, serializer=JSONSerializer, job_class=job_class)
-    main_worker = SimpleWorker([queue], connection=svc.rq_client, serializer=JSONSerializer, name=svc.worker_id,
-                               job_class=job_class)
+    main_worker = MainWorker([queue], connection=svc.rq_client, serializer=JSONSerializer, name=svc.worker_id,
+                             job_class=job_class)
     others = [ThreadWorker([queue], connection=svc.rq_connect(), serializer=JSONSerializer, job_class=job_class,
                            name=f"{svc.worker_id}.{k}") for k in range(1, svc.cfg.agent_concurrency)]
+    main_worker.others = others
     threads = [threading.Thread(target=_work, args=(w,), daemon=True, name=w.name) for w in others]
     for t in threads:
         t.start()
@@ -156,7 +181,7 @@ def main(argv=None) -> None:
     _work(main_worker)  # returns on SIGTERM once its own episode has ended
     for w in others:
         w._stop_requested = True  # rq's own flag: the loop stops before its next job
-    deadline = time.monotonic() + svc.cfg.agent_timeout
+    deadline = time.monotonic() + STOP_GRACE_S
     while any(w.get_current_job_id() for w in others) and time.monotonic() < deadline:
         time.sleep(0.2)  # let running episodes end (a cut-short one would be re-run by a reaper anyway)
 

@@ -113,6 +113,10 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
                 raise GatewayError(503, f"call {prep.call} of episode {prep.episode_id!r} is still generating "
                                         f"(a weight sync holds it); retry: the retry waits on the same call",
                                    None, "still_generating", {"x-should-retry": "true", "retry-after": "1"})
+            if kind == "stopping":
+                raise GatewayError(503, f"the gateway is stopping (the run ends, or it restarts); retry: call "
+                                        f"{prep.call} of episode {prep.episode_id!r} is answered from its stream",
+                                   None, "gateway_stopping", {"x-should-retry": "true", "retry-after": "1"})
             if kind == "done":
                 return _completion(prep, value, chat)
 
@@ -154,6 +158,8 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
             yield event({"role": "assistant", "content": ""})
         try:
             for kind, value in gw.follow(prep.episode_id, prep.call, 24 * 3600.0):
+                if kind == "stopping":
+                    return  # the process is stopping: the stream ends unfinished (the client sees a broken stream)
                 if kind == "wait":
                     yield ": still generating\n\n"  # keeps proxies and clients from timing out during a sync
                 elif kind == "tokens":

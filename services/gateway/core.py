@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -78,6 +79,7 @@ class Gateway:
         self.requester = Requester(client, self.keys)
         self.max_model_len = max_model_len
         self.model_names = model_names
+        self.stopping = threading.Event()  # set when the process is told to stop: calls held open answer at once
 
     # --- request checks
     def _episode(self, episode_id: str) -> Episode:
@@ -227,13 +229,15 @@ class Gateway:
     # --- following the stream
     def follow(self, episode_id: str, index: int, timeout: float) -> Iterator[tuple[str, Any]]:
         """Yields ("tokens", completion so far) as it grows, ("wait", None) every few quiet seconds, and finally
-        ("done", Call) or ("timeout", None)."""
+        ("done", Call), ("timeout", None), or ("stopping", None) within a second of ``stopping`` being set (the
+        process is stopping: the client retries against a gateway that runs, answered from the stream)."""
         key = self.keys.episode(episode_id)
         entries = self.client.xrange(key)
         cursor = entries[-1][0] if entries else "0-0"
         tokens: list[int] = []
         deadline = time.monotonic() + timeout
         batch = entries
+        quiet_since = time.monotonic()
         while True:
             grew, done = False, False
             for entry_id, fields in batch:
@@ -258,11 +262,16 @@ class Gateway:
             if left <= 0:
                 yield "timeout", None
                 return
-            reply = self.client.xread({key: cursor}, block=int(min(left, 5.0) * 1000), count=1000)
+            if self.stopping.is_set():
+                yield "stopping", None
+                return
+            # blocks of at most 1 s (a stop is seen within one); a quiet 5 s says "wait" (a keep-alive)
+            reply = self.client.xread({key: cursor}, block=int(min(left, 1.0) * 1000), count=1000)
             batch = [e for _, es in reply or [] for e in es]
             if batch:
-                cursor = batch[-1][0]
-            else:
+                cursor, quiet_since = batch[-1][0], time.monotonic()
+            elif time.monotonic() - quiet_since >= 5.0:
+                quiet_since = time.monotonic()
                 yield "wait", None
 
     def answer(self, call: Call) -> tuple[dict, str, list[str]]:

@@ -347,3 +347,58 @@ def test_rollout_worker_killed_minus_9_mid_call_another_takes_the_call_over(chat
             assert reply.usage.completion_tokens == len(call.tokens)  # greedy: not one token generated twice
         finally:
             stop(second)
+
+
+def test_a_stopping_gateway_answers_its_held_calls_503_retry_and_exits_without_a_traceback(redis_url, client, keys,
+                                                                                          chat_dir, tmp_path):
+    """At the end of a run (or a restart) the gateway is told to stop with calls held open: each is answered 503
+    with x-should-retry within a second (a gateway that runs answers the retry from the stream), so uvicorn's
+    graceful shutdown ends in time instead of cancelling them (a traceback per call)."""
+    import os
+    import signal
+
+    port = free_port()
+    gateway = spawn("services.gateway", env=env_for(redis_url, keys, chat_dir, gateway_port=port, gateway_timeout=120),
+                    log=tmp_path / "gateway.log")
+    wait_http(port)
+    start_agent_episode(client, keys, "held-0", TASK)
+    api = oai(f"http://127.0.0.1:{port}/ep/held-0/v1", max_retries=0)
+
+    def call():
+        try:
+            return api.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2+3?"}],
+                                               temperature=0, max_tokens=8)
+        except openai.APIStatusError as exc:
+            return exc
+    t, out = in_thread(call)
+    wait_until(lambda: client.exists(keys.calls) and client.xlen(keys.calls) >= 1, what="the call requested")
+    os.killpg(gateway.pid, signal.SIGTERM)  # no rollout worker serves this run: the call is held
+    t.join(15)
+    err = out.get("result")
+    assert isinstance(err, openai.APIStatusError) and err.status_code == 503, err
+    assert err.response.headers.get("x-should-retry") == "true" and "gateway_stopping" in err.response.text
+    assert gateway.wait(15) == 0
+    assert "Traceback" not in (tmp_path / "gateway.log").read_text()
+
+
+def test_a_stopping_agents_worker_gives_running_episodes_a_grace_then_exits_0(stack, chat_dir, tmp_path):
+    """SIGTERM (honcho ending the run) with an episode that cannot end (its agent waits): the worker takes no new
+    job, waits STOP_GRACE_S, and exits 0 with one line naming the episode cut short (a reaper runs it again if the
+    run goes on), instead of waiting until honcho's kill -9."""
+    import os
+    import signal
+
+    from services.gateway.agents_worker import STOP_GRACE_S
+
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    cfg = Config(run=keys.run, agent="tests.support.gateway_agents:held_agent", gateway_port=gw.port, group_size=1)
+    log = tmp_path / "agents.log"
+    a = spawn("services.gateway.agents_worker", "--worker-id", "ag-stop", log=log,
+              env=env_for(stack["url"], keys, chat_dir, agent=cfg.agent, gateway_port=gw.port))
+    driver_agents.enqueue_group(cfg, client, keys, "stopping", {**TASK, "hold": str(tmp_path / "never")}, 1)
+    wait_until(lambda: client.hexists(keys.agents_running, "stopping-0"), what="the episode running")
+    os.killpg(a.pid, signal.SIGTERM)
+    assert a.wait(STOP_GRACE_S + 10) == 0
+    text = log.read_text()
+    assert "1 agent episode(s) cut short" in text and "stopping-0" in text and "Traceback" not in text
+    assert client.hexists(keys.agents_running, "stopping-0")  # left for a reaper

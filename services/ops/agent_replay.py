@@ -87,6 +87,8 @@ def continue_agent(cfg, entries: list, from_call: int | None, version: int, weig
     import openai
 
     from services.gateway.runner import load_agent, normalise
+    from secrets import token_urlsafe
+
     from services.ops.redis_server import EmbeddedRedis
 
     original = fold(entries)
@@ -95,7 +97,7 @@ def continue_agent(cfg, entries: list, from_call: int | None, version: int, weig
     keys = Keys(SCRATCH_RUN)
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="streamrl-replay-") as tmp:
-        server = EmbeddedRedis(Path(tmp) / "redis").start()
+        server = EmbeddedRedis(Path(tmp) / "redis", password=token_urlsafe(24)).start()  # its own: a scratch copy
         try:
             client = connect(server.url)
             eid = original.episode_id

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from secrets import token_urlsafe
 from pathlib import Path
 
 from services.ops.redis_server import EmbeddedRedis
@@ -28,7 +29,8 @@ class ServedCopy:
         self.scratch = Path(tempfile.mkdtemp(prefix="streamrl-served-"))
         try:
             shutil.copytree(self.run_path / "redis", self.scratch / "redis", symlinks=True)
-            self.server = EmbeddedRedis(self.scratch / "redis").start()
+            # a password of its own (the copy holds the run's data; other local users must not read it meanwhile)
+            self.server = EmbeddedRedis(self.scratch / "redis", password=token_urlsafe(24)).start()
         except BaseException:
             self.__exit__()
             raise

@@ -177,7 +177,7 @@ def _warm_start(model_dir, examples, steps, batch_size, lr, rng, log) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if log and (step + 1) % 50 == 0:
-            log(f"warm start step {step + 1}/{steps}: loss {float(loss):.3f}")
+            log(f"warm start step {step + 1}/{steps}: loss {float(loss.detach()):.3f}")
     model.eval().save_pretrained(str(model_dir))
     return float(loss.detach())
 

@@ -8,6 +8,9 @@ written anywhere: a run that fails here leaves no trace under ``run_dir``."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 from shared.runtime.config import Config, ConfigError, FIELDS
 
 ROWS_ENCODED = 64  # prompts of each set encoded to check the chat template and the context (the first ones)
@@ -130,6 +133,10 @@ def _specs(cfg: Config) -> list[str]:
     from shared.runtime import specs
 
     out = []
+    # the services resolve specs as `python -m` does: the working directory first on sys.path (`streamrl`, a
+    # console script, has its own bin folder there instead, so `examples.calc:agent` would not import here)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     loads = [lambda: rewards.load(cfg.reward_fn), lambda: tools.registry(cfg.tools)]
     if cfg.agent:
         loads.append(lambda: specs.load(cfg.agent, "agent"))

@@ -119,3 +119,18 @@ def test_splits_of_a_local_file_or_builtin_task_are_refused_unless_the_default()
     assert split_problems("someone/hub-set", "validation", "dataset_split", "train") == []  # a hub set has splits
     assert split_problems("", "validation", "eval_split", "test") == []  # no eval_dataset: no split to name
     assert "built-in task" in split_problems("arithmetic", "x", "dataset_split", "train")[0]
+
+
+def test_specs_import_from_the_working_directory_as_the_services_do():
+    """`streamrl` is a console script: its sys.path starts with the venv's bin, not the working directory, while
+    every service (`python -m ...`) imports from the working directory. The README's `--agent examples.calc:agent`
+    must pass the preflight (it failed: "No module named 'examples'")."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("from services.ops.preflight import _specs; from shared.runtime.config import Config; "
+            "print(_specs(Config(agent='examples.calc:agent')))")
+    out = subprocess.run([sys.executable, "-I", "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -4,7 +4,8 @@ from shared.runtime.config import Config, ConfigError
 from shared.runtime.config_sources import load
 
 
-def test_precedence_file_env_flag(tmp_path):
+def test_precedence_file_env_flag(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no runs/demo/secrets.json of a real run here: loading fills secrets from it
     path = tmp_path / "c.toml"
     path.write_text('run = "fromfile"\nflush_tokens = 8\nflush_ms = 10\n')
     cfg = load(str(path), env={"STREAMRL_FLUSH_TOKENS": "32"}, overrides={"flush_ms": "5.5"})

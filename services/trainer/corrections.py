@@ -24,6 +24,7 @@ torch engine), and the same per staleness η (versions behind).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +77,7 @@ def behaviour_weights(prox: Tensor, behav: Tensor, keep: Tensor, c: Correction) 
         w = torch.where(over, 0.0, raw)
     icepop = torch.zeros_like(keep)
     if c.icepop_beta:
-        icepop = keep & ((d > torch.log(torch.tensor(c.icepop_beta))) | (d < -torch.log(torch.tensor(c.icepop_beta))))
+        icepop = keep & (d.abs() > math.log(c.icepop_beta))  # exp(d) outside [1/beta, beta]
     m2po = second_moment_mask(d, keep, c.m2po_tau) if c.m2po_tau else torch.zeros_like(keep)
     w = torch.where(keep & ~icepop & ~m2po, w, 0.0)
     n = max(int(keep.sum()), 1)

@@ -18,6 +18,20 @@ from shared.protocol.keys import Keys
 from services.ops.redis_server import EmbeddedRedis
 
 
+SLOW_SECONDS = 10  # a slow test's wall time when its marker gives none (`@pytest.mark.slow(seconds=N)`)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest files first, so the test workers (one file each at a time) do not end on one long file while the
+    others stand idle: a file weighs the seconds its slow tests are marked with. Within a file the order stays."""
+    weight: dict[str, float] = {}
+    for item in items:
+        mark = item.get_closest_marker("slow")
+        weight[item.nodeid.split("::")[0]] = weight.get(item.nodeid.split("::")[0], 0.0) + (
+            mark.kwargs.get("seconds", SLOW_SECONDS) if mark else 0.0)
+    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: ties keep the collection order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def run_dir_outside_the_checkout(tmp_path_factory):
     """Service processes a test starts without a run folder of its own write under this session's temp folder,

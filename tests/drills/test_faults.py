@@ -33,7 +33,7 @@ from shared.protocol.fold import fold
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP
 from dataclasses import asdict
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a few live runs on a shared 2-core box
+pytestmark = [pytest.mark.slow(seconds=35), pytest.mark.timeout(900)]  # a few live runs on a shared 2-core box
 
 FLUSH_TOKENS = 8
 MAX_VERSIONS = 10

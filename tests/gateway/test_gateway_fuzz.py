@@ -18,6 +18,7 @@ from shared.protocol.episode_log import EpisodeLog
 from shared.runtime import logs, secrets
 from shared.runtime.config import Config
 from tests.support.chat_models import make_chat_model
+from tests.support.fuzz import cases
 from tests.support.gateway_stack import start_agent_episode
 
 KEY = "gateway-key"
@@ -59,10 +60,10 @@ def _check(r) -> None:
 
 
 def test_fuzzed_requests_get_4xx_never_5xx(http):
-    """>= 2,000 requests: random values in every field of a chat call, in a message's fields, random bodies."""
+    """>= 2,000 requests in CI (a quarter in a developer's run: tests/support/fuzz.py): random values in every field of a chat call, in a message's fields, random bodies."""
     sent = []
 
-    @settings(max_examples=800, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=cases(800), deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(field=st.sampled_from(FIELDS), value=JSON, where=st.sampled_from(["body", "message", "completion"]),
            mfield=st.sampled_from(MESSAGE_FIELDS))
     def fuzz_field(field, value, where, mfield):
@@ -75,7 +76,7 @@ def test_fuzzed_requests_get_4xx_never_5xx(http):
         _check(http.post(f"/ep/g-0/v1/{route}", content=json.dumps(body), headers=_auth()))
         sent.append(1)
 
-    @settings(max_examples=1200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=cases(1200), deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(raw=st.one_of(JSON.map(lambda v: json.dumps(v).encode()), st.binary(max_size=64)),
            route=st.sampled_from(["chat/completions", "completions"]))
     def fuzz_body(raw, route):
@@ -84,7 +85,7 @@ def test_fuzzed_requests_get_4xx_never_5xx(http):
 
     fuzz_field()
     fuzz_body()
-    assert len(sent) >= 2000
+    assert len(sent) >= cases(800) + cases(1200)
 
 
 @pytest.mark.parametrize("raw, code", [

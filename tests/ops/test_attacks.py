@@ -51,7 +51,7 @@ def _read(path: Path) -> bytes:
         return b""
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=50)
 def test_a_live_run_gives_nothing_to_a_local_attacker_without_its_secrets(tmp_path, tiny_model_dir):
     name = f"atk{uuid.uuid4().hex[:8]}"
     run_path = tmp_path / "runs" / name

@@ -46,7 +46,7 @@ def base_env(run_dir: Path, run_name: str, model_dir: str) -> dict:
     return env
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=120)
 def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
     name = f"seq{uuid.uuid4().hex[:8]}"
     run_dir = tmp_path / "runs"

@@ -20,7 +20,7 @@ from tests.support.arch_models import make_arch_model
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=40)
 @pytest.mark.parametrize("extra", [[], ["--lora-rank", "8"]], ids=["full", "lora8"])
 def test_streamrl_run_on_a_qwen2_folder_with_chat_rows(tmp_path, extra):
     model_dir = make_arch_model("qwen2", tmp_path / "qwen2-tiny")

@@ -18,7 +18,7 @@ from services.ops.keep import processes
 from shared.protocol.ledger import read_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow  # whole runs
+pytestmark = pytest.mark.slow(seconds=45)  # whole runs
 
 
 def _env(**extra) -> dict:

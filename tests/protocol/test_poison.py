@@ -1,6 +1,6 @@
 """Poison never crashes: every stream codec, fed random and adversarial entries, returns a value or raises
 EventError naming the entry and the field (which the reader dead-letters and acknowledges), never anything else.
-Pure decode functions, no Redis: >= 10,000 cases in all."""
+Pure decode functions, no Redis: >= 10,000 cases in all in CI (a quarter in a developer's run: tests/support/fuzz.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from shared.protocol import calls, control, dead_letters, events, metrics, prompts, pulls, repacks, samples, versions
 from shared.protocol.events import EventError
 from shared.protocol.fold import fold
+from tests.support.fuzz import cases
 
 # a value anywhere in an entry: what a writer without the schema could put there
 SCALAR = (st.none() | st.booleans() | st.integers(min_value=-(1 << 70), max_value=1 << 70)
@@ -62,7 +63,7 @@ CODECS = {  # stream -> (decode(entry_id, fields), field names its writers use)
     "metrics": (lambda _id, f: metrics.decode(f), ["kind", "json"]),
     "dead": (lambda _id, f: dead_letters.decode(f), list(dead_letters.FIELDS)),
 }
-CASES = 1100  # per codec: 11,000 in all
+CASES = cases(1100)  # per codec: 11,000 in all in CI
 
 
 @pytest.mark.parametrize("stream", sorted(CODECS))

@@ -136,7 +136,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=60)
 def test_a_rank_killed_9_takes_the_job_down_and_the_restart_trains_nothing_twice(
         client, keys, redis_url, tiny_model_dir, tmp_path):
     """Three jobs of 2 ranks on one run: the first dies at a crash point (every rank kills itself after the

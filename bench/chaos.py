@@ -34,7 +34,7 @@ def one(root: Path, name: str, max_versions: int, chaos: list[str]) -> dict:
     rewards = [json.loads(line)["reward_mean"] for line in
                (root / "runs" / name / "metrics.jsonl").read_text().splitlines() if '"reward_mean"' in line]
     summary = [line for line in log.splitlines() if line.startswith(("streamrl run: chaos:", "  restarts:",
-                                                                      "  kill to the next"))]
+                                                                      "  kill to the next", "  by process:"))]
     return {"name": name, "rc": out.returncode, "seconds": seconds, "check_ok": "\nok\n" in log,
             "last100": sum(rewards[-100:]) / max(len(rewards[-100:]), 1), "steps": len(rewards),
             "regen": (re.findall(r"tokens generated again\s+(\S+)", log) or ["?"])[-1],

@@ -81,14 +81,17 @@ def summary(chaos: Chaos, version_times: list[float], restarts: dict[str, int], 
              + (": " + ", ".join(f"{n} {c}" for n, c in sorted(per.items())) if per else "")]
     restarted = {n: r for n, r in sorted(restarts.items()) if r}
     lines.append("  restarts: " + (", ".join(f"{n} {r}" for n, r in restarted.items()) or "none"))
-    waits = []
+    waits: dict[str, list[float]] = {}  # process kind -> seconds from each of its kills to the next version
     for k in chaos.kills:
         after = next((t for t in version_times if t > k.at), None)
         if after is not None:
-            waits.append(after - k.at)
-    if waits:
-        lines.append(f"  kill to the next version: median {statistics.median(waits):.1f} s, max {max(waits):.1f} s "
-                     f"({len(waits)} of {len(chaos.kills)} kills were followed by a version)")
+            waits.setdefault(k.target.split(".")[0], []).append(after - k.at)
+    every = [w for ws in waits.values() for w in ws]
+    if every:
+        lines.append(f"  kill to the next version: median {statistics.median(every):.1f} s, max {max(every):.1f} s "
+                     f"({len(every)} of {len(chaos.kills)} kills were followed by a version)")
+        lines.append("  by process: " + ", ".join(f"{kind} median {statistics.median(ws):.1f} s, max {max(ws):.1f} s"
+                                                  for kind, ws in sorted(waits.items())))
     return lines
 
 

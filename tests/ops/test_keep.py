@@ -147,6 +147,7 @@ def test_chaos_picks_only_allowed_kinds_and_sums_up_kills_restarts_and_recovery(
     assert lines[0] == "chaos: 3 kills in 40 s (one every 5 s, seed 3): redis 1, rollout.1 2"
     assert lines[1] == "  restarts: redis 1, rollout.1 2"
     assert lines[2] == "  kill to the next version: median 2.8 s, max 4.0 s (2 of 3 kills were followed by a version)"
+    assert lines[3] == "  by process: redis median 4.0 s, max 4.0 s, rollout median 1.5 s, max 1.5 s"
 
 
 def test_a_restarted_process_keeps_the_time_it_was_first_started(tmp_path):

@@ -156,8 +156,9 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None, 
                                             **{f"STREAMRL_{k.upper()}": str(v) for k, v in own.items()}})
     started = time.time()
     stop_watch = threading.Event()
+    watcher = None
     if server:  # the services survive a Redis crash: start it again, as `streamrl keep` does every Procfile line
-        keep_server(server, stop_watch)
+        watcher = keep_server(server, stop_watch)
     ended = lambda: (cfg.run_path / ENDED).exists() and (cfg.run_path / ENDED).stat().st_mtime >= started  # noqa: E731
     if chaos is not None:
         chaos.start(stop_watch, lambda: keep_processes(pid_dir), server, ended, out=sys.stderr)
@@ -166,6 +167,8 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None, 
         if ended():
             export_at_end(cfg)
             restarts = {name: r for name, (_, r) in keep_processes(pid_dir).items()}
+            if watcher is not None:
+                restarts["redis"] = watcher.restarts
             own_url = server.url if server else env["REDIS_URL"]  # the runner's own: with the run's password
             end_of_run_check(cfg, own_url, restarts)  # last: the lines a person reads when the run is over
             if chaos is not None:

@@ -30,6 +30,7 @@ import time
 from rq import Queue, SimpleWorker
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.timeouts import TimerDeathPenalty
 
@@ -72,23 +73,57 @@ class Reaper:
         for eid, raw in self.client.hgetall(self.keys.agents_running).items():
             entry = json.loads(raw)
             owner = entry["worker"]
-            if owner == self.worker_id or self.client.exists(self.keys.alive("agents", owner)):
-                self.missing.pop(owner, None)
-                continue
-            if time.monotonic() - self.missing.setdefault(owner, time.monotonic()) < self.cfg.heartbeat_ttl:
+            if not self.dead(owner):
                 continue
             spec = {**entry["spec"], "attempt": entry["spec"].get("attempt", 0) + 1}
             mine = json.dumps({"worker": f"requeued-by-{self.worker_id}", "spec": spec})
             if self.client.eval(_CLAIM, 1, self.keys.agents_running, eid, raw, mine):
-                rerun = self.queue.enqueue_call(runner.run_episode.__module__ + ".run_episode", args=(spec,),
-                                                job_id=f"{spec['run']}-{spec['episode_id']}-r{spec['attempt']}",
-                                                timeout=int(spec.get("timeout", 600)) + 60, result_ttl=3600,
-                                                failure_ttl=86400, at_front=True)
+                rerun = self._rerun(spec)
                 self.retire(entry.get("job"), rerun.id)
                 self.log.warning("agent episode re-run: its worker died", episode=eid.decode(), dead=owner,
                                  attempt=spec["attempt"])
                 requeued += 1
+        return requeued + self.orphans()
+
+    def dead(self, owner: str) -> bool:
+        """Whether the agents worker ``owner`` (its worker id) has been silent for a heartbeat_ttl, as seen here."""
+        if owner == self.worker_id or self.client.exists(self.keys.alive("agents", owner)):
+            self.missing.pop(owner, None)
+            return False
+        return time.monotonic() - self.missing.setdefault(owner, time.monotonic()) >= self.cfg.heartbeat_ttl
+
+    def orphans(self) -> int:
+        """Jobs rq handed to a worker that died before the episode was recorded in ``agents:running`` (a kill
+        between rq's dequeue and the runner's first write): started in rq's books, by a dead worker, with no
+        ``agents:running`` entry. Each is claimed (HSETNX, so one reaper wins) and run again like ``reap``'s."""
+        requeued = 0
+        registry = StartedJobRegistry(queue=self.queue)
+        for job_id in registry.get_job_ids(cleanup=False):
+            try:
+                job = Job.fetch(job_id, connection=self.queue.connection, serializer=JSONSerializer)
+            except NoSuchJobError:
+                continue
+            owner, _, k = (job.worker_name or "").rpartition(".")  # thread workers are named <worker id>.<k>
+            owner = owner if k.isdigit() else job.worker_name or ""
+            if job.get_status(refresh=False) != JobStatus.STARTED or not owner or not self.dead(owner):
+                continue
+            spec = job.args[0] if job.args and isinstance(job.args[0], dict) else None
+            if spec is None or "episode_id" not in spec:
+                continue
+            spec = {**spec, "attempt": spec.get("attempt", 0) + 1}
+            mine = json.dumps({"worker": f"requeued-by-{self.worker_id}", "spec": spec})
+            if self.client.hsetnx(self.keys.agents_running, spec["episode_id"], mine):
+                self.retire(job.id, self._rerun(spec).id)
+                self.log.warning("agent episode re-run: its worker died as it took the job", dead=owner,
+                                 episode=spec["episode_id"], attempt=spec["attempt"])
+                requeued += 1
         return requeued
+
+    def _rerun(self, spec: dict):
+        return self.queue.enqueue_call(runner.run_episode.__module__ + ".run_episode", args=(spec,),
+                                       job_id=f"{spec['run']}-{spec['episode_id']}-r{spec['attempt']}",
+                                       timeout=int(spec.get("timeout", 600)) + 60, result_ttl=3600,
+                                       failure_ttl=86400, at_front=True)
 
     def retire(self, job_id: str | None, rerun_id: str) -> None:
         """The dead worker's job is not a failure: its episode runs again as ``rerun_id``. Out of rq's started

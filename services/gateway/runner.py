@@ -21,7 +21,7 @@ import time
 from shared.protocol.episode_log import EpisodeLog, Fenced
 from shared.protocol.fold import fold
 from shared.protocol.keys import Keys
-from shared.runtime import logs, secrets, specs
+from shared.runtime import faults, logs, secrets, specs
 
 WORKER_ID = "agents-inline"  # set by the agents worker process: who runs the job (for the reaper)
 CLIENT = None  # set by the agents worker process: the run's Redis (None: the job's rq connection is that server)
@@ -93,6 +93,7 @@ def run_episode(spec: dict) -> dict:
     keys = Keys(spec["run"])
     eid = spec["episode_id"]
     log = logs.get("agents", episode=eid, worker=WORKER_ID)
+    faults.crash_point("agents", "job_started")  # a kill here: a reaper finds the job in rq's started registry
     # the job's rq id too: a reaper that runs the episode again retires this job (rq would later call it failed)
     client.hset(keys.agents_running, eid, json.dumps({"worker": WORKER_ID, "spec": spec, "job": job.id if job else None}))
     events = EpisodeLog(client, keys, WORKER_ID)

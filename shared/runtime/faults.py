@@ -30,6 +30,7 @@ POINTS = {
     "trainer": ("before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish"),
     "rollout": ("opened", "flushed", "finished", "repack_stopped", "repack_handed", "paused", "pull_leased"),
     "syncer": ("fetch", "pause", "load", "resume"),
+    "agents": ("job_started",),  # rq handed the job over; the episode is not yet recorded in agents:running
 }
 _reached: Counter = Counter()
 

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from services.driver import agents as driver_agents
 from services.gateway.__main__ import build
 from services.trainer.batch import build_batch
-from shared.runtime import logs
+from shared.runtime import faults, logs
 from shared.runtime.config import Config
 from shared.protocol import calls as calls_codec, samples as samples_codec
 from shared.protocol.keys import Keys
@@ -242,6 +242,34 @@ def test_agent_runner_killed_minus_9_reruns_and_no_call_is_generated_twice(stack
         assert q.failed_job_registry.get_job_ids() == []
         assert first in q.canceled_job_registry.get_job_ids()
         assert q.fetch_job(first).meta["superseded_by"] == driver_agents.job_id(keys.run, "dur-0", 1)
+    finally:
+        stop(b)
+
+
+def test_an_agents_worker_killed_as_it_takes_a_job_is_found_in_rqs_books_and_the_episode_runs(stack, chat_dir):
+    """A kill between rq's dequeue and the runner's first write (found by `--chaos` on an agent run): the job is
+    started in rq's books and nowhere else. Another worker's reaper runs it again; nothing is lost or failed."""
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    cfg = Config(run=keys.run, agent="tests.support.gateway_agents:calc_agent", gateway_port=gw.port, temperature=0,
+                 heartbeat_ttl=2, group_size=1)
+    env = env_for(stack["url"], keys, chat_dir, heartbeat_ttl=2, agent=cfg.agent, gateway_port=gw.port)
+    a = spawn("services.gateway.agents_worker", "--worker-id", "taker", env={**env, **faults.spec("agents", "job_started")})
+    driver_agents.enqueue_group(cfg, client, keys, "taken", TASK, 1)
+    assert a.wait(120) == -9  # it killed itself holding the job
+    q = driver_agents.queue(client, keys)
+    first = driver_agents.job_id(keys.run, "taken-0")
+    assert first in q.started_job_registry.get_job_ids(cleanup=False) and not client.hexists(keys.agents_running,
+                                                                                              "taken-0")
+    b = spawn("services.gateway.agents_worker", "--worker-id", "finder", env=env)
+    try:
+        wait_until(lambda: "taken" in {s.group_id for s in samples_codec.read_all(client, keys.samples)[0]},
+                   timeout=120, what="group published")
+        ep = episode(client, keys, "taken-0")
+        assert ep.status == "finished" and ep.reward == 1.0 and ep.events[-1].worker == "finder"
+        assert first not in q.started_job_registry.get_job_ids(cleanup=False)
+        assert q.failed_job_registry.get_job_ids() == []
+        assert q.fetch_job(first).meta["superseded_by"] == driver_agents.job_id(keys.run, "taken-0", 1)
+        assert [s.group_id for s in samples_codec.read_all(client, keys.samples)[0]].count("taken") == 1
     finally:
         stop(b)
 

@@ -80,10 +80,11 @@ def _die_with_parent() -> None:
 
 
 def name_of(command: list[str]) -> str:
-    """A short name for logs: the module of ``python -m services.X`` (``rollout``), else the program."""
+    """A short name for logs: the last part of ``python -m services.X.Y`` (``rollout``, ``tools_worker``), else
+    the program."""
     if "-m" in command[:-1]:
         module = command[command.index("-m") + 1]
-        return module.split(".")[1] if module.startswith("services.") and "." in module else module
+        return module.rsplit(".", 1)[-1] if module.startswith("services.") else module
     return " ".join(os.path.basename(w) for w in command[:2])
 
 

@@ -20,7 +20,9 @@ import pytest
 from shared.protocol.keys import Keys
 from shared.runtime import runstate
 from shared.runtime.config import Config
+from services.ops.keep import PID_DIR_ENV, processes as keep_processes
 from services.ops.redis_server import free_port
+from tests.support.procs import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,11 +74,23 @@ def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
 
         # 2. the Procfile under honcho (its redis line is `streamrl redis`, on redis_url's port): the same folder,
         #    and the same rule as `streamrl run` for an ended run: moved aside, started afresh
+        #    A kill -9 of the rollout worker as soon as it runs: its `streamrl keep` starts it again, the run goes on
         port = free_port()
-        honcho_env = {**env, "REDIS_URL": f"redis://127.0.0.1:{port}/0"}
-        second = run([sys.executable, "-m", "honcho", "start", "-f", str(ROOT / "Procfile")], honcho_env, timeout=280)
-        out = second.stdout + second.stderr
-        assert second.returncode == 0, out[-4000:]
+        pids = tmp_path / "procs"
+        honcho_env = {**env, "REDIS_URL": f"redis://127.0.0.1:{port}/0", PID_DIR_ENV: str(pids)}
+        honcho = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-f", str(ROOT / "Procfile")],
+                                  env=honcho_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=True)
+        try:
+            wait_until(lambda: "rollout" in keep_processes(pids) or honcho.poll() is not None, timeout=120,
+                       what="the rollout worker started under honcho")
+            os.killpg(keep_processes(pids)["rollout"][0], signal.SIGKILL)
+            out, _ = honcho.communicate(timeout=280)
+        finally:
+            if honcho.poll() is None:
+                os.killpg(honcho.pid, signal.SIGKILL)
+        assert honcho.returncode == 0, out[-4000:]
+        assert re.search(r"keep: rollout killed by SIGKILL; restart 1 in [\d.]+ s", out), out[-4000:]
         assert f"streamrl redis: run {name!r} had ended; its files are now in" in out
         reached = re.search(r"driver: reached version (\d+); ending the run", out)
         assert reached and int(reached.group(1)) >= 3, out[-4000:]  # a step may publish past 3 before the check

@@ -4,8 +4,6 @@ and the routes over a real server (its key, its JSON)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from fastapi.testclient import TestClient
 
@@ -112,11 +110,13 @@ def test_the_routes_answer_with_a_key_and_refuse_without(client, keys, tmp_path)
 
 
 def test_the_run_view_adds_up_staleness_and_busy_time():
-    from services.ops.ui.run_view import busy, samples_per_s, staleness
+    from services.ops.ui.run_view import busy, generated, samples_per_s, staleness
 
     train = [{"step": 1, "time": 10.0, "samples": 8, "wait_s": 1.0, "train_s": 1.0, "staleness": {"0": 6, "1": 2}},
              {"step": 2, "time": 12.0, "samples": 8, "wait_s": 0.5, "train_s": 1.0, "staleness": {"0": 8}}]
     assert staleness(train) == {"0": 14, "1": 2} and samples_per_s(train) == [4.0, 4.0]
     rollout = [{"worker": "r1", "busy_s": 1, "idle_s": 2}, {"worker": "r1", "busy_s": 5, "idle_s": 3}]
     assert busy(rollout, train) == {"process": ["r1", "trainer"], "busy_s": [5.0, 2.0], "waiting_s": [3.0, 1.5]}
-    assert Path(__file__).exists()
+    assert generated(rollout) == {"tokens": 0, "final": False}
+    assert generated(rollout + [{"worker": "r1", "tokens": 40, "call_tokens": 2, "final": True}]) == {
+        "tokens": 42, "final": True}  # the newest report per worker, exact once it is final

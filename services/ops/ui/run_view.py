@@ -54,12 +54,14 @@ def busy(rollout: list[dict], train: list[dict]) -> dict:
     return out
 
 
-def generated(rollout: list[dict]) -> int:
-    """Tokens the rollout workers say they generated (each worker's newest report)."""
+def generated(rollout: list[dict]) -> dict:
+    """Tokens the rollout workers say they generated (each worker's newest report), and whether every report is
+    final (then this minus the policy tokens in the streams is `streamrl check`'s tokens generated again)."""
     newest: dict[str, dict] = {}
     for r in rollout:
         newest[str(r.get("worker", "?"))] = r
-    return sum(int(r.get("tokens", 0)) + int(r.get("call_tokens", 0)) for r in newest.values())
+    return {"tokens": sum(int(r.get("tokens", 0)) + int(r.get("call_tokens", 0)) for r in newest.values()),
+            "final": bool(newest) and all(r.get("final") for r in newest.values())}
 
 
 def samples_per_s(train: list[dict]) -> list[float]:

@@ -21,6 +21,13 @@ from shared.runtime.connection import connect
 REFRESH_S = 2.0  # a live run's index is brought up to date at most this often
 
 
+def _answers(client) -> bool:
+    try:
+        return bool(client.ping())
+    except (redis.exceptions.RedisError, OSError):
+        return False
+
+
 class NoRun(LookupError):
     pass
 
@@ -85,6 +92,8 @@ class Sources:
     def get(self, folder: str) -> RunSource:
         with self._lock:
             src = self.runs.get(folder)
+            if src is not None and not src.served and src.client is not None and not _answers(src.client):
+                src = None  # a live run's server went away (the run ended): read it from its folder now
             if src is None:
                 src = self.runs[folder] = self._open(folder)
         return src

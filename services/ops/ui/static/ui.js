@@ -29,7 +29,7 @@ async function runsPage() {
 }
 
 // ---- run
-const LAYOUT = (title, x, y) => ({title: {text: title, font: {size: 13}}, margin: {l: 50, r: 10, t: 30, b: 40}, xaxis: {title: x}, yaxis: {title: y}, legend: {orientation: "h"}});
+const LAYOUT = (title, x, y) => ({title: {text: title, font: {size: 13}}, margin: {l: 50, r: 10, t: 30, b: 40}, xaxis: {title: {text: x}}, yaxis: {title: {text: y}}, legend: {orientation: "h"}});
 const PLOT_CFG = {displaylogo: false, responsive: true};
 async function runPage() {
   crumbs(`/ <a href="${runUrl(RUN)}">${esc(RUN)}</a> / <a href="${runUrl(RUN)}/episodes">episodes</a>`);
@@ -39,7 +39,7 @@ async function runPage() {
     <h3>Workers</h3><div id="workers"></div><h3>Dead letters</h3><div id="dead"></div><h3>End-of-run check</h3><div id="check" class="muted">-</div>`;
   const t0 = v.train.time.length ? v.train.time[0] - 1 : v.now;
   const mins = (ts) => ts.map((t) => (t - t0) / 60);
-  const again = {x: [], y: []};
+  const again = {x: [], gen: [], kept: []};
   let last = -1;
   Plotly.newPlot("chart-reward", [
     {x: mins(v.train.time), y: v.train.reward, name: "train", mode: "lines"},
@@ -50,9 +50,8 @@ async function runPage() {
   Plotly.newPlot("chart-fractions", [
     {x: mins(v.train.time), y: v.train.clip_fraction, name: "clip fraction", mode: "lines"},
     {x: mins(v.train.time), y: v.train.is_masked_fraction, name: "IS-mask fraction", mode: "lines"}], LAYOUT("clip and IS-mask fractions", "minutes", "fraction of tokens"), PLOT_CFG);
-  Plotly.newPlot("chart-again", [{x: [], y: [], name: "tokens generated again", mode: "lines+markers"}], LAYOUT("tokens generated again (reported − in streams)", "minutes", "tokens"), PLOT_CFG);
-  const bars = (w) => {
-    Plotly.react("chart-staleness", [{x: Object.keys(w.staleness), y: Object.values(w.staleness), type: "bar"}], LAYOUT("staleness at training (samples)", "versions behind", "samples"), PLOT_CFG);
+    const bars = (w) => {
+    Plotly.react("chart-staleness", [{x: Object.keys(w.staleness), y: Object.values(w.staleness), type: "bar"}], {...LAYOUT("staleness at training (samples)", "versions behind", "samples"), xaxis: {type: "category", title: {text: "versions behind"}}}, PLOT_CFG);
     Plotly.react("chart-busy", [{x: w.busy.process, y: w.busy.busy_s, type: "bar", name: "busy"}, {x: w.busy.process, y: w.busy.waiting_s, type: "bar", name: "waiting"}],
       {...LAYOUT("busy / waiting per process", "", "seconds"), barmode: "stack"}, PLOT_CFG);
     Plotly.react("chart-restarts", [{x: Object.keys(w.restarts), y: Object.values(w.restarts), type: "bar"}], LAYOUT("restarts (streamrl keep)", "process", "restarts"), PLOT_CFG);
@@ -77,8 +76,11 @@ async function runPage() {
     }
     if (n) last = w.train.step[n - 1];
     document.getElementById("chart-reward").dataset.points = String(document.getElementById("chart-reward").data[0].x.length);
-    again.x.push((w.now - t0) / 60); again.y.push(w.generated - w.policy_tokens);
-    Plotly.react("chart-again", [{x: again.x, y: again.y, mode: "lines+markers"}], LAYOUT("tokens generated again (reported − in streams)", "minutes", "tokens"), PLOT_CFG);
+    // the workers report every few seconds: the difference is exact once each has sent its final report
+    again.x.push((w.now - t0) / 60); again.gen.push(w.generated.tokens); again.kept.push(w.policy_tokens);
+    Plotly.react("chart-again", [{x: again.x, y: again.gen, name: "generated (workers' reports)", mode: "lines+markers"},
+      {x: again.x, y: again.kept, name: "policy tokens in the streams", mode: "lines+markers"}],
+      LAYOUT(w.generated.final ? `tokens generated again: ${w.generated.tokens - w.policy_tokens}` : "tokens generated again: when every worker's final report is in", "minutes", "tokens"), PLOT_CFG);
     bars(w); tables(w);
   };
   update(v, true);
@@ -153,7 +155,7 @@ async function episodesPage() {
 function tokensHtml(pieces, ids, versions, logprobs, mask, marks) {
   const byAt = {};
   for (const m of marks) (byAt[m.at] = byAt[m.at] || []).push(m);
-  const markHtml = (m) => `<span class="marker m-${m.kind}" data-kind="${m.kind}" data-at="${m.at}" data-worker="${esc(m.worker)}" data-version="${m.version}" data-seq="${m.seq}" title="seq ${m.seq}: ${esc(m.kind)} at token ${m.at} by ${esc(m.worker)} under v${m.version}${m.why ? " (" + esc(m.why) + ")" : ""}">${m.kind === "aborted" ? "⏸" : m.kind.startsWith("tool") ? "⚙" : "▶"} ${esc(m.kind)} · ${esc(m.worker)} · v${m.version}</span>`;
+  const markHtml = (m) => `<span class="marker m-${m.kind}" data-kind="${m.kind}" data-at="${m.at}" data-worker="${esc(m.worker)}" data-version="${m.version}" data-seq="${m.seq}" title="seq ${m.seq}: ${esc(m.kind)} at token ${m.at} by ${esc(m.worker)} under v${m.version}${m.why ? " (" + esc(m.why) + ")" : ""}">${m.kind === "aborted" ? "■" : m.kind.startsWith("tool") ? "◆" : "▶"} ${esc(m.kind)} · ${esc(m.worker)} · v${m.version}</span>`;
   let out = "";
   for (let i = 0; i <= ids.length; i++) {
     for (const m of byAt[i] || []) out += markHtml(m);

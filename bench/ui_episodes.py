@@ -119,7 +119,7 @@ def measure(client, keys: Keys, run_path: Path, run_id: str, repeats: int) -> di
 
     sources = Sources(Config(run_dir=str(run_path.parent)), {})
     src = RunSource(run_path.name, Target(Config(run=keys.run), keys, run_path, None), client, True, sources.stack)
-    src.index = again
+    src.index, src.ready = again, True  # as after the ui's first refresh
     sources.runs[run_path.name] = src
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(make_app(sources), host="127.0.0.1", port=port, log_level="warning"))

@@ -139,7 +139,7 @@ def make_app(sources: Sources, api_key: str = "", is_live=None) -> FastAPI:
         view = read_run_view(src.client, src.keys, src.path, since)
         view.update(run=run, served=src.served, ended=src.ended, episodes=len(src.index.table),
                     policy_tokens=src.index.policy_tokens(), outcomes=src.index.counts(),
-                    index_built=src.index.built, index_error=src.error, has_data=src.client is not None)
+                    index_built=src.ready, index_error=src.error, has_data=src.client is not None)
         return view
 
     @app.get("/api/run/{run}/check")
@@ -166,7 +166,7 @@ def make_app(sources: Sources, api_key: str = "", is_live=None) -> FastAPI:
         t0 = time.perf_counter()
         total, rows = src.index.query(q.filters, q.sort, q.desc, q.offset, q.limit)
         return {"total": total, "offset": q.offset, "limit": q.limit, "rows": [row_json(s) for s in rows],
-                "indexed": len(src.index.table), "built": src.index.built, "progress": src.index.progress,
+                "indexed": len(src.index.table), "built": src.ready, "progress": src.index.progress,
                 "query_ms": round((time.perf_counter() - t0) * 1000, 2), "error": src.error}
 
     @app.get("/api/run/{run}/ep/{episode}")

@@ -43,6 +43,7 @@ class RunSource:
         self._last = 0.0
         self.error = ""
         self.check: dict | None = None
+        self.ready = False  # refreshed once since opened (a kept index may miss what ended after it was saved)
 
     @property
     def ended(self) -> bool:
@@ -52,15 +53,15 @@ class RunSource:
         """Start a refresh in the background when one is due and none runs."""
         if self.client is None:
             return
-        due = not self.index.built or (not self.ended and time.monotonic() - self._last > REFRESH_S)
+        due = not self.ready or (not self.ended and time.monotonic() - self._last > REFRESH_S)
         if due and self._refreshing.acquire(blocking=False):
             threading.Thread(target=self._refresh, daemon=True, name=f"ui-index-{self.folder}").start()
 
     def _refresh(self) -> None:
         try:
-            first = not self.index.built
+            first = not self.ready
             n = self.index.refresh()
-            self.error = ""
+            self.ready, self.error = True, ""
             if first or n:
                 self.log.info("episode index", read=n, rows=len(self.index.table),
                               seconds=round(self.index.last_refresh_s, 3), cached=self.loaded)

@@ -39,8 +39,7 @@ async function runPage() {
     <h3>Workers</h3><div id="workers"></div><h3>Dead letters</h3><div id="dead"></div><h3>End-of-run check</h3><div id="check" class="muted">-</div>`;
   const t0 = v.train.time.length ? v.train.time[0] - 1 : v.now;
   const mins = (ts) => ts.map((t) => (t - t0) / 60);
-  const again = {x: [], gen: [], kept: []};
-  let last = -1;
+    let last = -1;
   Plotly.newPlot("chart-reward", [
     {x: mins(v.train.time), y: v.train.reward, name: "train", mode: "lines"},
     {x: mins(v.validation.time), y: v.validation.reward, name: "validation (sampled)", mode: "lines+markers"},
@@ -51,14 +50,15 @@ async function runPage() {
     {x: mins(v.train.time), y: v.train.clip_fraction, name: "clip fraction", mode: "lines"},
     {x: mins(v.train.time), y: v.train.is_masked_fraction, name: "IS-mask fraction", mode: "lines"}], LAYOUT("clip and IS-mask fractions", "minutes", "fraction of tokens"), PLOT_CFG);
     const bars = (w) => {
-    Plotly.react("chart-staleness", [{x: Object.keys(w.staleness), y: Object.values(w.staleness), type: "bar"}], {...LAYOUT("staleness at training (samples)", "versions behind", "samples"), xaxis: {type: "category", title: {text: "versions behind"}}}, PLOT_CFG);
+    Plotly.react("chart-staleness", [{x: Object.keys(w.staleness), y: Object.values(w.staleness), type: "bar"}], {...LAYOUT("staleness at training (policy tokens)", "versions behind", "tokens"), xaxis: {type: "category", title: {text: "versions behind"}}}, PLOT_CFG);
     Plotly.react("chart-busy", [{x: w.busy.process, y: w.busy.busy_s, type: "bar", name: "busy"}, {x: w.busy.process, y: w.busy.waiting_s, type: "bar", name: "waiting"}],
       {...LAYOUT("busy / waiting per process", "", "seconds"), barmode: "stack"}, PLOT_CFG);
-    Plotly.react("chart-restarts", [{x: Object.keys(w.restarts), y: Object.values(w.restarts), type: "bar"}], LAYOUT("restarts (streamrl keep)", "process", "restarts"), PLOT_CFG);
+    const restarts = Object.values(w.restarts).reduce((a, b) => a + b, 0);
+    Plotly.react("chart-restarts", [{x: Object.keys(w.restarts), y: Object.values(w.restarts), type: "bar"}], LAYOUT(`restarts (streamrl keep): ${restarts || "none"}`, "process", "restarts"), PLOT_CFG);
   };
   const tables = (w) => {
     document.getElementById("state").textContent = w.ended ? "(ended: read from its folder)" : "(live)";
-    const tiles = [["version", w.version], ["train steps", last + 1], ["episodes indexed", w.episodes], ...Object.entries(w.outcomes)];
+    const tiles = [["version", w.version], ["train steps", last + 1], [w.index_built ? "episodes" : "episodes (indexing…)", w.episodes], ...Object.entries(w.outcomes)];
     document.getElementById("tiles").innerHTML = tiles.map(([k, x]) => `<div class="tile">${esc(k)}<b>${fmt(x)}</b></div>`).join("") +
       (w.index_error ? `<p class="err">${esc(w.index_error)}</p>` : "");
     document.getElementById("workers").innerHTML = w.workers.length ? table(["process", "version", "paused", "episodes", "heartbeat"],
@@ -76,26 +76,26 @@ async function runPage() {
     }
     if (n) last = w.train.step[n - 1];
     document.getElementById("chart-reward").dataset.points = String(document.getElementById("chart-reward").data[0].x.length);
-    // the workers report every few seconds: the difference is exact once each has sent its final report
-    again.x.push((w.now - t0) / 60); again.gen.push(w.generated.tokens); again.kept.push(w.policy_tokens);
-    Plotly.react("chart-again", [{x: again.x, y: again.gen, name: "generated (workers' reports)", mode: "lines+markers"},
-      {x: again.x, y: again.kept, name: "policy tokens in the streams", mode: "lines+markers"}],
-      LAYOUT(w.generated.final ? `tokens generated again: ${w.generated.tokens - w.policy_tokens}` : "tokens generated again: when every worker's final report is in", "minutes", "tokens"), PLOT_CFG);
+    // the workers report every few seconds, and the index counts the streams' tokens once built: the difference
+    // is exact (`streamrl check`'s row) once every worker's final report is in and the index is complete
+    const exact = w.generated.final && w.index_built;
+    Plotly.react("chart-again", [{x: ["generated (workers' reports)", "policy tokens in the streams"], y: [w.generated.tokens, w.index_built ? w.policy_tokens : null], type: "bar"}],
+      LAYOUT(exact ? `tokens generated again: ${w.generated.tokens - w.policy_tokens}` : w.index_built ? "tokens generated again: once every worker's final report is in" : "tokens generated again: indexing the episodes…", "", "tokens"), PLOT_CFG);
     bars(w); tables(w);
   };
   update(v, true);
+  const poll = async () => {
+    try { const w = await api(`/api/run/${encodeURIComponent(RUN)}?since=${last}`); update(w, false); if (w.ended && w.index_built) return; }
+    catch (e) { document.getElementById("state").textContent = `(${e.message})`; }
+    setTimeout(poll, 2000);
+  };
+  if (!v.ended || !v.index_built) setTimeout(poll, 2000);  // a live run; an ended one until its index is built
   if (v.ended) {
     api(`/api/run/${encodeURIComponent(RUN)}/check`).then((c) => {
       document.getElementById("check").innerHTML = `<pre class="${c.ok ? "ok" : "err"}">${esc(c.text)}</pre>`;
     }).catch((e) => { document.getElementById("check").textContent = e.message; });
   } else {
-    document.getElementById("check").textContent = "when the run has ended";
-    const poll = async () => {
-      try { const w = await api(`/api/run/${encodeURIComponent(RUN)}?since=${last}`); update(w, false); if (w.ended) return; }
-      catch (e) { document.getElementById("state").textContent = `(${e.message})`; }
-      setTimeout(poll, 2000);
-    };
-    setTimeout(poll, 2000);
+    document.getElementById("check").textContent = "when the run has ended (reload then)";
   }
 }
 

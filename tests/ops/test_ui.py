@@ -120,3 +120,23 @@ def test_the_run_view_adds_up_staleness_and_busy_time():
     assert generated(rollout) == {"tokens": 0, "final": False}
     assert generated(rollout + [{"worker": "r1", "tokens": 40, "call_tokens": 2, "final": True}]) == {
         "tokens": 42, "final": True}  # the newest report per worker, exact once it is final
+
+
+def test_an_agent_episode_is_drawn_call_by_call_with_forks_and_its_masked_prompt_tokens():
+    from tests.protocol.test_fold_calls import agent_started, call, done, toks
+    from tests.protocol.test_fold_calls import finished as agent_finished
+
+    evs = [agent_started(), call(1, 0, -1, [1, 2, 3]), toks(2, 0, [10, 11]),
+           Event("aborted", 0, "w", 3, {"reason": "pause", "num_tokens": 2, "call": 0}),
+           Event("resumed", 1, "w2", 4, {"num_tokens": 2, "call": 0, "takeover_from": "w"}),
+           toks(5, 0, [12], policy=1, worker="w2"), done(6, 0, 3, worker="w2"),
+           call(7, 1, 0, [4, 5], policy=1), toks(8, 1, [13], policy=1), done(9, 1, 1),
+           call(10, 2, -1, [7, 8]), toks(11, 2, [14], policy=1), done(12, 2, 1), agent_finished(13)]
+    view = episode_view(fold(raw(evs)), "demo")
+    calls = view["calls"]
+    assert [(c["index"], c["fork"], c["versions"]) for c in calls] == [(0, False, [0, 0, 1]), (1, False, [1]),
+                                                                      (2, True, [1])]
+    assert calls[1]["new_from"] == 6 and len(calls[1]["prompt_pieces"]) == 8  # [1,2,3,10,11,12] then 4, 5 new
+    assert [(m["kind"], m["at"], m["worker"]) for m in calls[0]["markers"]] == [("aborted", 2, "w"),
+                                                                                ("takeover", 2, "w2")]
+    assert calls[1]["command"] == "streamrl replay e1 --run demo --continue --from-call 1"

@@ -42,6 +42,9 @@ HEADLINES = [
     ("rolling_sync", "rolling version changes: workers generating during a sync", "python bench/rolling_sync.py"),
     ("gateway", "OpenAI-compatible gateway overhead per call", "python bench/gateway.py --calls 8"),
     ("redis_capacity", "event-log capacity of one Redis node", "python bench/redis_capacity.py"),
+    ("ui_episodes_run", "streamrl ui: a filtered episodes query on a finished ./dev run",
+     "python bench/ui_episodes.py --run demo --run-dir runs"),
+    ("ui_episodes", "streamrl ui: a filtered episodes query on 68,000 synthetic episodes", "python bench/ui_episodes.py"),
 ]
 
 IMPORT_LINE = re.compile(r"^[+-]\s*((from\s+\S+\s+)?import\s|#)")  # import lines and comments do not count

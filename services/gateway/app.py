@@ -3,8 +3,9 @@
 The episode is named in the base URL, so a stock client needs only
 ``base_url=http://host:port/ep/<episode_id>/v1``:
 
-    POST /ep/<episode>/v1/chat/completions   messages, tools, temperature, top_p, max_tokens, stop, logprobs, stream
-    POST /ep/<episode>/v1/completions        prompt (text or token ids), same sampling fields
+    POST /ep/<episode>/v1/chat/completions   messages, tools, temperature, top_p, max_tokens, stop, logprobs, stream,
+                                             return_token_ids (vLLM's: prompt_token_ids, choices[0].token_ids)
+    POST /ep/<episode>/v1/completions        prompt (text or token ids), same sampling fields (logprobs: 0 or true)
     GET  /ep/<episode>/v1/models, /v1/models
     GET  /healthz
 
@@ -130,15 +131,20 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
         if not chat:
             text = gw.tok.decode(call.tokens, skip_special_tokens=True)
             reason = "stop" if call.reason == "stop" else "length"
-            return {**base, "object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": reason,
-                                                                      "logprobs": None}]}
+            choice = {"index": 0, "text": text, "finish_reason": reason,
+                      "logprobs": gw.completion_logprobs(call) if prep.logprobs else None}
+            if prep.token_ids:
+                choice.update(prompt_token_ids=call.prompt_ids, token_ids=call.tokens)
+            return {**base, "object": "text_completion", "choices": [choice]}
         message, reason, problems = gw.answer(call)
         if problems:
             gw.log.warning("tool call not parsed; answered as text", episode=prep.episode_id, call=call.index,
                            problems=problems)
-        return {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "finish_reason": reason,
-                             "logprobs": gw.logprobs(call) if prep.logprobs else None}]}
+        choice = {"index": 0, "message": message, "finish_reason": reason,
+                  "logprobs": gw.logprobs(call) if prep.logprobs else None}
+        if prep.token_ids:  # vLLM's names: the prompt's ids at the top, the completion's in the choice
+            base["prompt_token_ids"], choice["token_ids"] = call.prompt_ids, call.tokens
+        return {**base, "object": "chat.completion", "choices": [choice]}
 
     def _sse(prep: Prepared, chat: bool):
         """Real streaming: deltas as the tokens land in the episode stream, across aborts and resumes."""

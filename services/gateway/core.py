@@ -48,6 +48,7 @@ class Prepared:
     stream: bool
     include_usage: bool
     model: str
+    token_ids: bool = False  # return_token_ids: prompt_token_ids and token_ids in the answer (vLLM's names)
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -120,7 +121,7 @@ class Gateway:
                 raise GatewayError(400, f"stop: {s!r} is {len(ids)} tokens; only stop strings of one token are "
                                         f"supported", "stop", "invalid_value")
             stop_ids.append(ids[0])
-        for flag in ("stream", "logprobs"):
+        for flag in ("stream", "return_token_ids"):
             if not isinstance(body.get(flag, False), bool):
                 raise GatewayError(400, f"{flag}: expected true or false, got {json.dumps(body.get(flag))}", flag)
         return {"temperature": _number(body, "temperature", self.cfg.temperature, 0.0, 2.0),
@@ -149,6 +150,9 @@ class Gateway:
     def prepare_chat(self, episode_id: str, body: Any) -> Prepared:
         schema.check(body, schema.Chat)
         sampling = self._common(body)
+        if not isinstance(body.get("logprobs", False), bool):
+            raise GatewayError(400, f"logprobs: expected true or false, got {json.dumps(body.get('logprobs'))}",
+                               "logprobs")
         messages, tools = self._messages(body)
         dg = digest("chat", {"messages": [canonical(m) for m in messages], "tools": tools, "sampling": sampling})
         ep = self._episode(episode_id)
@@ -171,11 +175,15 @@ class Gateway:
         index = self._call(ep, dg, build, sampling, json.dumps({"messages": messages, "tools": tools}))
         return Prepared(episode_id, index, 0, bool(body.get("logprobs")), bool(body.get("stream")),
                         bool((body.get("stream_options") or {}).get("include_usage")), body.get("model") or
-                        self.model_names[0])
+                        self.model_names[0], bool(body.get("return_token_ids")))
 
     def prepare_completion(self, episode_id: str, body: Any) -> Prepared:
         schema.check(body, schema.Completion)
         sampling = self._common(body)
+        top = body.get("logprobs")
+        if top is not None and not isinstance(top, bool) and top != 0:
+            raise GatewayError(400, f"logprobs: the episode stream keeps the sampled token's log-prob only; expected "
+                                    f"0 or true, got {json.dumps(top)}", "logprobs", "invalid_value")
         prompt = body.get("prompt")
         if isinstance(prompt, str) and prompt:
             ids = self.tok.encode(prompt, add_special_tokens=False)
@@ -198,9 +206,9 @@ class Gateway:
 
         index = self._call(ep, dg, build, sampling, json.dumps({"prompt": prompt if isinstance(prompt, str) else
                                                                 None}))
-        return Prepared(episode_id, index, 0, bool(body.get("logprobs")), bool(body.get("stream")),
+        return Prepared(episode_id, index, 0, top is not None and top is not False, bool(body.get("stream")),
                         bool((body.get("stream_options") or {}).get("include_usage")), body.get("model") or
-                        self.model_names[0])
+                        self.model_names[0], bool(body.get("return_token_ids")))
 
     def _call(self, ep: Episode, dg: str, build, sampling: dict, messages: str) -> int:
         for call in ep.calls.values():
@@ -283,3 +291,12 @@ class Gateway:
     def logprobs(self, call: Call) -> dict:
         return {"content": [{"token": self.tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
                             for t, lp in zip(call.tokens, call.logprobs)]}
+
+    def completion_logprobs(self, call: Call) -> dict:
+        """The completions API's (legacy) form: tokens, token_logprobs, top_logprobs, text_offset."""
+        tokens = [self.tok.decode([t]) for t in call.tokens]
+        offsets, at = [], 0
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": tokens, "token_logprobs": list(call.logprobs), "top_logprobs": None, "text_offset": offsets}

@@ -42,6 +42,7 @@ class _Common(_Open):
     logprobs: bool | None = None
     stop: str | list[str] | None = None
     stream_options: dict[str, Any] | None = None
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and the completion's token ids in the answer
 
 
 class Chat(_Common):
@@ -51,6 +52,7 @@ class Chat(_Common):
 
 class Completion(_Common):
     prompt: str | list[int]
+    logprobs: bool | int | None = None  # the legacy API's: how many top log-probs (0: the sampled token's only)
 
 
 _TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none")

@@ -175,6 +175,12 @@ def cmd_episodes(cfg, args) -> int:
     return 0
 
 
+def cmd_ui(cfg, args) -> int:
+    from services.ops.ui.serve import serve
+
+    return serve(cfg, config_sources.from_args(args, with_sources=True)[1])
+
+
 def cmd_schema(cfg, args) -> int:
     from shared.protocol import schema
 
@@ -353,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50, metavar="N", help="lines shown (default 50; 0: all)")
     p.add_argument("--ids", action="store_true", help="print only the ids")
     p.add_argument("--json", action="store_true")
+    p = add("ui", cmd_ui, "a local web app on every run under run_dir, live or ended (read-only): runs, live charts, "
+                          "episodes with filters, each episode token by token (docs/operations.md, streamrl ui)",
+            ("where", "browser"))
+    p.add_argument("--port", dest="cfg_ui_port", type=int, default=argparse.SUPPRESS, help="the same as --ui-port")
     p = add("redis-cli", cmd_redis_cli, "run redis-cli (valkey-cli) against the run's server: streamrl redis-cli -- XRANGE ...")
     p.add_argument("args", nargs=argparse.REMAINDER, help="redis-cli arguments, after --")
     p = sub.add_parser("keep", help="run one process (every Procfile line does) and start it again when it crashes "

@@ -142,6 +142,9 @@ class Config:
     wandb: str = ""  # online | offline: also log metrics to Weights & Biases (one wandb run per process, grouped by run); empty: off
     wandb_project: str = "streamrl"  # the wandb project
     export_every: int = 0  # also save a Hugging Face folder every this many versions (always at the end): <run_dir>/<run>/export/v<N>; 0: end only
+    # the browser view (streamrl ui)
+    ui_host: str = "127.0.0.1"  # `streamrl ui` listens here (loopback by default; it shows every run under run_dir)
+    ui_port: int = 8322  # ... on this port (`streamrl ui --port P`); the gateway_api_key, when set, is its key too (docs/security.md)
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)

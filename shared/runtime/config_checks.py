@@ -91,6 +91,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config keys max_calls_in_flight, gateway_port, agent_timeout: expected an integer >= 1, "
                           f"a port 1-65535 and seconds > 0, got {cfg.max_calls_in_flight}, {cfg.gateway_port}, "
                           f"{cfg.agent_timeout}")
+    if not 0 < cfg.ui_port < 65536:
+        raise ConfigError(f"config key 'ui_port': expected a port 1-65535, got {cfg.ui_port}")
     if ":" not in cfg.reward_fn:
         raise ConfigError(f"config key 'reward_fn': expected 'module:function', got {cfg.reward_fn!r}")
     if cfg.val_every < 0 or cfg.val_size < 1 or not 0 <= cfg.val_fraction < 1:

@@ -186,6 +186,28 @@ def test_completions_endpoint_extends_a_call(stack):
     assert ep.calls[1].extends == 0 and ep.calls[1].new_ids == [10, 11]
 
 
+def test_token_ids_and_logprobs_when_asked_with_vllms_field_names(stack):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "ids-0", TASK)
+    api = oai(gw.base_url("ids-0"))
+    chat = api.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2+3?"}], max_tokens=8,
+                                       temperature=0, logprobs=True, extra_body={"return_token_ids": True}).model_dump()
+    call = episode(client, keys, "ids-0").calls[0]
+    assert chat["prompt_token_ids"] == call.prompt_ids and chat["choices"][0]["token_ids"] == call.tokens
+    assert [c["logprob"] for c in chat["choices"][0]["logprobs"]["content"]] == call.logprobs
+    plain = api.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2+3?"}], max_tokens=8,
+                                        temperature=0).model_dump()  # the same call again, from the stream
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    cmpl = api.completions.create(model="policy", prompt="2+3", max_tokens=4, temperature=0, logprobs=0,
+                                  extra_body={"return_token_ids": True}).model_dump()
+    call = episode(client, keys, "ids-0").calls[1]
+    choice = cmpl["choices"][0]
+    assert choice["prompt_token_ids"] == call.prompt_ids and choice["token_ids"] == call.tokens
+    assert choice["logprobs"]["token_logprobs"] == call.logprobs and len(choice["logprobs"]["tokens"]) == len(call.tokens)
+    with pytest.raises(openai.BadRequestError, match="logprobs: the episode stream keeps the sampled token's"):
+        api.completions.create(model="policy", prompt="2+3", max_tokens=4, temperature=0, logprobs=2)
+
+
 def test_gateway_killed_mid_call_the_clients_retry_is_answered_without_generating_again(stack, chat_dir):
     client, keys = stack["client"], stack["keys"]
     port = free_port()

@@ -1,0 +1,132 @@
+"""Versions as deltas over the wire (issue 31), with the real parts: the trainer's delta writer (its thread, its
+``publish`` metrics records in real Redis), the real weight server over loopback HTTP with the writer's lookup, and a
+rollout worker's ``LocalWeights`` (its own folder, weights_fetch always). Each version is a real model's bf16 file
+after an AdamW step at a low learning rate (most bf16 elements keep their bits)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.rollout.weights.local import LocalWeights
+from services.trainer.deltas import DeltaWriter
+from services.trainer.publish import write_weights
+from shared.protocol import metrics
+from shared.runtime import logs
+from shared.runtime.checksum import sha256_file
+from shared.runtime.config import Config
+from shared.runtime.weight_server import WeightServer, delta_name, file_name
+
+
+@pytest.fixture
+def published(client, keys, tiny_model_dir, tmp_path):
+    """Versions 1..5 in the trainer's folder, each one AdamW step (lr 1e-5) from the one before, bf16; deltas by the
+    real writer (a snapshot every 4: v4 has none); the folder served with the writer's lookup."""
+    folder = tmp_path / "trainer"
+    folder.mkdir()
+    cfg = Config(run=keys.run, delta_snapshot_every=4)
+    writer = DeltaWriter(cfg, client, keys, folder, logs.get("delta-test"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    torch.manual_seed(0)
+    files = {}
+    for v in range(1, 6):
+        ids = torch.randint(0, model.config.vocab_size, (2, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        files[v] = write_weights(model, folder, v, "bfloat16")
+        writer.submit(v, *files[v])
+    server = WeightServer(folder, resolve=writer.resolve).start()
+    for v in files:
+        writer.wait(v)
+    yield files, server
+    server.stop()
+    writer.close()
+
+
+def _worker(tmp_path, keys, every=4) -> LocalWeights:
+    cfg = Config(run=keys.run, weights_fetch="always", rollout_weights_dir=str(tmp_path / "mine"),
+                 delta_snapshot_every=every)
+    return LocalWeights(cfg, logs.get("weights-test"))
+
+
+def _get(w: LocalWeights, files, server, v):
+    path, digest = files[v]
+    return w.local(v, str(path), digest, server.url_of(v))
+
+
+def test_versions_come_as_deltas_bit_identical_and_a_snapshot_as_the_file(published, tmp_path, client, keys):
+    files, server = published
+    records = {r["version"]: r for _, r in metrics.read(client, keys, "publish")}
+    assert [records[v]["snapshot"] for v in range(1, 6)] == [True, False, False, True, False]
+    assert records[4]["reason"].startswith("snapshot") and not (server.directory / delta_name(4)).exists()
+    for v in (2, 3, 5):
+        r = records[v]
+        assert 0 < r["changed"] < r["elements"] and r["floor_bytes"] <= r["delta_bytes"] < r["full_bytes"] / 2
+    w = _worker(tmp_path, keys)
+    for v in (1, 2):
+        assert sha256_file(_get(w, files, server, v)) == files[v][1]
+    assert w.stats["delta_versions"] == 1 and w.stats["delta_bytes"] < files[1][0].stat().st_size / 2
+    full_bytes = w.stats["fetched_bytes"] - w.stats["delta_bytes"]
+    assert sha256_file(_get(w, files, server, 3)) == files[3][1]
+    w.loaded(3)
+    assert w.stats["delta_versions"] == 2 and w.stats["fetched_bytes"] - w.stats["delta_bytes"] == full_bytes
+    assert sha256_file(_get(w, files, server, 5)) == files[5][1]  # the chain 3 -> 5 passes the snapshot v4: the file
+    assert w.stats["delta_versions"] == 2 and w.stats["fetched_bytes"] - w.stats["delta_bytes"] > full_bytes
+    assert w.stats["delta_fallbacks"] == 0 and w.served(delta_name(3)) is not None  # a relay serves its deltas
+
+
+def test_a_corrupt_delta_is_caught_never_loaded_and_the_file_downloaded(published, tmp_path, keys, capsys):
+    files, server = published
+    w = _worker(tmp_path, keys)
+    _get(w, files, server, 1)
+    delta = server.directory / delta_name(2)
+    data = bytearray(delta.read_bytes())
+    data[-5] ^= 0x01  # one bit of one changed element's new value
+    delta.write_bytes(bytes(data))
+    got = _get(w, files, server, 2)
+    assert sha256_file(got) == files[2][1] and got.read_bytes() == files[2][0].read_bytes()
+    assert w.stats["delta_fallbacks"] == 1 and w.stats["delta_versions"] == 0
+    assert "weights delta chain refused; downloading the full file" in capsys.readouterr().out
+    assert not (tmp_path / "mine" / delta_name(2)).exists()  # a refused delta is not kept for relaying
+
+
+KILLED_MID_CHAIN = """
+import sys
+from services.rollout.weights.local import LocalWeights
+from shared.runtime import logs
+from shared.runtime.config import Config
+folder, path, digest, url = sys.argv[1:]
+w = LocalWeights(Config(run="t", weights_fetch="always", rollout_weights_dir=folder, delta_snapshot_every=4),
+                 logs.get("dying"))
+w.local(3, path, digest, url)
+print("not killed")
+"""
+
+
+def test_a_worker_killed_mid_chain_resumes_from_its_last_loaded_version(published, tmp_path, keys):
+    files, server = published
+    w = _worker(tmp_path, keys)
+    _get(w, files, server, 1)
+    w.loaded(1)
+    mine = tmp_path / "mine"
+    env = {"FAULT_INJECT_STREAMRL_CRASH": "rollout:delta_applied"}  # SIGKILL after the chain's first delta
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_CHAIN, str(mine), str(files[3][0]), files[3][1],
+                           server.url_of(3)], env={**_env(), **env}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stdout + proc.stderr
+    assert sorted(p.name for p in mine.glob("v*")) == [file_name(1)]  # nothing of the chain written
+    again = _worker(tmp_path, keys)  # the worker restarted: a new process knows only its folder
+    assert sha256_file(_get(again, files, server, 3)) == files[3][1]
+    assert again.stats["delta_versions"] == 1 and again.stats["delta_steps"] == 2
+    assert again.stats["delta_chain_max"] == 2 and again.stats["delta_fallbacks"] == 0
+
+
+def _env() -> dict:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("FAULT_INJECT")}

@@ -3,10 +3,12 @@
 
 ``submit(version, path, sha256)`` right after the version's file is written: the thread reads it and the version
 before's file (still in the folder: the trainer prunes only versions no worker can need), encodes, and writes
-``v<NNNNNN>.delta`` (atomic rename) unless the version is a snapshot: every ``delta_snapshot_every``-th version, a
-version whose base is not on disk (the first, after a restart that lost it), a new tensor layout, or a delta larger
-than ``delta_max_fraction`` of the file. A worker asking the weight server for a delta still being written waits for
-it (``wait``, up to ``WAIT_S``); a snapshot's delta is a 404 and the worker downloads the file.
+``v<NNNNNN>.delta`` (atomic rename) unless the version has none (it is a snapshot: its file is the only way to it):
+deltas off (``delta_max_chain`` 0), the first version, a base not on disk (after a restart that lost it), a new tensor
+layout, or a delta larger than ``delta_max_fraction`` of the file. Every version's full file is published as before:
+the snapshot a worker further behind than ``delta_max_chain`` downloads. A worker asking the weight server for a delta
+still being written waits for it (``wait``, up to ``WAIT_S``); a missing delta is a 404 and the worker downloads the
+file.
 
 Each version gets a ``publish`` metrics record: full and delta bytes, elements changed, the entropy floor (the bits
 naming the changed elements and their new values), encode seconds, snapshot and why.
@@ -27,18 +29,16 @@ from shared.runtime.weight_server import delta_name, file_name
 WAIT_S = 30.0  # a request for a delta being written waits this long at most
 
 
-def snapshot_reason(version: int, every: int) -> str:
-    """Why ``version`` has no delta by rule alone ('' when it gets one): deltas off, or a snapshot version."""
-    if every <= 0:
-        return "deltas off (delta_snapshot_every 0)"
-    if version <= 1 or version % every == 0:
-        return f"snapshot (every {every} versions)" if version > 1 else "first version"
-    return ""
+def snapshot_reason(version: int, max_chain: int) -> str:
+    """Why ``version`` has no delta by rule alone ('' when it gets one): deltas off, or the first version."""
+    if max_chain <= 0:
+        return "deltas off (delta_max_chain 0)"
+    return "first version" if version <= 1 else ""
 
 
 class DeltaWriter:
     def __init__(self, cfg, client, keys, folder: Path, log):
-        self.every, self.max_fraction = cfg.delta_snapshot_every, cfg.delta_max_fraction
+        self.max_chain, self.max_fraction = cfg.delta_max_chain, cfg.delta_max_fraction
         self.client, self.keys, self.folder, self.log = client, keys, Path(folder), log
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="delta-writer")
         self._lock = threading.Condition()
@@ -91,7 +91,7 @@ class DeltaWriter:
         target = path.read_bytes()
         rec = {"version": version, "full_bytes": len(target), "delta_bytes": 0, "snapshot": True, "reason": ""}
         base_path = self.folder / file_name(version - 1)
-        rec["reason"] = snapshot_reason(version, self.every) or ("" if base_path.is_file() else
+        rec["reason"] = snapshot_reason(version, self.max_chain) or ("" if base_path.is_file() else
                                                                  f"v{version - 1}'s file is not here")
         if not rec["reason"]:
             base = base_path.read_bytes()

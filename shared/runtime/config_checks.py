@@ -149,9 +149,9 @@ def _validate_weights_transport(cfg: Config) -> None:
     if cfg.publish_dtype not in ("", "bfloat16", "float16", "float32"):
         raise ConfigError(f"config key 'publish_dtype': expected 'bfloat16', 'float16', 'float32' or empty (as "
                           f"trained), got {cfg.publish_dtype!r}")
-    if cfg.delta_snapshot_every < 0:
-        raise ConfigError(f"config key 'delta_snapshot_every': expected an integer >= 0 (0: no deltas), got "
-                          f"{cfg.delta_snapshot_every}")
+    if cfg.delta_max_chain < 0:
+        raise ConfigError(f"config key 'delta_max_chain': expected an integer >= 0 (0: no deltas), got "
+                          f"{cfg.delta_max_chain}")
     if not 0 < cfg.delta_max_fraction <= 1:
         raise ConfigError(f"config key 'delta_max_fraction': expected a fraction in (0, 1], got "
                           f"{cfg.delta_max_fraction}")

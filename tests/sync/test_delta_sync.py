@@ -25,10 +25,10 @@ from shared.runtime.weight_server import WeightServer, delta_name, file_name
 @pytest.fixture
 def published(client, keys, tiny_model_dir, tmp_path):
     """Versions 1..5 in the trainer's folder, each one AdamW step (lr 1e-5) from the one before, bf16; deltas by the
-    real writer (a snapshot every 4: v4 has none); the folder served with the writer's lookup."""
+    real writer (v1 has none: the first); the folder served with the writer's lookup."""
     folder = tmp_path / "trainer"
     folder.mkdir()
-    cfg = Config(run=keys.run, delta_snapshot_every=4)
+    cfg = Config(run=keys.run, delta_max_chain=4)
     writer = DeltaWriter(cfg, client, keys, folder, logs.get("delta-test"))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -49,9 +49,9 @@ def published(client, keys, tiny_model_dir, tmp_path):
     writer.close()
 
 
-def _worker(tmp_path, keys, every=4) -> LocalWeights:
+def _worker(tmp_path, keys, max_chain=4) -> LocalWeights:
     cfg = Config(run=keys.run, weights_fetch="always", rollout_weights_dir=str(tmp_path / "mine"),
-                 delta_snapshot_every=every)
+                 delta_max_chain=max_chain)
     return LocalWeights(cfg, logs.get("weights-test"))
 
 
@@ -60,15 +60,15 @@ def _get(w: LocalWeights, files, server, v):
     return w.local(v, str(path), digest, server.url_of(v))
 
 
-def test_versions_come_as_deltas_bit_identical_and_a_snapshot_as_the_file(published, tmp_path, client, keys):
+def test_versions_come_as_deltas_bit_identical_and_too_far_behind_as_the_file(published, tmp_path, client, keys):
     files, server = published
     records = {r["version"]: r for _, r in metrics.read(client, keys, "publish")}
-    assert [records[v]["snapshot"] for v in range(1, 6)] == [True, False, False, True, False]
-    assert records[4]["reason"].startswith("snapshot") and not (server.directory / delta_name(4)).exists()
-    for v in (2, 3, 5):
+    assert [records[v]["snapshot"] for v in range(1, 6)] == [True, False, False, False, False]
+    assert records[1]["reason"] == "first version" and not (server.directory / delta_name(1)).exists()
+    for v in (2, 3, 4, 5):
         r = records[v]
         assert 0 < r["changed"] < r["elements"] and r["floor_bytes"] <= r["delta_bytes"] < r["full_bytes"] / 2
-    w = _worker(tmp_path, keys)
+    w = _worker(tmp_path, keys, max_chain=1)
     for v in (1, 2):
         assert sha256_file(_get(w, files, server, v)) == files[v][1]
     assert w.stats["delta_versions"] == 1 and w.stats["delta_bytes"] < files[1][0].stat().st_size / 2
@@ -76,7 +76,7 @@ def test_versions_come_as_deltas_bit_identical_and_a_snapshot_as_the_file(publis
     assert sha256_file(_get(w, files, server, 3)) == files[3][1]
     w.loaded(3)
     assert w.stats["delta_versions"] == 2 and w.stats["fetched_bytes"] - w.stats["delta_bytes"] == full_bytes
-    assert sha256_file(_get(w, files, server, 5)) == files[5][1]  # the chain 3 -> 5 passes the snapshot v4: the file
+    assert sha256_file(_get(w, files, server, 5)) == files[5][1]  # 3 -> 5 is longer than delta_max_chain 1: the file
     assert w.stats["delta_versions"] == 2 and w.stats["fetched_bytes"] - w.stats["delta_bytes"] > full_bytes
     assert w.stats["delta_fallbacks"] == 0 and w.served(delta_name(3)) is not None  # a relay serves its deltas
 
@@ -102,7 +102,7 @@ from services.rollout.weights.local import LocalWeights
 from shared.runtime import logs
 from shared.runtime.config import Config
 folder, path, digest, url = sys.argv[1:]
-w = LocalWeights(Config(run="t", weights_fetch="always", rollout_weights_dir=folder, delta_snapshot_every=4),
+w = LocalWeights(Config(run="t", weights_fetch="always", rollout_weights_dir=folder, delta_max_chain=4),
                  logs.get("dying"))
 w.local(3, path, digest, url)
 print("not killed")

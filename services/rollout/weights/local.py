@@ -32,7 +32,7 @@ class LocalWeights:
     def __init__(self, cfg: Config, log):
         self.mode, self.folder, self.keep, self.token = (cfg.weights_fetch, cfg.rollout_weights_path,
                                                          cfg.rollout_weights_keep, cfg.weights_token)
-        self.delta_every = cfg.delta_snapshot_every  # > 0: a download is a chain of deltas when one can be
+        self.max_chain = cfg.delta_max_chain  # > 0: a download is a chain of at most this many deltas when one can be
         if self.mode != "never":
             private_folder(self.folder, "rollout_weights_dir", create=False)  # per user and run id, 0700
         self.log = log
@@ -234,11 +234,11 @@ class LocalWeights:
 
     def _from_deltas(self, version: int, sha256: str, url: str, relay: str, trusted) -> weight_fetch.Fetched | None:
         """``version`` made from this worker's newest verified copy and the deltas since (from the relay, else the
-        trainer), checked against ``sha256``; None when no chain can be had (no base, a snapshot in between, a
-        delta missing or bad: then the file is downloaded; a bad one is warned about once)."""
-        base = self._base(version) if self.delta_every > 0 and sha256 else None
-        if base is None or any(v % self.delta_every == 0 for v in range(base[0] + 1, version + 1)):
-            return None  # a snapshot version in the chain (or none to start from): the file itself
+        trainer), checked against ``sha256``; None when no chain can be had (no base, more than ``delta_max_chain``
+        versions behind, a delta missing or bad: then the file is downloaded; a bad one is warned about once)."""
+        base = self._base(version) if self.max_chain > 0 and sha256 else None
+        if base is None or version - base[0] > self.max_chain:
+            return None  # nothing to start from, or too far behind: the file itself (the snapshot)
         t0 = time.monotonic()
         for source in [s for s in (relay, url) if s]:
             try:

@@ -163,16 +163,36 @@ def read_header(delta: bytes, what: str = "delta") -> dict:
     return header
 
 
-def apply(base: bytes, delta: bytes, what: str = "delta") -> bytes:
+def apply(base: bytes, delta: bytes, what: str = "delta", check: bool = True) -> bytes:
     """The target file's bytes: ``delta`` applied to ``base``; checked against the delta's sha256 of the target
     (DeltaError when they differ: a corrupt delta, or one made against another base)."""
+    return bytes(apply_chain(base, [delta], what) if check else _apply(bytearray(base), delta, what)[0])
+
+
+def apply_chain(base: bytes, deltas: list[bytes], what: str = "delta") -> bytearray:
+    """``deltas`` applied one after the other to ``base``, in one buffer; only the result is hashed, against the
+    last delta's sha256 (a wrong step anywhere makes it differ). DeltaError naming the step that fails."""
+    out, h = bytearray(base), None
+    for i, delta in enumerate(deltas):
+        out, h = _apply(out, delta, what if len(deltas) == 1 else f"{what} (step {i + 1} of {len(deltas)})")
+    if h is not None:
+        digest = hashlib.sha256(out).hexdigest()
+        if digest != h["sha256"]:
+            raise DeltaError(f"{what} v{deltas and read_header(deltas[0])['base']}->v{h['version']}: result sha256 "
+                             f"{digest[:12]}... is not the target's {h['sha256'][:12]}... (corrupt delta, or applied "
+                             f"to another base)")
+    return out
+
+
+def _apply(buf: bytearray, delta: bytes, what: str) -> tuple[bytearray, dict]:
+    """``delta`` applied to the file in ``buf`` (changed in place when the header keeps its length)."""
     h = read_header(delta, what)
     what = f"{what} v{h['base']}->v{h['version']}"
-    lb = layout(base, f"{what} base")
+    lb = layout(buf, f"{what} base")
     word, start = h["word"], h["data_start"]
     count = (h["size"] - start) // word
-    if lb.word != word or (len(base) - lb.data_start) // word != count:
-        raise DeltaError(f"{what}: the base holds {(len(base) - lb.data_start) // lb.word} words of {lb.word} bytes, "
+    if lb.word != word or (len(buf) - lb.data_start) // word != count:
+        raise DeltaError(f"{what}: the base holds {(len(buf) - lb.data_start) // lb.word} words of {lb.word} bytes, "
                          f"the delta expects {count} of {word} (applied to another version's file?)")
     frames, at = [], h["body_start"]
     dctx = zstandard.ZstdDecompressor()
@@ -184,10 +204,12 @@ def apply(base: bytes, delta: bytes, what: str = "delta") -> bytes:
         raise DeltaError(f"{what}: part {len(frames)} does not decompress ({exc}): corrupt delta") from None
     if at != len(delta):
         raise DeltaError(f"{what}: {len(delta) - at} bytes after the parts the header lists (expected none)")
-    out = bytearray(h["size"])
-    out[:start] = h["head"]
+    if lb.data_start == start:
+        out = buf
+        out[:start] = h["head"]
+    else:  # the header changed length (its metadata): the data moves
+        out = bytearray(h["head"]) + buf[lb.data_start:]
     new = np.frombuffer(out, dtype=_UINT[word], offset=start)
-    new[:] = np.frombuffer(base, dtype=_UINT[word], offset=lb.data_start)
     if h["codec"] == "xor":
         new ^= _unplanes(frames, _UINT[word], count, what)
     else:
@@ -200,11 +222,7 @@ def apply(base: bytes, delta: bytes, what: str = "delta") -> bytes:
             raise DeltaError(f"{what}: changed element index {int(idx[-1])} outside the {count} elements")
         vals = _unplanes(frames[g:], _UINT[word], k, what)
         new[idx] = vals if h["codec"] == "values" else new[idx] ^ vals
-    digest = hashlib.sha256(out).hexdigest()
-    if digest != h["sha256"]:
-        raise DeltaError(f"{what}: result sha256 {digest[:12]}... is not the target's {h['sha256'][:12]}... "
-                         f"(corrupt delta, or applied to another base)")
-    return bytes(out)
+    return out, h
 
 
 def _entropy_bits(symbols: np.ndarray) -> float:

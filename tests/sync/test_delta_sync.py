@@ -115,7 +115,7 @@ def test_a_worker_killed_mid_chain_resumes_from_its_last_loaded_version(publishe
     _get(w, files, server, 1)
     w.loaded(1)
     mine = tmp_path / "mine"
-    env = {"FAULT_INJECT_STREAMRL_CRASH": "rollout:delta_applied"}  # SIGKILL after the chain's first delta
+    env = {"FAULT_INJECT_STREAMRL_CRASH": "rollout:delta_fetched"}  # SIGKILL with the chain fetched, not applied
     proc = subprocess.run([sys.executable, "-c", KILLED_MID_CHAIN, str(mine), str(files[3][0]), files[3][1],
                            server.url_of(3)], env={**_env(), **env}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stdout + proc.stderr
@@ -130,3 +130,23 @@ def _env() -> dict:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("FAULT_INJECT")}
+
+
+def test_two_workers_on_one_folder_take_turns_on_a_chain(published, tmp_path, keys):
+    import threading
+
+    files, server = published
+    first, second = _worker(tmp_path, keys), _worker(tmp_path, keys)
+    _get(first, files, server, 1)
+    _get(second, files, server, 1)  # found in the shared folder
+    results = []
+    threads = [threading.Thread(target=lambda w=w: results.append(sha256_file(_get(w, files, server, 3))))
+               for w in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [files[3][1]] * 2
+    assert first.stats["delta_fallbacks"] == second.stats["delta_fallbacks"] == 0
+    assert first.stats["delta_bytes"] + second.stats["delta_bytes"] > 0
+    assert min(first.stats["delta_bytes"], second.stats["delta_bytes"]) == 0  # one chain fetched, for both

@@ -37,8 +37,11 @@ def snapshot_reason(version: int, max_chain: int) -> str:
 
 
 class DeltaWriter:
-    def __init__(self, cfg, client, keys, folder: Path, log):
+    def __init__(self, cfg, client, keys, folder: Path, log, serving: bool | None = None):
+        """``serving``: the folder is served over HTTP (default: weights_port > 0); without a server no worker can
+        fetch a delta (workers read the trainer's files), so none is made."""
         self.max_chain, self.max_fraction = cfg.delta_max_chain, cfg.delta_max_fraction
+        self.serving = bool(cfg.weights_port) if serving is None else serving
         self.client, self.keys, self.folder, self.log = client, keys, Path(folder), log
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="delta-writer")
         self._lock = threading.Condition()
@@ -47,6 +50,8 @@ class DeltaWriter:
 
     def submit(self, version: int, path: Path, sha256: str) -> None:
         """Make ``version``'s delta in the background (a snapshot version only gets its record)."""
+        if not self.serving:
+            return
         with self._lock:
             self._busy.add(version)
         self._pool.submit(self._run, version, Path(path), sha256)

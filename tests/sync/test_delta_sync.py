@@ -29,7 +29,7 @@ def published(client, keys, tiny_model_dir, tmp_path):
     folder = tmp_path / "trainer"
     folder.mkdir()
     cfg = Config(run=keys.run, delta_max_chain=4)
-    writer = DeltaWriter(cfg, client, keys, folder, logs.get("delta-test"))
+    writer = DeltaWriter(cfg, client, keys, folder, logs.get("delta-test"), serving=True)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     torch.manual_seed(0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -133,8 +134,6 @@ def _env() -> dict:
 
 
 def test_two_workers_on_one_folder_take_turns_on_a_chain(published, tmp_path, keys):
-    import threading
-
     files, server = published
     first, second = _worker(tmp_path, keys), _worker(tmp_path, keys)
     _get(first, files, server, 1)
@@ -150,3 +149,24 @@ def test_two_workers_on_one_folder_take_turns_on_a_chain(published, tmp_path, ke
     assert first.stats["delta_fallbacks"] == second.stats["delta_fallbacks"] == 0
     assert first.stats["delta_bytes"] + second.stats["delta_bytes"] > 0
     assert min(first.stats["delta_bytes"], second.stats["delta_bytes"]) == 0  # one chain fetched, for both
+
+
+def test_a_relay_forwards_the_deltas_it_applied(published, tmp_path, keys):
+    files, server = published
+    parent = _worker(tmp_path / "parent", keys)
+    for v in (1, 2, 3):
+        _get(parent, files, server, v)
+    relay = WeightServer(tmp_path / "parent" / "mine", resolve=parent.served).start()
+    try:
+        child = _worker(tmp_path / "child", keys)
+        _get(child, files, server, 1)
+        path, digest = files[3]
+        done = threading.Event()
+        child.prefetch(3, str(path), digest, server.url_of(3), lambda ok, error: done.set(), relay=relay.url_of(3))
+        assert done.wait(60)  # the relay first, as a sync or a pull names it
+        got = child.local(3, str(path), digest, server.url_of(3))
+        assert sha256_file(got) == digest and child.sources[3] == "relay"
+        assert child.stats["delta_steps"] == 2 and child.stats["delta_fallbacks"] == 0
+        assert 0 < relay.sent_bytes == child.stats["delta_bytes"] < path.stat().st_size / 2  # deltas, from the relay
+    finally:
+        relay.stop()

@@ -13,17 +13,41 @@ from shared.protocol import metrics
 from shared.protocol.keys import Keys
 
 
-def read_metrics(cfg: Config) -> tuple[list[dict], list[dict], list[dict]]:
-    """(train steps, rollout reports, validation rounds)."""
+def read_metrics(cfg: Config) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
+    """(train steps, rollout reports, validation rounds, published versions)."""
     train = metrics.read_file(cfg.run_path / "metrics.jsonl")
-    rollout, validation = [], []
+    rollout, validation, published = [], [], []
     try:
         client = connect(cfg.redis_url, wait=2)
         rollout = [r for _, r in metrics.read(client, Keys(cfg.run), "rollout")]
         validation = [r for _, r in metrics.read(client, Keys(cfg.run), "validation")]
+        published = [r for _, r in metrics.read(client, Keys(cfg.run), "publish")]
     except redis.exceptions.RedisError:  # plots from the file alone when the server is gone
         pass
-    return train, rollout, validation
+    return train, rollout, validation, published
+
+
+def plot_weights_wire(published: list[dict], path: Path) -> Path | None:
+    """Bytes per version: the full file, its delta (snapshots have none) and the entropy floor (issue 31)."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in published if not r.get("snapshot", True)]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    vs = [r["version"] for r in published]
+    ax.plot(vs, [r["full_bytes"] / 1e6 for r in published], label="full file")
+    ax.plot([r["version"] for r in rows], [r["delta_bytes"] / 1e6 for r in rows], "o-", ms=3, label="delta")
+    floor = [r for r in rows if r.get("floor_bytes")]
+    if floor:
+        ax.plot([r["version"] for r in floor], [r["floor_bytes"] / 1e6 for r in floor], "--",
+                label="entropy floor (changed elements + new bits)")
+    ax.set(yscale="log", xlabel="version", ylabel="MB", title="Weights on the wire per version")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def write_plots(cfg: Config, out_dir: Path | None = None) -> list[Path]:
@@ -32,7 +56,7 @@ def write_plots(cfg: Config, out_dir: Path | None = None) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train, rollout, validation = read_metrics(cfg)
+    train, rollout, validation, published = read_metrics(cfg)
     if not train:
         return []
     out_dir = out_dir or cfg.run_path / "plots"
@@ -111,4 +135,5 @@ def write_plots(cfg: Config, out_dir: Path | None = None) -> list[Path]:
     trust = out_dir / "trust_region.png"
     fig.savefig(trust, dpi=100)
     plt.close(fig)
-    return [main, util, trust]
+    wire = plot_weights_wire(published, out_dir / "weights_wire.png")  # with deltas only
+    return [main, util, trust] + ([wire] if wire else [])

@@ -33,11 +33,36 @@ def samples_per_s(client, keys: Keys, window_s: float = 30.0) -> float:
     return sum(s.n for s in entries) / span
 
 
+WIRE = ("fetched_bytes", "delta_bytes", "delta_full_bytes", "delta_versions", "delta_fallbacks", "delta_missing",
+        "delta_fetch_s", "delta_apply_s")
+
+
+def weights_wire(published: list[dict], rollout: list[dict]) -> dict:
+    """Weights on the wire (issue 31), pure: from the trainer's ``publish`` records, the versions with a delta, the
+    newest one's size as a fraction of its file and over the entropy floor; from each rollout worker's newest record,
+    bytes downloaded in all and as deltas (with the full bytes those deltas stood for), fallbacks, the longest chain."""
+    deltas = [r for r in published if not r.get("snapshot", True)]
+    out: dict = {"versions": len(published), "deltas": len(deltas)}
+    if deltas:
+        last = deltas[-1]
+        out.update(last_version=last["version"], last_fraction=last["delta_bytes"] / max(1, last["full_bytes"]),
+                   last_over_floor=last["delta_bytes"] / last["floor_bytes"] if last.get("floor_bytes") else None)
+    newest: dict[str, dict] = {}
+    for r in rollout:
+        newest[r.get("worker", "")] = r
+    for key in WIRE:
+        out[key] = sum(r.get(key, 0) for r in newest.values())
+    out["delta_chain_max"] = max((r.get("delta_chain_max", 0) for r in newest.values()), default=0)
+    return out
+
+
 def snapshot(client, keys: Keys) -> dict:
+    published = [r for _, r in metrics.read(client, keys, "publish", newest_first=True, count=2000)]
+    rollout = [r for _, r in metrics.read(client, keys, "rollout", newest_first=True, count=500)]
     return {"version": versions.latest_number(client, keys), "train": _last(client, keys, "train") or {},
             "validation": _last(client, keys, "validation"), "sync": _last(client, keys, "sync"),
             "samples_per_s": samples_per_s(client, keys), "alive": alive_services(client, keys),
-            "dead_letters": client.xlen(keys.dead_letters)}
+            "dead_letters": client.xlen(keys.dead_letters), "weights": weights_wire(published[::-1], rollout[::-1])}
 
 
 def format_line(s: dict) -> str:
@@ -53,6 +78,12 @@ def format_line(s: dict) -> str:
               f"dropped {m.get('stale_dropped', 0)}"]
     if sync:
         parts.append(f"last sync {sync.get('total_s', 0) * 1000:.0f} ms")
+    w = s.get("weights") or {}
+    if w.get("deltas"):
+        floor = f", {w['last_over_floor']:.2f}x the floor" if w.get("last_over_floor") else ""
+        parts.append(f"weights as deltas: v{w['last_version']} {100 * w['last_fraction']:.2f}% of the file{floor}; "
+                     f"workers got {w['delta_versions']} versions in {w['delta_bytes'] / 1e6:.1f} MB for "
+                     f"{w['delta_full_bytes'] / 1e6:.1f} MB, {w['delta_fallbacks']} fallbacks")
     parts.append(f"rollout workers {s['alive'].get('rollout', 0)}")
     if s["dead_letters"]:
         parts.append(f"dead letters {s['dead_letters']}")

@@ -9,13 +9,15 @@ from shared.runtime.service import Service
 from shared.runtime.weight_server import WeightServer
 
 
-def serve_weights(cfg, log) -> WeightServer | None:
+def serve_weights(cfg, log, resolve=None) -> WeightServer | None:
     """With weights_port > 0, the published folder over HTTP from a thread of this process (rank 0's under
-    torchrun): the server is up exactly while versions are published, on the host that holds the files."""
+    torchrun): the server is up exactly while versions are published, on the host that holds the files.
+    ``resolve``: the delta writer's lookup (a delta being written is waited for: services/trainer/deltas.py)."""
     if not cfg.weights_port:
         return None
     cfg.weights_path.mkdir(parents=True, exist_ok=True)
-    server = WeightServer(cfg.weights_path, cfg.weights_host, cfg.weights_port, cfg.weights_token).start()
+    server = WeightServer(cfg.weights_path, cfg.weights_host, cfg.weights_port, cfg.weights_token,
+                          resolve=resolve).start()
     log.info("serving weights", listen=server.url, advertised=cfg.weights_base_url, folder=str(cfg.weights_path),
              auth=bool(cfg.weights_token))
     return server
@@ -30,7 +32,7 @@ def main(argv=None) -> None:
             trainer.run()
             return
         try:
-            server = serve_weights(svc.cfg, svc.log)
+            server = serve_weights(svc.cfg, svc.log, resolve=trainer.deltas.resolve)
         except OSError as exc:  # address in use, or not an address of this host
             print(f"trainer: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None

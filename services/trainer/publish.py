@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from services.trainer.checkpoint import atomic_write
@@ -16,11 +17,14 @@ from shared.runtime.checksum import sha256_file
 from shared.runtime.weight_server import PREFIX
 
 
-def write_weights(state, directory: Path, version: int) -> tuple[Path, str]:
-    """``state``: the policy's weights under the base model's names (``Policy.publish_state``), or a model."""
+def write_weights(state, directory: Path, version: int, dtype: str = "") -> tuple[Path, str]:
+    """``state``: the policy's weights under the base model's names (``Policy.publish_state``), or a model.
+    ``dtype`` (config publish_dtype): floating tensors are written in it (the serving dtype); empty: as they are."""
     path = directory / f"v{version:06d}.safetensors"
     state = state.state_dict() if hasattr(state, "state_dict") else state
-    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    cast = getattr(torch, dtype) if dtype else None
+    state = {k: v.detach().to("cpu", dtype=cast if cast is not None and v.is_floating_point() else None).contiguous()
+             for k, v in state.items()}
     atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata={"version": str(version)}))
     return path, sha256(path)
 
@@ -40,8 +44,8 @@ def latest_version(client, keys: Keys) -> int:
 
 
 def prune(directory: Path, keep_from: int) -> None:
-    """Delete published files older than ``keep_from`` (no worker can still need them)."""
-    for path in directory.glob("v*.safetensors"):
+    """Delete published files (and deltas) older than ``keep_from`` (no worker can still need them)."""
+    for path in [*directory.glob("v*.safetensors"), *directory.glob("v*.delta")]:
         try:
             if int(path.stem[1:]) < keep_from:
                 path.unlink(missing_ok=True)

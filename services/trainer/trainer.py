@@ -26,6 +26,7 @@ import time
 import redis
 import torch
 from services.trainer import checkpoint, commit as commit_path, distributed, export, publish, sharded_checkpoint
+from services.trainer.deltas import DeltaWriter
 from services.trainer.model import load_policy
 from shared.protocol import dead_letters, gate, ledger, samples
 from shared.protocol.metrics import record as record_metrics
@@ -84,6 +85,7 @@ class Trainer:
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.wait_s = 0.0
         self.commit_s = 0.0  # time in commits since the last metrics record (reported with the next step)
+        self.deltas = DeltaWriter(cfg, client, self.keys, self.weights_dir, log)  # each version's delta, in a thread
 
     # --- startup
     def restore(self) -> None:
@@ -148,7 +150,8 @@ class Trainer:
         """A crash between checkpoint and publish leaves the version unpublished."""
         if self.version > 0 and publish.latest_version(self.client, self.keys) < self.version:
             self._tell({"op": "gather"})
-            path, digest = publish.write_weights(self._publish_state(), self.weights_dir, self.version)
+            path, digest = publish.write_weights(self._publish_state(), self.weights_dir, self.version,
+                                                 self.cfg.publish_dtype)
             publish.publish(self.client, self.keys, self.version, path, digest, self.step, self.cfg.weights_base_url)
             self.log.info("republished version after restart", version=self.version)
 
@@ -318,7 +321,8 @@ class Trainer:
         trained = [g for _, g, t in self.uncommitted if t]
         skipped = [g for _, g, t in self.uncommitted if not t]
         if self.shard.main:
-            path, digest = publish.write_weights(weights, self.weights_dir, self.version)
+            path, digest = publish.write_weights(weights, self.weights_dir, self.version, self.cfg.publish_dtype)
+            self.deltas.submit(self.version, path, digest)  # off the critical path: workers may fetch deltas
         self.consumed.update(trained + skipped)
         for g in trained + skipped:
             self.taken.pop(g, None)

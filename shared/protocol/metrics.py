@@ -1,7 +1,9 @@
 """The ``metrics`` stream: one entry per record, two plain fields, ``kind`` and ``json``.
 
 Kinds and who writes them: ``train`` (trainer, one per optimizer step: loss, reward, staleness, ...),
-``sync`` (syncer, one per weight sync: per-phase durations, workers missing), ``rollout`` (each rollout
+``sync`` (syncer, one per weight sync: per-phase durations, workers missing), ``publish`` (trainer, one per
+version once its delta is written or judged not worth it: full and delta bytes, elements changed, the entropy floor,
+services/trainer/deltas.py), ``rollout`` (each rollout
 worker every few seconds: tokens, episodes, busy/idle seconds; ``final: true`` on its last record, whose
 counters are complete), ``validation`` (driver, one per validation round), ``fault_probe`` (a crash drill's
 worker, tests/support/fault_worker.py, just before it is killed: its counters and unflushed tokens). The stream is capped
@@ -20,7 +22,7 @@ import json
 from shared.protocol.keys import Keys
 
 MAXLEN = 100_000
-KINDS = ("train", "sync", "rollout", "validation", "fault_probe")
+KINDS = ("train", "sync", "rollout", "validation", "fault_probe", "publish")
 
 
 def _s(v) -> str:
@@ -45,7 +47,7 @@ def decode(fields: dict) -> tuple[str, dict]:
 
 def identity(kind: str, data: dict):
     """What makes a record the same record written again; None for a record that has none."""
-    key = {"train": "step", "sync": "sync", "validation": "version"}.get(kind)
+    key = {"train": "step", "sync": "sync", "validation": "version", "publish": "version"}.get(kind)
     if key is not None:
         return (kind, data[key]) if key in data else None
     if kind == "rollout":

@@ -123,6 +123,9 @@ class Config:
     relay_port: int = 0  # > 0: a rollout worker serves its downloaded, verified versions on this port (the weight server's code, weights_token) and other workers fetch from it; -1: a free port; 0: no relay
     relay_host: str = "127.0.0.1"  # ... on this address, as other workers reach it (loopback by default; a private interface for workers on other hosts)
     relay_fanout: int = 2  # the fetch tree: the trainer's server feeds this many relaying workers, each of them this many more, and so on
+    publish_dtype: str = ""  # the dtype of a published version's file (the serving dtype): bfloat16 | float16 | float32; empty: as trained (float32 master weights)
+    delta_max_chain: int = 10  # beside each version's file the trainer writes its delta against the version before (docs/operations.md section 8); a rollout worker at most this many versions behind makes the new version from its own copy and the deltas, one further behind downloads the file (the snapshot); 0: no deltas
+    delta_max_fraction: float = 0.25  # ... but no delta when it would be larger than this fraction of the file (the file is the cheaper way)
     # the run (driver)
     dataset: str = "arithmetic"  # built-in task, a .jsonl / .json / .parquet / .csv file, or a hub dataset name (local cache when offline)
     dataset_split: str = "train"  # split of a hub dataset to train on

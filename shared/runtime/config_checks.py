@@ -148,6 +148,15 @@ def _validate_weights_transport(cfg: Config) -> None:
     if cfg.rollout_weights_keep < 1 or cfg.fetch_timeout <= 0:
         raise ConfigError(f"config keys rollout_weights_keep, fetch_timeout: expected an integer >= 1 and seconds > 0, "
                           f"got {cfg.rollout_weights_keep}, {cfg.fetch_timeout}")
+    if cfg.publish_dtype not in ("", "bfloat16", "float16", "float32"):
+        raise ConfigError(f"config key 'publish_dtype': expected 'bfloat16', 'float16', 'float32' or empty (as "
+                          f"trained), got {cfg.publish_dtype!r}")
+    if cfg.delta_max_chain < 0:
+        raise ConfigError(f"config key 'delta_max_chain': expected an integer >= 0 (0: no deltas), got "
+                          f"{cfg.delta_max_chain}")
+    if not 0 < cfg.delta_max_fraction <= 1:
+        raise ConfigError(f"config key 'delta_max_fraction': expected a fraction in (0, 1], got "
+                          f"{cfg.delta_max_fraction}")
     if cfg.sync_mode not in ("global", "rolling", "pull"):
         raise ConfigError(f"config key 'sync_mode': expected 'global', 'rolling' or 'pull', got {cfg.sync_mode!r}")
     if not 0 <= cfg.pull_load_below <= 1:

@@ -16,6 +16,7 @@ The points, in the order each service passes them:
              repack_handed   ... its prompt entry is the long-tail worker's, the notice written; not forgotten here
              paused     a sync's pause was obeyed and acknowledged; the load has not come (a worker dying mid-update)
              pull_leased  sync_mode pull: the worker holds the load lease; nothing paused or loaded yet
+             delta_fetched  a chain of weight deltas is fetched and checked; nothing applied or written yet
     syncer   fetch, pause, load, resume   the command was sent; no worker's acknowledgement was awaited
 """
 
@@ -28,7 +29,8 @@ from collections import Counter
 ENV = "FAULT_INJECT_STREAMRL_CRASH"
 POINTS = {
     "trainer": ("before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish"),
-    "rollout": ("opened", "flushed", "finished", "repack_stopped", "repack_handed", "paused", "pull_leased"),
+    "rollout": ("opened", "flushed", "finished", "repack_stopped", "repack_handed", "paused", "pull_leased",
+                "delta_fetched"),
     "syncer": ("fetch", "pause", "load", "resume"),
     "agents": ("job_started",),  # rq handed the job over; the episode is not yet recorded in agents:running
 }

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from shared.runtime.checksum import sha256_file
-from shared.runtime.weight_server import NAME, etag, file_name
+from shared.runtime.weight_server import DELTA, NAME, etag, file_name
 
 ATTEMPTS = 3  # transfers per fetch: the first, then resumes of a cut one
 CHUNK = 1 << 20
@@ -187,7 +187,7 @@ def kept_versions(folder: str | Path) -> list[int]:
 
 def prune(folder: str | Path, keep: int, loaded: int) -> list[int]:
     """Keep ``loaded``, any newer version (fetched, not loaded yet) and the newest ``keep - 1`` older ones in
-    ``folder``; delete the rest. The versions deleted."""
+    ``folder``; delete the rest, and the deltas of versions up to the oldest kept. The versions deleted."""
     gone = []
     older = [v for v in kept_versions(folder) if v < loaded]
     for v in older[:max(0, len(older) - (keep - 1))]:
@@ -195,4 +195,8 @@ def prune(folder: str | Path, keep: int, loaded: int) -> list[int]:
         for path in [Path(folder) / name, *Path(folder).glob(f".{name}.*")]:  # the file, its lock, a cut .part
             path.unlink(missing_ok=True)
         gone.append(v)
+    oldest = min(kept_versions(folder), default=None)
+    for path in Path(folder).glob("v*.delta"):  # deltas kept for relaying: those a chain from a kept file can use
+        if oldest is None or DELTA.fullmatch(path.name) and int(path.name[1:].split(".")[0]) <= oldest:
+            path.unlink(missing_ok=True)
     return gone

@@ -2,6 +2,7 @@
 
     GET  /weights/v000007.safetensors     the file (Range requests answered 206 with Content-Range; If-Range)
     HEAD /weights/v000007.safetensors     its headers only
+    GET  /weights/v000007.delta           its delta against v000006 (issue 31; 404 for a snapshot version)
 
 Every answer for a file carries ``ETag: "<sha256 hex>"`` and ``Repr-Digest: sha-256=:<base64>:`` (RFC 9530), so a
 client can check the digest before it downloads and resume with ``If-Range``. Only names of published versions
@@ -33,12 +34,18 @@ from starlette.routing import Route
 from shared.runtime.checksum import sha256_file
 
 NAME = re.compile(r"v\d{6,}\.safetensors")  # what publish.write_weights names a version's file
+DELTA = re.compile(r"v\d{6,}\.delta")  # a version's delta against the version before (services/trainer/deltas.py)
 PREFIX = "/weights/"
 
 
 def file_name(version: int) -> str:
     """The file name of ``version`` in a published folder and on the server (``/weights/<name>``)."""
     return f"v{version:06d}.safetensors"
+
+
+def delta_name(version: int) -> str:
+    """The name of ``version``'s delta against ``version - 1`` (shared/protocol/weight_delta.py), beside its file."""
+    return f"v{version:06d}.delta"
 
 
 def etag(sha256_hex: str) -> str:
@@ -86,9 +93,9 @@ def make_app(directory: str | Path, token: str = "", resolve=None) -> Starlette:
             return PlainTextResponse("authorization: missing or wrong bearer token (config weights_token)\n", 401,
                                      headers={"WWW-Authenticate": "Bearer"})
         name = request.path_params["name"]
-        if not NAME.fullmatch(name):
-            return PlainTextResponse(f"{name!r} is not a published version's file name (v<NNNNNN>.safetensors)\n",
-                                     404)
+        if not NAME.fullmatch(name) and not DELTA.fullmatch(name):
+            return PlainTextResponse(f"{name!r} is not a published version's file name (v<NNNNNN>.safetensors, "
+                                     f"or its delta v<NNNNNN>.delta)\n", 404)
         # a relay's resolve may wait for a copy still on its way (sync_mode pull): in a thread, not on the loop
         path, digest = (folder / name, None) if resolve is None else (
             await anyio.to_thread.run_sync(resolve, name) or (None, None))

@@ -5,6 +5,10 @@ A sync's ``fetch`` command starts ``prefetch`` in a thread, so the download and 
 goes on generating; the thread acks the fetch once a verified copy is here. The ``load`` inside the pause then only
 reads that copy (``local``): no download and no hashing in the pause. A load that no fetch preceded (by hand, or a
 worker catching up at start) gets its copy right then.
+
+A download is first tried as deltas (``delta_max_chain`` > 0, issue 31): from the newest verified copy here, at most
+that many versions older, and the deltas since (``shared/runtime/delta_fetch.py``), checked against the published
+sha256; a bad chain is refused with one warning and the file downloaded instead.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import threading
 import time
 from pathlib import Path
 
-from shared.runtime import weight_fetch
+from shared.protocol.weight_delta import DeltaError
+from shared.runtime import delta_fetch, weight_fetch
 from shared.runtime.checksum import sha256_file
 from shared.runtime.config import Config
 from shared.runtime.folders import private_folder
+from shared.runtime.weight_server import DELTA, file_name
 
 
 def _stat_key(path: Path) -> tuple:
@@ -30,6 +36,7 @@ class LocalWeights:
     def __init__(self, cfg: Config, log):
         self.mode, self.folder, self.keep, self.token = (cfg.weights_fetch, cfg.rollout_weights_path,
                                                          cfg.rollout_weights_keep, cfg.weights_token)
+        self.max_chain = cfg.delta_max_chain  # > 0: a download is a chain of at most this many deltas when one can be
         if self.mode != "never":
             private_folder(self.folder, "rollout_weights_dir", create=False)  # per user and run id, 0700
         self.log = log
@@ -45,7 +52,13 @@ class LocalWeights:
         self._failed: dict[int, str] = {}  # version -> why its last fetch failed (a load refuses with it)
         self._running: dict[int, threading.Thread] = {}
         self.stats = {"fetched_bytes": 0, "fetches": 0, "fetch_failures": 0, "trainer_fetches": 0, "relay_fetches": 0,
-                      "relay_failures": 0, "relay_waits": 0}
+                      "relay_failures": 0, "relay_waits": 0,
+                      # versions made from deltas (docs/operations.md section 8): the delta bytes downloaded, the
+                      # full files' bytes they stood for, deltas applied, the longest chain, seconds fetching and
+                      # applying, chains refused (a bad delta: the file downloaded instead, one warning) and missing
+                      "delta_versions": 0, "delta_bytes": 0, "delta_full_bytes": 0, "delta_steps": 0,
+                      "delta_chain_max": 0, "delta_fetch_s": 0.0, "delta_apply_s": 0.0, "delta_fallbacks": 0,
+                      "delta_missing": 0}
 
     def prefetch(self, version: int, path: str, sha256: str, url: str, done, relay: str = "") -> None:
         """Get a verified copy of ``version`` in a thread, then ``done(ok, error)`` (from that thread). ``relay``:
@@ -58,6 +71,9 @@ class LocalWeights:
         ``wait_s`` > 0 (sync_mode pull: a child asks as soon as the version is announced): a version this worker is
         fetching, or newer than any it has seen (announced, its fetch not started yet), is waited for, up to
         ``wait_s``, on the condition its fetch notifies when it ends; not polled."""
+        if DELTA.fullmatch(name):  # a delta this worker applied (kept beside the file it made): hashed when served
+            path = self.folder / name
+            return (path, None) if path.is_file() else None
         try:
             version = int(name[1:].split(".")[0])
         except ValueError:
@@ -190,6 +206,9 @@ class LocalWeights:
         """From ``relay`` when given (another worker), else, or when that fails, from ``url`` (the trainer); a cut
         relay transfer's part file is resumed from the trainer (If-Range on the same sha256)."""
         trusted = self.announced() if self.announced is not None else None
+        chained = self._from_deltas(version, sha256, url, relay, trusted)
+        if chained is not None:
+            return chained
         if relay:
             try:
                 return weight_fetch.fetch(relay, version, sha256, self.folder, self.token, log=self.log, relayed=True,
@@ -202,6 +221,59 @@ class LocalWeights:
                 self.log.warning("relay fetch failed; fetching from the trainer", version=version, relay=relay,
                                  error=str(exc))
         return weight_fetch.fetch(url, version, sha256, self.folder, self.token, log=self.log, trusted=trusted)
+
+    def _base(self, version: int) -> tuple[int, Path, str] | None:
+        """The newest verified copy older than ``version``: one this process verified, else a file left in the folder
+        by an earlier process (a worker killed mid-chain), hashed now (a delta names its base's sha256)."""
+        with self._lock:
+            ready = sorted((v, r) for v, r in self._ready.items() if v < version and r[1])
+        for v, r in reversed(ready):
+            if self._unchanged(r):
+                return v, r[0], r[1]
+        older = [v for v in weight_fetch.kept_versions(self.folder) if v < version] if self.folder.is_dir() else []
+        if older:
+            path = self.folder / file_name(older[-1])
+            return older[-1], path, sha256_file(path)
+        return None
+
+    def _from_deltas(self, version: int, sha256: str, url: str, relay: str, trusted) -> weight_fetch.Fetched | None:
+        """``version`` made from this worker's newest verified copy and the deltas since (from the relay, else the
+        trainer), checked against ``sha256``; None when no chain can be had (no base, more than ``delta_max_chain``
+        versions behind, a delta missing or bad: then the file is downloaded; a bad one is warned about once)."""
+        base = self._base(version) if self.max_chain > 0 and sha256 else None
+        if base is None or version - base[0] > self.max_chain:
+            return None  # nothing to start from, or too far behind: the file itself (the snapshot)
+        t0 = time.monotonic()
+        for source in [s for s in (relay, url) if s]:
+            try:
+                got = delta_fetch.chain(source, *base, version, sha256, self.folder, self.token,
+                                        trusted=trusted, max_bytes=base[1].stat().st_size)
+            except delta_fetch.DeltaMissing as exc:
+                self.log.debug("no weights delta; trying the next source or the file", version=version, error=str(exc))
+                with self._lock:
+                    self.stats["delta_missing"] += 1
+                continue
+            except (DeltaError, weight_fetch.FetchError, OSError) as exc:
+                with self._lock:
+                    self.stats["delta_fallbacks"] += 1
+                self.log.warning("weights delta chain refused; downloading the full file", version=version,
+                                 base=base[0], source=source, error=str(exc))
+                return None
+            with self._lock:
+                st = self.stats
+                st["delta_versions"] += 1
+                st["delta_bytes"] += got.downloaded
+                st["delta_full_bytes"] += got.bytes
+                st["delta_steps"] += got.steps
+                st["delta_chain_max"] = max(st["delta_chain_max"], got.steps)
+                st["delta_fetch_s"] += got.fetch_s
+                st["delta_apply_s"] += got.apply_s
+            self.log.info("weights made from deltas", version=version, base=base[0], steps=got.steps,
+                          delta_kb=round(got.downloaded / 1e3, 1), full_mb=round(got.bytes / 1e6, 1),
+                          fetch_s=round(got.fetch_s, 3), apply_s=round(got.apply_s, 3))
+            return weight_fetch.Fetched(got.path, got.bytes, got.downloaded, 0, got.steps, time.monotonic() - t0,
+                                        relayed=source == relay)
+        return None
 
     def _verified(self, version: int, path: Path, sha256: str) -> Path:
         key = _stat_key(path)

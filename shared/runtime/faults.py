@@ -17,6 +17,8 @@ The points, in the order each service passes them:
              paused     a sync's pause was obeyed and acknowledged; the load has not come (a worker dying mid-update)
              pull_leased  sync_mode pull: the worker holds the load lease; nothing paused or loaded yet
     syncer   fetch, pause, load, resume   the command was sent; no worker's acknowledgement was awaited
+    archiver written, listed, deleting, deleted   a segment renamed into place / listed in the manifest / half
+             of its streams deleted / all of them (services/archiver/mover.py)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ POINTS = {
     "trainer": ("before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish"),
     "rollout": ("opened", "flushed", "finished", "repack_stopped", "repack_handed", "paused", "pull_leased"),
     "syncer": ("fetch", "pause", "load", "resume"),
+    "archiver": ("written", "listed", "deleting", "deleted"),
 }
 _reached: Counter = Counter()
 

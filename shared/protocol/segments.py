@@ -8,7 +8,7 @@ worker that ended it, reward, status, finish reason, number of generated tokens,
 produced one of its tokens. Compression: zstd.
 
 A segment is durable before anything may rely on it: written to ``.seg-N.parquet.tmp``, fsynced, renamed to
-``seg-N.parquet``, the folder fsynced, then a line appended (and fsynced) to ``manifest.jsonl``. Only segments
+``seg-N.parquet``, the folder fsynced, then a line appended (and fsynced) to ``_manifest.jsonl``. Only segments
 the manifest lists exist for readers; a file the manifest does not list (a crash before the line) is an orphan
 that ``remove_orphans`` deletes. Each episode id is in at most one listed segment (the mover skips episodes
 already listed).
@@ -27,7 +27,7 @@ from shared.protocol.events import EventError
 from shared.protocol.fold import fold
 
 FOLDER = "episodes"
-MANIFEST = "manifest.jsonl"
+MANIFEST = "_manifest.jsonl"  # "_": pyarrow, pandas and datasets skip it when reading the folder
 
 SCHEMA = pa.schema([
     ("episode_id", pa.string()),

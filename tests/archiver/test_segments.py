@@ -26,6 +26,7 @@ def test_a_segment_gives_back_the_stream_byte_for_byte(client, keys, tmp_path):
     assert sorted(table.column("episode_id").to_pylist()) == sorted(eids)
     assert table.column("num_generated").to_pylist() == [40] * len(eids)
     assert set(table.column("reward").to_pylist()) == {0.0, 1.0}
+    assert pq.read_table(folder).num_rows == len(eids)  # the folder is one dataset: the manifest ("_") is skipped
 
 
 def test_an_unlisted_segment_is_not_read_and_is_removed_as_an_orphan(client, keys, tmp_path):

@@ -10,6 +10,7 @@ from shared.protocol import dead_letters, metrics, pulls, versions
 from shared.protocol.events import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from shared.protocol.ledger import read_ledger
+from shared.protocol.segments import SegmentStore, folder_of
 
 
 def _s(v) -> str:
@@ -127,6 +128,9 @@ def read_run(client, keys: Keys, run_path: Path, rq_client=None, cfg=None) -> Ru
         data.agents_busy = _agents_busy(client, keys, rq_client)
     for key in client.scan_iter(match=keys.episode("*"), count=1000, _type="stream"):
         data.episodes[keys.episode_id(key)] = _entries(client.xrange(key))
+    for episode_id, entries in SegmentStore(folder_of(run_path)).iter_all():  # the episodes moved out of Redis
+        if episode_id not in data.episodes:  # in both tiers only for a moment mid-move (Redis is deleted last)
+            data.episodes[episode_id] = _entries(entries)
     data.ledger = read_ledger(Path(run_path) / "trainer")
     data.dead = [asdict(d) for d in dead_letters.read_all(client, keys)]
     for _, rec in metrics.read(client, keys, "rollout"):

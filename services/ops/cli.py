@@ -42,6 +42,13 @@ def _run_client(cfg, args) -> redis.Redis:
     return client
 
 
+def _archive(cfg):
+    """The run's cold tier: the episodes moved out of Redis into segments (shared/protocol/segments.py)."""
+    from shared.protocol.segments import SegmentStore, folder_of
+
+    return SegmentStore(folder_of(cfg.run_path))
+
+
 def cmd_redis(cfg, args) -> int:
     from urllib.parse import urlparse
 
@@ -94,7 +101,7 @@ def cmd_replay(cfg, args) -> int:
     from services.ops.views import format_timeline, timeline_json
 
     keys = args.keys
-    log = EpisodeLog(_client(cfg), keys, worker="cli")
+    log = EpisodeLog(_client(cfg), keys, worker="cli", archive=_archive(cfg))
     entries = log.read(args.episode)
     if not entries:
         raise CLIError(f"no episode {args.episode!r} in run {cfg.run!r} (stream {keys.episode(args.episode)} is empty)")
@@ -159,7 +166,7 @@ def cmd_episodes(cfg, args) -> int:
         filters = eps.Filters(tuple(o for o in args.outcome.split(",") if o), args.reward_below, args.reward_above,
                               args.min_aborts, args.min_span, args.taken_over, args.repacked,
                               None if args.kind is None else args.kind == "agent")
-        rows = eps.ordered([s for s in eps.read_summaries(_run_client(cfg, args), args.keys) if filters.keep(s)],
+        rows = eps.ordered([s for s in eps.read_summaries(_run_client(cfg, args), args.keys, archive=_archive(cfg)) if filters.keep(s)],
                            args.sort, args.desc)
     except ValueError as exc:
         raise CLIError(str(exc)) from None

@@ -98,12 +98,14 @@ def check_continuation(cfg: Config) -> None:
 
 def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str, dict]]:
     """(process name, command, its own config keys) for each process to start from the Procfile's ``entries``:
-    the redis line is the runner's own server, the agent lines only with an agent; ``rollout`` and ``agents``
+    the redis line is the runner's own server, the agent lines only with an agent, the archiver only with a
+    ``log_retention_versions``; ``rollout`` and ``agents``
     as many times as the config says (``rollout.1``, ``rollout.2``... like ``honcho start -c rollout=N``), the
     last ``longtail_workers`` rollout copies as long-tail workers."""
     out = []
     for name, cmd in entries.items():
-        if name == "redis" or (name in AGENT_PROCESSES and not cfg.agent):
+        if name == "redis" or (name in AGENT_PROCESSES and not cfg.agent) or \
+                (name == "archiver" and not cfg.log_retention_versions):
             continue
         # agents workers each run agent_concurrency episodes at once; rollout workers each drive one engine
         copies = {"agents": cfg.agent_workers, "rollout": cfg.rollout_workers}.get(name, 1)

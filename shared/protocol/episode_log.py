@@ -100,8 +100,9 @@ class Batch:
 
 class EpisodeLog:
     def __init__(self, client: redis.Redis, keys: Keys, worker: str, flush_tokens: int = 16,
-                 flush_ms: float = 50.0, clock=time.monotonic):
+                 flush_ms: float = 50.0, clock=time.monotonic, archive=None):
         self.client, self.keys, self.worker = client, keys, worker
+        self.archive = archive  # a SegmentStore (shared/protocol/segments.py): readers' cold tier, or None
         self.flush_tokens, self.flush_ms, self.clock = flush_tokens, flush_ms, clock
         self._sha = client.script_load(_APPEND)
         self._cluster = hasattr(client, "get_node_from_key")  # see shared/protocol/routing.py
@@ -266,14 +267,23 @@ class EpisodeLog:
 
     # --- reading
     def read(self, episode_id: str) -> list[tuple]:
-        return self.client.xrange(self.keys.episode(episode_id))
+        """The episode's entries: from its Redis stream, else (moved out) from the archive's segments."""
+        entries = self.client.xrange(self.keys.episode(episode_id))
+        if not entries and self.archive is not None:
+            return self.archive.read(episode_id)
+        return entries
 
     def read_many(self, episode_ids: list[str]) -> list[list[tuple]]:
-        """``read`` of several episodes in one round trip."""
+        """``read`` of several episodes in one round trip (one more read of the segments for those moved out)."""
         pipe = self.client.pipeline(transaction=False)
         for episode_id in episode_ids:
             pipe.xrange(self.keys.episode(episode_id))
-        return pipe.execute()
+        found = pipe.execute()
+        missing = [eid for eid, entries in zip(episode_ids, found) if not entries]
+        if missing and self.archive is not None:
+            cold = self.archive.read_many(missing)
+            found = [entries or cold.get(eid, []) for eid, entries in zip(episode_ids, found)]
+        return found
 
     def replay(self, episode_id: str) -> Episode:
         return fold(self.read(episode_id))

@@ -23,6 +23,11 @@ def validate(cfg: Config) -> None:
                           f"(or STREAMRL_RQ_REDIS_URL) to a plain redis:// URL")
     if cfg.flush_tokens < 1:
         raise ConfigError(f"config key 'flush_tokens': expected an integer >= 1, got {cfg.flush_tokens}")
+    if cfg.log_retention_versions < 0:
+        raise ConfigError(f"config key 'log_retention_versions': expected a whole number >= 0 (0: off), got "
+                          f"{cfg.log_retention_versions}")
+    if cfg.archive_every_s <= 0:
+        raise ConfigError(f"config key 'archive_every_s': expected seconds > 0, got {cfg.archive_every_s}")
     if cfg.flush_ms < 0:
         raise ConfigError(f"config key 'flush_ms': expected a number >= 0, got {cfg.flush_ms}")
     for key in ("max_batch_size", "max_groups_in_flight", "group_size", "max_tokens"):

@@ -18,6 +18,8 @@ The points, in the order each service passes them:
              pull_leased  sync_mode pull: the worker holds the load lease; nothing paused or loaded yet
              delta_fetched  a chain of weight deltas is fetched and checked; nothing applied or written yet
     syncer   fetch, pause, load, resume   the command was sent; no worker's acknowledgement was awaited
+    archiver written, listed, deleting, deleted   a segment renamed into place / listed in the manifest / half
+             of its streams deleted / all of them (services/archiver/mover.py)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ POINTS = {
                 "delta_fetched"),
     "syncer": ("fetch", "pause", "load", "resume"),
     "agents": ("job_started",),  # rq handed the job over; the episode is not yet recorded in agents:running
+    "archiver": ("written", "listed", "deleting", "deleted"),
 }
 _reached: Counter = Counter()
 

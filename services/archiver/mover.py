@@ -1,0 +1,128 @@
+"""The move, in an order that a kill -9 anywhere leaves safe to repeat (crash points ``archiver:POINT``):
+
+    read the episodes' streams (each must have ended: its last event is its end)
+    write the segment: tmp file, fsync, rename, fsync folder            -> ``written``  (an orphan: not listed)
+    append its line to the manifest, fsync                              -> ``listed``   (in both tiers)
+    delete the streams (and their call indexes), half of them, then     -> ``deleting``
+    the rest                                                            -> ``deleted``
+
+``recover`` (at start) cuts a torn manifest line, deletes orphan segment files and deletes from Redis every
+stream a listed segment holds: after it, each episode is in exactly one tier. Readers meanwhile prefer Redis and
+skip an archived copy of an episode still there, so none is counted twice even mid-move. A stream is deleted
+only if it still holds exactly the entries archived (a script compares XLEN): nothing written is ever lost.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.protocol import samples as samples_stream
+from shared.protocol import segments
+from shared.protocol.fold import fold
+from shared.protocol.keys import Keys
+from shared.protocol.ledger import read_ledger
+from shared.runtime.faults import crash_point
+
+from services.archiver.select import movable
+
+_DELETE_IF_LEN = """
+if redis.call('XLEN', KEYS[1]) == tonumber(ARGV[1]) then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"""
+
+
+class Mover:
+    def __init__(self, client, keys: Keys, run_path: Path | str, retention: int, batch: int = 2000, log=None):
+        self.client, self.keys, self.retention, self.batch, self.log = client, keys, retention, batch, log
+        self.run_path = Path(run_path)
+        self.folder = segments.folder_of(run_path)
+        self.store = segments.SegmentStore(self.folder)
+        self._delete = client.register_script(_DELETE_IF_LEN)
+        self._cursor = "0-0"
+        self._episodes_of: dict[str, list[str]] = {}
+        self.moved = 0
+
+    def recover(self) -> int:
+        """Finish or undo a move a crash cut short; returns the streams deleted (already in a listed segment)."""
+        segments.repair_manifest(self.folder)
+        gone = segments.remove_orphans(self.folder)
+        if gone and self.log:
+            self.log.info("orphan segments removed", files=gone)
+        archived = sorted(self.store.episode_ids())
+        deleted = 0
+        for start in range(0, len(archived), self.batch):
+            chunk = archived[start:start + self.batch]
+            pipe = self.client.pipeline(transaction=False)
+            for eid in chunk:
+                pipe.exists(self.keys.episode(eid))
+            still = [eid for eid, n in zip(chunk, pipe.execute()) if n]
+            if still:
+                cold = self.store.read_many(still)
+                deleted += self._drop({eid: cold[eid] for eid in still})
+        return deleted
+
+    def _follow_samples(self) -> None:
+        while True:
+            good, _, cursor = samples_stream.read_after(self.client, self.keys.samples, self._cursor, count=1000)
+            for s in good:
+                self._episodes_of[s.group_id] = s.episodes
+            if cursor == self._cursor:
+                return
+            self._cursor = cursor
+
+    def step(self) -> int:
+        """Move every episode due now, a segment per ``batch`` episodes; returns the episodes moved."""
+        self._follow_samples()
+        ledger = read_ledger(self.run_path / "trainer")
+        due = movable(ledger, self._episodes_of, self.retention, self.store.episode_ids())
+        moved = 0
+        for start in range(0, len(due), self.batch):
+            moved += self._move(due[start:start + self.batch])
+        self.moved += moved
+        return moved
+
+    def _move(self, episode_ids: list[str]) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        for eid in episode_ids:
+            pipe.xrange(self.keys.episode(eid))
+        streams = {eid: entries for eid, entries in zip(episode_ids, pipe.execute()) if entries}
+        rows = []
+        for eid, entries in streams.items():
+            try:
+                if not fold(entries).done:  # a published group's episodes have ended; never move one that might grow
+                    continue
+            except Exception:  # an unreadable stream is archived as it is: the raw entries are the record
+                pass
+            rows.append(segments.to_row(eid, entries))
+        if not rows:
+            return 0
+        name = segments.next_name(self.folder)
+        size = segments.write_file(self.folder, name, rows)
+        crash_point("archiver", "written")
+        tokens = sum(r["num_generated"] for r in rows)
+        segments.append_manifest(self.folder, {"segment": name, "episodes": len(rows), "bytes": size,
+                                               "tokens": tokens})
+        crash_point("archiver", "listed")
+        self._drop({r["episode_id"]: streams[r["episode_id"]] for r in rows})
+        if self.log:
+            self.log.info("episodes moved to a segment", segment=name, episodes=len(rows), bytes=size,
+                          tokens=tokens)
+        return len(rows)
+
+    def _drop(self, archived: dict[str, list]) -> int:
+        """Delete the streams (those still holding exactly the archived entries) and their call indexes."""
+        items = list(archived.items())
+        half = len(items) // 2
+        deleted = 0
+        for part, point in ((items[:half], "deleting"), (items[half:], "deleted")):
+            pipe = self.client.pipeline(transaction=False)
+            for eid, entries in part:
+                self._delete(keys=[self.keys.episode(eid)], args=[len(entries)], client=pipe)
+                pipe.delete(self.keys.call_index(eid))
+            results = pipe.execute()
+            deleted += sum(results[::2])
+            crash_point("archiver", point)
+        return deleted

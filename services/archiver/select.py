@@ -1,0 +1,31 @@
+"""Which episodes may leave Redis (pure): those of groups in a committed ledger line of a version at least
+``retention`` versions older than the newest commit. A group in the ledger was published (every episode of it
+ended, its prompt acknowledged) and trained or judged untrainable: no worker writes to it again (one that wakes
+up late is fenced: its stream's length is not the seq it expects, and a deleted stream has length 0)."""
+
+from __future__ import annotations
+
+
+def newest_commit(ledger: list[dict]) -> int:
+    return max((int(r["commit"]) for r in ledger if "commit" in r), default=0)
+
+
+def old_groups(ledger: list[dict], retention: int) -> list[str]:
+    """Group ids of committed ledger lines with ``version <= newest commit - retention`` (trained or skipped)."""
+    if retention <= 0:
+        return []
+    cutoff = newest_commit(ledger) - retention
+    out = []
+    for r in ledger:
+        if "commit" in r and int(r.get("version", r["commit"])) <= cutoff:
+            out += [*r.get("groups", []), *r.get("skipped", [])]
+    return out
+
+
+def movable(ledger: list[dict], episodes_of: dict[str, list[str]], retention: int, archived: set[str]) -> list[str]:
+    """Episode ids to move now: of the old groups (``episodes_of``: group id -> its episode ids, from the samples
+    stream), not yet in a listed segment."""
+    out = []
+    for group_id in old_groups(ledger, retention):
+        out += [e for e in episodes_of.get(group_id, []) if e not in archived]
+    return out

@@ -1,0 +1,104 @@
+"""The archiver moves only old trained episodes, and a kill -9 at each point of the move loses none and
+leaves none counted twice."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.protocol import segments
+from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.samples import Sample, encode
+from shared.runtime import faults
+from services.archiver.mover import Mover
+from services.archiver.select import movable, old_groups
+from services.ops.check_data import read_run
+from tests.archiver.tiers_support import all_streams, make_run, write_episode
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_old_groups_are_those_of_commits_retention_versions_behind():
+    ledger = [{"commit": v, "version": v, "groups": [f"g{v}"], "skipped": [f"s{v}"]} for v in range(1, 6)]
+    ledger.append({"groups": [], "skipped": ["u"]})  # an untrainable group judged between commits: no commit yet
+    assert old_groups(ledger, 2) == ["g1", "s1", "g2", "s2", "g3", "s3"]
+    assert old_groups(ledger, 0) == []  # off
+    assert movable(ledger, {"g1": ["a", "b"], "g2": ["c"]}, 3, archived={"a"}) == ["b", "c"]
+
+
+def _tiers(client, keys, folder, eids):
+    store = segments.SegmentStore(folder)
+    hot = {e for e in eids if client.exists(keys.episode(e))}
+    return hot, store.episode_ids() & set(eids)
+
+
+def test_the_mover_moves_trained_episodes_past_the_window_and_readers_see_one_log(client, keys, tmp_path):
+    groups = make_run(client, keys, tmp_path, versions=6)
+    eids = [e for es in groups.values() for e in es]
+    before = all_streams(client, keys, eids)
+    log = EpisodeLog(client, keys, "w2")
+    write_episode(log, "late", "g9", 6)  # published nowhere, trained by no one: stays
+    client.hset(keys.call_index("g1-0"), "#n", 1)
+    mover = Mover(client, keys, tmp_path, retention=2)
+    assert mover.step() == 8  # versions 1..4 (newest commit 6, window 2)
+    hot, cold = _tiers(client, keys, tmp_path / "episodes", eids)
+    assert cold == {e for g in ("g1", "g2", "g3", "g4") for e in groups[g]} and not hot & cold
+    assert hot | cold == set(eids) and client.exists(keys.episode("late"))
+    assert not client.exists(keys.call_index("g1-0"))
+    reader = EpisodeLog(client, keys, "cli", archive=segments.SegmentStore(tmp_path / "episodes"))
+    assert dict(zip(eids, reader.read_many(eids))) == before  # byte-identical whichever tier holds it
+    assert mover.step() == 0  # nothing new is due: the move is idempotent
+    data = read_run(client, keys, tmp_path)
+    assert set(eids) <= set(data.episodes)
+
+
+def test_an_episode_that_has_not_ended_is_never_moved(client, keys, tmp_path):
+    log = EpisodeLog(client, keys, "w1")
+    write_episode(log, "open", "g1", 1, end=False)
+    client.xadd(keys.samples, encode(Sample("g1", ["open"], "w1")))
+    from shared.protocol.ledger import append_ledger
+    for v in (1, 2, 3):
+        append_ledger(tmp_path / "trainer", {"commit": v, "version": v, "groups": ["g1"] if v == 1 else []})
+    assert Mover(client, keys, tmp_path, retention=1).step() == 0
+    assert client.exists(keys.episode("open"))
+
+
+_MOVE = """
+import sys
+from shared.runtime.connection import connect
+from shared.protocol.keys import Keys
+from services.archiver.mover import Mover
+m = Mover(connect(sys.argv[1]), Keys(sys.argv[2]), sys.argv[3], retention=1, batch=int(sys.argv[4]))
+m.recover()
+m.step()
+"""
+
+
+@pytest.mark.parametrize("point", faults.POINTS["archiver"])
+def test_kill_9_at_each_move_point_loses_nothing_and_counts_nothing_twice(point, client, keys, redis_url,
+                                                                          tmp_path):
+    groups = make_run(client, keys, tmp_path, versions=5, per_group=3)
+    eids = [e for es in groups.values() for e in es]
+    before = all_streams(client, keys, eids)
+    env = {**os.environ, **faults.spec("archiver", point, 2)}  # the second segment's move dies there
+    proc = subprocess.run([sys.executable, "-c", _MOVE, redis_url, keys.run, str(tmp_path), "5"], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    folder = tmp_path / "episodes"
+    reader = EpisodeLog(client, keys, "cli", archive=segments.SegmentStore(folder))
+    assert dict(zip(eids, reader.read_many(eids))) == before  # lost: 0, even right after the kill
+    data = read_run(client, keys, tmp_path)
+    assert sorted(e for e in data.episodes if e in before) == sorted(eids)  # counted once each
+    mover = Mover(client, keys, tmp_path, retention=1, batch=5)  # the restarted archiver
+    mover.recover()
+    mover.step()
+    hot, cold = _tiers(client, keys, folder, eids)
+    assert not hot & cold, f"in both tiers after recovery: {sorted(hot & cold)}"
+    assert cold == {e for g in ("g1", "g2", "g3", "g4") for e in groups[g]} and hot == set(groups["g5"])
+    assert dict(zip(eids, reader.read_many(eids))) == before
+    listed = [r["segment"] for r in segments.read_manifest(folder)]
+    assert sorted(p.name for p in folder.glob("*seg-*")) == sorted(listed)  # no orphan left

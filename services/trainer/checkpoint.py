@@ -22,16 +22,10 @@ from pathlib import Path
 
 import torch
 
+from shared.protocol.jsonl import fsync_dir
+
 _writer: ThreadPoolExecutor | None = None
 _pending: Future | None = None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def atomic_write(path: Path, write) -> None:
@@ -44,7 +38,7 @@ def atomic_write(path: Path, write) -> None:
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def save(directory: Path, state: dict) -> None:

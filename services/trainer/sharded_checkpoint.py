@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from services.trainer.checkpoint import _fsync_dir
+from shared.protocol.jsonl import fsync_dir
 
 
 def _dcp():
@@ -61,7 +61,7 @@ def save(directory: Path, model, opt, meta: dict, main: bool) -> Path:
             os.fsync(fh.fileno())
         shutil.rmtree(final, ignore_errors=True)  # a re-trained version after a crash before its ledger line
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         for old in folder(directory).glob("v*"):
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)

@@ -14,53 +14,26 @@ and ``repair_ledger`` cuts it off before the next append.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
+
+from shared.protocol import jsonl
 
 FILE = "trained.jsonl"
 
 
 def append_ledger(directory: Path, record: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / FILE, "a") as fh:
-        fh.write(json.dumps(record) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    jsonl.append(directory / FILE, record)
 
 
 def read_ledger(directory: Path) -> list[dict]:
     """Every complete line; a torn last line (no trailing newline) is ignored. A bad complete line is an error."""
-    path = directory / FILE
-    if not path.exists():
-        return []
-    text = path.read_text()
-    lines = text.split("\n")
-    complete = lines[:-1]  # the part after the last newline is empty, or torn
-    out = []
-    for number, line in enumerate(complete, 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except ValueError as exc:
-                raise ValueError(f"ledger {path}: line {number} is not JSON ({exc})") from None
-    return out
+    return jsonl.read(directory / FILE, "ledger")
 
 
 def repair_ledger(directory: Path) -> int:
     """Cut a torn last line off (a crash mid-append); return the bytes removed (0: nothing torn)."""
-    path = directory / FILE
-    if not path.exists():
-        return 0
-    data = path.read_bytes()
-    keep = data.rfind(b"\n") + 1
-    if keep == len(data):
-        return 0
-    with open(path, "r+b") as fh:
-        fh.truncate(keep)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return len(data) - keep
+    return jsonl.repair(directory / FILE)
 
 
 def last_commit(records: list[dict]) -> int:

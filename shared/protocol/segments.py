@@ -16,13 +16,13 @@ already listed).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from shared.protocol import jsonl
 from shared.protocol.events import EventError
 from shared.protocol.fold import fold
 
@@ -71,14 +71,6 @@ def folder_of(run_path: Path | str) -> Path:
     return Path(run_path) / FOLDER
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_file(folder: Path, name: str, rows: list[dict]) -> int:
     """Write the rows to ``folder/name`` durably (tmp, fsync, rename, fsync folder); returns its bytes."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -89,42 +81,22 @@ def write_file(folder: Path, name: str, rows: list[dict]) -> int:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, folder / name)
-    _fsync_dir(folder)
+    jsonl.fsync_dir(folder)
     return (folder / name).stat().st_size
 
 
 def append_manifest(folder: Path, record: dict) -> None:
-    with open(folder / MANIFEST, "a") as fh:
-        fh.write(json.dumps(record) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    jsonl.append(folder / MANIFEST, record)
 
 
 def read_manifest(folder: Path) -> list[dict]:
     """The listed segments; a torn last line (a crash mid-append) is not a listing."""
-    path = folder / MANIFEST
-    if not path.exists():
-        return []
-    out = []
-    for number, line in enumerate(path.read_text().split("\n")[:-1], 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except ValueError as exc:
-                raise ValueError(f"segment manifest {path}: line {number} is not JSON ({exc})") from None
-    return out
+    return jsonl.read(folder / MANIFEST, "segment manifest")
 
 
 def repair_manifest(folder: Path) -> None:
     """Cut a torn last line off the manifest before the next append."""
-    path = folder / MANIFEST
-    if path.exists():
-        data = path.read_bytes()
-        keep = data.rfind(b"\n") + 1
-        if keep != len(data):
-            with open(path, "r+b") as fh:
-                fh.truncate(keep)
-                os.fsync(fh.fileno())
+    jsonl.repair(folder / MANIFEST)
 
 
 def remove_orphans(folder: Path) -> list[str]:

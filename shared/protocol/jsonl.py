@@ -1,0 +1,54 @@
+"""Append-only JSON-lines files that survive a kill at any byte: the trainer's ledger and the episode segments'
+manifest. One line per record, appended and fsynced; a crash mid-append leaves a torn last line (no newline,
+maybe not JSON), which ``read`` ignores and ``repair`` cuts off before the next append. A bad *complete* line is
+an error naming the file and the line. ``fsync_dir`` makes a rename in a folder durable."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def append(path: Path, record: dict) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read(path: Path, what: str) -> list[dict]:
+    """Every complete line of ``path`` (``what`` names the file in errors); [] when it does not exist."""
+    if not path.exists():
+        return []
+    out = []
+    for number, line in enumerate(path.read_text().split("\n")[:-1], 1):  # after the last newline: empty or torn
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError as exc:
+                raise ValueError(f"{what} {path}: line {number} is not JSON ({exc})") from None
+    return out
+
+
+def repair(path: Path) -> int:
+    """Cut a torn last line off (a crash mid-append); the bytes removed (0: nothing torn, or no file)."""
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep == len(data):
+        return 0
+    with open(path, "r+b") as fh:
+        fh.truncate(keep)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return len(data) - keep
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -12,7 +12,7 @@ import threading
 import time
 
 from services.ops import keep
-from services.ops.keep import BACKOFF_MAX_S, MAX_RESTARTS, WINDOW_S, History, decide
+from services.ops.keep import BACKOFF_MAX_S, BACKOFF_S, MAX_RESTARTS, WINDOW_S, History, decide
 from services.ops.redis_server import EmbeddedRedis
 from shared.runtime.connection import connect
 from tests.support.procs import wait_until
@@ -21,15 +21,15 @@ from tests.support.procs import wait_until
 def test_the_rule_restarts_crashes_with_backoff_and_stops_a_loop():
     h = History()
     delays = [decide(1, False, h, t)[1] for t in (0.0, 1.0, 2.0, 3.0, 4.0)]
-    assert delays == sorted(delays) and delays[0] == 0.5 and max(delays) <= BACKOFF_MAX_S
+    assert delays == sorted(delays) and delays[0] == BACKOFF_S and max(delays) <= BACKOFF_MAX_S
     assert decide(-9, False, h, 5.0)[0] == "loop"  # the sixth crash within the window
     h = History()
     for t in range(MAX_RESTARTS):
         decide(1, False, h, t * WINDOW_S)  # one a minute: never a loop, the backoff starts over
-    assert decide(1, False, h, MAX_RESTARTS * WINDOW_S) == ("restart", 0.5)
+    assert decide(1, False, h, MAX_RESTARTS * WINDOW_S) == ("restart", BACKOFF_S)
     h = History()
     for t in range(3 * MAX_RESTARTS):  # killed every 12 s after coming up (chaos): never a loop, no backoff
-        assert decide(-9, False, h, 12.0 * t, ran_s=11.0) == ("restart", 0.5)
+        assert decide(-9, False, h, 12.0 * t, ran_s=11.0) == ("restart", BACKOFF_S)
     assert decide(0, False, History(), 0.0) == ("end", 0.0)
     assert decide(2, False, History(), 0.0) == ("fatal", 0.0)  # a config or run-identity error
     assert decide(-9, True, History(), 0.0) == ("end", 0.0)  # the run is stopping: nothing restarts
@@ -69,7 +69,7 @@ def test_exit_2_is_not_retried_and_a_crash_loop_stops_with_the_last_line(tmp_pat
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 2 and out.count("bad value") == 1 and "restart" not in out
     loop = _keep(_script(tmp_path, "import sys; print('boom: the last words', flush=True); sys.exit(3)"))
-    out, _ = loop.communicate(timeout=120)  # 0.5 + 1 + 2 + 4 + 8 s of backoff
+    out, _ = loop.communicate(timeout=120)  # 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s of backoff
     assert loop.returncode == 3
     assert out.splitlines().count("boom: the last words") == MAX_RESTARTS + 1  # the first run and 5 restarts
     assert f"crashed {MAX_RESTARTS + 1} times" in out and "Its last line: boom: the last words" in out

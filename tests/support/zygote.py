@@ -71,6 +71,7 @@ def _child(request: dict, fds: list[int]) -> None:
             import torch
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         sys.argv = [request["module"], *request["args"]]
+        _name_process(request["module"])
         import runpy
         try:
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
@@ -97,6 +98,15 @@ def _child(request: dict, fds: list[int]) -> None:
             except Exception:
                 pass
         os._exit(code & 0xFF)
+
+
+def _name_process(module: str) -> None:
+    """``ps``/``top`` show the module's last part (its comm name) instead of the zygote's."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(15, module.rsplit(".", 1)[-1][:15].encode(), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def serve(path: str) -> None:

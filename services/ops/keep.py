@@ -14,7 +14,10 @@ end). What it does when its process exits (``decide``, pure):
 
 SIGTERM / SIGINT (honcho stopping the run) is passed to the process once and nothing is restarted after it.
 The process runs in its own process group (``--chaos`` and drills kill it with its children), and dies with
-this one (Linux: the parent-death signal), so a kill -9 of the supervisor leaves no orphan behind.
+this one (Linux: the parent-death signal), so a kill -9 of the supervisor leaves no orphan behind. Under
+`streamrl run` a ``python -m MODULE`` line is forked from the run's warm starter (``services/ops/starter.py``:
+torch and transformers already imported, so a restart after a crash does not import them again); with no
+starter (a plain ``honcho start``) it is started the ordinary way.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.ops import starter
 
 WINDOW_S = 60.0
 MAX_RESTARTS = 5
@@ -93,7 +98,7 @@ class Keeper:
         self.command, self.name = command, name or os.environ.get(NAME_ENV) or name_of(command)
         self.out = out or sys.stdout
         self.stopping = False
-        self.child: subprocess.Popen | None = None
+        self.child: subprocess.Popen | starter.Started | None = None
         self.last_line = ""
         self.history = History()
         self.since = time.time()  # the driver's max_minutes runs from here, across its restarts
@@ -110,8 +115,8 @@ class Keeper:
 
     def _start(self) -> None:
         env = {**os.environ, SINCE_ENV: os.environ.get(SINCE_ENV, str(self.since))}
-        self.child = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      preexec_fn=_die_with_parent, env=env)
+        self.child = self._start_warm(env) or subprocess.Popen(
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env=env)
         pid_dir = os.environ.get(PID_DIR_ENV)
         if pid_dir:  # `streamrl run`: --chaos picks its victims here, the end-of-run check counts the restarts
             os.makedirs(pid_dir, exist_ok=True)
@@ -119,6 +124,24 @@ class Keeper:
             with open(tmp, "w") as fh:
                 fh.write(f"{self.child.pid} {self.name} {self.history.restarts}\n")
             os.replace(tmp, os.path.join(pid_dir, f"{os.getpid()}.pid"))
+
+    def _start_warm(self, env: dict) -> starter.Started | None:
+        """The process forked by the run's starter, its output on a pipe to here; None when there is no starter
+        or it does not answer (then the process starts the ordinary way)."""
+        path, target = os.environ.get(starter.ENV), starter.python_module(self.command)
+        if not path or target is None:
+            return None
+        read, write = os.pipe()
+        try:
+            child = starter.start(path, *target, env=env, cwd=os.getcwd(), stdout=write, stderr=write,
+                                  watch_pid=os.getpid())
+        except OSError:
+            os.close(read)
+            return None
+        finally:
+            os.close(write)
+        child.stdout = os.fdopen(read, "rb")
+        return child
 
     def _relay(self) -> int:
         """Copy the child's output through, remembering its last line; its exit code."""

@@ -24,10 +24,32 @@ class PreflightError(ConfigError):
         self.problems = problems
 
 
-def check(cfg: Config) -> None:
-    found = problems(cfg)
+def check(cfg: Config, starter_path: str | None = None) -> None:
+    """Raise ``PreflightError`` with every problem found. With ``starter_path`` (a warm process starter,
+    services/ops/starter.py) the checks run in a process forked from it, so this one never imports torch."""
+    found = _problems_in_starter(cfg, starter_path) if starter_path else None
+    if found is None:
+        found = problems(cfg)
     if found:
         raise PreflightError(found)
+
+
+def _problems_in_starter(cfg: Config, path: str) -> list[str] | None:
+    """``problems(cfg)`` computed in a process forked from the starter at ``path``; None when that gave no
+    answer (the caller then checks here)."""
+    from dataclasses import asdict
+
+    from services.ops import starter
+
+    try:
+        return list(starter.call(path, "services.ops.preflight:problems_of", {"config": asdict(cfg)}))
+    except starter.CallFailed:
+        return None
+
+
+def problems_of(config: dict) -> list[str]:
+    """``problems`` of a config given as a dict (``starter.call``'s way in)."""
+    return problems(Config(**config))
 
 
 def problems(cfg: Config) -> list[str]:
@@ -173,3 +195,4 @@ def _prompts(cfg: Config, tokenizer, context: int | None, sets: list[tuple[str, 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+

@@ -24,6 +24,7 @@ from shared.runtime.connection import redact
 from services.driver.driver import ENDED
 from services.ops.keep import NAME_ENV, PID_DIR_ENV, keep_server
 from services.ops.keep import processes as keep_processes
+from services.ops import starter
 from services.ops.redis_server import start_for_run
 from shared.runtime import secrets
 
@@ -123,8 +124,49 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None, 
     from services.ops.tiny_model import ensure_model
 
     check_continuation(cfg)
-    ensure_model(cfg)  # before anything starts: a model_dir that does not resolve is one line, nothing to clean up
-    preflight.check(cfg)  # every problem found from files and imports, one line each; nothing under runs/ yet
+    # the run's warm starter: its processes (and their restarts) fork from it with torch already imported. Started
+    # first, so the preflight runs in it too, unless this process has torch already (then the preflight is cheap here)
+    warm = sock = None
+    if "torch" not in sys.modules:
+        warm, sock = _launch_starter(wait=False)
+    try:
+        ensure_model(cfg)  # before anything starts: a model_dir that does not resolve is one line, nothing to clean up
+        if warm is not None and not _ready(warm):
+            starter.close(warm, sock)
+            warm, sock = None, None
+        # every problem found from files and imports, one line each; nothing under runs/ yet
+        preflight.check(cfg, sock)
+        if warm is None:
+            warm, sock = _launch_starter(wait=True)
+        return _run(cfg, entries, sock, extra_env, chaos)
+    finally:
+        if warm is not None:
+            starter.close(warm, sock)
+
+
+def _launch_starter(wait: bool):
+    """(process, socket path) of a new starter, or (None, None) when it cannot start (the run goes on without)."""
+    try:
+        warm, sock = starter.launch(wait=False)
+    except OSError as exc:
+        print(f"streamrl run: the process starter did not start ({exc}); processes start without it", file=sys.stderr)
+        return None, None
+    if wait and not _ready(warm):
+        starter.close(warm, sock)
+        return None, None
+    return warm, sock
+
+
+def _ready(warm) -> bool:
+    try:
+        starter.ready(warm)
+        return True
+    except RuntimeError as exc:  # the run goes on: each process starts the ordinary way
+        print(f"streamrl run: {exc}; its processes start without it", file=sys.stderr, flush=True)
+        return False
+
+
+def _run(cfg: Config, entries: dict, warm_path: str | None, extra_env: dict | None, chaos) -> int:
     server = None
     # every process gets the very same config: each key as STREAMRL_<KEY>
     env = {**os.environ, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
@@ -150,6 +192,8 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None, 
     for old in pid_dir.glob("*.pid") if pid_dir.is_dir() else []:
         old.unlink()
     env[PID_DIR_ENV] = str(pid_dir)
+    if warm_path:
+        env[starter.ENV] = warm_path
     manager = Manager()
     # the driver's progress lines are the view; the services' per-step info lines would bury them
     quiet = {**env, "STREAMRL_LOG_LEVEL": "warning"} if cfg.log_level == "info" else env
@@ -167,7 +211,7 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None, 
     try:
         manager.loop()
         if ended():
-            export_at_end(cfg)
+            export_at_end(cfg, warm_path)
             restarts = {name: r for name, (_, r) in keep_processes(pid_dir).items()}
             if watcher is not None:
                 restarts["redis"] = watcher.restarts
@@ -207,12 +251,19 @@ def end_of_run_check(cfg: Config, redis_url: str, restarts: dict[str, int] | Non
           + "\n".join([*rows, f"  processes restarted: {restarted}", verdict]), file=sys.stderr, flush=True)
 
 
-def export_at_end(cfg: Config) -> None:
-    """The last published version as a Hugging Face folder in the run's folder (kept when the run is archived)."""
-    from services.trainer.export import export_last
+def export_at_end(cfg: Config, warm_path: str | None = None) -> None:
+    """The last published version as a Hugging Face folder in the run's folder (kept when the run is archived);
+    in a process forked from the run's starter when there is one (this one need not import torch)."""
+    from dataclasses import asdict
 
     marker = runstate.read_marker(cfg.run_path) or {}
-    out = export_last(cfg.replace(run_id=marker.get("id", cfg.run_id)))  # its weights folder is keyed by the id
+    cfg = cfg.replace(run_id=marker.get("id", cfg.run_id))  # its weights folder is keyed by the id
+    try:
+        out = starter.call(warm_path, "services.trainer.export:export_last_of", {"config": asdict(cfg)})
+    except starter.CallFailed:
+        from services.trainer.export import export_last
+
+        out = export_last(cfg)
     if out:
         print(f"streamrl run: exported the last version to {out} (AutoModelForCausalLM.from_pretrained loads it)",
               file=sys.stderr, flush=True)

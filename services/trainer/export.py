@@ -100,6 +100,12 @@ def maybe_export(cfg: Config, version: int, log=None) -> Path | None:
     return out
 
 
+def export_last_of(config: dict) -> str | None:
+    """``export_last`` of a config given as a dict (a warm starter's ``call``): the folder, as a string."""
+    out = export_last(Config(**config))
+    return str(out) if out else None
+
+
 def export_last(cfg: Config) -> Path | None:
     """The newest published version as an HF folder (`streamrl run`, after every process stopped)."""
     files = [v for v in kept_versions(cfg) if weights_file(cfg, v).is_file()]

@@ -84,6 +84,7 @@ def test_bad_input_is_one_line_each_exit_2_and_nothing_under_runs(flags, lines, 
                                                                   tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # `examples` importable, as in the checkout (the checks run in a child)
     monkeypatch.delenv("REDIS_URL", raising=False)
     for name, text in FILES.items():
         Path(name).write_text(text)

@@ -5,114 +5,62 @@ started); `wait_until` polls a condition against a deadline, fails naming what i
 fails at once when a process the test depends on has died. No test sleeps a fixed time to
 synchronise with another process: it waits for the state it needs.
 
-`spawn` forks its processes from a warm interpreter that has imported torch and transformers once
-(`tests/support/zygote.py`, one per pytest worker) instead of paying those imports in every process;
-`TESTS_COLD_START=1` starts each with a fresh interpreter instead. Either way the handle answers as
-`subprocess.Popen` does (`pid`, `args`, `poll`, `wait`, `returncode`, `terminate`, `communicate`).
+`spawn` forks its processes from a warm interpreter that has imported torch and transformers once (the same
+starter `streamrl run` uses, `services/ops/starter.py`, one per pytest worker) instead of paying those imports
+in every process; `TESTS_COLD_START=1` starts each with a fresh interpreter instead. Either way the handle
+answers as `subprocess.Popen` does (`pid`, `args`, `poll`, `wait`, `returncode`, `terminate`, `communicate`).
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import select
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
+
+from services.ops import starter
 
 ROOT = str(Path(__file__).resolve().parents[2])
 POLL_S = 0.05  # how often a condition is re-read; only the deadline bounds how long a wait may take
 WARM = os.environ.get("TESTS_COLD_START", "") in ("", "0")
 
 
-class Warm:
-    """A process the zygote forked: the part of ``subprocess.Popen``'s interface the tests use."""
-
-    def __init__(self, args: list[str], pid: int, conn: socket.socket, stderr=None):
-        self.args, self.pid, self._conn, self.stderr, self.returncode = args, pid, conn, stderr, None
-
-    def _read_exit(self, timeout: float | None) -> bool:
-        if self.returncode is None and select.select([self._conn], [], [], timeout)[0]:
-            message = self._conn.recv(4096)
-            self.returncode = json.loads(message)["code"] if message else -signal.SIGKILL  # zygote gone
-            self._conn.close()
-        return self.returncode is not None
-
-    def poll(self) -> int | None:
-        self._read_exit(0)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self._read_exit(timeout):
-            raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def communicate(self, timeout: float | None = None) -> tuple[None, str | None]:
-        err = None
-        if self.stderr is not None:
-            box: list[str] = []
-            reader = threading.Thread(target=lambda: box.append(self.stderr.read()), daemon=True)
-            reader.start()
-            reader.join(timeout)
-            if reader.is_alive():
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            err = box[0]
-        self.wait(timeout)
-        return None, err
+_starter: dict = {}
+_starter_lock = threading.Lock()
 
 
-_zygote: dict = {}
-_zygote_lock = threading.Lock()
+def _starter_path() -> str:
+    """This pytest worker's starter (launched once; it exits with the worker): its socket's path."""
+    with _starter_lock:
+        if _starter.get("pid") != os.getpid():
+            proc, path = starter.launch(cwd=ROOT)
+            atexit.register(starter.close, proc, path)
+            _starter.update(pid=os.getpid(), path=path)
+        return _starter["path"]
 
 
-def _zygote_path() -> str:
-    """Start this process's zygote once (it exits when its stdin, held here, closes); its socket's path."""
-    with _zygote_lock:
-        if _zygote.get("pid") != os.getpid():
-            folder = tempfile.mkdtemp(prefix="zygote-")
-            path = os.path.join(folder, "sock")
-            proc = subprocess.Popen([sys.executable, "-m", "tests.support.zygote", path], cwd=ROOT,
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-            if proc.stdout.readline().strip() != b"ready":
-                raise RuntimeError(f"the test zygote did not start (exit {proc.wait()})")
-            atexit.register(lambda: (proc.stdin.close(), proc.wait(30)))
-            _zygote.update(pid=os.getpid(), path=path, proc=proc)
-        return _zygote["path"]
-
-
-def _spawn_warm(module: str, args: list[str], env: dict | None, out_fd: int | None,
-                stderr_pipe: bool) -> Warm:
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    conn.connect(_zygote_path())
+def _spawn_warm(module: str, args: list[str], env: dict | None, out_fd: int | None, stderr_pipe: bool):
     err_r = err_w = None
     if stderr_pipe:
         err_r, err_w = os.pipe()
-    fds = [out_fd if out_fd is not None else 1, out_fd if out_fd is not None else err_w if err_w is not None else 2]
-    request = {"module": module, "args": args, "env": dict(os.environ if env is None else env), "cwd": ROOT}
     try:
-        socket.send_fds(conn, [json.dumps(request).encode()], fds)
-        pid = json.loads(conn.recv(4096))["pid"]
+        proc = starter.start(_starter_path(), module, args, os.environ if env is None else env, ROOT,
+                             out_fd if out_fd is not None else 1,
+                             out_fd if out_fd is not None else err_w if err_w is not None else 2)
+    except BaseException:
+        if err_r is not None:
+            os.close(err_r)
+        raise
     finally:
         if err_w is not None:
             os.close(err_w)
-    stderr = open(err_r, encoding="utf-8", errors="replace") if err_r is not None else None
-    return Warm([sys.executable, "-m", module, *args], pid, conn, stderr)
+    if err_r is not None:
+        proc.stderr = open(err_r, encoding="utf-8", errors="replace")
+    return proc
 
 
 def spawn(module: str, *args: str, env: dict | None = None, log: str | Path | None = None,

@@ -1,0 +1,332 @@
+"""A warm process starter: ``python -m MODULE ARGS`` without paying ``import torch`` in every process.
+
+A rollout worker or a trainer spends 2.5-3.5 CPU-seconds importing torch and transformers before its first line
+of work; on a restart after a crash that is most of the time the run waits for it. `streamrl run` starts one
+starter per run (``python -m services.ops.starter SOCKET``): it imports those libraries once, then serves
+requests on a Unix socket in a private (0700) folder. Each request forks a child that becomes the requested
+process: its own session (``--chaos`` and drills kill its group), the stdout/stderr passed over the socket, the
+environment, folder and ``sys.argv`` asked for, and the module run with ``runpy`` as ``python -m`` runs it. The
+project's own modules are not pre-imported: the child imports them under its own environment, as a fresh
+interpreter would. This is how gunicorn's ``--preload`` starts workers, and how PyTorch's fork-started
+DataLoader workers start (torch registers fork handlers for its thread pools); nothing in the starter runs a
+torch operation or starts a thread before it forks. pyarrow is left out (its allocator starts a thread).
+
+The starter reaps its children and reports each exit status on the connection that asked for it, so the
+asking side's handle (``Started``) answers ``poll``/``wait``/``returncode`` like ``subprocess.Popen``. A child
+dies with the starter (the parent-death signal) and, given ``watch_pid``, with the process that asked for it
+(`streamrl keep`), so no kill leaves an orphan. The starter exits when its stdin closes (its runner is gone).
+Whoever cannot reach a starter starts the process the ordinary way (``streamrl keep`` under a plain
+``honcho start`` always does).
+
+Protocol (SOCK_SEQPACKET, one message each way per step): the request is JSON ``{"module", "args", "env",
+"cwd", "watch_pid"}`` with two file descriptors (stdout, stderr) attached; the answer ``{"pid": N}``, then, when
+that child exits, ``{"code": C}`` (``Popen.returncode``'s convention: -N for signal N).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+
+PRELOAD = ("torch", "numpy", "redis", "rq", "msgpack", "structlog", "safetensors", "zstandard", "transformers",
+           "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2", "uvicorn",
+           "fastapi", "httpx")
+MAX_MESSAGE = 1 << 20
+ENV = "STARTER_SOCKET"  # where `streamrl keep` finds its run's starter (not STREAMRL_*: those are config keys)
+CALL_ENV = "STARTER_CALL"  # a ``call``'s function and arguments, for the child that runs it
+
+
+def preload() -> None:
+    import importlib
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (fills the lazy maps)
+
+
+def _prctl(option: int, arg) -> None:
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(option, arg, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _die_with(pid: int) -> None:
+    """A daemon thread in the child: SIGKILL itself when process ``pid`` (its supervisor) is gone."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-supervisor", daemon=True).start()
+
+
+def _child(request: dict, fds: list[int]) -> None:
+    """In the forked child: become the requested process and run it; never returns."""
+    code = 1
+    try:
+        os.setsid()
+        _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the starter
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(fds[0], 1)
+        os.dup2(fds[1], 2)
+        for fd in (devnull, *fds):
+            os.close(fd)
+        for sig in (signal.SIGCHLD, signal.SIGTERM):  # SIGPIPE stays ignored, as Python sets it
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.set_wakeup_fd(-1)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if os.environ.get("PYTHONUNBUFFERED"):
+            sys.stdout.reconfigure(write_through=True)
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:] = [request["cwd"], *extra, *[p for p in sys.path[1:] if p not in extra]]
+        if "OMP_NUM_THREADS" in os.environ:
+            import torch
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        if request.get("watch_pid"):
+            _die_with(int(request["watch_pid"]))
+        sys.argv = [request["module"], *request["args"]]
+        _prctl(15, request["module"].rsplit(".", 1)[-1][:15].encode())  # PR_SET_NAME: ps/top show the module
+        import runpy
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            if e.code is None:
+                code = 0
+            elif isinstance(e.code, int):
+                code = e.code
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            sys.excepthook(*sys.exc_info())  # a service's own hook, as the interpreter would call it
+            code = 1
+        threading._shutdown()  # as the interpreter does at exit: wait for non-daemon threads
+        import atexit
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed pipe: nothing left to say
+                pass
+        os._exit(code & 0xFF)
+
+
+def serve(path: str) -> None:
+    """The starter's loop: preload, then fork a child per request and report each child's exit."""
+    preload()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path)
+    server.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the runner ends it
+    print("ready", flush=True)
+    waiting: dict[int, socket.socket] = {}
+    while True:
+        readable, _, _ = select.select([server, wake_r, sys.stdin], [], [])
+        if sys.stdin in readable and not sys.stdin.buffer.read1(1):
+            return  # whoever started us is gone
+        if server in readable:
+            conn, _ = server.accept()
+            message, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 2)
+            request = json.loads(message)
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                os.close(wake_r)
+                os.close(wake_w)
+                for other in waiting.values():
+                    other.close()
+                conn.close()
+                _child(request, fds)
+            for fd in fds:
+                os.close(fd)
+            conn.send(json.dumps({"pid": pid}).encode())
+            waiting[pid] = conn
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+        while waiting:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = waiting.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.send(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode())
+                except OSError:
+                    pass
+                conn.close()
+
+
+class Started:
+    """A process a starter forked: the part of ``subprocess.Popen``'s interface supervisors and tests use."""
+
+    def __init__(self, args: list[str], pid: int, conn: socket.socket, stdout=None, stderr=None):
+        self.args, self.pid, self._conn, self.returncode = args, pid, conn, None
+        self.stdout, self.stderr = stdout, stderr
+
+    def _read_exit(self, timeout: float | None) -> bool:
+        if self.returncode is None and select.select([self._conn], [], [], timeout)[0]:
+            message = self._conn.recv(4096)
+            self.returncode = json.loads(message)["code"] if message else -signal.SIGKILL  # the starter is gone
+            self._conn.close()
+        return self.returncode is not None
+
+    def poll(self) -> int | None:
+        self._read_exit(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._read_exit(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None):
+        """(stdout, stderr) text of the pipes it was started with (None for the others), once it has exited."""
+        outs = []
+        for stream in (self.stdout, self.stderr):
+            if stream is None:
+                outs.append(None)
+                continue
+            box: list = []
+            reader = threading.Thread(target=lambda s=stream: box.append(s.read()), daemon=True)
+            reader.start()
+            reader.join(timeout)
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            outs.append(box[0])
+        self.wait(timeout)
+        return tuple(outs)
+
+
+def python_module(command: list[str]) -> tuple[str, list[str]] | None:
+    """(module, args) of a ``python -m MODULE ARGS...`` command line; None for anything else."""
+    if len(command) >= 3 and os.path.basename(command[0]).startswith("python") and command[1] == "-m":
+        return command[2], list(command[3:])
+    return None
+
+
+def start(path: str, module: str, args: list[str], env: dict, cwd: str, stdout: int, stderr: int,
+          watch_pid: int | None = None) -> Started:
+    """Ask the starter at ``path`` for ``python -m module args`` with those file descriptors as its stdout and
+    stderr (they stay open here; close them after); ``OSError`` when no starter answers."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        conn.connect(path)
+        request = {"module": module, "args": args, "env": dict(env), "cwd": cwd, "watch_pid": watch_pid}
+        socket.send_fds(conn, [json.dumps(request).encode()], [stdout, stderr])
+        answer = conn.recv(4096)
+        if not answer:
+            raise OSError(f"the starter at {path} closed the connection")
+        return Started([sys.executable, "-m", module, *args], json.loads(answer)["pid"], conn)
+    except BaseException:
+        conn.close()
+        raise
+
+
+class CallFailed(RuntimeError):
+    """``call`` got no answer: no starter, or the child failed (it said why on stderr)."""
+
+
+def call(path: str | None, target: str, payload: dict, env: dict | None = None, cwd: str | None = None):
+    """``module:function(**payload)`` run in a child forked from the starter at ``path`` (so the caller never
+    imports what it needs); its JSON result. ``CallFailed`` when that gave no answer."""
+    if not path:
+        raise CallFailed("no starter")
+    read, write = os.pipe()
+    env = {**(os.environ if env is None else env), CALL_ENV: json.dumps({"target": target, "payload": payload})}
+    try:
+        proc = start(path, "services.ops.starter", ["--call"], env=env, cwd=cwd or os.getcwd(), stdout=write,
+                     stderr=2)
+    except OSError as exc:
+        os.close(read)
+        raise CallFailed(str(exc)) from None
+    finally:
+        os.close(write)
+    with os.fdopen(read, "rb") as out:
+        answer = out.read()
+    code = proc.wait()
+    lines = answer.splitlines()
+    if code != 0 or not lines:
+        raise CallFailed(f"{target} exited with {code}")
+    return json.loads(lines[-1])
+
+
+def _call_main() -> None:
+    """In a child started by ``call``: run the function and print its result as the last line."""
+    import importlib
+
+    request = json.loads(os.environ.pop(CALL_ENV))
+    module, function = request["target"].split(":")
+    result = getattr(importlib.import_module(module), function)(**request["payload"])
+    print(json.dumps(result), flush=True)
+
+
+def launch(env: dict | None = None, cwd: str | None = None, wait: bool = True) -> tuple[subprocess.Popen, str]:
+    """Start a starter: (its process, its socket's path), once it has preloaded unless ``wait`` is False (then
+    call ``ready``). It exits when its stdin (held by the returned process object) is closed, or with the caller."""
+    folder = tempfile.mkdtemp(prefix="streamrl-starter-")  # 0700: only this user can ask it for a process
+    path = os.path.join(folder, "sock")
+    proc = subprocess.Popen([sys.executable, "-m", "services.ops.starter", path], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env, cwd=cwd)
+    if wait:
+        ready(proc)
+    return proc, path
+
+
+def ready(proc: subprocess.Popen) -> None:
+    """Wait until a launched starter has preloaded; ``RuntimeError`` when it died instead."""
+    if proc.stdout.readline().strip() != b"ready":
+        raise RuntimeError(f"the process starter did not start (exit {proc.wait()})")
+
+
+def close(proc: subprocess.Popen, path: str | None) -> None:
+    """Stop a starter ``launch`` started, and remove its folder."""
+    path = path or ""
+    try:
+        proc.stdin.close()
+        proc.wait(30)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+    for p in (path, os.path.dirname(path)):
+        try:
+            os.unlink(p) if p == path else os.rmdir(p)
+        except OSError:
+            pass
+
+
+if __name__ == "__main__":
+    _call_main() if sys.argv[1:] == ["--call"] else serve(sys.argv[1])

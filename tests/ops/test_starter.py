@@ -1,0 +1,106 @@
+"""The warm process starter (services/ops/starter.py): a forked process is the process asked for, its exit is
+reported as Popen reports it, it dies with whoever supervises it, and `streamrl keep` restarts through it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from services.ops import starter
+from tests.support.procs import ROOT, wait_until
+
+
+@pytest.fixture
+def warm():
+    proc, path = starter.launch(cwd=ROOT)
+    yield proc, path
+    starter.close(proc, path)
+
+
+def _start(path, tmp_path, *args, env=None, watch_pid=None):
+    out = open(tmp_path / "out.txt", "ab")
+    try:
+        return starter.start(path, "tests.support.probe_main", list(args), env={**os.environ, "PROBE": "p1", **(env or {})},
+                             cwd=str(tmp_path), stdout=out.fileno(), stderr=out.fileno(), watch_pid=watch_pid)
+    finally:
+        out.close()
+
+
+def _said(tmp_path) -> dict:
+    return json.loads((tmp_path / "out.txt").read_text().splitlines()[0])
+
+
+def test_a_forked_process_is_the_module_asked_for_with_its_args_env_folder_and_exit_code(warm, tmp_path):
+    proc = _start(warm[1], tmp_path, "exit", "3", env={"PYTHONPATH": ROOT})
+    assert proc.wait(60) == 3
+    said = _said(tmp_path)
+    assert said["argv"] == ["exit", "3"] and said["probe"] == "p1" and said["cwd"] == str(tmp_path)
+    assert said["torch_preloaded"] and said["sid"] == said["pid"] == proc.pid  # warm, and its own session
+
+
+def test_a_crash_goes_through_the_excepthook_and_a_kill_reads_as_minus_the_signal(warm, tmp_path):
+    crashed = _start(warm[1], tmp_path, "raise", env={"PYTHONPATH": ROOT})
+    assert crashed.wait(60) == 1 and "ValueError: probe raised" in (tmp_path / "out.txt").read_text()
+    sleeper = _start(warm[1], tmp_path, "sleep", env={"PYTHONPATH": ROOT})
+    assert sleeper.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeper.wait(0.2)
+    os.killpg(sleeper.pid, signal.SIGKILL)
+    assert sleeper.wait(30) == -signal.SIGKILL
+
+
+def test_a_process_dies_with_its_supervisor_and_with_the_starter(warm, tmp_path):
+    supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    watched = _start(warm[1], tmp_path, "sleep", env={"PYTHONPATH": ROOT}, watch_pid=supervisor.pid)
+    orphan = _start(warm[1], tmp_path, "sleep", env={"PYTHONPATH": ROOT})
+    supervisor.kill()
+    supervisor.wait()
+    assert watched.wait(30) == -signal.SIGKILL and orphan.poll() is None
+    starter.close(*warm)  # the starter gone: its children go too
+    wait_until(lambda: not os.path.exists(f"/proc/{orphan.pid}") or _zombie(orphan.pid), "the starter's child gone", 30)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_call_runs_a_function_in_a_child_and_says_when_it_fails(warm):
+    assert starter.call(warm[1], "posixpath:basename", {"p": "/a/b.txt"}) == "b.txt"
+    with pytest.raises(starter.CallFailed):
+        starter.call(warm[1], "posixpath:nope", {})
+    with pytest.raises(starter.CallFailed):
+        starter.call(None, "posixpath:basename", {"p": "x"})
+
+
+def test_keep_restarts_a_killed_process_through_the_starter(warm, tmp_path):
+    env = {**os.environ, starter.ENV: warm[1], "PYTHONPATH": ROOT, "KEEP_PID_DIR": str(tmp_path / "pids")}
+    keep = subprocess.Popen([sys.executable, "-m", "services.ops.keep", "--", sys.executable, "-m",
+                             "tests.support.probe_main", "sleep"], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        from services.ops.keep import processes
+        first = wait_until(lambda: processes(tmp_path / "pids").get(NAME), "the first start", 60)[0]
+        assert _parent(first) == warm[0].pid  # forked by the starter, not exec'd by keep
+        os.killpg(first, signal.SIGKILL)
+        again = wait_until(lambda: (p := processes(tmp_path / "pids").get(NAME)) and p[0] != first and p,
+                           "the restart", 60)
+        assert again[1] == 1 and _parent(again[0]) == warm[0].pid
+    finally:
+        keep.terminate()
+        out, _ = keep.communicate(timeout=60)
+    assert keep.returncode == 0 and "restart 1" in out, out
+    assert '"torch_preloaded": true' in out  # its output relayed through keep
+
+
+NAME = "tests.support.probe_main"  # keep's name for a module outside services/
+
+
+def _parent(pid: int) -> int:
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])

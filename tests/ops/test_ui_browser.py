@@ -160,6 +160,12 @@ def test_the_pages_of_a_live_then_ended_run(tmp_path, tiny_model_dir, browser):
             assert by_version.setdefault(v, c) == c  # one colour per version
         assert len(set(by_version.values())) == len(by_version)  # ... and another for each other version
         assert page.inner_text("#command") == f"streamrl replay {episode} --run live --continue"
+
+        served = [pid for pid in _children(ui.pid) if b"valkey" in _read(f"/proc/{pid}/cmdline")]
+        assert served, "the ended run is read from a served copy of its data"
+        ui.terminate()  # as Ctrl-C or honcho stops it: the copy's server stops with it
+        assert ui.wait(timeout=30) == 0
+        _wait("the served copy's server stopped with the ui", lambda: not any(_alive(p) for p in served), 30, None)
     finally:
         for proc in (ui, run):
             if proc is not None and proc.poll() is None:
@@ -168,3 +174,21 @@ def test_the_pages_of_a_live_then_ended_run(tmp_path, tiny_model_dir, browser):
                     proc.wait(timeout=20)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()
+            and _read(f"/proc/{p}/stat").rsplit(b")", 1)[-1].split()[1:2] == [str(pid).encode()]]
+
+
+def _alive(pid: int) -> bool:
+    fields = _read(f"/proc/{pid}/stat").rsplit(b")", 1)[-1].split()
+    return bool(fields) and fields[0] != b"Z"

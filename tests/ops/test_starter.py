@@ -15,8 +15,17 @@ from services.ops import starter
 from tests.support.procs import ROOT, wait_until
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def warm():
+    """One starter for the module (each launch preloads torch: seconds of CPU)."""
+    proc, path = starter.launch(cwd=ROOT)
+    yield proc, path
+    starter.close(proc, path)
+
+
+@pytest.fixture
+def own_starter():
+    """A starter of the test's own, for a test that stops it."""
     proc, path = starter.launch(cwd=ROOT)
     yield proc, path
     starter.close(proc, path)
@@ -54,7 +63,8 @@ def test_a_crash_goes_through_the_excepthook_and_a_kill_reads_as_minus_the_signa
     assert sleeper.wait(30) == -signal.SIGKILL
 
 
-def test_a_process_dies_with_its_supervisor_and_with_the_starter(warm, tmp_path):
+def test_a_process_dies_with_its_supervisor_and_with_the_starter(own_starter, tmp_path):
+    warm = own_starter
     supervisor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     watched = _start(warm[1], tmp_path, "sleep", env={"PYTHONPATH": ROOT}, watch_pid=supervisor.pid)
     orphan = _start(warm[1], tmp_path, "sleep", env={"PYTHONPATH": ROOT})

@@ -83,6 +83,12 @@ def from_row(row: dict) -> list[tuple]:
     return [(i, dict(zip(flat[::2], flat[1::2]))) for i, flat in zip(row["entry_ids"], entries)]
 
 
+def file_format(path: Path) -> int:
+    """A segment file's format: 2 and later say so in the file's metadata; a file without it is format 1."""
+    metadata = pq.read_schema(path).metadata or {}
+    return int(metadata.get(b"streamrl.segment_format", b"1"))
+
+
 def raw_columns(path: Path) -> list[str]:
     """The columns to read an episode's entries from this file (format 1 files have no token columns)."""
     names = pq.read_schema(path).names

@@ -43,6 +43,7 @@ def test_a_format_1_segment_still_reads(client, keys, tmp_path):
                  "entries": [[x for kv in f.items() for x in kv] for _, f in hot[e]]} for e in eids]
     pq.write_table(pa.Table.from_pylist(old_rows, schema=FORMAT_1), folder / "seg-00000001.parquet")
     segments.append_manifest(folder, {"segment": "seg-00000001.parquet", "episodes": len(eids)})
+    assert segments.file_format(folder / "seg-00000001.parquet") == 1
     store = segments.SegmentStore(folder)
     assert store.read_many(eids) == hot
     assert dict(store.iter_all()) == hot
@@ -56,7 +57,7 @@ def test_format_2_moves_the_token_payloads_out_of_the_entries(client, keys, tmp_
     segments.write_file(folder, "seg-00000001.parquet", [segments.to_row(e, hot[e]) for e in eids])
     segments.append_manifest(folder, {"segment": "seg-00000001.parquet", "episodes": len(eids)})
     table = pq.read_table(folder / "seg-00000001.parquet")
-    assert table.schema.metadata[b"streamrl.segment_format"] == b"2"
+    assert segments.file_format(folder / "seg-00000001.parquet") == segments.FORMAT == 2
     assert all(n >= 0 for counts in table.column("tok_counts").to_pylist() for n in counts if n != -1)
     assert sum(n for counts in table.column("tok_counts").to_pylist() for n in counts if n > 0) == 40 * len(eids)
     assert segments.SegmentStore(folder).read_many(eids) == hot

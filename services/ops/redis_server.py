@@ -48,8 +48,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EmbeddedRedis:
-    def __init__(self, data_dir: str | Path, port: int = 0, host: str = "127.0.0.1", password: str | None = None):
+    def __init__(self, data_dir: str | Path, port: int = 0, host: str = "127.0.0.1", password: str | None = None,
+                 maxmemory: str = "0"):
         self.data_dir = Path(data_dir)
+        self.maxmemory = maxmemory  # 0: none; else a full server refuses writes (noeviction) instead of evicting
         self.host, self.port = host, port or free_port(host)
         self.password = password
         self.proc: subprocess.Popen | None = None
@@ -66,7 +68,7 @@ class EmbeddedRedis:
                "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no",
                "--logfile", "", "--loglevel", "warning", "--protected-mode", "yes",
                # blocking timeouts fire within ~10 ms instead of ~100 (bench/redis_hz.py: 0.3% of a core idle)
-               "--hz", "100"]
+               "--hz", "100", "--maxmemory", str(self.maxmemory), "--maxmemory-policy", "noeviction"]
         return cmd
 
     def start(self, timeout: float = 10.0, quiet: bool = True) -> "EmbeddedRedis":
@@ -145,7 +147,7 @@ def start_for_run(cfg, port: int = 0, host: str = "127.0.0.1", data_dir: str | P
     ``secrets.without_password(server.url)``."""
     from urllib.parse import urlsplit
 
-    server = EmbeddedRedis(data_dir or cfg.run_path / "redis", port=port, host=host)
+    server = EmbeddedRedis(data_dir or cfg.run_path / "redis", port=port, host=host, maxmemory=cfg.redis_maxmemory)
     given = {"redis_password": urlsplit(cfg.redis_url).password or "", "gateway_api_key": cfg.gateway_api_key,
              "weights_token": cfg.weights_token, "redis_server": f"{server.host}:{server.port}"}
     server.password = secrets.load_or_create(cfg.run_path, given)["redis_password"]

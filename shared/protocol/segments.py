@@ -7,6 +7,10 @@ byte-identical to the same episode read from Redis. The other columns are for an
 worker that ended it, reward, status, finish reason, number of generated tokens, the newest policy version that
 produced one of its tokens. Compression: zstd.
 
+Format 2 (``FORMAT``, in each file's metadata under ``streamrl.segment_format``) stores the token payloads
+columnar (shared/protocol/segment_columns.py: ``tok_counts``, ``tok_ids``, ``tok_logprobs``); files of format 1
+(no such columns) still read, as they were written.
+
 A segment is durable before anything may rely on it: written to ``.seg-N.parquet.tmp``, fsynced, renamed to
 ``seg-N.parquet``, the folder fsynced, then a line appended (and fsynced) to ``_manifest.jsonl``. Only segments
 the manifest lists exist for readers; a file the manifest does not list (a crash before the line) is an orphan
@@ -22,7 +26,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shared.protocol import jsonl
+from shared.protocol import jsonl, segment_columns
 from shared.protocol.events import EventError
 from shared.protocol.fold import fold
 
@@ -40,7 +44,14 @@ SCHEMA = pa.schema([
     ("version", pa.int32()),
     ("entry_ids", pa.list_(pa.binary())),
     ("entries", pa.list_(pa.list_(pa.binary()))),
-])
+    ("tok_counts", pa.list_(pa.int32())),
+    ("tok_ids", pa.binary()),
+    ("tok_logprobs", pa.binary()),
+], metadata={b"streamrl.segment_format": b"2"})
+FORMAT = 2
+LEVEL = 15  # zstd level: 15 gives the token columns ~5 % over 9 for ~1 us a token (bench/tiers.py)
+RAW = ["episode_id", "entry_ids", "entries"]  # the columns an episode's entries come back from
+TOKEN_COLUMNS = ["tok_counts", "tok_ids", "tok_logprobs"]  # format 2 only
 
 
 def _b(v) -> bytes:
@@ -49,10 +60,12 @@ def _b(v) -> bytes:
 
 def to_row(episode_id: str, entries: list[tuple]) -> dict:
     """An episode's XRANGE entries -> one row (raw entries kept as they are; analysis columns from its fold)."""
+    flat, counts, ids, lps = segment_columns.pack([[_b(x) for kv in fields.items() for x in kv]
+                                                    for _, fields in entries])
     row = {"episode_id": episode_id, "group_id": "", "worker": "", "status": "", "finish_reason": None,
            "reward": None, "num_generated": 0, "version": -1,
-           "entry_ids": [_b(i) for i, _ in entries],
-           "entries": [[_b(x) for kv in fields.items() for x in kv] for _, fields in entries]}
+           "entry_ids": [_b(i) for i, _ in entries], "entries": flat,
+           "tok_counts": counts, "tok_ids": ids, "tok_logprobs": lps}
     try:
         ep = fold(entries)
     except EventError:  # kept as it is all the same: the raw entries are the record
@@ -63,8 +76,23 @@ def to_row(episode_id: str, entries: list[tuple]) -> dict:
 
 
 def from_row(row: dict) -> list[tuple]:
-    """A row -> the episode's entries as XRANGE returns them (bytes ids, {bytes: bytes} fields)."""
-    return [(i, dict(zip(flat[::2], flat[1::2]))) for i, flat in zip(row["entry_ids"], row["entries"])]
+    """A row (either format) -> the episode's entries as XRANGE returns them (bytes ids, {bytes: bytes} fields)."""
+    entries = row["entries"]
+    if row.get("tok_counts") is not None:
+        entries = segment_columns.unpack(entries, row["tok_counts"], row["tok_ids"], row["tok_logprobs"])
+    return [(i, dict(zip(flat[::2], flat[1::2]))) for i, flat in zip(row["entry_ids"], entries)]
+
+
+def file_format(path: Path) -> int:
+    """A segment file's format: 2 and later say so in the file's metadata; a file without it is format 1."""
+    metadata = pq.read_schema(path).metadata or {}
+    return int(metadata.get(b"streamrl.segment_format", b"1"))
+
+
+def raw_columns(path: Path) -> list[str]:
+    """The columns to read an episode's entries from this file (format 1 files have no token columns)."""
+    names = pq.read_schema(path).names
+    return RAW + [c for c in TOKEN_COLUMNS if c in names]
 
 
 def folder_of(run_path: Path | str) -> Path:
@@ -77,7 +105,7 @@ def write_file(folder: Path, name: str, rows: list[dict]) -> int:
     tmp = folder / f".{name}.tmp"
     table = pa.Table.from_pylist(rows, schema=SCHEMA)
     with open(tmp, "wb") as fh:
-        pq.write_table(table, fh, compression="zstd", compression_level=9)
+        pq.write_table(table, fh, compression="zstd", compression_level=LEVEL)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, folder / name)
@@ -162,7 +190,7 @@ class SegmentStore:
                 by_segment.setdefault(self._index[episode_id], []).append(episode_id)
         out: dict[str, list[tuple]] = {}
         for name, wanted in by_segment.items():
-            table = pq.read_table(self.folder / name, columns=["episode_id", "entry_ids", "entries"],
+            table = pq.read_table(self.folder / name, columns=raw_columns(self.folder / name),
                                   filters=[("episode_id", "in", wanted)])
             for row in table.to_pylist():
                 out[row["episode_id"]] = from_row(row)
@@ -175,7 +203,7 @@ class SegmentStore:
         """(episode id, entries) of every archived episode, segment by segment."""
         self.refresh()
         for name in sorted(self._listed):
-            for row in pq.read_table(self.folder / name, columns=["episode_id", "entry_ids", "entries"]).to_pylist():
+            for row in pq.read_table(self.folder / name, columns=raw_columns(self.folder / name)).to_pylist():
                 if self._index.get(row["episode_id"]) == name:
                     yield row["episode_id"], from_row(row)
 

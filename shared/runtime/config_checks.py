@@ -7,6 +7,7 @@ flags), so a service never starts on a value it would misread. The rules are gro
 from __future__ import annotations
 
 import json
+import re
 
 from shared.runtime.config import Config, ConfigError
 from shared.runtime.connection import is_cluster, redact
@@ -21,6 +22,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'rq_redis_url': redis_url {redact(cfg.redis_url)} names a Redis Cluster and rq "
                           f"needs a single server for the tool, reward and agent job queues: set rq_redis_url "
                           f"(or STREAMRL_RQ_REDIS_URL) to a plain redis:// URL")
+    if not re.fullmatch(r"\d+(b|kb|mb|gb)?", cfg.redis_maxmemory.strip().lower()):
+        raise ConfigError(f"config key 'redis_maxmemory': expected a size in Redis units (0: none, 512mb, 4gb), "
+                          f"got {cfg.redis_maxmemory!r}")
     if cfg.flush_tokens < 1:
         raise ConfigError(f"config key 'flush_tokens': expected an integer >= 1, got {cfg.flush_tokens}")
     if cfg.log_retention_versions < 0:

@@ -79,8 +79,11 @@ class Service:
         return connect(self.cfg.rq_redis_url or self.cfg.redis_url, wait=self.cfg.redis_wait)
 
     def _excepthook(self, kind, exc, tb) -> None:
-        """A Redis that stayed gone for redis_wait seconds (the client's retries are spent): one line, no traceback."""
-        if issubclass(kind, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+        """A Redis that stayed gone for redis_wait seconds (the client's retries are spent), or one out of memory:
+        one line, no traceback."""
+        if issubclass(kind, redis.exceptions.OutOfMemoryError):
+            print(f"{self.name}: {out_of_memory_line(self.cfg)}; stopping", file=sys.stderr, flush=True)
+        elif issubclass(kind, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
             print(f"{self.name}: Redis at {redact(self.cfg.redis_url)} is gone: no answer within redis_wait = "
                   f"{self.cfg.redis_wait:g} s ({exc}); stopping", file=sys.stderr, flush=True)
         else:
@@ -95,3 +98,9 @@ class Service:
     def heartbeat(self, ttl: float | None = None) -> Heartbeat:
         """This process's heartbeat (shared.runtime.heartbeat): call ``beat()`` from the loop."""
         return Heartbeat(self.client, self.keys, self.name, self.worker_id, ttl or self.cfg.heartbeat_ttl)
+
+
+def out_of_memory_line(cfg) -> str:
+    """What a service says when Redis refuses a write for want of memory (``OutOfMemoryError``, noeviction)."""
+    return (f"Redis is out of memory (maxmemory {cfg.redis_maxmemory}): raise redis_maxmemory or set "
+            f"log_retention_versions (episodes of old versions move to Parquet segments)")

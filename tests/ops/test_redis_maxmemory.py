@@ -1,0 +1,31 @@
+"""The embedded Redis's guard rail: with maxmemory set, a full server refuses writes (noeviction), and the error is
+one recognisable line naming the config keys to change."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from services.ops.redis_server import EmbeddedRedis
+from shared.runtime.config import Config, ConfigError
+from shared.runtime.config_checks import validate
+from shared.runtime.service import out_of_memory_line
+
+
+def test_a_full_redis_refuses_writes_with_a_named_error(tmp_path):
+    with EmbeddedRedis(tmp_path / "redis", maxmemory="3mb") as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            for i in range(10_000):
+                client.xadd("s", {"data": b"x" * 4096})
+        assert client.xlen("s") == i  # nothing evicted: every accepted entry is still there
+        client.close()
+    line = out_of_memory_line(Config(redis_maxmemory="3mb"))
+    assert line.startswith("Redis is out of memory (maxmemory 3mb): raise redis_maxmemory or set log_retention_versions")
+
+
+def test_redis_maxmemory_is_checked():
+    validate(Config(redis_maxmemory="0"))
+    with pytest.raises(ConfigError, match="redis_maxmemory.*512mb.*'lots'"):
+        validate(Config(redis_maxmemory="lots"))

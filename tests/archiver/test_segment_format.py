@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shared.protocol import segment_columns, segments
-from tests.archiver.tiers_support import all_streams, make_run
+from tests.archiver.tiers_support import all_streams, make_run, one_segment
 
 FORMAT_1 = pa.schema([f for f in segments.SCHEMA if f.name not in segments.TOKEN_COLUMNS])
 
@@ -50,12 +50,7 @@ def test_a_format_1_segment_still_reads(client, keys, tmp_path):
 
 
 def test_format_2_moves_the_token_payloads_out_of_the_entries(client, keys, tmp_path):
-    groups = make_run(client, keys, tmp_path, versions=2)
-    eids = [e for es in groups.values() for e in es]
-    hot = all_streams(client, keys, eids)
-    folder = tmp_path / "episodes"
-    segments.write_file(folder, "seg-00000001.parquet", [segments.to_row(e, hot[e]) for e in eids])
-    segments.append_manifest(folder, {"segment": "seg-00000001.parquet", "episodes": len(eids)})
+    eids, hot, folder = one_segment(client, keys, tmp_path, versions=2)
     table = pq.read_table(folder / "seg-00000001.parquet")
     assert segments.file_format(folder / "seg-00000001.parquet") == segments.FORMAT == 2
     assert all(n >= 0 for counts in table.column("tok_counts").to_pylist() for n in counts if n != -1)

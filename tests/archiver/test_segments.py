@@ -8,16 +8,11 @@ from shared.protocol import segments
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold
 from services.ops.episodes import read_summaries
-from tests.archiver.tiers_support import all_streams, make_run
+from tests.archiver.tiers_support import all_streams, make_run, one_segment
 
 
 def test_a_segment_gives_back_the_stream_byte_for_byte(client, keys, tmp_path):
-    groups = make_run(client, keys, tmp_path, versions=3)
-    eids = [e for es in groups.values() for e in es]
-    hot = all_streams(client, keys, eids)
-    folder = tmp_path / "episodes"
-    segments.write_file(folder, "seg-00000001.parquet", [segments.to_row(e, hot[e]) for e in eids])
-    segments.append_manifest(folder, {"segment": "seg-00000001.parquet", "episodes": len(eids)})
+    eids, hot, folder = one_segment(client, keys, tmp_path, versions=3)
     store = segments.SegmentStore(folder)
     cold = store.read_many(eids)
     assert cold == hot

@@ -43,3 +43,17 @@ def make_run(client, keys, run_path: Path, versions: int, per_group: int = 2) ->
 
 def all_streams(client, keys, episode_ids) -> dict[str, list]:
     return {eid: client.xrange(keys.episode(eid)) for eid in episode_ids}
+
+
+def one_segment(client, keys, run_path: Path, versions: int) -> tuple[list[str], dict[str, list], Path]:
+    """A run's episodes written to one segment file (listed in the manifest): (episode ids, their streams as
+    Redis gave them, the segments' folder)."""
+    from shared.protocol import segments
+
+    groups = make_run(client, keys, run_path, versions=versions)
+    eids = [e for es in groups.values() for e in es]
+    hot = all_streams(client, keys, eids)
+    folder = run_path / "episodes"
+    segments.write_file(folder, "seg-00000001.parquet", [segments.to_row(e, hot[e]) for e in eids])
+    segments.append_manifest(folder, {"segment": "seg-00000001.parquet", "episodes": len(eids)})
+    return eids, hot, folder

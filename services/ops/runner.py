@@ -192,7 +192,7 @@ def _run(cfg: Config, entries: dict, warm_path: str | None, extra_env: dict | No
     for old in pid_dir.glob("*.pid") if pid_dir.is_dir() else []:
         old.unlink()
     env[PID_DIR_ENV] = str(pid_dir)
-    if warm_path:
+    if warm_path and cfg.engine == "torch":  # vLLM starts its own engine processes: its workers start cold, as tested
         env[starter.ENV] = warm_path
     manager = Manager()
     # the driver's progress lines are the view; the services' per-step info lines would bury them

@@ -69,7 +69,8 @@ def spawn(module: str, *args: str, env: dict | None = None, log: str | Path | No
     stderr to a text pipe (``proc.communicate()``) with ``stderr_pipe``."""
     out = open(log, "ab") if log else None
     try:
-        if WARM and not module.startswith("torch."):
+        vllm = "vllm" in (env or os.environ).get("STREAMRL_ENGINE", "") or "vllm" in args  # as streamrl run: cold
+        if WARM and not module.startswith("torch.") and not vllm:
             return _spawn_warm(module, [str(a) for a in args], env, out.fileno() if out else None, stderr_pipe)
         return subprocess.Popen([sys.executable, "-m", module, *map(str, args)], env=env, cwd=ROOT,
                                 start_new_session=True, stdout=out,

@@ -195,4 +195,3 @@ def _prompts(cfg: Config, tokenizer, context: int | None, sets: list[tuple[str, 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
-

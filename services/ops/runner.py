@@ -260,6 +260,9 @@ def export_at_end(cfg: Config, warm_path: str | None = None) -> None:
     cfg = cfg.replace(run_id=marker.get("id", cfg.run_id))  # its weights folder is keyed by the id
     try:
         out = starter.call(warm_path, "services.trainer.export:export_last_of", {"config": asdict(cfg)})
+    except starter.ChildFailed as exc:  # it said why above: the same again here would only say it twice
+        print(f"streamrl run: the export at the end failed ({exc})", file=sys.stderr, flush=True)
+        out = None
     except starter.CallFailed:
         from services.trainer.export import export_last
 

@@ -258,7 +258,11 @@ def start(path: str, module: str, args: list[str], env: dict, cwd: str, stdout: 
 
 
 class CallFailed(RuntimeError):
-    """``call`` got no answer: no starter, or the child failed (it said why on stderr)."""
+    """``call`` got no answer: no starter, or the child failed (``ChildFailed``)."""
+
+
+class ChildFailed(CallFailed):
+    """The child ran and failed; it said why on stderr."""
 
 
 def call(path: str | None, target: str, payload: dict, env: dict | None = None, cwd: str | None = None):
@@ -281,7 +285,7 @@ def call(path: str | None, target: str, payload: dict, env: dict | None = None, 
     code = proc.wait()
     lines = answer.splitlines()
     if code != 0 or not lines:
-        raise CallFailed(f"{target} exited with {code}")
+        raise ChildFailed(f"{target} exited with {code}")
     return json.loads(lines[-1])
 
 

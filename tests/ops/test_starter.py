@@ -84,10 +84,11 @@ def _zombie(pid: int) -> bool:
 
 def test_call_runs_a_function_in_a_child_and_says_when_it_fails(warm):
     assert starter.call(warm[1], "posixpath:basename", {"p": "/a/b.txt"}) == "b.txt"
-    with pytest.raises(starter.CallFailed):
+    with pytest.raises(starter.ChildFailed):
         starter.call(warm[1], "posixpath:nope", {})
-    with pytest.raises(starter.CallFailed):
+    with pytest.raises(starter.CallFailed) as no_starter:
         starter.call(None, "posixpath:basename", {"p": "x"})
+    assert not isinstance(no_starter.value, starter.ChildFailed)
 
 
 def test_keep_restarts_a_killed_process_through_the_starter(warm, tmp_path):

@@ -22,13 +22,19 @@ SLOW_SECONDS = 10  # a slow test's wall time when its marker gives none (`@pytes
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest files first, so the test workers (one file each at a time) do not end on one long file while the
-    others stand idle: a file weighs the seconds its slow tests are marked with. Within a file the order stays."""
+    """The longest files first, so the test workers (one file each at a time, in this order: `./dev test` passes
+    --no-loadscope-reorder) do not end on one long file while the others stand idle. A file weighs its measured
+    seconds (tests/durations.json, tests/support/durations.py), or else the seconds its slow tests are marked with.
+    Within a file the order stays."""
+    from tests.support.durations import load
+
+    measured = load()
     weight: dict[str, float] = {}
     for item in items:
         mark = item.get_closest_marker("slow")
         weight[item.nodeid.split("::")[0]] = weight.get(item.nodeid.split("::")[0], 0.0) + (
             mark.kwargs.get("seconds", SLOW_SECONDS) if mark else 0.0)
+    weight.update({path: s for path, s in measured.items() if path in weight})
     items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: ties keep the collection order
 
 
@@ -37,6 +43,15 @@ def run_dir_outside_the_checkout(tmp_path_factory):
     """Service processes a test starts without a run folder of its own write under this session's temp folder,
     never under the checkout's runs/."""
     os.environ.setdefault("STREAMRL_RUN_DIR", str(tmp_path_factory.mktemp("runs")))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_starter_per_worker():
+    """The processes of every `streamrl run` a test starts fork from this worker's one warm starter
+    (tests/support/procs.py) instead of one each run preloads."""
+    from tests.support.procs import share_starter
+
+    share_starter()
 
 
 @pytest.fixture(scope="session")

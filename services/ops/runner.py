@@ -125,9 +125,10 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None, 
 
     check_continuation(cfg)
     # the run's warm starter: its processes (and their restarts) fork from it with torch already imported. Started
-    # first, so the preflight runs in it too, unless this process has torch already (then the preflight is cheap here)
-    warm = sock = None
-    if "torch" not in sys.modules:
+    # first, so the preflight runs in it too, unless this process has torch already (then the preflight is cheap here).
+    # A starter this process was handed (STARTER_SOCKET: the tests share one per worker) serves instead, not closed here
+    warm, sock = None, starter.inherited()
+    if sock is None and "torch" not in sys.modules:
         warm, sock = _launch_starter(wait=False)
     try:
         ensure_model(cfg)  # before anything starts: a model_dir that does not resolve is one line, nothing to clean up
@@ -136,7 +137,7 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None, 
             warm, sock = None, None
         # every problem found from files and imports, one line each; nothing under runs/ yet
         preflight.check(cfg, sock)
-        if warm is None:
+        if sock is None:
             warm, sock = _launch_starter(wait=True)
         return _run(cfg, entries, sock, extra_env, chaos)
     finally:
@@ -192,6 +193,7 @@ def _run(cfg: Config, entries: dict, warm_path: str | None, extra_env: dict | No
     for old in pid_dir.glob("*.pid") if pid_dir.is_dir() else []:
         old.unlink()
     env[PID_DIR_ENV] = str(pid_dir)
+    env.pop(starter.ENV, None)
     if warm_path and cfg.engine == "torch":  # vLLM starts its own engine processes: its workers start cold, as tested
         env[starter.ENV] = warm_path
     manager = Manager()

@@ -30,6 +30,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -65,6 +66,8 @@ def _die_with(pid: int) -> None:
     """A daemon thread in the child: SIGKILL itself when process ``pid`` (its supervisor) is gone."""
     try:
         fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # gone before we looked
+        os.kill(os.getpid(), signal.SIGKILL)
     except (OSError, AttributeError):
         return
 
@@ -75,12 +78,16 @@ def _die_with(pid: int) -> None:
     threading.Thread(target=watch, name="die-with-supervisor", daemon=True).start()
 
 
-def _child(request: dict, fds: list[int]) -> None:
-    """In the forked child: become the requested process and run it; never returns."""
+def _child(request: dict, fds: list[int], started: int) -> None:
+    """In the forked child: become the requested process and run it; never returns. ``started`` is closed once
+    it is in its own session and dies with its supervisor, as ``Popen(start_new_session=True)`` returns."""
     code = 1
     try:
         os.setsid()
         _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the starter
+        if request.get("watch_pid"):
+            _die_with(int(request["watch_pid"]))
+        os.close(started)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(fds[0], 1)
@@ -101,8 +108,6 @@ def _child(request: dict, fds: list[int]) -> None:
         if "OMP_NUM_THREADS" in os.environ:
             import torch
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        if request.get("watch_pid"):
-            _die_with(int(request["watch_pid"]))
         sys.argv = [request["module"], *request["args"]]
         _prctl(15, request["module"].rsplit(".", 1)[-1][:15].encode())  # PR_SET_NAME: ps/top show the module
         import runpy
@@ -132,6 +137,23 @@ def _child(request: dict, fds: list[int]) -> None:
         os._exit(code & 0xFF)
 
 
+def _request(conn: socket.socket) -> tuple[dict | None, list[int]]:
+    """A request read from a new connection and its two file descriptors; (None, []) for anything else."""
+    try:
+        message, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 2)
+    except OSError:
+        return None, []
+    try:
+        request = json.loads(message)
+        if isinstance(request, dict) and isinstance(request.get("module"), str) and len(fds) == 2:
+            return request, fds
+    except ValueError:
+        pass
+    for fd in fds:
+        os.close(fd)
+    return None, []
+
+
 def serve(path: str) -> None:
     """The starter's loop: preload, then fork a child per request and report each child's exit."""
     preload()
@@ -151,19 +173,25 @@ def serve(path: str) -> None:
             return  # whoever started us is gone
         if server in readable:
             conn, _ = server.accept()
-            message, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 2)
-            request = json.loads(message)
+            request, fds = _request(conn)
+            if request is None:  # a connection that said nothing usable: it gets nothing, the starter goes on
+                conn.close()
+                continue
+            started_r, started_w = os.pipe()
             pid = os.fork()
             if pid == 0:
                 server.close()
                 os.close(wake_r)
                 os.close(wake_w)
+                os.close(started_r)
                 for other in waiting.values():
                     other.close()
                 conn.close()
-                _child(request, fds)
-            for fd in fds:
+                _child(request, fds, started_w)
+            for fd in (*fds, started_w):
                 os.close(fd)
+            os.read(started_r, 1)  # end of file: the child is in its own session (or already dead)
+            os.close(started_r)
             conn.send(json.dumps({"pid": pid}).encode())
             waiting[pid] = conn
         if wake_r in readable:
@@ -257,6 +285,18 @@ def start(path: str, module: str, args: list[str], env: dict, cwd: str, stdout: 
         raise
 
 
+def popen(module: str, args: list[str], env: dict, cwd: str):
+    """``python -m module args`` with this process's stdout and stderr: forked from the starter this process was
+    handed (``inherited``) when there is one, else started the ordinary way (a ``subprocess.Popen``)."""
+    path = inherited()
+    if path:
+        try:
+            return start(path, module, args, env=env, cwd=cwd, stdout=1, stderr=2, watch_pid=os.getpid())
+        except OSError:
+            pass
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, cwd=cwd)
+
+
 class CallFailed(RuntimeError):
     """``call`` got no answer: no starter, or the child failed (``ChildFailed``)."""
 
@@ -297,6 +337,20 @@ def _call_main() -> None:
     module, function = request["target"].split(":")
     result = getattr(importlib.import_module(module), function)(**request["payload"])
     print(json.dumps(result), flush=True)
+
+
+def inherited() -> str | None:
+    """The socket of a starter this process was handed in ``STARTER_SOCKET`` (a parent's: the tests share one
+    per pytest worker), when it is a socket in a folder only this user can reach; None otherwise."""
+    path = os.environ.get(ENV)
+    if not path:
+        return None
+    try:
+        folder, sock = os.stat(os.path.dirname(path)), os.stat(path)
+    except OSError:
+        return None
+    private = folder.st_uid == os.getuid() and not folder.st_mode & 0o077
+    return path if private and stat.S_ISSOCK(sock.st_mode) else None
 
 
 def launch(env: dict | None = None, cwd: str | None = None, wait: bool = True) -> tuple[subprocess.Popen, str]:

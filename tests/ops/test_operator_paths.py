@@ -22,7 +22,7 @@ from shared.runtime import runstate
 from shared.runtime.config import Config
 from services.ops.keep import PID_DIR_ENV, processes as keep_processes
 from services.ops.redis_server import free_port
-from tests.support.procs import wait_until
+from tests.support.procs import WARM, starter_pid, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,13 @@ def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
         try:
             wait_until(lambda: "rollout" in keep_processes(pids) or honcho.poll() is not None, timeout=120,
                        what="the rollout worker started under honcho")
-            os.killpg(keep_processes(pids)["rollout"][0], signal.SIGKILL)
+            rollout = keep_processes(pids)["rollout"][0]
+            if WARM:  # `streamrl keep` forks it from the starter it was handed: this test worker's
+                assert int(Path(f"/proc/{rollout}/stat").read_text().rsplit(")", 1)[1].split()[1]) == starter_pid()
+            try:
+                os.killpg(rollout, signal.SIGKILL)
+            except ProcessLookupError:
+                honcho.kill(); print(honcho.communicate()[0][-6000:]); raise
             out, _ = honcho.communicate(timeout=280)
         finally:
             if honcho.poll() is None:

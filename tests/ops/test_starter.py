@@ -12,15 +12,21 @@ import sys
 import pytest
 
 from services.ops import starter
+from tests.support import procs
 from tests.support.procs import ROOT, wait_until
+
+
+class _Pid:
+    def __init__(self, pid: int):
+        self.pid = pid
 
 
 @pytest.fixture(scope="module")
 def warm():
-    """One starter for the module (each launch preloads torch: seconds of CPU)."""
-    proc, path = starter.launch(cwd=ROOT)
-    yield proc, path
-    starter.close(proc, path)
+    """This test worker's starter, the one its other tests fork from (each launch preloads torch: seconds of CPU):
+    (an object with its pid, its socket's path)."""
+    path = procs._starter_path()
+    return _Pid(procs.starter_pid()), path
 
 
 @pytest.fixture
@@ -50,6 +56,24 @@ def test_a_forked_process_is_the_module_asked_for_with_its_args_env_folder_and_e
     said = _said(tmp_path)
     assert said["argv"] == ["exit", "3"] and said["probe"] == "p1" and said["cwd"] == str(tmp_path)
     assert said["torch_preloaded"] and said["sid"] == said["pid"] == proc.pid  # warm, and its own session
+
+
+def test_the_process_is_in_its_own_session_when_start_returns_and_a_bad_request_is_refused(warm, tmp_path):
+    import socket
+
+    for _ in range(5):  # as Popen(start_new_session=True): its group can be signalled at once
+        proc = _start(warm[1], tmp_path, "sleep", env={"PYTHONPATH": ROOT})
+        assert os.getpgid(proc.pid) == proc.pid
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL
+    for message in (b"", b"not json", json.dumps({"module": 3}).encode()):  # refused; the starter goes on
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.connect(warm[1])
+            if message:
+                conn.send(message)
+            conn.shutdown(socket.SHUT_WR)
+            assert conn.recv(4096) == b""
+    assert _start(warm[1], tmp_path, "exit", "0", env={"PYTHONPATH": ROOT}).wait(60) == 0
 
 
 def test_a_crash_goes_through_the_excepthook_and_a_kill_reads_as_minus_the_signal(warm, tmp_path):

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from services.ops import starter
 from services.ops.keep import processes
 from shared.protocol.ledger import read_ledger
+from tests.support.procs import starter_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow(seconds=45)  # whole runs
@@ -37,13 +39,21 @@ def _child(pid_dir: Path, name: str) -> int | None:
     return processes(pid_dir).get(name, (None, 0))[0]
 
 
+def _parent(pid: int) -> tuple[int, str]:
+    """(pid, command line) of a process's parent."""
+    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return ppid, Path(f"/proc/{ppid}/cmdline").read_text().replace("\0", " ")
+
+
 def test_a_service_killed_mid_run_is_restarted_and_the_run_ends_with_the_check_all_zero(tmp_path, tiny_model_dir):
     pids = tmp_path / "runs" / "kept" / "procs"  # where each `streamrl keep` writes its process's pid
     # and chaos kills the embedded Redis every 4 s (the runner starts it again on its port over its data)
     # 100 versions: long enough for chaos's first kill at 4 s now that the processes start warm (12 could end sooner)
+    # with no starter handed to it (the tests share one per worker): the run preloads its own, as a user's does
+    env = {k: v for k, v in _env().items() if k != starter.ENV}
     proc = subprocess.Popen(_run_args(tmp_path, tiny_model_dir, "--max-versions", "100", "--chaos", "4",
                                       "--chaos-only", "redis"), cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
         deadline = time.monotonic() + 180
@@ -51,6 +61,8 @@ def test_a_service_killed_mid_run_is_restarted_and_the_run_ends_with_the_check_a
         while not (read_ledger(ledger) and _child(pids, "trainer")):  # a version committed: mid-run
             assert proc.poll() is None and time.monotonic() < deadline, "the run never committed a version"
             time.sleep(0.2)
+        parent, command = _parent(_child(pids, "trainer"))  # forked from the run's own starter
+        assert "-m services.ops.starter" in command and parent != starter_pid(), command
         os.kill(_child(pids, "trainer"), signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
     finally:

@@ -33,14 +33,31 @@ _starter: dict = {}
 _starter_lock = threading.Lock()
 
 
-def _starter_path() -> str:
-    """This pytest worker's starter (launched once; it exits with the worker): its socket's path."""
+def _starter_path(wait: bool = True) -> str:
+    """This pytest worker's starter (launched once; it exits with the worker): its socket's path, once it serves
+    unless ``wait`` is False."""
     with _starter_lock:
         if _starter.get("pid") != os.getpid():
-            proc, path = starter.launch(cwd=ROOT)
+            proc, path = starter.launch(cwd=ROOT, wait=False)
             atexit.register(starter.close, proc, path)
-            _starter.update(pid=os.getpid(), path=path)
+            _starter.update(pid=os.getpid(), path=path, proc=proc, ready=False)
+        if wait and not _starter["ready"]:
+            starter.ready(_starter["proc"])
+            _starter["ready"] = True
         return _starter["path"]
+
+
+def share_starter() -> None:
+    """Hand this worker's starter to every process the tests start in ``STARTER_SOCKET``, so a `streamrl run` or
+    `streamrl keep` a test starts forks its processes from it instead of preloading a starter of its own (tests
+    of that path take the variable out of the environment they give). Nothing with ``TESTS_COLD_START=1``."""
+    if WARM:
+        os.environ[starter.ENV] = _starter_path(wait=False)
+
+
+def starter_pid() -> int | None:
+    """The pid of this worker's starter, when it has one."""
+    return _starter["proc"].pid if _starter.get("pid") == os.getpid() else None
 
 
 def _spawn_warm(module: str, args: list[str], env: dict | None, out_fd: int | None, stderr_pipe: bool):

@@ -11,7 +11,7 @@ from pathlib import Path
 import redis
 
 from shared.protocol.keys import Keys
-from shared.runtime import runstate
+from shared.runtime import runstate, secrets
 from shared.runtime.config import FIELDS, Config
 from shared.runtime.connection import is_cluster, redact
 
@@ -79,8 +79,23 @@ def serving_url(target: Target, sources: dict) -> str | None:
     url = target.cfg.redis_url
     if "redis_url" in sources or is_cluster(url):
         return url  # the command named its server: that one, whatever it holds
-    candidates = [url] + [u for u in [(target.marker or {}).get("redis", "")] if u and "***" not in u and u != url]
+    recorded = _recorded_url(target)
+    candidates = [url] + [u for u in [recorded] if u and u != url]
     return next((u for u in candidates if holds_run(u, target)), None)
+
+
+def _recorded_url(target: Target) -> str:
+    """The server run.json recorded, with its password from the run's secrets file (run.json shows it as ***:
+    the embedded Redis of `streamrl run` has one, on a port of its own); '' when none was recorded."""
+    url = (target.marker or {}).get("redis", "")
+    if not url:
+        return ""
+    plain = secrets.without_password(url)
+    try:
+        data = secrets.read(target.path)
+    except (OSError, ValueError):  # unreadable (another user's run): the server without its password
+        return plain
+    return secrets.fill({"redis_url": plain}, data).get("redis_url", plain)
 
 
 def is_live(cfg: Config, folder: Path, marker: dict) -> bool:

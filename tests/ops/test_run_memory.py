@@ -18,6 +18,7 @@ from services.ops.runs import list_runs
 from shared.protocol.keys import Keys
 from shared.runtime import folders, runstate
 from shared.runtime.config import Config, ConfigError
+from shared.runtime.connection import connect
 
 
 def test_the_record_holds_the_effective_config_and_no_secret(client, redis_url, tmp_path):
@@ -172,3 +173,27 @@ def test_the_venvs_streamrl_runs_its_lines_without_the_venv_on_path(tmp_path, re
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "not found" not in out.stdout + out.stderr and "samples" in out.stdout  # the schema was printed
+
+
+def test_a_live_run_on_its_embedded_password_protected_redis_is_found_by_runs_and_status(tmp_path):
+    """run.json records the embedded server's URL with its password masked: commands find the live run there with
+    the password from the run's secrets file (not a copy of its files served instead)."""
+    from services.ops.redis_server import EmbeddedRedis
+    from services.ops.run_target import is_live, resolve, serving_url
+    from shared.runtime import secrets
+
+    cfg = Config(run="live", run_dir=str(tmp_path / "runs"))
+    server = EmbeddedRedis(tmp_path / "redis", password="s3cret-pw").start()
+    try:
+        client = connect(server.url)
+        meta = runstate.bind(client, Keys("live"), cfg.run_path, server.url, config={"model_dir": "m"})
+        secrets.write(cfg.run_path, {"redis_password": "s3cret-pw", "redis_server": secrets.server_of(server.url)})
+        marker = runstate.read_marker(cfg.run_path)
+        assert "s3cret-pw" not in json.dumps(marker) and marker["id"] == meta["id"]
+        assert is_live(cfg, cfg.run_path, marker)
+        target, _ = resolve(cfg, {})
+        assert serving_url(target, {}) == server.url
+        secrets.write(cfg.run_path, {"redis_password": "wrong", "redis_server": secrets.server_of(server.url)})
+        assert not is_live(cfg, cfg.run_path, marker)  # a refused password: not live (no traceback)
+    finally:
+        server.stop()

@@ -1,19 +1,17 @@
 """The `streamrl` command as a person runs it: real subprocesses, real server."""
 
 import json
-import subprocess
-import sys
 
 import msgpack
 
 from shared.protocol.episode_log import EpisodeLog
 from tests.support.helpers import finished, raw, started, tokens
+from tests.support.procs import run_module
 from shared.protocol.keys import ROLLOUT_GROUP
 
 
 def streamrl(env, *args, stdin: bytes | None = None):
-    return subprocess.run([sys.executable, "-m", "services.ops.cli", *args], env=env, input=stdin,
-                          capture_output=True, timeout=60)
+    return run_module("services.ops.cli", *args, env=env, input=stdin, timeout=60)
 
 
 def test_hand_written_episode_replays(cli_env, keys):

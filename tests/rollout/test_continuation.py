@@ -4,8 +4,6 @@ from any event, with the stream's own seed, with a chosen policy version."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from transformers import AutoTokenizer
@@ -20,11 +18,12 @@ from shared.protocol.events import Event
 from shared.protocol.prompts import PromptGroup, enqueue
 from services.ops.tiny_model import make_tiny_model
 from tests.support.helpers import finished, raw, started, tokens
+from tests.support.procs import run_module
 from tests.support.rollout_harness import make_worker, samples, tick_until
 
 
 def streamrl(env, *args):
-    return subprocess.run([sys.executable, "-m", "services.ops.cli", *args], env=env, capture_output=True, timeout=120)
+    return run_module("services.ops.cli", *args, env=env, timeout=120)
 
 
 @pytest.fixture

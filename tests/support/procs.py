@@ -98,6 +98,45 @@ def spawn(module: str, *args: str, env: dict | None = None, log: str | Path | No
             out.close()
 
 
+def run_module(module: str, *args, env: dict | None = None, input: bytes | None = None, timeout: float = 120,
+               ) -> subprocess.CompletedProcess:
+    """``python -m module args`` to its end from the project root, its stdout and stderr captured (bytes), as
+    ``subprocess.run(..., capture_output=True)`` answers; forked from this worker's starter unless it reads stdin
+    (``input``) or ``TESTS_COLD_START=1``. ``subprocess.TimeoutExpired`` past ``timeout`` (the process killed)."""
+    argv = [sys.executable, "-m", module, *map(str, args)]
+    if not WARM or input is not None:
+        return subprocess.run(argv, env=env, cwd=ROOT, input=input, capture_output=True, timeout=timeout)
+    pipes = [os.pipe(), os.pipe()]
+    try:
+        proc = starter.start(_starter_path(), module, argv[3:], os.environ if env is None else env, ROOT,
+                             pipes[0][1], pipes[1][1])
+    except BaseException:
+        for r, _ in pipes:
+            os.close(r)
+        raise
+    finally:
+        for _, w in pipes:
+            os.close(w)
+    got: list[bytes] = [b"", b""]
+
+    def drain(i: int) -> None:
+        with open(pipes[i][0], "rb") as fh:
+            got[i] = fh.read()
+
+    readers = [threading.Thread(target=drain, args=(i,), daemon=True) for i in (0, 1)]
+    for t in readers:
+        t.start()
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        raise
+    for t in readers:
+        t.join(30)
+    return subprocess.CompletedProcess(argv, code, got[0], got[1])
+
+
 def kill9(*procs) -> None:
     """kill -9 each process's group and reap it."""
     for proc in procs:

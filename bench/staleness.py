@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.staleness_cell import (CORRECTIONS, ETAS, Setup, behaviour_version, make_model,  # noqa: E402,F401
+from bench.staleness_cell import (CORRECTIONS, ETAS, GRID, Setup, behaviour_version, make_model,  # noqa: E402,F401
                                   run_cell, split_task, step_config)
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
@@ -55,27 +55,30 @@ def evals(cells: list[dict], correction: str, eta: int) -> dict[int, float]:
 
 def table(cells: list[dict], etas: list[int], corrections: list[str], margin: float = 0.02) -> tuple[str, dict]:
     """A markdown table per correction and η: eval mean ± se over seeds, and below it the paired difference to
-    η = 0 (same seed: same model and prompts) mean ± se; parity: that difference ≥ −``margin``. The largest η at
-    parity counts only an unbroken run from η = 0 (a noisy parity past a failure is not tolerance)."""
-    head = ["| correction | " + " | ".join(f"η={e}" for e in etas) + " | largest η at parity |",
-            "|---" * (len(etas) + 2) + "|"]
+    η = 0 (same seed: same model and prompts) mean ± se. Parity: that difference ≥ −``margin``; the largest η at
+    parity counts only an unbroken run from η = 0 (a noisy parity past a failure is not tolerance). Clearly
+    worse: the difference + 2 se < −``margin`` (the first such η; None: none is)."""
+    head = ["| correction | " + " | ".join(f"η={e}" for e in etas) + " | largest η at parity | first η clearly worse |",
+            "|---" * (len(etas) + 3) + "|"]
     summary, lines = {}, head
     for c in corrections:
         base = evals(cells, c, 0)
-        row, diff, parity = {}, {}, 0
+        row, diff = {}, {}
         for e in etas:
             got = evals(cells, c, e)
             row[e] = mean_se(list(got.values()))
             diff[e] = mean_se([got[s] - base[s] for s in got if s in base])
+        parity = 0
         for e in etas:
             if diff[e][0] < -margin:
                 break
             parity = e
+        worse = next((e for e in etas if diff[e][0] + 2 * diff[e][1] < -margin), None)
         summary[c] = {"eval": {str(e): row[e] for e in etas}, "diff": {str(e): diff[e] for e in etas},
-                      "parity_eta": parity, "seeds": len(base)}
+                      "parity_eta": parity, "clearly_worse_eta": worse, "seeds": len(base)}
         lines.append(f"| {c} | " + " | ".join(f"{m:.3f} ± {s:.3f}<br>{d:+.3f} ± {ds:.3f}"
                                                for (m, s), (d, ds) in zip(row.values(), diff.values()))
-                     + f" | **{parity}** |")
+                     + f" | **{parity}** | {worse} |")
     return "\n".join(lines), summary
 
 
@@ -154,8 +157,8 @@ def run_grid(args, etas: list[int], corrections: list[str], setup: Setup) -> lis
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--etas", default=",".join(map(str, ETAS)))
-    p.add_argument("--corrections", default=",".join(CORRECTIONS), help="names, or name:field=value:... (see "
-                   "step_config)")
+    p.add_argument("--corrections", default=",".join(GRID), help=f"names ({', '.join(CORRECTIONS)}), or "
+                   "name:field=value:... (see step_config)")
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--steps", type=int, default=Setup.steps)
     p.add_argument("--lr", type=float, default=None, help="default: the config's lr")

@@ -28,11 +28,12 @@ CORRECTIONS = {
     "m2po": {"is_cap": None, "m2po_tau": 0.04},
 }
 ETAS = (0, 1, 2, 4, 8, 16, 32)
+GRID = ("default", "none", "token-truncate", "m2po", "sequence-truncate", "geometric-truncate")  # --corrections by default
 
 
 @dataclass
 class Setup:
-    steps: int = 100
+    steps: int = 80
     lr: float = 3e-4
     group_size: int = 8
     batch_groups: int = 8

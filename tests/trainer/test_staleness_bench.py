@@ -53,6 +53,7 @@ def test_paired_parity_stops_at_the_first_failure():
     _, summary = b.table(cells, [0, 2, 8, 32], ["a"])
     assert summary["a"]["parity_eta"] == 2  # η = 32's parity after η = 8's failure does not count
     assert summary["a"]["diff"]["8"][0] == pytest.approx(-0.1)
+    assert summary["a"]["clearly_worse_eta"] == 8  # no spread over the seeds: -0.1 is clearly below -0.02
 
 
 def test_trained_batches_come_from_version_v_minus_eta(tmp_path):

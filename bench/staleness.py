@@ -40,6 +40,7 @@ import torch  # noqa: E402
 from bench.staleness_cell import (CORRECTIONS, ETAS, GRID, Setup, behaviour_version, make_model,  # noqa: E402,F401
                                   run_cell, split_task, step_config)
 
+
 def mean_se(xs: list[float]) -> tuple[float, float]:
     m = sum(xs) / len(xs)
     if len(xs) < 2:
@@ -181,6 +182,9 @@ def main(argv=None) -> int:
     for c in corrections:
         step_config(c)
     setup = Setup.from_defaults(steps=args.steps, **({"lr": args.lr} if args.lr else {}))
+    if setup.steps < setup.eval_every:
+        p.error(f"--steps {setup.steps}: expected at least {setup.eval_every} (the greedy eval runs every "
+                f"{setup.eval_every}th version)")
     if args.merge:
         cells = [c for f in args.merge.split(",") for c in json.loads(Path(f).read_text())]
     else:

@@ -128,6 +128,14 @@ def cached_model(folder: str, pool: list[dict], warm_steps: int, seed: int) -> s
     return str(final)
 
 
+def slim(cell: dict) -> dict:
+    """A cell as the record keeps it: the per-step lists that only the run's own checks need become means."""
+    out = {k: v for k, v in cell.items() if k not in ("mismatch_kl_current", "masked_fraction", "behaviour_versions")}
+    out["masked_fraction_mean"] = sum(cell["masked_fraction"]) / max(len(cell["masked_fraction"]), 1)
+    out["curve"] = [round(r, 4) for r in cell["curve"]]
+    return out
+
+
 def grid(etas: list[int], corrections: list[str], seeds: int) -> list[tuple[int, str, int]]:
     """(seed, correction, η) of every cell to train: η = 0 once per seed (see :func:`evals`)."""
     out = []
@@ -213,7 +221,7 @@ def main(argv=None) -> int:
                     if not a.startswith("--merge") and not (i and given[i - 1] == "--merge")]
         record("staleness", rows, ["bench/staleness.py", "bench/staleness_cell.py", "services/trainer"], argv=argv_run,
                extra={"summary": summary, "setup": setup.__dict__, "kl_current_max": max(kl0) if kl0 else None,
-                      "cells": cells})
+                      "cells": [slim(c) for c in cells]})
     return 0
 
 

@@ -28,17 +28,44 @@ def test_unknown_correction_is_named():
         _bench().step_config("nope")
 
 
-def test_trained_batches_come_from_version_v_minus_eta(tmp_path):
-    from services.driver.tasks import builtin
-    from services.ops.tiny_model import make_default_model
-
+def test_held_out_problems_are_distinct_and_never_trained():
     b = _bench()
-    model_dir = make_default_model(tmp_path / "m", warm_steps=20, seed=0)
-    setup = b.Setup.from_defaults(steps=6, batch_groups=2, group_size=4, max_tokens=4)
-    cell = b.run_cell(model_dir, 2, "default", 0, setup, builtin("arithmetic", 8, seed=5))
+    pool, held = b.split_task(3, 100)
+    assert len({r["prompt"] for r in held}) == 100 and len(pool) == 900
+    assert not {r["prompt"] for r in held} & {r["prompt"] for r in pool}
+    assert held[0]["answer"] == str(sum(int(t) for t in held[0]["prompt"].rstrip("=").split("+")))
+    with pytest.raises(ValueError, match="--eval-size 600: expected 1..500"):
+        b.split_task(3, 600)
+
+
+def test_correction_with_changes():
+    b = _bench()
+    assert b.step_config("m2po:m2po_tau=0.02").m2po_tau == 0.02
+    assert b.step_config("token-truncate:is_cap=2").is_cap == 2.0
+    with pytest.raises(ValueError, match="field=value"):
+        b.step_config("m2po:tau=1")
+
+
+def test_paired_parity_stops_at_the_first_failure():
+    b = _bench()
+    cells = [{"seed": s, "correction": c, "eta": e, "eval": v} for s in (0, 1) for c, e, v in
+             (("a", 0, 0.8), ("a", 2, 0.79), ("a", 8, 0.7), ("a", 32, 0.8))]
+    _, summary = b.table(cells, [0, 2, 8, 32], ["a"])
+    assert summary["a"]["parity_eta"] == 2  # η = 32's parity after η = 8's failure does not count
+    assert summary["a"]["diff"]["8"][0] == pytest.approx(-0.1)
+    assert summary["a"]["clearly_worse_eta"] == 8  # no spread over the seeds: -0.1 is clearly below -0.02
+
+
+def test_trained_batches_come_from_version_v_minus_eta(tmp_path):
+    b = _bench()
+    pool, held = b.split_task(2, 8)
+    model_dir = b.make_model(tmp_path / "m", pool, warm_steps=20, seed=0)
+    setup = b.Setup.from_defaults(steps=6, batch_groups=2, group_size=4, max_tokens=4, eval_every=2, eval_last=2)
+    cell = b.run_cell(model_dir, 2, "default", 0, setup, held, pool)
+    assert [v for v, _ in cell["eval_curve"]] == [4, 6]  # the eval: the mean of the last 2 evaluated versions
     assert cell["behaviour_versions"] == [0, 0, 0, 1, 2, 3]  # v − 2 once version v − 2 exists
     assert cell["snapshots_kept"] == 3  # η + 1
     # at η = 0 every token is the trainer's current version's: the engine mismatch is 0 on torch
-    fresh = b.run_cell(model_dir, 0, "default", 0, setup, builtin("arithmetic", 8, seed=5))
+    fresh = b.run_cell(model_dir, 0, "default", 0, setup, held, pool)
     assert fresh["behaviour_versions"] == list(range(6))
     assert all(k is not None and abs(k) < 1e-6 for k in fresh["mismatch_kl_current"])

@@ -127,7 +127,8 @@ def main() -> None:
     args = ap.parse_args()
     run, work, port = "tiers-memory", ROOT / "runs" / f"bench-tiers-memory-{uuid.uuid4().hex[:6]}", free_port()
     url = f"redis://127.0.0.1:{port}/0"
-    sampler = Sampler(url, Keys(run), args.every, [args.versions * k // 5 for k in range(1, 5)] + [args.versions * 97 // 100], work / run)
+    censuses = [args.versions * k // 5 for k in range(1, 5)] + [args.versions * 97 // 100]
+    sampler = Sampler(url, Keys(run), args.every, censuses, work / run)
     sampler.start()
     load_before = os.getloadavg()
     try:

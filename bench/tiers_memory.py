@@ -149,7 +149,8 @@ def main() -> None:
     plot(s, args.retention, window, Path(args.out), ratio)
     load = os.getloadavg()
     print(f"{len(s)} samples to version {top} ({len(steps)} steps, {time.time() - t_start:.0f} s): used_memory "
-          f"{first / 1e6:.1f} MB over versions {window[0]}..{window[1]} (the first move at {v1}), {late / 1e6:.1f} MB over the "
+          f"{first / 1e6:.1f} MB over versions {window[0]}..{window[1]} (the first move at {v1}), "
+          f"{late / 1e6:.1f} MB over the "
           f"last 10 %: {ratio:.2f}x (goal <= 1.2); keys {s[0][3]} -> {s[-1][3]}")
     print(f"segments: {cold['segments']} files, {cold['episodes']} episodes, {cold['bytes'] / 1e6:.1f} MB, "
           f"{cold['bytes'] / max(cold['tokens'], 1):.1f} B per policy token")

@@ -65,8 +65,8 @@ FORMAT = 3
 LEVEL = 15  # zstd level: 15 gives the token columns ~5 % over 9 for ~1 us a token (bench/tiers.py)
 TOKENS = ["tok_ids", "tok_logprobs"]
 PLANES = [f"{c}.list.element" for c in TOKENS]  # stored in byte planes (Parquet's BYTE_STREAM_SPLIT)
-DICTIONARY = ["group_id", "worker", "status", "finish_reason", "reward", "num_generated", "version", "index", "seed_base", "ms",
-              "sub", "kinds", "hv", "policies", "workers", "payloads", "tok_counts"]
+DICTIONARY = ["group_id", "worker", "status", "finish_reason", "reward", "num_generated", "version", "index",
+              "seed_base", "ms", "sub", "kinds", "hv", "policies", "workers", "payloads", "tok_counts"]
 ENTRY_COLUMNS = [f.name for f in SCHEMA if f.name not in dict(ANALYSIS) or f.name == "episode_id"]
 RAW = ["episode_id", "entry_ids", "entries"]  # format 1 and 2: the columns an episode's entries come back from
 TOKEN_COLUMNS = ["tok_counts", "tok_ids", "tok_logprobs"]  # format 2 only

@@ -94,11 +94,12 @@ class Mover:
         rows = []
         for eid, entries in streams.items():
             try:
-                if not fold(entries).done:  # a published group's episodes have ended; never move one that might grow
-                    continue
+                ep = fold(entries)
             except Exception:  # an unreadable stream is archived as it is: the raw entries are the record
-                pass
-            rows.append(segments.to_row(eid, entries, self.seed_base))
+                ep = None
+            if ep is not None and not ep.done:  # a published group's episodes have ended; never move one that grows
+                continue
+            rows.append(segments.to_row(eid, entries, self.seed_base, folded=ep))
         if not rows:
             return 0
         name = segments.next_name(self.folder)

@@ -76,16 +76,17 @@ def _b(v) -> bytes:
     return v if isinstance(v, bytes) else str(v).encode()
 
 
-def to_row(episode_id: str, entries: list[tuple], seed_base: int | None = None) -> dict:
+def to_row(episode_id: str, entries: list[tuple], seed_base: int | None = None, folded=None) -> dict:
     """An episode's XRANGE entries -> one row (format 3: its entries as columns, shared/protocol/segment_entries.py;
-    analysis columns from its fold). ``seed_base``: the run's ``seed`` (its episodes' seeds then cost nothing)."""
+    analysis columns from its fold). ``seed_base``: the run's ``seed`` (its episodes' seeds then cost nothing);
+    ``folded``: ``fold(entries)`` when the caller has it (a fold is most of a row's cost)."""
     cols, ids, lps = segment_entries.pack(episode_id, [(_b(i), [_b(x) for kv in fields.items() for x in kv])
                                                        for i, fields in entries], seed_base)
     row = {"episode_id": episode_id, "group_id": "", "worker": "", "status": "", "finish_reason": None,
            "reward": None, "num_generated": 0, "version": -1, **cols,
            "tok_ids": b"".join(ids), "tok_logprobs": b"".join(lps)}
     try:
-        ep = fold(entries)
+        ep = folded if folded is not None else fold(entries)
     except EventError:  # kept as it is all the same: the raw entries are the record
         return row
     row.update(group_id=ep.group_id, worker=ep.last_worker, status=ep.status, finish_reason=ep.finish_reason,

@@ -26,6 +26,7 @@ from bench.record import record  # noqa: E402
 from bench.runs import ROOT, streamrl_run  # noqa: E402
 from shared.protocol import segments, versions  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
+from shared.runtime import secrets  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 
 
@@ -63,18 +64,21 @@ class Sampler(threading.Thread):
     def __init__(self, url: str, keys: Keys, every: float, census_versions: list[int], run_path: Path):
         super().__init__(daemon=True)
         self.url, self.keys, self.every = url, keys, every
+        self.run_path = run_path
         self.store = segments.SegmentStore(segments.folder_of(run_path))
         self.samples: list[tuple[float, int, int, int]] = []  # (time, version, used_memory, keys)
         self.first_move: int | None = None  # the version at which the first segment was listed
         self.censuses: dict[int, dict] = {}
         self.todo = list(census_versions)
+        self.errors: list[str] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
         client = None
         while not self.stop.is_set():
             try:
-                client = client or connect(self.url)
+                password = secrets.read(self.run_path).get("redis_password", "")  # the embedded server's
+                client = client or connect(secrets.with_password(self.url, password))
                 version = versions.latest_number(client, self.keys)
                 self.samples.append((time.time(), version, int(client.info("memory")["used_memory"]),
                                      client.dbsize()))
@@ -83,7 +87,8 @@ class Sampler(threading.Thread):
                 if self.todo and version >= self.todo[0]:
                     self.todo.pop(0)
                     self.censuses[version] = census(client, self.keys)
-            except Exception:  # noqa: BLE001 - the run's Redis not up yet, or gone at the end
+            except Exception as exc:  # noqa: BLE001 - the run's Redis not up yet, or gone at the end
+                self.errors.append(repr(exc))
                 client = None
             self.stop.wait(self.every)
 
@@ -141,6 +146,8 @@ def main() -> None:
         sampler.join()
         shutil.rmtree(work, ignore_errors=True)
     s = sampler.samples
+    if not s:
+        raise SystemExit(f"no sample of the run's Redis: {sampler.errors[-3:]}")
     top = max(v for _, v, _, _ in s)
     v1 = sampler.first_move or args.retention
     window = (v1, v1 + max(args.retention, top // 20))

@@ -77,8 +77,9 @@ class Sampler(threading.Thread):
         client = None
         while not self.stop.is_set():
             try:
-                password = secrets.read(self.run_path).get("redis_password", "")  # the embedded server's
-                client = client or connect(secrets.with_password(self.url, password))
+                run = secrets.read(self.run_path)  # the embedded server: where `streamrl run` put it, its password
+                url = f"redis://{run['redis_server']}/0" if run.get("redis_server") else self.url
+                client = client or connect(secrets.with_password(url, run.get("redis_password", "")))
                 version = versions.latest_number(client, self.keys)
                 self.samples.append((time.time(), version, int(client.info("memory")["used_memory"]),
                                      client.dbsize()))

@@ -9,7 +9,8 @@ from shared.runtime.service import Service
 def main(argv=None) -> None:
     svc = Service("archiver", argv)
     cfg = svc.cfg
-    mover = Mover(svc.client, svc.keys, cfg.run_path, cfg.log_retention_versions, log=svc.log)
+    mover = Mover(svc.client, svc.keys, cfg.run_path, cfg.log_retention_versions, log=svc.log,
+                  seed_base=cfg.seed)
     recovered = mover.recover()
     svc.log.info("archiver started", retention_versions=cfg.log_retention_versions, recovered=recovered)
     while not svc.stopping:

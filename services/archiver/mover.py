@@ -35,8 +35,10 @@ return 0
 
 
 class Mover:
-    def __init__(self, client, keys: Keys, run_path: Path | str, retention: int, batch: int = 2000, log=None):
+    def __init__(self, client, keys: Keys, run_path: Path | str, retention: int, batch: int = 2000, log=None,
+                 seed_base: int | None = None):
         self.client, self.keys, self.retention, self.batch, self.log = client, keys, retention, batch, log
+        self.seed_base = seed_base  # the run's seed: episodes' default seeds are stored as this one number
         self.run_path = Path(run_path)
         self.folder = segments.folder_of(run_path)
         self.store = segments.SegmentStore(self.folder)
@@ -92,11 +94,12 @@ class Mover:
         rows = []
         for eid, entries in streams.items():
             try:
-                if not fold(entries).done:  # a published group's episodes have ended; never move one that might grow
-                    continue
+                ep = fold(entries)
             except Exception:  # an unreadable stream is archived as it is: the raw entries are the record
-                pass
-            rows.append(segments.to_row(eid, entries))
+                ep = None
+            if ep is not None and not ep.done:  # a published group's episodes have ended; never move one that grows
+                continue
+            rows.append(segments.to_row(eid, entries, self.seed_base, folded=ep))
         if not rows:
             return 0
         name = segments.next_name(self.folder)

@@ -129,7 +129,7 @@ class Driver:
             time.sleep(0.2)
 
     def progress_line(self, t0: float) -> str:
-        return f"[{time.monotonic() - t0:6.0f}s] " + format_line(snapshot(self.client, self.keys))
+        return f"[{time.monotonic() - t0:6.0f}s] " + format_line(snapshot(self.client, self.keys, self.cfg.run_path))
 
     def run(self) -> int:
         if ended := runstate.ended(self.meta):  # an ended run is never continued (docs/operations.md)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from shared.protocol import metrics, samples, versions
+from shared.protocol import metrics, samples, tiers, versions
 from shared.protocol.keys import Keys
 
 _last = metrics.last
@@ -56,13 +56,15 @@ def weights_wire(published: list[dict], rollout: list[dict]) -> dict:
     return out
 
 
-def snapshot(client, keys: Keys) -> dict:
+def snapshot(client, keys: Keys, run_path=None) -> dict:
+    """The numbers of the view; ``run_path`` (the run's folder): where its segments are, if on this machine."""
     published = [r for _, r in metrics.read(client, keys, "publish", newest_first=True, count=2000)]
     rollout = [r for _, r in metrics.read(client, keys, "rollout", newest_first=True, count=500)]
     return {"version": versions.latest_number(client, keys), "train": _last(client, keys, "train") or {},
             "validation": _last(client, keys, "validation"), "sync": _last(client, keys, "sync"),
             "samples_per_s": samples_per_s(client, keys), "alive": alive_services(client, keys),
-            "dead_letters": client.xlen(keys.dead_letters), "weights": weights_wire(published[::-1], rollout[::-1])}
+            "dead_letters": client.xlen(keys.dead_letters), "weights": weights_wire(published[::-1], rollout[::-1]),
+            "tiers": tiers.sizes(client, run_path)}
 
 
 def format_line(s: dict) -> str:
@@ -85,6 +87,8 @@ def format_line(s: dict) -> str:
                      f"workers got {w['delta_versions']} versions in {w['delta_bytes'] / 1e6:.1f} MB for "
                      f"{w['delta_full_bytes'] / 1e6:.1f} MB, {w['delta_fallbacks']} fallbacks")
     parts.append(f"rollout workers {s['alive'].get('rollout', 0)}")
+    if s.get("tiers"):
+        parts.append(tiers.describe(s["tiers"]))
     if s["dead_letters"]:
         parts.append(f"dead letters {s['dead_letters']}")
     return "  ".join(parts)

@@ -205,7 +205,7 @@ def cmd_status(cfg, args) -> int:
     from services.ops.keep import processes
 
     while True:
-        snap = snapshot(client, keys)
+        snap = snapshot(client, keys, cfg.run_path)
         # restarts by `streamrl keep` under `streamrl run` (its pid files in the run's folder, when on this machine)
         snap["restarts"] = {name: n for name, (_, n) in processes(cfg.run_path / "procs").items() if n}
         restarted = ", ".join(f"{name} {n}" for name, n in sorted(snap["restarts"].items()))

@@ -6,11 +6,23 @@ and acknowledged, never a crash of the worker that reads it."""
 from __future__ import annotations
 
 import math
+import zlib
 
 from shared.protocol.events import EventError
 
 MAX_TOKENS = 1 << 20
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+
+def stable_seed(*parts) -> int:
+    """A sampling seed from its parts, stable across processes and runs (unlike hash())."""
+    return zlib.crc32(":".join(map(str, parts)).encode()) & 0x7FFFFFFF
+
+
+def episode_seed(base: int, group_id: str, index: int) -> int:
+    """The seed an episode samples with unless its group says otherwise (the run's ``seed`` is ``base``); a
+    segment stores only the base of a seed made so (shared/protocol/segment_entries.py)."""
+    return stable_seed(base, group_id, index)
 
 
 def _number(value) -> bool:

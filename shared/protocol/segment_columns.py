@@ -25,7 +25,7 @@ def join_planes(raw: bytes, width: int) -> bytes:
     return np.frombuffer(raw, np.uint8).reshape(width, -1).T.tobytes()
 
 
-def _movable(flat: list[bytes]) -> tuple[bytes, bytes] | None:
+def movable(flat: list[bytes]) -> tuple[bytes, bytes] | None:
     """(ids bytes, log-prob bytes) of a tokens entry whose last field is data = exactly {ids, logprobs}; else None."""
     fields = dict(zip(flat[::2], flat[1::2]))
     if fields.get(b"type") != b"tokens" or len(flat) < 2 or flat[-2] != b"data" or flat.count(b"data") != 1:
@@ -48,7 +48,7 @@ def pack(flat_entries: list[list[bytes]]) -> tuple[list[list[bytes]], list[int],
     """Flat entries (name/value bytes alternating) -> (entries with moved data emptied, counts, ids, logprobs)."""
     out, counts, ids, lps = [], [], [], []
     for flat in flat_entries:
-        moved = _movable(flat)
+        moved = movable(flat)
         if moved is None:
             out.append(flat)
             counts.append(KEPT)

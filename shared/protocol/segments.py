@@ -1,15 +1,15 @@
 """The cold tier of the episode log: append-only Parquet segment files under ``<run_dir>/<run>/episodes/``.
 
-One row per episode. ``entry_ids`` and ``entries`` hold its stream exactly as XRANGE returned it (entry ids,
-then each entry's fields as alternating name/value bytes), so an episode read from a segment folds and replays
-byte-identical to the same episode read from Redis. The other columns are for analysis (pandas, DuckDB,
-``datasets.load_dataset("parquet", data_files=".../episodes/seg-*.parquet")``): episode and group ids, the
-worker that ended it, reward, status, finish reason, number of generated tokens, the newest policy version that
-produced one of its tokens. Compression: zstd.
-
-Format 2 (``FORMAT``, in each file's metadata under ``streamrl.segment_format``) stores the token payloads
-columnar (shared/protocol/segment_columns.py: ``tok_counts``, ``tok_ids``, ``tok_logprobs``); files of format 1
-(no such columns) still read, as they were written.
+One row per episode. Its entries are kept so that an episode read from a segment folds and replays byte-identical
+to the same episode read from Redis: format 3 (``FORMAT``, in each file's metadata under
+``streamrl.segment_format``) splits them into columns (shared/protocol/segment_entries.py): header fields and
+entry ids as small numbers and dictionary values, a group's shared ``started`` payload (prompt ids and all) once
+per segment, token ids and log-probs as ``tok_ids`` / ``tok_logprobs`` lists stored in byte planes. Files of
+format 1 (raw ``entry_ids`` / ``entries``) and 2 (those plus byte-plane token blobs,
+shared/protocol/segment_columns.py) still read, as they were written. The other columns are for analysis (pandas,
+DuckDB, ``datasets.load_dataset("parquet", data_files=".../episodes/seg-*.parquet")``): episode and group ids,
+the worker that ended it, reward, status, finish reason, number of generated tokens, the newest policy version
+that produced one of its tokens, its index in the group and its seed. Compression: zstd.
 
 A segment is durable before anything may rely on it: written to ``.seg-N.parquet.tmp``, fsynced, renamed to
 ``seg-N.parquet``, the folder fsynced, then a line appended (and fsynced) to ``_manifest.jsonl``. Only segments
@@ -23,17 +23,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shared.protocol import jsonl, segment_columns
+from shared.protocol import jsonl, segment_columns, segment_entries
 from shared.protocol.events import EventError
 from shared.protocol.fold import fold
 
 FOLDER = "episodes"
 MANIFEST = "_manifest.jsonl"  # "_": pyarrow, pandas and datasets skip it when reading the folder
 
-SCHEMA = pa.schema([
+ANALYSIS = [
     ("episode_id", pa.string()),
     ("group_id", pa.string()),
     ("worker", pa.string()),
@@ -42,15 +43,32 @@ SCHEMA = pa.schema([
     ("reward", pa.float64()),
     ("num_generated", pa.int32()),
     ("version", pa.int32()),
-    ("entry_ids", pa.list_(pa.binary())),
-    ("entries", pa.list_(pa.list_(pa.binary()))),
+]
+SCHEMA = pa.schema(ANALYSIS + [
+    ("index", pa.int32()),
+    ("seed", pa.int64()),
+    ("seed_base", pa.int64()),
+    ("t0", pa.int64()),
+    ("ms", pa.list_(pa.int32())),
+    ("sub", pa.list_(pa.int32())),
+    ("kinds", pa.list_(pa.binary())),
+    ("hv", pa.list_(pa.binary())),
+    ("policies", pa.list_(pa.int32())),
+    ("workers", pa.list_(pa.binary())),
+    ("payloads", pa.list_(pa.binary())),
+    ("others", pa.list_(pa.list_(pa.binary()))),
     ("tok_counts", pa.list_(pa.int32())),
-    ("tok_ids", pa.binary()),
-    ("tok_logprobs", pa.binary()),
-], metadata={b"streamrl.segment_format": b"2"})
-FORMAT = 2
+    ("tok_ids", pa.list_(pa.uint32())),
+    ("tok_logprobs", pa.list_(pa.float32())),  # null: exactly +0.0 (a token the sampler was sure of)
+], metadata={b"streamrl.segment_format": b"3"})
+FORMAT = 3
 LEVEL = 15  # zstd level: 15 gives the token columns ~5 % over 9 for ~1 us a token (bench/tiers.py)
-RAW = ["episode_id", "entry_ids", "entries"]  # the columns an episode's entries come back from
+TOKENS = ["tok_ids", "tok_logprobs"]
+PLANES = [f"{c}.list.element" for c in TOKENS]  # stored in byte planes (Parquet's BYTE_STREAM_SPLIT)
+DICTIONARY = ["group_id", "worker", "status", "finish_reason", "reward", "num_generated", "version", "index",
+              "seed_base", "ms", "sub", "kinds", "hv", "policies", "workers", "payloads", "tok_counts"]
+ENTRY_COLUMNS = [f.name for f in SCHEMA if f.name not in dict(ANALYSIS) or f.name == "episode_id"]
+RAW = ["episode_id", "entry_ids", "entries"]  # format 1 and 2: the columns an episode's entries come back from
 TOKEN_COLUMNS = ["tok_counts", "tok_ids", "tok_logprobs"]  # format 2 only
 
 
@@ -58,16 +76,17 @@ def _b(v) -> bytes:
     return v if isinstance(v, bytes) else str(v).encode()
 
 
-def to_row(episode_id: str, entries: list[tuple]) -> dict:
-    """An episode's XRANGE entries -> one row (raw entries kept as they are; analysis columns from its fold)."""
-    flat, counts, ids, lps = segment_columns.pack([[_b(x) for kv in fields.items() for x in kv]
-                                                    for _, fields in entries])
+def to_row(episode_id: str, entries: list[tuple], seed_base: int | None = None, folded=None) -> dict:
+    """An episode's XRANGE entries -> one row (format 3: its entries as columns, shared/protocol/segment_entries.py;
+    analysis columns from its fold). ``seed_base``: the run's ``seed`` (its episodes' seeds then cost nothing);
+    ``folded``: ``fold(entries)`` when the caller has it (a fold is most of a row's cost)."""
+    cols, ids, lps = segment_entries.pack(episode_id, [(_b(i), [_b(x) for kv in fields.items() for x in kv])
+                                                       for i, fields in entries], seed_base)
     row = {"episode_id": episode_id, "group_id": "", "worker": "", "status": "", "finish_reason": None,
-           "reward": None, "num_generated": 0, "version": -1,
-           "entry_ids": [_b(i) for i, _ in entries], "entries": flat,
-           "tok_counts": counts, "tok_ids": ids, "tok_logprobs": lps}
+           "reward": None, "num_generated": 0, "version": -1, **cols,
+           "tok_ids": b"".join(ids), "tok_logprobs": b"".join(lps)}
     try:
-        ep = fold(entries)
+        ep = folded if folded is not None else fold(entries)
     except EventError:  # kept as it is all the same: the raw entries are the record
         return row
     row.update(group_id=ep.group_id, worker=ep.last_worker, status=ep.status, finish_reason=ep.finish_reason,
@@ -75,8 +94,39 @@ def to_row(episode_id: str, entries: list[tuple]) -> dict:
     return row
 
 
+def table_of(rows: list[dict]) -> pa.Table:
+    """Format 3 rows -> the segment's table (token columns built from the bytes, every bit kept)."""
+    columns = {f.name: pa.array([r[f.name] for r in rows], f.type) for f in SCHEMA if f.name not in TOKENS}
+    counts = np.array([0] + [len(r["tok_ids"]) // 4 for r in rows])
+    offsets = pa.array(np.cumsum(counts).astype(np.int32))
+    ids = np.frombuffer(b"".join(r["tok_ids"] for r in rows), "<u4")
+    lps = np.frombuffer(b"".join(r["tok_logprobs"] for r in rows), "<f4")
+    columns["tok_ids"] = pa.ListArray.from_arrays(offsets, pa.array(ids, pa.uint32()))
+    columns["tok_logprobs"] = pa.ListArray.from_arrays(offsets, pa.array(lps, pa.float32(), mask=lps.view("<u4") == 0))
+    return pa.Table.from_arrays([columns[f.name] for f in SCHEMA], schema=SCHEMA)
+
+
+def _token_bytes(table: pa.Table, name: str) -> tuple[np.ndarray, bytes]:
+    """(offsets, raw little-endian values) of a token column (a null log-prob is +0.0)."""
+    col = table.column(name).combine_chunks()
+    values = col.values.fill_null(0) if name == "tok_logprobs" else col.values
+    return col.offsets.to_numpy(), values.to_numpy(zero_copy_only=False).tobytes()
+
+
+def entries_of(table: pa.Table) -> list[tuple[str, list[tuple]]]:
+    """(episode id, entries as XRANGE returns them) of each row of a table read with ``raw_columns``."""
+    if "kinds" not in table.column_names:  # format 1 or 2
+        return [(row["episode_id"], from_row(row)) for row in table.to_pylist()]
+    (offsets, ids), (_, lps) = _token_bytes(table, "tok_ids"), _token_bytes(table, "tok_logprobs")
+    out = []
+    for k, row in enumerate(table.drop_columns(TOKENS).to_pylist()):
+        a, b = 4 * offsets[k], 4 * offsets[k + 1]
+        out.append((row["episode_id"], segment_entries.unpack(row["episode_id"], row, ids[a:b], lps[a:b])))
+    return out
+
+
 def from_row(row: dict) -> list[tuple]:
-    """A row (either format) -> the episode's entries as XRANGE returns them (bytes ids, {bytes: bytes} fields)."""
+    """A row of format 1 or 2 -> the episode's entries as XRANGE returns them (bytes ids, {bytes: bytes} fields)."""
     entries = row["entries"]
     if row.get("tok_counts") is not None:
         entries = segment_columns.unpack(entries, row["tok_counts"], row["tok_ids"], row["tok_logprobs"])
@@ -92,6 +142,8 @@ def file_format(path: Path) -> int:
 def raw_columns(path: Path) -> list[str]:
     """The columns to read an episode's entries from this file (format 1 files have no token columns)."""
     names = pq.read_schema(path).names
+    if "kinds" in names:
+        return ENTRY_COLUMNS
     return RAW + [c for c in TOKEN_COLUMNS if c in names]
 
 
@@ -103,9 +155,13 @@ def write_file(folder: Path, name: str, rows: list[dict]) -> int:
     """Write the rows to ``folder/name`` durably (tmp, fsync, rename, fsync folder); returns its bytes."""
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{name}.tmp"
-    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    table = table_of(rows)
     with open(tmp, "wb") as fh:
-        pq.write_table(table, fh, compression="zstd", compression_level=LEVEL)
+        with pq.ParquetWriter(fh, table.schema, compression="zstd", compression_level=LEVEL,
+                              use_dictionary=DICTIONARY, use_byte_stream_split=PLANES, write_statistics=["episode_id"],
+                              store_schema=False) as writer:  # no Arrow schema copy: the Parquet types say it all
+            writer.write_table(table)
+            writer.add_key_value_metadata(SCHEMA.metadata)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, folder / name)
@@ -192,8 +248,7 @@ class SegmentStore:
         for name, wanted in by_segment.items():
             table = pq.read_table(self.folder / name, columns=raw_columns(self.folder / name),
                                   filters=[("episode_id", "in", wanted)])
-            for row in table.to_pylist():
-                out[row["episode_id"]] = from_row(row)
+            out.update(entries_of(table))
         return out
 
     def read(self, episode_id: str) -> list[tuple]:
@@ -203,9 +258,10 @@ class SegmentStore:
         """(episode id, entries) of every archived episode, segment by segment."""
         self.refresh()
         for name in sorted(self._listed):
-            for row in pq.read_table(self.folder / name, columns=raw_columns(self.folder / name)).to_pylist():
-                if self._index.get(row["episode_id"]) == name:
-                    yield row["episode_id"], from_row(row)
+            for episode_id, entries in entries_of(pq.read_table(self.folder / name,
+                                                                columns=raw_columns(self.folder / name))):
+                if self._index.get(episode_id) == name:
+                    yield episode_id, entries
 
     def sizes(self) -> dict:
         """Segments, episodes and bytes on disk (for status and metrics)."""

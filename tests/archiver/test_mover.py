@@ -17,6 +17,7 @@ from shared.runtime import faults
 from services.archiver.mover import Mover
 from services.archiver.select import movable, old_groups
 from services.ops.check_data import read_run
+from services.ops.cli import main
 from tests.archiver.tiers_support import all_streams, make_run, write_episode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,23 +37,40 @@ def _tiers(client, keys, folder, eids):
     return hot, store.episode_ids() & set(eids)
 
 
-def test_the_mover_moves_trained_episodes_past_the_window_and_readers_see_one_log(client, keys, tmp_path):
-    groups = make_run(client, keys, tmp_path, versions=6)
+def _replays(redis_url, keys, run_dir: Path, eids, capsys) -> dict[str, str]:
+    """`streamrl replay <episode> --json --no-text` of each episode: what an operator sees."""
+    out = {}
+    for eid in eids:
+        rc = main(["replay", eid, "--json", "--no-text", "--run", keys.run, "--run-dir", str(run_dir),
+                   "--redis-url", redis_url])
+        captured = capsys.readouterr()
+        assert rc == 0, captured.err
+        out[eid] = captured.out
+    return out
+
+
+def test_the_mover_moves_trained_episodes_past_the_window_and_readers_see_one_log(client, keys, redis_url, tmp_path,
+                                                                                  capsys):
+    run_path = tmp_path / keys.run
+    groups = make_run(client, keys, run_path, versions=6)
     eids = [e for es in groups.values() for e in es]
     before = all_streams(client, keys, eids)
+    sample = eids[::3]
+    replayed = _replays(redis_url, keys, tmp_path, sample, capsys)  # while in Redis
     log = EpisodeLog(client, keys, "w2")
     write_episode(log, "late", "g9", 6)  # published nowhere, trained by no one: stays
     client.hset(keys.call_index("g1-0"), "#n", 1)
-    mover = Mover(client, keys, tmp_path, retention=2)
+    mover = Mover(client, keys, run_path, retention=2)
     assert mover.step() == 8  # versions 1..4 (newest commit 6, window 2)
-    hot, cold = _tiers(client, keys, tmp_path / "episodes", eids)
+    hot, cold = _tiers(client, keys, run_path / "episodes", eids)
     assert cold == {e for g in ("g1", "g2", "g3", "g4") for e in groups[g]} and not hot & cold
     assert hot | cold == set(eids) and client.exists(keys.episode("late"))
     assert not client.exists(keys.call_index("g1-0"))
-    reader = EpisodeLog(client, keys, "cli", archive=segments.SegmentStore(tmp_path / "episodes"))
+    reader = EpisodeLog(client, keys, "cli", archive=segments.SegmentStore(run_path / "episodes"))
     assert dict(zip(eids, reader.read_many(eids))) == before  # byte-identical whichever tier holds it
+    assert {e for e in sample if e in cold} and _replays(redis_url, keys, tmp_path, sample, capsys) == replayed
     assert mover.step() == 0  # nothing new is due: the move is idempotent
-    data = read_run(client, keys, tmp_path)
+    data = read_run(client, keys, run_path)
     assert set(eids) <= set(data.episodes)
 
 

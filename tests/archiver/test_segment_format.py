@@ -1,4 +1,5 @@
-"""Format 2 segments store token payloads columnar, losslessly; format 1 segments (raw entries only) still read."""
+"""Format 3 segments store entries as columns (what a group shares once), losslessly; segments of formats 1 (raw
+entries only) and 2 (token columns) still read."""
 
 from __future__ import annotations
 
@@ -7,10 +8,28 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shared.protocol import segment_columns, segments
+from shared.protocol import segment_columns, segment_entries, segments
+from shared.protocol.sampling import episode_seed
 from tests.archiver.tiers_support import all_streams, make_run, one_segment
 
-FORMAT_1 = pa.schema([f for f in segments.SCHEMA if f.name not in segments.TOKEN_COLUMNS])
+FORMAT_1 = pa.schema(segments.ANALYSIS + [("entry_ids", pa.list_(pa.binary())),
+                                          ("entries", pa.list_(pa.list_(pa.binary())))])
+FORMAT_2 = pa.schema(list(FORMAT_1) + [("tok_counts", pa.list_(pa.int32())), ("tok_ids", pa.binary()),
+                                       ("tok_logprobs", pa.binary())], metadata={b"streamrl.segment_format": b"2"})
+
+
+def _old_rows(hot: dict, fmt: int) -> list[dict]:
+    """Rows as formats 1 and 2 wrote them (their writers' code, kept here)."""
+    rows = []
+    for eid, entries in hot.items():
+        flat = [[x for kv in f.items() for x in kv] for _, f in entries]
+        row = {"episode_id": eid, "group_id": eid.split("-")[0], "worker": "w1", "status": "finished",
+               "finish_reason": "stop", "reward": 1.0, "num_generated": 40, "version": 1,
+               "entry_ids": [i for i, _ in entries], "entries": flat}
+        if fmt == 2:
+            row["entries"], row["tok_counts"], row["tok_ids"], row["tok_logprobs"] = segment_columns.pack(flat)
+        rows.append(row)
+    return rows
 
 
 def _tokens(ids, lps, **extra) -> list[bytes]:
@@ -33,26 +52,69 @@ def test_token_columns_keep_every_bit_and_leave_odd_entries_whole():
     assert ids[:4] == bytes([1, 0x70, 3, 4])  # byte planes: the low bytes of the ids first
 
 
-def test_a_format_1_segment_still_reads(client, keys, tmp_path):
+def test_format_1_and_2_segments_still_read(client, keys, tmp_path):
     groups = make_run(client, keys, tmp_path, versions=2)
-    eids = [e for es in groups.values() for e in es]
-    hot = all_streams(client, keys, eids)
+    hot = all_streams(client, keys, [e for es in groups.values() for e in es])
     folder = tmp_path / "episodes"
     folder.mkdir()
-    old_rows = [{**{k: v for k, v in segments.to_row(e, hot[e]).items() if k not in segments.TOKEN_COLUMNS},
-                 "entries": [[x for kv in f.items() for x in kv] for _, f in hot[e]]} for e in eids]
-    pq.write_table(pa.Table.from_pylist(old_rows, schema=FORMAT_1), folder / "seg-00000001.parquet")
-    segments.append_manifest(folder, {"segment": "seg-00000001.parquet", "episodes": len(eids)})
-    assert segments.file_format(folder / "seg-00000001.parquet") == 1
+    for fmt, schema in ((1, FORMAT_1), (2, FORMAT_2)):
+        name = f"seg-0000000{fmt}.parquet"
+        pq.write_table(pa.Table.from_pylist(_old_rows(hot, fmt), schema=schema), folder / name)
+        assert segments.file_format(folder / name) == fmt
+        segments.append_manifest(folder, {"segment": name, "episodes": len(hot)})
     store = segments.SegmentStore(folder)
-    assert store.read_many(eids) == hot
+    assert store.read_many(list(hot)) == hot
     assert dict(store.iter_all()) == hot
 
 
-def test_format_2_moves_the_token_payloads_out_of_the_entries(client, keys, tmp_path):
+def test_format_3_stores_a_groups_prompt_once_and_gives_every_entry_back(client, keys, tmp_path):
     eids, hot, folder = one_segment(client, keys, tmp_path, versions=2)
-    table = pq.read_table(folder / "seg-00000001.parquet")
-    assert segments.file_format(folder / "seg-00000001.parquet") == segments.FORMAT == 2
-    assert all(n >= 0 for counts in table.column("tok_counts").to_pylist() for n in counts if n != -1)
-    assert sum(n for counts in table.column("tok_counts").to_pylist() for n in counts if n > 0) == 40 * len(eids)
+    path = folder / "seg-00000001.parquet"
+    assert segments.file_format(path) == segments.FORMAT == 3
+    table = pq.read_table(path)
+    assert sum(n for counts in table.column("tok_counts").to_pylist() for n in counts) == 40 * len(eids)
+    started = {p for ps in table.column("payloads").to_pylist() for p in ps if p and b"prompt_ids" in p}
+    assert len(started) == 2  # one started payload per group: its episodes' own fields are columns
+    assert table.column("index").to_pylist() == [0, 1, 0, 1]
+    assert table.column("tok_ids").to_pylist()[0][:3] == [0, 7, 14]  # token ids load as lists (pandas, DuckDB)
     assert segments.SegmentStore(folder).read_many(eids) == hot
+
+
+def _entry(kind: bytes, seq: int, data: bytes, **over) -> list[bytes]:
+    fields = {b"type": kind, b"v": b"2", b"policy": b"3", b"worker": b"w", b"seq": str(seq).encode(), b"data": data}
+    fields.update({k.encode(): v for k, v in over.items()})
+    return [x for kv in fields.items() for x in kv]
+
+
+def _started(eid: str, index: int, seed) -> bytes:
+    return msgpack.packb({"episode_id": eid, "group_id": "g", "index": index, "prompt_ids": b"\x05\x00\x00\x00",
+                          "sampling": {"max_tokens": 8, "seed": seed}}, use_bin_type=True)
+
+
+def test_format_3_keeps_odd_entries_whole_and_every_bit():
+    odd_bits = np.array([0x7FC00001, 0x80000000, 0x00000001, 0xFF800000, 0], "<u4").view("<f4")  # NaN, -0.0, +0.0
+    tokens = _tokens([1, 70000, 3, 4, 9], odd_bits)
+    entries = [(b"5-0", _entry(b"started", 0, _started("g-1", 1, episode_seed(7, "g", 1)))),
+               (b"5-1", tokens[:9] + [b"1"] + tokens[10:]),
+               (b"9-0", _entry(b"tokens", 2, b"\xc1")),  # not msgpack: kept as it is, in its place
+               (b"9-1", _entry(b"note", 7, b"")),  # seq not its position: the whole entry kept
+               (b"10-0", _entry(b"started", 4, _started("g-1", 1, 12))),  # a second started: its payload whole
+               (b"12-0", _entry(b"finished", 5, b"\x80", policy=b"03"))]  # a policy "03" does not round-trip
+    row, ids, lps = segment_entries.pack("g-1", entries, seed_base=7)
+    assert (row["index"], row["seed"], row["seed_base"]) == (1, None, 7)  # the seed is the rule's: the base only
+    assert [len(o) for o in row["others"]] == [13, 13] and row["tok_counts"] == [5]
+    back = segment_entries.unpack("g-1", row, b"".join(ids), b"".join(lps))
+    assert back == [(i, dict(zip(f[::2], f[1::2]))) for i, f in entries]
+    row, _, _ = segment_entries.pack("g-1", entries[:1], seed_base=8)  # another run's seed: the seed itself
+    assert (row["seed"], row["seed_base"]) == (episode_seed(7, "g", 1), None)
+    row, _, _ = segment_entries.pack("g-2", entries[:1])  # not its own episode id: the payload whole
+    assert row["index"] is None and row["payloads"][0] == entries[0][1][-1]
+
+
+def test_format_3_token_columns_keep_every_bit_through_a_file(client, keys, tmp_path):
+    odd_bits = np.array([0x7FC00001, 0x80000000, 0x00000001, 0xFF800000, 0], "<u4").view("<f4")
+    entry = (b"5-1", _tokens([1, 70000, 3, 4, 9], odd_bits))
+    row = segments.to_row("g-1", [(entry[0], dict(zip(entry[1][::2], entry[1][1::2])))])
+    segments.write_file(tmp_path, "seg-00000001.parquet", [row])
+    segments.append_manifest(tmp_path, {"segment": "seg-00000001.parquet", "episodes": 1})
+    assert segments.SegmentStore(tmp_path).read("g-1") == [(entry[0], dict(zip(entry[1][::2], entry[1][1::2])))]

@@ -12,7 +12,8 @@ from shared.protocol.ledger import append_ledger
 def write_episode(log: EpisodeLog, episode_id: str, group_id: str, version: int, n_tokens: int = 40,
                   end: bool = True) -> None:
     log.open(episode_id)
-    log.append(episode_id, "started", {"episode_id": episode_id, "group_id": group_id, "index": 0,
+    index = int(episode_id.rsplit("-", 1)[1]) if episode_id.rsplit("-", 1)[-1].isdigit() else 0
+    log.append(episode_id, "started", {"episode_id": episode_id, "group_id": group_id, "index": index,
                                        "prompt_ids": [5, 6, 7], "sampling": {"max_tokens": 64},
                                        "task": {"answer": "42"}}, version)
     for start in range(0, n_tokens, 16):

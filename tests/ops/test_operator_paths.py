@@ -137,6 +137,7 @@ def reads_run(env: dict, folder_name: str, run_name: str, run_path: Path, out: P
     assert dbsize.returncode == 0 and int(dbsize.stdout.split()[-1]) > 0, dbsize.stdout + dbsize.stderr
     status = run(cli + ["status", "--run", folder_name], env, timeout=120)
     assert status.returncode == 0 and "reward" in status.stdout, status.stderr
+    assert re.search(r"redis [\d.]+ MB.*, [\d,]+ keys", status.stdout), status.stdout  # the tiers: Redis memory, keys
     check = run(cli + ["check", "--run", folder_name], env, timeout=120)
     assert check.returncode == 0 and re.search(r"^ok$", check.stdout, re.M), check.stdout + check.stderr
     version = int(min(weights.glob("v*.safetensors")).name[1:7])  # the oldest kept (the newest is exported)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 from enum import Enum
 
 from services.rollout.engine import SamplingParams
 from shared.protocol.fold import Episode
+from shared.protocol.sampling import episode_seed, stable_seed  # noqa: F401 - the rule lives in shared (segments use it)
 
 
 class State(Enum):
@@ -16,15 +16,6 @@ class State(Enum):
     SCORING = "scoring"  # generation over, waiting for the reward job
     PAUSED = "paused"  # needs a generation request on resume
     DONE = "done"  # finished or failed, in the stream
-
-
-def stable_seed(*parts) -> int:
-    """A sampling seed from its parts, stable across processes and runs (unlike hash())."""
-    return zlib.crc32(":".join(map(str, parts)).encode()) & 0x7FFFFFFF
-
-
-def episode_seed(base: int, group_id: str, index: int) -> int:
-    return stable_seed(base, group_id, index)
 
 
 @dataclass

@@ -1,0 +1,81 @@
+"""What moving episodes out of Redis costs the pipeline: the default job run with ``log_retention_versions`` off
+and on, side by side in one invocation (same seed, same number of versions, interleaved off/on pairs so that a
+change in the box's load moves both alike), each a whole ``streamrl run``.
+
+    python bench/tiers_cost.py [--versions 300] [--pairs 2] [--retention 20]
+
+Reported per variant: trained samples/s (samples in trained batches / (last step - driver start), startup
+excluded, from the trainer's metrics file), and for retention on the segments the archiver wrote (episodes,
+bytes per policy token on the real run's episodes). The figure is the on/off ratio of samples/s (goal: at most
+2 % slower); the load average is printed, since other work on the box moves both."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.record import record  # noqa: E402
+from bench.runs import ROOT, streamrl_run  # noqa: E402
+from shared.protocol import segments  # noqa: E402
+
+
+def summarize(t_start: float, steps: list[dict]) -> dict:
+    samples = sum(s["samples"] for s in steps)
+    elapsed = steps[-1]["time"] - t_start
+    return {"samples": samples, "seconds": elapsed, "samples_per_s": samples / elapsed, "steps": len(steps)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--versions", type=int, default=300)
+    ap.add_argument("--pairs", type=int, default=2, help="off/on pairs, interleaved")
+    ap.add_argument("--retention", type=int, default=20, help="log_retention_versions of the 'on' runs")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    work = ROOT / "runs" / f"bench-tiers-cost-{uuid.uuid4().hex[:6]}"
+    load_before = os.getloadavg()
+    results: dict[str, list[dict]] = {"off": [], "on": []}
+    try:
+        for pair in range(args.pairs):
+            for variant, retention in (("off", 0), ("on", args.retention)):
+                run = f"tiers-{variant}-{pair}"
+                flags = {"run": run, "run_dir": str(work), "max_versions": args.versions, "seed": 0,
+                         "log_retention_versions": retention, "log_level": "warning"}
+                t_start, steps = streamrl_run(flags, args.verbose)
+                r = summarize(t_start, steps)
+                r["segments"] = segments.SegmentStore(segments.folder_of(work / run)).sizes()
+                results[variant].append(r)
+                cold = r["segments"]
+                moved = (f"; {cold['episodes']} episodes moved, {cold['bytes'] / max(cold['tokens'], 1):.1f} B per "
+                         f"policy token in segments" if cold["episodes"] else "")
+                print(f"   {variant} #{pair}: {r['samples']} samples in {r['seconds']:.1f}s = "
+                      f"{r['samples_per_s']:.1f}/s{moved}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rate = {v: sum(r["samples"] for r in rs) / sum(r["seconds"] for r in rs) for v, rs in results.items()}
+    ratio = rate["on"] / rate["off"]
+    cold = [r["segments"] for r in results["on"]]
+    per_token = sum(c["bytes"] for c in cold) / max(sum(c["tokens"] for c in cold), 1)
+    per_episode = sum(c["bytes"] for c in cold) / max(sum(c["episodes"] for c in cold), 1)
+    load = os.getloadavg()
+    print(f"\nsamples/s, retention off {rate['off']:.1f}, on ({args.retention} versions) {rate['on']:.1f}: "
+          f"on/off {ratio:.3f} ({100 * (ratio - 1):+.1f} %)")
+    print(f"segments of the real default run: {per_token:.1f} B per policy token, {per_episode:.1f} B per episode")
+    print(f"load average {load_before[0]:.2f} before, {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
+    record("tiers_cost", [
+        {"what": f"samples/s with retention on ({args.retention} versions) / off, default job, {args.versions} "
+                 f"versions x {args.pairs} pairs", "value": f"{ratio:.3f} ({rate['on']:.1f} vs {rate['off']:.1f})"},
+        {"what": "segment bytes per policy token, the default run's episodes",
+         "value": f"{per_token:.1f} ({per_episode:.0f} B per episode)"},
+    ], ["services/archiver", "shared/protocol/segments.py", "shared/protocol/segment_entries.py"],
+        extra={"load_average_before": load_before, "load_average": load, "runs": results})
+
+
+if __name__ == "__main__":
+    main()

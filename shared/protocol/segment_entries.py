@@ -1,0 +1,157 @@
+"""Format 3 segment rows: an episode's entries split into per-entry columns, so that what episodes share is stored
+once per segment (Parquet's dictionary pages) and what they do not is small numbers (delta- and bit-packed).
+
+An entry of the usual shape (fields exactly ``type, v, policy, worker, seq, data`` in that order, ``seq`` its
+position, ``policy`` a decimal integer, entry id ``<ms>-<n>``) is one element in each list:
+
+    ms, sub     its entry id's two numbers, ``ms`` as the step from the entry before (the row's ``t0`` is the
+                first entry's; steps are a few values per segment, dictionary-coded)
+    kinds, hv   its ``type`` and ``v`` (dictionary-coded: a handful of values per segment)
+    policies    its ``policy``
+    workers     its ``worker`` (dictionary-coded)
+    payloads    its ``data``; None for a ``tokens`` entry whose ids and log-probs went to the token columns
+                (``tok_counts`` says how many, shared/protocol/segment_columns.py decides which entries qualify);
+                the first ``started`` entry's with its own fields (``episode_id``, ``index``, ``sampling.seed``)
+                set to nil: a group's episodes then share one payload value, prompt ids and all, stored once
+                (the row's ``index`` and ``seed`` columns keep the values taken out; a seed the rollout's rule
+                made, ``episode_seed(base, group, index)``, is kept as its ``seed_base``, the same in every row)
+
+Any other entry keeps its id and fields whole in ``others`` (its ``kinds`` element is empty). ``pack`` checks
+that ``unpack`` gives back each moved part byte for byte, and keeps the part whole where it would not.
+"""
+
+from __future__ import annotations
+
+import msgpack
+
+from shared.protocol.sampling import episode_seed
+from shared.protocol.segment_columns import movable
+
+HEADERS = [b"type", b"v", b"policy", b"worker", b"seq", b"data"]
+LISTS = ("ms", "sub", "kinds", "hv", "policies", "workers", "payloads")
+INT64 = (-(1 << 63), 1 << 63)
+
+
+def _int(raw: bytes) -> int | None:
+    """The integer a decimal text spells, only when writing it back gives the same bytes."""
+    try:
+        n = int(raw)
+    except ValueError:
+        return None
+    return n if str(n).encode() == raw and INT64[0] <= n < INT64[1] else None
+
+
+def _split(position: int, entry_id: bytes, flat: list[bytes]) -> tuple | None:
+    """(ms, sub, kind, v, policy, worker, data) of an entry of the usual shape, else None."""
+    if flat[::2] != HEADERS or len(flat) != 12 or not flat[1] or flat[9] != str(position).encode():
+        return None
+    ms, _, sub = entry_id.partition(b"-")
+    ms, sub, policy = _int(ms), _int(sub), _int(flat[5])
+    if ms is None or sub is None or policy is None or not -(1 << 31) <= policy < 1 << 31:
+        return None
+    return ms, sub, flat[1], flat[3], policy, flat[7], flat[11]
+
+
+def fill(payload: bytes, episode_id: str, index: int, seed: int | None, seed_base: int | None) -> bytes:
+    """A started payload with its own fields put back (the inverse of ``_template``)."""
+    data = msgpack.unpackb(payload, raw=False)
+    data["episode_id"], data["index"] = episode_id, index
+    if seed_base is not None:
+        seed = episode_seed(seed_base, data["group_id"], index)
+    if seed is not None:
+        data["sampling"]["seed"] = seed
+    return msgpack.packb(data, use_bin_type=True)
+
+
+def _template(episode_id: str, data: bytes, seed_base: int | None) -> tuple | None:
+    """(payload with the episode's own fields nil, index, seed, seed base) of a started payload, or None (kept
+    whole). Of ``seed`` and ``seed base`` one at most is set."""
+    try:
+        d = msgpack.unpackb(data, raw=False)
+    except Exception:  # noqa: BLE001 - an undecodable payload is simply kept as it is
+        return None
+    if not isinstance(d, dict) or d.get("episode_id") != episode_id or type(d.get("index")) is not int:
+        return None
+    index, seed, sampling = d["index"], None, d.get("sampling")
+    if not -(1 << 31) <= index < 1 << 31:
+        return None
+    d["episode_id"] = d["index"] = None
+    if isinstance(sampling, dict) and type(sampling.get("seed")) is int and INT64[0] <= sampling["seed"] < INT64[1]:
+        seed, sampling["seed"] = sampling["seed"], None
+    try:
+        if seed is not None and seed_base is not None and seed == episode_seed(seed_base, d["group_id"], index):
+            seed = None
+        else:
+            seed_base = None
+        payload = msgpack.packb(d, use_bin_type=True)
+        return (payload, index, seed, seed_base) if fill(payload, episode_id, index, seed, seed_base) == data else None
+    except Exception:  # noqa: BLE001 - what does not come back whole is kept whole
+        return None
+
+
+def pack(episode_id: str, entries: list[tuple[bytes, list[bytes]]],
+         seed_base: int | None = None) -> tuple[dict, list[bytes], list[bytes]]:
+    """(entry id, flat fields) pairs -> (the row's entry columns, token ids parts, log-prob parts), each part the
+    raw little-endian bytes of one moved ``tokens`` entry. ``seed_base``: the run's ``seed``."""
+    row: dict = {name: [] for name in LISTS}
+    row.update(others=[], tok_counts=[], index=None, seed=None, seed_base=None, t0=0)
+    ids, lps = [], []
+    started, last = False, None
+    for position, (entry_id, flat) in enumerate(entries):
+        parts = _split(position, entry_id, flat)
+        if parts is None:
+            for name, blank in zip(LISTS, (0, 0, b"", b"", 0, b"", None)):
+                row[name].append(blank)
+            row["others"].append([entry_id, *flat])
+            continue
+        ms, sub, kind, v, policy, worker, payload = parts
+        if last is None:
+            row["t0"] = last = ms
+        ms, last = ms - last, ms
+        if not -(1 << 31) <= ms < 1 << 31:
+            return pack_whole(entries)
+        tokens = movable(flat) if kind == b"tokens" else None
+        if tokens is not None:
+            payload = None
+            row["tok_counts"].append(len(tokens[0]) // 4)
+            ids.append(tokens[0])
+            lps.append(tokens[1])
+        elif kind == b"started" and not started:
+            started = True
+            taken = _template(episode_id, payload, seed_base)
+            if taken is not None:
+                payload, row["index"], row["seed"], row["seed_base"] = taken
+        for name, value in zip(LISTS, (ms, sub, kind, v, policy, worker, payload)):
+            row[name].append(value)
+    return row, ids, lps
+
+
+def pack_whole(entries: list[tuple[bytes, list[bytes]]]) -> tuple[dict, list[bytes], list[bytes]]:
+    """Every entry kept whole in ``others``."""
+    row: dict = {name: [0 if name in ("ms", "sub", "policies") else None if name == "payloads" else b""
+                        for _ in entries] for name in LISTS}
+    row.update(others=[[i, *flat] for i, flat in entries], tok_counts=[], index=None, seed=None, seed_base=None, t0=0)
+    return row, [], []
+
+
+def unpack(episode_id: str, row: dict, ids: bytes, lps: bytes) -> list[tuple[bytes, dict]]:
+    """A row's entry columns (and its token bytes, in entry order) -> its entries as XRANGE returns them."""
+    others, counts = iter(row["others"]), iter(row["tok_counts"])
+    out, at, started, now = [], 0, False, row["t0"]
+    for position, (ms, sub, kind, v, policy, worker, payload) in enumerate(zip(*(row[n] for n in LISTS))):
+        if not kind:
+            flat = next(others)
+            out.append((flat[0], dict(zip(flat[1::2], flat[2::2]))))
+            continue
+        now += ms
+        if payload is None:
+            end = at + 4 * next(counts)
+            payload = msgpack.packb({"ids": ids[at:end], "logprobs": lps[at:end]}, use_bin_type=True)
+            at = end
+        elif kind == b"started" and not started:
+            started = True
+            if row["index"] is not None:
+                payload = fill(payload, episode_id, row["index"], row["seed"], row["seed_base"])
+        fields = dict(zip(HEADERS, (kind, v, str(policy).encode(), worker, str(position).encode(), payload)))
+        out.append((f"{now}-{sub}".encode(), fields))
+    return out

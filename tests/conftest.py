@@ -38,6 +38,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: ties keep the collection order
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Figures a test measured (``record_property("figure", "name: value")``), listed at the end of the run, so a
+    log shows them (CI's vLLM step reports the vLLM engine's mismatch KL this way)."""
+    lines = [value for report in terminalreporter.stats.get("passed", []) if report.when == "call"
+             for key, value in report.user_properties if key == "figure"]
+    if lines:
+        terminalreporter.section("figures")
+        for line in sorted(lines):
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def run_dir_outside_the_checkout(tmp_path_factory):
     """Service processes a test starts without a run folder of its own write under this session's temp folder,

@@ -114,7 +114,8 @@ def continue_agent(cfg, entries: list, from_call: int | None, version: int, weig
             env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
             log(f"replay: scratch Redis {server.url}; calls 0..{k - 1} answered from the stream, call {k} on with "
                 f"v{version}")
-            procs = [starter.popen(m, extra, env, root) for m, extra in (("services.rollout", ["--worker-id", "replay"]), ("services.gateway", []))]
+            procs = [starter.popen(m, extra, env, root)
+                     for m, extra in (("services.rollout", ["--worker-id", "replay"]), ("services.gateway", []))]
             _wait(lambda: client.exists(keys.alive("rollout", "replay")), 180, "the rollout worker")
             if version != 0 or weights[0]:
                 for cmd in ("pause", "load", "resume"):

@@ -128,7 +128,7 @@ class Keeper:
     def _start_warm(self, env: dict) -> starter.Started | None:
         """The process forked by the run's starter, its output on a pipe to here; None when there is no starter
         or it does not answer (then the process starts the ordinary way)."""
-        path, target = os.environ.get(starter.ENV), starter.python_module(self.command)
+        path, target = starter.inherited(), starter.python_module(self.command)
         if not path or target is None:
             return None
         read, write = os.pipe()

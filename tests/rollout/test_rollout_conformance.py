@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from shared.runtime.checksum import sha256_file
 from services.trainer.batch import build_batch
+from services.trainer.corrections import mismatch
 from services.trainer.step import policy_logprobs
 from shared.runtime.config import Config
 from shared.protocol.keys import Keys
@@ -172,7 +173,7 @@ SAMPLINGS = {"t0.8": {"temperature": 0.8}, "t0.7-top_p0.9-top_k10": {"temperatur
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 def test_logprobs_agree_with_the_trainer_under_the_same_weights(client, keys, model_dir, engine_kind, engine,
-                                                                 tmp_path, sampling):
+                                                                 tmp_path, sampling, record_property):
     """Run under version 0, publish version 1 (checksummed), run the same prompts again:
     each run's behaviour log-probs match the trainer's recomputation under its own
     weights, for plain temperature, top-k + top-p, and greedy (one-hot: log-prob 0). The prompt
@@ -206,6 +207,12 @@ def test_logprobs_agree_with_the_trainer_under_the_same_weights(client, keys, mo
           f"(v1 tokens scored with the v0 weights: max {stale.max():.2e})")
     tol = TRAINER_LOGPROB_TOL[engine_kind]
     assert d0.max() < tol and d1.max() < tol
+    # the engine mismatch as the trainer reports it every batch (mismatch_kl: tokens of its own current version)
+    trainer_lp, engine_lp = torch.cat([trainer0, trainer1]), torch.cat([engine0, engine1])
+    kl = mismatch(trainer_lp, engine_lp, torch.ones_like(trainer_lp, dtype=torch.bool),
+                  torch.zeros_like(trainer_lp, dtype=torch.long), trainer_version=0)["mismatch_kl"]
+    record_property("figure", f"mismatch_kl {engine_kind} {sampling}: {kl:.3e} over {len(trainer_lp)} tokens")
+    assert 0.0 <= kl <= tol ** 2  # k3 ≈ d²/2 for small d
     if sampling == "greedy":
         assert engine0.abs().max() == engine1.abs().max() == 0.0  # the argmax has probability 1
     else:

@@ -109,8 +109,8 @@ def second_moment_mask(d: Tensor, keep: Tensor, tau: float) -> Tensor:
 def mismatch(prox: Tensor, behav: Tensor, keep: Tensor, versions: Tensor, trainer_version: int) -> dict:
     """k3 KL(sampler ‖ trainer) = mean(exp(d) − 1 − d) over kept tokens of ``trainer_version`` (``mismatch_kl``,
     None when there are none) and per staleness η = trainer_version − version (``mismatch_kl_by_staleness``)."""
-    d = (prox - behav).float()
-    k3 = torch.exp(d) - 1.0 - d
+    d = (prox - behav).double()  # float64 and expm1: in float32, exp(d) − 1 − d cancels to noise for |d| ~ 1e-6
+    k3 = torch.expm1(d) - d
     stale = trainer_version - versions
     by = {}
     for eta in sorted(set(torch.where(keep, stale, -1).unique().tolist()) - {-1}):

@@ -102,9 +102,20 @@ def test_mismatch_is_the_k3_kl_of_current_version_tokens_and_split_by_staleness(
     out = mismatch(prox, behav, keep, versions, trainer_version=7)
     assert out["mismatch_kl"] == 0.0  # version 7's tokens: trainer and sampler agree
     d = torch.tensor([0.0, -0.2])
-    assert out["mismatch_kl_by_staleness"]["2"] == pytest.approx(float((d.exp() - 1 - d).mean()))
+    assert out["mismatch_kl_by_staleness"]["2"] == pytest.approx(float((d.exp() - 1 - d).mean()), rel=1e-5)
     assert set(out["mismatch_kl_by_staleness"]) == {"0", "2"}
     assert mismatch(prox, behav, keep, versions, trainer_version=9)["mismatch_kl"] is None  # none of version 9
+
+
+def test_mismatch_of_log_probs_a_millionth_apart_is_their_half_square_not_rounding_noise():
+    """vLLM's log-probs differ from the trainer's by ~1e-6 (CI's vLLM step): k3 ≈ d²/2 = 5e-13 must come out as
+    that, not as float32's cancellation noise (zero or negative)."""
+    behav = torch.full((1, 64), -1.5)
+    d = torch.linspace(-2e-6, 2e-6, 64).double()
+    prox = (behav.double() + d).float()
+    true = float((((prox.double() - behav.double()) ** 2) / 2).mean())
+    kl = mismatch(prox, behav, torch.ones(1, 64, dtype=torch.bool), torch.zeros(1, 64, dtype=torch.long), 0)
+    assert kl["mismatch_kl"] == pytest.approx(true, rel=1e-3, abs=0) and true > 1e-13
 
 
 def test_version_spans_count_the_versions_a_response_crossed():

@@ -28,6 +28,19 @@ from bench.runs import ROOT, streamrl_run  # noqa: E402
 from shared.protocol import segments  # noqa: E402
 
 
+def streams_left(run_dir: Path, run: str) -> int:
+    """Episode streams still in a finished run's Redis (its append-only file, served for the count)."""
+    from services.ops.redis_server import EmbeddedRedis
+    from shared.protocol.keys import Keys
+    from shared.runtime.connection import connect
+
+    server = EmbeddedRedis(run_dir / run / "redis").start()
+    try:
+        return sum(1 for _ in connect(server.url).scan_iter(Keys(run).episode("*"), count=1000))
+    finally:
+        server.stop()
+
+
 def summarize(t_start: float, steps: list[dict]) -> dict:
     samples = sum(s["samples"] for s in steps)
     elapsed = steps[-1]["time"] - t_start
@@ -61,11 +74,14 @@ def main() -> None:
                 r["cpu_s"] = watch[0].total()
                 r["archiver_cpu_s"] = watch[0].total("services.archiver", excluding=" keep ")
                 r["segments"] = segments.SegmentStore(segments.folder_of(work / run)).sizes()
+                r["streams_left"] = streams_left(work, run)
                 results[variant].append(r)
                 cold = r["segments"]
                 moved = (f"; {cold['episodes']} episodes moved, {cold['bytes'] / max(cold['tokens'], 1):.1f} B per "
                          f"policy token in segments" if cold["episodes"] else "")
-                share = (f"; archiver {r['archiver_cpu_s']:.2f} of {r['cpu_s']:.1f} CPU s "
+                per_version = (cold["episodes"] + r["streams_left"]) / args.versions
+                share = (f"; {r['streams_left']} streams left in Redis (= {r['streams_left'] / per_version:.0f} "
+                         f"versions' episodes); archiver {r['archiver_cpu_s']:.2f} of {r['cpu_s']:.1f} CPU s "
                          f"({100 * r['archiver_cpu_s'] / r['cpu_s']:.1f} %), "
                          f"{1e6 * r['archiver_cpu_s'] / max(cold['episodes'], 1):.0f} us per episode moved"
                          if variant == "on" else f"; {r['cpu_s']:.1f} CPU s")

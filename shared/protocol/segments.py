@@ -66,6 +66,7 @@ TOKENS = ["tok_ids", "tok_logprobs"]
 PLANES = [f"{c}.list.element" for c in TOKENS]  # stored in byte planes (Parquet's BYTE_STREAM_SPLIT)
 DICTIONARY = ["group_id", "worker", "status", "finish_reason", "reward", "num_generated", "version", "index",
               "seed_base", "ms", "sub", "kinds", "hv", "policies", "workers", "payloads", "tok_counts"]
+DELTAS = {"t0": "DELTA_BINARY_PACKED", "episode_id": "DELTA_BYTE_ARRAY"}  # rising times, ids sharing a prefix
 ENTRY_COLUMNS = [f.name for f in SCHEMA if f.name not in dict(ANALYSIS) or f.name == "episode_id"]
 RAW = ["episode_id", "entry_ids", "entries"]  # format 1 and 2: the columns an episode's entries come back from
 TOKEN_COLUMNS = ["tok_counts", "tok_ids", "tok_logprobs"]  # format 2 only
@@ -165,7 +166,8 @@ def write_file(folder: Path, name: str, rows: list[dict]) -> int:
     table = table_of(rows)
     with open(tmp, "wb") as fh:
         with pq.ParquetWriter(fh, table.schema, compression="zstd", compression_level=LEVEL,
-                              use_dictionary=DICTIONARY, use_byte_stream_split=PLANES, write_statistics=["episode_id"],
+                              use_dictionary=DICTIONARY, use_byte_stream_split=PLANES, column_encoding=DELTAS,
+                              write_statistics=["episode_id"],
                               store_schema=False) as writer:  # no Arrow schema copy: the Parquet types say it all
             writer.write_table(table)
             writer.add_key_value_metadata(SCHEMA.metadata)

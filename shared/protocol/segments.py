@@ -67,6 +67,7 @@ PLANES = [f"{c}.list.element" for c in TOKENS]  # stored in byte planes (Parquet
 DICTIONARY = ["group_id", "worker", "status", "finish_reason", "reward", "num_generated", "version", "index",
               "seed_base", "ms", "sub", "kinds", "hv", "policies", "workers", "payloads", "tok_counts"]
 DELTAS = {"t0": "DELTA_BINARY_PACKED", "episode_id": "DELTA_BYTE_ARRAY"}  # rising times, ids sharing a prefix
+ENCODINGS = {**{c: "BYTE_STREAM_SPLIT" for c in PLANES}, **DELTAS}
 ENTRY_COLUMNS = [f.name for f in SCHEMA if f.name not in dict(ANALYSIS) or f.name == "episode_id"]
 RAW = ["episode_id", "entry_ids", "entries"]  # format 1 and 2: the columns an episode's entries come back from
 TOKEN_COLUMNS = ["tok_counts", "tok_ids", "tok_logprobs"]  # format 2 only
@@ -166,7 +167,7 @@ def write_file(folder: Path, name: str, rows: list[dict]) -> int:
     table = table_of(rows)
     with open(tmp, "wb") as fh:
         with pq.ParquetWriter(fh, table.schema, compression="zstd", compression_level=LEVEL,
-                              use_dictionary=DICTIONARY, use_byte_stream_split=PLANES, column_encoding=DELTAS,
+                              use_dictionary=DICTIONARY, column_encoding=ENCODINGS,
                               write_statistics=["episode_id"],
                               store_schema=False) as writer:  # no Arrow schema copy: the Parquet types say it all
             writer.write_table(table)

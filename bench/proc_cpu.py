@@ -21,15 +21,20 @@ def _stat(pid: int) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
 
 
-def _cmdline(pid: int) -> str:
+def _names(pid: int) -> str:
+    """``[comm] command line``: a process the run's starter forked keeps the starter's command line, and says its
+    module in its name (``comm``, e.g. ``archiver``)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
+    return f"[{comm}] {cmdline}"
 
 
 class TreeCPU:
-    """``with TreeCPU(root_pid) as t: ...``; then ``t.seconds`` {pid: CPU s}, ``t.commands`` {pid: command line}."""
+    """``with TreeCPU(root_pid) as t: ...``; then ``t.seconds`` {pid: CPU s}, ``t.commands`` {pid: ``[comm]
+    command line``}."""
 
     def __init__(self, root: int, every_s: float = 0.25):
         self.root, self.every_s = root, every_s
@@ -52,8 +57,7 @@ class TreeCPU:
         for pid in tree:
             if pid in parents:
                 self.seconds[pid] = parents[pid][1]
-                if pid not in self.commands:
-                    self.commands[pid] = _cmdline(pid)
+                self.commands[pid] = _names(pid) or self.commands.get(pid, "")  # a fork names itself later
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):

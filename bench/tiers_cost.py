@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.proc_cpu import TreeCPU  # noqa: E402
 from bench.record import record  # noqa: E402
 from bench.runs import ROOT, streamrl_run  # noqa: E402
+from bench.tiers import folder_columns  # noqa: E402
 from shared.protocol import segments  # noqa: E402
 
 
@@ -72,9 +73,11 @@ def main() -> None:
                         w.__exit__(None, None, None)
                 r = summarize(t_start, steps)
                 r["cpu_s"] = watch[0].total()
-                r["archiver_cpu_s"] = watch[0].total("services.archiver", excluding=" keep ")
+                r["archiver_cpu_s"] = watch[0].total("[archiver]") + watch[0].total("-m services.archiver",
+                                                                                     excluding="keep")
                 r["segments"] = segments.SegmentStore(segments.folder_of(work / run)).sizes()
                 r["streams_left"] = streams_left(work, run)
+                r["columns"] = folder_columns(segments.folder_of(work / run))
                 results[variant].append(r)
                 cold = r["segments"]
                 moved = (f"; {cold['episodes']} episodes moved, {cold['bytes'] / max(cold['tokens'], 1):.1f} B per "
@@ -105,7 +108,14 @@ def main() -> None:
           f"moved; the whole run's CPU per sample on/off {cpu_ratio:.3f}")
     print(f"\nsamples/s, retention off {rate['off']:.1f}, on ({args.retention} versions) {rate['on']:.1f}: "
           f"on/off {ratio:.3f} ({100 * (ratio - 1):+.1f} %)")
-    print(f"segments of the real default run: {per_token:.1f} B per policy token, {per_episode:.1f} B per episode")
+    print(f"segments of the real default run: {per_token:.2f} B per policy token, {per_episode:.1f} B per episode")
+    tokens = max(sum(c["tokens"] for c in cold), 1)
+    by_column = {}
+    for r in on:
+        for name, size in r["columns"].items():
+            by_column[name] = by_column.get(name, 0) + size
+    print("  by column (B/token): " + ", ".join(f"{k} {v / tokens:.3f}" for k, v in
+                                               sorted(by_column.items(), key=lambda kv: -kv[1])))
     print(f"load average {load_before[0]:.2f} before, {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
     record("tiers_cost", [
         {"what": f"samples/s with retention on ({args.retention} versions) / off, default job, {args.versions} "
@@ -115,7 +125,8 @@ def main() -> None:
         {"what": "segment bytes per policy token, the default run's episodes",
          "value": f"{per_token:.1f} ({per_episode:.0f} B per episode)"},
     ], ["services/archiver", "shared/protocol/segments.py", "shared/protocol/segment_entries.py"],
-        extra={"load_average_before": load_before, "load_average": load, "runs": results})
+        extra={"columns_per_token": {k: round(v / tokens, 4) for k, v in by_column.items()},
+               "load_average_before": load_before, "load_average": load, "runs": results})
 
 
 if __name__ == "__main__":

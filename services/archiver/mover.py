@@ -44,11 +44,12 @@ for i, key in ipairs(KEYS) do
 end
 return deleted
 """
+BATCH = 10_000  # episodes per segment at most: one segment per step on a default run (a footer, ~2.5 KB, each)
 DELETE_CHUNK = 500  # streams per script call and per DEL (one server; on a cluster each key is its own call)
 
 
 class Mover:
-    def __init__(self, client, keys: Keys, run_path: Path | str, retention: int, batch: int = 2000, log=None,
+    def __init__(self, client, keys: Keys, run_path: Path | str, retention: int, batch: int = BATCH, log=None,
                  seed_base: int | None = None):
         self.client, self.keys, self.retention, self.batch, self.log = client, keys, retention, batch, log
         self.seed_base = seed_base  # the run's seed: episodes' default seeds are stored as this one number

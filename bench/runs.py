@@ -16,9 +16,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def streamrl_run(flags: dict, verbose: bool = False) -> tuple[float, list[dict]]:
+def streamrl_run(flags: dict, verbose: bool = False, on_start=None) -> tuple[float, list[dict]]:
     """Run ``streamrl run`` with ``flags`` (config keys -> values); (wall time the driver started, the trainer's
-    metrics records). Raises SystemExit naming the run when it fails or never starts."""
+    metrics records). Raises SystemExit naming the run when it fails or never starts. ``on_start(process)``: called
+    once the ``streamrl run`` process exists (e.g. to watch its processes' CPU)."""
     cmd = [sys.executable, "-m", "services.ops.cli", "run"]
     for k, v in flags.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
@@ -27,6 +28,8 @@ def streamrl_run(flags: dict, verbose: bool = False) -> tuple[float, list[dict]]
     print(f"\n== {' '.join(cmd[4:])}", flush=True)
     t_start, last_line = None, ""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if on_start is not None:
+        on_start(proc)
     for line in proc.stdout:
         if "driver" in line and "started;" in line and t_start is None:
             t_start = time.time()

@@ -53,6 +53,22 @@ def columns(path: Path, tokens: int) -> dict[str, float]:
     return out
 
 
+def folder_columns(folder: Path) -> dict[str, int]:
+    """Compressed bytes of each column over every segment file in a folder (all row groups), and their footers."""
+    out: dict[str, int] = {}
+    for path in sorted(folder.glob("seg-*.parquet")):
+        meta = pq.ParquetFile(path).metadata
+        body = 0
+        for g in range(meta.num_row_groups):
+            for i in range(meta.num_columns):
+                c = meta.row_group(g).column(i)
+                name = c.path_in_schema.split(".")[0]
+                out[name] = out.get(name, 0) + c.total_compressed_size
+                body += c.total_compressed_size
+        out["(footer)"] = out.get("(footer)", 0) + path.stat().st_size - body
+    return out
+
+
 def measure(client, folder: Path, n_episodes: int, n_tokens: int, chunk: int, rng) -> dict:
     keys = Keys(f"b{uuid.uuid4().hex[:8]}")
     log = EpisodeLog(client, keys, "bench")

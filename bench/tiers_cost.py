@@ -6,8 +6,10 @@ change in the box's load moves both alike), each a whole ``streamrl run``.
 
 Reported per variant: trained samples/s (samples in trained batches / (last step - driver start), startup
 excluded, from the trainer's metrics file), and for retention on the segments the archiver wrote (episodes,
-bytes per policy token on the real run's episodes). The figure is the on/off ratio of samples/s (goal: at most
-2 % slower); the load average is printed, since other work on the box moves both."""
+bytes per policy token on the real run's episodes), and the CPU seconds of the run's processes (bench/proc_cpu.py,
+from /proc: the whole run's, and the archiver's per episode moved and as a share of the run's). The figures are
+the on/off ratio of samples/s (goal: at most 2 % slower) and the archiver's CPU share (CPU seconds move far less
+with the box's load than samples/s); the load average is printed, since other work on the box moves both."""
 
 from __future__ import annotations
 
@@ -20,9 +22,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.proc_cpu import TreeCPU  # noqa: E402
 from bench.record import record  # noqa: E402
 from bench.runs import ROOT, streamrl_run  # noqa: E402
+from bench.tiers import folder_columns  # noqa: E402
 from shared.protocol import segments  # noqa: E402
+
+
+def streams_left(run_dir: Path, run: str) -> int:
+    """Episode streams still in a finished run's Redis (its append-only file, served for the count)."""
+    from services.ops.redis_server import EmbeddedRedis
+    from shared.protocol.keys import Keys
+    from shared.runtime.connection import connect
+
+    server = EmbeddedRedis(run_dir / run / "redis").start()
+    try:
+        return sum(1 for _ in connect(server.url).scan_iter(Keys(run).episode("*"), count=1000))
+    finally:
+        server.stop()
 
 
 def summarize(t_start: float, steps: list[dict]) -> dict:
@@ -47,15 +64,32 @@ def main() -> None:
                 run = f"tiers-{variant}-{pair}"
                 flags = {"run": run, "run_dir": str(work), "max_versions": args.versions, "seed": 0,
                          "log_retention_versions": retention, "log_level": "warning"}
-                t_start, steps = streamrl_run(flags, args.verbose)
+                watch: list[TreeCPU] = []
+                try:
+                    t_start, steps = streamrl_run(flags, args.verbose,
+                                                  on_start=lambda p: watch.append(TreeCPU(p.pid).__enter__()))
+                finally:
+                    for w in watch:
+                        w.__exit__(None, None, None)
                 r = summarize(t_start, steps)
+                r["cpu_s"] = watch[0].total()
+                r["archiver_cpu_s"] = watch[0].total("[archiver]") + watch[0].total("-m services.archiver",
+                                                                                     excluding="keep")
                 r["segments"] = segments.SegmentStore(segments.folder_of(work / run)).sizes()
+                r["streams_left"] = streams_left(work, run)
+                r["columns"] = folder_columns(segments.folder_of(work / run))
                 results[variant].append(r)
                 cold = r["segments"]
                 moved = (f"; {cold['episodes']} episodes moved, {cold['bytes'] / max(cold['tokens'], 1):.1f} B per "
                          f"policy token in segments" if cold["episodes"] else "")
+                per_version = (cold["episodes"] + r["streams_left"]) / args.versions
+                share = (f"; {r['streams_left']} streams left in Redis (= {r['streams_left'] / per_version:.0f} "
+                         f"versions' episodes); archiver {r['archiver_cpu_s']:.2f} of {r['cpu_s']:.1f} CPU s "
+                         f"({100 * r['archiver_cpu_s'] / r['cpu_s']:.1f} %), "
+                         f"{1e6 * r['archiver_cpu_s'] / max(cold['episodes'], 1):.0f} us per episode moved"
+                         if variant == "on" else f"; {r['cpu_s']:.1f} CPU s")
                 print(f"   {variant} #{pair}: {r['samples']} samples in {r['seconds']:.1f}s = "
-                      f"{r['samples_per_s']:.1f}/s{moved}", flush=True)
+                      f"{r['samples_per_s']:.1f}/s{moved}{share}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rate = {v: sum(r["samples"] for r in rs) / sum(r["seconds"] for r in rs) for v, rs in results.items()}
@@ -63,18 +97,36 @@ def main() -> None:
     cold = [r["segments"] for r in results["on"]]
     per_token = sum(c["bytes"] for c in cold) / max(sum(c["tokens"] for c in cold), 1)
     per_episode = sum(c["bytes"] for c in cold) / max(sum(c["episodes"] for c in cold), 1)
+    on = results["on"]
+    archiver_cpu = sum(r["archiver_cpu_s"] for r in on)
+    share = archiver_cpu / sum(r["cpu_s"] for r in on)
+    per_moved = archiver_cpu / max(sum(c["episodes"] for c in cold), 1)
+    cpu_ratio = (sum(r["cpu_s"] / r["samples"] for r in on) / len(on)) / (
+        sum(r["cpu_s"] / r["samples"] for r in results["off"]) / len(results["off"]))
     load = os.getloadavg()
+    print(f"archiver CPU: {100 * share:.2f} % of the 'on' runs' CPU seconds, {1e6 * per_moved:.0f} us per episode "
+          f"moved; the whole run's CPU per sample on/off {cpu_ratio:.3f}")
     print(f"\nsamples/s, retention off {rate['off']:.1f}, on ({args.retention} versions) {rate['on']:.1f}: "
           f"on/off {ratio:.3f} ({100 * (ratio - 1):+.1f} %)")
-    print(f"segments of the real default run: {per_token:.1f} B per policy token, {per_episode:.1f} B per episode")
+    print(f"segments of the real default run: {per_token:.2f} B per policy token, {per_episode:.1f} B per episode")
+    tokens = max(sum(c["tokens"] for c in cold), 1)
+    by_column = {}
+    for r in on:
+        for name, size in r["columns"].items():
+            by_column[name] = by_column.get(name, 0) + size
+    print("  by column (B/token): " + ", ".join(f"{k} {v / tokens:.3f}" for k, v in
+                                               sorted(by_column.items(), key=lambda kv: -kv[1])))
     print(f"load average {load_before[0]:.2f} before, {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
     record("tiers_cost", [
         {"what": f"samples/s with retention on ({args.retention} versions) / off, default job, {args.versions} "
                  f"versions x {args.pairs} pairs", "value": f"{ratio:.3f} ({rate['on']:.1f} vs {rate['off']:.1f})"},
+        {"what": "archiver CPU, share of the run's CPU seconds (per episode moved)",
+         "value": f"{100 * share:.2f} % ({1e6 * per_moved:.0f} us)"},
         {"what": "segment bytes per policy token, the default run's episodes",
          "value": f"{per_token:.1f} ({per_episode:.0f} B per episode)"},
     ], ["services/archiver", "shared/protocol/segments.py", "shared/protocol/segment_entries.py"],
-        extra={"load_average_before": load_before, "load_average": load, "runs": results})
+        extra={"columns_per_token": {k: round(v / tokens, 4) for k, v in by_column.items()},
+               "load_average_before": load_before, "load_average": load, "runs": results})
 
 
 if __name__ == "__main__":

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import redis
+import redis.cluster
+
 from shared.protocol import samples as samples_stream
 from shared.protocol import segments
-from shared.protocol.fold import fold
 from shared.protocol.keys import Keys
 from shared.protocol.ledger import read_ledger
 from shared.runtime.faults import crash_point
@@ -32,10 +34,22 @@ if redis.call('XLEN', KEYS[1]) == tonumber(ARGV[1]) then
 end
 return 0
 """
+_DELETE_MANY_IF_LEN = """
+local deleted = 0
+for i, key in ipairs(KEYS) do
+  if redis.call('XLEN', key) == tonumber(ARGV[i]) then
+    redis.call('DEL', key)
+    deleted = deleted + 1
+  end
+end
+return deleted
+"""
+BATCH = 10_000  # episodes per segment at most: one segment per step on a default run (a footer, ~2.5 KB, each)
+DELETE_CHUNK = 500  # streams per script call and per DEL (one server; on a cluster each key is its own call)
 
 
 class Mover:
-    def __init__(self, client, keys: Keys, run_path: Path | str, retention: int, batch: int = 2000, log=None,
+    def __init__(self, client, keys: Keys, run_path: Path | str, retention: int, batch: int = BATCH, log=None,
                  seed_base: int | None = None):
         self.client, self.keys, self.retention, self.batch, self.log = client, keys, retention, batch, log
         self.seed_base = seed_base  # the run's seed: episodes' default seeds are stored as this one number
@@ -43,6 +57,8 @@ class Mover:
         self.folder = segments.folder_of(run_path)
         self.store = segments.SegmentStore(self.folder)
         self._delete = client.register_script(_DELETE_IF_LEN)
+        self._delete_many = None if isinstance(client, redis.cluster.RedisCluster) else client.register_script(
+            _DELETE_MANY_IF_LEN)
         self._cursor = "0-0"
         self._episodes_of: dict[str, list[str]] = {}
         self.moved = 0
@@ -87,19 +103,10 @@ class Mover:
         return moved
 
     def _move(self, episode_ids: list[str]) -> int:
-        pipe = self.client.pipeline(transaction=False)
-        for eid in episode_ids:
-            pipe.xrange(self.keys.episode(eid))
-        streams = {eid: entries for eid, entries in zip(episode_ids, pipe.execute()) if entries}
-        rows = []
-        for eid, entries in streams.items():
-            try:
-                ep = fold(entries)
-            except Exception:  # an unreadable stream is archived as it is: the raw entries are the record
-                ep = None
-            if ep is not None and not ep.done:  # a published group's episodes have ended; never move one that grows
-                continue
-            rows.append(segments.to_row(eid, entries, self.seed_base, folded=ep))
+        streams = self._read(episode_ids)
+        # a published group's episodes have ended; never move one that could still grow
+        rows = [segments.to_row(eid, entries, self.seed_base) for eid, entries in streams.items()
+                if segments.ended(entries)]
         if not rows:
             return 0
         name = segments.next_name(self.folder)
@@ -115,17 +122,43 @@ class Mover:
                           tokens=tokens)
         return len(rows)
 
+    def _read(self, episode_ids: list[str]) -> dict[str, list[tuple[bytes, list[bytes]]]]:
+        """{episode id: its stream's entries, flat} of those that exist: one pipeline, the XRANGE replies as the
+        server sends them (redis-py's dict per entry costs more than the rest of the row)."""
+        pipe = self.client.pipeline(transaction=False)
+        if isinstance(pipe, redis.client.Pipeline):  # a cluster's pipeline keeps its own replies' shape
+            pipe.response_callbacks = redis.client.CaseInsensitiveDict(
+                {k: v for k, v in pipe.response_callbacks.items() if k.upper() != "XRANGE"})
+        for eid in episode_ids:
+            pipe.xrange(self.keys.episode(eid))
+        out = {}
+        for eid, entries in zip(episode_ids, pipe.execute()):
+            if entries:
+                out[eid] = entries if isinstance(entries[0][1], list) else segments.flat(entries)
+        return out
+
     def _drop(self, archived: dict[str, list]) -> int:
-        """Delete the streams (those still holding exactly the archived entries) and their call indexes."""
+        """Delete the streams (those still holding exactly the archived entries) and their call indexes: on one
+        server a script call and a DEL per ``DELETE_CHUNK`` streams, on a cluster one of each per stream."""
         items = list(archived.items())
         half = len(items) // 2
         deleted = 0
         for part, point in ((items[:half], "deleting"), (items[half:], "deleted")):
             pipe = self.client.pipeline(transaction=False)
-            for eid, entries in part:
-                self._delete(keys=[self.keys.episode(eid)], args=[len(entries)], client=pipe)
-                pipe.delete(self.keys.call_index(eid))
+            if self._delete_many is not None:
+                scripts = -(-len(part) // DELETE_CHUNK)
+                for at in range(0, len(part), DELETE_CHUNK):
+                    chunk = part[at:at + DELETE_CHUNK]
+                    self._delete_many(keys=[self.keys.episode(eid) for eid, _ in chunk],
+                                      args=[len(entries) for _, entries in chunk], client=pipe)
+            else:
+                scripts = len(part)
+                for eid, entries in part:
+                    self._delete(keys=[self.keys.episode(eid)], args=[len(entries)], client=pipe)
+            indexes = [self.keys.call_index(eid) for eid, _ in part]
+            for at in range(0, len(indexes), DELETE_CHUNK if self._delete_many is not None else 1):
+                pipe.delete(*indexes[at:at + (DELETE_CHUNK if self._delete_many is not None else 1)])
             results = pipe.execute()
-            deleted += sum(results[::2])
+            deleted += sum(results[:scripts])
             crash_point("archiver", point)
         return deleted

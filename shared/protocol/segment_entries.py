@@ -64,8 +64,8 @@ def fill(payload: bytes, episode_id: str, index: int, seed: int | None, seed_bas
 
 
 def _template(episode_id: str, data: bytes, seed_base: int | None) -> tuple | None:
-    """(payload with the episode's own fields nil, index, seed, seed base) of a started payload, or None (kept
-    whole). Of ``seed`` and ``seed base`` one at most is set."""
+    """(payload with the episode's own fields nil, index, seed, seed base, group id) of a started payload, or None
+    (kept whole). Of ``seed`` and ``seed base`` one at most is set."""
     try:
         d = msgpack.unpackb(data, raw=False)
     except Exception:  # noqa: BLE001 - an undecodable payload is simply kept as it is
@@ -84,7 +84,9 @@ def _template(episode_id: str, data: bytes, seed_base: int | None) -> tuple | No
         else:
             seed_base = None
         payload = msgpack.packb(d, use_bin_type=True)
-        return (payload, index, seed, seed_base) if fill(payload, episode_id, index, seed, seed_base) == data else None
+        if fill(payload, episode_id, index, seed, seed_base) != data or not isinstance(d["group_id"], str):
+            return None
+        return payload, index, seed, seed_base, d["group_id"]
     except Exception:  # noqa: BLE001 - what does not come back whole is kept whole
         return None
 
@@ -92,7 +94,8 @@ def _template(episode_id: str, data: bytes, seed_base: int | None) -> tuple | No
 def pack(episode_id: str, entries: list[tuple[bytes, list[bytes]]],
          seed_base: int | None = None) -> tuple[dict, list[bytes], list[bytes]]:
     """(entry id, flat fields) pairs -> (the row's entry columns, token ids parts, log-prob parts), each part the
-    raw little-endian bytes of one moved ``tokens`` entry. ``seed_base``: the run's ``seed``."""
+    raw little-endian bytes of one moved ``tokens`` entry. ``seed_base``: the run's ``seed``. The columns also say
+    the episode's ``group_id`` when its first ``started`` payload was templated (else it is absent)."""
     row: dict = {name: [] for name in LISTS}
     row.update(others=[], tok_counts=[], index=None, seed=None, seed_base=None, t0=0)
     ids, lps = [], []
@@ -120,7 +123,7 @@ def pack(episode_id: str, entries: list[tuple[bytes, list[bytes]]],
             started = True
             taken = _template(episode_id, payload, seed_base)
             if taken is not None:
-                payload, row["index"], row["seed"], row["seed_base"] = taken
+                payload, row["index"], row["seed"], row["seed_base"], row["group_id"] = taken
         for name, value in zip(LISTS, (ms, sub, kind, v, policy, worker, payload)):
             row[name].append(value)
     return row, ids, lps

@@ -27,9 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shared.protocol import jsonl, segment_columns, segment_entries
-from shared.protocol.events import EventError
-from shared.protocol.fold import fold
+from shared.protocol import jsonl, segment_columns, segment_entries, segment_summary
 
 FOLDER = "episodes"
 MANIFEST = "_manifest.jsonl"  # "_": pyarrow, pandas and datasets skip it when reading the folder
@@ -62,11 +60,14 @@ SCHEMA = pa.schema(ANALYSIS + [
     ("tok_logprobs", pa.list_(pa.float32())),  # null: exactly +0.0 (a token the sampler was sure of)
 ], metadata={b"streamrl.segment_format": b"3"})
 FORMAT = 3
+TERMINAL = (b"finished", b"failed")
 LEVEL = 15  # zstd level: 15 gives the token columns ~5 % over 9 for ~1 us a token (bench/tiers.py)
 TOKENS = ["tok_ids", "tok_logprobs"]
 PLANES = [f"{c}.list.element" for c in TOKENS]  # stored in byte planes (Parquet's BYTE_STREAM_SPLIT)
 DICTIONARY = ["group_id", "worker", "status", "finish_reason", "reward", "num_generated", "version", "index",
               "seed_base", "ms", "sub", "kinds", "hv", "policies", "workers", "payloads", "tok_counts"]
+DELTAS = {"t0": "DELTA_BINARY_PACKED", "episode_id": "DELTA_BYTE_ARRAY"}  # rising times, ids sharing a prefix
+ENCODINGS = {**{c: "BYTE_STREAM_SPLIT" for c in PLANES}, **DELTAS}
 ENTRY_COLUMNS = [f.name for f in SCHEMA if f.name not in dict(ANALYSIS) or f.name == "episode_id"]
 RAW = ["episode_id", "entry_ids", "entries"]  # format 1 and 2: the columns an episode's entries come back from
 TOKEN_COLUMNS = ["tok_counts", "tok_ids", "tok_logprobs"]  # format 2 only
@@ -76,21 +77,29 @@ def _b(v) -> bytes:
     return v if isinstance(v, bytes) else str(v).encode()
 
 
-def to_row(episode_id: str, entries: list[tuple], seed_base: int | None = None, folded=None) -> dict:
+def flat(entries: list[tuple]) -> list[tuple[bytes, list[bytes]]]:
+    """XRANGE entries as redis-py gives them, ``(id, {name: value})`` -> ``(id, [name, value, ...])`` as bytes (as
+    the server sends them: ``services/archiver`` reads them so)."""
+    return [(_b(i), [_b(x) for kv in fields.items() for x in kv]) for i, fields in entries]
+
+
+def ended(entries: list[tuple[bytes, list[bytes]]]) -> bool:
+    """Whether an episode's stream (flat entries) has ended: its last entry is a ``finished`` or ``failed``."""
+    if not entries:
+        return False
+    fields = entries[-1][1]
+    return fields[:1] == [b"type"] and fields[1] in TERMINAL
+
+
+def to_row(episode_id: str, entries: list[tuple], seed_base: int | None = None) -> dict:
     """An episode's XRANGE entries -> one row (format 3: its entries as columns, shared/protocol/segment_entries.py;
-    analysis columns from its fold). ``seed_base``: the run's ``seed`` (its episodes' seeds then cost nothing);
-    ``folded``: ``fold(entries)`` when the caller has it (a fold is most of a row's cost)."""
-    cols, ids, lps = segment_entries.pack(episode_id, [(_b(i), [_b(x) for kv in fields.items() for x in kv])
-                                                       for i, fields in entries], seed_base)
-    row = {"episode_id": episode_id, "group_id": "", "worker": "", "status": "", "finish_reason": None,
-           "reward": None, "num_generated": 0, "version": -1, **cols,
-           "tok_ids": b"".join(ids), "tok_logprobs": b"".join(lps)}
-    try:
-        ep = folded if folded is not None else fold(entries)
-    except EventError:  # kept as it is all the same: the raw entries are the record
-        return row
-    row.update(group_id=ep.group_id, worker=ep.last_worker, status=ep.status, finish_reason=ep.finish_reason,
-               reward=ep.reward, num_generated=ep.num_generated, version=max(ep.versions, default=-1))
+    analysis columns from them, shared/protocol/segment_summary.py). ``seed_base``: the run's ``seed`` (its
+    episodes' seeds then cost nothing). Entries as redis-py gives them, or flat (``flat``)."""
+    if entries and not isinstance(entries[0][1], list):
+        entries = flat(entries)
+    cols, ids, lps = segment_entries.pack(episode_id, entries, seed_base)
+    row = {"episode_id": episode_id, **cols, "tok_ids": b"".join(ids), "tok_logprobs": b"".join(lps)}
+    row.update(segment_summary.summary(cols, entries))
     return row
 
 
@@ -158,7 +167,8 @@ def write_file(folder: Path, name: str, rows: list[dict]) -> int:
     table = table_of(rows)
     with open(tmp, "wb") as fh:
         with pq.ParquetWriter(fh, table.schema, compression="zstd", compression_level=LEVEL,
-                              use_dictionary=DICTIONARY, use_byte_stream_split=PLANES, write_statistics=["episode_id"],
+                              use_dictionary=DICTIONARY, column_encoding=ENCODINGS,
+                              write_statistics=["episode_id"],
                               store_schema=False) as writer:  # no Arrow schema copy: the Parquet types say it all
             writer.write_table(table)
             writer.add_key_value_metadata(SCHEMA.metadata)

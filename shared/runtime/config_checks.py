@@ -32,6 +32,9 @@ def validate(cfg: Config) -> None:
                           f"{cfg.log_retention_versions}")
     if cfg.archive_every_s <= 0:
         raise ConfigError(f"config key 'archive_every_s': expected seconds > 0, got {cfg.archive_every_s}")
+    if not 0 <= cfg.archiver_nice <= 19:
+        raise ConfigError(f"config key 'archiver_nice': expected a whole number 0..19 (os.nice; 19 the lowest "
+                          f"priority), got {cfg.archiver_nice}")
     if cfg.flush_ms < 0:
         raise ConfigError(f"config key 'flush_ms': expected a number >= 0, got {cfg.flush_ms}")
     for key in ("max_batch_size", "max_groups_in_flight", "group_size", "max_tokens"):

@@ -25,7 +25,7 @@ class Config:
     rq_redis_url: str = ""  # the Redis of the rq job queues (tools, rewards, agent episodes); empty: redis_url. Must be a single server (rq does not run on a cluster): required when redis_url is a cluster
     run_dir: str = "runs"  # each run's state is in <run_dir>/<run>: Redis data, trainer checkpoint, metrics, plots
     redis_maxmemory: str = "4gb"  # the embedded Redis's memory cap (Redis units: 512mb, 4gb; 0: none), with noeviction: a full Redis refuses writes and every service stops saying so in one line
-    redis_wait: float = 30.0  # seconds a process retries a Redis that does not answer (at start, after a restart) before it stops with one line
+    redis_wait: float = 30.0  # seconds a process retries a Redis that does not answer (at start, after a restart) before it stops with one line (at most 60: control-write markers live 120 s)
     run_id: str = ""  # the run's id (run.json, Redis meta): set by each process when it binds to the run, never by hand; keys the default weights folders, so two runs of one name never share one
     log_level: str = "info"  # debug | info | warning | error (`streamrl run` runs the services at warning when info)
     # episode log

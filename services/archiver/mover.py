@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from shared.protocol import samples as samples_stream
-from shared.protocol import segments
+from shared.protocol import segments, stream_head
 from shared.protocol.fold import fold
 from shared.protocol.keys import Keys
 from shared.protocol.ledger import read_ledger
@@ -68,7 +68,8 @@ class Mover:
 
     def _follow_samples(self) -> None:
         while True:
-            good, _, cursor = samples_stream.read_after(self.client, self.keys.samples, self._cursor, count=1000)
+            good, _, cursor = samples_stream.read_after(self.client, self.keys.samples, self._cursor, count=1000,
+                                                        head=stream_head.path_of(self.run_path, "samples"))
             for s in good:
                 self._episodes_of[s.group_id] = s.episodes
             if cursor == self._cursor:

@@ -17,7 +17,7 @@ from services.driver import agents, tasks
 from shared.runtime.config import Config
 from shared.runtime import runstate
 from shared.runtime.connection import connect, redact
-from shared.protocol import versions
+from shared.protocol import stream_head, versions
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from shared.protocol.prompts import PromptGroup, enqueue, forget, group_id
 from services.driver.status import alive_services, format_line, snapshot
@@ -70,6 +70,7 @@ class Driver:
                                    on_result=lambda r: self.tensorboard.scalars("validation", r, r["version"]),
                                    k=cfg.val_k)
         self.enqueued = int(self.client.get(self.keys.driver_enqueued) or 0)
+        self.prompts_head = stream_head.for_run(self.client, self.keys.prompts, ROLLOUT_GROUP, cfg)  # rolled out
         self.total = cfg.epochs * len(self.rows)  # prompt groups of the whole run; 0: no end by epochs
 
     def epochs_done(self) -> bool:
@@ -160,6 +161,7 @@ class Driver:
             wake[stream] = last[0][0].decode() if last else "0-0"
         while True:
             self.top_up(depth)
+            self.prompts_head.maybe_trim()
             now = time.monotonic()
             if now >= next_print:
                 print(self.progress_line(t0), flush=True)

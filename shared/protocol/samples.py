@@ -17,8 +17,9 @@ entry leaves the consumer group's pending list only by that XACK (or a dead lett
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from shared.protocol import once
+from shared.protocol import once, stream_head
 from shared.protocol.events import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
 from shared.protocol.routing import node_of
@@ -110,9 +111,11 @@ def read_all(client, stream: str) -> tuple[list[Sample], list[tuple[str, str]]]:
     return decode_all(client.xrange(stream))
 
 
-def read_after(client, stream: str, cursor: str, count: int = 500) -> tuple[list[Sample], list[tuple[str, str]], str]:
-    """Entries after ``cursor``: (samples, [(entry id, error)], the new cursor)."""
-    entries = [e for _, es in client.xread({stream: cursor}, count=count) or [] for e in es]
+def read_after(client, stream: str, cursor: str, count: int = 500,
+               head: Path | None = None) -> tuple[list[Sample], list[tuple[str, str]], str]:
+    """Entries after ``cursor``: (samples, [(entry id, error)], the new cursor). ``head``: the file the trainer moves
+    the stream's old entries to (shared/protocol/stream_head.py), read first while the cursor is older."""
+    entries = stream_head.read_after(client, stream, head, cursor, count)
     good, bad = decode_all(entries)
     return good, bad, (_s(entries[-1][0]) if entries else cursor)
 

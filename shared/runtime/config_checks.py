@@ -31,6 +31,8 @@ def validate(cfg: Config) -> None:
     if cfg.log_retention_versions < 0:
         raise ConfigError(f"config key 'log_retention_versions': expected a whole number >= 0 (0: off), got "
                           f"{cfg.log_retention_versions}")
+    if cfg.stream_keep_s < 0:
+        raise ConfigError(f"config key 'stream_keep_s': expected seconds >= 0, got {cfg.stream_keep_s}")
     if cfg.archive_every_s <= 0:
         raise ConfigError(f"config key 'archive_every_s': expected seconds > 0, got {cfg.archive_every_s}")
     if cfg.flush_ms < 0:

@@ -1,7 +1,8 @@
 """A live run's Redis holds a bounded number of keys besides its episode streams, however many versions it runs
 (issue 33): nothing is left per group or per command that outlives a retry (gate outcomes and control markers
 expire within minutes; heartbeats within seconds). Counted at two points of one run: the lasting keys (no TTL,
-or one longer than 10 minutes) are the same few at version 16 as at version 4."""
+or one longer than 10 minutes) are the same few at version 16 as at version 4. The prompts and samples streams'
+heads move to files (``stream_keep_s`` 0 here), and the checker, reading both, counts every group once."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from collections import Counter
 
 import pytest
 
+from services.ops.check_data import read_run
+from services.ops.checker import check
+from shared.protocol import stream_head
 from tests.support.fault_run import LiveRun
 
 pytestmark = pytest.mark.slow(seconds=60)
@@ -31,15 +35,24 @@ def lasting_keys(client, keys) -> Counter:
 def test_the_keys_besides_episode_streams_stay_bounded_while_versions_grow(tmp_path, tiny_model_dir):
     run = LiveRun(tmp_path, run="flat", model_dir=tiny_model_dir, max_tokens=8, group_size=2, batch_groups=2,
                   val_every=0, max_versions=200, max_minutes=4.0, step_delay_ms=0.0, heartbeat_ttl=2.0,
-                  log_level="warning").start(rollout_workers=1)
+                  stream_keep_s=0.0, log_level="warning").start(rollout_workers=1)
     try:
         run.wait_version(4, timeout=180)
         early = lasting_keys(run.client, run.keys)
         run.wait_version(16, timeout=180)  # 24 more groups trained (batch_groups 2 a version), more enqueued
         late = lasting_keys(run.client, run.keys)
+        run.stop()
+        heads = {name: stream_head.read_head(stream_head.path_of(run.cfg.run_path, name))
+                 for name in ("prompts", "samples")}
+        report = check(read_run(run.client, run.keys, run.cfg.run_path))
+        enqueued = int(run.client.get(run.keys.driver_enqueued))
     finally:
         run.stop()
         run.close()
+    assert len(heads["prompts"]) >= 8 and len(heads["samples"]) >= 8, {k: len(v) for k, v in heads.items()}
+    assert report.groups_enqueued == enqueued and report.groups_published >= 16 * 2, report
+    assert (report.groups_enqueued_twice, report.episodes_finished_twice, report.samples_trained_twice,
+            report.groups_lost) == (0, 0, 0, 0), report
     grown = {f: late[f] - early[f] for f in late if late[f] > early[f]}
     assert sum(late.values()) <= sum(early.values()) + 3, f"grew: {grown}; at version 16: {dict(late)}"
     assert not {"sampled:*", "enqueued:*", "control:*"} & set(late), dict(late)

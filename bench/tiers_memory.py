@@ -37,24 +37,31 @@ def free_port() -> int:
 
 
 def family(keys: Keys, key: bytes) -> str:
-    """A key's family: episode, its marker kind, or its stream's name."""
+    """A key's family: episode streams, a marker kind (``<head>:*``), or the one key's name (a stream, ...)."""
     text = key.decode(errors="replace")
     if keys.is_episode(text):
         return "episode streams"
     rest = text.removeprefix(keys.base)
     if rest == text:
         return "other (rq, ...)"
+    if text in SINGLE:
+        return rest
     head = rest.split(":")[0]
-    return f"{head}:* markers" if ":" in rest else f"{head} (stream or key)"
+    return f"{head}:* markers" if ":" in rest else rest
+
+
+SINGLE = set()  # the run's one-of-a-kind keys whose names hold a ':' (prompts:val, ...), set in main
 
 
 def census(client, keys: Keys) -> dict[str, list[int]]:
-    """{family: [keys, bytes]} over every key (SCAN; MEMORY USAGE of one key in 50 per family, scaled)."""
+    """{family: [keys, bytes]} over every key (SCAN; MEMORY USAGE of every one-of-a-kind key, and of one key in 50
+    of a family of many, scaled: cheap enough at 10,000 versions)."""
     out: dict[str, list] = {}
-    for n, key in enumerate(client.scan_iter(count=10_000)):
-        c = out.setdefault(family(keys, key), [0, 0, 0])
+    for key in client.scan_iter(count=10_000):
+        f = family(keys, key)
+        c = out.setdefault(f, [0, 0, 0])
         c[0] += 1
-        if c[0] % 50 == 1 or "stream" in family(keys, key):
+        if c[0] % 50 == 1:
             c[1] += client.memory_usage(key, samples=0) or 0
             c[2] += 1
     return {f: [c[0], int(c[1] * c[0] / max(c[2], 1))] for f, c in out.items()}
@@ -133,8 +140,11 @@ def main() -> None:
     args = ap.parse_args()
     run, work, port = "tiers-memory", ROOT / "runs" / f"bench-tiers-memory-{uuid.uuid4().hex[:6]}", free_port()
     url = f"redis://127.0.0.1:{port}/0"
-    censuses = [args.versions * k // 5 for k in range(1, 5)] + [args.versions * 97 // 100]
-    sampler = Sampler(url, Keys(run), args.every, censuses, work / run)
+    censuses = [args.versions // 20] + [args.versions * k // 5 for k in range(1, 5)] + [args.versions * 97 // 100]
+    keys = Keys(run)
+    SINGLE.update(getattr(keys, name) for name in ("val_prompts", "val_samples", "agent_groups", "gate_started",
+                                                    "load_lease", "driver_enqueued", "val_requested", "agents_running"))
+    sampler = Sampler(url, keys, args.every, censuses, work / run)
     sampler.start()
     load_before = os.getloadavg()
     try:
@@ -165,6 +175,12 @@ def main() -> None:
     for version, families in sorted(sampler.censuses.items()):
         print(f"keys at version {version}: " + ", ".join(f"{f} {n} ({b / 1e6:.1f} MB)" for f, (n, b) in
                                                          sorted(families.items(), key=lambda kv: -kv[1][1])))
+    if len(sampler.censuses) >= 2:
+        (v0, start), (v9, end) = min(sampler.censuses.items()), max(sampler.censuses.items())
+        print(f"per family, version {v0} -> {v9} (keys, kB):")
+        for f in sorted(set(start) | set(end), key=lambda f: -end.get(f, [0, 0])[1]):
+            (n0, b0), (n9, b9) = start.get(f, [0, 0]), end.get(f, [0, 0])
+            print(f"  {f:32s} {n0:>7,} -> {n9:>7,} keys  {b0 / 1e3:>8.1f} -> {b9 / 1e3:>8.1f} kB")
     print(f"load average {load_before[0]:.2f} before, {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end; "
           f"plot: {args.out}")
     record("tiers_memory", [

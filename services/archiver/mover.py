@@ -20,7 +20,7 @@ import redis
 import redis.cluster
 
 from shared.protocol import samples as samples_stream
-from shared.protocol import segments
+from shared.protocol import segments, stream_head
 from shared.protocol.keys import Keys
 from shared.protocol.ledger import read_ledger
 from shared.runtime.faults import crash_point
@@ -84,7 +84,8 @@ class Mover:
 
     def _follow_samples(self) -> None:
         while True:
-            good, _, cursor = samples_stream.read_after(self.client, self.keys.samples, self._cursor, count=1000)
+            good, _, cursor = samples_stream.read_after(self.client, self.keys.samples, self._cursor, count=1000,
+                                                        head=stream_head.path_of(self.run_path, "samples"))
             for s in good:
                 self._episodes_of[s.group_id] = s.episodes
             if cursor == self._cursor:
@@ -100,6 +101,9 @@ class Mover:
         for start in range(0, len(due), self.batch):
             moved += self._move(due[start:start + self.batch])
         self.moved += moved
+        archived = self.store.episode_ids()
+        for group_id in {g for g, eids in self._episodes_of.items() if all(e in archived for e in eids)}:
+            del self._episodes_of[group_id]  # moved whole: never looked at again (a run's groups grow without end)
         return moved
 
     def _move(self, episode_ids: list[str]) -> int:

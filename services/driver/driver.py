@@ -17,9 +17,9 @@ from services.driver import agents, tasks
 from shared.runtime.config import Config
 from shared.runtime import runstate
 from shared.runtime.connection import connect, redact
-from shared.protocol import versions
+from shared.protocol import stream_head, versions
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
-from shared.protocol.prompts import PromptGroup, enqueue, group_id
+from shared.protocol.prompts import PromptGroup, enqueue, forget, group_id
 from services.driver.status import alive_services, format_line, snapshot
 from shared.runtime.tensorboard import TensorBoard
 from services.driver.validation import Validator, split
@@ -70,6 +70,7 @@ class Driver:
                                    on_result=lambda r: self.tensorboard.scalars("validation", r, r["version"]),
                                    k=cfg.val_k)
         self.enqueued = int(self.client.get(self.keys.driver_enqueued) or 0)
+        self.prompts_head = stream_head.for_run(self.client, self.keys.prompts, ROLLOUT_GROUP, cfg)  # rolled out
         self.total = cfg.epochs * len(self.rows)  # prompt groups of the whole run; 0: no end by epochs
 
     def epochs_done(self) -> bool:
@@ -106,7 +107,14 @@ class Driver:
             groups.append(PromptGroup(group_id(epoch, position), self.cfg.group_size, prompt=row["prompt"], task=task))
             self.enqueued += 1
         enqueue(self.client, self.keys, groups)
-        self.client.set(self.keys.driver_enqueued, self.enqueued)
+        self.count_enqueued([g.group_id for g in groups])
+
+    def count_enqueued(self, group_ids: list[str]) -> None:
+        """Record the counter past ``group_ids``, then drop their enqueue markers (in this order, one round trip)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.keys.driver_enqueued, self.enqueued)
+        forget(pipe, self.keys, group_ids)
+        pipe.execute()
 
     def top_up_agents(self, depth: int) -> None:
         """Agent runs: each group's episodes as rq jobs (services/driver/agents.py), same rows and ids."""
@@ -118,7 +126,7 @@ class Driver:
                                     dict(self.rows.row(self.enqueued)), self.cfg.group_size, self.rq_client) is None:
                 return  # the staleness gate is closed until the next sync
             self.enqueued += 1
-            self.client.set(self.keys.driver_enqueued, self.enqueued)
+            self.client.set(self.keys.driver_enqueued, self.enqueued)  # agent groups keep their markers (7 days)
 
     def wait_for_services(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
@@ -153,6 +161,7 @@ class Driver:
             wake[stream] = last[0][0].decode() if last else "0-0"
         while True:
             self.top_up(depth)
+            self.prompts_head.maybe_trim()
             now = time.monotonic()
             if now >= next_print:
                 print(self.progress_line(t0), flush=True)

@@ -19,7 +19,7 @@ from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError
 from shared.protocol.fold import fold
 from shared.protocol.keys import Keys
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.protocol.prompts import PromptGroup, enqueue, forget
 from shared.runtime.prompt_format import prompt_key
 
 PASS = 1.0  # an episode passes (for pass@k) at this reward or above
@@ -105,6 +105,7 @@ class Validator:
         self.cursor = "0-0"
         self.reported = {r["version"] for _, r in metrics.read(client, keys, "validation")}
         self.requested = {int(v) for v in client.smembers(self._requested_key)}
+        self.marked: set[int] = set()  # rounds this driver enqueued whose enqueue markers are still there
 
     @property
     def _requested_key(self) -> str:
@@ -112,6 +113,7 @@ class Validator:
 
     def maybe_request(self, version: int) -> bool:
         """Enqueue the round of ``version`` when it is due and not requested before (also across driver restarts)."""
+        self._forget_before(version)
         if not self.every or not self.rows or version % self.every or version in self.requested:
             return False
         # the round's group ids are deterministic and enqueueing is idempotent: a retried SADD that reports the
@@ -122,8 +124,20 @@ class Validator:
             self.requested.add(version)
             return False
         self.requested.add(version)
+        self.marked.add(version)
         self.rounds[version] = Round(expected=len(groups))
         return True
+
+    def _forget_before(self, version: int) -> None:
+        """Drop the enqueue markers of the rounds before ``version``: the driver asks only for the newest version,
+        which never goes back, so no driver (this one restarted) asks for their rounds again (issue 33)."""
+        stale = sorted(v for v in self.marked if v < version)
+        if stale:
+            pipe = self.client.pipeline(transaction=False)
+            for v in stale:
+                forget(pipe, self.keys, [g.group_id for g in round_groups(v, self.rows, self.size, self.k)])
+            pipe.execute()
+            self.marked -= set(stale)
 
     def poll(self) -> list[dict]:
         """Read newly finished validation groups; return the summaries of rounds that just completed."""

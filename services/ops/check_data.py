@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from shared.protocol import dead_letters, metrics, pulls, versions
+from shared.protocol import dead_letters, metrics, pulls, stream_head, versions
 from shared.protocol.events import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from shared.protocol.ledger import read_ledger
@@ -114,9 +114,9 @@ def read_run(client, keys: Keys, run_path: Path, rq_client=None, cfg=None) -> Ru
                    episode_key_prefix=keys.episode_prefix,
                    episode_key_suffix=keys.episode("").removeprefix(keys.episode_prefix),
                    staleness_bound=staleness_bound(cfg))
-    data.prompts = _entries(client.xrange(keys.prompts))
+    data.prompts = _entries(stream_head.read_all(client, keys.prompts, stream_head.path_of(run_path, "prompts")))
     data.rollout = _consumer_group(client, keys.prompts, ROLLOUT_GROUP)
-    data.samples = _entries(client.xrange(keys.samples))
+    data.samples = _entries(stream_head.read_all(client, keys.samples, stream_head.path_of(run_path, "samples")))
     data.trainer = _consumer_group(client, keys.samples, TRAINER_GROUP)
     data.control = _entries(client.xrange(keys.control))
     if hasattr(keys, "val_prompts"):

@@ -28,7 +28,7 @@ import torch
 from services.trainer import checkpoint, commit as commit_path, distributed, export, publish, sharded_checkpoint
 from services.trainer.deltas import DeltaWriter
 from services.trainer.model import load_policy
-from shared.protocol import dead_letters, gate, ledger, samples
+from shared.protocol import dead_letters, gate, ledger, samples, stream_head
 from shared.protocol.metrics import record as record_metrics
 from services.trainer.batch import Batch, build_batch, trained_reward
 from services.trainer.step import StepConfig, train_on_batch
@@ -57,6 +57,7 @@ class Trainer:
         self.ckpt_dir = cfg.run_path / "trainer"
         self.weights_dir = private_folder(cfg.weights_path, "weights_dir")  # per user and run id, 0700
         self.metrics_path = cfg.run_path / "metrics.jsonl"
+        self.samples_head = stream_head.for_run(client, self.keys.samples, GROUP, cfg)  # acked and committed: out
         self.launched = distributed.launched()  # under torchrun: one of WORLD_SIZE ranks (distributed.py)
         if self.launched and cfg.lora_rank > 0:
             raise ConfigError("config key 'lora_rank': LoRA is not supported under torchrun yet (the published "
@@ -95,8 +96,7 @@ class Trainer:
         commit_path.restore_ledger(self.ckpt_dir, state, self.log)
         if state is not None:
             self.counts.update(state.get("counts", {}))
-        # every group trained or judged untrainable: the ledger's lines (now level with the checkpoint), plus the
-        # list older checkpoints carried themselves
+        # every group trained or judged untrainable: the ledger's lines, plus the list older checkpoints carried
         self.consumed = set((state or {}).get("consumed", ())) | {
             g for rec in ledger.read_ledger(self.ckpt_dir) for g in rec["groups"] + rec["skipped"]}
         try:
@@ -348,6 +348,7 @@ class Trainer:
         fault("after_ack")
         publish.publish(self.client, self.keys, self.version, path, digest, self.step, self.cfg.weights_base_url)
         fault("after_publish")
+        self.samples_head.maybe_trim()  # what no commit can need again leaves Redis (issue 33)
         publish.prune(self.weights_dir, keep_from=self.version - self.cfg.max_staleness - 2)
         export.maybe_export(self.cfg, self.version, self.log)  # every export_every versions: an HF folder
         self.log.info("version published", version=self.version, path=str(path), sha256=digest[:12])

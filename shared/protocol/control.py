@@ -21,8 +21,9 @@ Ack entries: ``type=ack``, ``cmd``, ``sync``, ``worker``, ``ok`` (1 or 0),
 Written once, read tolerantly: the sync id is fixed for a whole sync round (made once, before the first
 command, so a retried XADD carries the same one); ``send_command`` and ``send_ack`` set
 ``control:sent:<sync>:<cmd>:<worker>`` NX in the same script as the XADD, so a retried write adds nothing
-(a no-op, logged at debug); a duplicate that still gets through (an older writer, a hand-written entry) is
-obeyed once by a worker that asks ``Seen.first`` and counted once by the syncer (acks go in a set).
+(a no-op, logged at debug; the marker lives ``once.RETRY_MARKER_TTL_S``, longer than any retry); a duplicate
+that still gets through (an older writer, a hand-written entry, a retry after that) is obeyed once by a worker
+that asks ``Seen.first`` and counted once by the syncer (acks go in a set).
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def ack(cmd: Command, worker: str, ok: bool, version: int, error: str = "") -> d
 
 def _send(client, keys: Keys, marker: str, fields: dict, write: str) -> str | None:
     flat = [x for kv in fields.items() for x in kv]
-    entry_id = client.eval(_SEND, 2, marker, keys.control, once.MARKER_TTL_S, MAXLEN, *flat)
+    entry_id = client.eval(_SEND, 2, marker, keys.control, once.RETRY_MARKER_TTL_S, MAXLEN, *flat)
     if entry_id is None:
         once.skipped(write, sync=fields["sync"], cmd=fields["cmd"], worker=fields.get("worker", ""))
         return None

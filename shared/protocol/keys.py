@@ -40,7 +40,8 @@ class Keys:
         return f"{self.base}alive:{service}:{worker_id}"
 
     def sampled(self, group_id: str) -> str:
-        """Set once when a group's samples entry is written: a second publish of the same group is a no-op."""
+        """Set once when an agent group's samples entry is written (a second publish is a no-op); a rollout worker's
+        publish is guarded by its prompts entry's XACK instead (shared/protocol/samples.py)."""
         return f"{self.base}sampled:{group_id}"
 
     def enqueued(self, group_id: str) -> str:
@@ -140,8 +141,9 @@ CATALOG = (
     ("meta", (), "hash", "shared/runtime/runstate.py", "the run's identity: run, id, created, ended"),
     ("alive", ("<service>", "<worker id>"), "hash", "shared/runtime/heartbeat.py", "a process's heartbeat (TTL)"),
     ("alive_registry", ("<service>",), "set", "shared/runtime/heartbeat.py", "workers that have beaten once"),
-    ("sampled", ("<group id>",), "string", "shared/protocol/once.py", "a group's samples entry written (once)"),
-    ("enqueued", ("<group id>",), "string", "shared/protocol/once.py", "a prompt group enqueued (once)"),
+    ("sampled", ("<group id>",), "string", "shared/protocol/once.py", "an agent group's samples entry written (once)"),
+    ("enqueued", ("<group id>",), "string", "shared/protocol/once.py",
+     "a prompt group enqueued (once; gone once the driver is past it)"),
     ("control_sent", ("<sync>", "<cmd>", "<worker>"), "string", "shared/protocol/once.py",
      "a command (or a worker's ack) written (once)"),
     ("dead_lettered", ("<stream>", "<entry id>"), "string", "shared/protocol/once.py", "a dead letter written (once)"),

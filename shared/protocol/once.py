@@ -12,6 +12,11 @@ from __future__ import annotations
 import structlog
 
 MARKER_TTL_S = 7 * 24 * 3600  # how long a marker is kept: far longer than any retry, short enough to expire
+# How long a marker that only guards a retried command is kept (control commands and acks, whose readers also
+# drop a duplicate that gets in): a process retries a command for at most ``redis_wait`` seconds, which
+# config_checks keeps at or under half of this; shorter would let a retry through, longer only piles markers up
+# (issue 33: one per command and ack, several per version).
+RETRY_MARKER_TTL_S = 120
 
 
 def skipped(write: str, **context) -> None:

@@ -123,3 +123,12 @@ def enqueue(client, keys, groups: list[PromptGroup], stream: str | None = None) 
             once.skipped("prompts", group_id=g.group_id)
         out.append(None if entry_id is None else _s(entry_id))
     return out
+
+
+def forget(pipe, keys, group_ids: list[str]) -> None:
+    """Queue on ``pipe`` the deletion of the enqueue markers of ``group_ids``, for a caller whose own record now
+    says they are enqueued (the driver's counter, set on the same pipeline before this): a restarted driver
+    starts after them and never enqueues them again, so their markers guard nothing any more (issue 33: one
+    marker per group grew with the run). A crash before the pipeline runs keeps them (they expire)."""
+    for g in group_ids:
+        pipe.delete(keys.enqueued(g))

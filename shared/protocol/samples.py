@@ -7,26 +7,29 @@ written by the rollout worker that finished it, read by the trainer (consumer gr
     worker    id of the worker that published it
     n         number of episodes
 
-Publishing is idempotent and atomic with the prompt's acknowledgement (one script): ``SET NX sampled:<group>``
-guards the XADD, so a group published twice (a takeover racing a slow worker, a retried command) has one
-entry; the prompts entry is acknowledged in the same step.
+Publishing is idempotent and atomic with the prompt's acknowledgement (one script): the XACK of the group's
+prompts entry guards the XADD. Exactly one XACK of a pending entry returns 1, so a group published twice (a
+takeover racing a slow worker, a retried command, a zombie waking up days later) has one entry, and no marker key
+is left behind per group (issue 33: the ``sampled:<group>`` markers it replaces grew with the run). A prompts
+entry leaves the consumer group's pending list only by that XACK (or a dead letter: then it is never published).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from shared.protocol import once, stream_head
 from shared.protocol.events import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
 from shared.protocol.routing import node_of
 
-SAMPLED_TTL_S = 7 * 24 * 3600
-
 _PUBLISH = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[7]) then
-  redis.call('XADD', KEYS[2], '*', 'group_id', ARGV[1], 'episodes', ARGV[2], 'worker', ARGV[3], 'n', ARGV[4])
+local acked = redis.call('XACK', KEYS[2], ARGV[5], ARGV[6])
+if acked == 1 then
+  redis.call('XADD', KEYS[1], '*', 'group_id', ARGV[1], 'episodes', ARGV[2], 'worker', ARGV[3], 'n', ARGV[4])
 end
-return redis.call('XACK', KEYS[3], ARGV[5], ARGV[6])
+return acked
 """
 
 
@@ -82,8 +85,13 @@ class Publisher:
         self.keys = keys
         self._script = client.register_script(_PUBLISH)
 
-    def publish(self, sample: Sample, samples_key: str, prompts_key: str, prompts_entry: str) -> None:
-        self._script(**self._call(sample, samples_key, prompts_key, prompts_entry))
+    def publish(self, sample: Sample, samples_key: str, prompts_key: str, prompts_entry: str) -> bool:
+        """True when this call wrote the entry; False when the prompts entry was no longer pending (published
+        already: a retry, a takeover's race, a zombie), a no-op logged at debug."""
+        if self._script(**self._call(sample, samples_key, prompts_key, prompts_entry)):
+            return True
+        once.skipped("samples", group_id=sample.group_id, prompts_entry=prompts_entry)
+        return False
 
     def add(self, pipe, sample: Sample, samples_key: str, prompts_key: str, prompts_entry: str) -> None:
         """``publish`` as one command of the caller's pipeline (no SCRIPT EXISTS round trip): its result is
@@ -93,9 +101,9 @@ class Publisher:
                              **node_of(self._script.registered_client, call["keys"][0]))
 
     def _call(self, sample: Sample, samples_key: str, prompts_key: str, prompts_entry: str) -> dict:
-        return {"keys": [self.keys.sampled(sample.group_id), samples_key, prompts_key],
+        return {"keys": [samples_key, prompts_key],
                 "args": [sample.group_id, ",".join(sample.episodes), sample.worker,
-                         sample.n or len(sample.episodes), ROLLOUT_GROUP, prompts_entry, SAMPLED_TTL_S]}
+                         sample.n or len(sample.episodes), ROLLOUT_GROUP, prompts_entry]}
 
 
 def read_all(client, stream: str) -> tuple[list[Sample], list[tuple[str, str]]]:
@@ -103,9 +111,11 @@ def read_all(client, stream: str) -> tuple[list[Sample], list[tuple[str, str]]]:
     return decode_all(client.xrange(stream))
 
 
-def read_after(client, stream: str, cursor: str, count: int = 500) -> tuple[list[Sample], list[tuple[str, str]], str]:
-    """Entries after ``cursor``: (samples, [(entry id, error)], the new cursor)."""
-    entries = [e for _, es in client.xread({stream: cursor}, count=count) or [] for e in es]
+def read_after(client, stream: str, cursor: str, count: int = 500,
+               head: Path | None = None) -> tuple[list[Sample], list[tuple[str, str]], str]:
+    """Entries after ``cursor``: (samples, [(entry id, error)], the new cursor). ``head``: the file the trainer moves
+    the stream's old entries to (shared/protocol/stream_head.py), read first while the cursor is older."""
+    entries = stream_head.read_after(client, stream, head, cursor, count)
     good, bad = decode_all(entries)
     return good, bad, (_s(entries[-1][0]) if entries else cursor)
 

@@ -21,6 +21,7 @@ already listed).
 from __future__ import annotations
 
 import os
+from collections.abc import KeysView
 from pathlib import Path
 
 import numpy as np
@@ -239,9 +240,10 @@ class SegmentStore:
             self._listed.add(name)
         self._manifest_size = size
 
-    def episode_ids(self) -> set[str]:
+    def episode_ids(self) -> KeysView[str]:
+        """The archived episode ids, as of now: a view (no copy: a long run archives millions)."""
         self.refresh()
-        return set(self._index)
+        return self._index.keys()
 
     def __contains__(self, episode_id: str) -> bool:
         self.refresh()

@@ -25,7 +25,7 @@ class Config:
     rq_redis_url: str = ""  # the Redis of the rq job queues (tools, rewards, agent episodes); empty: redis_url. Must be a single server (rq does not run on a cluster): required when redis_url is a cluster
     run_dir: str = "runs"  # each run's state is in <run_dir>/<run>: Redis data, trainer checkpoint, metrics, plots
     redis_maxmemory: str = "4gb"  # the embedded Redis's memory cap (Redis units: 512mb, 4gb; 0: none), with noeviction: a full Redis refuses writes and every service stops saying so in one line
-    redis_wait: float = 30.0  # seconds a process retries a Redis that does not answer (at start, after a restart) before it stops with one line
+    redis_wait: float = 30.0  # seconds a process retries a Redis that does not answer (at start, after a restart) before it stops with one line (at most 60: control-write markers live 120 s)
     run_id: str = ""  # the run's id (run.json, Redis meta): set by each process when it binds to the run, never by hand; keys the default weights folders, so two runs of one name never share one
     log_level: str = "info"  # debug | info | warning | error (`streamrl run` runs the services at warning when info)
     # episode log
@@ -34,6 +34,7 @@ class Config:
     log_retention_versions: int = 0  # the archiver moves episodes of groups trained this many versions before the newest commit out of Redis into Parquet segments under <run_dir>/<run>/episodes (readers see both tiers); 0: off, every episode stays in Redis
     archive_every_s: float = 5.0  # how often the archiver looks for episodes to move
     archiver_nice: int = 19  # the archiver's CPU priority (os.nice, 0-19; 19 the lowest): it moves episodes on CPU the pipeline leaves idle
+    stream_keep_s: float = 60.0  # prompts/samples entries no consumer needs any more stay in Redis this many seconds, then move to <run_dir>/<run>/streams/<name>.jsonl (streamrl check reads both)
     # model
     model_dir: str = "models/tiny"  # HF causal LM: a folder (config, safetensors, tokenizer) or a hub id (local cache when offline); only models/tiny is created when missing
     tokenizer: str = ""  # folder for decoding text in `streamrl replay`; empty means model_dir

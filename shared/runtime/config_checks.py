@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 
+from shared.protocol.once import RETRY_MARKER_TTL_S
 from shared.runtime.config import Config, ConfigError
 from shared.runtime.connection import is_cluster, redact
 
@@ -30,6 +31,8 @@ def validate(cfg: Config) -> None:
     if cfg.log_retention_versions < 0:
         raise ConfigError(f"config key 'log_retention_versions': expected a whole number >= 0 (0: off), got "
                           f"{cfg.log_retention_versions}")
+    if cfg.stream_keep_s < 0:
+        raise ConfigError(f"config key 'stream_keep_s': expected seconds >= 0, got {cfg.stream_keep_s}")
     if cfg.archive_every_s <= 0:
         raise ConfigError(f"config key 'archive_every_s': expected seconds > 0, got {cfg.archive_every_s}")
     if not 0 <= cfg.archiver_nice <= 19:
@@ -56,6 +59,9 @@ def validate(cfg: Config) -> None:
                           f"top_k >= 0, got {cfg.temperature}, {cfg.top_p}, {cfg.top_k}")
     if cfg.tool_timeout <= 0 or cfg.heartbeat_ttl <= 0 or cfg.redis_wait <= 0:
         raise ConfigError("config keys tool_timeout, heartbeat_ttl and redis_wait: expected seconds > 0")
+    if cfg.redis_wait > RETRY_MARKER_TTL_S / 2:  # a retried command must find its marker still there
+        raise ConfigError(f"config key 'redis_wait': expected at most {RETRY_MARKER_TTL_S // 2} seconds (half the "
+                          f"life of the markers that make a retried control write a no-op), got {cfg.redis_wait:g}")
     for key in ("batch_groups", "steps_per_version"):
         if getattr(cfg, key) < 1:
             raise ConfigError(f"config key {key!r}: expected an integer >= 1, got {getattr(cfg, key)}")

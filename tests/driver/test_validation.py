@@ -65,7 +65,9 @@ def test_worker_serves_validation_first_past_a_closed_gate_and_never_into_sample
     enqueue(client, keys, [PromptGroup("q1", 2, prompt="1+3=", task={"answer": "4"})])
     client.hset(keys.gate, mapping={"version": 0, "limit": 0})  # the gate admits no training group
     validator = validation.Validator(client, keys, ROWS, every=5, size=8)
-    assert validator.maybe_request(0) and not validator.maybe_request(0) and not validator.maybe_request(3)
+    assert validator.maybe_request(0) and not validator.maybe_request(0)
+    assert len(list(client.scan_iter(match=keys.enqueued("val-v00000-*")))) == 4  # version 0 may still be asked for
+    assert not validator.maybe_request(3)
     worker = make_worker(cfg, client)
     done = []
     tick_until(worker, lambda: done.extend(validator.poll()) or done)
@@ -78,6 +80,8 @@ def test_worker_serves_validation_first_past_a_closed_gate_and_never_into_sample
     assert entries == [summary]
     again = validation.Validator(client, keys, ROWS, every=5, size=8)  # a restarted driver
     assert not again.maybe_request(0) and again.poll() == []
+    # the newest version moved on (3): round 0's markers went (issue 33), and no driver asks for it again
+    assert list(client.scan_iter(match=keys.enqueued("val-v00000-*"))) == [] and client.xlen(keys.val_prompts) == 4
 
     # a round requested by a driver that then restarted completes in the new one, duplicate prompts or not
     first = validation.Validator(client, keys, ROWS + ROWS, every=5, size=8)

@@ -1,0 +1,57 @@
+"""Markers that guard a retry or a race go as soon as no retry can come (issue 33: one per group or command, they
+grew with the run): a publish is guarded by its prompt entry's XACK (no marker at all), control markers live
+``once.RETRY_MARKER_TTL_S``, which config_checks keeps above any retry. On a real server."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.protocol import control, once, samples
+from shared.protocol.keys import ROLLOUT_GROUP
+from shared.runtime.config import Config, ConfigError
+from shared.runtime.config_checks import validate
+
+
+def _delivered(client, keys, group_id: str, consumer: str = "w1") -> str:
+    client.xgroup_create(keys.prompts, ROLLOUT_GROUP, id="$", mkstream=True)
+    entry = client.xadd(keys.prompts, {"group_id": group_id}).decode()
+    client.xreadgroup(ROLLOUT_GROUP, consumer, {keys.prompts: ">"})
+    return entry
+
+
+def test_a_publish_leaves_no_marker_and_is_written_once(client, keys):
+    entry = _delivered(client, keys, "g1")
+    pub, s = samples.Publisher(client, keys), samples.Sample("g1", ["g1-0", "g1-1"], "w1", 2)
+    assert pub.publish(s, keys.samples, keys.prompts, entry) is True
+    assert pub.publish(s, keys.samples, keys.prompts, entry) is False  # the retry of a lost reply: a no-op
+    assert client.xlen(keys.samples) == 1 and client.xpending(keys.prompts, ROLLOUT_GROUP)["pending"] == 0
+    assert list(client.scan_iter(match=keys.sampled("*"))) == []  # nothing left per group
+
+
+def test_a_zombie_publishing_a_group_taken_over_and_published_writes_nothing(client, keys):
+    """w1 stalls with the group; w2 takes it over (XCLAIM) and publishes it; w1 wakes, days later for all it knows,
+    and publishes the same group: no second samples entry, with no marker to remember the first."""
+    entry = _delivered(client, keys, "g1", consumer="w1")
+    client.xclaim(keys.prompts, ROLLOUT_GROUP, "w2", 0, [entry])
+    w1, w2 = samples.Publisher(client, keys), samples.Publisher(client, keys)
+    assert w2.publish(samples.Sample("g1", ["g1-0"], "w2", 1), keys.samples, keys.prompts, entry) is True
+    assert w1.publish(samples.Sample("g1", ["g1-0"], "w1", 1), keys.samples, keys.prompts, entry) is False
+    pipe = client.pipeline(transaction=False)  # the pipelined publish (a worker's writer thread) likewise
+    w1.add(pipe, samples.Sample("g1", ["g1-0"], "w1", 1), keys.samples, keys.prompts, entry)
+    assert pipe.execute() == [0]
+    assert [(s.group_id, s.worker) for s in samples.read_all(client, keys.samples)[0]] == [("g1", "w2")]
+
+
+def test_control_markers_outlive_a_retry_only(client, keys):
+    pause = control.Command("pause", "v1-abc")
+    control.send_command(client, keys, pause)
+    control.send_ack(client, keys, pause, "w1", True, 0)
+    for marker in (keys.control_sent("v1-abc", "pause"), keys.control_sent("v1-abc", "pause", "w1")):
+        assert 0 < client.ttl(marker) <= once.RETRY_MARKER_TTL_S
+    assert once.RETRY_MARKER_TTL_S < once.MARKER_TTL_S
+
+
+def test_redis_wait_longer_than_half_the_retry_markers_life_is_refused():
+    validate(Config(redis_wait=once.RETRY_MARKER_TTL_S / 2))
+    with pytest.raises(ConfigError, match=r"config key 'redis_wait': expected at most 60 seconds .* got 61"):
+        validate(Config(redis_wait=61))

@@ -1,0 +1,77 @@
+"""The head of prompts / samples leaves Redis once no consumer needs it, for a file the whole-run readers read first
+(issue 33): the trim rule (pure), and on a real server what a trim keeps (every pending entry, the last delivered
+one, the group's lag), what it moves (everything below, byte for byte), and a crash between the two."""
+
+from __future__ import annotations
+
+from shared.protocol import samples, stream_head
+from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP
+from shared.protocol.stream_head import Trimmer, trim_point
+
+NOW = 1_000_000_000
+
+
+def test_the_trim_point_keeps_pending_the_last_delivered_and_the_recent():
+    assert trim_point("0-0", None, NOW) is None  # nothing delivered: nothing to move
+    assert trim_point(f"{NOW - 90_000}-3", None, NOW, keep_s=60) == f"{NOW - 90_000}-3"  # the last delivered stays
+    assert trim_point(f"{NOW - 90_000}-3", f"{NOW - 95_000}-0", NOW, keep_s=60) == f"{NOW - 95_000}-0"  # pending
+    assert trim_point(f"{NOW - 1_000}-0", None, NOW, keep_s=60) == f"{NOW - 60_000}-0"  # the last minute stays
+    assert trim_point(f"{NOW - 90_000}-10", f"{NOW - 90_000}-9", NOW, keep_s=0) == f"{NOW - 90_000}-9"
+
+
+def _stream(client, keys, n: int) -> list[bytes]:
+    client.xgroup_create(keys.prompts, ROLLOUT_GROUP, id="$", mkstream=True)
+    return [client.xadd(keys.prompts, {"group_id": f"g{i}", "data": bytes([0xC3, i, 0xFF])}) for i in range(n)]
+
+
+def test_a_trim_moves_what_no_consumer_needs_and_keeps_the_rest(client, keys, tmp_path):
+    ids = _stream(client, keys, 10)
+    before = client.xrange(keys.prompts)
+    client.xreadgroup(ROLLOUT_GROUP, "w1", {keys.prompts: ">"}, count=6)  # 0..5 delivered
+    client.xack(keys.prompts, ROLLOUT_GROUP, *ids[:4], ids[5])  # 4 still pending
+    path = stream_head.path_of(tmp_path, "prompts")
+    trimmer = Trimmer(client, keys.prompts, ROLLOUT_GROUP, path, keep_s=0)
+    trimmer.approximate = False  # exact, to see it on ten entries (a run trims whole nodes: ~)
+    assert trimmer.trim() == 4
+    assert [e for e, _ in client.xrange(keys.prompts)] == ids[4:]  # the pending one and after
+    assert stream_head.read_head(path) == before[:4]  # byte for byte
+    assert stream_head.read_all(client, keys.prompts, path) == before
+    claimed = client.xclaim(keys.prompts, ROLLOUT_GROUP, "w2", 0, [ids[4]])  # a takeover still finds it
+    assert [e for e, _ in claimed] == [ids[4]]
+    group = client.xinfo_groups(keys.prompts)[0]
+    assert group["lag"] == 4 and group["pending"] == 1  # the driver's lag is still known
+    assert trimmer.trim() == 0  # nothing more until the pending entry is acknowledged
+
+
+def test_a_crash_between_the_append_and_the_trim_reads_each_entry_once(client, keys, tmp_path):
+    ids = _stream(client, keys, 6)
+    before = client.xrange(keys.prompts)
+    client.xreadgroup(ROLLOUT_GROUP, "w1", {keys.prompts: ">"})
+    client.xack(keys.prompts, ROLLOUT_GROUP, *ids)
+    path = stream_head.path_of(tmp_path, "prompts")
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(__import__("json").dumps(stream_head.encode(i, f)) + "\n" for i, f in before[:3])
+                    + '{"id": "9-')  # appended, not trimmed, then a torn line: the crash
+    assert stream_head.read_all(client, keys.prompts, path) == before
+    restarted = Trimmer(client, keys.prompts, ROLLOUT_GROUP, path, keep_s=0)
+    restarted.approximate = False
+    assert restarted.trim() == 2  # after the file's last id, below the last delivered
+    assert stream_head.read_all(client, keys.prompts, path) == before and client.xlen(keys.prompts) == 1
+
+
+def test_a_reader_behind_the_trim_or_starting_over_reads_the_file_first(client, keys, tmp_path):
+    client.xgroup_create(keys.samples, TRAINER_GROUP, id="$", mkstream=True)
+    written = [samples.Sample(f"g{i}", [f"g{i}-0"], "w1", 1) for i in range(5)]
+    for s in written:
+        client.xadd(keys.samples, samples.encode(s))
+    client.xreadgroup(TRAINER_GROUP, "t", {keys.samples: ">"})
+    client.xack(keys.samples, TRAINER_GROUP, *[e for e, _ in client.xrange(keys.samples)][:4])
+    path = stream_head.path_of(tmp_path, "samples")
+    trimmer = Trimmer(client, keys.samples, TRAINER_GROUP, path, keep_s=0)
+    trimmer.approximate = False
+    trimmer.trim()
+    cursor, seen = "0-0", []
+    for _ in range(4):
+        good, _, cursor = samples.read_after(client, keys.samples, cursor, count=2, head=path)
+        seen += [s.group_id for s in good]
+    assert seen == [s.group_id for s in written]

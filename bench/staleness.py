@@ -220,7 +220,8 @@ def main(argv=None) -> int:
         best = max(summary, key=lambda c: (summary[c]["parity_eta"], at8(c)[0]))
         seeds = len({x["seed"] for x in cells})
         rows = [{"what": f"largest exact staleness η within 0.02 of η=0 (paired by seed), greedy eval on "
-                         f"{args.eval_size} held-out {args.terms}-term chain sums ({seeds} seeds, {setup.steps} steps)",
+                         f"{args.eval_size} held-out {args.terms}-term chain sums ({seeds} seeds, {setup.steps} versions "
+                         f"at lr {setup.lr:g})",
                  "value": ", ".join(f"{c} {s['parity_eta']}" for c, s in summary.items()) + f"; best: {best}"}]
         if "8" in summary[best]["diff"]:
             rows.append({"what": "greedy eval at η=8 minus η=0's, the best correction (mean ± s.e., paired by seed)",

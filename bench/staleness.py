@@ -118,6 +118,7 @@ def plot(summary: dict, etas: list[int], path: Path, cells: list[dict]) -> None:
 def cached_model(folder: str, pool: list[dict], warm_steps: int, seed: int) -> str:
     """``folder``/w<warm_steps>-s<seed>, made unless there (made aside, then renamed: two processes may race)."""
     final = Path(folder, f"w{warm_steps}-s{seed}")
+    final.parent.mkdir(parents=True, exist_ok=True)
     if not (final / "config.json").exists():
         aside = Path(tempfile.mkdtemp(dir=folder))
         make_model(aside, pool, warm_steps, seed)
@@ -136,10 +137,11 @@ def slim(cell: dict) -> dict:
     return out
 
 
-def grid(etas: list[int], corrections: list[str], seeds: int) -> list[tuple[int, str, int]]:
-    """(seed, correction, η) of every cell to train: η = 0 once per seed (see :func:`evals`)."""
+def grid(etas: list[int], corrections: list[str], seeds: int, first_seed: int = 0) -> list[tuple[int, str, int]]:
+    """(seed, correction, η) of every cell to train, seeds ``first_seed`` .. + ``seeds`` − 1: η = 0 once per seed
+    (see :func:`evals`)."""
     out = []
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         out += [(seed, corrections[0], 0)] if 0 in etas else []
         out += [(seed, c, e) for c in corrections for e in etas if e != 0]
     return out
@@ -148,7 +150,7 @@ def grid(etas: list[int], corrections: list[str], seeds: int) -> list[tuple[int,
 def run_grid(args, etas: list[int], corrections: list[str], setup: Setup) -> list[dict]:
     """Train this process's share of the grid (``--part k/n``: every n-th cell from the k-th)."""
     k, n = map(int, args.part.split("/"))
-    todo = grid(etas, corrections, args.seeds)[k::n]
+    todo = grid(etas, corrections, args.seeds, args.first_seed)[k::n]
     pool, eval_rows = split_task(args.terms, args.eval_size)
     print(f"setup {setup}; {len(todo)} cells (part {args.part}); {len(eval_rows)} held-out problems of "
           f"{len(pool) + len(eval_rows)}", flush=True)
@@ -162,6 +164,7 @@ def run_grid(args, etas: list[int], corrections: list[str], setup: Setup) -> lis
             tail = cell["curve"][-10:]
             print(f"seed {seed} {c:>18} η={e:<3} eval {cell['eval']:.3f} (last version {cell['eval_final']:.3f})  "
                   f"last-10 reward {sum(tail) / len(tail):.3f}  ({time.monotonic() - t0:.0f}s)", flush=True)
+            print("  greedy eval by version: " + " ".join(f"{v}:{a:.3f}" for v, a in cell["eval_curve"]), flush=True)
     return cells
 
 
@@ -171,8 +174,13 @@ def main(argv=None) -> int:
     p.add_argument("--corrections", default=",".join(GRID), help=f"names ({', '.join(CORRECTIONS)}), or "
                    "name:field=value:... (see step_config)")
     p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds --first-seed .. + --seeds − 1 (one process per "
+                   "seed with --cells-out, then --merge: a cut-off grid keeps its finished seeds)")
     p.add_argument("--steps", type=int, default=Setup.steps)
     p.add_argument("--lr", type=float, default=None, help="default: the config's lr")
+    p.add_argument("--eval-every", type=int, default=Setup.eval_every, help="greedy-evaluate every this many versions")
+    p.add_argument("--eval-last", type=int, default=Setup.eval_last, help="... the eval is the mean over the last "
+                   "this many evaluated versions (a large value with --etas 0 --seeds 1: η = 0's whole curve)")
     p.add_argument("--terms", type=int, default=4, help="the task: chain sums of this many one-digit numbers")
     p.add_argument("--warm-steps", type=int, default=600)
     p.add_argument("--eval-size", type=int, default=1000)
@@ -189,7 +197,8 @@ def main(argv=None) -> int:
     corrections = args.corrections.split(",")
     for c in corrections:
         step_config(c)
-    setup = Setup.from_defaults(steps=args.steps, **({"lr": args.lr} if args.lr else {}))
+    setup = Setup.from_defaults(steps=args.steps, eval_every=args.eval_every, eval_last=args.eval_last,
+                                **({"lr": args.lr} if args.lr else {}))
     if setup.steps < setup.eval_every:
         p.error(f"--steps {setup.steps}: expected at least {setup.eval_every} (the greedy eval runs every "
                 f"{setup.eval_every}th version)")
@@ -211,7 +220,8 @@ def main(argv=None) -> int:
         best = max(summary, key=lambda c: (summary[c]["parity_eta"], at8(c)[0]))
         seeds = len({x["seed"] for x in cells})
         rows = [{"what": f"largest exact staleness η within 0.02 of η=0 (paired by seed), greedy eval on "
-                         f"{args.eval_size} held-out {args.terms}-term chain sums ({seeds} seeds, {setup.steps} steps)",
+                         f"{args.eval_size} held-out {args.terms}-term chain sums ({seeds} seeds, {setup.steps} versions "
+                         f"at lr {setup.lr:g})",
                  "value": ", ".join(f"{c} {s['parity_eta']}" for c, s in summary.items()) + f"; best: {best}"}]
         if "8" in summary[best]["diff"]:
             rows.append({"what": "greedy eval at η=8 minus η=0's, the best correction (mean ± s.e., paired by seed)",

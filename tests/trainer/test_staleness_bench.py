@@ -69,3 +69,8 @@ def test_trained_batches_come_from_version_v_minus_eta(tmp_path):
     fresh = b.run_cell(model_dir, 0, "default", 0, setup, held, pool)
     assert fresh["behaviour_versions"] == list(range(6))
     assert all(k is not None and abs(k) < 1e-6 for k in fresh["mismatch_kl_current"])
+
+
+def test_grid_from_a_first_seed_trains_eta_0_once_per_seed():
+    cells = _bench().grid([0, 8], ["a", "b"], seeds=2, first_seed=3)
+    assert cells == [(3, "a", 0), (3, "a", 8), (3, "b", 8), (4, "a", 0), (4, "a", 8), (4, "b", 8)]

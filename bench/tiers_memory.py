@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=1.0, help="seconds between samples")
     ap.add_argument("--out", default=str(ROOT / "docs" / "tiers_memory.png"))
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--archiver-nice", type=int, default=None, help="the archiver's priority (default: the config's)")
     args = ap.parse_args()
     run, work, port = "tiers-memory", ROOT / "runs" / f"bench-tiers-memory-{uuid.uuid4().hex[:6]}", free_port()
     url = f"redis://127.0.0.1:{port}/0"
@@ -150,7 +151,9 @@ def main() -> None:
     try:
         t_start, steps = streamrl_run({"run": run, "run_dir": str(work), "redis_url": url, "seed": 0,
                                        "max_versions": args.versions, "log_retention_versions": args.retention,
-                                       "log_level": "warning"}, args.verbose)
+                                       "max_minutes": 0, "log_level": "warning",  # to the last version
+                                       **({} if args.archiver_nice is None else {"archiver_nice": args.archiver_nice})},
+                                      args.verbose)
         cold = segments.SegmentStore(segments.folder_of(work / run)).sizes()
     finally:
         sampler.stop.set()
@@ -185,7 +188,7 @@ def main() -> None:
           f"plot: {args.out}")
     record("tiers_memory", [
         {"what": f"Redis used_memory, late / first retention window, default run of {top} versions, retention "
-                 f"{args.retention}", "value": f"{ratio:.2f}x ({first / 1e6:.1f} -> {late / 1e6:.1f} MB)"},
+                 f"{args.retention}{'' if args.archiver_nice is None else f', archiver_nice {args.archiver_nice}'}", "value": f"{ratio:.2f}x ({first / 1e6:.1f} -> {late / 1e6:.1f} MB)"},
     ], ["services/archiver", "shared/protocol/segments.py", "shared/protocol/segment_entries.py"], extra={
         "load_average_before": load_before, "load_average": load, "segments": cold, "censuses": sampler.censuses,
         "samples": s[:: max(1, len(s) // 400)]})

@@ -25,7 +25,7 @@ from shared.protocol.keys import Keys
 from shared.protocol.ledger import read_ledger
 from shared.runtime.faults import crash_point
 
-from services.archiver.select import movable
+from services.archiver.select import movable, movable_val, newest_commit
 
 _DELETE_IF_LEN = """
 if redis.call('XLEN', KEYS[1]) == tonumber(ARGV[1]) then
@@ -59,8 +59,9 @@ class Mover:
         self._delete = client.register_script(_DELETE_IF_LEN)
         self._delete_many = None if isinstance(client, redis.cluster.RedisCluster) else client.register_script(
             _DELETE_MANY_IF_LEN)
-        self._cursor = "0-0"
-        self._episodes_of: dict[str, list[str]] = {}
+        self._cursor, self._val_cursor = "0-0", "0-0"
+        self._episodes_of: dict[str, list[str]] = {}  # training groups (samples), then validation rounds' (samples:val)
+        self._val_episodes_of: dict[str, list[str]] = {}
         self.moved = 0
 
     def recover(self) -> int:
@@ -82,28 +83,34 @@ class Mover:
                 deleted += self._drop({eid: cold[eid] for eid in still})
         return deleted
 
-    def _follow_samples(self) -> None:
+    def _follow(self, stream: str, cursor: str, into: dict[str, list[str]], head=None) -> str:
+        """Read ``stream``'s published groups after ``cursor`` into ``into`` (group id -> episode ids); the new
+        cursor."""
         while True:
-            good, _, cursor = samples_stream.read_after(self.client, self.keys.samples, self._cursor, count=1000,
-                                                        head=stream_head.path_of(self.run_path, "samples"))
+            good, _, after = samples_stream.read_after(self.client, stream, cursor, count=1000, head=head)
             for s in good:
-                self._episodes_of[s.group_id] = s.episodes
-            if cursor == self._cursor:
-                return
-            self._cursor = cursor
+                into[s.group_id] = s.episodes
+            if after == cursor:
+                return cursor
+            cursor = after
 
     def step(self) -> int:
         """Move every episode due now, a segment per ``batch`` episodes; returns the episodes moved."""
-        self._follow_samples()
+        self._cursor = self._follow(self.keys.samples, self._cursor, self._episodes_of,
+                                    head=stream_head.path_of(self.run_path, "samples"))
+        self._val_cursor = self._follow(self.keys.val_samples, self._val_cursor, self._val_episodes_of)
         ledger = read_ledger(self.run_path / "trainer")
-        due = movable(ledger, self._episodes_of, self.retention, self.store.episode_ids())
+        archived = self.store.episode_ids()
+        due = movable(ledger, self._episodes_of, self.retention, archived)
+        due += movable_val(self._val_episodes_of, newest_commit(ledger), self.retention, archived)
         moved = 0
         for start in range(0, len(due), self.batch):
             moved += self._move(due[start:start + self.batch])
         self.moved += moved
         archived = self.store.episode_ids()
-        for group_id in {g for g, eids in self._episodes_of.items() if all(e in archived for e in eids)}:
-            del self._episodes_of[group_id]  # moved whole: never looked at again (a run's groups grow without end)
+        for groups in (self._episodes_of, self._val_episodes_of):  # a run's groups grow without end: a group
+            for group_id in {g for g, eids in groups.items() if all(e in archived for e in eids)}:  # moved whole
+                del groups[group_id]  # is never looked at again
         return moved
 
     def _move(self, episode_ids: list[str]) -> int:

@@ -5,6 +5,8 @@ up late is fenced: its stream's length is not the seq it expects, and a deleted 
 
 from __future__ import annotations
 
+from shared.protocol.val_groups import parse_group_id
+
 
 def newest_commit(ledger: list[dict]) -> int:
     return max((int(r["commit"]) for r in ledger if "commit" in r), default=0)
@@ -28,4 +30,18 @@ def movable(ledger: list[dict], episodes_of: dict[str, list[str]], retention: in
     out = []
     for group_id in old_groups(ledger, retention):
         out += [e for e in episodes_of.get(group_id, []) if e not in archived]
+    return out
+
+
+def movable_val(val_episodes_of: dict[str, list[str]], newest: int, retention: int, archived) -> list[str]:
+    """Episode ids of validation rounds to move now: groups published to ``samples:val`` (every episode ended, the
+    prompt acknowledged; no trainer reads them) of a round ``retention`` versions or more before ``newest``, the
+    newest commit. The driver reads a round's episodes from either tier."""
+    if retention <= 0:
+        return []
+    out = []
+    for group_id, eids in val_episodes_of.items():
+        parsed = parse_group_id(group_id)
+        if parsed is not None and parsed[0] <= newest - retention:
+            out += [e for e in eids if e not in archived]
     return out

@@ -17,7 +17,7 @@ from services.driver import agents, tasks
 from shared.runtime.config import Config
 from shared.runtime import runstate
 from shared.runtime.connection import connect, redact
-from shared.protocol import stream_head, versions
+from shared.protocol import segments, stream_head, versions
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from shared.protocol.prompts import PromptGroup, enqueue, forget, group_id
 from services.driver.status import alive_services, format_line, snapshot
@@ -68,7 +68,7 @@ class Driver:
         self.tensorboard = TensorBoard(cfg, "driver")
         self.validator = Validator(self.client, self.keys, held_out, cfg.val_every, cfg.val_size,
                                    on_result=lambda r: self.tensorboard.scalars("validation", r, r["version"]),
-                                   k=cfg.val_k)
+                                   k=cfg.val_k, archive=segments.SegmentStore(segments.folder_of(cfg.run_path)))
         self.enqueued = int(self.client.get(self.keys.driver_enqueued) or 0)
         self.prompts_head = stream_head.for_run(self.client, self.keys.prompts, ROLLOUT_GROUP, cfg)  # rolled out
         self.total = cfg.epochs * len(self.rows)  # prompt groups of the whole run; 0: no end by epochs

@@ -14,12 +14,13 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from shared.protocol import metrics, samples
+from shared.protocol import metrics, samples, val_groups
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError
 from shared.protocol.fold import fold
 from shared.protocol.keys import Keys
 from shared.protocol.prompts import PromptGroup, enqueue, forget
+from shared.protocol.val_groups import parse_group_id
 from shared.runtime.prompt_format import prompt_key
 
 PASS = 1.0  # an episode passes (for pass@k) at this reward or above
@@ -51,23 +52,12 @@ def round_groups(version: int, rows: list[dict], size: int, k: int = 1) -> list[
         seen.add(prompt_key(row["prompt"]))
         task = {k: v for k, v in row.items() if k != "prompt"}
         i = len(seen) - 1
-        out.append(PromptGroup(f"val-v{version:05d}-g{i:03d}", 1, prompt=row["prompt"], task=task,
+        out.append(PromptGroup(val_groups.group_id(version, "greedy", i), 1, prompt=row["prompt"], task=task,
                                sampling={"temperature": 0.0}))
-        out.append(PromptGroup(f"val-v{version:05d}-s{i:03d}", k, prompt=row["prompt"], task=task))
+        out.append(PromptGroup(val_groups.group_id(version, "sampled", i), k, prompt=row["prompt"], task=task))
         if len(seen) >= size:
             break
     return out
-
-
-def parse_group_id(group_id: str) -> tuple[int, str] | None:
-    """``val-v00005-g003`` -> (5, "greedy"); None for anything else."""
-    parts = group_id.split("-")
-    if len(parts) != 3 or parts[0] != "val" or not parts[1].startswith("v") or parts[2][:1] not in ("g", "s"):
-        return None
-    try:
-        return int(parts[1][1:]), "greedy" if parts[2][0] == "g" else "sampled"
-    except ValueError:
-        return None
 
 
 def summarize(version: int, rewards: dict[str, list[float]], token_versions: list[int],
@@ -97,10 +87,12 @@ class Validator:
     """The driver's side: enqueue rounds, gather their samples, report each round once."""
 
     def __init__(self, client, keys: Keys, rows: list[dict], every: int, size: int, log=None, on_result=None,
-                 k: int = 1):
+                 k: int = 1, archive=None):
         self.client, self.keys, self.rows, self.every, self.size, self.k = client, keys, rows, every, size, k
         self.log, self.on_result = log, on_result
-        self.episodes = EpisodeLog(client, keys, "validator")
+        # ``archive``: the run's segments, where the archiver may have moved a round's episodes (a driver that
+        # restarts after a long stop reads them there)
+        self.episodes = EpisodeLog(client, keys, "validator", archive=archive)
         self.rounds: dict[int, Round] = {}
         self.cursor = "0-0"
         self.reported = {r["version"] for _, r in metrics.read(client, keys, "validation")}
@@ -149,6 +141,8 @@ class Validator:
             if parsed is None:
                 continue
             version, kind = parsed
+            if version in self.reported:
+                continue  # reported once, never again: its episodes need not be read (a restarted driver reads all)
             if version not in self.rounds:  # requested by an earlier driver process: same groups
                 self.rounds[version] = Round(expected=len(round_groups(version, self.rows, self.size, self.k)))
             rnd = self.rounds[version]

@@ -15,7 +15,7 @@ from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.samples import Sample, encode
 from shared.runtime import faults
 from services.archiver.mover import Mover
-from services.archiver.select import movable, old_groups
+from services.archiver.select import movable, movable_val, old_groups
 from services.ops.check_data import read_run
 from services.ops.cli import main
 from tests.archiver.tiers_support import all_streams, make_run, write_episode
@@ -72,6 +72,37 @@ def test_the_mover_moves_trained_episodes_past_the_window_and_readers_see_one_lo
     assert mover.step() == 0  # nothing new is due: the move is idempotent
     data = read_run(client, keys, run_path)
     assert set(eids) <= set(data.episodes)
+
+
+def test_validation_rounds_retention_versions_behind_are_movable():
+    published = {"val-v00005-g000": ["a"], "val-v00005-s000": ["b", "c"], "val-v00010-g000": ["d"], "q1": ["e"]}
+    assert movable_val(published, newest=26, retention=20, archived={"b"}) == ["a", "c"]  # round 5 only
+    assert movable_val(published, newest=26, retention=0, archived=set()) == []  # off
+
+
+def test_validation_episodes_move_too_and_the_drivers_validation_reads_them_from_the_segments(client, keys,
+                                                                                           tmp_path):
+    """Validation rounds are never in the trainer's ledger: without their own rule they stayed in Redis for good
+    (most of the episode streams left in Redis on a 10,000-version run)."""
+    from services.driver.validation import Validator
+
+    run_path = tmp_path / keys.run
+    make_run(client, keys, run_path, versions=6)
+    log = EpisodeLog(client, keys, "w1")
+    rows = [{"prompt": "1+1=", "answer": "2"}]
+    for version in (3, 5):  # reward: version % 2
+        for kind, gid in (("g", f"val-v{version:05d}-g000"), ("s", f"val-v{version:05d}-s000")):
+            write_episode(log, f"{gid}-0", gid, version)
+            client.xadd(keys.val_samples, encode(Sample(gid, [f"{gid}-0"], "w1")))
+    log.flush()
+    mover = Mover(client, keys, run_path, retention=2)
+    mover.step()
+    assert not client.exists(keys.episode("val-v00003-g000-0"), keys.episode("val-v00003-s000-0"))  # round 3 <= 6-2
+    assert client.exists(keys.episode("val-v00005-g000-0"))  # round 5: inside the window
+    validator = Validator(client, keys, rows, every=1, size=1, archive=segments.SegmentStore(run_path / "episodes"))
+    rounds = {r["version"]: r for r in validator.poll()}
+    assert set(rounds) == {3, 5}
+    assert rounds[3]["reward_greedy"] == rounds[3]["reward_mean"] == 1.0 and rounds[3]["token_version_max"] == 3
 
 
 def test_an_episode_that_has_not_ended_is_never_moved(client, keys, tmp_path):

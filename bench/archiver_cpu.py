@@ -13,7 +13,6 @@ import cProfile
 import os
 import pstats
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,8 +21,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.record import record  # noqa: E402
+from bench.runs import scratch_server  # noqa: E402
 from services.archiver.mover import Mover  # noqa: E402
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
 from shared.protocol import samples, segments  # noqa: E402
 from shared.protocol.episode_log import EpisodeLog  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
@@ -71,29 +70,25 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the step's cProfile, top 25 by own time")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        server = EmbeddedRedis(Path(tmp) / "redis").start()
-        try:
-            client = connect(server.url)
-            keys, run_path = Keys("bench"), Path(tmp) / "run"
-            mover = Mover(client, keys, run_path, retention=1, seed_base=SEED)
-            write_run(client, keys, run_path, 8 * GROUP, rng)
-            mover.step()  # warm up: the first segment pays one-time imports (pyarrow's pandas glue)
-            tokens = write_run(client, keys, run_path, args.episodes, rng, first=8)
-            prof = cProfile.Profile() if args.profile else None
-            cpu, wall = time.process_time(), time.perf_counter()
-            if prof:
-                prof.enable()
-            moved = mover.step()
-            if prof:
-                prof.disable()
-            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-            left = sum(1 for _ in client.scan_iter(keys.episode("*"), count=1000))
-            sizes = mover.store.sizes()
-            first = segments.read_manifest(mover.folder)[0]
-            sizes = {k: sizes[k] - first[k] for k in ("bytes", "tokens", "episodes")}
-        finally:
-            server.stop()
+    with scratch_server() as (tmp, url, _):
+        client = connect(url)
+        keys, run_path = Keys("bench"), Path(tmp) / "run"
+        mover = Mover(client, keys, run_path, retention=1, seed_base=SEED)
+        write_run(client, keys, run_path, 8 * GROUP, rng)
+        mover.step()  # warm up: the first segment pays one-time imports (pyarrow's pandas glue)
+        tokens = write_run(client, keys, run_path, args.episodes, rng, first=8)
+        prof = cProfile.Profile() if args.profile else None
+        cpu, wall = time.process_time(), time.perf_counter()
+        if prof:
+            prof.enable()
+        moved = mover.step()
+        if prof:
+            prof.disable()
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        left = sum(1 for _ in client.scan_iter(keys.episode("*"), count=1000))
+        sizes = mover.store.sizes()
+        first = segments.read_manifest(mover.folder)[0]
+        sizes = {k: sizes[k] - first[k] for k in ("bytes", "tokens", "episodes")}
     load = os.getloadavg()
     print(f"moved {moved} episodes ({left} streams left): {1e6 * cpu / moved:.0f} us CPU per episode "
           f"({1e6 * wall / moved:.0f} us wall); segments {sizes['bytes'] / sizes['tokens']:.2f} B per policy token, "

@@ -96,7 +96,8 @@ class Trainer:
         commit_path.restore_ledger(self.ckpt_dir, state, self.log)
         if state is not None:
             self.counts.update(state.get("counts", {}))
-        # every group trained or judged untrainable: the ledger's lines, plus the list older checkpoints carried
+        # every group trained or judged untrainable: the ledger's lines (now level with the checkpoint), plus the
+        # list older checkpoints carried themselves
         self.consumed = set((state or {}).get("consumed", ())) | {
             g for rec in ledger.read_ledger(self.ckpt_dir) for g in rec["groups"] + rec["skipped"]}
         try:

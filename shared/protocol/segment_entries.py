@@ -1,5 +1,5 @@
-"""Format 3 segment rows: an episode's entries split into per-entry columns, so that what episodes share is stored
-once per segment (Parquet's dictionary pages) and what they do not is small numbers (delta- and bit-packed).
+"""Format 3 and 4 segment rows: an episode's entries split into per-entry columns, so that what episodes share is
+stored once per segment (Parquet's dictionary pages) and what they do not is small numbers (delta- and bit-packed).
 
 An entry of the usual shape (fields exactly ``type, v, policy, worker, seq, data`` in that order, ``seq`` its
 position, ``policy`` a decimal integer, entry id ``<ms>-<n>``) is one element in each list:
@@ -10,11 +10,16 @@ position, ``policy`` a decimal integer, entry id ``<ms>-<n>``) is one element in
     policies    its ``policy``
     workers     its ``worker`` (dictionary-coded)
     payloads    its ``data``; None for a ``tokens`` entry whose ids and log-probs went to the token columns
-                (``tok_counts`` says how many, shared/protocol/segment_columns.py decides which entries qualify);
-                the first ``started`` entry's with its own fields (``episode_id``, ``index``, ``sampling.seed``)
-                set to nil: a group's episodes then share one payload value, prompt ids and all, stored once
-                (the row's ``index`` and ``seed`` columns keep the values taken out; a seed the rollout's rule
-                made, ``episode_seed(base, group, index)``, is kept as its ``seed_base``, the same in every row)
+                (``tok_counts`` says how many; only a payload that is exactly ``{ids, logprobs}`` as msgpack
+                writes it, shared/protocol/segment_columns.py), and in format 4 for the two payloads below
+
+The first ``started`` entry's payload with its own fields (``episode_id``, ``index``, ``sampling.seed``) set to nil:
+a group's episodes then share one payload value, prompt ids and all, stored once (the row's ``index`` and ``seed``
+columns keep the values taken out; a seed the rollout's rule made, ``episode_seed(base, group, index)``, is kept
+as its ``seed_base``, the same in every row). Format 3 keeps it in ``payloads``; format 4 in the row's own
+``start`` column, and the last entry's payload when it is the end (``finished`` / ``failed``) in ``end``: one
+value per row, so that the rows of a group (written one after the other) repeat the same dictionary index, a run
+that Parquet's RLE stores in a few bits, where inside ``payloads`` they alternated with other entries' nulls.
 
 Any other entry keeps its id and fields whole in ``others`` (its ``kinds`` element is empty). ``pack`` checks
 that ``unpack`` gives back each moved part byte for byte, and keeps the part whole where it would not.
@@ -25,15 +30,19 @@ from __future__ import annotations
 import msgpack
 
 from shared.protocol.sampling import episode_seed
-from shared.protocol.segment_columns import movable
+from shared.protocol.segment_columns import token_payload
 
 HEADERS = [b"type", b"v", b"policy", b"worker", b"seq", b"data"]
 LISTS = ("ms", "sub", "kinds", "hv", "policies", "workers", "payloads")
 INT64 = (-(1 << 63), 1 << 63)
+POSITIONS = [str(n).encode() for n in range(64)]
+TERMINAL = (b"finished", b"failed")
 
 
 def _int(raw: bytes) -> int | None:
     """The integer a decimal text spells, only when writing it back gives the same bytes."""
+    if raw.isdigit() and len(raw) < 19 and (raw[:1] != b"0" or len(raw) == 1):  # the usual case, checked cheaply
+        return int(raw)
     try:
         n = int(raw)
     except ValueError:
@@ -43,13 +52,17 @@ def _int(raw: bytes) -> int | None:
 
 def _split(position: int, entry_id: bytes, flat: list[bytes]) -> tuple | None:
     """(ms, sub, kind, v, policy, worker, data) of an entry of the usual shape, else None."""
-    if flat[::2] != HEADERS or len(flat) != 12 or not flat[1] or flat[9] != str(position).encode():
+    if len(flat) != 12 or flat[::2] != HEADERS or not flat[1] or flat[9] != _position(position):
         return None
     ms, _, sub = entry_id.partition(b"-")
     ms, sub, policy = _int(ms), _int(sub), _int(flat[5])
     if ms is None or sub is None or policy is None or not -(1 << 31) <= policy < 1 << 31:
         return None
     return ms, sub, flat[1], flat[3], policy, flat[7], flat[11]
+
+
+def _position(position: int) -> bytes:
+    return POSITIONS[position] if position < len(POSITIONS) else str(position).encode()
 
 
 def fill(payload: bytes, episode_id: str, index: int, seed: int | None, seed_base: int | None) -> bytes:
@@ -65,28 +78,34 @@ def fill(payload: bytes, episode_id: str, index: int, seed: int | None, seed_bas
 
 def _template(episode_id: str, data: bytes, seed_base: int | None) -> tuple | None:
     """(payload with the episode's own fields nil, index, seed, seed base, group id) of a started payload, or None
-    (kept whole). Of ``seed`` and ``seed base`` one at most is set."""
+    (kept whole). Of ``seed`` and ``seed base`` one at most is set. The check that ``fill`` gives ``data`` back puts
+    the fields back into the same decoded object and packs it: a template is packed from an unpacked object, and
+    unpacking it gives that object again (msgpack round-trips what it decoded), so this is what ``fill`` does
+    without decoding the template once more."""
     try:
         d = msgpack.unpackb(data, raw=False)
     except Exception:  # noqa: BLE001 - an undecodable payload is simply kept as it is
         return None
     if not isinstance(d, dict) or d.get("episode_id") != episode_id or type(d.get("index")) is not int:
         return None
-    index, seed, sampling = d["index"], None, d.get("sampling")
-    if not -(1 << 31) <= index < 1 << 31:
+    index, seed, sampling, group_id = d["index"], None, d.get("sampling"), d.get("group_id")
+    if not -(1 << 31) <= index < 1 << 31 or not isinstance(group_id, str):
         return None
     d["episode_id"] = d["index"] = None
     if isinstance(sampling, dict) and type(sampling.get("seed")) is int and INT64[0] <= sampling["seed"] < INT64[1]:
         seed, sampling["seed"] = sampling["seed"], None
     try:
-        if seed is not None and seed_base is not None and seed == episode_seed(seed_base, d["group_id"], index):
+        payload = msgpack.packb(d, use_bin_type=True)
+        d["episode_id"], d["index"] = episode_id, index
+        if seed is not None:
+            sampling["seed"] = seed
+        if msgpack.packb(d, use_bin_type=True) != data:
+            return None
+        if seed is not None and seed_base is not None and seed == episode_seed(seed_base, group_id, index):
             seed = None
         else:
             seed_base = None
-        payload = msgpack.packb(d, use_bin_type=True)
-        if fill(payload, episode_id, index, seed, seed_base) != data or not isinstance(d["group_id"], str):
-            return None
-        return payload, index, seed, seed_base, d["group_id"]
+        return payload, index, seed, seed_base, group_id
     except Exception:  # noqa: BLE001 - what does not come back whole is kept whole
         return None
 
@@ -96,15 +115,16 @@ def pack(episode_id: str, entries: list[tuple[bytes, list[bytes]]],
     """(entry id, flat fields) pairs -> (the row's entry columns, token ids parts, log-prob parts), each part the
     raw little-endian bytes of one moved ``tokens`` entry. ``seed_base``: the run's ``seed``. The columns also say
     the episode's ``group_id`` when its first ``started`` payload was templated (else it is absent)."""
-    row: dict = {name: [] for name in LISTS}
-    row.update(others=[], tok_counts=[], index=None, seed=None, seed_base=None, t0=0)
+    ms_, sub_, kinds, hv, policies, workers, payloads = lists = ([], [], [], [], [], [], [])
+    row: dict = dict(zip(LISTS, lists))
+    row.update(others=[], tok_counts=[], index=None, seed=None, seed_base=None, t0=0, start=None, end=None)
     ids, lps = [], []
     started, last = False, None
     for position, (entry_id, flat) in enumerate(entries):
         parts = _split(position, entry_id, flat)
         if parts is None:
-            for name, blank in zip(LISTS, (0, 0, b"", b"", 0, b"", None)):
-                row[name].append(blank)
+            for column, blank in zip(lists, (0, 0, b"", b"", 0, b"", None)):
+                column.append(blank)
             row["others"].append([entry_id, *flat])
             continue
         ms, sub, kind, v, policy, worker, payload = parts
@@ -113,19 +133,26 @@ def pack(episode_id: str, entries: list[tuple[bytes, list[bytes]]],
         ms, last = ms - last, ms
         if not -(1 << 31) <= ms < 1 << 31:
             return pack_whole(entries)
-        tokens = movable(flat) if kind == b"tokens" else None
-        if tokens is not None:
+        if kind == b"tokens" and (tokens := token_payload(payload)) is not None:
             payload = None
-            row["tok_counts"].append(len(tokens[0]) // 4)
+            row["tok_counts"].append(len(tokens[0]) >> 2)
             ids.append(tokens[0])
             lps.append(tokens[1])
         elif kind == b"started" and not started:
             started = True
             taken = _template(episode_id, payload, seed_base)
             if taken is not None:
-                payload, row["index"], row["seed"], row["seed_base"], row["group_id"] = taken
-        for name, value in zip(LISTS, (ms, sub, kind, v, policy, worker, payload)):
-            row[name].append(value)
+                row["start"], row["index"], row["seed"], row["seed_base"], row["group_id"] = taken
+                payload = None
+        elif kind in TERMINAL and position == len(entries) - 1:
+            row["end"], payload = payload, None
+        ms_.append(ms)
+        sub_.append(sub)
+        kinds.append(kind)
+        hv.append(v)
+        policies.append(policy)
+        workers.append(worker)
+        payloads.append(payload)
     return row, ids, lps
 
 
@@ -133,28 +160,35 @@ def pack_whole(entries: list[tuple[bytes, list[bytes]]]) -> tuple[dict, list[byt
     """Every entry kept whole in ``others``."""
     row: dict = {name: [0 if name in ("ms", "sub", "policies") else None if name == "payloads" else b""
                         for _ in entries] for name in LISTS}
-    row.update(others=[[i, *flat] for i, flat in entries], tok_counts=[], index=None, seed=None, seed_base=None, t0=0)
+    row.update(others=[[i, *flat] for i, flat in entries], tok_counts=[], index=None, seed=None, seed_base=None, t0=0,
+               start=None, end=None)
     return row, [], []
 
 
 def unpack(episode_id: str, row: dict, ids: bytes, lps: bytes) -> list[tuple[bytes, dict]]:
-    """A row's entry columns (and its token bytes, in entry order) -> its entries as XRANGE returns them."""
+    """A row's entry columns (and its token bytes, in entry order) -> its entries as XRANGE returns them (a row of
+    format 3, without ``start`` / ``end``, or of format 4)."""
     others, counts = iter(row["others"]), iter(row["tok_counts"])
     out, at, started, now = [], 0, False, row["t0"]
+    start, end = row.get("start"), row.get("end")
     for position, (ms, sub, kind, v, policy, worker, payload) in enumerate(zip(*(row[n] for n in LISTS))):
         if not kind:
             flat = next(others)
             out.append((flat[0], dict(zip(flat[1::2], flat[2::2]))))
             continue
         now += ms
-        if payload is None:
-            end = at + 4 * next(counts)
-            payload = msgpack.packb({"ids": ids[at:end], "logprobs": lps[at:end]}, use_bin_type=True)
-            at = end
-        elif kind == b"started" and not started:
+        if kind == b"started" and not started:
             started = True
+            if payload is None:
+                payload = start
             if row["index"] is not None:
                 payload = fill(payload, episode_id, row["index"], row["seed"], row["seed_base"])
-        fields = dict(zip(HEADERS, (kind, v, str(policy).encode(), worker, str(position).encode(), payload)))
+        elif payload is None and kind == b"tokens":
+            end_at = at + 4 * next(counts)
+            payload = msgpack.packb({"ids": ids[at:end_at], "logprobs": lps[at:end_at]}, use_bin_type=True)
+            at = end_at
+        elif payload is None:
+            payload = end
+        fields = dict(zip(HEADERS, (kind, v, str(policy).encode(), worker, _position(position), payload)))
         out.append((f"{now}-{sub}".encode(), fields))
     return out

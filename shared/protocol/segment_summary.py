@@ -30,7 +30,8 @@ def _plain(cols: dict) -> dict | None:
     if out["status"] is None:
         return None  # not ended: its status depends on more than its last entry (the fold says)
     if end == b"finished":
-        data = msgpack.unpackb(cols["payloads"][-1], raw=False)
+        payload = cols["payloads"][-1]
+        data = msgpack.unpackb(cols.get("end") if payload is None else payload, raw=False)
         if not isinstance(data, dict) or not isinstance(data.get("reason"), str):
             return None
         try:

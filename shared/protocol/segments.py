@@ -1,12 +1,13 @@
 """The cold tier of the episode log: append-only Parquet segment files under ``<run_dir>/<run>/episodes/``.
 
 One row per episode. Its entries are kept so that an episode read from a segment folds and replays byte-identical
-to the same episode read from Redis: format 3 (``FORMAT``, in each file's metadata under
+to the same episode read from Redis: format 4 (``FORMAT``, in each file's metadata under
 ``streamrl.segment_format``) splits them into columns (shared/protocol/segment_entries.py): header fields and
 entry ids as small numbers and dictionary values, a group's shared ``started`` payload (prompt ids and all) once
-per segment, token ids and log-probs as ``tok_ids`` / ``tok_logprobs`` lists stored in byte planes. Files of
-format 1 (raw ``entry_ids`` / ``entries``) and 2 (those plus byte-plane token blobs,
-shared/protocol/segment_columns.py) still read, as they were written. The other columns are for analysis (pandas,
+per segment in the row's ``start`` column, the end entry's payload in ``end``, token ids and log-probs as
+``tok_ids`` / ``tok_logprobs`` lists stored in byte planes. Files of format 1 (raw ``entry_ids`` / ``entries``),
+2 (those plus byte-plane token blobs, shared/protocol/segment_columns.py) and 3 (format 4 but with those two
+payloads inside ``payloads``) still read, as they were written. The other columns are for analysis (pandas,
 DuckDB, ``datasets.load_dataset("parquet", data_files=".../episodes/seg-*.parquet")``): episode and group ids,
 the worker that ended it, reward, status, finish reason, number of generated tokens, the newest policy version
 that produced one of its tokens, its index in the group and its seed. Compression: zstd.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import KeysView
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -55,18 +57,21 @@ SCHEMA = pa.schema(ANALYSIS + [
     ("policies", pa.list_(pa.int32())),
     ("workers", pa.list_(pa.binary())),
     ("payloads", pa.list_(pa.binary())),
+    ("start", pa.binary()),  # format 4: the first started payload, templated (shared/protocol/segment_entries.py)
+    ("end", pa.binary()),  # format 4: the end entry's payload
     ("others", pa.list_(pa.list_(pa.binary()))),
     ("tok_counts", pa.list_(pa.int32())),
     ("tok_ids", pa.list_(pa.uint32())),
     ("tok_logprobs", pa.list_(pa.float32())),  # null: exactly +0.0 (a token the sampler was sure of)
-], metadata={b"streamrl.segment_format": b"3"})
-FORMAT = 3
+], metadata={b"streamrl.segment_format": b"4"})
+FORMAT = 4
 TERMINAL = (b"finished", b"failed")
 LEVEL = 15  # zstd level: 15 gives the token columns ~5 % over 9 for ~1 us a token (bench/tiers.py)
 TOKENS = ["tok_ids", "tok_logprobs"]
+FLAT_LISTS = {f.name for f in SCHEMA if pa.types.is_list(f.type) and not pa.types.is_list(f.type.value_type)}
 PLANES = [f"{c}.list.element" for c in TOKENS]  # stored in byte planes (Parquet's BYTE_STREAM_SPLIT)
 DICTIONARY = ["group_id", "worker", "status", "finish_reason", "reward", "num_generated", "version", "index",
-              "seed_base", "ms", "sub", "kinds", "hv", "policies", "workers", "payloads", "tok_counts"]
+              "seed_base", "ms", "sub", "kinds", "hv", "policies", "workers", "payloads", "start", "end", "tok_counts"]
 DELTAS = {"t0": "DELTA_BINARY_PACKED", "episode_id": "DELTA_BYTE_ARRAY"}  # rising times, ids sharing a prefix
 ENCODINGS = {**{c: "BYTE_STREAM_SPLIT" for c in PLANES}, **DELTAS}
 ENTRY_COLUMNS = [f.name for f in SCHEMA if f.name not in dict(ANALYSIS) or f.name == "episode_id"]
@@ -104,9 +109,19 @@ def to_row(episode_id: str, entries: list[tuple], seed_base: int | None = None) 
     return row
 
 
+def _list_column(rows: list[dict], name: str, kind: pa.DataType) -> pa.Array:
+    """A list column built from one flat array of every row's elements and their offsets (no per-row arrays)."""
+    lists = [r[name] for r in rows]
+    offsets = np.zeros(len(lists) + 1, np.int32)
+    np.cumsum([len(x) for x in lists], out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(list(chain.from_iterable(lists)), kind.value_type))
+
+
 def table_of(rows: list[dict]) -> pa.Table:
-    """Format 3 rows -> the segment's table (token columns built from the bytes, every bit kept)."""
-    columns = {f.name: pa.array([r[f.name] for r in rows], f.type) for f in SCHEMA if f.name not in TOKENS}
+    """Format 4 rows -> the segment's table, column by column (token columns built from the bytes, every bit
+    kept)."""
+    columns = {f.name: _list_column(rows, f.name, f.type) if f.name in FLAT_LISTS else
+               pa.array([r[f.name] for r in rows], f.type) for f in SCHEMA if f.name not in TOKENS}
     counts = np.array([0] + [len(r["tok_ids"]) // 4 for r in rows])
     offsets = pa.array(np.cumsum(counts).astype(np.int32))
     ids = np.frombuffer(b"".join(r["tok_ids"] for r in rows), "<u4")
@@ -152,9 +167,18 @@ def file_format(path: Path) -> int:
 def raw_columns(path: Path) -> list[str]:
     """The columns to read an episode's entries from this file (format 1 files have no token columns)."""
     names = pq.read_schema(path).names
-    if "kinds" in names:
-        return ENTRY_COLUMNS
+    if "kinds" in names:  # format 3 (no start / end) or 4
+        return [c for c in ENTRY_COLUMNS if c in names]
     return RAW + [c for c in TOKEN_COLUMNS if c in names]
+
+
+def encodings(table: pa.Table) -> dict[str, str]:
+    """The columns' Parquet encodings for this segment: ``ENCODINGS``, but log-probs in plain bytes when zstd packs
+    them smaller so (segment_columns.planes_pay_off: whole values that repeat); readers need not know which."""
+    values = table.column("tok_logprobs").combine_chunks().values.drop_null()
+    if segment_columns.planes_pay_off(values.to_numpy(zero_copy_only=False).tobytes()):
+        return ENCODINGS
+    return {k: v for k, v in ENCODINGS.items() if k != PLANES[1]}
 
 
 def folder_of(run_path: Path | str) -> Path:
@@ -168,7 +192,7 @@ def write_file(folder: Path, name: str, rows: list[dict]) -> int:
     table = table_of(rows)
     with open(tmp, "wb") as fh:
         with pq.ParquetWriter(fh, table.schema, compression="zstd", compression_level=LEVEL,
-                              use_dictionary=DICTIONARY, column_encoding=ENCODINGS,
+                              use_dictionary=DICTIONARY, column_encoding=encodings(table),
                               write_statistics=["episode_id"],
                               store_schema=False) as writer:  # no Arrow schema copy: the Parquet types say it all
             writer.write_table(table)

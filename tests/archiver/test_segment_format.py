@@ -1,5 +1,6 @@
-"""Format 3 segments store entries as columns (what a group shares once), losslessly; segments of formats 1 (raw
-entries only) and 2 (token columns) still read."""
+"""Format 4 segments store entries as columns (what a group shares once), losslessly; segments of formats 1 (raw
+entries only), 2 (token columns) and 3 (format 4 with the started and end payloads inside ``payloads``) still
+read."""
 
 from __future__ import annotations
 
@@ -67,14 +68,50 @@ def test_format_1_and_2_segments_still_read(client, keys, tmp_path):
     assert dict(store.iter_all()) == hot
 
 
-def test_format_3_stores_a_groups_prompt_once_and_gives_every_entry_back(client, keys, tmp_path):
+FORMAT_3 = pa.schema([f for f in segments.SCHEMA if f.name not in ("start", "end")],
+                     metadata={b"streamrl.segment_format": b"3"})
+
+
+def _as_format_3(row: dict) -> dict:
+    """A format 4 row as format 3 wrote it: the templated started payload and the end's inside ``payloads``, token
+    columns as lists (a log-prob of +0.0 a null)."""
+    row = dict(row)
+    payloads = row["payloads"] = list(row["payloads"])
+    start, end = row.pop("start"), row.pop("end")
+    if start is not None:
+        payloads[row["kinds"].index(b"started")] = start
+    if end is not None:
+        payloads[-1] = end
+    row["tok_ids"] = np.frombuffer(row["tok_ids"], "<u4").tolist()
+    row["tok_logprobs"] = [x or None for x in np.frombuffer(row["tok_logprobs"], "<f4").tolist()]
+    return row
+
+
+def test_format_3_segments_still_read(client, keys, tmp_path):
+    groups = make_run(client, keys, tmp_path, versions=2)
+    hot = all_streams(client, keys, [e for es in groups.values() for e in es])
+    folder = tmp_path / "episodes"
+    folder.mkdir()
+    rows = [_as_format_3(segments.to_row(eid, entries)) for eid, entries in hot.items()]
+    assert any(r["payloads"][0] for r in rows)  # the case format 4 changed: payloads inside the list
+    pq.write_table(pa.Table.from_pylist(rows, schema=FORMAT_3), folder / "seg-00000001.parquet")
+    assert segments.file_format(folder / "seg-00000001.parquet") == 3
+    segments.append_manifest(folder, {"segment": "seg-00000001.parquet", "episodes": len(rows)})
+    store = segments.SegmentStore(folder)
+    assert store.read_many(list(hot)) == hot
+    assert dict(store.iter_all()) == hot
+
+
+def test_format_4_stores_a_groups_prompt_once_and_gives_every_entry_back(client, keys, tmp_path):
     eids, hot, folder = one_segment(client, keys, tmp_path, versions=2)
     path = folder / "seg-00000001.parquet"
-    assert segments.file_format(path) == segments.FORMAT == 3
+    assert segments.file_format(path) == segments.FORMAT == 4
     table = pq.read_table(path)
     assert sum(n for counts in table.column("tok_counts").to_pylist() for n in counts) == 40 * len(eids)
-    started = {p for ps in table.column("payloads").to_pylist() for p in ps if p and b"prompt_ids" in p}
-    assert len(started) == 2  # one started payload per group: its episodes' own fields are columns
+    assert all(p is None for ps in table.column("payloads").to_pylist() for p in ps)  # each in its own column
+    started = set(table.column("start").to_pylist())
+    assert len(started) == 2 and all(b"prompt_ids" in p for p in started)  # one per group: own fields are columns
+    assert all(b"reward" in p for p in table.column("end").to_pylist())
     assert table.column("index").to_pylist() == [0, 1, 0, 1]
     assert table.column("tok_ids").to_pylist()[0][:3] == [0, 7, 14]  # token ids load as lists (pandas, DuckDB)
     assert segments.SegmentStore(folder).read_many(eids) == hot
@@ -91,7 +128,7 @@ def _started(eid: str, index: int, seed) -> bytes:
                           "sampling": {"max_tokens": 8, "seed": seed}}, use_bin_type=True)
 
 
-def test_format_3_keeps_odd_entries_whole_and_every_bit():
+def test_format_4_keeps_odd_entries_whole_and_every_bit():
     odd_bits = np.array([0x7FC00001, 0x80000000, 0x00000001, 0xFF800000, 0], "<u4").view("<f4")  # NaN, -0.0, +0.0
     tokens = _tokens([1, 70000, 3, 4, 9], odd_bits)
     entries = [(b"5-0", _entry(b"started", 0, _started("g-1", 1, episode_seed(7, "g", 1)))),
@@ -111,10 +148,43 @@ def test_format_3_keeps_odd_entries_whole_and_every_bit():
     assert row["index"] is None and row["payloads"][0] == entries[0][1][-1]
 
 
-def test_format_3_token_columns_keep_every_bit_through_a_file(client, keys, tmp_path):
+def test_format_4_token_columns_keep_every_bit_through_a_file(client, keys, tmp_path):
     odd_bits = np.array([0x7FC00001, 0x80000000, 0x00000001, 0xFF800000, 0], "<u4").view("<f4")
     entry = (b"5-1", _tokens([1, 70000, 3, 4, 9], odd_bits))
     row = segments.to_row("g-1", [(entry[0], dict(zip(entry[1][::2], entry[1][1::2])))])
+    segments.write_file(tmp_path, "seg-00000001.parquet", [row])
+    segments.append_manifest(tmp_path, {"segment": "seg-00000001.parquet", "episodes": 1})
+    assert segments.SegmentStore(tmp_path).read("g-1") == [(entry[0], dict(zip(entry[1][::2], entry[1][1::2])))]
+
+
+def test_token_payload_reads_exactly_what_packb_writes():
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 63, 64, 16383, 16384):  # bin 8 / 16 / 32 headers on both sides of each boundary
+        ids, lps = rng.integers(0, 1 << 32, n, dtype="<u4").tobytes(), rng.random(n).astype("<f4").tobytes()
+        data = msgpack.packb({"ids": ids, "logprobs": lps}, use_bin_type=True)
+        assert segment_columns.token_payload(data) == (ids, lps)
+        for odd in (data + b"\x00", data[:-1], msgpack.packb({"logprobs": lps, "ids": ids}, use_bin_type=True),
+                    msgpack.packb({"ids": ids, "logprobs": lps, "x": 1}, use_bin_type=True),
+                    msgpack.packb({"ids": ids, "logprobs": lps + bytes(4)}, use_bin_type=True)):
+            assert segment_columns.token_payload(odd) is None
+    long_head = b"\x82\xa3ids\xc5\x00\x04" + bytes(4) + b"\xa8logprobs\xc4\x04" + bytes(4)  # a bin 16 for 4 bytes
+    assert msgpack.unpackb(long_head) == {"ids": bytes(4), "logprobs": bytes(4)}
+    assert segment_columns.token_payload(long_head) is None  # packb would write it shorter: not byte-identical
+    assert segment_columns.token_payload(b"\x82\xa3ids\xc4") is None
+
+
+def test_log_probs_go_plain_where_whole_values_repeat_and_keep_every_bit(tmp_path):
+    rng = np.random.default_rng(1)
+    assert segment_columns.planes_pay_off(rng.exponential(0.5, 4000).astype("<f4").tobytes())
+    repeated = np.tile(rng.exponential(0.5, 50).astype("<f4"), 80)  # a group's episodes drew the same tokens
+    assert not segment_columns.planes_pay_off(repeated.tobytes())
+    odd = np.array([0x7FC00001, 0x80000000, 0x00000001, 0xFF800000, 0], "<u4").view("<f4")
+    lps = np.concatenate([repeated, odd])
+    tokens = _tokens(np.arange(len(lps)) % 7, lps)
+    entry = (b"5-1", tokens[:9] + [b"0"] + tokens[10:])  # seq 0: its position, so its tokens go to the columns
+    row = segments.to_row("g-1", [entry])
+    assert row["tok_counts"] == [len(lps)]
+    assert segments.encodings(segments.table_of([row])) != segments.ENCODINGS  # plain for this one
     segments.write_file(tmp_path, "seg-00000001.parquet", [row])
     segments.append_manifest(tmp_path, {"segment": "seg-00000001.parquet", "episodes": 1})
     assert segments.SegmentStore(tmp_path).read("g-1") == [(entry[0], dict(zip(entry[1][::2], entry[1][1::2])))]

@@ -31,6 +31,19 @@ def read_ledger(directory: Path) -> list[dict]:
     return jsonl.read(directory / FILE, "ledger")
 
 
+class LedgerTail:
+    """The ledger of a running trainer, read as it grows: each ``read`` parses only the lines appended since the
+    last (a long run's ledger has a line per step) and returns every line so far."""
+
+    def __init__(self, directory: Path):
+        self.path, self.records, self.offset = Path(directory) / FILE, [], 0
+
+    def read(self) -> list[dict]:
+        new, self.offset = jsonl.read_from(self.path, self.offset, "ledger")
+        self.records += new
+        return self.records
+
+
 def repair_ledger(directory: Path) -> int:
     """Cut a torn last line off (a crash mid-append); return the bytes removed (0: nothing torn)."""
     return jsonl.repair(directory / FILE)

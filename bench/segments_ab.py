@@ -1,0 +1,123 @@
+"""The move and its segments, an older revision against this tree, side by side in one invocation (issue 33): each
+round runs the same measurements in the base revision's tree (``git archive`` into a scratch folder, this tree's
+Python environment) and in this one, alternately, so that the box's load moves both alike.
+
+    python bench/segments_ab.py [--base main] [--rounds 3] [--real RUN_DIR/RUN/episodes]
+
+Measured per tree and round: ``bench/archiver_cpu.py`` (CPU us per episode moved by one ``Mover.step``, Redis and
+Parquet included; bytes per policy token of default-shape synthetic episodes), ``bench/tiers.py`` (bytes per policy
+token of synthetic 8-token and 256-token episodes) and, with ``--real``, a finished run's episodes (read once from
+its segments by this tree, any format) packed and written again by each tree's writer, one segment per segment of
+the run: bytes per policy token of the real default run's episodes and the CPU us per episode to pack and write.
+Prints medians per tree and the ratios; records ``bench/results/segments_ab.json``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import msgpack
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.record import ROOT, record  # noqa: E402
+from shared.protocol import segments  # noqa: E402
+
+REPACK = """
+import sys, time, tempfile, msgpack
+from pathlib import Path
+from shared.protocol import segments
+dump, out = msgpack.unpackb(Path(sys.argv[1]).read_bytes(), raw=False), Path(tempfile.mkdtemp())
+size = tokens = episodes = 0
+cpu = time.process_time()
+for k, (episodes_of, n_tokens) in enumerate(dump):
+    rows = [segments.to_row(eid, [tuple(e) for e in entries], 0) for eid, entries in episodes_of]
+    size += segments.write_file(out, f"seg-{k + 1:08d}.parquet", rows)
+    tokens, episodes = tokens + n_tokens, episodes + len(rows)
+cpu = time.process_time() - cpu
+print(f"real: {size / tokens:.4f} B/token {1e6 * cpu / episodes:.1f} us/episode")
+"""
+
+
+def dump_real(folder: Path, path: Path) -> tuple[int, int]:
+    """Every listed segment's episodes as flat entries (msgpack: [[(id, entries), ...], tokens] per segment)."""
+    out, episodes, tokens = [], 0, 0
+    for record_ in segments.read_manifest(folder):
+        name = record_["segment"]
+        rows = segments.entries_of(pq.read_table(folder / name, columns=segments.raw_columns(folder / name)))
+        out.append([[(eid, segments.flat(entries)) for eid, entries in rows], record_["tokens"]])
+        episodes, tokens = episodes + len(rows), tokens + record_["tokens"]
+    path.write_bytes(msgpack.packb(out, use_bin_type=True))
+    return episodes, tokens
+
+
+def run(tree: Path, args: list[str]) -> str:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}, "PYTHONPATH": str(tree)}
+    done = subprocess.run([sys.executable, *args], cwd=tree, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{tree}: {' '.join(args)} exited {done.returncode}: {done.stderr[-2000:]}")
+    return done.stdout
+
+
+def measure(tree: Path, real: Path | None) -> dict[str, float]:
+    out = run(tree, ["bench/archiver_cpu.py"])
+    m = {"archiver_us": float(re.search(r"([\d.]+) us CPU per episode", out)[1]),
+         "default_shape_bpt": float(re.search(r"segments ([\d.]+) B per policy token", out)[1])}
+    out = run(tree, ["bench/tiers.py", "--episodes", "2000"])
+    m["synthetic_8_bpt"], m["synthetic_256_bpt"] = (float(x) for x in re.findall(r"segment ([\d.]+) B/token", out))
+    if real is not None:
+        hit = re.search(r"real: ([\d.]+) B/token ([\d.]+) us/episode", run(tree, ["-c", REPACK, str(real)]))
+        m["real_bpt"], m["real_pack_us"] = float(hit[1]), float(hit[2])
+    return m
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="main", help="the revision to compare this tree with")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--real", type=Path, help="a finished run's episodes folder (its segments, any format)")
+    args = ap.parse_args()
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "base"
+        base.mkdir()
+        archive = subprocess.run(["git", "archive", args.base], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+        real = None
+        if args.real is not None:
+            real = Path(tmp) / "real.msgpack"
+            episodes, tokens = dump_real(args.real, real)
+            print(f"real episodes: {episodes} ({tokens} policy tokens) from {args.real}")
+        results: dict[str, list[dict]] = {"base": [], "head": []}
+        for k in range(args.rounds):
+            for label, tree in (("base", base), ("head", ROOT)):
+                results[label].append(measure(tree, real))
+                print(f"round {k + 1} {label}: {results[label][-1]}", flush=True)
+    load = os.getloadavg()
+    med = {label: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for label, rs in results.items()}
+    print(f"\nmedians over {args.rounds} rounds, {args.base} -> this tree (head/base):")
+    for key in med["head"]:
+        print(f"  {key}: {med['base'][key]:.2f} -> {med['head'][key]:.2f} ({med['head'][key] / med['base'][key]:.3f})")
+    print(f"load average {load_before[0]:.2f} before, {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
+    rows = [{"what": f"archiver CPU per episode moved, {args.base} -> this tree (bench/archiver_cpu.py)",
+             "value": f"{med['base']['archiver_us']:.0f} -> {med['head']['archiver_us']:.0f} us"},
+            {"what": "segment B per policy token, synthetic 256-token episodes",
+             "value": f"{med['base']['synthetic_256_bpt']:.2f} -> {med['head']['synthetic_256_bpt']:.2f}"}]
+    if "real_bpt" in med["head"]:
+        rows.append({"what": "segment B per policy token, the real default run's episodes (re-written)",
+                     "value": f"{med['base']['real_bpt']:.2f} -> {med['head']['real_bpt']:.2f}"})
+    record("segments_ab", rows, ["services/archiver", "shared/protocol/segments.py",
+                                 "shared/protocol/segment_entries.py", "shared/protocol/segment_columns.py"],
+           extra={"base": args.base, "rounds": results, "medians": med, "load_average_before": load_before,
+                  "load_average": load})
+
+
+if __name__ == "__main__":
+    main()

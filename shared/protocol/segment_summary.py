@@ -7,6 +7,8 @@ entries are the record all the same). For a plain episode both ways give the sam
 
 from __future__ import annotations
 
+import functools
+
 import msgpack
 
 from shared.protocol.events import EventError
@@ -15,6 +17,22 @@ from shared.protocol.fold import fold
 BLANK = {"group_id": "", "worker": "", "status": "", "finish_reason": None, "reward": None, "num_generated": 0,
          "version": -1}
 PLAIN = {b"started", b"tokens", b"aborted", b"resumed", b"tool_call", b"tool_result", b"finished", b"failed"}
+
+
+@functools.lru_cache(maxsize=4096)
+def _reason_reward(payload: bytes) -> tuple[str, float] | None:
+    """(reason, reward) of a finished payload, or None. Memoized: a segment's end payloads are a few hundred
+    distinct values (the reason, the reward, the checker's details) for thousands of episodes."""
+    try:
+        data = msgpack.unpackb(payload, raw=False)
+    except Exception:  # noqa: BLE001 - an odd payload: the fold decides
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("reason"), str):
+        return None
+    try:
+        return data["reason"], float(data["reward"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _plain(cols: dict) -> dict | None:
@@ -31,13 +49,10 @@ def _plain(cols: dict) -> dict | None:
         return None  # not ended: its status depends on more than its last entry (the fold says)
     if end == b"finished":
         payload = cols["payloads"][-1]
-        data = msgpack.unpackb(cols.get("end") if payload is None else payload, raw=False)
-        if not isinstance(data, dict) or not isinstance(data.get("reason"), str):
+        ending = _reason_reward(cols.get("end") if payload is None else payload)
+        if ending is None:
             return None
-        try:
-            out["finish_reason"], out["reward"] = data["reason"], float(data["reward"])
-        except (KeyError, TypeError, ValueError):
-            return None
+        out["finish_reason"], out["reward"] = ending
     counts = iter(cols["tok_counts"])
     versions = [p for k, p in zip(kinds, cols["policies"]) if k == b"tokens" and next(counts) > 0]
     out["version"] = max(versions, default=-1)

@@ -262,16 +262,19 @@ def test_metrics_records_read_back_equal_and_one_written_again_reads_once_in_its
 @given(records=st.lists(json_maps, min_size=1, max_size=4), torn=st.integers(1, 20))
 def test_ledger_records_read_back_equal_and_a_torn_last_line_is_ignored_then_cut(tmp_path, records, torn):
     directory = tmp_path / uuid4().hex
-    for rec in records:
+    tail = ledger.LedgerTail(directory)  # a reader that keeps up with the file (the archiver's)
+    assert tail.read() == []
+    for n, rec in enumerate(records, 1):
         ledger.append_ledger(directory, rec)
+        assert tail.read() == records[:n]
     assert ledger.read_ledger(directory) == records
     partial = json.dumps(records[0]).encode()[:torn]  # a crash mid-append: no newline
     with open(directory / ledger.FILE, "ab") as fh:
         fh.write(partial)
-    assert ledger.read_ledger(directory) == records
+    assert ledger.read_ledger(directory) == records == tail.read()
     assert ledger.repair_ledger(directory) == len(partial)
     ledger.append_ledger(directory, {"commit": 1})
-    assert ledger.read_ledger(directory) == records + [{"commit": 1}]
+    assert ledger.read_ledger(directory) == records + [{"commit": 1}] == tail.read()
 
 
 call_requests = st.builds(

@@ -188,3 +188,18 @@ def test_log_probs_go_plain_where_whole_values_repeat_and_keep_every_bit(tmp_pat
     segments.write_file(tmp_path, "seg-00000001.parquet", [row])
     segments.append_manifest(tmp_path, {"segment": "seg-00000001.parquet", "episodes": 1})
     assert segments.SegmentStore(tmp_path).read("g-1") == [(entry[0], dict(zip(entry[1][::2], entry[1][1::2])))]
+
+
+def test_format_4_segments_load_as_a_dataset(client, keys, tmp_path):
+    import datasets
+    import pandas as pd
+
+    eids, hot, folder = one_segment(client, keys, tmp_path, versions=3)
+    assert segments.encodings(pq.read_table(folder / "seg-00000001.parquet")) != segments.ENCODINGS  # plain log-probs
+    df = pd.read_parquet(folder)  # the manifest skipped by its "_"
+    assert sorted(df.episode_id) == sorted(eids) and set(df.status) == {"finished"}
+    assert df.tok_logprobs.iloc[0][:2].tolist() == np.float32([-0.25, -0.26]).tolist()
+    assert df.groupby("version").reward.mean().to_dict() == {1: 1.0, 2: 0.0, 3: 1.0}
+    ds = datasets.load_dataset("parquet", data_files=str(folder / "seg-*.parquet"), split="train",
+                               cache_dir=str(tmp_path / "hf"))
+    assert ds.num_rows == len(eids) and ds[0]["tok_ids"][:3] == [0, 7, 14]

@@ -31,28 +31,6 @@ def read(path: Path, what: str) -> list[dict]:
     return out
 
 
-def read_from(path: Path, offset: int, what: str) -> tuple[list[dict], int]:
-    """The complete lines after byte ``offset`` and the offset after the last of them (a reader that keeps up with
-    a growing file reads each line once). A file shorter than ``offset`` (cut by ``repair``: only a torn line, never
-    a complete one, so only when a reader's offset is past the file's end) reads from where it now ends."""
-    if not path.exists():
-        return [], 0
-    with open(path, "rb") as fh:
-        size = fh.seek(0, os.SEEK_END)
-        offset = min(offset, size)
-        fh.seek(offset)
-        data = fh.read(size - offset)
-    end = data.rfind(b"\n") + 1
-    out = []
-    for line in data[:end].split(b"\n")[:-1]:
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except ValueError as exc:
-                raise ValueError(f"{what} {path}: a line after byte {offset} is not JSON ({exc})") from None
-    return out, offset + end
-
-
 def repair(path: Path) -> int:
     """Cut a torn last line off (a crash mid-append); the bytes removed (0: nothing torn, or no file)."""
     if not path.exists():
@@ -74,3 +52,25 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_from(path: Path, offset: int, what: str) -> tuple[list[dict], int]:
+    """The complete lines after byte ``offset`` and the offset after the last of them (a reader that keeps up with
+    a growing file reads each line once). A file shorter than ``offset`` (cut by ``repair``: only a torn line, never
+    a complete one, so only when a reader's offset is past the file's end) reads from where it now ends."""
+    if not path.exists():
+        return [], 0
+    with open(path, "rb") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        offset = min(offset, size)
+        fh.seek(offset)
+        data = fh.read(size - offset)
+    end = data.rfind(b"\n") + 1
+    out = []
+    for line in data[:end].split(b"\n")[:-1]:
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError as exc:
+                raise ValueError(f"{what} {path}: a line after byte {offset} is not JSON ({exc})") from None
+    return out, offset + end

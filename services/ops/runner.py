@@ -17,6 +17,7 @@ from pathlib import Path
 
 from honcho.environ import parse_procfile
 from honcho.manager import Manager
+from honcho.printer import Printer
 
 from shared.runtime.config import Config, ConfigError
 from shared.runtime import runstate
@@ -95,6 +96,20 @@ def check_continuation(cfg: Config) -> None:
                          f"({cfg.run_path / runstate.MARKER}), or start another with --run NAME")
     if lines:
         raise ConfigError("\n".join(lines))
+
+
+class LinePrinter(Printer):
+    """honcho's printer, except that a reader gone away (``streamrl run | head``, a killed benchmark reading the
+    pipe) silences the output, not the run. honcho's loop let the BrokenPipeError out: the run stopped printing and
+    supervising, every process went on, and SIGINT/SIGTERM no longer reached them (its handler prints first)."""
+
+    def write(self, message):
+        try:
+            super().write(message)
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.output.fileno())  # what Python's docs advise on SIGPIPE: later writes go nowhere
+            os.close(devnull)
 
 
 def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str, dict]]:
@@ -196,7 +211,7 @@ def _run(cfg: Config, entries: dict, warm_path: str | None, extra_env: dict | No
     env.pop(starter.ENV, None)
     if warm_path and cfg.engine == "torch":  # vLLM starts its own engine processes: its workers start cold, as tested
         env[starter.ENV] = warm_path
-    manager = Manager()
+    manager = Manager(printer=LinePrinter(sys.stdout))
     # the driver's progress lines are the view; the services' per-step info lines would bury them
     quiet = {**env, "STREAMRL_LOG_LEVEL": "warning"} if cfg.log_level == "info" else env
     for name, cmd, own in processes(cfg, entries):

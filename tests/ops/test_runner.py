@@ -30,3 +30,24 @@ def test_processes_start_as_many_rollout_workers_as_configured():
     assert [n for n, _, _ in processes(Config(), entries)] == ["rollout", "trainer"]
     assert [n for n, _, _ in processes(Config(agent="m:f", agent_workers=2), entries)] == [
         "rollout", "trainer", "agents.1", "agents.2"]
+
+
+def test_a_reader_gone_away_silences_the_run_and_the_processes_still_end_with_it():
+    """`streamrl run | head`: honcho's own printer raised BrokenPipeError out of its loop, which then neither
+    supervised nor stopped the processes (they ran on; SIGINT/SIGTERM no longer reached them)."""
+    import os
+
+    from honcho.manager import Manager
+
+    from services.ops.runner import LinePrinter
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line
+    out = os.fdopen(write_end, "w")
+    manager = Manager(printer=LinePrinter(out))
+    manager.add_process("talker", "echo one; echo two; exit 3")
+    manager.add_process("sleeper", "sleep 30")
+    manager.loop()  # returns once every process stopped: the talker's exit ends the sleeper, as in a run
+    out.close()
+    assert manager.returncode == 3
+    assert all(p.get("returncode") is not None for p in manager._processes.values())

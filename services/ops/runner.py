@@ -20,6 +20,7 @@ from honcho.manager import Manager
 from honcho.printer import Printer
 
 from shared.runtime.config import Config, ConfigError
+
 from shared.runtime import runstate
 from shared.runtime.connection import redact
 from services.driver.driver import ENDED
@@ -112,6 +113,16 @@ class LinePrinter(Printer):
             os.close(devnull)
 
 
+def own_server(cfg: Config) -> bool:
+    """Whether the run uses a Redis of the user's (``REDIS_URL``, or a ``redis_url`` at another address than the
+    default's, from a flag, a config file or ``STREAMRL_REDIS_URL``) rather than its embedded one on a free port.
+    The default address with a password only sets the embedded server's password."""
+    from urllib.parse import urlsplit
+
+    address = lambda url: (lambda u: (u.scheme, u.hostname, u.port, u.path))(urlsplit(url))  # noqa: E731
+    return "REDIS_URL" in os.environ or address(cfg.redis_url) != address(Config().redis_url)
+
+
 def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str, dict]]:
     """(process name, command, its own config keys) for each process to start from the Procfile's ``entries``:
     the redis line is the runner's own server, the agent lines only with an agent, the archiver only with a
@@ -193,7 +204,7 @@ def _run(cfg: Config, entries: dict, warm_path: str | None, extra_env: dict | No
         env.setdefault("OMP_NUM_THREADS", "1")  # (measured: a tiny model's decode step 4 ms vs 42 ms on 2 cores)
     for f in fields(Config):
         env[f"STREAMRL_{f.name.upper()}"] = str(getattr(cfg, f.name))
-    if "REDIS_URL" not in os.environ:
+    if not own_server(cfg):
         archive_ended_run(cfg)
         server = start_for_run(cfg)
         env["REDIS_URL"] = env["STREAMRL_REDIS_URL"] = secrets.without_password(server.url)

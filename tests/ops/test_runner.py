@@ -51,3 +51,15 @@ def test_a_reader_gone_away_silences_the_run_and_the_processes_still_end_with_it
     out.close()
     assert manager.returncode == 3
     assert all(p.get("returncode") is not None for p in manager._processes.values())
+
+
+def test_a_redis_url_at_another_address_is_the_users_own_server(monkeypatch):
+    from services.ops.runner import own_server
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    assert not own_server(Config())  # the default: the embedded server, on a free port
+    assert not own_server(Config(redis_url="redis://:s3cret@127.0.0.1:6390/0"))  # the embedded server's password
+    assert own_server(Config(redis_url="redis://127.0.0.1:6417/0"))  # `--redis-url`: that server, used as it is
+    assert own_server(Config(redis_url="redis+cluster://10.0.0.5:7000"))
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:6390/0")
+    assert own_server(Config())

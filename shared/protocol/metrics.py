@@ -103,7 +103,7 @@ def read(client, keys: Keys, kind: str | None = None, newest_first: bool = False
     return [(entry_id, data) for entry_id, _, data in out]
 
 
-def last(client, keys: Keys, kind: str, scan: int = 200, run_path=None, tail_bytes: int = 1 << 20) -> dict | None:
+def last(client, keys: Keys, kind: str, scan: int = 200, run_path=None, tail_bytes: int = 1 << 18) -> dict | None:
     """The newest record of ``kind`` among the newest ``scan`` entries, None when there is none; with ``run_path``,
     one older than Redis's window from the end of the run's files (their last ``tail_bytes``: a bounded read)."""
     found = read(client, keys, kind, newest_first=True, count=scan)

@@ -1,8 +1,8 @@
 """The run page's data: the series its charts draw and the tables under them, from the run's streams and folder.
 
 ``series`` is pure (records in, chart series out); ``read_run_view`` is the I/O: the trainer's metrics.jsonl,
-the metrics stream and its head file (rollout, validation records), heartbeats, dead letters and `streamrl keep`'s restart
-counts. ``since`` (a train step) lets a page that already drew the first steps fetch only the new ones.
+the metrics stream and its head file (rollout, validation records), heartbeats, dead letters and `streamrl keep`'s
+restart counts. ``since`` (a train step) lets a page that already drew the first steps fetch only the new ones.
 """
 
 from __future__ import annotations

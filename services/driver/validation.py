@@ -97,8 +97,9 @@ class Validator:
         # ``run_path``: where the driver moves samples:val's and the metrics' older entries (services/driver/heads.py)
         self.head = stream_head.path_of(run_path, stream_head.NAMES["samples:val"]) if run_path is not None else None
         self.cursor = "0-0"
-        self.reported = {r["version"] for r in metrics.history(client, keys, run_path, ("validation",))["validation"]} \
-            if run_path is not None else {r["version"] for _, r in metrics.read(client, keys, "validation")}
+        reported = metrics.history(client, keys, run_path, ("validation",))["validation"] if run_path is not None \
+            else [r for _, r in metrics.read(client, keys, "validation")]
+        self.reported = {r["version"] for r in reported}
         self.requested = {int(v) for v in client.smembers(self._requested_key)}
         self.marked: set[int] = set()  # rounds this driver enqueued whose enqueue markers are still there
 
@@ -137,8 +138,7 @@ class Validator:
     def poll(self) -> list[dict]:
         """Read newly finished validation groups; return the summaries of rounds that just completed."""
         done = []
-        found, _, self.cursor = samples.read_after(self.client, self.keys.val_samples, self.cursor,
-                                                          head=self.head)
+        found, _, self.cursor = samples.read_after(self.client, self.keys.val_samples, self.cursor, head=self.head)
         for sample in found:
             group_id = sample.group_id
             parsed = parse_group_id(group_id)

@@ -9,11 +9,11 @@ validator's cursor; ``metrics`` (the driver) and ``versions`` (the driver, keepi
 ``streamrl status`` reads by time). They are appended to ``<run_dir>/<run>/streams/<name>.jsonl`` (fsynced;
 ``NAMES``) and only then trimmed from Redis (``XTRIM MINID``, ``~`` for the large ones). Readers that need a run's
 whole history (``streamrl check``, the archiver's group -> episodes map after a restart, the plots) read the file,
-then Redis after the file's last id: a crash between the append and the trim leaves entries in both, read once. One line per entry,
-``{"id": ..., "fields": {name: value}}``, values as latin-1 text (bytes given back exactly); a torn last line
-(a crash mid-append) is ignored and cut off before the next append (shared/protocol/jsonl.py). A reader that
-follows a stream from a cursor (``read_after``) indexes the file once (each line's id and offset, then only what is
-appended) and reads each entry's line once, however many batches it takes."""
+then Redis after the file's last id: a crash between the append and the trim leaves entries in both, read once.
+One line per entry, ``{"id": ..., "fields": {name: value}}``, values as latin-1 text (bytes given back exactly); a
+torn last line (a crash mid-append) is ignored and cut off before the next append (shared/protocol/jsonl.py). A
+reader that follows a stream from a cursor (``read_after``) indexes the file once (each line's id and offset, then
+only what is appended) and reads each entry's line once, however many batches it takes."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from services.ops.ui.run_view import read_run_view
 from shared.protocol import metrics, versions
 from tests.support.fault_run import LiveRun
 
-pytestmark = pytest.mark.slow(seconds=90)
+pytestmark = pytest.mark.slow(seconds=20)
 
 VERSIONS = 30
 

@@ -98,7 +98,8 @@ class Mover:
         """Move every episode due now, a segment per ``batch`` episodes; returns the episodes moved."""
         self._cursor = self._follow(self.keys.samples, self._cursor, self._episodes_of,
                                     head=stream_head.path_of(self.run_path, "samples"))
-        self._val_cursor = self._follow(self.keys.val_samples, self._val_cursor, self._val_episodes_of)
+        self._val_cursor = self._follow(self.keys.val_samples, self._val_cursor, self._val_episodes_of,
+                                        head=stream_head.path_of(self.run_path, stream_head.NAMES["samples:val"]))
         ledger = read_ledger(self.run_path / "trainer")
         archived = self.store.episode_ids()
         due = movable(ledger, self._episodes_of, self.retention, archived)

@@ -6,7 +6,9 @@ version once its delta is written or judged not worth it: full and delta bytes, 
 services/trainer/deltas.py), ``rollout`` (each rollout
 worker every few seconds: tokens, episodes, busy/idle seconds; ``final: true`` on its last record, whose
 counters are complete), ``validation`` (driver, one per validation round), ``fault_probe`` (a crash drill's
-worker, tests/support/fault_worker.py, just before it is killed: its counters and unflushed tokens). The trainer also
+worker, tests/support/fault_worker.py, just before it is killed: its counters and unflushed tokens), ``agent``
+(the agents worker, services/gateway/runner.py, one per ended agent episode: calls, training rows, forks, aborted
+calls). The trainer also
 appends its records to ``metrics.jsonl`` in the run folder.
 
 Where the records live (issue 33): Redis keeps the last ``stream_keep_s`` seconds (and ``MAXLEN`` entries at most,
@@ -30,7 +32,7 @@ from shared.protocol import jsonl, stream_head
 from shared.protocol.keys import Keys
 
 MAXLEN = 100_000
-KINDS = ("train", "sync", "rollout", "validation", "fault_probe", "publish")
+KINDS = ("train", "sync", "rollout", "validation", "fault_probe", "publish", "agent")
 
 
 def _s(v) -> str:
@@ -55,7 +57,7 @@ def decode(fields: dict) -> tuple[str, dict]:
 
 def identity(kind: str, data: dict):
     """What makes a record the same record written again; None for a record that has none."""
-    key = {"train": "step", "sync": "sync", "validation": "version", "publish": "version"}.get(kind)
+    key = {"train": "step", "sync": "sync", "validation": "version", "publish": "version", "agent": "episode"}.get(kind)
     if key is not None:
         return (kind, data[key]) if key in data else None
     if kind == "rollout":

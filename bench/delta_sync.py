@@ -56,10 +56,8 @@ def run_records(run_dir: Path, run: str) -> dict[str, list[dict]]:
 
     server = EmbeddedRedis(run_dir / run / "redis").start()
     try:
-        out: dict[str, list[dict]] = {}
-        for kind in ("publish", "sync", "rollout"):
-            out[kind] = [r for _, r in metrics.read(connect(server.url), Keys(run), kind)]
-        return out
+        # the run folder's head file, then Redis (the driver moves records older than stream_keep_s to the file)
+        return metrics.history(connect(server.url), Keys(run), run_dir / run, ("publish", "sync", "rollout"))
     finally:
         server.stop()
 

@@ -46,6 +46,22 @@ def machine() -> str:
     return f"{os.cpu_count()} CPUs ({cpu}), {gpu}; load average {load} at the end"
 
 
+def loaded(*packages: str) -> list[str]:
+    """The project's source files this process imported, under ``packages`` (default ``services`` and ``shared``),
+    as ``measures`` for a benchmark that runs the code in-process: a change elsewhere (a service loop it never
+    runs) does not make its figures stale."""
+    roots = packages or ("services", "shared")
+    files = set()
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name.split(".")[0] in roots and path:
+            try:
+                files.add(Path(path).resolve().relative_to(ROOT).as_posix())
+            except ValueError:  # the same package installed elsewhere: not this checkout's code
+                continue
+    return sorted(files)
+
+
 def record(name: str, rows: list[dict], measures: list[str], *, quick: bool = False, simulated: str = "",
            argv: list[str] | None = None, extra: dict | None = None) -> Path:
     """Write bench/results/<name>.json. ``rows``: [{"what": str, "value": str}], the headline figures;

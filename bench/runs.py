@@ -56,7 +56,8 @@ def rollout_reports(run_dir: Path, run: str) -> dict[str, dict]:
 
     server = EmbeddedRedis(Path(run_dir) / run / "redis").start()
     try:
-        return {r["worker"]: r for _, r in metrics.read(connect(server.url), Keys(run), "rollout")}
+        found = metrics.history(connect(server.url), Keys(run), Path(run_dir) / run, ("rollout",))  # files + Redis
+        return {r["worker"]: r for r in found["rollout"]}
     finally:
         server.stop()
 

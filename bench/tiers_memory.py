@@ -189,7 +189,8 @@ def main() -> None:
     record("tiers_memory", [
         {"what": f"Redis used_memory, late / first retention window, default run of {top} versions, retention "
                  f"{args.retention}{'' if args.archiver_nice is None else f', archiver_nice {args.archiver_nice}'}", "value": f"{ratio:.2f}x ({first / 1e6:.1f} -> {late / 1e6:.1f} MB)"},
-    ], ["services/archiver", "shared/protocol/segments.py", "shared/protocol/segment_entries.py"], extra={
+    ], ["services/archiver", "shared/protocol/segments.py", "shared/protocol/segment_entries.py",
+        "services/driver/heads.py", "shared/protocol/stream_head.py"], extra={
         "load_average_before": load_before, "load_average": load, "segments": cold, "censuses": sampler.censuses,
         "samples": s[:: max(1, len(s) // 400)]})
 

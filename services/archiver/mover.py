@@ -120,7 +120,8 @@ class Mover:
     def _step(self) -> int:
         self._cursor = self._follow(self.keys.samples, self._cursor, self._episodes_of,
                                     head=stream_head.path_of(self.run_path, "samples"))
-        self._val_cursor = self._follow(self.keys.val_samples, self._val_cursor, self._val_episodes_of)
+        self._val_cursor = self._follow(self.keys.val_samples, self._val_cursor, self._val_episodes_of,
+                                        head=stream_head.path_of(self.run_path, stream_head.NAMES["samples:val"]))
         ledger = self._ledger.read()
         archived = self.store.episode_ids()
         due = movable(ledger, self._episodes_of, self.retention, archived)

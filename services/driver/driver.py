@@ -13,11 +13,11 @@ import os
 import signal
 import time
 
-from services.driver import agents, tasks
+from services.driver import agents, heads, tasks
 from shared.runtime.config import Config
 from shared.runtime import runstate
 from shared.runtime.connection import connect, redact
-from shared.protocol import segments, stream_head, versions
+from shared.protocol import segments, versions
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from shared.protocol.prompts import PromptGroup, enqueue, forget, group_id
 from services.driver.status import alive_services, format_line, snapshot
@@ -68,9 +68,10 @@ class Driver:
         self.tensorboard = TensorBoard(cfg, "driver")
         self.validator = Validator(self.client, self.keys, held_out, cfg.val_every, cfg.val_size,
                                    on_result=lambda r: self.tensorboard.scalars("validation", r, r["version"]),
-                                   k=cfg.val_k, archive=segments.SegmentStore(segments.folder_of(cfg.run_path)))
+                                   k=cfg.val_k, archive=segments.SegmentStore(segments.folder_of(cfg.run_path)),
+                                   run_path=cfg.run_path)
         self.enqueued = int(self.client.get(self.keys.driver_enqueued) or 0)
-        self.prompts_head = stream_head.for_run(self.client, self.keys.prompts, ROLLOUT_GROUP, cfg)  # rolled out
+        self.heads = heads.trimmers(self.client, self.keys, cfg, self.validator)  # what no reader needs: to files
         self.total = cfg.epochs * len(self.rows)  # prompt groups of the whole run; 0: no end by epochs
 
     def epochs_done(self) -> bool:
@@ -161,7 +162,8 @@ class Driver:
             wake[stream] = last[0][0].decode() if last else "0-0"
         while True:
             self.top_up(depth)
-            self.prompts_head.maybe_trim()
+            for head in self.heads:
+                head.maybe_trim()
             now = time.monotonic()
             if now >= next_print:
                 print(self.progress_line(t0), flush=True)

@@ -1,4 +1,4 @@
-"""PNG plots of a run, from the trainer's metrics file and the metrics stream."""
+"""PNG plots of a run, from the trainer's metrics file, the metrics stream's head file and the stream."""
 
 from __future__ import annotations
 
@@ -14,17 +14,14 @@ from shared.protocol.keys import Keys
 
 
 def read_metrics(cfg: Config) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
-    """(train steps, rollout reports, validation rounds, published versions)."""
-    train = metrics.read_file(cfg.run_path / "metrics.jsonl")
-    rollout, validation, published = [], [], []
+    """(train steps, rollout reports, validation rounds, published versions): the run's files, then Redis's recent
+    records (shared/protocol/metrics.py ``history``)."""
+    kinds = ("train", "rollout", "validation", "publish")
     try:
-        client = connect(cfg.redis_url, wait=2)
-        rollout = [r for _, r in metrics.read(client, Keys(cfg.run), "rollout")]
-        validation = [r for _, r in metrics.read(client, Keys(cfg.run), "validation")]
-        published = [r for _, r in metrics.read(client, Keys(cfg.run), "publish")]
-    except redis.exceptions.RedisError:  # plots from the file alone when the server is gone
-        pass
-    return train, rollout, validation, published
+        found = metrics.history(connect(cfg.redis_url, wait=2), Keys(cfg.run), cfg.run_path, kinds)
+    except redis.exceptions.RedisError:  # plots from the files alone when the server is gone
+        found = metrics.history(None, Keys(cfg.run), cfg.run_path, kinds)
+    return found["train"], found["rollout"], found["validation"], found["publish"]
 
 
 def plot_weights_wire(published: list[dict], path: Path) -> Path | None:

@@ -1,4 +1,5 @@
-"""The live view of a run (the driver's progress line and `streamrl status`), read from Redis alone.
+"""The live view of a run (the driver's progress line and `streamrl status`), read from Redis (a newest record
+older than the metrics stream's window in Redis: from the end of the run folder's files, a bounded read).
 
 ``snapshot`` gathers the numbers; ``format_line`` is pure. Rates come from stream entry ids (their millisecond
 timestamps), so any process, started at any time, shows the same view.
@@ -60,8 +61,11 @@ def snapshot(client, keys: Keys, run_path=None) -> dict:
     """The numbers of the view; ``run_path`` (the run's folder): where its segments are, if on this machine."""
     published = [r for _, r in metrics.read(client, keys, "publish", newest_first=True, count=2000)]
     rollout = [r for _, r in metrics.read(client, keys, "rollout", newest_first=True, count=500)]
-    return {"version": versions.latest_number(client, keys), "train": _last(client, keys, "train") or {},
-            "validation": _last(client, keys, "validation"), "sync": _last(client, keys, "sync"),
+    # the newest train / validation / sync record: from Redis's recent window, else from the run's files' ends
+    return {"version": versions.latest_number(client, keys),
+            "train": _last(client, keys, "train", run_path=run_path) or {},
+            "validation": _last(client, keys, "validation", run_path=run_path),
+            "sync": _last(client, keys, "sync", run_path=run_path),
             "samples_per_s": samples_per_s(client, keys), "alive": alive_services(client, keys),
             "dead_letters": client.xlen(keys.dead_letters), "weights": weights_wire(published[::-1], rollout[::-1]),
             "tiers": tiers.sizes(client, run_path)}

@@ -14,7 +14,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from shared.protocol import metrics, samples, val_groups
+from shared.protocol import metrics, samples, stream_head, val_groups
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.events import EventError
 from shared.protocol.fold import fold
@@ -87,15 +87,19 @@ class Validator:
     """The driver's side: enqueue rounds, gather their samples, report each round once."""
 
     def __init__(self, client, keys: Keys, rows: list[dict], every: int, size: int, log=None, on_result=None,
-                 k: int = 1, archive=None):
+                 k: int = 1, archive=None, run_path=None):
         self.client, self.keys, self.rows, self.every, self.size, self.k = client, keys, rows, every, size, k
         self.log, self.on_result = log, on_result
         # ``archive``: the run's segments, where the archiver may have moved a round's episodes (a driver that
         # restarts after a long stop reads them there)
         self.episodes = EpisodeLog(client, keys, "validator", archive=archive)
         self.rounds: dict[int, Round] = {}
+        # ``run_path``: where the driver moves samples:val's and the metrics' older entries (services/driver/heads.py)
+        self.head = stream_head.path_of(run_path, stream_head.NAMES["samples:val"]) if run_path is not None else None
         self.cursor = "0-0"
-        self.reported = {r["version"] for _, r in metrics.read(client, keys, "validation")}
+        reported = metrics.history(client, keys, run_path, ("validation",))["validation"] if run_path is not None \
+            else [r for _, r in metrics.read(client, keys, "validation")]
+        self.reported = {r["version"] for r in reported}
         self.requested = {int(v) for v in client.smembers(self._requested_key)}
         self.marked: set[int] = set()  # rounds this driver enqueued whose enqueue markers are still there
 
@@ -134,7 +138,7 @@ class Validator:
     def poll(self) -> list[dict]:
         """Read newly finished validation groups; return the summaries of rounds that just completed."""
         done = []
-        found, _, self.cursor = samples.read_after(self.client, self.keys.val_samples, self.cursor)
+        found, _, self.cursor = samples.read_after(self.client, self.keys.val_samples, self.cursor, head=self.head)
         for sample in found:
             group_id = sample.group_id
             parsed = parse_group_id(group_id)

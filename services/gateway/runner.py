@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 
+from shared.protocol import metrics
 from shared.protocol.episode_log import EpisodeLog, Fenced
 from shared.protocol.fold import fold
 from shared.protocol.keys import Keys
@@ -76,11 +77,11 @@ def _record_metrics(client, keys: Keys, episode_id: str) -> None:
     histories), aborted and resumed calls."""
     ep = fold(client.xrange(keys.episode(episode_id)))
     calls = list(ep.calls.values())
-    client.xadd(keys.metrics, {"kind": "agent", "json": json.dumps({
+    metrics.record(client, keys, "agent", {
         "episode": episode_id, "time": time.time(), "status": ep.status, "reward": ep.reward, "calls": len(calls),
         "rows": len(ep.rows) if calls else 0, "forks": sum(c.extends < 0 and c.index > 0 for c in calls),
         "linear": int(bool(calls) and not ep.branches), "aborted_calls": sum(bool(c.aborts) for c in calls),
-        "generated": ep.num_generated})}, maxlen=100_000, approximate=True)
+        "generated": ep.num_generated})
 
 
 def run_episode(spec: dict) -> dict:

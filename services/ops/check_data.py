@@ -107,6 +107,10 @@ def _agents_busy(client, keys: Keys, rq_client=None) -> set[str]:
     return busy
 
 
+def _head(run_path: Path, stream: str) -> Path:
+    return stream_head.path_of(run_path, stream_head.NAMES[stream])
+
+
 def read_run(client, keys: Keys, run_path: Path, rq_client=None, cfg=None) -> RunData:
     """Everything the checker counts. ``rq_client``: the rq queues' server when it is not ``client``'s; ``cfg``:
     the run's config (its staleness bound; without it, trained tokens are not checked against one)."""
@@ -120,9 +124,9 @@ def read_run(client, keys: Keys, run_path: Path, rq_client=None, cfg=None) -> Ru
     data.trainer = _consumer_group(client, keys.samples, TRAINER_GROUP)
     data.control = _entries(client.xrange(keys.control))
     if hasattr(keys, "val_prompts"):
-        data.val_prompts = _entries(client.xrange(keys.val_prompts))
+        data.val_prompts = _entries(stream_head.read_all(client, keys.val_prompts, _head(run_path, "prompts:val")))
         data.val_rollout = _consumer_group(client, keys.val_prompts, ROLLOUT_GROUP)
-        data.val_samples = _entries(client.xrange(keys.val_samples))
+        data.val_samples = _entries(stream_head.read_all(client, keys.val_samples, _head(run_path, "samples:val")))
     data.agent_groups = _entries(client.xrange(keys.agent_groups))
     if data.agent_groups:
         data.agents_busy = _agents_busy(client, keys, rq_client)
@@ -133,13 +137,14 @@ def read_run(client, keys: Keys, run_path: Path, rq_client=None, cfg=None) -> Ru
             data.episodes[episode_id] = _entries(entries)
     data.ledger = read_ledger(Path(run_path) / "trainer")
     data.dead = [asdict(d) for d in dead_letters.read_all(client, keys)]
-    for _, rec in metrics.read(client, keys, "rollout"):
+    records = metrics.history(client, keys, run_path, ("rollout", "train"))  # the run folder's files, then Redis
+    for rec in records["rollout"]:
         data.reports[rec.get("worker", "")] = rec
-    for _, rec in metrics.read(client, keys, "train"):  # cumulative: the last record has the total
+    for rec in records["train"]:  # cumulative: the last record has the total
         data.stale_tokens_masked = int(rec.get("stale_tokens_masked", 0))
     data.pull_loads = [(p.worker, p.version) for p in pulls.read_all(client, keys) if p.event == "released"
                        and not p.extra.get("error")]
-    for entry_id, fields in client.xrange(keys.versions):
+    for entry_id, fields in stream_head.read_all(client, keys.versions, versions.head_path(run_path)):
         try:
             data.versions.append(versions.decode(entry_id, fields).version)
         except EventError:

@@ -43,7 +43,7 @@ def _replay_version(cfg, args, log, version: int) -> tuple[str | None, str, str]
         return args.weights, "", f"{args.weights} (tagged v{version})"
     from shared.protocol import versions
 
-    path, sha = cont.resolve_version(versions.read_all(log.client, log.keys), version, cfg.model_dir)
+    path, sha = cont.resolve_version(versions.read_all(log.client, log.keys, cfg.run_path), version, cfg.model_dir)
     return path, sha, f"v{version} ({path or cfg.model_dir})"
 
 

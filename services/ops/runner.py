@@ -17,8 +17,10 @@ from pathlib import Path
 
 from honcho.environ import parse_procfile
 from honcho.manager import Manager
+from honcho.printer import Printer
 
 from shared.runtime.config import Config, ConfigError
+
 from shared.runtime import runstate
 from shared.runtime.connection import redact
 from services.driver.driver import ENDED
@@ -95,6 +97,30 @@ def check_continuation(cfg: Config) -> None:
                          f"({cfg.run_path / runstate.MARKER}), or start another with --run NAME")
     if lines:
         raise ConfigError("\n".join(lines))
+
+
+class LinePrinter(Printer):
+    """honcho's printer, except that a reader gone away (``streamrl run | head``, a killed benchmark reading the
+    pipe) silences the output, not the run. honcho's loop let the BrokenPipeError out: the run stopped printing and
+    supervising, every process went on, and SIGINT/SIGTERM no longer reached them (its handler prints first)."""
+
+    def write(self, message):
+        try:
+            super().write(message)
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self.output.fileno())  # what Python's docs advise on SIGPIPE: later writes go nowhere
+            os.close(devnull)
+
+
+def own_server(cfg: Config) -> bool:
+    """Whether the run uses a Redis of the user's (``REDIS_URL``, or a ``redis_url`` at another address than the
+    default's, from a flag, a config file or ``STREAMRL_REDIS_URL``) rather than its embedded one on a free port.
+    The default address with a password only sets the embedded server's password."""
+    from urllib.parse import urlsplit
+
+    address = lambda url: (lambda u: (u.scheme, u.hostname, u.port, u.path))(urlsplit(url))  # noqa: E731
+    return "REDIS_URL" in os.environ or address(cfg.redis_url) != address(Config().redis_url)
 
 
 def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str, dict]]:
@@ -178,7 +204,7 @@ def _run(cfg: Config, entries: dict, warm_path: str | None, extra_env: dict | No
         env.setdefault("OMP_NUM_THREADS", "1")  # (measured: a tiny model's decode step 4 ms vs 42 ms on 2 cores)
     for f in fields(Config):
         env[f"STREAMRL_{f.name.upper()}"] = str(getattr(cfg, f.name))
-    if "REDIS_URL" not in os.environ:
+    if not own_server(cfg):
         archive_ended_run(cfg)
         server = start_for_run(cfg)
         env["REDIS_URL"] = env["STREAMRL_REDIS_URL"] = secrets.without_password(server.url)
@@ -196,7 +222,7 @@ def _run(cfg: Config, entries: dict, warm_path: str | None, extra_env: dict | No
     env.pop(starter.ENV, None)
     if warm_path and cfg.engine == "torch":  # vLLM starts its own engine processes: its workers start cold, as tested
         env[starter.ENV] = warm_path
-    manager = Manager()
+    manager = Manager(printer=LinePrinter(sys.stdout))
     # the driver's progress lines are the view; the services' per-step info lines would bury them
     quiet = {**env, "STREAMRL_LOG_LEVEL": "warning"} if cfg.log_level == "info" else env
     for name, cmd, own in processes(cfg, entries):

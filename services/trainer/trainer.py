@@ -1,8 +1,8 @@
 """The trainer loop, top to bottom:
 
     restore checkpoint (and repair the ledger) -> re-read every pending entry -> loop {
-      collect groups -> replay their streams -> build batch -> step (services/trainer/step.py)
-      -> every N steps commit (services/trainer/commit.py) }
+      collect groups, replay their streams (services/trainer/intake.py) -> build batch
+      -> step (services/trainer/step.py) -> every N steps commit (services/trainer/commit.py) }
 
 Staleness is bounded at admission (the gate: shared/protocol/staleness.py ``group_capacity``); a
 finished group is not dropped for being stale: its tokens train with the importance weight of the
@@ -28,22 +28,20 @@ import torch
 from services.trainer import checkpoint, commit as commit_path, distributed, export, publish, sharded_checkpoint
 from services.trainer.deltas import DeltaWriter
 from services.trainer.model import load_policy
-from shared.protocol import dead_letters, gate, ledger, samples, stream_head
+from services.trainer.intake import Intake
+from shared.protocol import ledger, stream_head
 from shared.protocol.metrics import record as record_metrics
-from services.trainer.batch import Batch, build_batch, trained_reward
+from services.trainer.batch import Batch, build_batch
 from services.trainer.step import StepConfig, train_on_batch
 from shared.runtime.folders import private_folder
 from shared.runtime.config import Config, ConfigError
 from shared.runtime.faults import crash_point
 from shared.runtime.runstate import bind
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.events import EventError
-from shared.protocol.fold import Episode, fold
+from shared.protocol.fold import Episode
 from shared.protocol.keys import TRAINER_GROUP as GROUP, Keys
 from shared.protocol.staleness import staleness_histogram, version_spans
 from shared.runtime.tensorboard import TensorBoard
 
-CONSUMER = "trainer"  # one trainer per run: a stable name gets its own pending entries back after a restart
 # cumulative counts, kept in the checkpoint and reported with every step (docs/training.md)
 COUNTERS = ("groups_dropped", "constant_groups_filtered", "episodes_failed", "policy_failures", "greedy_tokens",
             "stale_tokens_masked", "is_masked_tokens", "tokens_wasted", "nonfinite_skipped")
@@ -53,7 +51,6 @@ class Trainer:
     def __init__(self, cfg: Config, client: redis.Redis, log):
         self.cfg, self.client, self.log = cfg, client, log
         self.keys = Keys(cfg.run)
-        self.episodes = EpisodeLog(client, self.keys, "trainer")
         self.ckpt_dir = cfg.run_path / "trainer"
         self.weights_dir = private_folder(cfg.weights_path, "weights_dir")  # per user and run id, 0700
         self.metrics_path = cfg.run_path / "metrics.jsonl"
@@ -78,12 +75,9 @@ class Trainer:
         self.pad_id = self.model.config.pad_token_id or 0
         self.opt = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.step, self.version = 0, 0
-        self.consumed: set[str] = set()  # group ids included in the last checkpoint
-        self.uncommitted: list[tuple[str, str, bool]] = []  # (samples entry, group id, trained?) since the last commit
-        self.buffer: list[tuple[str, str, list[str]]] = []  # (entry id, group id, episode ids) not yet trained
-        self.taken: dict[str, str] = {}  # group id -> samples entry, for groups read but not yet committed
         self._next_version_check = 0.0
         self.counts = dict.fromkeys(COUNTERS, 0)
+        self.intake = Intake(client, self.keys, self.counts, cfg.filter_constant_groups, log)  # samples, exactly once
         self.wait_s = 0.0
         self.commit_s = 0.0  # time in commits since the last metrics record (reported with the next step)
         self.deltas = DeltaWriter(cfg, client, self.keys, self.weights_dir, log)  # each version's delta, in a thread
@@ -98,19 +92,17 @@ class Trainer:
             self.counts.update(state.get("counts", {}))
         # every group trained or judged untrainable: the ledger's lines (now level with the checkpoint), plus the
         # list older checkpoints carried themselves
-        self.consumed = set((state or {}).get("consumed", ())) | {
+        self.intake.consumed = set((state or {}).get("consumed", ())) | {
             g for rec in ledger.read_ledger(self.ckpt_dir) for g in rec["groups"] + rec["skipped"]}
         try:
             self.client.xgroup_create(self.keys.samples, GROUP, id="0", mkstream=True)
         except redis.exceptions.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-        self.log.info("groups already consumed, from the ledger", groups=len(self.consumed))
+        self.log.info("groups already consumed, from the ledger", groups=len(self.intake.consumed))
         self._republish_if_needed()
-        start, pending = "0", 0  # entries delivered before a crash come back first: all of them, page by page
-        while (last := self._read(start=start)) is not None:
-            start, pending = last, pending + 1
-        self.log.info("pending entries re-read", pages=pending, buffered=len(self.buffer))
+        pages = self.intake.read_pending()
+        self.log.info("pending entries re-read", pages=pages, buffered=len(self.intake.buffer))
 
     def _load_checkpoint(self) -> dict | None:
         """Model, optimizer, RNG, step and version from the last commit (every rank, under torchrun)."""
@@ -170,88 +162,20 @@ class Trainer:
                             self.cfg.weights_base_url)
             self.log.warning("version event lost by Redis; published again", version=self.version)
 
-    # --- reading samples
-    def _read(self, start: str = ">", block_ms: int | None = None) -> str | None:
-        """Read one page (new entries, or this consumer's pending ones after ``start``); the last entry id read."""
-        reply = self.client.xreadgroup(GROUP, CONSUMER, {self.keys.samples: start}, count=100, block=block_ms)
-        last = None
-        acks = []
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                entry_id = last = entry_id.decode()
-                try:
-                    sample = samples.decode(entry_id, fields or {})
-                except EventError as exc:
-                    self._dead_letter(entry_id, str(exc))
-                    acks.append(entry_id)
-                    continue
-                group_id, eids = sample.group_id, sample.episodes
-                if group_id in self.consumed or group_id in self.taken:
-                    # already trained, or in hand since the last commit: exactly once. The very entry in hand
-                    # can come again when Redis restarts and forgets its delivery: it stays unacknowledged
-                    if self.taken.get(group_id) != entry_id:
-                        acks.append(entry_id)
-                else:
-                    self.buffer.append((entry_id, group_id, eids))
-                    self.taken[group_id] = entry_id
-        if acks:
-            self.client.xack(self.keys.samples, GROUP, *acks)
-        return last
-
-    def _dead_letter(self, entry_id: str, reason: str) -> None:
-        self.log.error("bad samples entry sent to dead letters", entry=entry_id, reason=reason)
-        dead_letters.send(self.client, self.keys, self.keys.samples, entry_id, reason, "trainer")
-
+    # --- reading samples (services/trainer/intake.py)
     def collect(self, should_stop) -> list[tuple[str, str, list[Episode]]] | None:
         """Block until ``batch_groups`` trainable groups are ready; replay their streams."""
-        ready: list[tuple[str, str, list[Episode]]] = []
         t0 = time.monotonic()
-        while len(ready) < self.cfg.batch_groups:
-            if not self.buffer:
-                if should_stop():
-                    return None
-                if self._read(block_ms=200) is None:
-                    self._settle_skipped()
-                    self._republish_if_lost()
-                    if time.monotonic() - self._told > distributed.IDLE_EVERY_S:
-                        self._tell({"op": "idle"})  # the other ranks wait in a collective: keep it short of TIMEOUT
-                continue
-            entry_id, group_id, eids = self.buffer.pop(0)
-            group = self._replay_group(entry_id, group_id, eids)
-            if group is not None:
-                ready.append((entry_id, group_id, group))
+        ready = self.intake.collect(self.cfg.batch_groups, should_stop, self._idle)
         self.wait_s = time.monotonic() - t0
         return ready
 
-    def _replay_group(self, entry_id: str, group_id: str, eids: list[str]) -> list[Episode] | None:
-        """The group's finished episodes, or None when it is not trained (no finished episode, or a constant
-        reward with ``filter_constant_groups``): then it gives its gate slot back and is counted."""
-        episodes = []
-        for eid, entries in zip(eids, self.episodes.read_many(eids)):  # the group's streams in one round trip
-            try:
-                ep = fold(entries)
-            except EventError as exc:  # set aside with its reason (loses nothing); the group trains without it
-                self.log.error("episode stream unreadable; episode skipped", episode=eid, error=str(exc))
-                dead_letters.send(self.client, self.keys, self.keys.episode(eid), exc.entry_id, str(exc), "trainer")
-                self.counts["episodes_failed"] += 1
-                continue
-            if ep.status == "finished":
-                episodes.append(ep)
-            else:  # failed: the engine or the reward function, not the policy
-                self.counts["episodes_failed"] += 1
-        rewards = {trained_reward(ep)[0] for ep in episodes}
-        constant = self.cfg.filter_constant_groups and len(rewards) == 1
-        if not episodes or constant:
-            reason = "constant reward" if episodes else "no finished episodes"
-            self.counts["constant_groups_filtered" if episodes else "groups_dropped"] += 1
-            self.counts["tokens_wasted"] += sum(ep.num_generated for ep in episodes)
-            self.log.info("group not trained", group=group_id, reason=reason)
-            self.uncommitted.append((entry_id, group_id, False))  # acknowledged with the next commit, never trained
-            # give its start back to the staleness gate (which counts starts): a replacement group may start.
-            # Without it a synchronous run (exactly batch_groups starts per version) would wait forever.
-            gate.refund_group(self.client, self.keys, group_id)
-            return None
-        return episodes
+    def _idle(self) -> None:
+        """No new samples for 200 ms."""
+        self.intake.settle_skipped(self.ckpt_dir, self.version, self.step)
+        self._republish_if_lost()
+        if time.monotonic() - self._told > distributed.IDLE_EVERY_S:
+            self._tell({"op": "idle"})  # the other ranks wait in a collective: keep it short of TIMEOUT
 
     # --- learning
     def train_step(self, groups: list[tuple[str, str, list[Episode]]]) -> dict:
@@ -267,7 +191,7 @@ class Trainer:
             time.sleep(batch.num_tokens * self.cfg.simulated_train_us_per_token / 1e6)
         self.step += 1
         trained = stats["ppo_steps"] > 0  # every optimizer step non-finite: the groups count as not trained
-        self.uncommitted += [(e, g, trained) for e, g, _ in groups]
+        self.intake.trained(groups, trained)
         if stats["nonfinite_skipped"]:
             self.log.error("non-finite loss or grad norm: optimizer step skipped", step=self.step,
                            skipped=stats["nonfinite_skipped"], loss=stats["loss"], grad_norm=stats["grad_norm"])
@@ -319,14 +243,11 @@ class Trainer:
         self.version += 1
         fault = lambda point: crash_point("trainer", point)  # noqa: E731 (tests only: shared/runtime/faults.py)
         weights = self._publish_state()
-        trained = [g for _, g, t in self.uncommitted if t]
-        skipped = [g for _, g, t in self.uncommitted if not t]
+        trained, skipped = self.intake.to_commit()
         if self.shard.main:
             path, digest = publish.write_weights(weights, self.weights_dir, self.version, self.cfg.publish_dtype)
             self.deltas.submit(self.version, path, digest)  # off the critical path: workers may fetch deltas
-        self.consumed.update(trained + skipped)
-        for g in trained + skipped:
-            self.taken.pop(g, None)
+        self.intake.committed(trained + skipped)
         line = commit_path.record(self.version, self.step, trained, skipped)
         fault("before_checkpoint")
         # the groups trained so far are the ledger's lines plus this commit's (restore rebuilds the set from
@@ -343,9 +264,7 @@ class Trainer:
             return
         ledger.append_ledger(self.ckpt_dir, line)
         fault("after_ledger")
-        if self.uncommitted:
-            self.client.xack(self.keys.samples, GROUP, *[e for e, _, _ in self.uncommitted])
-        self.uncommitted = []
+        self.intake.acknowledge()
         fault("after_ack")
         publish.publish(self.client, self.keys, self.version, path, digest, self.step, self.cfg.weights_base_url)
         fault("after_publish")
@@ -353,20 +272,6 @@ class Trainer:
         publish.prune(self.weights_dir, keep_from=self.version - self.cfg.max_staleness - 2)
         export.maybe_export(self.cfg, self.version, self.log)  # every export_every versions: an HF folder
         self.log.info("version published", version=self.version, path=str(path), sha256=digest[:12])
-
-    def _settle_skipped(self) -> None:
-        """Acknowledge groups judged untrainable when no training step is pending to carry them: a
-        skipped group is never trained, so its acknowledgement needs no checkpoint; it stays in its stream."""
-        if not self.uncommitted or any(trained for _, _, trained in self.uncommitted):
-            return
-        skipped = [g for _, g, _ in self.uncommitted]
-        ledger.append_ledger(self.ckpt_dir, {"version": self.version, "step": self.step, "groups": [],
-                                                 "skipped": skipped})
-        self.consumed.update(skipped)
-        for g in skipped:
-            self.taken.pop(g, None)
-        self.client.xack(self.keys.samples, GROUP, *[e for e, _, _ in self.uncommitted])
-        self.uncommitted = []
 
     def run(self, should_stop=lambda: False) -> None:
         if not self.shard.main:

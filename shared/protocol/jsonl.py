@@ -31,6 +31,27 @@ def read(path: Path, what: str) -> list[dict]:
     return out
 
 
+def tail(path: Path, nbytes: int, what: str) -> list[dict]:
+    """The complete lines in the last ``nbytes`` of ``path`` (the first one there, maybe cut, skipped unless the
+    file starts there); [] when it does not exist. Reads ``nbytes`` at most, however long the file."""
+    if not path.exists():
+        return []
+    with open(path, "rb") as fh:
+        size = fh.seek(0, 2)
+        fh.seek(max(0, size - nbytes))
+        lines = fh.read().split(b"\n")[:-1]
+    if size > nbytes:
+        lines = lines[1:]
+    out = []
+    for line in lines:
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError as exc:
+                raise ValueError(f"{what} {path}: a line near its end is not JSON ({exc})") from None
+    return out
+
+
 def repair(path: Path) -> int:
     """Cut a torn last line off (a crash mid-append); the bytes removed (0: nothing torn, or no file)."""
     if not path.exists():

@@ -6,8 +6,16 @@ version once its delta is written or judged not worth it: full and delta bytes, 
 services/trainer/deltas.py), ``rollout`` (each rollout
 worker every few seconds: tokens, episodes, busy/idle seconds; ``final: true`` on its last record, whose
 counters are complete), ``validation`` (driver, one per validation round), ``fault_probe`` (a crash drill's
-worker, tests/support/fault_worker.py, just before it is killed: its counters and unflushed tokens). The stream is capped
-(approximately ``MAXLEN`` entries); the trainer also appends its records to ``metrics.jsonl`` in the run folder.
+worker, tests/support/fault_worker.py, just before it is killed: its counters and unflushed tokens), ``agent``
+(the agents worker, services/gateway/runner.py, one per ended agent episode: calls, training rows, forks, aborted
+calls). The trainer also
+appends its records to ``metrics.jsonl`` in the run folder.
+
+Where the records live (issue 33): Redis keeps the last ``stream_keep_s`` seconds (and ``MAXLEN`` entries at most,
+a backstop for a run with no driver); the driver moves the older head to ``<run>/streams/metrics.jsonl``
+(shared/protocol/stream_head.py), all but the train records when the trainer's ``metrics.jsonl`` is in the same
+run folder (``to_head``: stored once). ``read`` and ``last`` read Redis (the recent records); ``history`` reads a
+run's every record: the trainer's file, the head file, then Redis after the head's last id.
 
 Duplicates are tolerated by the reader, not prevented by the writer (a record is informational and written
 often): a retried XADD, or a step redone after a trainer restart, can leave two records with one identity
@@ -18,11 +26,13 @@ and ``dedupe`` keep the last of them, in the place of the last.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+from shared.protocol import jsonl, stream_head
 from shared.protocol.keys import Keys
 
 MAXLEN = 100_000
-KINDS = ("train", "sync", "rollout", "validation", "fault_probe", "publish")
+KINDS = ("train", "sync", "rollout", "validation", "fault_probe", "publish", "agent")
 
 
 def _s(v) -> str:
@@ -47,7 +57,7 @@ def decode(fields: dict) -> tuple[str, dict]:
 
 def identity(kind: str, data: dict):
     """What makes a record the same record written again; None for a record that has none."""
-    key = {"train": "step", "sync": "sync", "validation": "version", "publish": "version"}.get(kind)
+    key = {"train": "step", "sync": "sync", "validation": "version", "publish": "version", "agent": "episode"}.get(kind)
     if key is not None:
         return (kind, data[key]) if key in data else None
     if kind == "rollout":
@@ -72,8 +82,6 @@ def dedupe(records: list, kind_of=lambda r: r[0], data_of=lambda r: r[1]) -> lis
 
 def read_file(path) -> list[dict]:
     """The trainer's ``metrics.jsonl`` (train records), a redone step's earlier record dropped."""
-    from pathlib import Path
-
     path = Path(path)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     return dedupe(rows, kind_of=lambda r: "train", data_of=lambda r: r)
@@ -97,7 +105,45 @@ def read(client, keys: Keys, kind: str | None = None, newest_first: bool = False
     return [(entry_id, data) for entry_id, _, data in out]
 
 
-def last(client, keys: Keys, kind: str, scan: int = 200) -> dict | None:
-    """The newest record of ``kind`` among the newest ``scan`` entries, None when there is none."""
+def last(client, keys: Keys, kind: str, scan: int = 200, run_path=None, tail_bytes: int = 1 << 18) -> dict | None:
+    """The newest record of ``kind`` among the newest ``scan`` entries, None when there is none; with ``run_path``,
+    one older than Redis's window from the end of the run's files (their last ``tail_bytes``: a bounded read)."""
     found = read(client, keys, kind, newest_first=True, count=scan)
-    return found[0][1] if found else None
+    if found or run_path is None:
+        return found[0][1] if found else None
+    if kind == "train":
+        rows = jsonl.tail(trainer_path(run_path), tail_bytes, "metrics file")
+        if rows:
+            return rows[-1]
+    older = [data for k, data in (decode(f) for _, f in stream_head.read_tail(head_path(run_path), tail_bytes))
+             if k == kind]
+    return older[-1] if older else None
+
+
+def head_path(run_path) -> Path:
+    """Where the driver moves the stream's older records: ``<run>/streams/metrics.jsonl``."""
+    return stream_head.path_of(run_path, stream_head.NAMES["metrics"])
+
+
+def trainer_path(run_path) -> Path:
+    """The trainer's own file of its train records: ``<run>/metrics.jsonl``."""
+    return Path(run_path) / "metrics.jsonl"
+
+
+def to_head(fields: dict, trainer_file: bool) -> bool:
+    """Whether a metrics entry moving out of Redis goes to the head file (pure): every kind but the trainer's
+    records when its ``metrics.jsonl`` is in the run folder (they are there already)."""
+    return not (trainer_file and decode(fields)[0] == "train")
+
+
+def history(client, keys: Keys, run_path, kinds=KINDS) -> dict[str, list[dict]]:
+    """A run's every record of ``kinds``, by kind, oldest first, each once: the trainer's ``metrics.jsonl`` (train),
+    the head file, then Redis after the head's last id (``client`` None: the files alone, Redis gone)."""
+    path = head_path(run_path)
+    entries = stream_head.read_all(client, keys.metrics, path) if client is not None else stream_head.read_head(path)
+    rows = [("train", r) for r in read_file(trainer_path(run_path))] if "train" in kinds else []
+    rows += [(k, data) for k, data in (decode(f) for _, f in entries) if k in kinds]
+    out: dict[str, list[dict]] = {k: [] for k in kinds}
+    for k, data in dedupe(rows):
+        out[k].append(data)
+    return out

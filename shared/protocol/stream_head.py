@@ -1,25 +1,35 @@
-"""A coordination stream's head, moved out of Redis once no live reader needs it (issue 33): without it the
-``prompts`` and ``samples`` streams grow by an entry per group for the whole run.
+"""A coordination stream's head, moved out of Redis once no live reader needs it (issue 33): without it a stream
+grows by an entry per group, per version or per report for the whole run.
 
-The owner of a stream's consumer group trims it (the driver ``prompts``, the trainer ``samples``): entries older
-than both the group's oldest pending entry and its last delivered one, and older than ``KEEP_S`` seconds (what
-``streamrl status`` reads by time), are appended to ``<run_dir>/<run>/streams/<name>.jsonl`` (fsynced) and only
-then trimmed from Redis (``XTRIM MINID ~``). Readers that need a run's whole history (``streamrl check``, the
-archiver's group -> episodes map after a restart) read the file, then Redis after the file's last id: a crash
-between the append and the trim leaves entries in both, read once. One line per entry,
-``{"id": ..., "fields": {name: value}}``, values as latin-1 text (bytes given back exactly); a torn last line
-(a crash mid-append) is ignored and cut off before the next append (shared/protocol/jsonl.py)."""
+Each stream has one owner that trims it, by its rule (a pure function giving the MINID below which no live reader
+needs an entry): ``prompts`` and ``prompts:val`` (the driver) and ``samples`` (the trainer) below their consumer
+group's oldest pending entry and its last delivered one (``trim_point``); ``samples:val`` (the driver) below its
+validator's cursor; ``metrics`` (the driver) and ``versions`` (the driver, keeping the newest few) by time alone
+(``window_point``, ``versions.trim_point``); and never an entry written in the last ``KEEP_S`` seconds (what
+``streamrl status`` reads by time). They are appended to ``<run_dir>/<run>/streams/<name>.jsonl`` (fsynced;
+``NAMES``) and only then trimmed from Redis (``XTRIM MINID``, ``~`` for the large ones). Readers that need a run's
+whole history (``streamrl check``, the archiver's group -> episodes map after a restart, the plots) read the file,
+then Redis after the file's last id: a crash between the append and the trim leaves entries in both, read once.
+One line per entry, ``{"id": ..., "fields": {name: value}}``, values as latin-1 text (bytes given back exactly); a
+torn last line (a crash mid-append) is ignored and cut off before the next append (shared/protocol/jsonl.py). A
+reader that follows a stream from a cursor (``read_after``) indexes the file once (each line's id and offset, then
+only what is appended) and reads each entry's line once, however many batches it takes."""
 
 from __future__ import annotations
 
+import bisect
 import json
+from array import array
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 from shared.protocol import jsonl
 
 KEEP_S = 60  # entries written in the last minute stay (streamrl status counts samples/s over 30 s by entry id)
+NAMES = {"prompts": "prompts", "samples": "samples", "prompts:val": "prompts_val", "samples:val": "samples_val",
+         "metrics": "metrics", "versions": "versions"}  # a run's stream (its key after the run's prefix) -> its file
 EVERY_S = 5.0  # a trim at most this often, or every keep_s / 4 when shorter (each: XINFO, XPENDING, XRANGE, XTRIM)
 
 
@@ -32,13 +42,19 @@ def trim_point(last_delivered: str, first_pending: str | None, now_ms: int, keep
     """The MINID below which the consumer group needs nothing (pure): entries older than its oldest pending entry
     (a worker may still claim it, a trainer still train it), older than its last delivered one (the next
     reader starts after it; it stays, so the group's lag is still known), and written over ``keep_s`` ago.
-    None: nothing delivered yet."""
+    None: nothing delivered yet. A reader's cursor is a ``last_delivered`` with nothing pending."""
     if last_delivered in ("", "0-0"):
         return None
-    keep = [last_delivered, f"{now_ms - int(keep_s * 1000)}-0"]
+    keep = [last_delivered, window_point(now_ms, keep_s)]
     if first_pending:
         keep.append(first_pending)
     return min(keep, key=id_key)
+
+
+def window_point(now_ms: int, keep_s: float = KEEP_S) -> str:
+    """The MINID of a stream no reader follows from a cursor that could fall behind (pure): what is older than
+    ``keep_s`` seconds."""
+    return f"{max(0, now_ms - int(keep_s * 1000))}-0"
 
 
 def path_of(run_path: Path | str, name: str) -> Path:
@@ -53,10 +69,18 @@ def encode(entry_id, fields: dict) -> dict:
     return {"id": _text(entry_id), "fields": {_text(k): _text(v) for k, v in fields.items()}}
 
 
+def _entry(r: dict) -> tuple[bytes, dict]:
+    return r["id"].encode(), {k.encode("latin-1"): v.encode("latin-1") for k, v in r["fields"].items()}
+
+
 def read_head(path: Path) -> list[tuple[bytes, dict]]:
     """The file's entries as XRANGE gives them: [(id bytes, {field bytes: value bytes})]."""
-    return [(r["id"].encode(), {k.encode("latin-1"): v.encode("latin-1") for k, v in r["fields"].items()})
-            for r in jsonl.read(path, "stream head")]
+    return [_entry(r) for r in jsonl.read(path, "stream head")]
+
+
+def read_tail(path: Path, nbytes: int = 1 << 20) -> list[tuple[bytes, dict]]:
+    """The file's entries in its last ``nbytes`` (the newest ones; the first line there, cut, skipped)."""
+    return [_entry(r) for r in jsonl.tail(path, nbytes, "stream head")]
 
 
 def last_id(path: Path) -> str:
@@ -76,11 +100,81 @@ def last_id(path: Path) -> str:
     return head[-1]["id"] if head else "0-0"
 
 
+def _packed(key: tuple[int, int]) -> int:
+    """An entry id as one int, in the same order (a sequence number below 2**64)."""
+    return key[0] << 64 | key[1]
+
+
+class HeadIndex:
+    """Where each complete line of a head file starts, and its id: built as the file grows, each byte parsed once
+    (``bytes_read`` counts what was read, for the test). A file cut shorter or replaced is indexed again. About 50 B
+    of memory per entry: an id as one int, an offset in an array."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._reset(None)
+        self.bytes_read = 0
+
+    def _reset(self, inode) -> None:
+        self.inode, self.end, self.ids, self.offsets = inode, 0, [], array("q")
+
+    def refresh(self) -> "HeadIndex":
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            self._reset(None)
+            return self
+        if st.st_ino != self.inode or st.st_size < self.end:
+            self._reset(st.st_ino)
+        if st.st_size > self.end:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.end)
+                data = fh.read(st.st_size - self.end)
+            self.bytes_read += len(data)
+            pos = 0
+            while (nl := data.find(b"\n", pos)) >= 0:  # complete lines only: a torn last one waits for its repair
+                if data[pos:nl].strip():
+                    try:
+                        self.ids.append(_packed(id_key(json.loads(data[pos:nl])["id"])))
+                    except (ValueError, KeyError) as exc:
+                        raise ValueError(f"stream head {self.path}: the line at byte {self.end + pos} is not an "
+                                         f"entry ({exc})") from None
+                    self.offsets.append(self.end + pos)
+                pos = nl + 1
+            self.end += pos
+        return self
+
+    def newest(self) -> int:
+        return self.ids[-1] if self.ids else 0
+
+    def after(self, cursor: str, count: int) -> list[tuple[bytes, dict]]:
+        """Up to ``count`` entries after ``cursor``, their lines read from their offsets."""
+        i = bisect.bisect_right(self.ids, _packed(id_key(cursor)))
+        j = min(i + count, len(self.ids))
+        if i >= j:
+            return []
+        stop = self.offsets[j] if j < len(self.ids) else self.end
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offsets[i])
+            data = fh.read(stop - self.offsets[i])
+        self.bytes_read += len(data)
+        return [_entry(json.loads(line)) for line in data.split(b"\n") if line.strip()]
+
+
+_INDEXES: dict[str, HeadIndex] = {}  # a reader process's head files, indexed once each
+
+
+def index_of(path: Path) -> HeadIndex:
+    return _INDEXES.setdefault(str(path), HeadIndex(path)).refresh()
+
+
 def read_after(client, key: str, path: Path | None, cursor: str, count: int = 1000) -> list[tuple[bytes, dict]]:
     """Up to ``count`` entries after ``cursor``: from the file while the cursor is older than its newest entry (a
     reader that starts over, or fell behind the trim), then from Redis."""
-    if path is not None and id_key(cursor) < id_key(last_id(path)):
-        return [e for e in read_head(path) if id_key(e[0].decode()) > id_key(cursor)][:count]
+    if path is not None:
+        index = index_of(path)
+        if _packed(id_key(cursor)) < index.newest():
+            return index.after(cursor, count)
     return [e for _, es in client.xread({key: cursor}, count=count) or [] for e in es]
 
 
@@ -92,20 +186,25 @@ def read_all(client, key: str, path: Path) -> list[tuple[bytes, dict]]:
     return head + client.xrange(key, min=f"({head[-1][0].decode()}")
 
 
-def for_run(client, key: str, group: str, cfg) -> "Trimmer":
-    """The trimmer of a run's stream ``key`` (its file named after the key's last part: ``prompts``, ``samples``)."""
-    return Trimmer(client, key, group, path_of(cfg.run_path, key.rsplit(":", 1)[-1]), keep_s=cfg.stream_keep_s,
-                   every_s=min(EVERY_S, max(cfg.stream_keep_s / 4, 0.5)))
+def for_run(client, key: str, group: str | None, cfg, name: str | None = None, **kw) -> "Trimmer":
+    """The trimmer of a run's stream ``key`` (its file ``name``, by default the key's last part: ``prompts``,
+    ``samples``); ``kw``: Trimmer's ``point`` and ``store``."""
+    return Trimmer(client, key, group, path_of(cfg.run_path, name or key.rsplit(":", 1)[-1]), keep_s=cfg.stream_keep_s,
+                   every_s=min(EVERY_S, max(cfg.stream_keep_s / 4, 0.5)), **kw)
 
 
 class Trimmer:
-    """Moves the head of ``key`` (consumer group ``group``) to ``path``; ``maybe_trim`` at most every EVERY_S."""
+    """Moves the head of ``key`` to ``path``; ``maybe_trim`` at most every EVERY_S. Its rule: below what consumer
+    group ``group`` needs (``trim_point``), or ``point(now_ms)`` when given (no group: ``window_point``). ``store``:
+    whether an entry's fields go to the file (False: trimmed, the record kept elsewhere; default all)."""
 
-    def __init__(self, client, key: str, group: str, path: Path, every_s: float = EVERY_S, keep_s: float = KEEP_S):
+    def __init__(self, client, key: str, group: str | None, path: Path, every_s: float = EVERY_S,
+                 keep_s: float = KEEP_S, point: Callable[[int], str | None] | None = None,
+                 store: Callable[[dict], bool] | None = None):
         self.client, self.key, self.group, self.path = client, key, group, Path(path)
-        self.every_s, self.keep_s = every_s, keep_s
+        self.every_s, self.keep_s, self.point, self.store = every_s, keep_s, point, store
         self._last_run = 0.0
-        self._last_id: str | None = None  # the file's newest id (read once, then kept)
+        self._last_id: str | None = None  # the newest id moved (from the file's tail at first, then kept)
         self.moved = 0
         self.approximate = True  # XTRIM MINID ~: whole nodes, cheap; readers dedupe what stays in both
 
@@ -123,10 +222,17 @@ class Trimmer:
         first = summary.get("min") if summary.get("pending") else None
         return _text(info[self.group]["last-delivered-id"]), _text(first) if first else None
 
+    def minid(self, now_ms: int) -> str | None:
+        if self.point is not None:
+            return self.point(now_ms)
+        if self.group is None:
+            return window_point(now_ms, self.keep_s)
+        last_delivered, first_pending = self._group()
+        return trim_point(last_delivered, first_pending, now_ms, self.keep_s)
+
     def trim(self) -> int:
         """Append the entries below the trim point to the file (fsynced), then trim them from Redis; the count."""
-        last_delivered, first_pending = self._group()
-        minid = trim_point(last_delivered, first_pending, int(time.time() * 1000), self.keep_s)
+        minid = self.minid(int(time.time() * 1000))
         if minid is None:
             return 0
         if self._last_id is None:
@@ -138,12 +244,14 @@ class Trimmer:
             entries = self.client.xrange(self.key, min=start, max=f"({minid}", count=1000)
             if not entries:
                 break
-            with open(self.path, "a") as fh:
-                fh.write("".join(json.dumps(encode(i, f)) + "\n" for i, f in entries))
-                fh.flush()
-                os.fsync(fh.fileno())
+            kept = [(i, f) for i, f in entries if self.store is None or self.store(f)]
+            if kept:
+                with open(self.path, "a") as fh:
+                    fh.write("".join(json.dumps(encode(i, f)) + "\n" for i, f in kept))
+                    fh.flush()
+                    os.fsync(fh.fileno())
             self._last_id = _text(entries[-1][0])
-            start, moved = f"({self._last_id}", moved + len(entries)
+            start, moved = f"({self._last_id}", moved + len(kept)
         if self._last_id != "0-0":
             self.client.xtrim(self.key, minid=minid, approximate=self.approximate)
         self.moved += moved

@@ -13,6 +13,14 @@ syncer, rollout workers, the driver and the CLI. Every field is plain text (read
 Publishing is idempotent: one script appends the entry only when its version is newer than the newest entry's,
 so a retried publish (reply lost) or a trainer republishing after a restart adds nothing; readers get strictly
 increasing versions with no duplicate.
+
+Where the entries live (issue 33): who reads them and how far back: the syncer, the announcer and rollout workers
+follow the newest (from a cursor, but only the newest entry matters to them: a skipped one is never loaded), the
+weight origins the newest ``KEEP_LAST`` (shared/runtime/weight_origins.py), the publish script the newest one;
+the whole history only ``streamrl check`` (no version missing or repeated) and ``replay --continue`` of an old
+episode (its version's weights path). So the driver moves entries older than ``stream_keep_s`` and beyond the
+newest ``KEEP_LAST`` to ``<run>/streams/versions.jsonl`` (``trim_point``; shared/protocol/stream_head.py), and
+``read_all(..., run_path)`` reads that file, then Redis.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 from shared.protocol.events import EventError
-from shared.protocol import once
+from shared.protocol import once, stream_head
 from shared.protocol.keys import Keys
 
 _PUBLISH = """
@@ -37,6 +45,7 @@ end
 return {1, redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))}
 """
 
+KEEP_LAST = 16  # entries always left in Redis: the weight origins read this many (RECENT_VERSIONS, a test checks)
 FIELDS = ("version", "path", "sha256", "step", "time", "url")
 
 
@@ -104,8 +113,23 @@ def latest_number(client, keys: Keys) -> int:
     return v.version if v else 0
 
 
-def read_all(client, keys: Keys) -> list[Version]:
-    return [decode(entry_id, fields) for entry_id, fields in client.xrange(keys.versions)]
+def trim_point(newest_ids: list[str], now_ms: int, keep_s: float, keep_last: int = KEEP_LAST) -> str | None:
+    """The MINID of the versions stream (pure): below the oldest of its newest ``keep_last`` entries (``newest_ids``,
+    newest first, as XREVRANGE COUNT keep_last gives them) and older than ``keep_s``; None while it has no more."""
+    if len(newest_ids) < keep_last:
+        return None
+    return min(newest_ids[keep_last - 1], stream_head.window_point(now_ms, keep_s), key=stream_head.id_key)
+
+
+def head_path(run_path):
+    return stream_head.path_of(run_path, stream_head.NAMES["versions"])
+
+
+def read_all(client, keys: Keys, run_path=None) -> list[Version]:
+    """Every published version; with ``run_path``, those moved to its head file first."""
+    entries = stream_head.read_all(client, keys.versions, head_path(run_path)) if run_path is not None \
+        else client.xrange(keys.versions)
+    return [decode(entry_id, fields) for entry_id, fields in entries]
 
 
 def read_after(client, keys: Keys, cursor: str, block_ms: int | None = None, count: int = 100) -> list[Version]:

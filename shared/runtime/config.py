@@ -34,7 +34,7 @@ class Config:
     log_retention_versions: int = 0  # the archiver moves episodes of groups trained this many versions before the newest commit out of Redis into Parquet segments under <run_dir>/<run>/episodes (readers see both tiers); 0: off, every episode stays in Redis
     archive_every_s: float = 5.0  # how often the archiver looks for episodes to move
     archiver_nice: int = 19  # the archiver's CPU priority (os.nice, 0-19; 19 the lowest): it moves episodes on CPU the pipeline leaves idle
-    stream_keep_s: float = 60.0  # prompts/samples entries no consumer needs any more stay in Redis this many seconds, then move to <run_dir>/<run>/streams/<name>.jsonl (streamrl check reads both)
+    stream_keep_s: float = 60.0  # entries of prompts, samples, their :val streams, metrics and versions that no live reader needs any more stay in Redis this many seconds, then move to <run_dir>/<run>/streams/<name>.jsonl (whole-run readers read both)
     # model
     model_dir: str = "models/tiny"  # HF causal LM: a folder (config, safetensors, tokenizer) or a hub id (local cache when offline); only models/tiny is created when missing
     tokenizer: str = ""  # folder for decoding text in `streamrl replay`; empty means model_dir

@@ -16,7 +16,7 @@ from services.gateway.__main__ import build
 from services.trainer.batch import build_batch
 from shared.runtime import faults, logs
 from shared.runtime.config import Config
-from shared.protocol import calls as calls_codec, samples as samples_codec
+from shared.protocol import calls as calls_codec, metrics, samples as samples_codec
 from shared.protocol.keys import Keys
 from tests.support.chat_models import CALC_TOOL, calc_conversation, scripted_chat_model
 from tests.support.gateway_agents import calc_agent
@@ -344,6 +344,10 @@ def test_an_agents_worker_runs_agent_concurrency_episodes_at_once(stack, chat_di
         wait_until(lambda: not running(), what="the three episodes ended")
         published = {s.group_id for s in samples_codec.read_all(client, keys.samples)[0]}
         assert {"conc0", "conc1", "conc2"} <= published
+        # one 'agent' metrics record per ended episode, through the stream's codec (a kind history reads)
+        records = metrics.history(client, keys, tmp_path / "no-run-folder", kinds=("agent",))["agent"]
+        ended = [r for r in records if r["episode"].startswith("conc")]
+        assert len({r["episode"] for r in ended}) == len(ended) == 3 and all(r["status"] == "finished" for r in ended)
     finally:
         stop(w)
     assert w.returncode == 0  # a warm stop

@@ -89,3 +89,15 @@ def test_changed_lines_ignores_moves_and_imports_but_not_edits(tmp_path):
     assert headline.changed_lines(measured, ["services/rollout"], tmp_path) == 2
     assert headline.changed_lines("0" * 40, ["services/rollout"], tmp_path) is None
 
+
+
+def test_an_in_process_benchmark_measures_the_files_it_imported():
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", "import services.trainer.batch; from bench.record import loaded; "
+                          "print('\\n'.join(loaded()))"], cwd=root, capture_output=True, text=True, check=True).stdout
+    files = out.split()
+    assert "services/trainer/batch.py" in files and "shared/protocol/fold.py" in files
+    assert "services/trainer/trainer.py" not in files  # never imported: a change there leaves the figures current
+    assert all(f.startswith(("services/", "shared/")) and f.endswith(".py") for f in files)

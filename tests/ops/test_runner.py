@@ -30,3 +30,36 @@ def test_processes_start_as_many_rollout_workers_as_configured():
     assert [n for n, _, _ in processes(Config(), entries)] == ["rollout", "trainer"]
     assert [n for n, _, _ in processes(Config(agent="m:f", agent_workers=2), entries)] == [
         "rollout", "trainer", "agents.1", "agents.2"]
+
+
+def test_a_reader_gone_away_silences_the_run_and_the_processes_still_end_with_it():
+    """`streamrl run | head`: honcho's own printer raised BrokenPipeError out of its loop, which then neither
+    supervised nor stopped the processes (they ran on; SIGINT/SIGTERM no longer reached them)."""
+    import os
+
+    from honcho.manager import Manager
+
+    from services.ops.runner import LinePrinter
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line
+    out = os.fdopen(write_end, "w")
+    manager = Manager(printer=LinePrinter(out))
+    manager.add_process("talker", "echo one; echo two; exit 3")
+    manager.add_process("sleeper", "sleep 30")
+    manager.loop()  # returns once every process stopped: the talker's exit ends the sleeper, as in a run
+    out.close()
+    assert manager.returncode == 3
+    assert all(p.get("returncode") is not None for p in manager._processes.values())
+
+
+def test_a_redis_url_at_another_address_is_the_users_own_server(monkeypatch):
+    from services.ops.runner import own_server
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    assert not own_server(Config())  # the default: the embedded server, on a free port
+    assert not own_server(Config(redis_url="redis://:s3cret@127.0.0.1:6390/0"))  # the embedded server's password
+    assert own_server(Config(redis_url="redis://127.0.0.1:6417/0"))  # `--redis-url`: that server, used as it is
+    assert own_server(Config(redis_url="redis+cluster://10.0.0.5:7000"))
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:6390/0")
+    assert own_server(Config())

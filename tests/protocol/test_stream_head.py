@@ -75,3 +75,68 @@ def test_a_reader_behind_the_trim_or_starting_over_reads_the_file_first(client, 
         good, _, cursor = samples.read_after(client, keys.samples, cursor, count=2, head=path)
         seen += [s.group_id for s in good]
     assert seen == [s.group_id for s in written]
+
+
+def test_the_time_window_and_the_versions_rule():
+    from shared.protocol import versions
+    from shared.runtime.weight_origins import RECENT_VERSIONS
+
+    assert stream_head.window_point(NOW, keep_s=60) == f"{NOW - 60_000}-0"
+    assert stream_head.window_point(5_000, keep_s=60) == "0-0"  # a clock near zero: nothing is older
+    newest = [f"{NOW - i * 10_000}-0" for i in range(versions.KEEP_LAST)]  # one version every 10 s, newest first
+    assert versions.trim_point(newest[:-1], NOW, keep_s=0) is None  # fewer than KEEP_LAST: all stay
+    assert versions.trim_point(newest, NOW, keep_s=0) == newest[-1]  # the newest KEEP_LAST stay
+    assert versions.trim_point(newest, NOW, keep_s=60) == newest[-1]  # and the last minute (inside them here)
+    assert versions.trim_point(newest[:2] * 8, NOW, keep_s=1, keep_last=2) == f"{NOW - 10_000}-0"
+    assert versions.trim_point(newest, NOW, keep_s=1000) == f"{NOW - 1_000_000}-0"  # a long window keeps more
+    assert versions.KEEP_LAST >= RECENT_VERSIONS  # the weight origins' reader finds what it reads in Redis
+
+
+def test_a_reader_following_a_long_head_reads_the_file_once(client, keys, tmp_path):
+    """An archiver restarted late follows a head of thousands of entries a batch at a time: each batch is read at
+    its offset, the file indexed once (the old read_after parsed the whole file for every batch)."""
+    client.xgroup_create(keys.samples, TRAINER_GROUP, id="$", mkstream=True)
+    for i in range(5_000):
+        client.xadd(keys.samples, samples.encode(samples.Sample(f"g{i}", [f"g{i}-0"], "w1", 1)))
+    client.xreadgroup(TRAINER_GROUP, "t", {keys.samples: ">"})
+    client.xack(keys.samples, TRAINER_GROUP, *[e for e, _ in client.xrange(keys.samples)])
+    path = stream_head.path_of(tmp_path, "samples")
+    assert Trimmer(client, keys.samples, TRAINER_GROUP, path, keep_s=0).trim() == 4_999  # the last delivered stays
+    cursor, seen, batches = "0-0", [], 0
+    while True:
+        good, _, after = samples.read_after(client, keys.samples, cursor, count=1000, head=path)
+        if after == cursor:
+            break
+        cursor, seen, batches = after, seen + [s.group_id for s in good], batches + 1
+    assert seen == [f"g{i}" for i in range(5_000)] and batches == 6  # five from the file, one from Redis
+    read, size = stream_head.index_of(path).bytes_read, path.stat().st_size
+    assert read <= 2 * size, (read, size)  # indexed once, each line read once (the old way: 6 x 2 x the file)
+    with open(path, "a") as fh:  # the trimmer appends more: only the new bytes are indexed
+        fh.write(__import__("json").dumps(stream_head.encode(b"99999999999999-0", {"group_id": "late"})) + "\n")
+    assert [e for e, _ in stream_head.read_after(client, keys.samples, path, cursor, 10)] == [b"99999999999999-0"]
+    assert stream_head.index_of(path).bytes_read - read <= 2 * (path.stat().st_size - size)
+
+
+def test_a_trimmer_by_its_own_rule_stores_what_it_is_told(client, keys, tmp_path):
+    """No consumer group: the rule is ``point``; ``store`` leaves out what is kept elsewhere (the trainer's
+    records), and the next trim after a restart neither loses nor repeats an entry."""
+    from shared.protocol import metrics
+
+    for i in range(10):
+        metrics.record(client, keys, "train" if i % 2 else "sync", {"step" if i % 2 else "sync": i})
+    ids = [e for e, _ in client.xrange(keys.metrics)]
+    path = stream_head.path_of(tmp_path, "metrics")
+
+    def numbers(entries):
+        return [max(metrics.decode(f)[1].values()) for _, f in entries]
+
+    def trimmer(upto: int) -> Trimmer:
+        t = Trimmer(client, keys.metrics, None, path, point=lambda now_ms: ids[upto].decode(),
+                    store=lambda f: metrics.to_head(f, trainer_file=True))
+        t.approximate = False
+        return t
+
+    assert trimmer(6).trim() == 3  # entries 0, 2, 4 stored; 1, 3, 5 trimmed, kept by the trainer's file
+    assert numbers(stream_head.read_head(path)) == [0, 2, 4] and numbers(client.xrange(keys.metrics)) == [6, 7, 8, 9]
+    assert trimmer(9).trim() == 2 and client.xlen(keys.metrics) == 1  # restarted: 6 and 8 stored, 7 left out
+    assert numbers(stream_head.read_all(client, keys.metrics, path)) == [0, 2, 4, 6, 8, 9]

@@ -126,12 +126,12 @@ def test_pending_entries_past_one_page_are_all_reread_after_a_restart(client, ke
         client.xadd(keys.samples, {"group_id": f"p{i:03d}", "episodes": f"p{i:03d}-0"})
     first = Trainer(cfg, client, logs.get("trainer-test"))
     first.restore()
-    while first._read() is not None:  # delivered to the trainer, never acknowledged: a crash here
+    while first.intake.read() is not None:  # delivered to the trainer, never acknowledged: a crash here
         pass
     assert client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 150
     again = Trainer(cfg, client, logs.get("trainer-test"))
     again.restore()
-    assert sorted(g for _, g, _ in again.buffer) == [f"p{i:03d}" for i in range(150)]
+    assert sorted(g for _, g, _ in again.intake.buffer) == [f"p{i:03d}" for i in range(150)]
 
 
 def test_a_non_finite_step_is_skipped_counted_and_never_published(client, keys, tiny_model_dir, tmp_path):
@@ -374,7 +374,7 @@ def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothi
     assert commits == list(range(1, state["version"] + 1)) and records[-1] == state["ledger_record"]
     again = Trainer(cfg, client, logs.get("trainer-test"))
     again.restore()  # the set of consumed groups a restart rebuilds (from the ledger) is every group, once
-    assert sorted(again.consumed) == sorted(groups) and not again.buffer
+    assert sorted(again.intake.consumed) == sorted(groups) and not again.intake.buffer
     published = [v.version for v in pversions.read_all(client, keys)]
     assert sorted(set(published)) == list(range(1, state["version"] + 1))  # every version published
     report = check(read_run(client, keys, cfg.run_path))

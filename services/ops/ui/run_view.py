@@ -1,8 +1,8 @@
 """The run page's data: the series its charts draw and the tables under them, from the run's streams and folder.
 
 ``series`` is pure (records in, chart series out); ``read_run_view`` is the I/O: the trainer's metrics.jsonl,
-the metrics stream (rollout, validation, sync records), heartbeats, dead letters and `streamrl keep`'s restart
-counts. ``since`` (a train step) lets a page that already drew the first steps fetch only the new ones.
+the metrics stream and its head file (rollout, validation records), heartbeats, dead letters and `streamrl keep`'s
+restart counts. ``since`` (a train step) lets a page that already drew the first steps fetch only the new ones.
 """
 
 from __future__ import annotations
@@ -76,13 +76,12 @@ def samples_per_s(train: list[dict]) -> list[float]:
 
 
 def read_run_view(client, keys, run_path: Path, since: int = -1) -> dict:
-    train = metrics.read_file(Path(run_path) / "metrics.jsonl")
-    if not train and client is not None:  # no file here (the trainer on another host): the stream's records
-        train = [r for _, r in metrics.read(client, keys, "train")]
-    rollout, validation, workers, dead, version = [], [], {}, [], None
+    # the trainer's metrics.jsonl, the stream's head file, then Redis (no trainer file here: the trainer on another
+    # host, its records from the stream)
+    found = metrics.history(client, keys, run_path, ("train", "rollout", "validation"))
+    train, rollout, validation = found["train"], found["rollout"], found["validation"]
+    workers, dead, version = {}, [], None
     if client is not None:
-        rollout = [r for _, r in metrics.read(client, keys, "rollout")]
-        validation = [r for _, r in metrics.read(client, keys, "validation")]
         workers = alive(client, keys)
         dead = [{"stream": d.stream, "entry": d.entry, "reason": d.reason, "by": d.by}
                 for d in dead_letters.read_all(client, keys)]

@@ -1,0 +1,143 @@
+"""Sample intake: the ``samples`` stream read exactly once, and each group's episodes replayed for training.
+
+The trainer's consumer (one per run, a stable name) reads entries; a group already trained or judged untrainable
+(``consumed``: the ledger's lines, rebuilt at restore) or already in hand (``taken``) is acknowledged and dropped,
+anything else waits in ``buffer``. ``replay`` folds a group's episode streams (one round trip); a group with no
+finished episode, or a constant reward under ``filter_constant_groups``, is not trained: it gives its gate slot
+back and is acknowledged with the next commit. ``uncommitted`` holds every group read since the last commit with
+whether it trained; the commit (services/trainer/trainer.py) writes them to the ledger, then acknowledges them.
+"""
+
+from __future__ import annotations
+
+from services.trainer.batch import trained_reward
+from shared.protocol import dead_letters, gate, ledger, samples
+from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.events import EventError
+from shared.protocol.fold import Episode, fold
+from shared.protocol.keys import TRAINER_GROUP as GROUP
+
+CONSUMER = "trainer"  # one trainer per run: a stable name gets its own pending entries back after a restart
+
+
+class Intake:
+    def __init__(self, client, keys, counts: dict, filter_constant_groups: bool, log):
+        self.client, self.keys, self.counts, self.log = client, keys, counts, log
+        self.filter_constant_groups = filter_constant_groups
+        self.episodes = EpisodeLog(client, keys, "trainer")
+        self.consumed: set[str] = set()  # group ids trained or judged untrainable (the ledger's)
+        self.uncommitted: list[tuple[str, str, bool]] = []  # (samples entry, group id, trained?) since the last commit
+        self.buffer: list[tuple[str, str, list[str]]] = []  # (entry id, group id, episode ids) not yet trained
+        self.taken: dict[str, str] = {}  # group id -> samples entry, for groups read but not yet committed
+
+    def read_pending(self) -> int:
+        """Entries delivered before a crash come back first: all of them, page by page; the pages read."""
+        start, pages = "0", 0
+        while (last := self.read(start=start)) is not None:
+            start, pages = last, pages + 1
+        return pages
+
+    def read(self, start: str = ">", block_ms: int | None = None) -> str | None:
+        """Read one page (new entries, or this consumer's pending ones after ``start``); the last entry id read."""
+        reply = self.client.xreadgroup(GROUP, CONSUMER, {self.keys.samples: start}, count=100, block=block_ms)
+        last = None
+        acks = []
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                entry_id = last = entry_id.decode()
+                try:
+                    sample = samples.decode(entry_id, fields or {})
+                except EventError as exc:
+                    self.log.error("bad samples entry sent to dead letters", entry=entry_id, reason=str(exc))
+                    dead_letters.send(self.client, self.keys, self.keys.samples, entry_id, str(exc), "trainer")
+                    acks.append(entry_id)
+                    continue
+                group_id, eids = sample.group_id, sample.episodes
+                if group_id in self.consumed or group_id in self.taken:
+                    # already trained, or in hand since the last commit: exactly once. The very entry in hand
+                    # can come again when Redis restarts and forgets its delivery: it stays unacknowledged
+                    if self.taken.get(group_id) != entry_id:
+                        acks.append(entry_id)
+                else:
+                    self.buffer.append((entry_id, group_id, eids))
+                    self.taken[group_id] = entry_id
+        if acks:
+            self.client.xack(self.keys.samples, GROUP, *acks)
+        return last
+
+    def collect(self, batch_groups: int, should_stop, on_idle) -> list[tuple[str, str, list[Episode]]] | None:
+        """Block until ``batch_groups`` trainable groups are ready (their streams replayed); None: stopped.
+        ``on_idle`` runs after each read that found nothing (up to 200 ms)."""
+        ready: list[tuple[str, str, list[Episode]]] = []
+        while len(ready) < batch_groups:
+            if not self.buffer:
+                if should_stop():
+                    return None
+                if self.read(block_ms=200) is None:
+                    on_idle()
+                continue
+            entry_id, group_id, eids = self.buffer.pop(0)
+            group = self.replay(entry_id, group_id, eids)
+            if group is not None:
+                ready.append((entry_id, group_id, group))
+        return ready
+
+    def replay(self, entry_id: str, group_id: str, eids: list[str]) -> list[Episode] | None:
+        """The group's finished episodes, or None when it is not trained (no finished episode, or a constant
+        reward with ``filter_constant_groups``): then it gives its gate slot back and is counted."""
+        episodes = []
+        for eid, entries in zip(eids, self.episodes.read_many(eids)):  # the group's streams in one round trip
+            try:
+                ep = fold(entries)
+            except EventError as exc:  # set aside with its reason (loses nothing); the group trains without it
+                self.log.error("episode stream unreadable; episode skipped", episode=eid, error=str(exc))
+                dead_letters.send(self.client, self.keys, self.keys.episode(eid), exc.entry_id, str(exc), "trainer")
+                self.counts["episodes_failed"] += 1
+                continue
+            if ep.status == "finished":
+                episodes.append(ep)
+            else:  # failed: the engine or the reward function, not the policy
+                self.counts["episodes_failed"] += 1
+        rewards = {trained_reward(ep)[0] for ep in episodes}
+        constant = self.filter_constant_groups and len(rewards) == 1
+        if not episodes or constant:
+            reason = "constant reward" if episodes else "no finished episodes"
+            self.counts["constant_groups_filtered" if episodes else "groups_dropped"] += 1
+            self.counts["tokens_wasted"] += sum(ep.num_generated for ep in episodes)
+            self.log.info("group not trained", group=group_id, reason=reason)
+            self.uncommitted.append((entry_id, group_id, False))  # acknowledged with the next commit, never trained
+            # give its start back to the staleness gate (which counts starts): a replacement group may start.
+            # Without it a synchronous run (exactly batch_groups starts per version) would wait forever.
+            gate.refund_group(self.client, self.keys, group_id)
+            return None
+        return episodes
+
+    def trained(self, groups, trained: bool) -> None:
+        """A training step took ``groups`` ((entry, group id, episodes)); acknowledged with the next commit."""
+        self.uncommitted += [(e, g, trained) for e, g, _ in groups]
+
+    def to_commit(self) -> tuple[list[str], list[str]]:
+        """The group ids the next commit records: (trained, skipped)."""
+        return ([g for _, g, t in self.uncommitted if t], [g for _, g, t in self.uncommitted if not t])
+
+    def committed(self, groups: list[str]) -> None:
+        """``groups`` are in a ledger line (or about to be, in the checkpoint): never read again."""
+        self.consumed.update(groups)
+        for g in groups:
+            self.taken.pop(g, None)
+
+    def acknowledge(self) -> None:
+        """After the ledger line: the samples entries of every group since the last commit leave the pending list."""
+        if self.uncommitted:
+            self.client.xack(self.keys.samples, GROUP, *[e for e, _, _ in self.uncommitted])
+        self.uncommitted = []
+
+    def settle_skipped(self, ckpt_dir, version: int, step: int) -> None:
+        """Acknowledge groups judged untrainable when no training step is pending to carry them: a
+        skipped group is never trained, so its acknowledgement needs no checkpoint; it stays in its stream."""
+        if not self.uncommitted or any(trained for _, _, trained in self.uncommitted):
+            return
+        skipped = [g for _, g, _ in self.uncommitted]
+        ledger.append_ledger(ckpt_dir, {"version": version, "step": step, "groups": [], "skipped": skipped})
+        self.committed(skipped)
+        self.acknowledge()

@@ -244,7 +244,8 @@ def test_dead_letters_read_back_equal_and_a_second_for_the_same_entry_adds_nothi
 @given(records=st.lists(st.tuples(st.sampled_from(metrics.KINDS), json_maps), min_size=1, max_size=5))
 def test_metrics_records_read_back_equal_and_one_written_again_reads_once_in_its_last_place(client, keys, records):
     k = fresh(keys)
-    identity_field = {"train": "step", "sync": "sync", "validation": "version", "publish": "version", "rollout": "i"}
+    identity_field = {"train": "step", "sync": "sync", "validation": "version", "publish": "version", "rollout": "i",
+                      "agent": "episode"}
     records = [(kind, {**data, identity_field.get(kind, "i"): i}) for i, (kind, data) in enumerate(records)]
     for kind, data in records:
         metrics.record(client, k, kind, data)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -28,12 +27,6 @@ from shared.protocol import segments, versions  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
 from shared.runtime import secrets  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def family(keys: Keys, key: bytes) -> str:
@@ -68,9 +61,9 @@ def census(client, keys: Keys) -> dict[str, list[int]]:
 
 
 class Sampler(threading.Thread):
-    def __init__(self, url: str, keys: Keys, every: float, census_versions: list[int], run_path: Path):
+    def __init__(self, keys: Keys, every: float, census_versions: list[int], run_path: Path):
         super().__init__(daemon=True)
-        self.url, self.keys, self.every = url, keys, every
+        self.keys, self.every = keys, every
         self.run_path = run_path
         self.store = segments.SegmentStore(segments.folder_of(run_path))
         self.samples: list[tuple[float, int, int, int]] = []  # (time, version, used_memory, keys)
@@ -85,8 +78,10 @@ class Sampler(threading.Thread):
         while not self.stop.is_set():
             try:
                 run = secrets.read(self.run_path)  # the embedded server: where `streamrl run` put it, its password
-                url = f"redis://{run['redis_server']}/0" if run.get("redis_server") else self.url
-                client = client or connect(secrets.with_password(url, run.get("redis_password", "")))
+                if not run.get("redis_server"):
+                    raise RuntimeError("the run's embedded server has not started yet")
+                url = secrets.with_password(f"redis://{run['redis_server']}/0", run.get("redis_password", ""))
+                client = client or connect(url)
                 version = versions.latest_number(client, self.keys)
                 self.samples.append((time.time(), version, int(client.info("memory")["used_memory"]),
                                      client.dbsize()))
@@ -139,17 +134,16 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--archiver-nice", type=int, default=None, help="the archiver's priority (default: the config's)")
     args = ap.parse_args()
-    run, work, port = "tiers-memory", ROOT / "runs" / f"bench-tiers-memory-{uuid.uuid4().hex[:6]}", free_port()
-    url = f"redis://127.0.0.1:{port}/0"
+    run, work = "tiers-memory", ROOT / "runs" / f"bench-tiers-memory-{uuid.uuid4().hex[:6]}"
     censuses = [args.versions // 20] + [args.versions * k // 5 for k in range(1, 5)] + [args.versions * 97 // 100]
     keys = Keys(run)
     SINGLE.update(getattr(keys, name) for name in ("val_prompts", "val_samples", "agent_groups", "gate_started",
                                                     "load_lease", "driver_enqueued", "val_requested", "agents_running"))
-    sampler = Sampler(url, keys, args.every, censuses, work / run)
+    sampler = Sampler(keys, args.every, censuses, work / run)
     sampler.start()
     load_before = os.getloadavg()
     try:
-        t_start, steps = streamrl_run({"run": run, "run_dir": str(work), "redis_url": url, "seed": 0,
+        t_start, steps = streamrl_run({"run": run, "run_dir": str(work), "seed": 0,
                                        "max_versions": args.versions, "log_retention_versions": args.retention,
                                        "max_minutes": 0, "log_level": "warning",  # to the last version
                                        **({} if args.archiver_nice is None else {"archiver_nice": args.archiver_nice})},

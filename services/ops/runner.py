@@ -123,6 +123,17 @@ def own_server(cfg: Config) -> bool:
     return "REDIS_URL" in os.environ or address(cfg.redis_url) != address(Config().redis_url)
 
 
+def reachable(url: str, wait: float = 10.0) -> None:
+    """The user's own server answers, or one line (ConfigError) before any process starts."""
+    from shared.runtime.connection import connect
+
+    try:
+        connect(url, wait=wait).ping()
+    except Exception as exc:  # noqa: BLE001 - refused, timed out, a wrong password: the reason goes in the line
+        raise ConfigError(f"config key 'redis_url': {type(exc).__name__}: {exc}; start that server, or "
+                          f"leave redis_url (and REDIS_URL) unset for the run's own embedded server") from None
+
+
 def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str, dict]]:
     """(process name, command, its own config keys) for each process to start from the Procfile's ``entries``:
     the redis line is the runner's own server, the agent lines only with an agent, the archiver only with a
@@ -209,6 +220,8 @@ def _run(cfg: Config, entries: dict, warm_path: str | None, extra_env: dict | No
         server = start_for_run(cfg)
         env["REDIS_URL"] = env["STREAMRL_REDIS_URL"] = secrets.without_password(server.url)
     else:  # your own server: its secrets (the password in REDIS_URL included) stay where you put them
+        reachable(cfg.redis_url)
+        env.setdefault("REDIS_URL", cfg.redis_url)
         secrets.load_or_create(cfg.run_path, {"gateway_api_key": cfg.gateway_api_key,
                                               "weights_token": cfg.weights_token})
     for key in secrets.CONFIG_KEYS:  # every process reads them from the run's secrets file (0600), not from here

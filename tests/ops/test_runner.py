@@ -63,3 +63,20 @@ def test_a_redis_url_at_another_address_is_the_users_own_server(monkeypatch):
     assert own_server(Config(redis_url="redis+cluster://10.0.0.5:7000"))
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:6390/0")
     assert own_server(Config())
+
+
+def test_the_users_own_server_must_answer_before_anything_starts(redis_url):
+    import socket
+
+    import pytest
+
+    from services.ops.runner import reachable
+    from shared.runtime.config import ConfigError
+
+    reachable(redis_url)  # the session's server answers
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once the socket closes
+    with pytest.raises(ConfigError, match=rf"redis_url.*127\.0\.0\.1:{port}.*embedded server") as err:
+        reachable(f"redis://:s3cret@127.0.0.1:{port}/0", wait=0.5)
+    assert "s3cret" not in str(err.value)

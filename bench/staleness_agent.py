@@ -36,17 +36,20 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from bench.staleness import grid, slim, table  # noqa: E402
-from bench.staleness_agent_cell import make_agent_model, play, run_agent_cell  # noqa: E402
+from bench.staleness_agent_cell import WARM_STAGE, make_agent_model, play, run_agent_cell  # noqa: E402
 from bench.staleness_cell import Setup, split_task, step_config  # noqa: E402
 
 
 def agent_model(folder: str, pool: list[dict], warm_steps: int) -> str:
-    """``folder``/agent-w<warm_steps>-s0, made unless there (aside, then renamed)."""
+    """``folder``/agent-w<warm_steps>-s0, made unless there (aside, then renamed), from the largest made model of
+    fewer whole warm-start stages when there is one."""
     final = Path(folder, f"agent-w{warm_steps}-s0")
     if not (final / "config.json").exists():
         final.parent.mkdir(parents=True, exist_ok=True)
+        made = [n for n in range(WARM_STAGE, warm_steps, WARM_STAGE) if Path(folder, f"agent-w{n}-s0", "config.json").exists()]
+        start = (str(Path(folder, f"agent-w{made[-1]}-s0")), made[-1]) if made else None
         aside = Path(tempfile.mkdtemp(dir=folder))
-        make_agent_model(aside, pool, warm_steps, 0)
+        make_agent_model(aside, pool, warm_steps, 0, start)
         aside.rename(final)
     return str(final)
 
@@ -75,10 +78,11 @@ def main(argv=None) -> int:
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--eval-last", type=int, default=3)
     p.add_argument("--eval-size", type=int, default=200, help="held-out problems evaluated (of the 1,000)")
-    p.add_argument("--warm-steps", type=int, default=400)
+    p.add_argument("--warm-steps", type=int, default=800, help="in stages of 400 (see make_agent_model)")
     p.add_argument("--models-dir", default=str(ROOT / "models" / "staleness"))
     p.add_argument("--cells-out", default="", help="write the trained cells here (JSON) and stop")
     p.add_argument("--merge", default="", help="comma-separated --cells-out files: the table and record from them")
+    p.add_argument("--model-only", action="store_true", help="make the model, print its greedy accuracy, stop")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -92,6 +96,9 @@ def main(argv=None) -> int:
     pool, held = split_task(4, 1000)
     eval_rows = held[:args.eval_size]
     model_dir = agent_model(args.models_dir, pool, args.warm_steps)
+    if args.model_only:
+        print(f"{model_dir}: greedy accuracy {start_eval(model_dir, eval_rows):.3f} on {len(eval_rows)} held-out")
+        return 0
     if args.merge:
         cells = [c for f in args.merge.split(",") for c in json.loads(Path(f).read_text())]
     else:

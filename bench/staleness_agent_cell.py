@@ -26,16 +26,31 @@ from shared.protocol.logprobs import token_logprobs
 MAX_TOKENS = 96  # per LLM call, as examples/calc.py asks
 
 
-def make_agent_model(out_dir, pool: list[dict], warm_steps: int, seed: int) -> str:
+WARM_STAGE = 400  # the default agent model's warm start (services/ops/tiny_model.py: AGENT_WARM_STEPS) is one stage
+
+
+def make_agent_model(out_dir, pool: list[dict], warm_steps: int, seed: int, start: tuple[str, int] | None = None) -> str:
     """The default agent model (services/ops/tiny_model.py: the default shape with a 1,024-token context,
-    warm-started on calc.py's chat episodes), its warm start drawn from ``pool`` only."""
+    warm-started on calc.py's chat episodes), its warm start drawn from ``pool`` only, in stages of 400 steps:
+    stage k draws its 4,096 examples with seed + 12345 + k and goes on from the last stage's weights with a fresh
+    optimizer (stage 0 is the default model's recipe). ``start`` = (a model made so, its warm steps): copied and
+    continued, the same as made from scratch."""
+    import shutil
+
     from services.ops.tiny_model import (AGENT_CONTEXT, DEFAULT_MODEL, agent_sft_examples, load_tokenizer,
                                          make_tiny_model, warm_start)
 
-    make_tiny_model(out_dir, **dict(DEFAULT_MODEL, max_position_embeddings=AGENT_CONTEXT), seed=seed)
-    if warm_steps > 0:
-        warm_start(out_dir, agent_sft_examples(draw(pool, 4096, seed + 12345), load_tokenizer(out_dir)),
-                   warm_steps, seed=seed)
+    done = 0
+    if start:
+        shutil.copytree(start[0], out_dir, dirs_exist_ok=True)
+        done = start[1]
+    else:
+        make_tiny_model(out_dir, **dict(DEFAULT_MODEL, max_position_embeddings=AGENT_CONTEXT), seed=seed)
+    tok = load_tokenizer(out_dir)
+    while done < warm_steps:
+        k, n = done // WARM_STAGE, min(WARM_STAGE, warm_steps - done)
+        warm_start(out_dir, agent_sft_examples(draw(pool, 4096, seed + 12345 + k), tok), n, seed=seed + k)
+        done += n
     return str(out_dir)
 
 

@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--cells-out", default="", help="write the trained cells here (JSON) and stop")
     p.add_argument("--merge", default="", help="comma-separated --cells-out files: the table and record from them")
     p.add_argument("--model-only", action="store_true", help="make the model, print its greedy accuracy, stop")
+    p.add_argument("--record-name", default="staleness_agent", help="bench/results/<this>.json (another setup: another name)")
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
                   "value": f"{s['diff'][str(e)][0]:+.3f} ± {s['diff'][str(e)][1]:.3f}"} for e in etas if e]
         given = sys.argv[1:] if argv is None else argv
         argv_run = [a for i, a in enumerate(given) if not a.startswith("--merge") and not (i and given[i - 1] == "--merge")]
-        record("staleness_agent", rows, ["bench/staleness_agent.py", "bench/staleness_agent_cell.py",
+        record(args.record_name, rows, ["bench/staleness_agent.py", "bench/staleness_agent_cell.py",
                                          "bench/staleness_cell.py", "services/trainer", "services/gateway/chat.py",
                                          "examples/calc.py"], argv=argv_run,
                extra={"summary": summary, "setup": setup.__dict__, "start_eval": v0,

@@ -32,6 +32,8 @@ HEADLINES = [
      "python bench/async_vs_sync.py --simulate-gpu --simulated-train-us-per-token 250"),
     ("staleness", "staleness tolerance by correction, staleness fixed exactly (in-process, tiny model, held-out chain sums)",
      "python bench/staleness.py"),
+    ("staleness_agent", "staleness tolerance of the agent (examples/calc.py's episodes in process, staleness fixed exactly)",
+     "python bench/staleness_agent.py"),
     ("trajectory_async", "pulled weights vs a global pause, 8 workers, 1 s loads",
      "python bench/trajectory_async.py --budget 3072 --workers 8 --in-flight 4 --step-delay-ms 100 "
      "--simulated-train-us-per-token 50 --warm-steps 200 --eval-size 200 --max-minutes 6 --simulated-load-ms 1000 "

@@ -19,6 +19,8 @@ correction and η the mean ± standard error over seeds, and the difference to �
     python bench/staleness.py --etas 0,8 --corrections default,none --seeds 1 --steps 20   # a smoke run
     python bench/staleness.py --part 0/2 --cells-out a.json & python bench/staleness.py --part 1/2 --cells-out b.json
     python bench/staleness.py --merge a.json,b.json   # two processes, then the table, figure and record
+    python bench/staleness.py --merge bench/results/staleness.json,c.json --etas ... --corrections ...
+                                                      # a recorded grid's cells and new ones, in one table
 """
 
 from __future__ import annotations
@@ -57,28 +59,36 @@ def evals(cells: list[dict], correction: str, eta: int) -> dict[int, float]:
 def table(cells: list[dict], etas: list[int], corrections: list[str], margin: float = 0.02) -> tuple[str, dict]:
     """A markdown table per correction and η: eval mean ± se over seeds, and below it the paired difference to
     η = 0 (same seed: same model and prompts) mean ± se. Parity: that difference ≥ −``margin``; the largest η at
-    parity counts only an unbroken run from η = 0 (a noisy parity past a failure is not tolerance). Clearly
-    worse: the difference + 2 se < −``margin`` (the first such η; None: none is)."""
-    head = ["| correction | " + " | ".join(f"η={e}" for e in etas) + " | largest η at parity | first η clearly worse |",
-            "|---" * (len(etas) + 3) + "|"]
+    parity counts only an unbroken run from η = 0 (a noisy parity past a failure is not tolerance); an η not
+    trained for a correction (a merged grid measures some corrections at fewer η) is left out of its run and
+    shown as –. Clearly worse: the difference + 2 se < −``margin`` (the first such η; None: none is). ``seeds``:
+    how many seeds the correction's paired differences have (the most over its η > 0); its η = 0 column is the mean
+    over the seeds it was trained with."""
+    head = ["| correction | seeds | " + " | ".join(f"η={e}" for e in etas)
+            + " | largest η at parity | first η clearly worse |", "|---" * (len(etas) + 4) + "|"]
     summary, lines = {}, head
     for c in corrections:
         base = evals(cells, c, 0)
-        row, diff = {}, {}
+        stale = {x["seed"] for x in cells if x["eta"] and x["correction"] == c}
+        base = {s: v for s, v in base.items() if s in stale} if stale else base  # η = 0 of the same seeds
+        row, diff, seeds = {}, {}, 0
         for e in etas:
-            got = evals(cells, c, e)
-            row[e] = mean_se(list(got.values()))
-            diff[e] = mean_se([got[s] - base[s] for s in got if s in base])
+            got = evals(cells, c, e) if e else base
+            paired = [got[s] - base[s] for s in got if s in base]
+            if got and paired:
+                row[e], diff[e] = mean_se(list(got.values())), mean_se(paired)
+                seeds = max(seeds, len(paired)) if e else seeds
+        seeds = seeds or len(base)
         parity = 0
-        for e in etas:
+        for e in diff:
             if diff[e][0] < -margin:
                 break
             parity = e
-        worse = next((e for e in etas if diff[e][0] + 2 * diff[e][1] < -margin), None)
-        summary[c] = {"eval": {str(e): row[e] for e in etas}, "diff": {str(e): diff[e] for e in etas},
-                      "parity_eta": parity, "clearly_worse_eta": worse, "seeds": len(base)}
-        lines.append(f"| {c} | " + " | ".join(f"{m:.3f} ± {s:.3f}<br>{d:+.3f} ± {ds:.3f}"
-                                               for (m, s), (d, ds) in zip(row.values(), diff.values()))
+        worse = next((e for e in diff if diff[e][0] + 2 * diff[e][1] < -margin), None)
+        summary[c] = {"eval": {str(e): row[e] for e in diff}, "diff": {str(e): diff[e] for e in diff},
+                      "parity_eta": parity, "clearly_worse_eta": worse, "seeds": seeds}
+        lines.append(f"| {c} | {seeds} | " + " | ".join(f"{row[e][0]:.3f} ± {row[e][1]:.3f}<br>{diff[e][0]:+.3f} ± "
+                                                        f"{diff[e][1]:.3f}" if e in diff else "–" for e in etas)
                      + f" | **{parity}** | {worse} |")
     return "\n".join(lines), summary
 
@@ -90,8 +100,9 @@ def plot(summary: dict, etas: list[int], path: Path, cells: list[dict]) -> None:
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 5))
     for c, s in summary.items():
-        ds = [s["diff"][str(e)] for e in etas]
-        ax.errorbar(etas, [m for m, _ in ds], yerr=[se for _, se in ds], label=c, capsize=3, marker="o")
+        measured = [e for e in etas if str(e) in s["diff"]]
+        ds = [s["diff"][str(e)] for e in measured]
+        ax.errorbar(measured, [m for m, _ in ds], yerr=[se for _, se in ds], label=c, capsize=3, marker="o")
     ax.axhline(-0.02, color="grey", ls="--", lw=1, label="parity margin (-0.02)")
     ax.set_xscale("symlog", linthresh=1)
     ax.set_xticks(etas, [str(e) for e in etas])
@@ -130,11 +141,38 @@ def cached_model(folder: str, pool: list[dict], warm_steps: int, seed: int) -> s
 
 
 def slim(cell: dict) -> dict:
-    """A cell as the record keeps it: the per-step lists that only the run's own checks need become means."""
+    """A cell as the record keeps it: the per-step lists that only the run's own checks need become means (a cell
+    read back from a record is kept as it is)."""
+    if "masked_fraction" not in cell:
+        return cell
     out = {k: v for k, v in cell.items() if k not in ("mismatch_kl_current", "masked_fraction", "behaviour_versions")}
     out["masked_fraction_mean"] = sum(cell["masked_fraction"]) / max(len(cell["masked_fraction"]), 1)
     out["curve"] = [round(r, 4) for r in cell["curve"]]
     return out
+
+
+def read_cells(path: str) -> list[dict]:
+    """The cells of a ``--cells-out`` file, or of a record (bench/results/staleness.json: its ``extra.cells``, kept
+    slim); a cell trained twice (same seed, correction and η) is an error: the merge would count it twice."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict):
+        if "cells" not in data.get("extra", {}):
+            raise ValueError(f"--merge {path}: expected a list of cells or a record with extra.cells")
+        data = data["extra"]["cells"]
+    return data
+
+
+def merge_cells(files: list[str]) -> list[dict]:
+    """Every file's cells, each (seed, correction, η) once (η = 0 once per seed, whatever its correction)."""
+    cells, seen = [], {}
+    for f in files:
+        for c in read_cells(f):
+            key = (c["seed"], c["correction"] if c["eta"] else "", c["eta"])
+            if key in seen:
+                raise ValueError(f"--merge: seed {key[0]} {key[1] or 'η=0'} η={key[2]} is in both {seen[key]} and {f}")
+            seen[key] = f
+            cells.append(c)
+    return cells
 
 
 def grid(etas: list[int], corrections: list[str], seeds: int, first_seed: int = 0) -> list[tuple[int, str, int]]:
@@ -203,7 +241,7 @@ def main(argv=None) -> int:
         p.error(f"--steps {setup.steps}: expected at least {setup.eval_every} (the greedy eval runs every "
                 f"{setup.eval_every}th version)")
     if args.merge:
-        cells = [c for f in args.merge.split(",") for c in json.loads(Path(f).read_text())]
+        cells = merge_cells(args.merge.split(","))
     else:
         cells = run_grid(args, etas, corrections, setup)
     if args.cells_out:
@@ -211,14 +249,15 @@ def main(argv=None) -> int:
         return 0
     md, summary = table(cells, etas, corrections)
     print(md)
-    kl0 = [k for cell in cells for k in cell["mismatch_kl_current"] if k is not None]
+    kl0 = [k for cell in cells for k in cell.get("mismatch_kl_current", []) if k is not None]
     print(f"mismatch KL of current-version tokens (η=0 batches, torch): max {max(kl0):.2e}" if kl0 else "")
     plot(summary, etas, Path(args.png), cells)
     if not args.no_record:
         from bench.record import record
         at8 = lambda c: summary[c]["diff"].get("8", (0.0, 0.0))  # noqa: E731
         best = max(summary, key=lambda c: (summary[c]["parity_eta"], at8(c)[0]))
-        seeds = len({x["seed"] for x in cells})
+        counts = sorted({s["seeds"] for s in summary.values()})
+        seeds = "-".join(map(str, counts[::max(len(counts) - 1, 1)]))
         rows = [{"what": f"largest exact staleness η within 0.02 of η=0 (paired by seed), greedy eval on "
                          f"{args.eval_size} held-out {args.terms}-term chain sums ({seeds} seeds, {setup.steps} versions "
                          f"at lr {setup.lr:g})",

@@ -74,3 +74,28 @@ def test_trained_batches_come_from_version_v_minus_eta(tmp_path):
 def test_grid_from_a_first_seed_trains_eta_0_once_per_seed():
     cells = _bench().grid([0, 8], ["a", "b"], seeds=2, first_seed=3)
     assert cells == [(3, "a", 0), (3, "a", 8), (3, "b", 8), (4, "a", 0), (4, "a", 8), (4, "b", 8)]
+
+
+def test_merge_reads_a_record_and_new_cells_and_refuses_a_cell_twice(tmp_path):
+    import json
+
+    b = _bench()
+    old = [{"seed": s, "correction": "default", "eta": e, "eval": 0.8 + 0.03 * (s == 2) - 0.01 * e, "curve": [0.5],
+            "masked_fraction_mean": 0.0} for s in (0, 1, 2) for e in (0, 2)]
+    (tmp_path / "record.json").write_text(json.dumps({"name": "staleness", "extra": {"cells": old}}))
+    new = [{"seed": s, "correction": "m2po", "eta": 8, "eval": 0.79, "curve": [0.5], "masked_fraction": [0.1],
+            "mismatch_kl_current": [0.0], "behaviour_versions": [0]} for s in (0, 1)]
+    (tmp_path / "new.json").write_text(json.dumps(new))
+    cells = b.merge_cells([str(tmp_path / "record.json"), str(tmp_path / "new.json")])
+    assert len(cells) == 8 and b.slim(cells[0]) == old[0] and "masked_fraction" not in b.slim(cells[-1])
+    md, summary = b.table(cells, [0, 2, 8], ["default", "m2po"])
+    assert summary["m2po"]["seeds"] == 2 and summary["default"]["seeds"] == 3
+    assert "2" not in summary["m2po"]["diff"] and summary["m2po"]["parity_eta"] == 8  # η = 2 not trained: skipped
+    assert summary["m2po"]["diff"]["8"][0] == pytest.approx(-0.01)  # paired with seeds 0 and 1's η = 0 only
+    assert "| m2po | 2 | 0.800 ± 0.000<br>+0.000 ± 0.000 | – |" in md  # η = 0: seeds 0 and 1
+    (tmp_path / "again.json").write_text(json.dumps(new[:1]))
+    with pytest.raises(ValueError, match="seed 0 m2po η=8 is in both .*new.json and .*again.json"):
+        b.merge_cells([str(tmp_path / "new.json"), str(tmp_path / "again.json")])
+    (tmp_path / "other.json").write_text(json.dumps({"name": "x"}))
+    with pytest.raises(ValueError, match="other.json: expected a list of cells or a record with extra.cells"):
+        b.merge_cells([str(tmp_path / "other.json")])

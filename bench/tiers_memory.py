@@ -4,7 +4,11 @@ run's Redis every ``--every`` seconds (INFO used_memory, DBSIZE, the newest vers
 keys by family (episode streams, markers, the rest) with their memory. Writes docs/tiers_memory.png (used memory
 and keys against versions) and prints the ratio: the late level (mean over the last 10 % of versions) over the
 first window's level (mean over the versions from the archiver's first move, V1, to V1 + max(R, 5 % of the
-versions), R the retention window), goal at most 1.2.
+versions), R the retention window), goal at most 1.2. Only samples taken while the run trains count (the run's
+wind-down after its last version, when the archiver empties Redis, is left out: it would flatter the late level),
+and the level of each fifth of the run is printed beside its versions per second: what Redis holds scales with
+the rate (the retention window and the archiver's interval are versions and seconds), and the time-bounded
+families (markers with a TTL, streams trimmed by age) fill over their first minutes.
 
     python bench/tiers_memory.py [--versions 10000] [--retention 20]"""
 
@@ -81,7 +85,7 @@ class Sampler(threading.Thread):
                 if not run.get("redis_server"):
                     raise RuntimeError("the run's embedded server has not started yet")
                 url = secrets.with_password(f"redis://{run['redis_server']}/0", run.get("redis_password", ""))
-                client = client or connect(url)
+                client = client or connect(url, wait=5)  # gone at the end: give up soon
                 version = versions.latest_number(client, self.keys)
                 self.samples.append((time.time(), version, int(client.info("memory")["used_memory"]),
                                      client.dbsize()))
@@ -99,6 +103,13 @@ class Sampler(threading.Thread):
 def level(samples, lo: int, hi: int) -> float:
     picked = [m for _, v, m, _ in samples if lo <= v <= hi]
     return sum(picked) / max(len(picked), 1)
+
+
+def fifth(samples, lo: int, hi: int) -> tuple[int, int, float, float]:
+    """(lo, hi, mean used_memory in MB, versions per second) of the samples between versions lo and hi."""
+    picked = [(t, v) for t, v, _, _ in samples if lo <= v <= hi]
+    seconds = picked[-1][0] - picked[0][0] if len(picked) > 1 else 0.0
+    return lo, hi, level(samples, lo, hi) / 1e6, (picked[-1][1] - picked[0][1]) / seconds if seconds else 0.0
 
 
 def plot(samples, retention: int, window: tuple[int, int], path: Path, ratio: float) -> None:
@@ -157,6 +168,7 @@ def main() -> None:
     if not s:
         raise SystemExit(f"no sample of the run's Redis: {sampler.errors[-3:]}")
     top = max(v for _, v, _, _ in s)
+    s = s[:next(i for i, x in enumerate(s) if x[1] == top) + 1]  # up to the last version: not the wind-down
     v1 = sampler.first_move or args.retention
     window = (v1, v1 + max(args.retention, top // 20))
     first, late = level(s, *window), level(s, int(0.9 * top), top)
@@ -167,6 +179,9 @@ def main() -> None:
           f"{first / 1e6:.1f} MB over versions {window[0]}..{window[1]} (the first move at {v1}), "
           f"{late / 1e6:.1f} MB over the "
           f"last 10 %: {ratio:.2f}x (goal <= 1.2); keys {s[0][3]} -> {s[-1][3]}")
+    fifths = [fifth(s, top * k // 5, top * (k + 1) // 5) for k in range(5)]
+    print("by fifth of the run: " + ", ".join(f"v{lo}-{hi} {mb:.1f} MB at {vps:.1f} versions/s"
+                                              for lo, hi, mb, vps in fifths))
     print(f"segments: {cold['segments']} files, {cold['episodes']} episodes, {cold['bytes'] / 1e6:.1f} MB, "
           f"{cold['bytes'] / max(cold['tokens'], 1):.1f} B per policy token")
     for version, families in sorted(sampler.censuses.items()):
@@ -183,9 +198,11 @@ def main() -> None:
     record("tiers_memory", [
         {"what": f"Redis used_memory, late / first retention window, default run of {top} versions, retention "
                  f"{args.retention}{'' if args.archiver_nice is None else f', archiver_nice {args.archiver_nice}'}", "value": f"{ratio:.2f}x ({first / 1e6:.1f} -> {late / 1e6:.1f} MB)"},
+        {"what": "Redis used_memory by fifth of the run (MB, at versions/s)",
+         "value": ", ".join(f"{mb:.1f} at {vps:.1f}" for _, _, mb, vps in fifths)},
     ], ["services/archiver", "shared/protocol/segments.py", "shared/protocol/segment_entries.py",
         "services/driver/heads.py", "shared/protocol/stream_head.py"], extra={
-        "load_average_before": load_before, "load_average": load, "segments": cold, "censuses": sampler.censuses,
+        "load_average_before": load_before, "load_average": load, "segments": cold, "censuses": sampler.censuses, "fifths": fifths,
         "samples": s[:: max(1, len(s) // 400)]})
 
 

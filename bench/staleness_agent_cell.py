@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from bench.staleness_cell import Setup, behaviour_version, by_width, draw, step_config
+from bench.staleness_cell import Setup, behaviour_version, by_width, draw, start_cell
 from services.trainer.batch import build_batch
 from services.trainer.step import train_on_batch
 from shared.protocol.fold import Episode
@@ -163,19 +163,7 @@ def run_agent_cell(model_dir: str, eta: int, correction: str, seed: int, setup: 
     """bench/staleness_cell.py's ``run_cell`` on the agent's episodes: ``setup.steps`` versions at staleness
     exactly η, the greedy evaluation (calc.py's reward on held-out problems) every ``setup.eval_every`` versions
     over the last ``setup.eval_last`` of them."""
-    from transformers import AutoModelForCausalLM
-
-    from services.ops.tiny_model import load_tokenizer
-
-    torch.manual_seed(seed)
-    tok = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    behaviour = copy.deepcopy(model).eval()
-    opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
-    sc = step_config(correction)
-    gen = torch.Generator().manual_seed(seed)
-    rows = draw(pool, setup.steps * setup.batch_groups, seed + 1)
-    snapshots = {0: copy.deepcopy(model.state_dict())}
+    tok, model, behaviour, opt, sc, gen, rows, snapshots = start_cell(model_dir, correction, seed, setup, pool)
     curve, behav_versions, mismatch0, masked, eval_curve, tool_calls = [], [], [], [], [], []
     for v in range(setup.steps):
         bv = behaviour_version(v, eta)

@@ -174,11 +174,10 @@ def greedy_eval(model, tok, rows: list[dict], max_tokens: int = 8) -> float:
     return right / len(rows)
 
 
-def run_cell(model_dir: str, eta: int, correction: str, seed: int, setup: Setup, eval_rows: list[dict],
-             pool: list[dict], on_step=None) -> dict:
-    """Train ``setup.steps`` versions at staleness exactly η; return the reward curve, the greedy eval (the mean
-    over the last ``setup.eval_last`` versions evaluated, every ``setup.eval_every``-th; ``eval_final`` the last
-    version's) and the per-step behaviour versions and mismatch figures."""
+def start_cell(model_dir: str, correction: str, seed: int, setup: "Setup", pool: list[dict]):
+    """A cell's starting point, the same for every task: (tokenizer, the trained model, the behaviour model, its
+    AdamW, the correction's step config, the sampling generator, the cell's rows drawn from ``pool``, the version
+    snapshots {0: the initial weights})."""
     from transformers import AutoModelForCausalLM
 
     from services.ops.tiny_model import load_tokenizer
@@ -188,10 +187,17 @@ def run_cell(model_dir: str, eta: int, correction: str, seed: int, setup: Setup,
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     behaviour = copy.deepcopy(model).eval()
     opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
-    sc = step_config(correction)
-    gen = torch.Generator().manual_seed(seed)
     rows = draw(pool, setup.steps * setup.batch_groups, seed + 1)
-    snapshots = {0: copy.deepcopy(model.state_dict())}
+    return (tok, model, behaviour, opt, step_config(correction), torch.Generator().manual_seed(seed), rows,
+            {0: copy.deepcopy(model.state_dict())})
+
+
+def run_cell(model_dir: str, eta: int, correction: str, seed: int, setup: Setup, eval_rows: list[dict],
+             pool: list[dict], on_step=None) -> dict:
+    """Train ``setup.steps`` versions at staleness exactly η; return the reward curve, the greedy eval (the mean
+    over the last ``setup.eval_last`` versions evaluated, every ``setup.eval_every``-th; ``eval_final`` the last
+    version's) and the per-step behaviour versions and mismatch figures."""
+    tok, model, behaviour, opt, sc, gen, rows, snapshots = start_cell(model_dir, correction, seed, setup, pool)
     curve, behav_versions, mismatch0, masked, eval_curve = [], [], [], [], []
     for v in range(setup.steps):
         bv = behaviour_version(v, eta)

@@ -21,13 +21,19 @@ def read(path: Path, what: str) -> list[dict]:
     """Every complete line of ``path`` (``what`` names the file in errors); [] when it does not exist."""
     if not path.exists():
         return []
+    return _parse(path.read_text().split("\n")[:-1], path, what)  # after the last newline: empty or torn
+
+
+def _parse(lines, path: Path, what: str, near_end: bool = False) -> list[dict]:
+    """The JSON lines of ``lines`` (blank ones skipped); a line that is not JSON is a ValueError naming it."""
     out = []
-    for number, line in enumerate(path.read_text().split("\n")[:-1], 1):  # after the last newline: empty or torn
+    for number, line in enumerate(lines, 1):
         if line.strip():
             try:
                 out.append(json.loads(line))
             except ValueError as exc:
-                raise ValueError(f"{what} {path}: line {number} is not JSON ({exc})") from None
+                where = "a line near its end" if near_end else f"line {number}"
+                raise ValueError(f"{what} {path}: {where} is not JSON ({exc})") from None
     return out
 
 
@@ -40,16 +46,7 @@ def tail(path: Path, nbytes: int, what: str) -> list[dict]:
         size = fh.seek(0, 2)
         fh.seek(max(0, size - nbytes))
         lines = fh.read().split(b"\n")[:-1]
-    if size > nbytes:
-        lines = lines[1:]
-    out = []
-    for line in lines:
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except ValueError as exc:
-                raise ValueError(f"{what} {path}: a line near its end is not JSON ({exc})") from None
-    return out
+    return _parse(lines[1:] if size > nbytes else lines, path, what, near_end=True)
 
 
 def repair(path: Path) -> int:

@@ -26,10 +26,11 @@ def serve_weights(cfg, log, resolve=None) -> WeightServer | None:
 def main(argv=None) -> None:
     svc = Service("trainer", argv)
     trainer = Trainer(svc.cfg, svc.client, svc.log)
-    server = None
+    server, clean = None, False
     try:
         if not trainer.shard.main:  # under torchrun: rank 0 reads, commits and beats; this rank follows it
             trainer.run()
+            clean = True
             return
         try:
             server = serve_weights(svc.cfg, svc.log, resolve=trainer.deltas.resolve)
@@ -46,12 +47,13 @@ def main(argv=None) -> None:
                 return svc.stopping
 
             trainer.run(should_stop=should_stop)
+            clean = True
         finally:
             beat.stop()
     finally:
         if server is not None:
             server.stop()
-        distributed.close()
+        distributed.close(sync=clean)
 
 
 if __name__ == "__main__":

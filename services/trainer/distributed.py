@@ -83,8 +83,12 @@ def init(device: torch.device) -> Shard:
     return Shard(dist.get_rank(), dist.get_world_size(), device)
 
 
-def close() -> None:
+def close(sync: bool = False) -> None:
+    """Leave the process group. ``sync`` (a clean exit, every rank here): wait for the others first, because gloo
+    aborts a rank ("terminate called without an active exception") whose peer tears its pairs down mid-exit."""
     if dist.is_initialized():
+        if sync and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -44,7 +44,9 @@ def base_env(run_dir: Path, run_name: str, model_dir: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_") and k != "REDIS_URL"}
     env.update({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", "OMP_NUM_THREADS": "1",
                 "STREAMRL_RUN": run_name, "STREAMRL_RUN_DIR": str(run_dir), "STREAMRL_MODEL_DIR": model_dir,
-                "STREAMRL_MAX_VERSIONS": "3", "STREAMRL_MAX_MINUTES": "3", "STREAMRL_VAL_EVERY": "0"})
+                "STREAMRL_MAX_VERSIONS": "3", "STREAMRL_MAX_MINUTES": "3", "STREAMRL_VAL_EVERY": "0",
+                # honcho starts every Procfile line, the gateway's too: not on the default port another run may hold
+                "STREAMRL_GATEWAY_PORT": str(free_port())})
     return env
 
 

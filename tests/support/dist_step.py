@@ -63,7 +63,7 @@ def main(model_dir: str, out: str) -> None:
         if shard.main:
             save_file({k: v.contiguous() for k, v in state.items()}, str(Path(out) / f"{name}.safetensors"))
             (Path(out) / f"{name}.json").write_text(json.dumps(stats))
-    distributed.close()
+    distributed.close(sync=True)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ whole history (``streamrl check``, the archiver's group -> episodes map after a 
 then Redis after the file's last id: a crash between the append and the trim leaves entries in both, read once.
 One line per entry, ``{"id": ..., "fields": {name: value}}``, values as latin-1 text (bytes given back exactly); a
 torn last line (a crash mid-append) is ignored and cut off before the next append (shared/protocol/jsonl.py). A
-reader that follows a stream from a cursor (``read_after``) indexes the file once (each line's id and offset, then
-only what is appended) and reads each entry's line once, however many batches it takes."""
+reader that follows a stream from a cursor (``read_after``) indexes the file once (every 64th line's id and offset,
+then only what is appended) and reads each entry's line about once, however many batches it takes."""
 
 from __future__ import annotations
 
@@ -106,9 +106,12 @@ def _packed(key: tuple[int, int]) -> int:
 
 
 class HeadIndex:
-    """Where each complete line of a head file starts, and its id: built as the file grows, each byte parsed once
-    (``bytes_read`` counts what was read, for the test). A file cut shorter or replaced is indexed again. About 50 B
-    of memory per entry: an id as one int, an offset in an array."""
+    """Where every ``STRIDE``-th complete line of a head file starts, and its id: built as the file grows, each byte
+    parsed once (``bytes_read`` counts what was read, for the test). A file cut shorter or replaced is indexed
+    again. Sparse, so a reader that follows a stream for days holds about 1 B per entry (one id and one offset per
+    STRIDE lines), and a read parses at most 2 x STRIDE lines it does not return."""
+
+    STRIDE = 64
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -116,7 +119,9 @@ class HeadIndex:
         self.bytes_read = 0
 
     def _reset(self, inode) -> None:
-        self.inode, self.end, self.ids, self.offsets = inode, 0, [], array("q")
+        self.inode, self.end, self.lines, self.last = inode, 0, 0, 0
+        self.ids, self.offsets = [], array("q")  # of lines 0, STRIDE, 2 x STRIDE, ...
+        self._resume = (-1, 0)  # (the id of the last entry ``after`` gave, the offset of the line after it)
 
     def refresh(self) -> "HeadIndex":
         try:
@@ -135,30 +140,49 @@ class HeadIndex:
             while (nl := data.find(b"\n", pos)) >= 0:  # complete lines only: a torn last one waits for its repair
                 if data[pos:nl].strip():
                     try:
-                        self.ids.append(_packed(id_key(json.loads(data[pos:nl])["id"])))
+                        self.last = _packed(id_key(json.loads(data[pos:nl])["id"]))
                     except (ValueError, KeyError) as exc:
                         raise ValueError(f"stream head {self.path}: the line at byte {self.end + pos} is not an "
                                          f"entry ({exc})") from None
-                    self.offsets.append(self.end + pos)
+                    if self.lines % self.STRIDE == 0:
+                        self.ids.append(self.last)
+                        self.offsets.append(self.end + pos)
+                    self.lines += 1
                 pos = nl + 1
             self.end += pos
         return self
 
     def newest(self) -> int:
-        return self.ids[-1] if self.ids else 0
+        return self.last
 
     def after(self, cursor: str, count: int) -> list[tuple[bytes, dict]]:
-        """Up to ``count`` entries after ``cursor``, their lines read from their offsets."""
-        i = bisect.bisect_right(self.ids, _packed(id_key(cursor)))
-        j = min(i + count, len(self.ids))
-        if i >= j:
+        """Up to ``count`` entries after ``cursor``: read from the indexed line at or before it, through enough
+        whole strides to hold ``count`` more."""
+        key = _packed(id_key(cursor))
+        if count <= 0 or key >= self.last:
             return []
-        stop = self.offsets[j] if j < len(self.ids) else self.end
+        if self._resume[0] == key:  # a follower asking for what comes after its last batch: read on from there
+            pos = self._resume[1]
+        else:
+            pos = self.offsets[max(bisect.bisect_right(self.ids, key) - 1, 0)]
+        out = []
         with open(self.path, "rb") as fh:
-            fh.seek(self.offsets[i])
-            data = fh.read(stop - self.offsets[i])
-        self.bytes_read += len(data)
-        return [_entry(json.loads(line)) for line in data.split(b"\n") if line.strip()]
+            fh.seek(pos)
+            while len(out) < count and pos < self.end:
+                # enough whole lines for what is still wanted (STRIDE lines at a time past the first guess)
+                block = bisect.bisect_right(self.offsets, pos) - 1 + (count - len(out)) // self.STRIDE + 1
+                data = fh.read((self.offsets[block] if block < len(self.offsets) else self.end) - pos)
+                self.bytes_read += len(data)
+                start = 0
+                while len(out) < count and (nl := data.find(b"\n", start)) >= 0:
+                    if data[start:nl].strip():
+                        record = json.loads(data[start:nl])
+                        if (got := _packed(id_key(record["id"]))) > key:
+                            out.append(_entry(record))
+                            self._resume = (got, pos + nl + 1)
+                    start = nl + 1
+                pos += len(data)
+        return out
 
 
 _INDEXES: dict[str, HeadIndex] = {}  # a reader process's head files, indexed once each

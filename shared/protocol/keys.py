@@ -74,7 +74,7 @@ class Keys:
         return f"{self.base}alive:{service}:*"
 
     driver_enqueued = property(lambda self: f"{self.base}driver:enqueued")  # groups the driver has enqueued so far
-    val_requested = property(lambda self: f"{self.base}validation:requested")  # validation rounds asked for
+    val_requested = property(lambda self: f"{self.base}validation:requested")  # the newest validation round asked for
 
     def call_index(self, episode_id: str) -> str:
         """Hash of an agent episode's calls: request digest -> call index, '#n' -> calls so far (the gateway's
@@ -150,7 +150,8 @@ CATALOG = (
      "a sync round's commands and acks written: field <cmd>:<worker> (once; TTL 120 s)"),
     ("dead_lettered", ("<stream>", "<entry id>"), "string", "shared/protocol/once.py", "a dead letter written (once)"),
     ("driver_enqueued", (), "string", "services/driver/driver.py", "prompt groups the driver has enqueued so far"),
-    ("val_requested", (), "set", "services/driver/validation.py", "validation rounds asked for (versions)"),
+    ("val_requested", (), "set", "services/driver/validation.py",
+     "the newest validation round asked for (a version; it stands for every round before it)"),
     ("call_index", ("<episode id>",), "hash", "shared/protocol/calls.py",
      "an agent episode's calls: request digest -> call index"),
     ("agents_done", ("<group id>",), "set", "services/gateway/runner.py", "a group's agent episodes that ended"),

@@ -6,9 +6,9 @@ and keys against versions) and prints the ratio: the late level (mean over the l
 first window's level (mean over the versions from the archiver's first move, V1, to V1 + max(R, 5 % of the
 versions), R the retention window), goal at most 1.2. Only samples taken while the run trains count (the run's
 wind-down after its last version, when the archiver empties Redis, is left out: it would flatter the late level),
-and the level of each fifth of the run is printed beside its versions per second: what Redis holds scales with
-the rate (the retention window and the archiver's interval are versions and seconds), and the time-bounded
-families (markers with a TTL, streams trimmed by age) fill over their first minutes.
+and the level of each fifth of the run is printed beside its versions per second: the episode streams are bounded
+in versions (the retention window plus the archiver's ``archive_every_versions``), the time-bounded families (markers
+with a TTL, streams trimmed by age) scale with the rate and fill over their first minutes.
 
     python bench/tiers_memory.py [--versions 10000] [--retention 20]"""
 

@@ -1,10 +1,25 @@
-"""`python -m services.archiver`: moves trained episodes older than ``log_retention_versions`` out of Redis."""
+"""`python -m services.archiver`: moves trained episodes older than ``log_retention_versions`` out of Redis.
+
+It steps every ``archive_every_versions`` published versions (woken by the ``versions`` stream: a blocking read, no
+polling), and at the latest ``archive_every_s`` after its last step (``cadence.py``)."""
 
 import os
 import time
 
+from services.archiver import cadence
 from services.archiver.mover import Mover
+from shared.protocol import versions
 from shared.runtime.service import Service
+
+
+def follow(client, keys, cursor: str, newest: int, block_ms: int | None = None) -> tuple[str, int]:
+    """(cursor, newest version) after reading the versions published since ``cursor``; waits up to ``block_ms``
+    for one when none is there (None: no wait)."""
+    while True:
+        found = versions.read_after(client, keys, cursor, block_ms=block_ms, count=1000)
+        if not found:
+            return cursor, newest
+        cursor, newest, block_ms = found[-1].entry_id, max(newest, *(v.version for v in found)), None
 
 
 def main(argv=None) -> None:
@@ -16,13 +31,18 @@ def main(argv=None) -> None:
                   seed_base=cfg.seed)
     recovered = mover.recover()
     svc.log.info("archiver started", retention_versions=cfg.log_retention_versions, recovered=recovered,
-                 niceness=niceness)
+                 niceness=niceness, every_versions=cfg.archive_every_versions, every_s=cfg.archive_every_s)
+    latest = versions.latest(svc.client, svc.keys)
+    cursor, newest = (latest.entry_id, latest.version) if latest else ("0-0", 0)
     while not svc.stopping:
+        cursor, newest = follow(svc.client, svc.keys, cursor, newest)  # what the step acts on
         if cfg.log_retention_versions > 0:
             mover.step()
-        deadline = time.monotonic() + cfg.archive_every_s
-        while not svc.stopping and time.monotonic() < deadline:
-            time.sleep(0.2)
+        stepped_at, stepped_version = time.monotonic(), newest
+        while not svc.stopping and not cadence.due(newest, stepped_version, time.monotonic() - stepped_at,
+                                                   cfg.archive_every_versions, cfg.archive_every_s):
+            wait = cadence.block_ms(time.monotonic() - stepped_at, cfg.archive_every_s)
+            cursor, newest = follow(svc.client, svc.keys, cursor, newest, block_ms=wait)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,14 @@ def summarize(version: int, rewards: dict[str, list[float]], token_versions: lis
             "token_version_max": max(token_versions, default=version)}
 
 
+def asked_before(requested: set[int], version: int) -> bool:
+    """Whether the round of ``version`` was requested already (by this driver or one before a restart): it is in
+    ``requested`` (the set ``validation:requested``), or older than its newest round. The driver asks only for the
+    newest version, which never goes back, so the set keeps only its newest round (older ones are removed as a new
+    one is asked for) and still answers for every round before it."""
+    return version in requested or version < max(requested, default=-1)
+
+
 @dataclass
 class Round:
     expected: int
@@ -110,16 +118,20 @@ class Validator:
     def maybe_request(self, version: int) -> bool:
         """Enqueue the round of ``version`` when it is due and not requested before (also across driver restarts)."""
         self._forget_before(version)
-        if not self.every or not self.rows or version % self.every or version in self.requested:
+        if not self.every or not self.rows or version % self.every or asked_before(self.requested, version):
             return False
         # the round's group ids are deterministic and enqueueing is idempotent: a retried SADD that reports the
         # round as requested (its first execution's reply lost) still enqueues it, at most once per group
         first = self.client.sadd(self._requested_key, version)
         groups = round_groups(version, self.rows, self.size, self.k)
-        if not any(enqueue(self.client, self.keys, groups, stream=self.keys.val_prompts)) and not first:
-            self.requested.add(version)
-            return False
+        enqueued = any(enqueue(self.client, self.keys, groups, stream=self.keys.val_prompts))
+        older = {v for v in self.requested if v < version}
+        if older:  # the newest round stands for them (asked_before): the set keeps one round, not every one (issue 33)
+            self.client.srem(self._requested_key, *older)
+            self.requested -= older
         self.requested.add(version)
+        if not enqueued and not first:
+            return False
         self.marked.add(version)
         self.rounds[version] = Round(expected=len(groups))
         return True

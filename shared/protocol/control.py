@@ -19,9 +19,10 @@ Ack entries: ``type=ack``, ``cmd``, ``sync``, ``worker``, ``ok`` (1 or 0),
 ``version`` (the worker's version after the command: fetch does not change it), ``error`` (when ok=0).
 
 Written once, read tolerantly: the sync id is fixed for a whole sync round (made once, before the first
-command, so a retried XADD carries the same one); ``send_command`` and ``send_ack`` set
-``control:sent:<sync>:<cmd>:<worker>`` NX in the same script as the XADD, so a retried write adds nothing
-(a no-op, logged at debug; the marker lives ``once.RETRY_MARKER_TTL_S``, longer than any retry); a duplicate
+command, so a retried XADD carries the same one); ``send_command`` and ``send_ack`` set the field
+``<cmd>:<worker>`` of the round's one hash ``control:sent:<sync>`` with HSETNX in the same script as the XADD, so a
+retried write adds nothing (a no-op, logged at debug; the hash lives ``once.RETRY_MARKER_TTL_S`` after the round's
+last write, longer than any retry; a small hash is a listpack: a field costs a few bytes, a key ~100); a duplicate
 that still gets through (an older writer, a hand-written entry, a retry after that) is obeyed once by a worker
 that asks ``Seen.first`` and counted once by the syncer (acks go in a set).
 """
@@ -36,8 +37,9 @@ from shared.protocol.events import EventError
 from shared.protocol.keys import Keys
 
 _SEND = """
-if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
-  return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
+if redis.call('HSETNX', KEYS[1], ARGV[1], '1') == 1 then
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+  return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', unpack(ARGV, 4))
 end
 return false
 """
@@ -144,9 +146,15 @@ def ack(cmd: Command, worker: str, ok: bool, version: int, error: str = "") -> d
             "version": str(version), "error": error}
 
 
+def sent_field(cmd: str, worker: str = "") -> str:
+    """The field of the round's ``control:sent:<sync>`` hash that marks a command (or, with ``worker``, its ack)."""
+    return f"{cmd}:{worker}"
+
+
 def _send(client, keys: Keys, marker: str, fields: dict, write: str) -> str | None:
     flat = [x for kv in fields.items() for x in kv]
-    entry_id = client.eval(_SEND, 2, marker, keys.control, once.RETRY_MARKER_TTL_S, MAXLEN, *flat)
+    entry_id = client.eval(_SEND, 2, keys.control_sent(fields["sync"]), keys.control, marker,
+                           once.RETRY_MARKER_TTL_S, MAXLEN, *flat)
     if entry_id is None:
         once.skipped(write, sync=fields["sync"], cmd=fields["cmd"], worker=fields.get("worker", ""))
         return None
@@ -156,14 +164,12 @@ def _send(client, keys: Keys, marker: str, fields: dict, write: str) -> str | No
 def send_command(client, keys: Keys, c: Command, part: str = "") -> str | None:
     """Write ``c`` once per (sync, cmd, part): its entry id, None when it was already written (a retry). ``part``
     names one of several commands of a kind in a round (a wave, a level of the fetch tree)."""
-    return _send(client, keys, keys.control_sent(c.sync, f"{c.cmd}#{part}" if part else c.cmd), encode_command(c),
-                 "control command")
+    return _send(client, keys, sent_field(f"{c.cmd}#{part}" if part else c.cmd), encode_command(c), "control command")
 
 
 def send_ack(client, keys: Keys, cmd: Command, worker: str, ok: bool, version: int, error: str = "") -> str | None:
     """Write ``worker``'s ack of ``cmd`` once: its entry id, None when it was already written (a retry)."""
-    return _send(client, keys, keys.control_sent(cmd.sync, cmd.cmd, worker), ack(cmd, worker, ok, version, error),
-                 "control ack")
+    return _send(client, keys, sent_field(cmd.cmd, worker), ack(cmd, worker, ok, version, error), "control ack")
 
 
 def read_after(client, keys: Keys, cursor: str, count: int = 100, block_ms: int | None = None) -> list[tuple]:

@@ -16,7 +16,8 @@ No gate (the syncer has not opened it yet) means: everything may start in async 
 Every reservation and refund carries a token (random per call, or the group id for the trainer's refund of a
 group) and records its outcome under ``gate:req:<token>`` in the same script: a call repeated (a retried
 command whose reply was lost, a trainer re-judging a group after a restart) returns the first outcome and
-changes nothing, so slots neither leak nor are given back twice.
+changes nothing, so slots neither leak nor are given back twice. A call's own random token guards only a retry of
+that call and lives ``once.RETRY_MARKER_TTL_S``; a named token (a group's, guarding a restart) ``REQUEST_TTL_S``.
 
 What the gate promises: at most ``limit`` = (η + v + 1)·B groups are ever started (net of refunds) while the
 gate is at version v, and a worker still running an older version w reserves only under ITS version's limit,
@@ -37,7 +38,9 @@ from dataclasses import dataclass
 from shared.protocol import once
 from shared.protocol.keys import Keys
 
-REQUEST_TTL_S = 600  # how long a reservation's or refund's outcome is kept for a retry to find
+REQUEST_TTL_S = 600  # how long a NAMED reservation's or refund's outcome is kept (``group:<id>``: a restart's repeat)
+# A call's own token (none given: a uuid per call) guards only a retry of that call, within ``redis_wait``: its
+# outcome is kept ``once.RETRY_MARKER_TTL_S`` (120 s), not 600 s (issue 33: nearly every gate:req key is one of these)
 
 _RESERVE = """
 local done = redis.call('GET', KEYS[3])
@@ -65,6 +68,12 @@ if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'EX', ARGV[2]) then
 end
 return false
 """
+
+
+def ttl_of(token: str | None) -> int:
+    """How long a request's outcome is kept: a named token's (a restart may repeat it) ``REQUEST_TTL_S``, a call's
+    own (None: only a retry of that call repeats it) ``once.RETRY_MARKER_TTL_S``."""
+    return REQUEST_TTL_S if token else once.RETRY_MARKER_TTL_S
 
 
 @dataclass(frozen=True)
@@ -121,10 +130,11 @@ class Gate:
         ``version``: the reserving worker's; behind the gate's, it reserves under its own version's limit."""
         if want <= 0:
             return Grant(0, False, None)
+        ttl = ttl_of(token)
         token = token or uuid.uuid4().hex
         granted, version = (int(x) for x in self._reserve(
             keys=[self.keys.gate, self.keys.gate_started, self.keys.gate_request(token)],
-            args=[want, REQUEST_TTL_S, -1 if version is None else version]))
+            args=[want, ttl, -1 if version is None else version]))
         if granted == -2:  # this very call ran before (a retry): the slots it reserved then are this call's
             once.skipped("gate reserve", token=token, granted=version)
             granted, version = version, opened_version(self.client, self.keys)
@@ -148,8 +158,9 @@ def refund(client, keys: Keys, n: int = 1, token: str | None = None) -> bool:
     At most once per ``token`` (default: a new one, i.e. this call only): False when already refunded."""
     if n <= 0:
         return False
+    ttl = ttl_of(token)
     token = token or uuid.uuid4().hex
-    if client.eval(_REFUND, 2, keys.gate_started, keys.gate_request(f"refund:{token}"), n, REQUEST_TTL_S) is None:
+    if client.eval(_REFUND, 2, keys.gate_started, keys.gate_request(f"refund:{token}"), n, ttl) is None:
         once.skipped("gate refund", token=token, n=n)
         return False
     return True

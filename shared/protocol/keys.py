@@ -48,9 +48,10 @@ class Keys:
         """Set once when a prompt group is enqueued: a second enqueue of the same group id is a no-op."""
         return f"{self.base}enqueued:{group_id}"
 
-    def control_sent(self, sync: str, cmd: str, worker: str = "") -> str:
-        """Set once when a control command (or, with ``worker``, that worker's ack) is written."""
-        return f"{self.base}control:sent:{sync}:{cmd}:{worker}"
+    def control_sent(self, sync: str) -> str:
+        """Hash of a sync round's control writes: a field ``<cmd>:<worker>`` set once when a command (worker empty)
+        or a worker's ack is written (shared/protocol/control.py)."""
+        return f"{self.base}control:sent:{sync}"
 
     def dead_lettered(self, stream: str, entry_id: str) -> str:
         """Set once when a dead letter names (stream, entry): one dead letter per bad entry."""
@@ -73,7 +74,7 @@ class Keys:
         return f"{self.base}alive:{service}:*"
 
     driver_enqueued = property(lambda self: f"{self.base}driver:enqueued")  # groups the driver has enqueued so far
-    val_requested = property(lambda self: f"{self.base}validation:requested")  # validation rounds asked for
+    val_requested = property(lambda self: f"{self.base}validation:requested")  # the newest validation round asked for
 
     def call_index(self, episode_id: str) -> str:
         """Hash of an agent episode's calls: request digest -> call index, '#n' -> calls so far (the gateway's
@@ -136,7 +137,8 @@ CATALOG = (
     ("calls", (), "stream", "shared/protocol/calls.py", "LLM call requests from the gateway (consumer group rollout)"),
     ("gate", (), "hash", "shared/protocol/gate.py", "the staleness gate: version, limit, complete"),
     ("gate_started", (), "string", "shared/protocol/gate.py", "groups started under the gate (a counter)"),
-    ("gate_request", ("<token>",), "string", "shared/protocol/gate.py", "one reservation's outcome (TTL)"),
+    ("gate_request", ("<token>",), "string", "shared/protocol/gate.py",
+     "one reservation's or refund's outcome (TTL: 120 s, a group's 600 s)"),
     ("load_lease", (), "zset", "shared/protocol/pulls.py", "sync_mode pull: workers loading now -> lease expiry"),
     ("meta", (), "hash", "shared/runtime/runstate.py", "the run's identity: run, id, created, ended"),
     ("alive", ("<service>", "<worker id>"), "hash", "shared/runtime/heartbeat.py", "a process's heartbeat (TTL)"),
@@ -144,11 +146,12 @@ CATALOG = (
     ("sampled", ("<group id>",), "string", "shared/protocol/once.py", "an agent group's samples entry written (once)"),
     ("enqueued", ("<group id>",), "string", "shared/protocol/once.py",
      "a prompt group enqueued (once; gone once the driver is past it)"),
-    ("control_sent", ("<sync>", "<cmd>", "<worker>"), "string", "shared/protocol/once.py",
-     "a command (or a worker's ack) written (once)"),
+    ("control_sent", ("<sync>",), "hash", "shared/protocol/control.py",
+     "a sync round's commands and acks written: field <cmd>:<worker> (once; TTL 120 s)"),
     ("dead_lettered", ("<stream>", "<entry id>"), "string", "shared/protocol/once.py", "a dead letter written (once)"),
     ("driver_enqueued", (), "string", "services/driver/driver.py", "prompt groups the driver has enqueued so far"),
-    ("val_requested", (), "set", "services/driver/validation.py", "validation rounds asked for (versions)"),
+    ("val_requested", (), "set", "services/driver/validation.py",
+     "the newest validation round asked for (a version; it stands for every round before it)"),
     ("call_index", ("<episode id>",), "hash", "shared/protocol/calls.py",
      "an agent episode's calls: request digest -> call index"),
     ("agents_done", ("<group id>",), "set", "services/gateway/runner.py", "a group's agent episodes that ended"),

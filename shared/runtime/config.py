@@ -32,7 +32,8 @@ class Config:
     flush_tokens: int = 16  # flush an episode's buffered tokens once this many are pending
     flush_ms: float = 50.0  # ... or once the oldest pending token is this old
     log_retention_versions: int = 0  # the archiver moves episodes of groups trained this many versions before the newest commit out of Redis into Parquet segments under <run_dir>/<run>/episodes (readers see both tiers); 0: off, every episode stays in Redis
-    archive_every_s: float = 5.0  # how often the archiver looks for episodes to move
+    archive_every_versions: int = 50  # the archiver moves episodes each time this many versions have been published since its last move (Redis then holds at most log_retention_versions + this many versions of episodes, at any rate); 0: by archive_every_s only
+    archive_every_s: float = 30.0  # ... and at the latest this many seconds after its last move (a slow run still moves)
     archiver_nice: int = 19  # the archiver's CPU priority (os.nice, 0-19; 19 the lowest): it moves episodes on CPU the pipeline leaves idle
     stream_keep_s: float = 60.0  # entries of prompts, samples, their :val streams, metrics and versions that no live reader needs any more stay in Redis this many seconds, then move to <run_dir>/<run>/streams/<name>.jsonl (whole-run readers read both)
     # model

@@ -35,6 +35,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'stream_keep_s': expected seconds >= 0, got {cfg.stream_keep_s}")
     if cfg.archive_every_s <= 0:
         raise ConfigError(f"config key 'archive_every_s': expected seconds > 0, got {cfg.archive_every_s}")
+    if cfg.archive_every_versions < 0:
+        raise ConfigError(f"config key 'archive_every_versions': expected a whole number >= 0 (0: by archive_every_s "
+                          f"only), got {cfg.archive_every_versions}")
     if not 0 <= cfg.archiver_nice <= 19:
         raise ConfigError(f"config key 'archiver_nice': expected a whole number 0..19 (os.nice; 19 the lowest "
                           f"priority), got {cfg.archiver_nice}")

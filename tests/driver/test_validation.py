@@ -92,6 +92,22 @@ def test_worker_serves_validation_first_past_a_closed_gate_and_never_into_sample
     assert [d["version"] for d in done] == [5] and done[0]["n"] == 4
 
 
+def test_the_requested_set_keeps_the_newest_round_and_a_restarted_driver_asks_for_none_again(client, keys):
+    """``validation:requested`` held every round ever asked for (issue 33: it grew with the run); the newest round
+    now stands for those before it, since the driver asks only for the newest version."""
+    assert validation.asked_before({10}, 10) and validation.asked_before({10}, 5) and not validation.asked_before({10}, 15)
+    assert not validation.asked_before(set(), 0)
+    validator = validation.Validator(client, keys, ROWS, every=5, size=8)
+    for version in range(0, 101):
+        validator.maybe_request(version)
+    assert client.smembers(keys.val_requested) == {b"100"}  # not the 21 rounds asked for
+    assert client.xlen(keys.val_prompts) == 21 * 4
+    restarted = validation.Validator(client, keys, ROWS, every=5, size=8)
+    assert not any(restarted.maybe_request(v) for v in (0, 50, 95, 100, 101))  # none again
+    assert restarted.maybe_request(105) and client.smembers(keys.val_requested) == {b"105"}
+    assert client.xlen(keys.val_prompts) == 22 * 4
+
+
 def test_status_line_and_cli(client, keys, cli_env):
     versions.publish(client, keys, versions.Version(3, "/x", "0", 3))
     metrics.record(client, keys, "train", {"step": 3, "reward_mean": 0.25, "staleness_max": 1, "stale_dropped": 2})

@@ -79,7 +79,7 @@ def test_a_runs_coordination_keys_share_one_slot_and_its_episodes_spread_over_ev
     coordination = [keys.prompts, keys.samples, keys.val_prompts, keys.val_samples, keys.versions, keys.control,
                     keys.metrics, keys.gate, keys.gate_started, keys.gate_request("t"), keys.dead_letters,
                     keys.dead_lettered(keys.prompts, "1-0"), keys.enqueued("g"), keys.sampled("g"),
-                    keys.control_sent("s", "pause", "w"), keys.alive("rollout", "w"), keys.alive_registry("rollout"),
+                    keys.control_sent("s"), keys.alive("rollout", "w"), keys.alive_registry("rollout"),
                     keys.calls, keys.call_index("e1"), keys.agents_running, keys.agents_done("g"), keys.meta,
                     keys.driver_enqueued, keys.val_requested, keys.agent_groups]
     assert len({cluster_client.keyslot(k) for k in coordination}) == 1

@@ -43,6 +43,25 @@ def test_reserve_grants_up_to_the_limit_and_reports_no_gate(client, keys):
     assert gate.started(client, keys) == 2
 
 
+def test_a_call_s_own_token_lives_as_long_as_a_retry_and_a_named_one_as_long_as_a_restart(client, keys):
+    """A per-call token guards only a retry within ``redis_wait``: its marker expires with the retry markers (issue
+    33: 600 s of them piled up, one per reservation); a group's token guards a restart and keeps REQUEST_TTL_S."""
+    from shared.protocol import once
+
+    gate.open(client, keys, 1, 100, 1)
+    g = gate.Gate(client, keys, sync_mode=False)
+    g.reserve(2)
+    g.refund(1)
+    g.reserve(1, token="group:g7")
+    gate.refund_group(client, keys, "g7")
+    ttls = {k.decode().removeprefix(keys.gate_request("")): client.ttl(k)
+            for k in client.scan_iter(match=keys.gate_request("*"))}
+    named = {k: t for k, t in ttls.items() if "group:" in k}
+    own = {k: t for k, t in ttls.items() if "group:" not in k}
+    assert len(own) == 2 and all(0 < t <= once.RETRY_MARKER_TTL_S for t in own.values()), ttls
+    assert len(named) == 2 and all(once.RETRY_MARKER_TTL_S < t <= gate.REQUEST_TTL_S for t in named.values()), ttls
+
+
 def test_a_worker_behind_the_gate_reserves_under_its_own_version_s_limit(client, keys):
     """A rolling sync opens the gate for version 3 after its first wave; a worker still on version 1 may start
     groups only up to version 1's limit, (η + 1 + 1)·B, so the start-rank bound holds for the version that

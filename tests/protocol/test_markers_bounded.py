@@ -1,6 +1,6 @@
 """Markers that guard a retry or a race go as soon as no retry can come (issue 33: one per group or command, they
-grew with the run): a publish is guarded by its prompt entry's XACK (no marker at all), control markers live
-``once.RETRY_MARKER_TTL_S``, which config_checks keeps above any retry. On a real server."""
+grew with the run): a publish is guarded by its prompt entry's XACK (no marker at all), control markers are one hash
+per sync round that lives ``once.RETRY_MARKER_TTL_S``, which config_checks keeps above any retry. On a real server."""
 
 from __future__ import annotations
 
@@ -46,9 +46,27 @@ def test_control_markers_outlive_a_retry_only(client, keys):
     pause = control.Command("pause", "v1-abc")
     control.send_command(client, keys, pause)
     control.send_ack(client, keys, pause, "w1", True, 0)
-    for marker in (keys.control_sent("v1-abc", "pause"), keys.control_sent("v1-abc", "pause", "w1")):
-        assert 0 < client.ttl(marker) <= once.RETRY_MARKER_TTL_S
+    assert 0 < client.ttl(keys.control_sent("v1-abc")) <= once.RETRY_MARKER_TTL_S
     assert once.RETRY_MARKER_TTL_S < once.MARKER_TTL_S
+
+
+def test_a_sync_round_s_commands_and_acks_are_marked_in_one_hash_and_each_written_once(client, keys):
+    """Issue 33: a key per command and ack (control:sent:<sync>:<cmd>:<worker>, ~100 B each) piled up at the rate
+    of syncs x workers; a round is one hash now (a listpack: a few bytes a field), and each write still happens once."""
+    workers = [f"w{i}" for i in range(4)]
+    for sync in ("v1-abc", "v2-def"):
+        for cmd in control.COMMANDS:
+            c = control.Command(cmd, sync, 1, "/w.safetensors" if cmd in control.WITH_WEIGHTS else "")
+            assert control.send_command(client, keys, c) is not None
+            assert control.send_command(client, keys, c) is None  # a retry: a no-op
+            for w in workers:
+                assert control.send_ack(client, keys, c, w, True, 1) is not None
+                assert control.send_ack(client, keys, c, w, True, 1) is None
+    assert client.xlen(keys.control) == 2 * len(control.COMMANDS) * (1 + len(workers))
+    markers = sorted(k.decode() for k in client.scan_iter(match=keys.control_sent("*")))
+    assert markers == [keys.control_sent("v1-abc"), keys.control_sent("v2-def")]  # 40 keys in the old layout
+    assert client.hlen(keys.control_sent("v1-abc")) == len(control.COMMANDS) * (1 + len(workers))
+    assert client.object("encoding", keys.control_sent("v1-abc")) == b"listpack"
 
 
 def test_redis_wait_longer_than_half_the_retry_markers_life_is_refused():

@@ -1,0 +1,22 @@
+"""When the archiver steps (pure): once the newest published version is ``every_versions`` past the one of its last
+step, or ``every_s`` after that step whatever the versions (a slow run still moves). Stepping by versions bounds what
+Redis holds at retention + ``every_versions`` versions of episodes at any rate; stepping by time alone held retention
++ ``every_s`` seconds of versions, so the level followed the rate (issue 33, bench/tiers_memory.py)."""
+
+from __future__ import annotations
+
+MIN_BLOCK_MS = 100  # Valkey's hz 10 rounds a shorter blocking timeout up to ~100 ms anyway (bench/redis_hz.py)
+MAX_BLOCK_MS = 1000  # one blocking read at most: the loop looks at the stop flag at least this often
+
+
+def due(newest: int, stepped_at_version: int, waited_s: float, every_versions: int, every_s: float) -> bool:
+    """Step now: ``every_versions`` versions published since the last step (``every_versions`` 0: never by versions),
+    or ``every_s`` seconds waited."""
+    return (every_versions > 0 and newest - stepped_at_version >= every_versions) or waited_s >= every_s
+
+
+def block_ms(waited_s: float, every_s: float) -> int:
+    """How long the next blocking read of the versions stream may wait: until ``every_s`` is up, within
+    [MIN_BLOCK_MS, MAX_BLOCK_MS]."""
+    left_ms = int((every_s - waited_s) * 1000)
+    return max(MIN_BLOCK_MS, min(MAX_BLOCK_MS, left_ms))

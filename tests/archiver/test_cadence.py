@@ -1,0 +1,57 @@
+"""The archiver steps every ``archive_every_versions`` published versions, woken by the versions stream, and at the
+latest ``archive_every_s`` after its last step: what Redis holds is bounded in versions, not in seconds (issue 33)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.protocol import samples, segments, versions
+from shared.protocol.ledger import append_ledger
+from shared.protocol.episode_log import EpisodeLog
+from services.archiver import cadence
+from tests.archiver.tiers_support import make_run, write_episode
+from tests.support.procs import spawn, stop, wait_until
+
+
+def test_a_step_is_due_after_every_versions_or_at_the_latest_every_s():
+    assert not cadence.due(newest=59, stepped_at_version=10, waited_s=1.0, every_versions=50, every_s=30)
+    assert cadence.due(newest=60, stepped_at_version=10, waited_s=1.0, every_versions=50, every_s=30)
+    assert cadence.due(newest=11, stepped_at_version=10, waited_s=30.0, every_versions=50, every_s=30)  # slow run
+    assert not cadence.due(newest=500, stepped_at_version=10, waited_s=1.0, every_versions=0, every_s=30)  # time only
+
+
+def test_a_blocking_read_waits_until_the_time_is_up_within_its_bounds():
+    assert cadence.block_ms(waited_s=0.0, every_s=30) == cadence.MAX_BLOCK_MS  # the stop flag is looked at
+    assert cadence.block_ms(waited_s=29.5, every_s=30) == 500
+    assert cadence.block_ms(waited_s=29.99, every_s=30) == cadence.MIN_BLOCK_MS  # never a short poll
+
+
+def _commit(client, keys, run_path: Path, log: EpisodeLog, v: int) -> None:
+    """Group g<v> written, published, committed in the ledger at version v, and version v published."""
+    eids = [f"g{v}-0", f"g{v}-1"]
+    for eid in eids:
+        write_episode(log, eid, f"g{v}", v)
+    client.xadd(keys.samples, samples.encode(samples.Sample(f"g{v}", eids, "w1")))
+    append_ledger(run_path / "trainer", {"commit": v, "version": v, "step": v, "groups": [f"g{v}"], "skipped": []})
+    versions.publish(client, keys, versions.Version(v, f"/weights/v{v}.safetensors"))
+
+
+def test_the_archiver_steps_when_enough_versions_are_published_not_after_its_longest_wait(client, keys, cli_env,
+                                                                                           tmp_path):
+    run_path = tmp_path / "runs" / keys.run
+    make_run(client, keys, run_path, versions=6)
+    versions.publish(client, keys, versions.Version(6, "/weights/v6.safetensors"))
+    env = {**cli_env, "STREAMRL_LOG_RETENTION_VERSIONS": "2", "STREAMRL_ARCHIVE_EVERY_VERSIONS": "3",
+           "STREAMRL_ARCHIVE_EVERY_S": "600"}  # by time, it would not step again during the test
+    store = segments.SegmentStore(run_path / "episodes")
+    archiver = spawn("services.archiver", env=env)
+    try:
+        wait_until(lambda: store.sizes()["episodes"] == 8, "the first step: groups 1..4 moved", procs=[archiver])
+        log = EpisodeLog(client, keys, "w1")
+        for v in (7, 8, 9):  # the third version published since the first step wakes the archiver
+            _commit(client, keys, run_path, log, v)
+        wait_until(lambda: store.sizes()["episodes"] == 14, "groups 5..7 moved after 3 more versions",
+                   timeout=60, procs=[archiver])
+        assert store.sizes()["segments"] == 2  # one step for the three versions, not one per version
+    finally:
+        assert stop(archiver) == [0]

@@ -27,7 +27,8 @@ from typing import Callable
 
 from shared.protocol import jsonl
 
-KEEP_S = 60  # entries written in the last minute stay (streamrl status counts samples/s over 30 s by entry id)
+KEEP_S = 10  # entries written in the last 10 s stay (streamrl status counts samples/s over them by entry id); longer
+# only adds a rate-dependent share to Redis's level (issue 33: 60 s held ~3 MB at 10 versions/s, filled only after a minute)
 NAMES = {"prompts": "prompts", "samples": "samples", "prompts:val": "prompts_val", "samples:val": "samples_val",
          "metrics": "metrics", "versions": "versions"}  # a run's stream (its key after the run's prefix) -> its file
 EVERY_S = 5.0  # a trim at most this often, or every keep_s / 4 when shorter (each: XINFO, XPENDING, XRANGE, XTRIM)

@@ -35,7 +35,7 @@ class Config:
     archive_every_versions: int = 50  # the archiver moves episodes each time this many versions have been published since its last move (Redis then holds at most log_retention_versions + this many versions of episodes, at any rate); 0: by archive_every_s only
     archive_every_s: float = 30.0  # ... and at the latest this many seconds after its last move (a slow run still moves)
     archiver_nice: int = 19  # the archiver's CPU priority (os.nice, 0-19; 19 the lowest): it moves episodes on CPU the pipeline leaves idle
-    stream_keep_s: float = 60.0  # entries of prompts, samples, their :val streams, metrics and versions that no live reader needs any more stay in Redis this many seconds, then move to <run_dir>/<run>/streams/<name>.jsonl (whole-run readers read both)
+    stream_keep_s: float = 10.0  # entries of prompts, samples, their :val streams, metrics and versions that no live reader needs any more stay in Redis this many seconds, then move to <run_dir>/<run>/streams/<name>.jsonl (whole-run readers read both)
     # model
     model_dir: str = "models/tiny"  # HF causal LM: a folder (config, safetensors, tokenizer) or a hub id (local cache when offline); only models/tiny is created when missing
     tokenizer: str = ""  # folder for decoding text in `streamrl replay`; empty means model_dir

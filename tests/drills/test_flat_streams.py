@@ -50,7 +50,9 @@ def test_metrics_versions_and_validation_streams_stay_bounded_while_readers_see_
     rounds = [r["version"] for r in found["validation"]]
     entries = sum(len(v) for v in found.values())
     assert entries >= 2 * VERSIONS, {k: len(v) for k, v in found.items()}  # a train and a sync per version...
-    assert lengths["metrics"] <= 20, (lengths, entries)  # ... of which Redis held a few (before: every one)
+    # ... of which Redis held a few: what arrived since the last trim (every 0.5 s; a loaded box's suite once saw
+    # more than 20); before: every one
+    assert lengths["metrics"] <= min(30, entries // 2), (lengths, entries)
     assert lengths["versions"] <= versions.KEEP_LAST + 8 and every_version == list(range(1, newest + 1)), lengths
     # a round's entries, the next one's, and what arrived since the last trim (every 0.5 s here: a fast run can
     # start a third round in between); without the trim they hold every round's (~28 at version 30)

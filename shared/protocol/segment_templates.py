@@ -22,6 +22,7 @@ _INTS = {0xcc: (1, False), 0xcd: (2, False), 0xce: (4, False), 0xcf: (8, False),
 INT32 = (-(1 << 31), 1 << 31)
 INT64 = (-(1 << 63), 1 << 63)
 _SMALL = [msgpack.packb(n) for n in range(128)]
+_STR_HEADS = [bytes([0xa0 | n]) for n in range(32)]  # msgpack's fixstr header of a string of n bytes
 
 
 def _packed(n: int) -> bytes:
@@ -90,16 +91,27 @@ def match(c: Cut, data: bytes, episode_id: str) -> tuple[int, int | None] | None
             return None
         at += len(piece)
         if slot == EPISODE:
-            packed = msgpack.packb(episode_id)
-        else:
-            value = _int_at(data, at)
-            bounds = INT32 if slot == INDEX else INT64
-            if value is None or not bounds[0] <= value < bounds[1]:
+            try:
+                raw = episode_id.encode()
+            except UnicodeEncodeError:
                 return None
-            values[slot], packed = value, _packed(value)
+            packed = _STR_HEADS[len(raw)] + raw if len(raw) < len(_STR_HEADS) else msgpack.packb(episode_id)
+            if not data.startswith(packed, at):
+                return None
+            at += len(packed)
+            continue
+        tag = data[at] if at < len(data) else 0xc0
+        if tag < 0x80:  # a positive fixint: the shortest form of 0-127
+            values[slot], at = tag, at + 1
+            continue
+        value = _int_at(data, at)
+        bounds = INT32 if slot == INDEX else INT64
+        if value is None or not bounds[0] <= value < bounds[1]:
+            return None
+        packed = _packed(value)
         if not data.startswith(packed, at):
             return None
-        at += len(packed)
+        values[slot], at = value, at + len(packed)
     last = c.pieces[-1]
     if len(data) - at != len(last) or not data.endswith(last):
         return None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import KeysView
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -113,7 +114,9 @@ def to_row(episode_id: str, entries: list[tuple], seed_base: int | None = None,
 def table_of(rows: list[dict]) -> pa.Table:
     """Format 4 rows -> the segment's table, column by column off numpy buffers (shared/protocol/segment_arrays.py:
     no pandas), token columns from the rows' bytes (every bit kept)."""
-    columns = {f.name: segment_arrays.array([r[f.name] for r in rows], f.type) for f in SCHEMA if f.name not in TOKENS}
+    fields = [f for f in SCHEMA if f.name not in TOKENS]
+    values = zip(*map(itemgetter(*(f.name for f in fields)), rows)) if rows else ([] for _ in fields)  # by column
+    columns = {f.name: segment_arrays.array(list(column), f.type) for f, column in zip(fields, values)}
     lengths = np.fromiter((len(r["tok_ids"]) >> 2 for r in rows), np.int64, len(rows))
     offsets = segment_arrays.from_numpy(segment_arrays.offsets(lengths), pa.int32())
     ids = np.frombuffer(b"".join(r["tok_ids"] for r in rows), "<u4")

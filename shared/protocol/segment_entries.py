@@ -37,13 +37,23 @@ HEADERS = [b"type", b"v", b"policy", b"worker", b"seq", b"data"]
 LISTS = ("ms", "sub", "kinds", "hv", "policies", "workers", "payloads")
 INT64 = (-(1 << 63), 1 << 63)
 POSITIONS = [str(n).encode() for n in range(64)]
+_SHORT: dict[bytes, int] = {}  # decimal text -> its integer (``_int``)
 TERMINAL = (b"finished", b"failed")
 
 
 def _int(raw: bytes) -> int | None:
-    """The integer a decimal text spells, only when writing it back gives the same bytes."""
+    """The integer a decimal text spells, only when writing it back gives the same bytes. Short ones (an entry id's
+    sequence, a policy version: a few values in a segment) are remembered."""
+    n = _SHORT.get(raw)
+    if n is not None:
+        return n
     if raw.isdigit() and len(raw) < 19 and (raw[:1] != b"0" or len(raw) == 1):  # the usual case, checked cheaply
-        return int(raw)
+        n = int(raw)
+        if len(raw) <= 6:
+            if len(_SHORT) >= 1 << 14:
+                _SHORT.clear()
+            _SHORT[raw] = n
+        return n
     try:
         n = int(raw)
     except ValueError:

@@ -75,9 +75,13 @@ def from_numpy(values: np.ndarray, kind: pa.DataType, valid: np.ndarray | None =
                                  len(values) - int(valid.sum()))
 
 
-def numpy_of(values: pa.Array) -> np.ndarray:
-    """The numpy view of a primitive array without nulls (``to_numpy`` imports pandas)."""
-    if values.null_count:
-        raise ValueError("numpy_of: an array with nulls")
+def valid_values(values: pa.Array) -> np.ndarray:
+    """The values of a primitive array that are not null, as numpy (``to_numpy`` imports pandas, ``drop_null``
+    pyarrow.compute: each ~0.03-0.2 s of CPU in a process)."""
     kind = NUMPY[values.type]
-    return np.frombuffer(values.buffers()[1], kind, len(values), values.offset * np.dtype(kind).itemsize)
+    bitmap, data = values.buffers()
+    out = np.frombuffer(data, kind, len(values), values.offset * np.dtype(kind).itemsize)
+    if bitmap is None or not values.null_count:
+        return out
+    bits = np.unpackbits(np.frombuffer(bitmap, np.uint8), count=values.offset + len(values), bitorder="little")
+    return out[bits[values.offset:].astype(bool)]

@@ -171,8 +171,8 @@ def raw_columns(path: Path) -> list[str]:
 def encodings(table: pa.Table) -> dict[str, str]:
     """The columns' Parquet encodings for this segment: ``ENCODINGS``, but log-probs in plain bytes when zstd packs
     them smaller so (segment_columns.planes_pay_off: whole values that repeat); readers need not know which."""
-    values = table.column("tok_logprobs").combine_chunks().values.drop_null()
-    if segment_columns.planes_pay_off(segment_arrays.numpy_of(values).tobytes()):
+    values = segment_arrays.valid_values(table.column("tok_logprobs").combine_chunks().values)
+    if segment_columns.planes_pay_off(values.tobytes()):
         return ENCODINGS
     return {k: v for k, v in ENCODINGS.items() if k != PLANES[1]}
 

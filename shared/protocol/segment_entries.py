@@ -63,10 +63,11 @@ def _int(raw: bytes) -> int | None:
 
 def _split(position: int, entry_id: bytes, flat: list[bytes]) -> tuple | None:
     """(ms, sub, kind, v, policy, worker, data) of an entry of the usual shape, else None."""
-    if len(flat) != 12 or flat[::2] != HEADERS or not flat[1] or flat[9] != _position(position):
+    if len(flat) != 12 or flat[::2] != HEADERS or not flat[1] or \
+            flat[9] != (POSITIONS[position] if position < len(POSITIONS) else str(position).encode()):
         return None
     ms, _, sub = entry_id.partition(b"-")
-    ms, sub, policy = _int(ms), _int(sub), _int(flat[5])
+    ms, sub, policy = _int(ms), _SHORT.get(sub) or _int(sub), _SHORT.get(flat[5]) or _int(flat[5])
     if ms is None or sub is None or policy is None or not -(1 << 31) <= policy < 1 << 31:
         return None
     return ms, sub, flat[1], flat[3], policy, flat[7], flat[11]

@@ -7,8 +7,8 @@ Python environment) and in this one, alternately, so that the box's load moves b
 Measured per tree and round: ``bench/archiver_cpu.py`` (CPU us per episode moved by one ``Mover.step``, Redis and
 Parquet included, after a warm-up step; bytes per policy token of default-shape synthetic episodes), the archiver's
 start (in a process that has imported what the run's starter imports before it forks one: CPU ms to import the
-archiver's modules, then of its first move, 64 episodes, one-time costs such as pyarrow's first use included), ``bench/tiers.py`` (bytes per policy
-token of synthetic 8-token and 256-token episodes) and, with ``--real``, a finished run's episodes (read once from
+archiver's modules, then of its first move, 64 episodes, one-time costs such as pyarrow's first use included),
+``bench/tiers.py`` (bytes per policy token of synthetic 8-token and 256-token episodes) and, with ``--real``, a finished run's episodes (read once from
 its segments by this tree, any format) packed and written again by each tree's writer, one segment per segment of
 the run: bytes per policy token of the real default run's episodes and the CPU us per episode to pack and write.
 Prints medians per tree and the ratios; records ``bench/results/segments_ab.json``."""
@@ -144,7 +144,9 @@ def main() -> None:
         rows.append({"what": "segment B per policy token, the real default run's episodes (re-written)",
                      "value": f"{med['base']['real_bpt']:.2f} -> {med['head']['real_bpt']:.2f}"})
     record("segments_ab", rows, ["services/archiver", "shared/protocol/segments.py",
-                                 "shared/protocol/segment_entries.py", "shared/protocol/segment_columns.py"],
+                                 "shared/protocol/segment_entries.py", "shared/protocol/segment_columns.py",
+                                 "shared/protocol/segment_templates.py", "shared/protocol/segment_arrays.py",
+                                 "shared/protocol/segment_summary.py"],
            extra={"base": args.base, "rounds": results, "medians": med, "load_average_before": load_before,
                   "load_average": load})
 

@@ -10,7 +10,8 @@ start (in a process that has imported what the run's starter imports before it f
 archiver's modules, then of its first move, 64 episodes, one-time costs such as pyarrow's first use included),
 ``bench/tiers.py`` (bytes per policy token of synthetic 8-token and 256-token episodes) and, with ``--real``, a
 finished run's episodes (read once from its segments by this tree, any format) packed and written again by each
-tree's writer, one segment per segment of the run: bytes per policy token of the real default run's episodes and the CPU us per episode to pack and write.
+tree's writer, one segment per segment of the run: bytes per policy token of the real default run's episodes and
+the CPU us per episode to pack and write.
 Prints medians per tree and the ratios; records ``bench/results/segments_ab.json``."""
 
 from __future__ import annotations

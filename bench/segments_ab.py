@@ -5,10 +5,13 @@ Python environment) and in this one, alternately, so that the box's load moves b
     python bench/segments_ab.py [--base main] [--rounds 3] [--real RUN_DIR/RUN/episodes]
 
 Measured per tree and round: ``bench/archiver_cpu.py`` (CPU us per episode moved by one ``Mover.step``, Redis and
-Parquet included; bytes per policy token of default-shape synthetic episodes), ``bench/tiers.py`` (bytes per policy
-token of synthetic 8-token and 256-token episodes) and, with ``--real``, a finished run's episodes (read once from
-its segments by this tree, any format) packed and written again by each tree's writer, one segment per segment of
-the run: bytes per policy token of the real default run's episodes and the CPU us per episode to pack and write.
+Parquet included, after a warm-up step; bytes per policy token of default-shape synthetic episodes), the archiver's
+start (in a process that has imported what the run's starter imports before it forks one: CPU ms to import the
+archiver's modules, then of its first move, 64 episodes, one-time costs such as pyarrow's first use included),
+``bench/tiers.py`` (bytes per policy token of synthetic 8-token and 256-token episodes) and, with ``--real``, a
+finished run's episodes (read once from its segments by this tree, any format) packed and written again by each
+tree's writer, one segment per segment of the run: bytes per policy token of the real default run's episodes and
+the CPU us per episode to pack and write.
 Prints medians per tree and the ratios; records ``bench/results/segments_ab.json``."""
 
 from __future__ import annotations
@@ -45,6 +48,30 @@ cpu = time.process_time() - cpu
 print(f"real: {size / tokens:.4f} B/token {1e6 * cpu / episodes:.1f} us/episode")
 """
 
+START = """
+import sys, time, tempfile
+from pathlib import Path
+from services.ops.starter import preload
+preload()  # what the run's starter has imported before it forks the archiver
+cpu = time.process_time()
+import numpy as np
+from bench.archiver_cpu import write_run
+from bench.runs import scratch_server
+from services.archiver.mover import Mover
+from shared.protocol.keys import Keys
+from shared.runtime.connection import connect
+imports = time.process_time() - cpu
+with scratch_server() as (tmp, url, _):
+    client, keys, run_path = connect(url), Keys("bench"), Path(tmp) / "run"
+    write_run(client, keys, run_path, 64, np.random.default_rng(0))
+    cpu = time.process_time()
+    mover = Mover(client, keys, run_path, retention=1, seed_base=0)
+    mover.recover()
+    moved = mover.step()
+    first = time.process_time() - cpu
+print(f"start: {1e3 * imports:.1f} ms imports, {1e3 * first:.1f} ms first move ({moved} episodes)")
+"""
+
 
 def dump_real(folder: Path, path: Path) -> tuple[int, int]:
     """Every listed segment's episodes as flat entries (msgpack: [[(id, entries), ...], tokens] per segment)."""
@@ -70,6 +97,8 @@ def measure(tree: Path, real: Path | None) -> dict[str, float]:
     out = run(tree, ["bench/archiver_cpu.py"])
     m = {"archiver_us": float(re.search(r"([\d.]+) us CPU per episode", out)[1]),
          "default_shape_bpt": float(re.search(r"segments ([\d.]+) B per policy token", out)[1])}
+    hit = re.search(r"start: ([\d.]+) ms imports, ([\d.]+) ms first move", run(tree, ["-c", START]))
+    m["start_imports_ms"], m["start_first_move_ms"] = float(hit[1]), float(hit[2])
     out = run(tree, ["bench/tiers.py", "--episodes", "2000"])
     m["synthetic_8_bpt"], m["synthetic_256_bpt"] = (float(x) for x in re.findall(r"segment ([\d.]+) B/token", out))
     if real is not None:
@@ -108,13 +137,17 @@ def main() -> None:
     print(f"load average {load_before[0]:.2f} before, {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
     rows = [{"what": f"archiver CPU per episode moved, {args.base} -> this tree (bench/archiver_cpu.py)",
              "value": f"{med['base']['archiver_us']:.0f} -> {med['head']['archiver_us']:.0f} us"},
+            {"what": "archiver start: its first move (64 episodes, one-time costs), CPU",
+             "value": f"{med['base']['start_first_move_ms']:.0f} -> {med['head']['start_first_move_ms']:.0f} ms"},
             {"what": "segment B per policy token, synthetic 256-token episodes",
              "value": f"{med['base']['synthetic_256_bpt']:.2f} -> {med['head']['synthetic_256_bpt']:.2f}"}]
     if "real_bpt" in med["head"]:
         rows.append({"what": "segment B per policy token, the real default run's episodes (re-written)",
                      "value": f"{med['base']['real_bpt']:.2f} -> {med['head']['real_bpt']:.2f}"})
     record("segments_ab", rows, ["services/archiver", "shared/protocol/segments.py",
-                                 "shared/protocol/segment_entries.py", "shared/protocol/segment_columns.py"],
+                                 "shared/protocol/segment_entries.py", "shared/protocol/segment_columns.py",
+                                 "shared/protocol/segment_templates.py", "shared/protocol/segment_arrays.py",
+                                 "shared/protocol/segment_summary.py"],
            extra={"base": args.base, "rounds": results, "medians": med, "load_average_before": load_before,
                   "load_average": load})
 

@@ -21,7 +21,7 @@ import redis
 import redis.cluster
 
 from shared.protocol import samples as samples_stream
-from shared.protocol import segments, stream_head
+from shared.protocol import segment_templates, segments, stream_head
 from shared.protocol.keys import Keys
 from shared.protocol.ledger import LedgerTail
 from shared.runtime.faults import crash_point
@@ -139,7 +139,8 @@ class Mover:
     def _move(self, episode_ids: list[str]) -> int:
         streams = self._read(episode_ids)
         # a published group's episodes have ended; never move one that could still grow
-        rows = [segments.to_row(eid, entries, self.seed_base) for eid, entries in streams.items()
+        templates = segment_templates.Templates()
+        rows = [segments.to_row(eid, entries, self.seed_base, templates) for eid, entries in streams.items()
                 if segments.ended(entries)]
         if not rows:
             return 0
@@ -150,6 +151,7 @@ class Mover:
         segments.append_manifest(self.folder, {"segment": name, "episodes": len(rows), "bytes": size,
                                                "tokens": tokens})
         crash_point("archiver", "listed")
+        self.store.add(name, [r["episode_id"] for r in rows])
         self._drop({r["episode_id"]: streams[r["episode_id"]] for r in rows})
         if self.log:
             self.log.info("episodes moved to a segment", segment=name, episodes=len(rows), bytes=size,

@@ -31,18 +31,29 @@ import msgpack
 
 from shared.protocol.sampling import episode_seed
 from shared.protocol.segment_columns import token_payload
+from shared.protocol.segment_templates import Templates
 
 HEADERS = [b"type", b"v", b"policy", b"worker", b"seq", b"data"]
 LISTS = ("ms", "sub", "kinds", "hv", "policies", "workers", "payloads")
 INT64 = (-(1 << 63), 1 << 63)
 POSITIONS = [str(n).encode() for n in range(64)]
+_SHORT: dict[bytes, int] = {}  # decimal text -> its integer (``_int``)
 TERMINAL = (b"finished", b"failed")
 
 
 def _int(raw: bytes) -> int | None:
-    """The integer a decimal text spells, only when writing it back gives the same bytes."""
+    """The integer a decimal text spells, only when writing it back gives the same bytes. Short ones (an entry id's
+    sequence, a policy version: a few values in a segment) are remembered."""
+    n = _SHORT.get(raw)
+    if n is not None:
+        return n
     if raw.isdigit() and len(raw) < 19 and (raw[:1] != b"0" or len(raw) == 1):  # the usual case, checked cheaply
-        return int(raw)
+        n = int(raw)
+        if len(raw) <= 6:
+            if len(_SHORT) >= 1 << 14:
+                _SHORT.clear()
+            _SHORT[raw] = n
+        return n
     try:
         n = int(raw)
     except ValueError:
@@ -52,10 +63,11 @@ def _int(raw: bytes) -> int | None:
 
 def _split(position: int, entry_id: bytes, flat: list[bytes]) -> tuple | None:
     """(ms, sub, kind, v, policy, worker, data) of an entry of the usual shape, else None."""
-    if len(flat) != 12 or flat[::2] != HEADERS or not flat[1] or flat[9] != _position(position):
+    if len(flat) != 12 or flat[::2] != HEADERS or not flat[1] or \
+            flat[9] != (POSITIONS[position] if position < len(POSITIONS) else str(position).encode()):
         return None
     ms, _, sub = entry_id.partition(b"-")
-    ms, sub, policy = _int(ms), _int(sub), _int(flat[5])
+    ms, sub, policy = _int(ms), _SHORT.get(sub) or _int(sub), _SHORT.get(flat[5]) or _int(flat[5])
     if ms is None or sub is None or policy is None or not -(1 << 31) <= policy < 1 << 31:
         return None
     return ms, sub, flat[1], flat[3], policy, flat[7], flat[11]
@@ -76,12 +88,26 @@ def fill(payload: bytes, episode_id: str, index: int, seed: int | None, seed_bas
     return msgpack.packb(data, use_bin_type=True)
 
 
-def _template(episode_id: str, data: bytes, seed_base: int | None) -> tuple | None:
+def _template(episode_id: str, data: bytes, seed_base: int | None, templates: Templates | None = None) -> tuple | None:
     """(payload with the episode's own fields nil, index, seed, seed base, group id) of a started payload, or None
-    (kept whole). Of ``seed`` and ``seed base`` one at most is set. The check that ``fill`` gives ``data`` back puts
-    the fields back into the same decoded object and packs it: a template is packed from an unpacked object, and
-    unpacking it gives that object again (msgpack round-trips what it decoded), so this is what ``fill`` does
-    without decoding the template once more."""
+    (kept whole). Of ``seed`` and ``seed base`` one at most is set. ``templates``: the last group's template, tried
+    first (shared/protocol/segment_templates.py: the same answer off the bytes)."""
+    hit = templates.match(data, episode_id) if templates is not None else None
+    if hit is None:
+        hit = _take_apart(episode_id, data, templates)
+        if hit is None:
+            return None
+    payload, index, seed, group_id = hit
+    if seed is not None and seed_base is not None and seed == episode_seed(seed_base, group_id, index):
+        return payload, index, None, seed_base, group_id
+    return payload, index, seed, None, group_id
+
+
+def _take_apart(episode_id: str, data: bytes, templates: Templates | None) -> tuple | None:
+    """(template, index, seed, group id) of a started payload, decoded, or None. The check that ``fill`` gives
+    ``data`` back puts the fields back into the same decoded object and packs it: a template is packed from an
+    unpacked object, and unpacking it gives that object again (msgpack round-trips what it decoded), so this is what
+    ``fill`` does without decoding the template once more. The template, cut at its slots, goes to ``templates``."""
     try:
         d = msgpack.unpackb(data, raw=False)
     except Exception:  # noqa: BLE001 - an undecodable payload is simply kept as it is
@@ -101,17 +127,15 @@ def _template(episode_id: str, data: bytes, seed_base: int | None) -> tuple | No
             sampling["seed"] = seed
         if msgpack.packb(d, use_bin_type=True) != data:
             return None
-        if seed is not None and seed_base is not None and seed == episode_seed(seed_base, group_id, index):
-            seed = None
-        else:
-            seed_base = None
-        return payload, index, seed, seed_base, group_id
     except Exception:  # noqa: BLE001 - what does not come back whole is kept whole
         return None
+    if templates is not None:
+        templates.learn(d, seed is not None, payload, group_id)
+    return payload, index, seed, group_id
 
 
-def pack(episode_id: str, entries: list[tuple[bytes, list[bytes]]],
-         seed_base: int | None = None) -> tuple[dict, list[bytes], list[bytes]]:
+def pack(episode_id: str, entries: list[tuple[bytes, list[bytes]]], seed_base: int | None = None,
+         templates: Templates | None = None) -> tuple[dict, list[bytes], list[bytes]]:
     """(entry id, flat fields) pairs -> (the row's entry columns, token ids parts, log-prob parts), each part the
     raw little-endian bytes of one moved ``tokens`` entry. ``seed_base``: the run's ``seed``. The columns also say
     the episode's ``group_id`` when its first ``started`` payload was templated (else it is absent)."""
@@ -140,7 +164,7 @@ def pack(episode_id: str, entries: list[tuple[bytes, list[bytes]]],
             lps.append(tokens[1])
         elif kind == b"started" and not started:
             started = True
-            taken = _template(episode_id, payload, seed_base)
+            taken = _template(episode_id, payload, seed_base, templates)
             if taken is not None:
                 row["start"], row["index"], row["seed"], row["seed_base"], row["group_id"] = taken
                 payload = None

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import KeysView
-from itertools import chain
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shared.protocol import jsonl, segment_columns, segment_entries, segment_summary
+from shared.protocol import (jsonl, segment_arrays, segment_columns, segment_entries, segment_summary,
+                             segment_templates)
 
 FOLDER = "episodes"
 MANIFEST = "_manifest.jsonl"  # "_": pyarrow, pandas and datasets skip it when reading the folder
@@ -68,7 +69,6 @@ FORMAT = 4
 TERMINAL = (b"finished", b"failed")
 LEVEL = 12  # zstd level: on the default run's episodes 12 costs 3 us an episode to 15's 8, for 2 % more bytes
 TOKENS = ["tok_ids", "tok_logprobs"]
-FLAT_LISTS = {f.name for f in SCHEMA if pa.types.is_list(f.type) and not pa.types.is_list(f.type.value_type)}
 PLANES = [f"{c}.list.element" for c in TOKENS]  # stored in byte planes (Parquet's BYTE_STREAM_SPLIT)
 DICTIONARY = ["group_id", "worker", "status", "finish_reason", "reward", "num_generated", "version", "index",
               "seed_base", "ms", "sub", "kinds", "hv", "policies", "workers", "payloads", "start", "end", "tok_counts"]
@@ -97,37 +97,33 @@ def ended(entries: list[tuple[bytes, list[bytes]]]) -> bool:
     return fields[:1] == [b"type"] and fields[1] in TERMINAL
 
 
-def to_row(episode_id: str, entries: list[tuple], seed_base: int | None = None) -> dict:
+def to_row(episode_id: str, entries: list[tuple], seed_base: int | None = None,
+           templates: segment_templates.Templates | None = None) -> dict:
     """An episode's XRANGE entries -> one row (format 3: its entries as columns, shared/protocol/segment_entries.py;
     analysis columns from them, shared/protocol/segment_summary.py). ``seed_base``: the run's ``seed`` (its
-    episodes' seeds then cost nothing). Entries as redis-py gives them, or flat (``flat``)."""
+    episodes' seeds then cost nothing). Entries as redis-py gives them, or flat (``flat``). ``templates``: the last
+    group's started payload, for the next episode of the group (shared/protocol/segment_templates.py)."""
     if entries and not isinstance(entries[0][1], list):
         entries = flat(entries)
-    cols, ids, lps = segment_entries.pack(episode_id, entries, seed_base)
+    cols, ids, lps = segment_entries.pack(episode_id, entries, seed_base, templates)
     row = {"episode_id": episode_id, **cols, "tok_ids": b"".join(ids), "tok_logprobs": b"".join(lps)}
     row.update(segment_summary.summary(cols, entries))
     return row
 
 
-def _list_column(rows: list[dict], name: str, kind: pa.DataType) -> pa.Array:
-    """A list column built from one flat array of every row's elements and their offsets (no per-row arrays)."""
-    lists = [r[name] for r in rows]
-    offsets = np.zeros(len(lists) + 1, np.int32)
-    np.cumsum([len(x) for x in lists], out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(list(chain.from_iterable(lists)), kind.value_type))
-
-
 def table_of(rows: list[dict]) -> pa.Table:
-    """Format 4 rows -> the segment's table, column by column (token columns built from the bytes, every bit
-    kept)."""
-    columns = {f.name: _list_column(rows, f.name, f.type) if f.name in FLAT_LISTS else
-               pa.array([r[f.name] for r in rows], f.type) for f in SCHEMA if f.name not in TOKENS}
-    counts = np.array([0] + [len(r["tok_ids"]) // 4 for r in rows])
-    offsets = pa.array(np.cumsum(counts).astype(np.int32))
+    """Format 4 rows -> the segment's table, column by column off numpy buffers (shared/protocol/segment_arrays.py:
+    no pandas), token columns from the rows' bytes (every bit kept)."""
+    fields = [f for f in SCHEMA if f.name not in TOKENS]
+    values = zip(*map(itemgetter(*(f.name for f in fields)), rows)) if rows else ([] for _ in fields)  # by column
+    columns = {f.name: segment_arrays.array(list(column), f.type) for f, column in zip(fields, values)}
+    lengths = np.fromiter((len(r["tok_ids"]) >> 2 for r in rows), np.int64, len(rows))
+    offsets = segment_arrays.from_numpy(segment_arrays.offsets(lengths), pa.int32())
     ids = np.frombuffer(b"".join(r["tok_ids"] for r in rows), "<u4")
     lps = np.frombuffer(b"".join(r["tok_logprobs"] for r in rows), "<f4")
-    columns["tok_ids"] = pa.ListArray.from_arrays(offsets, pa.array(ids, pa.uint32()))
-    columns["tok_logprobs"] = pa.ListArray.from_arrays(offsets, pa.array(lps, pa.float32(), mask=lps.view("<u4") == 0))
+    columns["tok_ids"] = pa.ListArray.from_arrays(offsets, segment_arrays.from_numpy(ids, pa.uint32()))
+    columns["tok_logprobs"] = pa.ListArray.from_arrays(offsets, segment_arrays.from_numpy(lps, pa.float32(),
+                                                                                          lps.view("<u4") != 0))
     return pa.Table.from_arrays([columns[f.name] for f in SCHEMA], schema=SCHEMA)
 
 
@@ -175,8 +171,8 @@ def raw_columns(path: Path) -> list[str]:
 def encodings(table: pa.Table) -> dict[str, str]:
     """The columns' Parquet encodings for this segment: ``ENCODINGS``, but log-probs in plain bytes when zstd packs
     them smaller so (segment_columns.planes_pay_off: whole values that repeat); readers need not know which."""
-    values = table.column("tok_logprobs").combine_chunks().values.drop_null()
-    if segment_columns.planes_pay_off(values.to_numpy(zero_copy_only=False).tobytes()):
+    values = segment_arrays.valid_values(table.column("tok_logprobs").combine_chunks().values)
+    if segment_columns.planes_pay_off(values.tobytes()):
         return ENCODINGS
     return {k: v for k, v in ENCODINGS.items() if k != PLANES[1]}
 
@@ -258,11 +254,15 @@ class SegmentStore:
             name = record["segment"]
             if name in self._listed:
                 continue
-            ids = pq.read_table(self.folder / name, columns=["episode_id"]).column("episode_id").to_pylist()
-            for episode_id in ids:
-                self._index.setdefault(episode_id, name)
-            self._listed.add(name)
+            ids = pq.ParquetFile(self.folder / name).read(columns=["episode_id"]).column("episode_id").to_pylist()
+            self.add(name, ids)
         self._manifest_size = size
+
+    def add(self, name: str, episode_ids: list[str]) -> None:
+        """Index a segment listed just now by its writer (which knows its episodes: no read of the file)."""
+        for episode_id in episode_ids:
+            self._index.setdefault(episode_id, name)
+        self._listed.add(name)
 
     def episode_ids(self) -> KeysView[str]:
         """The archived episode ids, as of now: a view (no copy: a long run archives millions)."""

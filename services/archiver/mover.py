@@ -26,7 +26,7 @@ from shared.protocol.keys import Keys
 from shared.protocol.ledger import LedgerTail
 from shared.runtime.faults import crash_point
 
-from services.archiver.select import movable, movable_val, newest_commit
+from services.archiver.select import movable, movable_val, newest_commit, still_needed
 
 _DELETE_IF_LEN = """
 if redis.call('XLEN', KEYS[1]) == tonumber(ARGV[1]) then
@@ -134,6 +134,7 @@ class Mover:
         for groups in (self._episodes_of, self._val_episodes_of):  # a run's groups grow without end: a group
             for group_id in {g for g, eids in groups.items() if all(e in archived for e in eids)}:  # moved whole
                 del groups[group_id]  # is never looked at again
+        self._ledger.keep(still_needed(ledger, self._episodes_of, self.retention))  # nor are its done lines
         return moved
 
     def _move(self, episode_ids: list[str]) -> int:

@@ -24,6 +24,15 @@ def old_groups(ledger: list[dict], retention: int) -> list[str]:
     return out
 
 
+def still_needed(ledger: list[dict], episodes_of: dict[str, list[str]], retention: int) -> list[dict]:
+    """The ledger lines a later step can still act on: the newest ``retention`` versions' (not due yet) and any with
+    a group not moved whole yet (still in ``episodes_of``). The rest are done for good: a long run's archiver holds
+    and scans a window of the ledger, not every line of it."""
+    cutoff = newest_commit(ledger) - retention
+    return [r for r in ledger if "commit" in r and (int(r.get("version", r["commit"])) > cutoff or any(
+        g in episodes_of for g in (*r.get("groups", ()), *r.get("skipped", ()))))]
+
+
 def movable(ledger: list[dict], episodes_of: dict[str, list[str]], retention: int, archived: set[str]) -> list[str]:
     """Episode ids to move now: of the old groups (``episodes_of``: group id -> its episode ids, from the samples
     stream), not yet in a listed segment."""

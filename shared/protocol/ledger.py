@@ -33,7 +33,7 @@ def read_ledger(directory: Path) -> list[dict]:
 
 class LedgerTail:
     """The ledger of a running trainer, read as it grows: each ``read`` parses only the lines appended since the
-    last (a long run's ledger has a line per step) and returns every line so far."""
+    last (a long run's ledger has a line per step) and returns every line so far, less what ``keep`` let go."""
 
     def __init__(self, directory: Path):
         self.path, self.records, self.offset = Path(directory) / FILE, [], 0
@@ -42,6 +42,10 @@ class LedgerTail:
         new, self.offset = jsonl.read_from(self.path, self.offset, "ledger")
         self.records += new
         return self.records
+
+    def keep(self, records: list[dict]) -> None:
+        """Hold only ``records`` of what was read (a reader done with the rest); later reads append to them."""
+        self.records = list(records)
 
 
 def repair_ledger(directory: Path) -> int:

@@ -15,7 +15,7 @@ from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.samples import Sample, encode
 from shared.runtime import faults
 from services.archiver.mover import Mover
-from services.archiver.select import movable, movable_val, old_groups
+from services.archiver.select import movable, movable_val, old_groups, still_needed
 from services.ops.check_data import read_run
 from services.ops.cli import main
 from tests.archiver.tiers_support import all_streams, make_run, write_episode
@@ -29,6 +29,16 @@ def test_old_groups_are_those_of_commits_retention_versions_behind():
     assert old_groups(ledger, 2) == ["g1", "s1", "g2", "s2", "g3", "s3"]
     assert old_groups(ledger, 0) == []  # off
     assert movable(ledger, {"g1": ["a", "b"], "g2": ["c"]}, 3, archived={"a"}) == ["b", "c"]
+
+
+def test_the_archiver_lets_go_of_ledger_lines_it_is_done_with():
+    """A run of days has a ledger line per step: the archiver keeps only the window's lines and those with a group
+    not moved whole yet, so what it holds and scans each step stays bounded."""
+    ledger = [{"commit": v, "version": v, "groups": [f"g{v}"], "skipped": [f"s{v}"]} for v in range(1, 7)]
+    ledger.append({"groups": [], "skipped": ["u"]})  # no commit: never acted on
+    waiting = {"s2": ["e"], "g5": ["f"], "g6": ["h"]}  # s2 not moved whole yet; 5 and 6 inside the window
+    assert [r.get("commit") for r in still_needed(ledger, waiting, 2)] == [2, 5, 6]
+    assert [r.get("commit") for r in still_needed(ledger, {}, 2)] == [5, 6]  # the newest line always stays
 
 
 def _tiers(client, keys, folder, eids):
@@ -70,6 +80,7 @@ def test_the_mover_moves_trained_episodes_past_the_window_and_readers_see_one_lo
     assert dict(zip(eids, reader.read_many(eids))) == before  # byte-identical whichever tier holds it
     assert {e for e in sample if e in cold} and _replays(redis_url, keys, tmp_path, sample, capsys) == replayed
     assert mover.step() == 0  # nothing new is due: the move is idempotent
+    assert [r["commit"] for r in mover._ledger.records] == [5, 6]  # the lines of moved groups are let go
     data = read_run(client, keys, run_path)
     assert set(eids) <= set(data.episodes)
 

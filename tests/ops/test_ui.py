@@ -140,3 +140,32 @@ def test_an_agent_episode_is_drawn_call_by_call_with_forks_and_its_masked_prompt
     assert [(m["kind"], m["at"], m["worker"]) for m in calls[0]["markers"]] == [("aborted", 2, "w"),
                                                                                 ("takeover", 2, "w2")]
     assert calls[1]["command"] == "streamrl replay e1 --run demo --continue --from-call 1"
+
+
+def test_the_index_and_the_episode_page_read_episodes_the_archiver_moved(client, keys, tmp_path):
+    """Issue 33: the browser reads one log. Episodes moved to segments are listed and drawn as those in Redis are,
+    and those that ended and moved between two refreshes are found in the segments."""
+    from services.archiver.mover import Mover
+    from shared.protocol.segments import SegmentStore
+    from tests.archiver.tiers_support import make_run
+
+    http = _app(client, keys, tmp_path)
+    run_path = tmp_path / "runs" / keys.run
+    store = SegmentStore(run_path / "episodes")
+    index = EpisodeIndex(client, keys, None, archive=store)
+    assert index.refresh() == 0  # built before the run wrote anything
+    groups = make_run(client, keys, run_path, versions=6)
+    eids = sorted(e for es in groups.values() for e in es)
+    moved = sorted(e for g in ("g1", "g2", "g3", "g4") for e in groups[g])
+    pages = {e: http.get(f"/api/run/{keys.run}/ep/{e}").json() for e in eids}  # while all are in Redis
+    assert Mover(client, keys, run_path, retention=2).step() == len(moved)
+    assert not any(client.exists(keys.episode(e)) for e in moved)
+    assert index.refresh() == 12 and sorted(s.episode_id for s in index.table) == eids  # 4 in Redis, 8 moved unseen
+    assert index.refresh() == 0
+    fresh = EpisodeIndex(client, keys, None, archive=SegmentStore(run_path / "episodes"))
+    assert fresh.refresh() == 12 and sorted(s.episode_id for s in fresh.table) == eids  # both tiers, once each
+    assert sorted(s.episode_id for s in fresh.table if s.reward == 1.0) == sorted(
+        e for e in eids if int(e[1]) % 2)  # make_run's reward: the version's parity
+    for eid in eids:  # the page of a moved episode is the page it had in Redis
+        assert http.get(f"/api/run/{keys.run}/ep/{eid}").json() == pages[eid], eid
+    assert "replay" in pages[moved[0]]

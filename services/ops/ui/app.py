@@ -174,7 +174,7 @@ def make_app(sources: Sources, api_key: str = "", is_live=None) -> FastAPI:
         src = sources.get(run)
         if src.client is None:
             return _error(404, f"run {run!r}: no server holds it and its folder has no Redis data")
-        entries = EpisodeLog(src.client, src.keys, worker="ui").read(episode)
+        entries = EpisodeLog(src.client, src.keys, worker="ui", archive=src.archive).read(episode)
         if not entries:
             return _error(404, f"no episode {episode!r} in run {run!r}")
         try:

@@ -47,8 +47,8 @@ def decode_rows(run_id: str, blob: bytes) -> list[Summary]:
 class EpisodeIndex:
     """``refresh()`` brings the rows up to date (call it from one thread at a time); ``query`` reads them."""
 
-    def __init__(self, client, keys, run_path: Path | None, run_id: str = "", batch: int = 500):
-        self.client, self.keys, self.batch = client, keys, batch
+    def __init__(self, client, keys, run_path: Path | None, run_id: str = "", batch: int = 500, archive=None):
+        self.client, self.keys, self.batch, self.archive = client, keys, batch, archive  # archive: SegmentStore
         self.cache = Path(run_path) / CACHE if run_path is not None else None
         self.run_id = run_id
         self.rows: dict[str, Summary] = {}
@@ -57,6 +57,7 @@ class EpisodeIndex:
         self.saved = 0  # ended rows in the cache file
         self.last_refresh_s = 0.0
         self.progress = 0  # episodes read so far by the first build
+        self._archived_seen = 0  # archived episodes when the last refresh looked
         self._lock = threading.Lock()
 
     def load(self) -> int:
@@ -74,7 +75,7 @@ class EpisodeIndex:
         t0 = time.monotonic()
         if not self.built:
             fresh = []
-            for s in read_summaries(self.client, self.keys, self.batch):
+            for s in read_summaries(self.client, self.keys, self.batch, archive=self.archive):
                 fresh.append(s)
                 self.progress = len(fresh)
         else:
@@ -83,7 +84,7 @@ class EpisodeIndex:
                 eid = self.keys.episode_id(key)
                 if eid not in self.rows:
                     open_ids.add(eid)
-            fresh = self._summarize(sorted(open_ids))
+            fresh = self._summarize(sorted(open_ids | self._archived_unseen()))
         with self._lock:
             for s in fresh:
                 self.rows[s.episode_id] = s
@@ -92,8 +93,19 @@ class EpisodeIndex:
         self._save()
         return len(fresh)
 
+    def _archived_unseen(self) -> set[str]:
+        """Episodes the archiver moved that no refresh saw in Redis (one that started, ended and moved between two
+        refreshes); looked for only when a segment was listed since the last look."""
+        if self.archive is None:
+            return set()
+        archived = self.archive.episode_ids()
+        if len(archived) == self._archived_seen:
+            return set()
+        self._archived_seen = len(archived)
+        return {eid for eid in archived if eid not in self.rows}
+
     def _summarize(self, ids: list[str]) -> list[Summary]:
-        log, out = EpisodeLog(self.client, self.keys, worker="ui"), []
+        log, out = EpisodeLog(self.client, self.keys, worker="ui", archive=self.archive), []
         for i in range(0, len(ids), self.batch):
             chunk = ids[i:i + self.batch]
             out += [summarize(eid, entries) for eid, entries in zip(chunk, log.read_many(chunk)) if entries]

@@ -14,6 +14,7 @@ import structlog
 
 from services.ops import run_target, serve_ended
 from services.ops.ui.index import EpisodeIndex
+from shared.protocol import segments
 from shared.protocol.keys import Keys
 from shared.runtime import secrets
 from shared.runtime.connection import connect
@@ -37,7 +38,10 @@ class RunSource:
         self.folder, self.target, self.client, self.served, self.stack = folder, target, client, served, stack
         self.keys, self.path = target.keys, target.path
         self.log = structlog.get_logger("ui").bind(run=folder, served=served)
-        self.index = EpisodeIndex(client, self.keys, self.path, (target.marker or {}).get("id", ""))
+        # the run's segments (episodes the archiver moved out of Redis): the index and the episode page read both tiers
+        self.archive = segments.SegmentStore(segments.folder_of(self.path)) if self.path is not None else None
+        self.index = EpisodeIndex(client, self.keys, self.path, (target.marker or {}).get("id", ""),
+                                  archive=self.archive)
         self.loaded = self.index.load()
         self._refreshing = threading.Lock()
         self._last = 0.0

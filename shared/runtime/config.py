@@ -31,7 +31,7 @@ class Config:
     # episode log
     flush_tokens: int = 16  # flush an episode's buffered tokens once this many are pending
     flush_ms: float = 50.0  # ... or once the oldest pending token is this old
-    log_retention_versions: int = 0  # the archiver moves episodes of groups trained this many versions before the newest commit out of Redis into Parquet segments under <run_dir>/<run>/episodes (readers see both tiers); 0: off, every episode stays in Redis
+    log_retention_versions: int = 20  # the archiver moves episodes of groups trained this many versions before the newest commit out of Redis into Parquet segments under <run_dir>/<run>/episodes (readers see both tiers), so Redis's memory stays flat however long the run; 0: off, every episode stays in Redis
     archive_every_versions: int = 50  # the archiver moves episodes each time this many versions have been published since its last move (Redis then holds at most log_retention_versions + this many versions of episodes, at any rate); 0: by archive_every_s only
     archive_every_s: float = 30.0  # ... and at the latest this many seconds after its last move (a slow run still moves)
     archiver_nice: int = 19  # the archiver's CPU priority (os.nice, 0-19; 19 the lowest): it moves episodes on CPU the pipeline leaves idle

@@ -102,5 +102,7 @@ class Service:
 
 def out_of_memory_line(cfg) -> str:
     """What a service says when Redis refuses a write for want of memory (``OutOfMemoryError``, noeviction)."""
-    return (f"Redis is out of memory (maxmemory {cfg.redis_maxmemory}): raise redis_maxmemory or set "
-            f"log_retention_versions (episodes of old versions move to Parquet segments)")
+    retention = (f"lower log_retention_versions (now {cfg.log_retention_versions}: episodes of older versions move "
+                 f"to Parquet segments)") if cfg.log_retention_versions else \
+        "set log_retention_versions (episodes of old versions move to Parquet segments; 0 keeps every one in Redis)"
+    return f"Redis is out of memory (maxmemory {cfg.redis_maxmemory}): raise redis_maxmemory or {retention}"

@@ -21,7 +21,10 @@ def test_a_full_redis_refuses_writes_with_a_named_error(tmp_path):
                 client.xadd("s", {"data": b"x" * 4096})
         assert client.xlen("s") == i  # nothing evicted: every accepted entry is still there
         client.close()
-    line = out_of_memory_line(Config(redis_maxmemory="3mb"))
+    line = out_of_memory_line(Config(redis_maxmemory="3mb"))  # the default: retention on
+    assert line.startswith("Redis is out of memory (maxmemory 3mb): raise redis_maxmemory or lower "
+                           "log_retention_versions (now 20")
+    line = out_of_memory_line(Config(redis_maxmemory="3mb", log_retention_versions=0))
     assert line.startswith("Redis is out of memory (maxmemory 3mb): raise redis_maxmemory or set log_retention_versions")
 
 

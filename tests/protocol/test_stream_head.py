@@ -4,6 +4,8 @@ one, the group's lag), what it moves (everything below, byte for byte), and a cr
 
 from __future__ import annotations
 
+import time
+
 from shared.protocol import samples, stream_head
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP
 from shared.protocol.stream_head import Trimmer, trim_point
@@ -19,9 +21,19 @@ def test_the_trim_point_keeps_pending_the_last_delivered_and_the_recent():
     assert trim_point(f"{NOW - 90_000}-10", f"{NOW - 90_000}-9", NOW, keep_s=0) == f"{NOW - 90_000}-9"
 
 
+def _past(entry_id) -> None:
+    """Wait for the clock to pass ``entry_id``'s millisecond: a trim with keep_s 0 keeps what was written in the
+    millisecond it runs (its window ends at now), which a fast box reaches before the test's trim."""
+    ms = int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
+    while int(time.time() * 1000) <= ms:
+        time.sleep(0.001)
+
+
 def _stream(client, keys, n: int) -> list[bytes]:
     client.xgroup_create(keys.prompts, ROLLOUT_GROUP, id="$", mkstream=True)
-    return [client.xadd(keys.prompts, {"group_id": f"g{i}", "data": bytes([0xC3, i, 0xFF])}) for i in range(n)]
+    ids = [client.xadd(keys.prompts, {"group_id": f"g{i}", "data": bytes([0xC3, i, 0xFF])}) for i in range(n)]
+    _past(ids[-1])
+    return ids
 
 
 def test_a_trim_moves_what_no_consumer_needs_and_keeps_the_rest(client, keys, tmp_path):
@@ -100,6 +112,7 @@ def test_a_reader_following_a_long_head_reads_the_file_once(client, keys, tmp_pa
         client.xadd(keys.samples, samples.encode(samples.Sample(f"g{i}", [f"g{i}-0"], "w1", 1)))
     client.xreadgroup(TRAINER_GROUP, "t", {keys.samples: ">"})
     client.xack(keys.samples, TRAINER_GROUP, *[e for e, _ in client.xrange(keys.samples)])
+    _past(client.xrevrange(keys.samples, count=1)[0][0])
     path = stream_head.path_of(tmp_path, "samples")
     assert Trimmer(client, keys.samples, TRAINER_GROUP, path, keep_s=0).trim() == 4_999  # the last delivered stays
     cursor, seen, batches = "0-0", [], 0

@@ -38,6 +38,7 @@ from services.ops.run_target import Target  # noqa: E402
 from services.ops.serve_ended import ServedCopy  # noqa: E402
 from services.ops.ui.app import make_app  # noqa: E402
 from services.ops.ui.index import EpisodeIndex  # noqa: E402
+from shared.protocol import segments  # noqa: E402
 from services.ops.ui.sources import RunSource, Sources  # noqa: E402
 from shared.protocol.events import Event, encode  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
@@ -97,17 +98,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(client, keys: Keys, run_path: Path, run_id: str, repeats: int) -> dict:
+def measure(client, keys: Keys, run_path: Path, run_id: str, repeats: int, archive=None) -> dict:
+    """``archive``: the run's segments (the episodes the archiver moved), which the ui reads with Redis."""
     out: dict = {}
     cache = run_path / "ui" / "episodes.msgpack"
     cache.unlink(missing_ok=True)
-    index = EpisodeIndex(client, keys, run_path, run_id)
+    index = EpisodeIndex(client, keys, run_path, run_id, archive=archive)
     t0 = time.perf_counter()
     index.refresh()
     out["build_s"], out["episodes"] = time.perf_counter() - t0, len(index.table)
     print(f"(A) first build, every stream read and folded: {out['build_s']:.1f} s for {out['episodes']:,} episodes",
           flush=True)
-    again = EpisodeIndex(client, keys, run_path, run_id)
+    again = EpisodeIndex(client, keys, run_path, run_id, archive=archive)
     t0 = time.perf_counter()
     again.load()
     out["load_s"] = time.perf_counter() - t0
@@ -158,7 +160,8 @@ def main() -> int:
                 keys = Keys(marker.get("run", args.run))
                 # the kept index goes to a scratch folder: the run's own is left as it was
                 scratch = Path(tmp) / args.run
-                out = measure(connect(url), keys, scratch, marker.get("id", ""), args.repeats)
+                out = measure(connect(url), keys, scratch, marker.get("id", ""), args.repeats,
+                              archive=segments.SegmentStore(segments.folder_of(run_path)))
             what = f"ended `./dev run` {args.run!r}"
         else:
             server = EmbeddedRedis(Path(tmp) / "redis").start()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from itertools import islice
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -75,6 +76,8 @@ class EpisodeIndex:
         t0 = time.monotonic()
         if not self.built:
             fresh = []
+            if self.archive is not None:  # what a first build reads; later refreshes look only past it
+                self._archived_seen = len(self.archive.episode_ids())
             for s in read_summaries(self.client, self.keys, self.batch, archive=self.archive):
                 fresh.append(s)
                 self.progress = len(fresh)
@@ -95,14 +98,12 @@ class EpisodeIndex:
 
     def _archived_unseen(self) -> set[str]:
         """Episodes the archiver moved that no refresh saw in Redis (one that started, ended and moved between two
-        refreshes); looked for only when a segment was listed since the last look."""
+        refreshes): of those listed since the last look only."""
         if self.archive is None:
             return set()
-        archived = self.archive.episode_ids()
-        if len(archived) == self._archived_seen:
-            return set()
-        self._archived_seen = len(archived)
-        return {eid for eid in archived if eid not in self.rows}
+        new = list(islice(self.archive.episode_ids(), self._archived_seen, None))  # the index keeps listing order
+        self._archived_seen += len(new)
+        return {eid for eid in new if eid not in self.rows}
 
     def _summarize(self, ids: list[str]) -> list[Summary]:
         log, out = EpisodeLog(self.client, self.keys, worker="ui", archive=self.archive), []

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.ops import starter
+from services.ops import starter_client
 from shared.protocol import control
 from shared.protocol.events import decode
 from shared.protocol.fold import Episode, fold
@@ -114,7 +114,7 @@ def continue_agent(cfg, entries: list, from_call: int | None, version: int, weig
             env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
             log(f"replay: scratch Redis {server.url}; calls 0..{k - 1} answered from the stream, call {k} on with "
                 f"v{version}")
-            procs = [starter.popen(m, extra, env, root)
+            procs = [starter_client.popen(m, extra, env, root)
                      for m, extra in (("services.rollout", ["--worker-id", "replay"]), ("services.gateway", []))]
             _wait(lambda: client.exists(keys.alive("rollout", "replay")), 180, "the rollout worker")
             if version != 0 or weights[0]:

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.ops import starter
+from services.ops import starter_client
 
 WINDOW_S = 60.0
 MAX_RESTARTS = 5
@@ -98,7 +98,7 @@ class Keeper:
         self.command, self.name = command, name or os.environ.get(NAME_ENV) or name_of(command)
         self.out = out or sys.stdout
         self.stopping = False
-        self.child: subprocess.Popen | starter.Started | None = None
+        self.child: subprocess.Popen | starter_client.Started | None = None
         self.last_line = ""
         self.history = History()
         self.since = time.time()  # the driver's max_minutes runs from here, across its restarts
@@ -125,15 +125,15 @@ class Keeper:
                 fh.write(f"{self.child.pid} {self.name} {self.history.restarts}\n")
             os.replace(tmp, os.path.join(pid_dir, f"{os.getpid()}.pid"))
 
-    def _start_warm(self, env: dict) -> starter.Started | None:
+    def _start_warm(self, env: dict) -> starter_client.Started | None:
         """The process forked by the run's starter, its output on a pipe to here; None when there is no starter
         or it does not answer (then the process starts the ordinary way)."""
-        path, target = starter.inherited(), starter.python_module(self.command)
+        path, target = starter_client.inherited(), starter_client.python_module(self.command)
         if not path or target is None:
             return None
         read, write = os.pipe()
         try:
-            child = starter.start(path, *target, env=env, cwd=os.getcwd(), stdout=write, stderr=write,
+            child = starter_client.start(path, *target, env=env, cwd=os.getcwd(), stdout=write, stderr=write,
                                   watch_pid=os.getpid())
         except OSError:
             os.close(read)

@@ -39,16 +39,16 @@ def _problems_in_starter(cfg: Config, path: str) -> list[str] | None:
     answer (the caller then checks here)."""
     from dataclasses import asdict
 
-    from services.ops import starter
+    from services.ops import starter_client
 
     try:
-        return list(starter.call(path, "services.ops.preflight:problems_of", {"config": asdict(cfg)}))
-    except starter.CallFailed:
+        return list(starter_client.call(path, "services.ops.preflight:problems_of", {"config": asdict(cfg)}))
+    except starter_client.CallFailed:
         return None
 
 
 def problems_of(config: dict) -> list[str]:
-    """``problems`` of a config given as a dict (``starter.call``'s way in)."""
+    """``problems`` of a config given as a dict (``starter_client.call``'s way in)."""
     return problems(Config(**config))
 
 

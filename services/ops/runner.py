@@ -26,7 +26,7 @@ from shared.runtime.connection import redact
 from services.driver.driver import ENDED
 from services.ops.keep import NAME_ENV, PID_DIR_ENV, keep_server
 from services.ops.keep import processes as keep_processes
-from services.ops import starter
+from services.ops import starter_client
 from services.ops.redis_server import start_for_run
 from shared.runtime import secrets
 
@@ -164,13 +164,13 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None, 
     # the run's warm starter: its processes (and their restarts) fork from it with torch already imported. Started
     # first, so the preflight runs in it too, unless this process has torch already (then the preflight is cheap here).
     # A starter this process was handed (STARTER_SOCKET: the tests share one per worker) serves instead, not closed here
-    warm, sock = None, starter.inherited()
+    warm, sock = None, starter_client.inherited()
     if sock is None and "torch" not in sys.modules:
         warm, sock = _launch_starter(wait=False)
     try:
         ensure_model(cfg)  # before anything starts: a model_dir that does not resolve is one line, nothing to clean up
         if warm is not None and not _ready(warm):
-            starter.close(warm, sock)
+            starter_client.close(warm, sock)
             warm, sock = None, None
         # every problem found from files and imports, one line each; nothing under runs/ yet
         preflight.check(cfg, sock)
@@ -179,25 +179,25 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None, 
         return _run(cfg, entries, sock, extra_env, chaos)
     finally:
         if warm is not None:
-            starter.close(warm, sock)
+            starter_client.close(warm, sock)
 
 
 def _launch_starter(wait: bool):
     """(process, socket path) of a new starter, or (None, None) when it cannot start (the run goes on without)."""
     try:
-        warm, sock = starter.launch(wait=False)
+        warm, sock = starter_client.launch(wait=False)
     except OSError as exc:
         print(f"streamrl run: the process starter did not start ({exc}); processes start without it", file=sys.stderr)
         return None, None
     if wait and not _ready(warm):
-        starter.close(warm, sock)
+        starter_client.close(warm, sock)
         return None, None
     return warm, sock
 
 
 def _ready(warm) -> bool:
     try:
-        starter.ready(warm)
+        starter_client.ready(warm)
         return True
     except RuntimeError as exc:  # the run goes on: each process starts the ordinary way
         print(f"streamrl run: {exc}; its processes start without it", file=sys.stderr, flush=True)
@@ -232,9 +232,9 @@ def _run(cfg: Config, entries: dict, warm_path: str | None, extra_env: dict | No
     for old in pid_dir.glob("*.pid") if pid_dir.is_dir() else []:
         old.unlink()
     env[PID_DIR_ENV] = str(pid_dir)
-    env.pop(starter.ENV, None)
+    env.pop(starter_client.ENV, None)
     if warm_path and cfg.engine == "torch":  # vLLM starts its own engine processes: its workers start cold, as tested
-        env[starter.ENV] = warm_path
+        env[starter_client.ENV] = warm_path
     manager = Manager(printer=LinePrinter(sys.stdout))
     # the driver's progress lines are the view; the services' per-step info lines would bury them
     quiet = {**env, "STREAMRL_LOG_LEVEL": "warning"} if cfg.log_level == "info" else env
@@ -300,11 +300,11 @@ def export_at_end(cfg: Config, warm_path: str | None = None) -> None:
     marker = runstate.read_marker(cfg.run_path) or {}
     cfg = cfg.replace(run_id=marker.get("id", cfg.run_id))  # its weights folder is keyed by the id
     try:
-        out = starter.call(warm_path, "services.trainer.export:export_last_of", {"config": asdict(cfg)})
-    except starter.ChildFailed as exc:  # it said why above: the same again here would only say it twice
+        out = starter_client.call(warm_path, "services.trainer.export:export_last_of", {"config": asdict(cfg)})
+    except starter_client.ChildFailed as exc:  # it said why above: the same again here would only say it twice
         print(f"streamrl run: the export at the end failed ({exc})", file=sys.stderr, flush=True)
         out = None
-    except starter.CallFailed:
+    except starter_client.CallFailed:
         from services.trainer.export import export_last
 
         out = export_last(cfg)

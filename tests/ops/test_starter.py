@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from services.ops import starter
+from services.ops import starter_client
 from tests.support import procs
 from tests.support.procs import ROOT, wait_until
 
@@ -32,15 +32,15 @@ def warm():
 @pytest.fixture
 def own_starter():
     """A starter of the test's own, for a test that stops it."""
-    proc, path = starter.launch(cwd=ROOT)
+    proc, path = starter_client.launch(cwd=ROOT)
     yield proc, path
-    starter.close(proc, path)
+    starter_client.close(proc, path)
 
 
 def _start(path, tmp_path, *args, env=None, watch_pid=None):
     out = open(tmp_path / "out.txt", "ab")
     try:
-        return starter.start(path, "tests.support.probe_main", list(args), env={**os.environ, "PROBE": "p1", **(env or {})},
+        return starter_client.start(path, "tests.support.probe_main", list(args), env={**os.environ, "PROBE": "p1", **(env or {})},
                              cwd=str(tmp_path), stdout=out.fileno(), stderr=out.fileno(), watch_pid=watch_pid)
     finally:
         out.close()
@@ -95,7 +95,7 @@ def test_a_process_dies_with_its_supervisor_and_with_the_starter(own_starter, tm
     supervisor.kill()
     supervisor.wait()
     assert watched.wait(30) == -signal.SIGKILL and orphan.poll() is None
-    starter.close(*warm)  # the starter gone: its children go too
+    starter_client.close(*warm)  # the starter gone: its children go too
     wait_until(lambda: not os.path.exists(f"/proc/{orphan.pid}") or _zombie(orphan.pid), "the starter's child gone", 30)
 
 
@@ -107,16 +107,16 @@ def _zombie(pid: int) -> bool:
 
 
 def test_call_runs_a_function_in_a_child_and_says_when_it_fails(warm):
-    assert starter.call(warm[1], "posixpath:basename", {"p": "/a/b.txt"}) == "b.txt"
-    with pytest.raises(starter.ChildFailed):
-        starter.call(warm[1], "posixpath:nope", {})
-    with pytest.raises(starter.CallFailed) as no_starter:
-        starter.call(None, "posixpath:basename", {"p": "x"})
-    assert not isinstance(no_starter.value, starter.ChildFailed)
+    assert starter_client.call(warm[1], "posixpath:basename", {"p": "/a/b.txt"}) == "b.txt"
+    with pytest.raises(starter_client.ChildFailed):
+        starter_client.call(warm[1], "posixpath:nope", {})
+    with pytest.raises(starter_client.CallFailed) as no_starter:
+        starter_client.call(None, "posixpath:basename", {"p": "x"})
+    assert not isinstance(no_starter.value, starter_client.ChildFailed)
 
 
 def test_keep_restarts_a_killed_process_through_the_starter(warm, tmp_path):
-    env = {**os.environ, starter.ENV: warm[1], "PYTHONPATH": ROOT, "KEEP_PID_DIR": str(tmp_path / "pids")}
+    env = {**os.environ, starter_client.ENV: warm[1], "PYTHONPATH": ROOT, "KEEP_PID_DIR": str(tmp_path / "pids")}
     keep = subprocess.Popen([sys.executable, "-m", "services.ops.keep", "--", sys.executable, "-m",
                              "tests.support.probe_main", "sleep"], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.ops import starter
+from services.ops import starter_client
 from services.ops.keep import processes
 from shared.protocol.ledger import read_ledger
 from tests.support.procs import starter_pid
@@ -50,7 +50,7 @@ def test_a_service_killed_mid_run_is_restarted_and_the_run_ends_with_the_check_a
     # and chaos kills the embedded Redis every 4 s (the runner starts it again on its port over its data)
     # 100 versions: long enough for chaos's first kill at 4 s now that the processes start warm (12 could end sooner)
     # with no starter handed to it (the tests share one per worker): the run preloads its own, as a user's does
-    env = {k: v for k, v in _env().items() if k != starter.ENV}
+    env = {k: v for k, v in _env().items() if k != starter_client.ENV}
     proc = subprocess.Popen(_run_args(tmp_path, tiny_model_dir, "--max-versions", "100", "--chaos", "4",
                                       "--chaos-only", "redis"), cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

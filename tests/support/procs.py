@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from services.ops import starter
+from services.ops import starter_client
 
 ROOT = str(Path(__file__).resolve().parents[2])
 POLL_S = 0.05  # how often a condition is re-read; only the deadline bounds how long a wait may take
@@ -38,11 +38,11 @@ def _starter_path(wait: bool = True) -> str:
     unless ``wait`` is False."""
     with _starter_lock:
         if _starter.get("pid") != os.getpid():
-            proc, path = starter.launch(cwd=ROOT, wait=False)
-            atexit.register(starter.close, proc, path)
+            proc, path = starter_client.launch(cwd=ROOT, wait=False)
+            atexit.register(starter_client.close, proc, path)
             _starter.update(pid=os.getpid(), path=path, proc=proc, ready=False)
         if wait and not _starter["ready"]:
-            starter.ready(_starter["proc"])
+            starter_client.ready(_starter["proc"])
             _starter["ready"] = True
         return _starter["path"]
 
@@ -52,7 +52,7 @@ def share_starter() -> None:
     `streamrl keep` a test starts forks its processes from it instead of preloading a starter of its own (tests
     of that path take the variable out of the environment they give). Nothing with ``TESTS_COLD_START=1``."""
     if WARM:
-        os.environ[starter.ENV] = _starter_path(wait=False)
+        os.environ[starter_client.ENV] = _starter_path(wait=False)
 
 
 def starter_pid() -> int | None:
@@ -65,7 +65,7 @@ def _spawn_warm(module: str, args: list[str], env: dict | None, out_fd: int | No
     if stderr_pipe:
         err_r, err_w = os.pipe()
     try:
-        proc = starter.start(_starter_path(), module, args, os.environ if env is None else env, ROOT,
+        proc = starter_client.start(_starter_path(), module, args, os.environ if env is None else env, ROOT,
                              out_fd if out_fd is not None else 1,
                              out_fd if out_fd is not None else err_w if err_w is not None else 2)
     except BaseException:
@@ -108,7 +108,7 @@ def run_module(module: str, *args, env: dict | None = None, input: bytes | None 
         return subprocess.run(argv, env=env, cwd=ROOT, input=input, capture_output=True, timeout=timeout)
     pipes = [os.pipe(), os.pipe()]
     try:
-        proc = starter.start(_starter_path(), module, argv[3:], os.environ if env is None else env, ROOT,
+        proc = starter_client.start(_starter_path(), module, argv[3:], os.environ if env is None else env, ROOT,
                              pipes[0][1], pipes[1][1])
     except BaseException:
         for r, _ in pipes:

@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 
+from services.driver.driver import queue_depth
 from services.ops.check_data import read_run
 from services.ops.checker import check
 from shared.protocol import stream_head
@@ -50,7 +51,11 @@ def test_the_keys_besides_episode_streams_stay_bounded_while_versions_grow(tmp_p
         run.stop()
         run.close()
     assert len(heads["prompts"]) >= 8 and len(heads["samples"]) >= 8, {k: len(v) for k, v in heads.items()}
-    assert report.groups_enqueued == enqueued and report.groups_published >= 16 * 2, report
+    # the driver enqueues a top-up, then records its counter: a stop between the two leaves the counter behind by
+    # that top-up (at most the queue's depth), whose groups keep their enqueue markers, so a restarted driver
+    # enqueues none of them twice
+    depth = queue_depth(run.cfg, 1)
+    assert enqueued <= report.groups_enqueued <= enqueued + depth and report.groups_published >= 16 * 2, report
     assert (report.groups_enqueued_twice, report.episodes_finished_twice, report.samples_trained_twice,
             report.groups_lost) == (0, 0, 0, 0), report
     grown = {f: late[f] - early[f] for f in late if late[f] > early[f]}

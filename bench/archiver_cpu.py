@@ -99,7 +99,7 @@ def main() -> None:
         {"what": "archiver CPU per episode moved (default-shape episodes, one step)", "value": f"{1e6 * cpu / moved:.0f} us"},
     ], ["services/archiver", "shared/protocol/segments.py", "shared/protocol/segment_entries.py",
         "shared/protocol/segment_templates.py", "shared/protocol/segment_arrays.py",
-        "shared/protocol/segment_summary.py"],
+        "shared/protocol/segment_summary.py", "shared/protocol/segment_builder.py"],
         simulated="default-shape episodes written by the real EpisodeLog (random ids and log-probs)",
         extra={"load_average": load, "episodes": moved, "tokens": tokens, "cpu_s": cpu, "wall_s": wall,
                "segment_bytes": sizes["bytes"]})

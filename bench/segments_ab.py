@@ -41,9 +41,14 @@ dump, out = msgpack.unpackb(Path(sys.argv[1]).read_bytes(), raw=False), Path(tem
 size = tokens = episodes = 0
 cpu = time.process_time()
 for k, (episodes_of, n_tokens) in enumerate(dump):
-    rows = [segments.to_row(eid, [tuple(e) for e in entries], 0) for eid, entries in episodes_of]
-    size += segments.write_file(out, f"seg-{k + 1:08d}.parquet", rows)
-    tokens, episodes = tokens + n_tokens, episodes + len(rows)
+    episodes_of = [(eid, [tuple(e) for e in entries]) for eid, entries in episodes_of]
+    if hasattr(segments, "to_row"):  # a tree before shared/protocol/segment_builder.py: rows, then the table
+        table = [segments.to_row(eid, entries, 0) for eid, entries in episodes_of]
+    else:
+        from shared.protocol import segment_builder
+        table = segment_builder.table_of(episodes_of, 0)
+    size += segments.write_file(out, f"seg-{k + 1:08d}.parquet", table)
+    tokens, episodes = tokens + n_tokens, episodes + len(episodes_of)
 cpu = time.process_time() - cpu
 print(f"real: {size / tokens:.4f} B/token {1e6 * cpu / episodes:.1f} us/episode")
 """
@@ -147,7 +152,7 @@ def main() -> None:
     record("segments_ab", rows, ["services/archiver", "shared/protocol/segments.py",
                                  "shared/protocol/segment_entries.py", "shared/protocol/segment_columns.py",
                                  "shared/protocol/segment_templates.py", "shared/protocol/segment_arrays.py",
-                                 "shared/protocol/segment_summary.py"],
+                                 "shared/protocol/segment_summary.py", "shared/protocol/segment_builder.py"],
            extra={"base": args.base, "rounds": results, "medians": med, "load_average_before": load_before,
                   "load_average": load})
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.record import record  # noqa: E402
 from services.ops.redis_server import EmbeddedRedis  # noqa: E402
-from shared.protocol import segments  # noqa: E402
+from shared.protocol import segment_builder, segments  # noqa: E402
 from shared.protocol.episode_log import EpisodeLog  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
 from shared.protocol.sampling import episode_seed  # noqa: E402
@@ -93,9 +93,9 @@ def measure(client, folder: Path, n_episodes: int, n_tokens: int, chunk: int, rn
         log.flush_or_raise([eid])
         log.close(eid)
     redis_bytes = sum(client.memory_usage(keys.episode(e), samples=0) for e in eids)
-    rows = [segments.to_row(e, client.xrange(keys.episode(e)), SEED) for e in eids]
+    table = segment_builder.table_of(((e, client.xrange(keys.episode(e))) for e in eids), SEED)
     name = f"seg-{n_tokens:08d}.parquet"
-    size = segments.write_file(folder, name, rows)
+    size = segments.write_file(folder, name, table)
     client.delete(*[keys.episode(e) for e in eids])
     tokens = n_episodes * n_tokens
     return {"redis_per_token": redis_bytes / tokens, "segment_per_token": size / tokens,
@@ -127,7 +127,8 @@ def main() -> None:
          "value": f"{short['redis_per_token']:.0f} -> {short['segment_per_token']:.1f}"},
         {"what": "episode log bytes per policy token, Redis -> segment (256-token episodes)",
          "value": f"{long['redis_per_token']:.0f} -> {long['segment_per_token']:.1f}"},
-    ], ["shared/protocol/segments.py", "shared/protocol/segment_entries.py", "shared/protocol/episode_log.py"],
+    ], ["shared/protocol/segments.py", "shared/protocol/segment_entries.py", "shared/protocol/segment_builder.py",
+        "shared/protocol/episode_log.py"],
         simulated="token ids (Zipf over 32k) and log-probs (float32, 70% from an exponential, 30% exactly 0) drawn "
                   "at random; groups of 8 share a 24-token Zipf prompt", extra={
                       "load_average": load, "episodes": args.episodes,

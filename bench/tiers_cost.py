@@ -191,7 +191,7 @@ def main() -> None:
          "value": f"{per_token:.1f} ({per_episode:.0f} B per episode)"},
     ], ["services/archiver", "shared/protocol/segments.py", "shared/protocol/segment_entries.py",
         "shared/protocol/segment_templates.py", "shared/protocol/segment_arrays.py",
-        "shared/protocol/segment_summary.py"],
+        "shared/protocol/segment_summary.py", "shared/protocol/segment_builder.py"],
         extra={"columns_per_token": {k: round(v / tokens, 4) for k, v in by_column.items()},
                "load_average_before": load_before, "load_average": load, "runs": results})
 

@@ -201,7 +201,7 @@ def main() -> None:
         {"what": "Redis used_memory by fifth of the run (MB, at versions/s)",
          "value": ", ".join(f"{mb:.1f} at {vps:.1f}" for _, _, mb, vps in fifths)},
     ], ["services/archiver", "shared/protocol/segments.py", "shared/protocol/segment_entries.py",
-        "services/driver/heads.py", "shared/protocol/stream_head.py"], extra={
+        "shared/protocol/segment_builder.py", "services/driver/heads.py", "shared/protocol/stream_head.py"], extra={
         "load_average_before": load_before, "load_average": load, "segments": cold, "censuses": sampler.censuses, "fifths": fifths,
         "samples": s[:: max(1, len(s) // 400)]})
 

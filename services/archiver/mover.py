@@ -21,7 +21,7 @@ import redis
 import redis.cluster
 
 from shared.protocol import samples as samples_stream
-from shared.protocol import segment_templates, segments, stream_head
+from shared.protocol import segment_builder, segments, stream_head
 from shared.protocol.keys import Keys
 from shared.protocol.ledger import LedgerTail
 from shared.runtime.faults import crash_point
@@ -139,25 +139,25 @@ class Mover:
 
     def _move(self, episode_ids: list[str]) -> int:
         streams = self._read(episode_ids)
-        # a published group's episodes have ended; never move one that could still grow
-        templates = segment_templates.Templates()
-        rows = [segments.to_row(eid, entries, self.seed_base, templates) for eid, entries in streams.items()
-                if segments.ended(entries)]
-        if not rows:
+        builder = segment_builder.Builder(self.seed_base)
+        for eid, entries in streams.items():
+            if segments.ended(entries):  # a published group's episodes have ended; never move one that could grow
+                builder.add(eid, entries)
+        if not builder:
             return 0
         name = segments.next_name(self.folder)
-        size = segments.write_file(self.folder, name, rows)
+        size = segments.write_file(self.folder, name, builder.table())
         crash_point("archiver", "written")
-        tokens = sum(r["num_generated"] for r in rows)
-        segments.append_manifest(self.folder, {"segment": name, "episodes": len(rows), "bytes": size,
+        moved, tokens = builder.episode_ids, builder.tokens
+        segments.append_manifest(self.folder, {"segment": name, "episodes": len(moved), "bytes": size,
                                                "tokens": tokens})
         crash_point("archiver", "listed")
-        self.store.add(name, [r["episode_id"] for r in rows])
-        self._drop({r["episode_id"]: streams[r["episode_id"]] for r in rows})
+        self.store.add(name, moved)
+        self._drop({eid: streams[eid] for eid in moved})
         if self.log:
-            self.log.info("episodes moved to a segment", segment=name, episodes=len(rows), bytes=size,
+            self.log.info("episodes moved to a segment", segment=name, episodes=len(moved), bytes=size,
                           tokens=tokens)
-        return len(rows)
+        return len(moved)
 
     def _read(self, episode_ids: list[str]) -> dict[str, list[tuple[bytes, list[bytes]]]]:
         """{episode id: its stream's entries, flat} of those that exist: one pipeline, the XRANGE replies as the

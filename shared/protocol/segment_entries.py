@@ -39,6 +39,7 @@ INT64 = (-(1 << 63), 1 << 63)
 POSITIONS = [str(n).encode() for n in range(64)]
 _SHORT: dict[bytes, int] = {}  # decimal text -> its integer (``_int``)
 TERMINAL = (b"finished", b"failed")
+PLAIN = {b"started", b"tokens", b"aborted", b"resumed", b"tool_call", b"tool_result", b"finished", b"failed"}
 
 
 def _int(raw: bytes) -> int | None:
@@ -67,7 +68,7 @@ def _split(position: int, entry_id: bytes, flat: list[bytes]) -> tuple | None:
             flat[9] != (POSITIONS[position] if position < len(POSITIONS) else str(position).encode()):
         return None
     ms, _, sub = entry_id.partition(b"-")
-    ms, sub, policy = _int(ms), _SHORT.get(sub) or _int(sub), _SHORT.get(flat[5]) or _int(flat[5])
+    ms, sub, policy = _int(ms), _int(sub), _int(flat[5])
     if ms is None or sub is None or policy is None or not -(1 << 31) <= policy < 1 << 31:
         return None
     return ms, sub, flat[1], flat[3], policy, flat[7], flat[11]
@@ -134,59 +135,109 @@ def _take_apart(episode_id: str, data: bytes, templates: Templates | None) -> tu
     return payload, index, seed, group_id
 
 
-def pack(episode_id: str, entries: list[tuple[bytes, list[bytes]]], seed_base: int | None = None,
-         templates: Templates | None = None) -> tuple[dict, list[bytes], list[bytes]]:
-    """(entry id, flat fields) pairs -> (the row's entry columns, token ids parts, log-prob parts), each part the
-    raw little-endian bytes of one moved ``tokens`` entry. ``seed_base``: the run's ``seed``. The columns also say
-    the episode's ``group_id`` when its first ``started`` payload was templated (else it is absent)."""
-    ms_, sub_, kinds, hv, policies, workers, payloads = lists = ([], [], [], [], [], [], [])
-    row: dict = dict(zip(LISTS, lists))
-    row.update(others=[], tok_counts=[], index=None, seed=None, seed_base=None, t0=0, start=None, end=None)
-    ids, lps = [], []
-    started, last = False, None
-    for position, (entry_id, flat) in enumerate(entries):
-        parts = _split(position, entry_id, flat)
-        if parts is None:
-            for column, blank in zip(lists, (0, 0, b"", b"", 0, b"", None)):
-                column.append(blank)
-            row["others"].append([entry_id, *flat])
-            continue
-        ms, sub, kind, v, policy, worker, payload = parts
-        if last is None:
-            row["t0"] = last = ms
-        ms, last = ms - last, ms
-        if not -(1 << 31) <= ms < 1 << 31:
-            return pack_whole(entries)
-        if kind == b"tokens" and (tokens := token_payload(payload)) is not None:
-            payload = None
-            row["tok_counts"].append(len(tokens[0]) >> 2)
-            ids.append(tokens[0])
-            lps.append(tokens[1])
-        elif kind == b"started" and not started:
-            started = True
-            taken = _template(episode_id, payload, seed_base, templates)
-            if taken is not None:
-                row["start"], row["index"], row["seed"], row["seed_base"], row["group_id"] = taken
-                payload = None
-        elif kind in TERMINAL and position == len(entries) - 1:
-            row["end"], payload = payload, None
-        ms_.append(ms)
-        sub_.append(sub)
-        kinds.append(kind)
-        hv.append(v)
-        policies.append(policy)
-        workers.append(worker)
-        payloads.append(payload)
-    return row, ids, lps
+ROW = ("index", "seed", "seed_base", "t0", "start", "end")  # one value per episode
+_KEPT = (0, 0, b"", b"", 0, b"", None)  # an entry kept whole, in each of LISTS
+_WHOLE = (None, None, None, 0, None, None)  # ROW of an episode kept whole
 
 
-def pack_whole(entries: list[tuple[bytes, list[bytes]]]) -> tuple[dict, list[bytes], list[bytes]]:
-    """Every entry kept whole in ``others``."""
-    row: dict = {name: [0 if name in ("ms", "sub", "policies") else None if name == "payloads" else b""
-                        for _ in entries] for name in LISTS}
-    row.update(others=[[i, *flat] for i, flat in entries], tok_counts=[], index=None, seed=None, seed_base=None, t0=0,
-               start=None, end=None)
-    return row, [], []
+class Columns:
+    """The entry columns of a segment's episodes, built column by column as each is added (``add``): no row dicts,
+    no per-episode lists to transpose into columns afterwards.
+
+        lists      LISTS, each flat: one value per entry of every episode (``entries``: how many per episode)
+        row        ROW, one value per episode
+        others     the entries kept whole, flat (``others_n``: how many per episode)
+        tok_counts the moved ``tokens`` entries' counts, flat (``tok_n``: how many per episode); ``tokens``: each
+                   episode's moved tokens; ``ids`` / ``lps``: their raw little-endian bytes, in order
+    """
+
+    def __init__(self, seed_base: int | None = None, templates: Templates | None = None):
+        self.seed_base = seed_base  # the run's ``seed``
+        self.templates = templates if templates is not None else Templates()
+        self.lists: tuple[list, ...] = tuple([] for _ in LISTS)
+        self.row: dict[str, list] = {name: [] for name in ROW}
+        self.entries: list[int] = []
+        self.others: list[list[bytes]] = []
+        self.others_n: list[int] = []
+        self.tok_counts: list[int] = []
+        self.tok_n: list[int] = []
+        self.tokens: list[int] = []
+        self.ids: list[bytes] = []
+        self.lps: list[bytes] = []
+
+    def add(self, episode_id: str, entries: list[tuple[bytes, list[bytes]]]) -> tuple | None:
+        """Add an episode's (entry id, flat fields) pairs. Returns ``(group id, last worker, end kind, end payload,
+        tokens, newest policy of a token)`` when the episode is plain, else None: its first entry a ``started``
+        whose payload was templated, every entry of the usual shape and of a kind in ``PLAIN``, every ``tokens``
+        entry moved to the token columns, its last entry its end (shared/protocol/segment_summary.py reads the
+        analysis columns off these, without a fold)."""
+        parsed, others, counts, ids, lps = [], [], [], [], []
+        index = seed = seed_base = group_id = start = end = None
+        t0 = last = None
+        started, plain, tokens, version, n = False, True, 0, -1, len(entries)
+        for position, (entry_id, flat) in enumerate(entries):
+            parts = _split(position, entry_id, flat)
+            if parts is None:
+                parsed.append(_KEPT)
+                others.append([entry_id, *flat])
+                plain = False
+                continue
+            ms, sub, kind, v, policy, worker, payload = parts
+            if last is None:
+                t0 = last = ms
+            ms, last = ms - last, ms
+            if not -(1 << 31) <= ms < 1 << 31:
+                return self._add_whole(entries)
+            if kind == b"tokens":
+                moved = token_payload(payload)
+                if moved is None:
+                    plain = False
+                else:
+                    payload, count = None, len(moved[0]) >> 2
+                    counts.append(count)
+                    ids.append(moved[0])
+                    lps.append(moved[1])
+                    tokens += count
+                    if count and policy > version:
+                        version = policy
+            elif kind == b"started" and not started:
+                started = True
+                taken = _template(episode_id, payload, seed_base=self.seed_base, templates=self.templates)
+                if taken is not None:
+                    start, index, seed, seed_base, group_id = taken
+                    payload = None
+            elif kind in TERMINAL and position == n - 1:
+                end, payload = payload, None
+            elif kind not in PLAIN:
+                plain = False
+            parsed.append((ms, sub, kind, v, policy, worker, payload))
+        for column, values in zip(self.lists, zip(*parsed)):
+            column.extend(values)
+        for name, value in zip(ROW, (index, seed, seed_base, t0 or 0, start, end)):
+            self.row[name].append(value)
+        self._counts(n, others, counts, tokens, ids, lps)
+        if plain and end is not None and group_id is not None and parsed[0][2] == b"started":
+            return group_id, parsed[-1][5], parsed[-1][2], end, tokens, version
+        return None
+
+    def _add_whole(self, entries: list[tuple[bytes, list[bytes]]]) -> None:
+        """Every entry kept whole in ``others`` (an entry id ``ms`` steps out of int32's range)."""
+        for column, blank in zip(self.lists, _KEPT):
+            column.extend([blank] * len(entries))
+        for name, value in zip(ROW, _WHOLE):
+            self.row[name].append(value)
+        self._counts(len(entries), [[i, *flat] for i, flat in entries], [], 0, [], [])
+        return None
+
+    def _counts(self, n: int, others: list, counts: list[int], tokens: int, ids: list[bytes], lps: list[bytes]):
+        self.entries.append(n)
+        self.others += others
+        self.others_n.append(len(others))
+        self.tok_counts += counts
+        self.tok_n.append(len(counts))
+        self.tokens.append(tokens)
+        self.ids += ids
+        self.lps += lps
 
 
 def unpack(episode_id: str, row: dict, ids: bytes, lps: bytes) -> list[tuple[bytes, dict]]:

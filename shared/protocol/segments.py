@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import KeysView
-from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shared.protocol import (jsonl, segment_arrays, segment_columns, segment_entries, segment_summary,
-                             segment_templates)
+from shared.protocol import jsonl, segment_arrays, segment_columns, segment_entries
 
 FOLDER = "episodes"
 MANIFEST = "_manifest.jsonl"  # "_": pyarrow, pandas and datasets skip it when reading the folder
@@ -97,37 +95,7 @@ def ended(entries: list[tuple[bytes, list[bytes]]]) -> bool:
     return fields[:1] == [b"type"] and fields[1] in TERMINAL
 
 
-def to_row(episode_id: str, entries: list[tuple], seed_base: int | None = None,
-           templates: segment_templates.Templates | None = None) -> dict:
-    """An episode's XRANGE entries -> one row (format 3: its entries as columns, shared/protocol/segment_entries.py;
-    analysis columns from them, shared/protocol/segment_summary.py). ``seed_base``: the run's ``seed`` (its
-    episodes' seeds then cost nothing). Entries as redis-py gives them, or flat (``flat``). ``templates``: the last
-    group's started payload, for the next episode of the group (shared/protocol/segment_templates.py)."""
-    if entries and not isinstance(entries[0][1], list):
-        entries = flat(entries)
-    cols, ids, lps = segment_entries.pack(episode_id, entries, seed_base, templates)
-    row = {"episode_id": episode_id, **cols, "tok_ids": b"".join(ids), "tok_logprobs": b"".join(lps)}
-    row.update(segment_summary.summary(cols, entries))
-    return row
-
-
-def table_of(rows: list[dict]) -> pa.Table:
-    """Format 4 rows -> the segment's table, column by column off numpy buffers (shared/protocol/segment_arrays.py:
-    no pandas), token columns from the rows' bytes (every bit kept)."""
-    fields = [f for f in SCHEMA if f.name not in TOKENS]
-    values = zip(*map(itemgetter(*(f.name for f in fields)), rows)) if rows else ([] for _ in fields)  # by column
-    columns = {f.name: segment_arrays.array(list(column), f.type) for f, column in zip(fields, values)}
-    lengths = np.fromiter((len(r["tok_ids"]) >> 2 for r in rows), np.int64, len(rows))
-    offsets = segment_arrays.from_numpy(segment_arrays.offsets(lengths), pa.int32())
-    ids = np.frombuffer(b"".join(r["tok_ids"] for r in rows), "<u4")
-    lps = np.frombuffer(b"".join(r["tok_logprobs"] for r in rows), "<f4")
-    columns["tok_ids"] = pa.ListArray.from_arrays(offsets, segment_arrays.from_numpy(ids, pa.uint32()))
-    columns["tok_logprobs"] = pa.ListArray.from_arrays(offsets, segment_arrays.from_numpy(lps, pa.float32(),
-                                                                                          lps.view("<u4") != 0))
-    return pa.Table.from_arrays([columns[f.name] for f in SCHEMA], schema=SCHEMA)
-
-
-def _token_bytes(table: pa.Table, name: str) -> tuple[np.ndarray, bytes]:
+def token_bytes(table: pa.Table, name: str) -> tuple[np.ndarray, bytes]:
     """(offsets, raw little-endian values) of a token column (a null log-prob is +0.0)."""
     col = table.column(name).combine_chunks()
     values = col.values.fill_null(0) if name == "tok_logprobs" else col.values
@@ -138,7 +106,7 @@ def entries_of(table: pa.Table) -> list[tuple[str, list[tuple]]]:
     """(episode id, entries as XRANGE returns them) of each row of a table read with ``raw_columns``."""
     if "kinds" not in table.column_names:  # format 1 or 2
         return [(row["episode_id"], from_row(row)) for row in table.to_pylist()]
-    (offsets, ids), (_, lps) = _token_bytes(table, "tok_ids"), _token_bytes(table, "tok_logprobs")
+    (offsets, ids), (_, lps) = token_bytes(table, "tok_ids"), token_bytes(table, "tok_logprobs")
     out = []
     for k, row in enumerate(table.drop_columns(TOKENS).to_pylist()):
         a, b = 4 * offsets[k], 4 * offsets[k + 1]
@@ -181,11 +149,11 @@ def folder_of(run_path: Path | str) -> Path:
     return Path(run_path) / FOLDER
 
 
-def write_file(folder: Path, name: str, rows: list[dict]) -> int:
-    """Write the rows to ``folder/name`` durably (tmp, fsync, rename, fsync folder); returns its bytes."""
+def write_file(folder: Path, name: str, table: pa.Table) -> int:
+    """Write a segment's table (shared/protocol/segment_builder.py) to ``folder/name`` durably (tmp, fsync, rename,
+    fsync folder); returns its bytes."""
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{name}.tmp"
-    table = table_of(rows)
     with open(tmp, "wb") as fh:
         with pq.ParquetWriter(fh, table.schema, compression="zstd", compression_level=LEVEL,
                               use_dictionary=DICTIONARY, column_encoding=encodings(table),

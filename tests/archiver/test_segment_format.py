@@ -9,9 +9,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shared.protocol import segment_columns, segment_entries, segments
+from shared.protocol import segment_builder, segment_columns, segment_entries, segments
 from shared.protocol.sampling import episode_seed
-from tests.archiver.tiers_support import all_streams, make_run, one_segment
+from tests.archiver.tiers_support import all_streams, make_run, one_segment, row_of
 
 FORMAT_1 = pa.schema(segments.ANALYSIS + [("entry_ids", pa.list_(pa.binary())),
                                           ("entries", pa.list_(pa.list_(pa.binary())))])
@@ -92,7 +92,7 @@ def test_format_3_segments_still_read(client, keys, tmp_path):
     hot = all_streams(client, keys, [e for es in groups.values() for e in es])
     folder = tmp_path / "episodes"
     folder.mkdir()
-    rows = [_as_format_3(segments.to_row(eid, entries)) for eid, entries in hot.items()]
+    rows = [_as_format_3(row_of(eid, entries)) for eid, entries in hot.items()]
     assert any(r["payloads"][0] for r in rows)  # the case format 4 changed: payloads inside the list
     pq.write_table(pa.Table.from_pylist(rows, schema=FORMAT_3), folder / "seg-00000001.parquet")
     assert segments.file_format(folder / "seg-00000001.parquet") == 3
@@ -137,22 +137,22 @@ def test_format_4_keeps_odd_entries_whole_and_every_bit():
                (b"9-1", _entry(b"note", 7, b"")),  # seq not its position: the whole entry kept
                (b"10-0", _entry(b"started", 4, _started("g-1", 1, 12))),  # a second started: its payload whole
                (b"12-0", _entry(b"finished", 5, b"\x80", policy=b"03"))]  # a policy "03" does not round-trip
-    row, ids, lps = segment_entries.pack("g-1", entries, seed_base=7)
+    row = row_of("g-1", entries, seed_base=7)
     assert (row["index"], row["seed"], row["seed_base"]) == (1, None, 7)  # the seed is the rule's: the base only
     assert [len(o) for o in row["others"]] == [13, 13] and row["tok_counts"] == [5]
-    back = segment_entries.unpack("g-1", row, b"".join(ids), b"".join(lps))
+    back = segment_entries.unpack("g-1", row, row["tok_ids"], row["tok_logprobs"])
     assert back == [(i, dict(zip(f[::2], f[1::2]))) for i, f in entries]
-    row, _, _ = segment_entries.pack("g-1", entries[:1], seed_base=8)  # another run's seed: the seed itself
+    row = row_of("g-1", entries[:1], seed_base=8)  # another run's seed: the seed itself
     assert (row["seed"], row["seed_base"]) == (episode_seed(7, "g", 1), None)
-    row, _, _ = segment_entries.pack("g-2", entries[:1])  # not its own episode id: the payload whole
+    row = row_of("g-2", entries[:1])  # not its own episode id: the payload whole
     assert row["index"] is None and row["payloads"][0] == entries[0][1][-1]
 
 
 def test_format_4_token_columns_keep_every_bit_through_a_file(client, keys, tmp_path):
     odd_bits = np.array([0x7FC00001, 0x80000000, 0x00000001, 0xFF800000, 0], "<u4").view("<f4")
     entry = (b"5-1", _tokens([1, 70000, 3, 4, 9], odd_bits))
-    row = segments.to_row("g-1", [(entry[0], dict(zip(entry[1][::2], entry[1][1::2])))])
-    segments.write_file(tmp_path, "seg-00000001.parquet", [row])
+    table = segment_builder.table_of([("g-1", [(entry[0], dict(zip(entry[1][::2], entry[1][1::2])))])])
+    segments.write_file(tmp_path, "seg-00000001.parquet", table)
     segments.append_manifest(tmp_path, {"segment": "seg-00000001.parquet", "episodes": 1})
     assert segments.SegmentStore(tmp_path).read("g-1") == [(entry[0], dict(zip(entry[1][::2], entry[1][1::2])))]
 
@@ -182,10 +182,10 @@ def test_log_probs_go_plain_where_whole_values_repeat_and_keep_every_bit(tmp_pat
     lps = np.concatenate([repeated, odd])
     tokens = _tokens(np.arange(len(lps)) % 7, lps)
     entry = (b"5-1", tokens[:9] + [b"0"] + tokens[10:])  # seq 0: its position, so its tokens go to the columns
-    row = segments.to_row("g-1", [entry])
-    assert row["tok_counts"] == [len(lps)]
-    assert segments.encodings(segments.table_of([row])) != segments.ENCODINGS  # plain for this one
-    segments.write_file(tmp_path, "seg-00000001.parquet", [row])
+    table = segment_builder.table_of([("g-1", [entry])])
+    assert table.column("tok_counts").to_pylist() == [[len(lps)]]
+    assert segments.encodings(table) != segments.ENCODINGS  # plain for this one
+    segments.write_file(tmp_path, "seg-00000001.parquet", table)
     segments.append_manifest(tmp_path, {"segment": "seg-00000001.parquet", "episodes": 1})
     assert segments.SegmentStore(tmp_path).read("g-1") == [(entry[0], dict(zip(entry[1][::2], entry[1][1::2])))]
 

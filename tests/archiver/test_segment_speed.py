@@ -10,11 +10,10 @@ import sys
 from pathlib import Path
 
 import msgpack
-import numpy as np
 import pyarrow as pa
 import pytest
 
-from shared.protocol import segment_arrays, segment_entries, segment_templates, segments
+from shared.protocol import segment_arrays, segment_builder, segment_entries, segment_templates, segments
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.sampling import episode_seed
 from tests.archiver.test_segment_format import _entry, _tokens
@@ -73,29 +72,31 @@ def test_a_template_that_cannot_be_cut_is_not_kept():
     assert templates.last is None
 
 
-def _rows(client, keys) -> list[dict]:
+def _episodes(client, keys) -> list[tuple[str, list]]:
+    """(episode id, entries) of every shape: each of SHAPES as redis-py gives them, odd ones flat, an empty one."""
     log = EpisodeLog(client, keys, "w7")
-    rows = []
+    out = []
     for k, shape in enumerate(sorted(SHAPES)):
         _write(log, f"g-{k}", SHAPES[shape])
-        rows.append(segments.to_row(f"g-{k}", client.xrange(keys.episode(f"g-{k}"))))
+        out.append((f"g-{k}", client.xrange(keys.episode(f"g-{k}"))))
     odd = [(b"5-0", _entry(b"started", 0, b"\xc1")), (b"9-1", _entry(b"note", 7, b"")),
            (b"12-0", _entry(b"finished", 2, b"\x80", policy=b"03")), (b"12-1", _tokens([1, 2], [0.0, -1.5]))]
-    rows.append(segments.to_row("odd-\u00e9", odd))
-    rows.append(segments.to_row("empty", []))
-    return rows
+    return out + [("odd-\u00e9", odd), ("empty", [])]
 
 
-def test_the_columns_built_off_buffers_are_the_table_pyarrow_builds(client, keys):
-    rows = _rows(client, keys)
+def test_the_columns_built_off_buffers_are_valid_arrays_that_give_every_episode_back(client, keys):
+    episodes = _episodes(client, keys)
+    table = segment_builder.table_of(episodes)
+    table.validate(full=True)  # every buffer, offset and bitmap as Arrow's own builders would make them
+    assert table.equals(pa.Table.from_pylist(table.to_pylist(), schema=segments.SCHEMA))
+    rows = table.to_pylist()
     assert any(r["others"] for r in rows) and any(r["finish_reason"] is None for r in rows)
     assert any(r["reward"] is None for r in rows) and any(r["start"] is None for r in rows)
-    table = segments.table_of(rows)
-    lists = [dict(r, tok_ids=np.frombuffer(r["tok_ids"], "<u4").tolist(),
-                  tok_logprobs=[x or None for x in np.frombuffer(r["tok_logprobs"], "<f4").tolist()]) for r in rows]
-    assert table.equals(pa.Table.from_pylist(lists, schema=segments.SCHEMA))
     assert table.column("tok_logprobs").combine_chunks().values.null_count > 0  # +0.0 a null, as before
-    assert segments.table_of(rows[:0]).num_rows == 0
+    as_redis = [(eid, segments.from_row({"entry_ids": [i for i, _ in e], "entries": [f for _, f in e]})
+                 if e and isinstance(e[0][1], list) else e) for eid, e in episodes]
+    assert segments.entries_of(table) == as_redis  # packed column by column, unpacked row by row: the same entries
+    assert segment_builder.table_of([]).num_rows == 0
     lps = table.column("tok_logprobs").combine_chunks().values
     for part in (lps, lps.slice(3), lps.slice(1, 4)):
         assert segment_arrays.valid_values(part).tolist() == part.drop_null().to_pylist()

@@ -7,11 +7,12 @@ import os
 
 import pytest
 
-from shared.protocol import segment_summary, segments
+from shared.protocol import segment_entries, segments
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold
 from shared.runtime.config import ConfigError
 from shared.runtime.config_sources import load
+from tests.archiver.tiers_support import row_of
 
 ANALYSIS = ["group_id", "worker", "status", "finish_reason", "reward", "num_generated", "version"]
 
@@ -55,9 +56,9 @@ def test_the_columns_summary_is_the_folds_without_a_fold(client, keys, shape):
     log = EpisodeLog(client, keys, "w7")
     _write(log, "g-1", SHAPES[shape])
     entries = client.xrange(keys.episode("g-1"))
-    row = segments.to_row("g-1", entries)
+    row = row_of("g-1", entries)
     assert segments.ended(segments.flat(entries))
-    assert segment_summary._plain(row) is not None  # the fast way was taken, no fold
+    assert segment_entries.Columns().add("g-1", segments.flat(entries)) is not None  # the fast way, no fold
     assert {k: row[k] for k in ANALYSIS} == _folded(entries)
 
 
@@ -66,11 +67,13 @@ def test_an_episode_of_another_shape_is_folded_and_one_not_ended_is_not_ended(cl
     _write(log, "g-2", [("tokens", {"ids": [3], "logprobs": [-0.5]}, 2)])
     entries = client.xrange(keys.episode("g-2"))
     assert not segments.ended(segments.flat(entries))
-    row = segments.to_row("g-2", entries)
-    assert segment_summary._plain(row) is None and row["status"] == "running" == _folded(entries)["status"]
+    row = row_of("g-2", entries)
+    assert segment_entries.Columns().add("g-2", segments.flat(entries)) is None  # not ended: the fold decides
+    assert row["status"] == "running" == _folded(entries)["status"]
     odd = entries + [(b"9999999999999-0", {b"type": b"finished", b"odd": b"1"})]  # kept whole: the fold decides
-    row = segments.to_row("g-2", odd)
-    assert row["others"] and segment_summary._plain(row) is None and row["status"] == "" and row["group_id"] == ""
+    row = row_of("g-2", odd)
+    assert segment_entries.Columns().add("g-2", segments.flat(odd)) is None
+    assert row["others"] and row["status"] == "" and row["group_id"] == ""
 
 
 def test_archiver_nice_is_checked_and_the_archiver_lowers_its_priority(client, keys, redis_url, tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 
-from shared.protocol import segments
+from shared.protocol import segment_builder, segments
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold
 from services.ops.episodes import read_summaries
@@ -28,7 +28,7 @@ def test_an_unlisted_segment_is_not_read_and_is_removed_as_an_orphan(client, key
     groups = make_run(client, keys, tmp_path, versions=1)
     eid = groups["g1"][0]
     folder = tmp_path / "episodes"
-    segments.write_file(folder, "seg-00000001.parquet", [segments.to_row(eid, client.xrange(keys.episode(eid)))])
+    segments.write_file(folder, "seg-00000001.parquet", segment_builder.table_of([(eid, client.xrange(keys.episode(eid)))]))
     assert segments.SegmentStore(folder).read(eid) == []  # renamed into place but not listed: not there yet
     assert segments.remove_orphans(folder) == ["seg-00000001.parquet"]
     assert segments.next_name(folder) == "seg-00000001.parquet"
@@ -40,7 +40,7 @@ def test_readers_fall_back_to_the_segments(client, keys, tmp_path):
     hot = all_streams(client, keys, eids)
     folder = tmp_path / "episodes"
     moved = groups["g1"]
-    segments.write_file(folder, "seg-00000001.parquet", [segments.to_row(e, hot[e]) for e in moved])
+    segments.write_file(folder, "seg-00000001.parquet", segment_builder.table_of((e, hot[e]) for e in moved))
     segments.append_manifest(folder, {"segment": "seg-00000001.parquet", "episodes": len(moved)})
     client.delete(*[keys.episode(e) for e in moved])
     log = EpisodeLog(client, keys, "reader", archive=segments.SegmentStore(folder))

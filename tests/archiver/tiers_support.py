@@ -49,12 +49,22 @@ def all_streams(client, keys, episode_ids) -> dict[str, list]:
 def one_segment(client, keys, run_path: Path, versions: int) -> tuple[list[str], dict[str, list], Path]:
     """A run's episodes written to one segment file (listed in the manifest): (episode ids, their streams as
     Redis gave them, the segments' folder)."""
-    from shared.protocol import segments
+    from shared.protocol import segment_builder, segments
 
     groups = make_run(client, keys, run_path, versions=versions)
     eids = [e for es in groups.values() for e in es]
     hot = all_streams(client, keys, eids)
     folder = run_path / "episodes"
-    segments.write_file(folder, "seg-00000001.parquet", [segments.to_row(e, hot[e]) for e in eids])
+    segments.write_file(folder, "seg-00000001.parquet", segment_builder.table_of((e, hot[e]) for e in eids))
     segments.append_manifest(folder, {"segment": "seg-00000001.parquet", "episodes": len(eids)})
     return eids, hot, folder
+
+
+def row_of(episode_id: str, entries: list, seed_base: int | None = None) -> dict:
+    """An episode's segment row, read back from its one-row table: every column as ``to_pylist`` gives it, but
+    ``tok_ids`` / ``tok_logprobs`` as their raw little-endian bytes (a null log-prob +0.0), as ``unpack`` takes them."""
+    from shared.protocol import segment_builder, segments
+
+    table = segment_builder.table_of([(episode_id, entries)], seed_base)
+    (_, ids), (_, lps) = segments.token_bytes(table, "tok_ids"), segments.token_bytes(table, "tok_logprobs")
+    return {**table.drop_columns(segments.TOKENS).to_pylist()[0], "tok_ids": ids, "tok_logprobs": lps}

@@ -1,7 +1,8 @@
 """`python -m services.archiver`: moves trained episodes older than ``log_retention_versions`` out of Redis.
 
 It steps every ``archive_every_versions`` published versions (woken by the ``versions`` stream: a blocking read, no
-polling), and at the latest ``archive_every_s`` after its last step (``cadence.py``)."""
+polling, after a rest of most of the time those versions took last time), and at the latest ``archive_every_s``
+after its last step (``cadence.py``)."""
 
 import os
 import time
@@ -34,11 +35,17 @@ def main(argv=None) -> None:
                  niceness=niceness, every_versions=cfg.archive_every_versions, every_s=cfg.archive_every_s)
     latest = versions.latest(svc.client, svc.keys)
     cursor, newest = (latest.entry_id, latest.version) if latest else ("0-0", 0)
+    stepped_at = stepped_version = None
     while not svc.stopping:
         cursor, newest = follow(svc.client, svc.keys, cursor, newest)  # what the step acts on
         if cfg.log_retention_versions > 0:
             mover.step()
-        stepped_at, stepped_version = time.monotonic(), newest
+        now = time.monotonic()
+        rest = 0.0 if stepped_at is None else cadence.rest_s(newest - stepped_version, now - stepped_at,
+                                                             cfg.archive_every_versions, cfg.archive_every_s)
+        stepped_at, stepped_version = now, newest
+        while not svc.stopping and time.monotonic() - stepped_at < rest:
+            time.sleep(min(rest - (time.monotonic() - stepped_at), cadence.MAX_BLOCK_MS / 1000))
         while not svc.stopping and not cadence.due(newest, stepped_version, time.monotonic() - stepped_at,
                                                    cfg.archive_every_versions, cfg.archive_every_s):
             wait = cadence.block_ms(time.monotonic() - stepped_at, cfg.archive_every_s)

@@ -6,7 +6,8 @@ Redis holds at retention + ``every_versions`` versions of episodes at any rate; 
 from __future__ import annotations
 
 MIN_BLOCK_MS = 100  # Valkey's hz 10 rounds a shorter blocking timeout up to ~100 ms anyway (bench/redis_hz.py)
-MAX_BLOCK_MS = 1000  # one blocking read at most: the loop looks at the stop flag at least this often
+MAX_BLOCK_MS = 1000  # one blocking read (or rest) at most: the loop looks at the stop flag at least this often
+REST_SHARE = 0.8  # of the time ``every_versions`` took last time
 
 
 def due(newest: int, stepped_at_version: int, waited_s: float, every_versions: int, every_s: float) -> bool:
@@ -20,3 +21,13 @@ def block_ms(waited_s: float, every_s: float) -> int:
     [MIN_BLOCK_MS, MAX_BLOCK_MS]."""
     left_ms = int((every_s - waited_s) * 1000)
     return max(MIN_BLOCK_MS, min(MAX_BLOCK_MS, left_ms))
+
+
+def rest_s(versions: int, seconds: float, every_versions: int, every_s: float) -> float:
+    """How long the archiver rests after a step before it reads the versions stream again: ``REST_SHARE`` of the
+    time ``every_versions`` versions take at the rate between its last two steps (``versions`` published in
+    ``seconds``), at most ``every_s``; 0 without a rate. Woken by each version published, it parsed ~50 replies
+    a step at 10 versions/s; after the rest, a few (the first read takes every version published meanwhile)."""
+    if every_versions <= 0 or versions <= 0 or seconds <= 0:
+        return 0.0
+    return min(every_s, REST_SHARE * every_versions * seconds / versions)

@@ -93,6 +93,10 @@ def _template(episode_id: str, data: bytes, seed_base: int | None, templates: Te
     """(payload with the episode's own fields nil, index, seed, seed base, group id) of a started payload, or None
     (kept whole). Of ``seed`` and ``seed base`` one at most is set. ``templates``: the last group's template, tried
     first (shared/protocol/segment_templates.py: the same answer off the bytes)."""
+    if templates is not None and seed_base is not None:
+        fast = templates.match_rule(data, episode_id, seed_base)
+        if fast is not None:
+            return fast[0], fast[1], None, seed_base, fast[2]
     hit = templates.match(data, episode_id) if templates is not None else None
     if hit is None:
         hit = _take_apart(episode_id, data, templates)

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import msgpack
 
+from shared.protocol.sampling import episode_seed
+
 EPISODE, INDEX, SEED = 0, 1, 2
+_USUAL = [EPISODE, INDEX, SEED]  # the slots' order in a run's own started payloads
 _MARKS = [f"\x00streamrl-template-slot-{slot}\x00".encode() for slot in (EPISODE, INDEX, SEED)]  # as bin values
 _PACKED_MARKS = [msgpack.packb(mark, use_bin_type=True) for mark in _MARKS]
 _INTS = {0xcc: (1, False), 0xcd: (2, False), 0xce: (4, False), 0xcf: (8, False),
@@ -91,12 +94,8 @@ def match(c: Cut, data: bytes, episode_id: str) -> tuple[int, int | None] | None
             return None
         at += len(piece)
         if slot == EPISODE:
-            try:
-                raw = episode_id.encode()
-            except UnicodeEncodeError:
-                return None
-            packed = _STR_HEADS[len(raw)] + raw if len(raw) < len(_STR_HEADS) else msgpack.packb(episode_id)
-            if not data.startswith(packed, at):
+            packed = _packed_str(episode_id)
+            if packed is None or not data.startswith(packed, at):
                 return None
             at += len(packed)
             continue
@@ -118,6 +117,15 @@ def match(c: Cut, data: bytes, episode_id: str) -> tuple[int, int | None] | None
     return values[INDEX], values[SEED]
 
 
+def _packed_str(episode_id: str) -> bytes | None:
+    """An episode id as ``msgpack.packb`` packs it, or None (not UTF-8 encodable)."""
+    try:
+        raw = episode_id.encode()
+    except UnicodeEncodeError:
+        return None
+    return _STR_HEADS[len(raw)] + raw if len(raw) < len(_STR_HEADS) else msgpack.packb(episode_id)
+
+
 class Templates:
     """The last template found (a group's episodes are moved one after the other): ``match`` tries it, ``learn``
     replaces it."""
@@ -135,6 +143,25 @@ class Templates:
                 return self.last.template, hit[0], hit[1], self.last.group_id
         self.misses += 1
         return None
+
+    def match_rule(self, data: bytes, episode_id: str, seed_base: int) -> tuple[bytes, int, str] | None:
+        """(template, index, group id) when ``data`` is exactly the last template with this episode's id, an index
+        of 0-127 and the seed the rollout's rule makes of them (``episode_seed(seed_base, group, index)``) in its
+        slots: one join and one compare, the usual case on a run's own episodes. Else None (``match`` decides);
+        where this answers, ``match`` gives the same index, and that seed."""
+        c = self.last
+        if c is None or c.slots != _USUAL:
+            return None
+        packed = _packed_str(episode_id)
+        at = len(c.pieces[0]) + len(c.pieces[1]) + (len(packed) if packed is not None else 0)
+        if packed is None or at >= len(data) or data[at] >= 0x80:
+            return None
+        index = data[at]
+        seed = _packed(episode_seed(seed_base, c.group_id, index))
+        if data != b"".join((c.pieces[0], packed, c.pieces[1], _SMALL[index], c.pieces[2], seed, c.pieces[3])):
+            return None
+        self.hits += 1
+        return c.template, index, c.group_id
 
     def learn(self, decoded: dict, seeded: bool, template: bytes, group_id: str) -> None:
         self.last = cut(decoded, seeded, template, group_id) or self.last

@@ -26,6 +26,14 @@ def test_a_blocking_read_waits_until_the_time_is_up_within_its_bounds():
     assert cadence.block_ms(waited_s=29.99, every_s=30) == cadence.MIN_BLOCK_MS  # never a short poll
 
 
+def test_the_rest_after_a_step_is_most_of_the_time_its_versions_took_last_time():
+    assert cadence.rest_s(versions=50, seconds=5.0, every_versions=50, every_s=30) == 4.0  # 10 versions/s
+    assert cadence.rest_s(versions=100, seconds=5.0, every_versions=50, every_s=30) == 2.0  # faster: shorter
+    assert cadence.rest_s(versions=1, seconds=30.0, every_versions=50, every_s=30) == 30  # slow run: every_s
+    assert cadence.rest_s(versions=0, seconds=30.0, every_versions=50, every_s=30) == 0  # no rate: no rest
+    assert cadence.rest_s(versions=50, seconds=5.0, every_versions=0, every_s=30) == 0  # time only: no rest
+
+
 def _commit(client, keys, run_path: Path, log: EpisodeLog, v: int) -> None:
     """Group g<v> written, published, committed in the ledger at version v, and version v published."""
     eids = [f"g{v}-0", f"g{v}-1"]

@@ -26,7 +26,7 @@ from shared.protocol.keys import Keys
 from shared.protocol.ledger import LedgerTail
 from shared.runtime.faults import crash_point
 
-from services.archiver.select import movable, movable_val, newest_commit, still_needed
+from services.archiver.select import due_groups, due_val_groups, newest_commit, still_needed
 
 _DELETE_IF_LEN = """
 if redis.call('XLEN', KEYS[1]) == tonumber(ARGV[1]) then
@@ -76,12 +76,15 @@ class Mover:
         self.moved = 0
 
     def recover(self) -> int:
-        """Finish or undo a move a crash cut short; returns the streams deleted (already in a listed segment)."""
+        """Finish or undo a move a crash cut short; returns the streams deleted (already in a listed segment). Only
+        the newest listed segment can have streams left: a move lists its segment and deletes its streams before the
+        next one starts."""
         segments.repair_manifest(self.folder)
         gone = segments.remove_orphans(self.folder)
         if gone and self.log:
             self.log.info("orphan segments removed", files=gone)
-        archived = sorted(self.store.episode_ids())
+        newest = self.store.segments()[-1:]
+        archived = list(self.store.ids(since=len(self.store.segments()) - 1)) if newest else []
         deleted = 0
         for start in range(0, len(archived), self.batch):
             chunk = archived[start:start + self.batch]
@@ -123,17 +126,19 @@ class Mover:
         self._val_cursor = self._follow(self.keys.val_samples, self._val_cursor, self._val_episodes_of,
                                         head=stream_head.path_of(self.run_path, stream_head.NAMES["samples:val"]))
         ledger = self._ledger.read()
-        archived = self.store.episode_ids()
-        due = movable(ledger, self._episodes_of, self.retention, archived)
-        due += movable_val(self._val_episodes_of, newest_commit(ledger), self.retention, archived)
+        due = [(self._episodes_of, g) for g in due_groups(ledger, self._episodes_of, self.retention)]
+        due += [(self._val_episodes_of, g) for g in due_val_groups(self._val_episodes_of, newest_commit(ledger),
+                                                                     self.retention)]
+        ids = [e for groups, g in due for e in groups[g]]
+        movable = [e for e, held in zip(ids, self.store.may_hold(ids)) if not held]
         moved = 0
-        for start in range(0, len(due), self.batch):
-            moved += self._move(due[start:start + self.batch])
+        for start in range(0, len(movable), self.batch):
+            moved += self._move(movable[start:start + self.batch])
         self.moved += moved
-        archived = self.store.episode_ids()
-        for groups in (self._episodes_of, self._val_episodes_of):  # a run's groups grow without end: a group
-            for group_id in {g for g, eids in groups.items() if all(e in archived for e in eids)}:  # moved whole
-                del groups[group_id]  # is never looked at again
+        held = iter(self.store.may_hold(ids))
+        for groups, g in due:  # a group moved whole is never looked at again (a run's groups grow without end)
+            if all([next(held) for _ in groups[g]]):
+                del groups[g]
         self._ledger.keep(still_needed(ledger, self._episodes_of, self.retention))  # nor are its done lines
         return moved
 

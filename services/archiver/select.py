@@ -33,24 +33,16 @@ def still_needed(ledger: list[dict], episodes_of: dict[str, list[str]], retentio
         g in episodes_of for g in (*r.get("groups", ()), *r.get("skipped", ()))))]
 
 
-def movable(ledger: list[dict], episodes_of: dict[str, list[str]], retention: int, archived: set[str]) -> list[str]:
-    """Episode ids to move now: of the old groups (``episodes_of``: group id -> its episode ids, from the samples
-    stream), not yet in a listed segment."""
-    out = []
-    for group_id in old_groups(ledger, retention):
-        out += [e for e in episodes_of.get(group_id, []) if e not in archived]
-    return out
+def due_groups(ledger: list[dict], episodes_of: dict[str, list[str]], retention: int) -> list[str]:
+    """The groups whose episodes may move now: old groups (``old_groups``) known from the samples stream
+    (``episodes_of``: group id -> its episode ids)."""
+    return list(dict.fromkeys(g for g in old_groups(ledger, retention) if g in episodes_of))
 
 
-def movable_val(val_episodes_of: dict[str, list[str]], newest: int, retention: int, archived) -> list[str]:
-    """Episode ids of validation rounds to move now: groups published to ``samples:val`` (every episode ended, the
-    prompt acknowledged; no trainer reads them) of a round ``retention`` versions or more before ``newest``, the
-    newest commit. The driver reads a round's episodes from either tier."""
+def due_val_groups(val_episodes_of: dict[str, list[str]], newest: int, retention: int) -> list[str]:
+    """The validation rounds' groups whose episodes may move now: groups published to ``samples:val`` (every
+    episode ended, the prompt acknowledged; no trainer reads them) of a round ``retention`` versions or more before
+    ``newest``, the newest commit. The driver reads a round's episodes from either tier."""
     if retention <= 0:
         return []
-    out = []
-    for group_id, eids in val_episodes_of.items():
-        parsed = parse_group_id(group_id)
-        if parsed is not None and parsed[0] <= newest - retention:
-            out += [e for e in eids if e not in archived]
-    return out
+    return [g for g in val_episodes_of if (parsed := parse_group_id(g)) is not None and parsed[0] <= newest - retention]

@@ -56,9 +56,11 @@ class Cut:
         self.pieces, self.slots, self.template, self.group_id = pieces, slots, template, group_id
 
 
-def cut(decoded: dict, seeded: bool, template: bytes, group_id: str) -> Cut | None:
-    """The ``Cut`` of a template: ``decoded`` is the payload it came from (its own values in place, put back after),
-    ``seeded`` whether its ``sampling.seed`` is a slot. None when a slot cannot be told apart."""
+def cut(decoded: dict, seeded: bool, group_id: str) -> Cut | None:
+    """The ``Cut`` of a payload: ``decoded`` is the payload decoded (its own values in place, put back after),
+    ``seeded`` whether its ``sampling.seed`` is a slot. Its template, the pieces with nil in each slot, is what
+    packing it with nil in the slots gives (msgpack packs a map's values one by one). None when a slot cannot be
+    told apart."""
     episode_id, index = decoded["episode_id"], decoded["index"]
     sampling = decoded["sampling"] if seeded else None
     seed = sampling["seed"] if seeded else None
@@ -67,6 +69,8 @@ def cut(decoded: dict, seeded: bool, template: bytes, group_id: str) -> Cut | No
         sampling["seed"] = _MARKS[SEED]
     try:
         marked = msgpack.packb(decoded, use_bin_type=True)
+    except Exception:  # noqa: BLE001 - what does not pack is not cut
+        return None
     finally:
         decoded["episode_id"], decoded["index"] = episode_id, index
         if seeded:
@@ -80,9 +84,7 @@ def cut(decoded: dict, seeded: bool, template: bytes, group_id: str) -> Cut | No
         pieces.append(marked[at:position])
         at = position + len(_PACKED_MARKS[slot])
     pieces.append(marked[at:])
-    if b"\xc0".join(pieces) != template:  # the template is the pieces with nil in each slot
-        return None
-    return Cut(pieces, [slot for _, slot in slots], template, group_id)
+    return Cut(pieces, [slot for _, slot in slots], b"\xc0".join(pieces), group_id)
 
 
 def match(c: Cut, data: bytes, episode_id: str) -> tuple[int, int | None] | None:
@@ -163,6 +165,5 @@ class Templates:
         self.hits += 1
         return c.template, index, c.group_id
 
-    def learn(self, decoded: dict, seeded: bool, template: bytes, group_id: str) -> None:
-        self.last = cut(decoded, seeded, template, group_id) or self.last
-
+    def learn(self, c: Cut) -> None:
+        self.last = c

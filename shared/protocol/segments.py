@@ -22,7 +22,6 @@ already listed).
 from __future__ import annotations
 
 import os
-from collections.abc import KeysView
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shared.protocol import jsonl, segment_arrays, segment_columns, segment_entries
+from shared.protocol.segment_index import SegmentIndex
 
 FOLDER = "episodes"
 MANIFEST = "_manifest.jsonl"  # "_": pyarrow, pandas and datasets skip it when reading the folder
@@ -205,12 +205,14 @@ def next_name(folder: Path) -> str:
 
 
 class SegmentStore:
-    """Reads episodes out of a run's listed segments (the index refreshes when the manifest grows)."""
+    """Reads episodes out of a run's listed segments (the index refreshes when the manifest grows; it holds a hash
+    per archived episode, shared/protocol/segment_index.py, not its id)."""
 
     def __init__(self, folder: Path | str):
         self.folder = Path(folder)
-        self._index: dict[str, str] = {}  # episode id -> segment file
-        self._listed: set[str] = set()
+        self._names: list[str] = []  # the listed segments, in listing order
+        self._numbers: dict[str, int] = {}
+        self._index = SegmentIndex()
         self._manifest_size = -1
 
     def refresh(self) -> None:
@@ -219,53 +221,71 @@ class SegmentStore:
         if size == self._manifest_size:
             return
         for record in read_manifest(self.folder):
-            name = record["segment"]
-            if name in self._listed:
-                continue
-            ids = pq.ParquetFile(self.folder / name).read(columns=["episode_id"]).column("episode_id").to_pylist()
-            self.add(name, ids)
+            if record["segment"] not in self._numbers:
+                self.add(record["segment"], self._ids_of(record["segment"]))
         self._manifest_size = size
 
     def add(self, name: str, episode_ids: list[str]) -> None:
         """Index a segment listed just now by its writer (which knows its episodes: no read of the file)."""
-        for episode_id in episode_ids:
-            self._index.setdefault(episode_id, name)
-        self._listed.add(name)
+        if name not in self._numbers:
+            self._numbers[name] = len(self._names)
+            self._names.append(name)
+            self._index.add(self._numbers[name], episode_ids)
 
-    def episode_ids(self) -> KeysView[str]:
-        """The archived episode ids, as of now: a view (no copy: a long run archives millions)."""
-        self.refresh()
-        return self._index.keys()
+    def _ids_of(self, name: str) -> list[str]:
+        return pq.ParquetFile(self.folder / name).read(columns=["episode_id"]).column("episode_id").to_pylist()
 
-    def __contains__(self, episode_id: str) -> bool:
+    def segments(self) -> list[str]:
+        """The listed segments, in listing order."""
         self.refresh()
-        return episode_id in self._index
+        return list(self._names)
+
+    def ids(self, since: int = 0):
+        """The episode ids of the listed segments from the ``since``-th on, in listing order (read off the files)."""
+        for name in self.segments()[since:]:
+            yield from self._ids_of(name)
+
+    def may_hold(self, episode_ids: list[str]) -> list[bool]:
+        """For each id, whether a listed segment may hold it: True for every archived one, and for another id only
+        when its hash is an archived one's (segment_index.py)."""
+        self.refresh()
+        return self._index.may_hold(episode_ids).tolist()
 
     def read_many(self, episode_ids: list[str]) -> dict[str, list[tuple]]:
-        """{episode id: entries} of those of ``episode_ids`` that a listed segment holds."""
+        """{episode id: entries} of those of ``episode_ids`` that a listed segment holds (the first listed that
+        does)."""
         self.refresh()
-        by_segment: dict[str, list[str]] = {}
-        for episode_id in episode_ids:
-            if episode_id in self._index:
-                by_segment.setdefault(self._index[episode_id], []).append(episode_id)
+        by_segment: dict[int, list[str]] = {}
+        for episode_id, numbers in zip(episode_ids, self._index.candidates(episode_ids)):
+            for number in numbers:
+                by_segment.setdefault(number, []).append(episode_id)
         out: dict[str, list[tuple]] = {}
-        for name, wanted in by_segment.items():
-            table = pq.read_table(self.folder / name, columns=raw_columns(self.folder / name),
-                                  filters=[("episode_id", "in", wanted)])
-            out.update(entries_of(table))
+        for number in sorted(by_segment):
+            wanted = [e for e in by_segment[number] if e not in out]
+            if not wanted:
+                continue
+            path = self.folder / self._names[number]
+            for episode_id, entries in entries_of(pq.read_table(path, columns=raw_columns(path),
+                                                                filters=[("episode_id", "in", wanted)])):
+                out.setdefault(episode_id, entries)
         return out
 
     def read(self, episode_id: str) -> list[tuple]:
         return self.read_many([episode_id]).get(episode_id, [])
 
     def iter_all(self):
-        """(episode id, entries) of every archived episode, segment by segment."""
+        """(episode id, entries) of every archived episode, segment by segment (an id in two segments once, from
+        the first)."""
         self.refresh()
-        for name in sorted(self._listed):
-            for episode_id, entries in entries_of(pq.read_table(self.folder / name,
-                                                                columns=raw_columns(self.folder / name))):
-                if self._index.get(episode_id) == name:
-                    yield episode_id, entries
+        earlier: dict[int, set[str]] = {}  # ids of a segment an id's hash points back to (a duplicate, a collision)
+        for number, name in enumerate(self._names):
+            path = self.folder / name
+            rows = entries_of(pq.read_table(path, columns=raw_columns(path)))
+            for (episode_id, entries), numbers in zip(rows, self._index.candidates([e for e, _ in rows])):
+                if any(episode_id in earlier.setdefault(n, set(self._ids_of(self._names[n])))
+                       for n in numbers if n < number):
+                    continue
+                yield episode_id, entries
 
     def sizes(self) -> dict:
         """Segments, episodes and bytes on disk (for status and metrics)."""

@@ -30,7 +30,7 @@ def test_a_run_with_a_retention_window_moves_episodes_and_checks_clean(tmp_path,
     folder = segments.folder_of(tmp_path / "runs" / "tiers")
     sizes = segments.SegmentStore(folder).sizes()
     assert sizes["segments"] >= 1 and sizes["episodes"] >= 8, (sizes, out.stderr[-2000:])
-    moved = sorted(segments.SegmentStore(folder).episode_ids())[0]
+    moved = sorted(segments.SegmentStore(folder).ids())[0]
     replay = subprocess.run([sys.executable, "-m", "services.ops.cli", "replay", moved, "--no-text", *common],
                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert replay.returncode == 0, replay.stderr[-2000:]

@@ -15,7 +15,7 @@ from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.samples import Sample, encode
 from shared.runtime import faults
 from services.archiver.mover import Mover
-from services.archiver.select import movable, movable_val, old_groups, still_needed
+from services.archiver.select import due_groups, due_val_groups, old_groups, still_needed
 from services.ops.check_data import read_run
 from services.ops.cli import main
 from tests.archiver.tiers_support import all_streams, make_run, write_episode
@@ -28,7 +28,7 @@ def test_old_groups_are_those_of_commits_retention_versions_behind():
     ledger.append({"groups": [], "skipped": ["u"]})  # an untrainable group judged between commits: no commit yet
     assert old_groups(ledger, 2) == ["g1", "s1", "g2", "s2", "g3", "s3"]
     assert old_groups(ledger, 0) == []  # off
-    assert movable(ledger, {"g1": ["a", "b"], "g2": ["c"]}, 3, archived={"a"}) == ["b", "c"]
+    assert due_groups(ledger, {"g1": ["a", "b"], "g2": ["c"], "g5": ["d"]}, 3) == ["g1", "g2"]  # known ones
 
 
 def test_the_archiver_lets_go_of_ledger_lines_it_is_done_with():
@@ -44,7 +44,7 @@ def test_the_archiver_lets_go_of_ledger_lines_it_is_done_with():
 def _tiers(client, keys, folder, eids):
     store = segments.SegmentStore(folder)
     hot = {e for e in eids if client.exists(keys.episode(e))}
-    return hot, store.episode_ids() & set(eids)
+    return hot, set(store.ids()) & set(eids)
 
 
 def _replays(redis_url, keys, run_dir: Path, eids, capsys) -> dict[str, str]:
@@ -87,8 +87,8 @@ def test_the_mover_moves_trained_episodes_past_the_window_and_readers_see_one_lo
 
 def test_validation_rounds_retention_versions_behind_are_movable():
     published = {"val-v00005-g000": ["a"], "val-v00005-s000": ["b", "c"], "val-v00010-g000": ["d"], "q1": ["e"]}
-    assert movable_val(published, newest=26, retention=20, archived={"b"}) == ["a", "c"]  # round 5 only
-    assert movable_val(published, newest=26, retention=0, archived=set()) == []  # off
+    assert due_val_groups(published, newest=26, retention=20) == ["val-v00005-g000", "val-v00005-s000"]  # round 5
+    assert due_val_groups(published, newest=26, retention=0) == []  # off
 
 
 def test_validation_episodes_move_too_and_the_drivers_validation_reads_them_from_the_segments(client, keys,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow.parquet as pq
 
-from shared.protocol import segment_builder, segments
+from shared.protocol import segment_builder, segment_index, segments
 from shared.protocol.episode_log import EpisodeLog
 from shared.protocol.fold import fold
 from services.ops.episodes import read_summaries
@@ -53,3 +54,32 @@ def test_readers_fall_back_to_the_segments(client, keys, tmp_path):
     client.xadd(keys.episode(moved[0]), hot[moved[0]][0][1], id=hot[moved[0]][0][0])
     rows = list(read_summaries(client, keys, archive=segments.SegmentStore(folder)))
     assert sorted(r.episode_id for r in rows) == sorted(eids)
+
+
+def _list(folder, name: str, episodes: dict) -> None:
+    segments.write_file(folder, name, segment_builder.table_of(episodes.items()))
+    segments.append_manifest(folder, {"segment": name, "episodes": len(episodes)})
+
+
+def test_the_index_holds_a_hash_per_episode_and_reads_right_when_hashes_collide(client, keys, tmp_path,
+                                                                                monkeypatch):
+    groups = make_run(client, keys, tmp_path, versions=4)
+    hot = all_streams(client, keys, [e for es in groups.values() for e in es])
+    folder = tmp_path / "episodes"
+    first = {e: hot[e] for e in groups["g1"] + groups["g2"]}
+    second = {e: hot[e] for e in groups["g2"] + groups["g3"]}  # g2 again: the first listed is the one read
+    second["g2-0"] = hot["g2-0"][:1]  # a different copy, to tell which segment was read
+    _list(folder, "seg-00000001.parquet", first)
+    _list(folder, "seg-00000002.parquet", second)
+    store = segments.SegmentStore(folder)
+    everything = [e for es in groups.values() for e in es]
+    assert store.may_hold(everything) == [not e.startswith("g4") for e in everything]
+    assert store.read_many(everything) == {e: hot[e] for e in everything if not e.startswith("g4")}
+    assert [e for e, _ in store.iter_all()] == list(first) + list(groups["g3"])  # g2's episodes once, first copy
+    assert store._index.keys.nbytes + store._index.where.nbytes == 12 * (len(first) + len(second))  # not ids
+
+    monkeypatch.setattr(segment_index, "hashes", lambda ids: np.array([len(e) % 2 for e in ids], np.int64))
+    store = segments.SegmentStore(folder)  # every id now shares its hash with half the others, across segments
+    assert store.read_many(everything) == {e: hot[e] for e in everything if not e.startswith("g4")}
+    assert dict(store.iter_all()) == {e: hot[e] for e in [*first, *groups["g3"]]}
+    assert store.read("g4-0") == []

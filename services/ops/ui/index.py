@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from itertools import islice
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -58,7 +57,7 @@ class EpisodeIndex:
         self.saved = 0  # ended rows in the cache file
         self.last_refresh_s = 0.0
         self.progress = 0  # episodes read so far by the first build
-        self._archived_seen = 0  # archived episodes when the last refresh looked
+        self._segments_seen = 0  # listed segments when the last refresh looked
         self._lock = threading.Lock()
 
     def load(self) -> int:
@@ -77,7 +76,7 @@ class EpisodeIndex:
         if not self.built:
             fresh = []
             if self.archive is not None:  # what a first build reads; later refreshes look only past it
-                self._archived_seen = len(self.archive.episode_ids())
+                self._segments_seen = len(self.archive.segments())
             for s in read_summaries(self.client, self.keys, self.batch, archive=self.archive):
                 fresh.append(s)
                 self.progress = len(fresh)
@@ -101,9 +100,8 @@ class EpisodeIndex:
         refreshes): of those listed since the last look only."""
         if self.archive is None:
             return set()
-        new = list(islice(self.archive.episode_ids(), self._archived_seen, None))  # the index keeps listing order
-        self._archived_seen += len(new)
-        return {eid for eid in new if eid not in self.rows}
+        seen, self._segments_seen = self._segments_seen, len(self.archive.segments())
+        return {eid for eid in self.archive.ids(since=seen) if eid not in self.rows}
 
     def _summarize(self, ids: list[str]) -> list[Summary]:
         log, out = EpisodeLog(self.client, self.keys, worker="ui", archive=self.archive), []

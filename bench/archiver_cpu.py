@@ -23,11 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.record import record  # noqa: E402
 from bench.runs import scratch_server  # noqa: E402
 from services.archiver.mover import Mover  # noqa: E402
-from shared.protocol import samples, segments  # noqa: E402
-from shared.protocol.episode_log import EpisodeLog  # noqa: E402
+from shared.protocol.streams import samples  # noqa: E402
+from shared.protocol.archive import segments
+from shared.protocol.episode.log import EpisodeLog  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
-from shared.protocol.ledger import append_ledger  # noqa: E402
-from shared.protocol.sampling import episode_seed  # noqa: E402
+from shared.protocol.archive.ledger import append_ledger  # noqa: E402
+from shared.protocol.episode.sampling import episode_seed  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 
 GROUP = 8
@@ -97,9 +98,9 @@ def main() -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     record("archiver_cpu", [
         {"what": "archiver CPU per episode moved (default-shape episodes, one step)", "value": f"{1e6 * cpu / moved:.0f} us"},
-    ], ["services/archiver", "shared/protocol/segments.py", "shared/protocol/segment_entries.py",
-        "shared/protocol/segment_templates.py", "shared/protocol/segment_arrays.py",
-        "shared/protocol/segment_summary.py", "shared/protocol/segment_builder.py"],
+    ], ["services/archiver", "shared/protocol/archive/segments.py", "shared/protocol/archive/entries.py",
+        "shared/protocol/archive/templates.py", "shared/protocol/archive/arrays.py",
+        "shared/protocol/archive/summary.py", "shared/protocol/archive/builder.py"],
         simulated="default-shape episodes written by the real EpisodeLog (random ids and log-probs)",
         extra={"load_average": load, "episodes": moved, "tokens": tokens, "cpu_s": cpu, "wall_s": wall,
                "segment_bytes": sizes["bytes"]})

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def one(root: Path, name: str, max_versions: int, chaos: list[str]) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_") and k != "REDIS_URL"}
-    args = [sys.executable, "-m", "services.ops.cli", "run", "--run", name, "--run-dir", str(root / "runs"),
+    args = [sys.executable, "-m", "services.ops.cli.main", "run", "--run", name, "--run-dir", str(root / "runs"),
             "--model-dir", str(root / "model"), "--max-versions", str(max_versions), "--max-minutes", "30", *chaos]
     t0 = time.monotonic()
     out = subprocess.run(args, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
@@ -57,7 +57,7 @@ def agent_run(root: Path, spec: str, minutes: float, every: float, seed: int) ->
     """One agent run under chaos in the default model folder (remade for the agent's recipe if need be)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_") and k != "REDIS_URL"}
     env["PYTHONPATH"] = str(ROOT)
-    cli = [sys.executable, "-m", "services.ops.cli"]
+    cli = [sys.executable, "-m", "services.ops.cli.main"]
     where = ["--run", "agent-chaos", "--run-dir", str(root / "runs")]
     t0 = time.monotonic()
     out = subprocess.run(cli + ["run", *where, "--agent", spec, "--max-minutes", str(minutes), "--chaos", str(every),
@@ -102,7 +102,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
     if args.agent:
         return 0 if agent_run(root, args.agent, args.minutes, args.every, args.seed) else 1
-    subprocess.run([sys.executable, "-m", "services.ops.cli", "make-model", "--model-dir", str(root / "model")],
+    subprocess.run([sys.executable, "-m", "services.ops.cli.main", "make-model", "--model-dir", str(root / "model")],
                    cwd=ROOT, check=True, capture_output=True)
     ok = True
     for i in range(args.pairs):

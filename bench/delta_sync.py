@@ -3,14 +3,14 @@
     python bench/delta_sync.py [--versions 32] [--quick] [--json]
 
 Each variant is one whole ``streamrl run`` (bench/runs.py): a 33.7M-parameter Llama (random init,
-services/ops/tiny_model.py, bench/runs.py MEDIUM) trained by the real trainer (AdamW, GRPO on real rollouts of 2
+services/ops/launch/tiny_model.py, bench/runs.py MEDIUM) trained by the real trainer (AdamW, GRPO on real rollouts of 2
 rollout worker processes, bench/delta_reward.py's reward so the advantages are not all 0), each version published in
 bf16 and fetched by the workers over HTTP from the trainer's weight server (weights_fetch always, sync_mode global:
 fetched before the pause). The two workers share one host folder (the default), so one transfer per version serves
 both. Variants, in this order: lr 1e-6 full files (delta_max_chain 0), lr 1e-6 deltas, lr 1e-5 deltas.
 
 Measured per variant, over the versions after the first 10: the delta's bytes as a share of the bf16 file's, over
-the entropy floor (the bits naming the changed elements and their new values: shared/protocol/weight_delta.py), the
+the entropy floor (the bits naming the changed elements and their new values: shared/protocol/weights/delta.py), the
 syncer's fetch phase (until every worker holds a verified copy: download, apply, sha256), the pause (pause + load +
 resume), the trainer's step time (train_s) and commit time; the workers' bytes downloaded, versions made from
 deltas, fallbacks. Then, on files of the lr 1e-6 deltas run kept as it ran (v10, v20, v21 and every delta): the
@@ -49,8 +49,8 @@ def free_port() -> int:
 
 def run_records(run_dir: Path, run: str) -> dict[str, list[dict]]:
     """kind -> the metrics records of an ended run, read from its own Redis data."""
-    from services.ops.redis_server import EmbeddedRedis
-    from shared.protocol import metrics
+    from services.ops.launch.redis_server import EmbeddedRedis
+    from shared.protocol.streams import metrics
     from shared.protocol.keys import Keys
     from shared.runtime.connection import connect
 
@@ -136,8 +136,8 @@ def variant(args, tmp: Path, model_dir: Path, label: str, lr: float, max_chain: 
 
 
 def codecs(archive: Path, v: int) -> dict:
-    from shared.protocol import weight_delta as wd
-    from shared.runtime.weight_server import file_name
+    from shared.protocol.weights import delta as wd
+    from shared.runtime.weights.server import file_name
 
     base, target = (archive / file_name(v - 1)).read_bytes(), (archive / file_name(v)).read_bytes()
     floor = wd.entropy_floor_bits(base, target) / 8
@@ -156,9 +156,9 @@ def behind(archive: Path, tmp: Path, start: int, target: int) -> dict:
     """A worker holding ``start`` gets ``target`` over HTTP: the chain of deltas vs the full file."""
     from services.rollout.weights.local import LocalWeights
     from shared.runtime import logs
-    from shared.runtime.checksum import sha256_file
-    from shared.runtime.config import Config
-    from shared.runtime.weight_server import WeightServer, file_name
+    from shared.runtime.weights.checksum import sha256_file
+    from shared.runtime.config.keys import Config
+    from shared.runtime.weights.server import WeightServer, file_name
 
     server = WeightServer(archive).start()
     digest = sha256_file(archive / file_name(target))
@@ -191,7 +191,7 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.versions = 14
-    from services.ops.tiny_model import make_tiny_model
+    from services.ops.launch.tiny_model import make_tiny_model
 
     t_start = time.perf_counter()
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
@@ -207,7 +207,7 @@ def main() -> int:
     load = os.getloadavg()
     print(table(results, extra, load))
     rows = headline(results, extra)
-    record("delta_sync", rows, ["shared/protocol/weight_delta.py", "shared/runtime/delta_fetch.py",
+    record("delta_sync", rows, ["shared/protocol/weights/delta.py", "shared/runtime/weights/delta_fetch.py",
                                 "services/trainer/deltas.py", "services/rollout/weights"],
            quick=args.quick, extra={"variants": results, **extra, "load": load})
     print(f"(total {time.perf_counter() - t_start:.0f} s)")

@@ -31,10 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.ops.checker import check, format_report, read_run  # noqa: E402
-from services.ops.tiny_model import make_tiny_model  # noqa: E402
-from shared.protocol import control, gate  # noqa: E402
-from shared.protocol.events import EventError, decode  # noqa: E402
+from services.ops.check.checker import check, format_report, read_run  # noqa: E402
+from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
+from shared.protocol import gate  # noqa: E402
+from shared.protocol.streams import control
+from shared.protocol.episode.events import EventError, decode  # noqa: E402
 from tests.support.fault_run import LiveRun  # noqa: E402
 
 TTL = 2.0

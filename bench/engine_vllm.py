@@ -36,7 +36,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.rollout.engine import SamplingParams, make_engine  # noqa: E402
-from services.ops.tiny_model import make_tiny_model  # noqa: E402
+from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
 
 
 def throughput(engine, n_req: int, prompt_len: int, new_tokens: int, seed: int) -> float:

@@ -32,10 +32,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.runtime.connection import connect  # noqa: E402
-from shared.protocol.episode_log import EpisodeLog  # noqa: E402
-from shared.protocol.events import Event, encode  # noqa: E402
+from shared.protocol.episode.log import EpisodeLog  # noqa: E402
+from shared.protocol.episode.events import Event, encode  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
+from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
 
 CHUNKS = (1, 16, 64)
 REPLAY_TOKENS = 4096

@@ -3,7 +3,7 @@ from the trainer alone vs through a relay tree, side by side.
 
     python bench/fetch_fanout.py [--workers 6] [--fanout 2] [--reps 2] [--quick] [--json]
 
-Starts its own EmbeddedRedis, the trainer's weight server (``shared/runtime/weight_server.py``, uvicorn in a thread
+Starts its own EmbeddedRedis, the trainer's weight server (``shared/runtime/weights/server.py``, uvicorn in a thread
 of this process, loopback HTTP, its byte counter: file bytes of 200/206 answers) and N real rollout worker processes,
 each with a weights folder of its own (``--weights-fetch always``: every version is downloaded, as on another host)
 and a relay on a free port (``--relay-port -1``). No prompts: the workers are idle, so the CPU goes to the transfers.
@@ -35,14 +35,14 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from bench.runs import MEDIUM, finish, keep_only, kill_all, scratch_server, wait  # noqa: E402
-from services.ops.tiny_model import make_tiny_model  # noqa: E402
+from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
 from services.syncer.syncer import Syncer  # noqa: E402
 from services.trainer.publish import publish, write_weights  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
 from shared.runtime import heartbeat, logs  # noqa: E402
-from shared.runtime.config import Config  # noqa: E402
+from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
-from shared.runtime.weight_server import WeightServer  # noqa: E402
+from shared.runtime.weights.server import WeightServer  # noqa: E402
 
 MODES = ("trainer only", "relay tree")
 

@@ -2,7 +2,7 @@
 
     python bench/fetch_pause.py [--quick] [--json]
 
-Starts its own EmbeddedRedis, the weight server (``shared/runtime/weight_server.py``, uvicorn in a thread of this
+Starts its own EmbeddedRedis, the weight server (``shared/runtime/weights/server.py``, uvicorn in a thread of this
 process, loopback HTTP) over a "trainer" folder, and per model and case one real rollout worker process:
 
   downloads     a weights folder of its own (``--weights-fetch always``): every version is downloaded, verified and
@@ -41,16 +41,16 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from bench.sync_pause import LARGE, first_token_ms, generating, ms  # noqa: E402
 from bench.runs import MEDIUM, finish, keep_only, kill_all, scratch_server  # noqa: E402
-from services.ops.tiny_model import make_tiny_model  # noqa: E402
+from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
 from services.syncer.syncer import Syncer  # noqa: E402
 from services.trainer.publish import publish, write_weights  # noqa: E402
-from shared.protocol import control  # noqa: E402
+from shared.protocol.streams import control  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
-from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
+from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
 from shared.runtime import logs  # noqa: E402
-from shared.runtime.config import Config  # noqa: E402
+from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
-from shared.runtime.weight_server import WeightServer  # noqa: E402
+from shared.runtime.weights.server import WeightServer  # noqa: E402
 
 ORDERS = {"fetch first": ("fetch", "pause", "load", "resume"), "in the pause": ("pause", "load", "resume")}
 

@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import openai  # noqa: E402
 
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
-from shared.protocol.events import decode as decode_event  # noqa: E402
+from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
+from shared.protocol.episode.events import decode as decode_event  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
-from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
+from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 from tests.support.chat_models import make_chat_model  # noqa: E402
 from tests.support.gateway_stack import env_for, free_port, start_agent_episode, wait_alive, wait_http  # noqa: E402
@@ -79,7 +79,7 @@ def main() -> None:
                         cursor = entry_id
                         if decode_event(entry_id, fields).kind == "finished":
                             ms = (time.perf_counter() - t0) * 1000
-                            from shared.protocol.fold import fold
+                            from shared.protocol.episode.fold import fold
                             return ms, len(fold(client.xrange(key)).tokens)
 
         def gateway(i: int) -> tuple[float, int]:

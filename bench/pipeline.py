@@ -31,13 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.runs import rollout_reports  # noqa: E402
-from shared.protocol import metrics  # noqa: E402
+from shared.protocol.streams import metrics  # noqa: E402
 
 
 def run_once(tree: Path, run: str, minutes: float) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("STREAMRL_")}
     env.update(PYTHONPATH=str(tree), PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")
-    cmd = [sys.executable, "-m", "services.ops.cli", "run", "--run", run, "--max-minutes", str(minutes)]
+    cmd = [sys.executable, "-m", "services.ops.cli.main", "run", "--run", run, "--max-minutes", str(minutes)]
     t_start = None
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
@@ -68,8 +68,8 @@ def main() -> None:
     head_rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True).stdout.strip()
     try:
-        subprocess.run([sys.executable, "-c", "from shared.runtime.config import Config; "
-                        "from services.ops.tiny_model import ensure_default_model; ensure_default_model(Config())"],
+        subprocess.run([sys.executable, "-c", "from shared.runtime.config.keys import Config; "
+                        "from services.ops.launch.tiny_model import ensure_default_model; ensure_default_model(Config())"],
                        cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         shutil.copytree(ROOT / "models" / "tiny", base / "models" / "tiny")  # the same model for both
         tag = uuid.uuid4().hex[:6]

@@ -9,7 +9,7 @@ The load is SIMULATED GPUs (no model runs): one simulated GPU is one rollout wor
 episodes decoding ``--gpu-tokens-per-s`` (5,000) tokens per second together, so every episode gets one token per
 step of ``batch / gpu_tokens_per_s`` seconds (12.8 ms). Each simulated GPU has its own ``EpisodeLog`` (the class the
 worker writes with, fenced EVALSHA appends in one pipeline per flush) at the default flush settings
-(``flush_tokens`` 16, ``flush_ms`` 50 from shared/runtime/config.py), driven the way the worker drives it: every
+(``flush_tokens`` 16, ``flush_ms`` 50 from shared/runtime/config/keys.py), driven the way the worker drives it: every
 step appends one token to each episode, flushes the episodes that ended in it (their ``finished`` events: the
 worker's ``one_flush``), then calls ``maybe_flush`` (all pending episodes, once one is due); an ended episode is
 replaced by a new one whose ``started`` event is flushed at once (as the worker's ``open_groups`` does). At 5,000
@@ -47,9 +47,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import cpu  # noqa: E402
-from shared.protocol.episode_log import EpisodeLog  # noqa: E402
+from shared.protocol.episode.log import EpisodeLog  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
-from shared.runtime.config import Config  # noqa: E402
+from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect, redact  # noqa: E402
 
 DEFAULTS = Config()
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         writer(argv[1:])
         return 0
     a = parse_args(argv)
-    from services.ops.redis_server import EmbeddedRedis
+    from services.ops.launch.redis_server import EmbeddedRedis
 
     t_start = time.monotonic()
     print(f"load average at start: {cpu.load_average()}", flush=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
+from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
 
 
 def server_cpu_ticks(pid: int) -> int:

@@ -2,7 +2,7 @@
 
     python bench/repack.py [--groups 24] [--group-size 4] [--max-tokens 96] [--below 0.25] [--min-tokens 8]
 
-Starts its own EmbeddedRedis in a temp dir and the tiny random-init model (``services.ops.tiny_model``), on CPU.
+Starts its own EmbeddedRedis in a temp dir and the tiny random-init model (``services.ops.launch.tiny_model``), on CPU.
 Two real RolloutWorkers, ticked in turn in this process: one round = one tick of each, so at most one engine step
 each, as if each had its own GPU and a step took the same time whatever the batch (the SIMULATED cost model:
 time = rounds). Both variants roll out the same prompt groups with the same seeds, so they generate the same
@@ -30,16 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
-from services.ops.tiny_model import make_tiny_model  # noqa: E402
+from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
+from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
 from services.rollout.engine import make_engine  # noqa: E402
 from services.rollout.worker import RolloutWorker  # noqa: E402
-from shared.protocol import samples as psamples  # noqa: E402
-from shared.protocol.fold import fold  # noqa: E402
+from shared.protocol.streams import samples as psamples  # noqa: E402
+from shared.protocol.episode.fold import fold  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
-from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
+from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
 from shared.runtime import logs  # noqa: E402
-from shared.runtime.config import Config  # noqa: E402
+from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 
 

@@ -35,13 +35,13 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from bench.runs import MEDIUM, finish, keep_only, kill_all, scratch_server, wait  # noqa: E402
-from services.ops.tiny_model import make_tiny_model  # noqa: E402
+from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
 from services.syncer.syncer import Syncer  # noqa: E402
 from services.trainer.publish import publish, write_weights  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
-from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
+from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
 from shared.runtime import heartbeat, logs  # noqa: E402
-from shared.runtime.config import Config  # noqa: E402
+from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 
 MODES = ("global", "rolling")

@@ -3,7 +3,7 @@
     python bench/rollout.py [--quick] [--json] [--only throughput,resume,kill]
 
 Starts its own EmbeddedRedis (valkey-server, AOF everysec) in a temp dir and a
-tiny random-init model (``services.ops.tiny_model``), on CPU.
+tiny random-init model (``services.ops.launch.tiny_model``), on CPU.
 
 1. Throughput. A real RolloutWorker (torch engine, default flush settings,
    single-turn) rolls out the same prompt groups twice per repetition, once
@@ -56,15 +56,15 @@ from services.rollout.engine import SamplingParams  # noqa: E402
 from services.rollout.engine.torch_engine import TorchEngine  # noqa: E402
 from services.rollout.worker import RolloutWorker  # noqa: E402
 from shared.runtime import logs  # noqa: E402
-from shared.runtime.config import Config  # noqa: E402
+from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
-from shared.protocol.episode_log import EpisodeLog  # noqa: E402
-from shared.protocol.events import encode  # noqa: E402
-from shared.protocol.fold import fold  # noqa: E402
+from shared.protocol.episode.log import EpisodeLog  # noqa: E402
+from shared.protocol.episode.events import encode  # noqa: E402
+from shared.protocol.episode.fold import fold  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
-from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
-from services.ops.tiny_model import load_tokenizer, make_tiny_model  # noqa: E402
+from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
+from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
+from services.ops.launch.tiny_model import load_tokenizer, make_tiny_model  # noqa: E402
 
 
 class MemoryLog(EpisodeLog):

@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import bench.rollout as br  # noqa: E402
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
-from services.ops.tiny_model import load_tokenizer, make_tiny_model  # noqa: E402
+from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
+from services.ops.launch.tiny_model import load_tokenizer, make_tiny_model  # noqa: E402
 from services.rollout.engine.torch_engine import TorchEngine  # noqa: E402
-from shared.protocol.episode_log import EpisodeLog  # noqa: E402
+from shared.protocol.episode.log import EpisodeLog  # noqa: E402
 from shared.runtime import logs  # noqa: E402
-from shared.runtime.config import Config  # noqa: E402
+from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 
 _send_cpu = [0.0]

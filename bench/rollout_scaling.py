@@ -43,13 +43,14 @@ sys.path.insert(0, str(ROOT))
 
 from bench import cpu  # noqa: E402
 from bench.rollout import delete_run  # noqa: E402
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
-from services.ops.tiny_model import make_tiny_model  # noqa: E402
-from shared.protocol import events, samples  # noqa: E402
-from shared.protocol.fold import fold  # noqa: E402
+from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
+from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
+from shared.protocol.episode import events  # noqa: E402
+from shared.protocol.streams import samples
+from shared.protocol.episode.fold import fold  # noqa: E402
 from shared.protocol.keys import ROLLOUT_GROUP, Keys  # noqa: E402
-from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
-from shared.runtime.config import Config  # noqa: E402
+from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
+from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 from tests.support.procs import spawn, stop, wait_until  # noqa: E402
 

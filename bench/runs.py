@@ -20,7 +20,7 @@ def streamrl_run(flags: dict, verbose: bool = False, on_start=None) -> tuple[flo
     """Run ``streamrl run`` with ``flags`` (config keys -> values); (wall time the driver started, the trainer's
     metrics records). Raises SystemExit naming the run when it fails or never starts. ``on_start(process)``: called
     once the ``streamrl run`` process exists (e.g. to watch its processes' CPU)."""
-    cmd = [sys.executable, "-m", "services.ops.cli", "run"]
+    cmd = [sys.executable, "-m", "services.ops.cli.main", "run"]
     for k, v in flags.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("STREAMRL_")}
@@ -49,8 +49,8 @@ def rollout_reports(run_dir: Path, run: str) -> dict[str, dict]:
     """{worker: its last rollout report} of a run that has ended, read from the run's own Redis data (its
     append-only file under the run folder, served for the read)."""
     sys.path.insert(0, str(ROOT))
-    from services.ops.redis_server import EmbeddedRedis
-    from shared.protocol import metrics
+    from services.ops.launch.redis_server import EmbeddedRedis
+    from shared.protocol.streams import metrics
     from shared.protocol.keys import Keys
     from shared.runtime.connection import connect
 
@@ -68,7 +68,7 @@ def scratch_server(weights_in_shm: bool = False):
     ``(tmp, url, weights_dir)``; ``weights_dir`` is a second temporary folder, in /dev/shm when there is one and
     ``weights_in_shm`` (weight files there cost no disk I/O), else None."""
     sys.path.insert(0, str(ROOT))
-    from services.ops.redis_server import EmbeddedRedis
+    from services.ops.launch.redis_server import EmbeddedRedis
 
     shm = Path("/dev/shm")
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp_name, ExitStack() as stack:

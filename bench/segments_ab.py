@@ -31,21 +31,21 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.record import ROOT, record  # noqa: E402
-from shared.protocol import segments  # noqa: E402
+from shared.protocol.archive import segments  # noqa: E402
 
 REPACK = """
 import sys, time, tempfile, msgpack
 from pathlib import Path
-from shared.protocol import segments
+from shared.protocol.archive import segments
 dump, out = msgpack.unpackb(Path(sys.argv[1]).read_bytes(), raw=False), Path(tempfile.mkdtemp())
 size = tokens = episodes = 0
 cpu = time.process_time()
 for k, (episodes_of, n_tokens) in enumerate(dump):
     episodes_of = [(eid, [tuple(e) for e in entries]) for eid, entries in episodes_of]
-    if hasattr(segments, "to_row"):  # a tree before shared/protocol/segment_builder.py: rows, then the table
+    if hasattr(segments, "to_row"):  # a tree before shared/protocol/archive/builder.py: rows, then the table
         table = [segments.to_row(eid, entries, 0) for eid, entries in episodes_of]
     else:
-        from shared.protocol import segment_builder
+        from shared.protocol.archive import builder as segment_builder
         table = segment_builder.table_of(episodes_of, 0)
     size += segments.write_file(out, f"seg-{k + 1:08d}.parquet", table)
     tokens, episodes = tokens + n_tokens, episodes + len(episodes_of)
@@ -56,7 +56,7 @@ print(f"real: {size / tokens:.4f} B/token {1e6 * cpu / episodes:.1f} us/episode"
 START = """
 import sys, time, tempfile
 from pathlib import Path
-from services.ops.starter import preload
+from services.ops.launch.starter import preload
 preload()  # what the run's starter has imported before it forks the archiver
 cpu = time.process_time()
 import numpy as np
@@ -149,10 +149,10 @@ def main() -> None:
     if "real_bpt" in med["head"]:
         rows.append({"what": "segment B per policy token, the real default run's episodes (re-written)",
                      "value": f"{med['base']['real_bpt']:.2f} -> {med['head']['real_bpt']:.2f}"})
-    record("segments_ab", rows, ["services/archiver", "shared/protocol/segments.py",
-                                 "shared/protocol/segment_entries.py", "shared/protocol/segment_columns.py",
-                                 "shared/protocol/segment_templates.py", "shared/protocol/segment_arrays.py",
-                                 "shared/protocol/segment_summary.py", "shared/protocol/segment_builder.py"],
+    record("segments_ab", rows, ["services/archiver", "shared/protocol/archive/segments.py",
+                                 "shared/protocol/archive/entries.py", "shared/protocol/archive/columns.py",
+                                 "shared/protocol/archive/templates.py", "shared/protocol/archive/arrays.py",
+                                 "shared/protocol/archive/summary.py", "shared/protocol/archive/builder.py"],
            extra={"base": args.base, "rounds": results, "medians": med, "load_average_before": load_before,
                   "load_average": load})
 

@@ -59,7 +59,7 @@ def start_eval(model_dir: str, eval_rows: list[dict]) -> float:
     """Greedy accuracy of the warm-started model (version 0) on the held-out problems."""
     from transformers import AutoModelForCausalLM
 
-    from services.ops.tiny_model import load_tokenizer
+    from services.ops.launch.tiny_model import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     got = play(model, load_tokenizer(model_dir), eval_rows, 1, 0, 0.0, None, episodes=False)

@@ -20,24 +20,24 @@ import torch
 from bench.staleness_cell import Setup, behaviour_version, by_width, draw, start_cell
 from services.trainer.batch import build_batch
 from services.trainer.step import train_on_batch
-from shared.protocol.fold import Episode
-from shared.protocol.logprobs import token_logprobs
+from shared.protocol.episode.fold import Episode
+from shared.protocol.episode.logprobs import token_logprobs
 
 MAX_TOKENS = 96  # per LLM call, as examples/calc.py asks
 
 
-WARM_STAGE = 400  # the default agent model's warm start (services/ops/tiny_model.py: AGENT_WARM_STEPS) is one stage
+WARM_STAGE = 400  # the default agent model's warm start (services/ops/launch/tiny_model.py: AGENT_WARM_STEPS) is one stage
 
 
 def make_agent_model(out_dir, pool: list[dict], warm_steps: int, seed: int, start: tuple[str, int] | None = None) -> str:
-    """The default agent model (services/ops/tiny_model.py: the default shape with a 1,024-token context,
+    """The default agent model (services/ops/launch/tiny_model.py: the default shape with a 1,024-token context,
     warm-started on calc.py's chat episodes), its warm start drawn from ``pool`` only, in stages of 400 steps:
     stage k draws its 4,096 examples with seed + 12345 + k and goes on from the last stage's weights with a fresh
     optimizer (stage 0 is the default model's recipe). ``start`` = (a model made so, its warm steps): copied and
     continued, the same as made from scratch."""
     import shutil
 
-    from services.ops.tiny_model import (AGENT_CONTEXT, DEFAULT_MODEL, agent_sft_examples, load_tokenizer,
+    from services.ops.launch.tiny_model import (AGENT_CONTEXT, DEFAULT_MODEL, agent_sft_examples, load_tokenizer,
                                          make_tiny_model, warm_start)
 
     done = 0

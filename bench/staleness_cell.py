@@ -11,9 +11,9 @@ import torch
 
 from services.trainer.batch import build_batch
 from services.trainer.step import StepConfig, train_on_batch
-from shared.protocol.fold import Episode
-from shared.protocol.logprobs import token_logprobs
-from shared.runtime.config import Config
+from shared.protocol.episode.fold import Episode
+from shared.protocol.episode.logprobs import token_logprobs
+from shared.runtime.config.keys import Config
 
 # name -> the StepConfig changes from the config's defaults (token level, mask, cap 5)
 CORRECTIONS = {
@@ -76,8 +76,8 @@ def draw(pool: list[dict], n: int, seed: int) -> list[dict]:
 
 
 def make_model(out_dir: Path, pool: list[dict], warm_steps: int, seed: int) -> str:
-    """The default model's shape and recipe (services/ops/tiny_model.py), warm-started on ``pool`` only."""
-    from services.ops.tiny_model import DEFAULT_MODEL, load_tokenizer, make_tiny_model, sft_examples, warm_start
+    """The default model's shape and recipe (services/ops/launch/tiny_model.py), warm-started on ``pool`` only."""
+    from services.ops.launch.tiny_model import DEFAULT_MODEL, load_tokenizer, make_tiny_model, sft_examples, warm_start
 
     make_tiny_model(out_dir, **DEFAULT_MODEL, seed=seed)
     if warm_steps > 0:
@@ -180,7 +180,7 @@ def start_cell(model_dir: str, correction: str, seed: int, setup: "Setup", pool:
     snapshots {0: the initial weights})."""
     from transformers import AutoModelForCausalLM
 
-    from services.ops.tiny_model import load_tokenizer
+    from services.ops.launch.tiny_model import load_tokenizer
 
     torch.manual_seed(seed)
     tok = load_tokenizer(model_dir)

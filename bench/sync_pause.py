@@ -44,13 +44,14 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from services.syncer.syncer import Syncer  # noqa: E402
 from services.trainer.publish import publish, sha256, write_weights  # noqa: E402
 from shared.runtime import logs  # noqa: E402
-from shared.runtime.config import Config  # noqa: E402
+from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
-from shared.protocol import control, events  # noqa: E402
-from shared.protocol.prompts import PromptGroup, enqueue  # noqa: E402
+from shared.protocol.streams import control  # noqa: E402
+from shared.protocol.episode import events
+from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
 from bench.runs import finish, keep_only, kill_all, scratch_server  # noqa: E402
-from services.ops.tiny_model import make_tiny_model  # noqa: E402
+from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
 
 LARGE = dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)  # ~113M parameters
 

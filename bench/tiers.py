@@ -1,5 +1,5 @@
 """Bytes per policy token in each tier of the episode log: an episode's Redis stream (MEMORY USAGE) and its row in
-a zstd Parquet segment (shared/protocol/segments.py), for short episodes (the default run's shape: 8 tokens in
+a zstd Parquet segment (shared/protocol/archive/segments.py), for short episodes (the default run's shape: 8 tokens in
 entries of ~2-3) and for 256-token episodes (entries of 16, the flush rule's size).
 
     python bench/tiers.py [--episodes N]
@@ -24,11 +24,11 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.record import record  # noqa: E402
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
-from shared.protocol import segment_builder, segments  # noqa: E402
-from shared.protocol.episode_log import EpisodeLog  # noqa: E402
+from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
+from shared.protocol.archive import builder as segment_builder, segments  # noqa: E402
+from shared.protocol.episode.log import EpisodeLog  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
-from shared.protocol.sampling import episode_seed  # noqa: E402
+from shared.protocol.episode.sampling import episode_seed  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 
 
@@ -127,8 +127,8 @@ def main() -> None:
          "value": f"{short['redis_per_token']:.0f} -> {short['segment_per_token']:.1f}"},
         {"what": "episode log bytes per policy token, Redis -> segment (256-token episodes)",
          "value": f"{long['redis_per_token']:.0f} -> {long['segment_per_token']:.1f}"},
-    ], ["shared/protocol/segments.py", "shared/protocol/segment_entries.py", "shared/protocol/segment_builder.py",
-        "shared/protocol/episode_log.py"],
+    ], ["shared/protocol/archive/segments.py", "shared/protocol/archive/entries.py", "shared/protocol/archive/builder.py",
+        "shared/protocol/episode/log.py"],
         simulated="token ids (Zipf over 32k) and log-probs (float32, 70% from an exponential, 30% exactly 0) drawn "
                   "at random; groups of 8 share a 24-token Zipf prompt", extra={
                       "load_average": load, "episodes": args.episodes,

@@ -31,12 +31,12 @@ from bench.proc_cpu import TreeCPU, _stat  # noqa: E402
 from bench.record import record  # noqa: E402
 from bench.runs import ROOT, streamrl_run  # noqa: E402
 from bench.tiers import folder_columns  # noqa: E402
-from shared.protocol import segments  # noqa: E402
+from shared.protocol.archive import segments  # noqa: E402
 
 
 def streams_left(run_dir: Path, run: str) -> int:
     """Episode streams still in a finished run's Redis (its append-only file, served for the count)."""
-    from services.ops.redis_server import EmbeddedRedis
+    from services.ops.launch.redis_server import EmbeddedRedis
     from shared.protocol.keys import Keys
     from shared.runtime.connection import connect
 
@@ -189,9 +189,9 @@ def main() -> None:
          "value": f"{100 * later_share:.2f} % ({1e6 * later_per_moved:.0f} us)"},
         {"what": "segment bytes per policy token, the default run's episodes",
          "value": f"{per_token:.1f} ({per_episode:.0f} B per episode)"},
-    ], ["services/archiver", "shared/protocol/segments.py", "shared/protocol/segment_entries.py",
-        "shared/protocol/segment_templates.py", "shared/protocol/segment_arrays.py",
-        "shared/protocol/segment_summary.py", "shared/protocol/segment_builder.py"],
+    ], ["services/archiver", "shared/protocol/archive/segments.py", "shared/protocol/archive/entries.py",
+        "shared/protocol/archive/templates.py", "shared/protocol/archive/arrays.py",
+        "shared/protocol/archive/summary.py", "shared/protocol/archive/builder.py"],
         extra={"columns_per_token": {k: round(v / tokens, 4) for k, v in by_column.items()},
                "load_average_before": load_before, "load_average": load, "runs": results})
 

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.record import record  # noqa: E402
 from bench.runs import ROOT, streamrl_run  # noqa: E402
-from shared.protocol import segments, versions  # noqa: E402
+from shared.protocol.archive import segments  # noqa: E402
+from shared.protocol.streams import versions
 from shared.protocol.keys import Keys  # noqa: E402
 from shared.runtime import secrets  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
@@ -200,8 +201,8 @@ def main() -> None:
                  f"{args.retention}{'' if args.archiver_nice is None else f', archiver_nice {args.archiver_nice}'}", "value": f"{ratio:.2f}x ({first / 1e6:.1f} -> {late / 1e6:.1f} MB)"},
         {"what": "Redis used_memory by fifth of the run (MB, at versions/s)",
          "value": ", ".join(f"{mb:.1f} at {vps:.1f}" for _, _, mb, vps in fifths)},
-    ], ["services/archiver", "shared/protocol/segments.py", "shared/protocol/segment_entries.py",
-        "shared/protocol/segment_builder.py", "services/driver/heads.py", "shared/protocol/stream_head.py"], extra={
+    ], ["services/archiver", "shared/protocol/archive/segments.py", "shared/protocol/archive/entries.py",
+        "shared/protocol/archive/builder.py", "services/driver/heads.py", "shared/protocol/streams/stream_head.py"], extra={
         "load_average_before": load_before, "load_average": load, "segments": cold, "censuses": sampler.censuses, "fifths": fifths,
         "samples": s[:: max(1, len(s) // 400)]})
 

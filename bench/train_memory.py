@@ -68,9 +68,9 @@ class PeakRSS:
 def one(model_dir: str, option: str, device: str, batch: int, seq: int, steps: int) -> dict:
     import torch
 
-    from shared.protocol.logprobs import token_logprobs
+    from shared.protocol.episode.logprobs import token_logprobs
     from services.trainer.model import load_policy
-    from shared.runtime.config import Config
+    from shared.runtime.config.keys import Config
 
     torch.manual_seed(0)
     meter = PeakRSS() if device == "cpu" else None

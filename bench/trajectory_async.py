@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.async_vs_sync import (  # noqa: E402
     add_common_args, evaluate, make_model, mean_over_seeds, prepare, run_variant)
-from shared.runtime.config import FIELDS  # noqa: E402
+from shared.runtime.config.keys import FIELDS  # noqa: E402
 
 REPACK = {"repack_below": 0.25, "repack_min_tokens": 16, "longtail_workers": 1}
 # name -> (mode, config keys beside the common ones); max_staleness comes from --max-staleness (0 for sync).

@@ -4,10 +4,10 @@ episode stream (what a page without an index would do per request).
     python bench/ui_episodes.py [--episodes 68000] [--repeats 5]          synthetic episodes, real event codec
     python bench/ui_episodes.py --run demo --run-dir runs                  an ended run (`./dev run`), its own data
 
-The synthetic run: ``--episodes`` episode streams written through the real codec (shared/protocol/events.py)
+The synthetic run: ``--episodes`` episode streams written through the real codec (shared/protocol/episode/events.py)
 into an EmbeddedRedis in a temp folder: 3 token chunks of 16 each, a third aborted and resumed under the next
 version, 2 % taken over, 3 % failed, 20 % cut short by max_tokens. An ended run is read from a served copy of its
-data (services/ops/serve_ended.py), as `streamrl ui` reads it.
+data (services/ops/inspect/serve_ended.py), as `streamrl ui` reads it.
 
 Measured, in one run, side by side: (A) the first build of the index (``read_summaries``: every stream read and
 folded once); (B) loading the kept index from ``<run>/ui/episodes.msgpack``; (C) a refresh that finds nothing
@@ -33,17 +33,17 @@ import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 
 from bench.record import record  # noqa: E402
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
-from services.ops.run_target import Target  # noqa: E402
-from services.ops.serve_ended import ServedCopy  # noqa: E402
+from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
+from services.ops.inspect.run_target import Target  # noqa: E402
+from services.ops.inspect.serve_ended import ServedCopy  # noqa: E402
 from services.ops.ui.app import make_app  # noqa: E402
 from services.ops.ui.index import EpisodeIndex  # noqa: E402
-from shared.protocol import segments  # noqa: E402
+from shared.protocol.archive import segments  # noqa: E402
 from services.ops.ui.sources import RunSource, Sources  # noqa: E402
-from shared.protocol.events import Event, encode  # noqa: E402
+from shared.protocol.episode.events import Event, encode  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
 from shared.runtime import runstate  # noqa: E402
-from shared.runtime.config import Config  # noqa: E402
+from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 
 QUERIES = {
@@ -184,7 +184,7 @@ def main() -> int:
                       f"({out['build_s'] / median:.0f}x)"},
             {"what": "the kept index: loaded at start / refreshed with nothing new",
              "value": f"{out['load_s']:.2f} s / {out['refresh_s']:.2f} s"}]
-    record("ui_episodes" + ("_run" if args.run else ""), rows, ["services/ops/ui", "services/ops/episodes.py",
+    record("ui_episodes" + ("_run" if args.run else ""), rows, ["services/ops/ui", "services/ops/inspect/episodes.py",
                                                                 "bench/ui_episodes.py"], extra=out)
     return 0 if worst < 1 else 1
 

@@ -25,14 +25,14 @@ sys.path.insert(0, str(ROOT))
 
 from bench import cpu  # noqa: E402
 from bench.rollout_scaling import groups, header  # noqa: E402
-from services.ops.redis_server import EmbeddedRedis  # noqa: E402
-from services.ops.tiny_model import load_tokenizer, make_tiny_model  # noqa: E402
+from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
+from services.ops.launch.tiny_model import load_tokenizer, make_tiny_model  # noqa: E402
 from services.rollout.engine import make_engine  # noqa: E402
 from services.rollout.worker import RolloutWorker  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
-from shared.protocol.prompts import enqueue  # noqa: E402
+from shared.protocol.streams.prompts import enqueue  # noqa: E402
 from shared.runtime import logs  # noqa: E402
-from shared.runtime.config import Config  # noqa: E402
+from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from shared.runtime.connection import connect
 from shared.protocol.keys import Keys
-from services.ops.redis_server import EmbeddedRedis
+from services.ops.launch.redis_server import EmbeddedRedis
 
 
 SLOW_SECONDS = 10  # a slow test's wall time when its marker gives none (`@pytest.mark.slow(seconds=N)`)
@@ -99,7 +99,7 @@ def cli_env(redis_url, keys, tmp_path) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    from services.ops.tiny_model import make_tiny_model
+    from services.ops.launch.tiny_model import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny")))
 
@@ -108,7 +108,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def tiny_model_dir_hd32(tmp_path_factory) -> str:
     """The tiny Llama with head size 32 (hidden 128, 4 heads): the smallest vLLM's CPU
     attention accepts (16 is refused), so both engines can run the same model."""
-    from services.ops.tiny_model import make_tiny_model
+    from services.ops.launch.tiny_model import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny-hd32")), hidden_size=128)
 
@@ -141,7 +141,7 @@ def start_syncer(request, client, keys, tiny_model_dir):
 
     from services.syncer.syncer import Syncer
     from shared.runtime import logs
-    from shared.runtime.config import Config
+    from shared.runtime.config.keys import Config
 
     def start(**overrides) -> Syncer:
         cfg = Config(**{"run": keys.run, "model_dir": tiny_model_dir, "sync_timeout": 20.0,

@@ -25,7 +25,7 @@ run "2 restore never appends the checkpoint's ledger line" services/trainer/comm
 run "3 the syncer never re-syncs a worker left paused" services/syncer/syncer.py \
   's/^        if stuck \& self._stuck and latest:/        if False:/' \
   tests/sync/test_syncer.py::test_a_worker_left_paused_by_a_lost_resume_is_synced_again_and_a_lost_gate_is_set_again
-run "4 the check reads one page of pending entries only" services/ops/check_data.py \
+run "4 the check reads one page of pending entries only" services/ops/check/data.py \
   's/^        if len(batch) < 1000:/        if True:/' \
   tests/ops/test_checker.py::test_the_check_reads_every_pending_entry_past_one_page_of_1000
 run "5 an idle trainer never republishes a lost version" services/trainer/trainer.py \
@@ -34,7 +34,7 @@ run "5 an idle trainer never republishes a lost version" services/trainer/traine
 run "6 the policy-gradient sign flipped" services/trainer/loss.py \
   's/^    unclipped = ratio \* adv$/    unclipped = -ratio * adv/; s/^    clipped_obj = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) \* adv$/    clipped_obj = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv/' \
   tests/trainer/test_trainer.py::test_one_step_raises_the_rewarded_episode_and_lowers_the_other
-run "7 episode appends do not reload the script after NOSCRIPT" shared/protocol/episode_log.py \
+run "7 episode appends do not reload the script after NOSCRIPT" shared/protocol/episode/log.py \
   's/^        if retry:$/        if False:/' \
   tests/protocol/test_episode_log.py::test_appends_go_on_after_the_server_forgets_its_scripts
 run "8 the syncer does not record why it went on without a worker" services/syncer/syncer.py \

@@ -9,7 +9,7 @@ import time
 
 from services.archiver import cadence
 from services.archiver.mover import Mover
-from shared.protocol import versions
+from shared.protocol.streams import versions
 from shared.runtime.service import Service
 
 

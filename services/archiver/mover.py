@@ -20,10 +20,11 @@ from pathlib import Path
 import redis
 import redis.cluster
 
-from shared.protocol import samples as samples_stream
-from shared.protocol import segment_builder, segments, stream_head
+from shared.protocol.streams import samples as samples_stream
+from shared.protocol.archive import builder as segment_builder, segments
+from shared.protocol.streams import stream_head
 from shared.protocol.keys import Keys
-from shared.protocol.ledger import LedgerTail
+from shared.protocol.archive.ledger import LedgerTail
 from shared.runtime.faults import crash_point
 
 from services.archiver.select import due_groups, due_val_groups, newest_commit, still_needed

@@ -5,7 +5,7 @@ up late is fenced: its stream's length is not the seq it expects, and a deleted 
 
 from __future__ import annotations
 
-from shared.protocol.val_groups import parse_group_id
+from shared.protocol.streams.val_groups import parse_group_id
 
 
 def newest_commit(ledger: list[dict]) -> int:

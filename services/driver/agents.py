@@ -19,7 +19,7 @@ from rq.serializers import JSONSerializer
 
 from shared.protocol.gate import Gate
 from shared.protocol.keys import Keys
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 
 JOB = "services.gateway.runner.run_episode"
 

@@ -14,17 +14,18 @@ import signal
 import time
 
 from services.driver import agents, heads, tasks
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from shared.runtime import runstate
 from shared.runtime.connection import connect, redact
-from shared.protocol import segments, versions
+from shared.protocol.archive import segments
+from shared.protocol.streams import versions
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
-from shared.protocol.prompts import PromptGroup, enqueue, forget, group_id
+from shared.protocol.streams.prompts import PromptGroup, enqueue, forget, group_id
 from services.driver.status import alive_services, format_line, snapshot
 from shared.runtime.tensorboard import TensorBoard
 from services.driver.validation import Validator, split
 
-SINCE_ENV = "KEEP_SINCE"  # when `streamrl keep` (services/ops/keep.py) first started this process, unix seconds
+SINCE_ENV = "KEEP_SINCE"  # when `streamrl keep` (services/ops/launch/keep.py) first started this process, unix seconds
 
 SERVICES = ("rollout", "trainer", "syncer")
 ENDED = "ENDED"  # file in the run's folder once the driver ended the run: the next start moves it aside

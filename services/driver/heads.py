@@ -1,4 +1,4 @@
-"""The streams whose heads the driver moves out of Redis (issue 33; shared/protocol/stream_head.py): ``prompts`` and
+"""The streams whose heads the driver moves out of Redis (issue 33; shared/protocol/streams/stream_head.py): ``prompts`` and
 ``prompts:val`` below what the rollout group needs, ``samples:val`` below its validator's cursor (a round not yet
 reported is read again from the file by a restarted driver), ``metrics`` by time (the trainer's records left to
 its ``metrics.jsonl`` when that is in this run folder), ``versions`` by time, keeping the newest few. The driver
@@ -6,7 +6,7 @@ owns them because it runs where the run folder is; rollout workers never need it
 
 from __future__ import annotations
 
-from shared.protocol import metrics, stream_head, versions
+from shared.protocol.streams import metrics, stream_head, versions
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
 
 

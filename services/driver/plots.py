@@ -7,15 +7,15 @@ from pathlib import Path
 
 import redis
 
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from shared.runtime.connection import connect
-from shared.protocol import metrics
+from shared.protocol.streams import metrics
 from shared.protocol.keys import Keys
 
 
 def read_metrics(cfg: Config) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
     """(train steps, rollout reports, validation rounds, published versions): the run's files, then Redis's recent
-    records (shared/protocol/metrics.py ``history``)."""
+    records (shared/protocol/streams/metrics.py ``history``)."""
     kinds = ("train", "rollout", "validation", "publish")
     try:
         found = metrics.history(connect(cfg.redis_url, wait=2), Keys(cfg.run), cfg.run_path, kinds)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 
-from shared.protocol import metrics, samples, tiers, versions
+from shared.protocol.streams import metrics, samples, versions
+from shared.protocol.archive import tiers
 from shared.protocol.keys import Keys
 
 _last = metrics.last

@@ -14,13 +14,13 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from shared.protocol import metrics, samples, stream_head, val_groups
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.events import EventError
-from shared.protocol.fold import fold
+from shared.protocol.streams import metrics, samples, stream_head, val_groups
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.events import EventError
+from shared.protocol.episode.fold import fold
 from shared.protocol.keys import Keys
-from shared.protocol.prompts import PromptGroup, enqueue, forget
-from shared.protocol.val_groups import parse_group_id
+from shared.protocol.streams.prompts import PromptGroup, enqueue, forget
+from shared.protocol.streams.val_groups import parse_group_id
 from shared.runtime.prompt_format import prompt_key
 
 PASS = 1.0  # an episode passes (for pass@k) at this reward or above

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from services.gateway.chat import Renderer, RenderError, canonical, digest, find_parent
-from shared.protocol.calls import CallRequest, Requester
-from shared.protocol.events import EventError, decode
-from shared.protocol.fold import TRANSFORM, Call, Episode, fold
+from shared.protocol.streams.calls import CallRequest, Requester
+from shared.protocol.episode.events import EventError, decode
+from shared.protocol.episode.fold import TRANSFORM, Call, Episode, fold
 from shared.protocol.keys import Keys
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import time
 
-from shared.protocol import metrics
-from shared.protocol.episode_log import EpisodeLog, Fenced
-from shared.protocol.fold import fold
+from shared.protocol.streams import metrics
+from shared.protocol.episode.log import EpisodeLog, Fenced
+from shared.protocol.episode.fold import fold
 from shared.protocol.keys import Keys
 from shared.runtime import faults, logs, secrets, specs
 

@@ -27,16 +27,16 @@ from services.rollout.groups.repacker import Repacker
 from services.rollout.jobs.tool_jobs import ToolJobs
 from services.rollout.weights import sync_modes
 from services.rollout.weights.local import LocalWeights
-from shared.protocol import control, metrics, versions
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.events import EventError
+from shared.protocol.streams import control, metrics, versions
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.events import EventError
 from shared.protocol.keys import Keys
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from shared.runtime.connection import connect
 from shared.runtime.faults import crash_point
-from shared.runtime import weight_origins
+from shared.runtime.weights import origins as weight_origins
 from shared.runtime.heartbeat import Heartbeat
-from shared.runtime.weight_server import WeightServer
+from shared.runtime.weights.server import WeightServer
 
 
 IDLE_BLOCK_MS = 1000  # longest blocking read of an idle worker (timers cut it shorter; any event ends it)

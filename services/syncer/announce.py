@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import time
 
-from shared.protocol import gate, metrics, pulls, versions
-from shared.protocol.events import EventError
+from shared.protocol import gate
+from shared.protocol.streams import metrics, pulls, versions
+from shared.protocol.episode.events import EventError
 
 BLOCK_MS = 1000  # longest blocking read; any entry on either stream ends it
 CHECK_S = 2.0  # heartbeats lapse without an event: looked at this often while a version is not complete

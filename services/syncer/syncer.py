@@ -28,14 +28,16 @@ from dataclasses import dataclass, field
 
 import redis
 
-from shared.protocol import control, gate, metrics, relay_tree, versions
+from shared.protocol import gate
+from shared.protocol.streams import control, metrics, versions
+from shared.protocol.weights import relay_tree
 from services.syncer.announce import Announcer
 from shared.runtime import heartbeat, runstate
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from shared.runtime.faults import crash_point
 from shared.protocol.keys import Keys
 from shared.protocol.staleness import group_capacity
-from shared.runtime.weight_server import PREFIX, file_name
+from shared.runtime.weights.server import PREFIX, file_name
 
 
 
@@ -202,7 +204,7 @@ class Syncer:
             self._phase(r, "fetch", set(r.workers), (), deadline=deadline)
             return
         folders = {w: info.get("fetch_dir", "") for w, info in live.items()}  # one host's shared folder: one node
-        parent = relay_tree.parents(r.workers, relays, self.cfg.relay_fanout, folders)  # shared/protocol/relay_tree.py
+        parent = relay_tree.parents(r.workers, relays, self.cfg.relay_fanout, folders)  # shared/protocol/weights/relay_tree.py
         order = relay_tree.order(r.workers, relays)
         depth = relay_tree.depths(parent)
         have: set[str] = set()  # workers that acked a verified copy: they can serve it

@@ -6,7 +6,7 @@ import sys
 from services.trainer import distributed
 from services.trainer.trainer import Trainer
 from shared.runtime.service import Service
-from shared.runtime.weight_server import WeightServer
+from shared.runtime.weights.server import WeightServer
 
 
 def serve_weights(cfg, log, resolve=None) -> WeightServer | None:

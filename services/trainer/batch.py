@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from services.trainer.loss import grpo_advantages
-from shared.protocol.fold import Episode
+from shared.protocol.episode.fold import Episode
 
 POLICY_FAILURE_REASONS = ("length", "context", "tool_limit")
 MALFORMED_CALL = "malformed tool call"

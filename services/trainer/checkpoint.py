@@ -1,4 +1,4 @@
-"""Atomic checkpoints (the ledger's format is shared.protocol.ledger).
+"""Atomic checkpoints (the ledger's format is shared.protocol.archive.ledger).
 
 A checkpoint (``checkpoint.pt``) holds model, RNG, step, version and its commit's ledger line (the ids of the
 prompt groups that commit includes; every earlier commit's are in the ledger). It is written to a temporary
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from shared.protocol.jsonl import fsync_dir
+from shared.protocol.archive.jsonl import fsync_dir
 
 _writer: ThreadPoolExecutor | None = None
 _pending: Future | None = None

@@ -15,7 +15,7 @@ trainer:POINT[@N]`` makes the trainer SIGKILL itself there in its N-th commit).
 
 from __future__ import annotations
 
-from shared.protocol import ledger
+from shared.protocol.archive import ledger
 
 
 def record(version: int, step: int, trained: list[str], skipped: list[str]) -> dict:

@@ -1,5 +1,5 @@
 """The trainer's delta writer: beside each published version's file, a delta against the version before
-(``shared/protocol/weight_delta.py``), made by one background thread, off the commit's critical path.
+(``shared/protocol/weights/delta.py``), made by one background thread, off the commit's critical path.
 
 ``submit(version, path, sha256)`` right after the version's file is written: the thread reads it and the version
 before's file (still in the folder: the trainer prunes only versions no worker can need), encodes, and writes
@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from services.trainer.checkpoint import atomic_write
-from shared.protocol import weight_delta
-from shared.protocol.metrics import record as record_metrics
-from shared.runtime.weight_server import delta_name, file_name
+from shared.protocol.weights import delta as weight_delta
+from shared.protocol.streams.metrics import record as record_metrics
+from shared.runtime.weights.server import delta_name, file_name
 
 WAIT_S = 30.0  # a request for a delta being written waits this long at most
 

@@ -13,7 +13,7 @@ import shutil
 import time
 from pathlib import Path
 
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from shared.runtime.models import resolve_model
 
 

@@ -11,10 +11,12 @@ whether it trained; the commit (services/trainer/trainer.py) writes them to the 
 from __future__ import annotations
 
 from services.trainer.batch import trained_reward
-from shared.protocol import dead_letters, gate, ledger, samples
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.events import EventError
-from shared.protocol.fold import Episode, fold
+from shared.protocol import gate
+from shared.protocol.streams import dead_letters, samples
+from shared.protocol.archive import ledger
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.events import EventError
+from shared.protocol.episode.fold import Episode, fold
 from shared.protocol.keys import TRAINER_GROUP as GROUP
 
 CONSUMER = "trainer"  # one trainer per run: a stable name gets its own pending entries back after a restart

@@ -7,7 +7,7 @@ With ``r = log pi_ref(a) - log pi(a)`` at a sampled token (the tokens come from 
 
 The term added to the loss is ``kl_coef`` times the token mean over the loss mask.
 
-Both log-probs are ``shared.protocol.logprobs.token_logprobs`` under each row's own sampling transform
+Both log-probs are ``shared.protocol.episode.logprobs.token_logprobs`` under each row's own sampling transform
 (temperature, top-k, top-p), the one definition the sampler and the policy loss use: the reference is
 compared with the policy on the same footing. Positions outside the mask (greedy rows, prompts, tool
 results) may be -inf there; they are selected out, never multiplied by 0 (inf x 0 is NaN)."""

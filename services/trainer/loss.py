@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from shared.protocol.logprobs import token_logprobs  # noqa: F401  (the one log-prob definition, re-exported)
+from shared.protocol.episode.logprobs import token_logprobs  # noqa: F401  (the one log-prob definition, re-exported)
 
 from services.trainer.corrections import Correction, behaviour_weights
 

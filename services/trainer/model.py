@@ -21,8 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.trainer import kl as klmod
-from shared.protocol.logprobs import token_logprobs
-from shared.runtime.config import Config, ConfigError
+from shared.protocol.episode.logprobs import token_logprobs
+from shared.runtime.config.keys import Config, ConfigError
 from shared.runtime.models import resolve_model
 
 

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from services.trainer.checkpoint import atomic_write
-from shared.protocol import versions
+from shared.protocol.streams import versions
 from shared.protocol.keys import Keys
-from shared.runtime.checksum import sha256_file
-from shared.runtime.weight_server import PREFIX
+from shared.runtime.weights.checksum import sha256_file
+from shared.runtime.weights.server import PREFIX
 
 
 def write_weights(state, directory: Path, version: int, dtype: str = "") -> tuple[Path, str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shared.protocol.jsonl import fsync_dir
+from shared.protocol.archive.jsonl import fsync_dir
 
 
 def _dcp():

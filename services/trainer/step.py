@@ -14,7 +14,7 @@ denominator over all its rows, so the gradients summed over ranks are the single
 as many forwards as the busiest one (FSDP2 gathers weights in each; an idle rank's forward has weight 0), and
 the losses, counts and stats are summed over ranks.
 
-Every log-prob is ``shared.protocol.logprobs.token_logprobs`` under the episode's own sampling
+Every log-prob is ``shared.protocol.episode.logprobs.token_logprobs`` under the episode's own sampling
 params (temperature, top-k, top-p), the definition the rollout engines record behaviour log-probs with.
 """
 
@@ -29,7 +29,7 @@ from services.trainer.batch import Batch
 from services.trainer.distributed import LOCAL, Shard, as_float
 from services.trainer.corrections import mismatch
 from services.trainer.loss import aggregate_denominator, decoupled_ppo_loss, ppo_clip_loss
-from shared.protocol.logprobs import token_logprobs
+from shared.protocol.episode.logprobs import token_logprobs
 
 WEIGHTED_STATS = ("clip_fraction", "approx_kl", "is_weight_mean", "is_truncated_fraction", "is_masked_fraction",
                   "icepop_masked_fraction", "m2po_masked_fraction")

@@ -29,15 +29,16 @@ from services.trainer import checkpoint, commit as commit_path, distributed, exp
 from services.trainer.deltas import DeltaWriter
 from services.trainer.model import load_policy
 from services.trainer.intake import Intake
-from shared.protocol import ledger, stream_head
-from shared.protocol.metrics import record as record_metrics
+from shared.protocol.archive import ledger
+from shared.protocol.streams import stream_head
+from shared.protocol.streams.metrics import record as record_metrics
 from services.trainer.batch import Batch, build_batch
 from services.trainer.step import StepConfig, train_on_batch
 from shared.runtime.folders import private_folder
-from shared.runtime.config import Config, ConfigError
+from shared.runtime.config.keys import Config, ConfigError
 from shared.runtime.faults import crash_point
 from shared.runtime.runstate import bind
-from shared.protocol.fold import Episode
+from shared.protocol.episode.fold import Episode
 from shared.protocol.keys import TRAINER_GROUP as GROUP, Keys
 from shared.protocol.staleness import staleness_histogram, version_spans
 from shared.runtime.tensorboard import TensorBoard

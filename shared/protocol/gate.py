@@ -35,7 +35,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from shared.protocol import once
+from shared.protocol.streams import once
 from shared.protocol.keys import Keys
 
 REQUEST_TTL_S = 600  # how long a NAMED reservation's or refund's outcome is kept (``group:<id>``: a restart's repeat)

@@ -41,7 +41,7 @@ class Keys:
 
     def sampled(self, group_id: str) -> str:
         """Set once when an agent group's samples entry is written (a second publish is a no-op); a rollout worker's
-        publish is guarded by its prompts entry's XACK instead (shared/protocol/samples.py)."""
+        publish is guarded by its prompts entry's XACK instead (shared/protocol/streams/samples.py)."""
         return f"{self.base}sampled:{group_id}"
 
     def enqueued(self, group_id: str) -> str:
@@ -50,7 +50,7 @@ class Keys:
 
     def control_sent(self, sync: str) -> str:
         """Hash of a sync round's control writes: a field ``<cmd>:<worker>`` set once when a command (worker empty)
-        or a worker's ack is written (shared/protocol/control.py)."""
+        or a worker's ack is written (shared/protocol/streams/control.py)."""
         return f"{self.base}control:sent:{sync}"
 
     def dead_lettered(self, stream: str, entry_id: str) -> str:
@@ -122,37 +122,37 @@ class Keys:
 # whole (tests/protocol/test_schema.py: every builder of Keys is here, and every key here is one a builder makes):
 # (Keys builder, its example arguments, Redis type, the module that owns what it holds, what it holds).
 CATALOG = (
-    ("episode", ("<episode id>",), "stream", "shared/protocol/events.py", "an episode's events (own hash tag)"),
-    ("prompts", (), "stream", "shared/protocol/prompts.py", "prompt groups to roll out (consumer group rollout)"),
-    ("val_prompts", (), "stream", "shared/protocol/prompts.py", "held-out prompt groups, served first"),
-    ("agent_groups", (), "stream", "shared/protocol/prompts.py", "agent runs: groups handed to agent jobs"),
-    ("samples", (), "stream", "shared/protocol/samples.py", "finished groups (consumer group trainer)"),
-    ("val_samples", (), "stream", "shared/protocol/samples.py", "finished validation groups (read by the driver)"),
-    ("versions", (), "stream", "shared/protocol/versions.py", "published policy versions"),
-    ("control", (), "stream", "shared/protocol/control.py", "fetch / pause / load / resume and their acks"),
-    ("metrics", (), "stream", "shared/protocol/metrics.py", "every process's metrics records"),
-    ("dead_letters", (), "stream", "shared/protocol/dead_letters.py", "entries no reader could use, with why"),
-    ("repacks", (), "stream", "shared/protocol/repacks.py", "long-tail repack notices"),
-    ("pulls", (), "stream", "shared/protocol/pulls.py", "sync_mode pull: fetched / acquired / released / expired"),
-    ("calls", (), "stream", "shared/protocol/calls.py", "LLM call requests from the gateway (consumer group rollout)"),
+    ("episode", ("<episode id>",), "stream", "shared/protocol/episode/events.py", "an episode's events (own hash tag)"),
+    ("prompts", (), "stream", "shared/protocol/streams/prompts.py", "prompt groups to roll out (consumer group rollout)"),
+    ("val_prompts", (), "stream", "shared/protocol/streams/prompts.py", "held-out prompt groups, served first"),
+    ("agent_groups", (), "stream", "shared/protocol/streams/prompts.py", "agent runs: groups handed to agent jobs"),
+    ("samples", (), "stream", "shared/protocol/streams/samples.py", "finished groups (consumer group trainer)"),
+    ("val_samples", (), "stream", "shared/protocol/streams/samples.py", "finished validation groups (read by the driver)"),
+    ("versions", (), "stream", "shared/protocol/streams/versions.py", "published policy versions"),
+    ("control", (), "stream", "shared/protocol/streams/control.py", "fetch / pause / load / resume and their acks"),
+    ("metrics", (), "stream", "shared/protocol/streams/metrics.py", "every process's metrics records"),
+    ("dead_letters", (), "stream", "shared/protocol/streams/dead_letters.py", "entries no reader could use, with why"),
+    ("repacks", (), "stream", "shared/protocol/streams/repacks.py", "long-tail repack notices"),
+    ("pulls", (), "stream", "shared/protocol/streams/pulls.py", "sync_mode pull: fetched / acquired / released / expired"),
+    ("calls", (), "stream", "shared/protocol/streams/calls.py", "LLM call requests from the gateway (consumer group rollout)"),
     ("gate", (), "hash", "shared/protocol/gate.py", "the staleness gate: version, limit, complete"),
     ("gate_started", (), "string", "shared/protocol/gate.py", "groups started under the gate (a counter)"),
     ("gate_request", ("<token>",), "string", "shared/protocol/gate.py",
      "one reservation's or refund's outcome (TTL: 120 s, a group's 600 s)"),
-    ("load_lease", (), "zset", "shared/protocol/pulls.py", "sync_mode pull: workers loading now -> lease expiry"),
+    ("load_lease", (), "zset", "shared/protocol/streams/pulls.py", "sync_mode pull: workers loading now -> lease expiry"),
     ("meta", (), "hash", "shared/runtime/runstate.py", "the run's identity: run, id, created, ended"),
     ("alive", ("<service>", "<worker id>"), "hash", "shared/runtime/heartbeat.py", "a process's heartbeat (TTL)"),
     ("alive_registry", ("<service>",), "set", "shared/runtime/heartbeat.py", "workers that have beaten once"),
-    ("sampled", ("<group id>",), "string", "shared/protocol/once.py", "an agent group's samples entry written (once)"),
-    ("enqueued", ("<group id>",), "string", "shared/protocol/once.py",
+    ("sampled", ("<group id>",), "string", "shared/protocol/streams/once.py", "an agent group's samples entry written (once)"),
+    ("enqueued", ("<group id>",), "string", "shared/protocol/streams/once.py",
      "a prompt group enqueued (once; gone once the driver is past it)"),
-    ("control_sent", ("<sync>",), "hash", "shared/protocol/control.py",
+    ("control_sent", ("<sync>",), "hash", "shared/protocol/streams/control.py",
      "a sync round's commands and acks written: field <cmd>:<worker> (once; TTL 120 s)"),
-    ("dead_lettered", ("<stream>", "<entry id>"), "string", "shared/protocol/once.py", "a dead letter written (once)"),
+    ("dead_lettered", ("<stream>", "<entry id>"), "string", "shared/protocol/streams/once.py", "a dead letter written (once)"),
     ("driver_enqueued", (), "string", "services/driver/driver.py", "prompt groups the driver has enqueued so far"),
     ("val_requested", (), "set", "services/driver/validation.py",
      "the newest validation round asked for (a version; it stands for every round before it)"),
-    ("call_index", ("<episode id>",), "hash", "shared/protocol/calls.py",
+    ("call_index", ("<episode id>",), "hash", "shared/protocol/streams/calls.py",
      "an agent episode's calls: request digest -> call index"),
     ("agents_done", ("<group id>",), "set", "services/gateway/runner.py", "a group's agent episodes that ended"),
     ("agents_running", (), "hash", "services/gateway/agents_worker.py", "agent episode -> JSON {worker, job args}"),

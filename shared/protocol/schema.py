@@ -13,19 +13,19 @@ from shared.protocol.keys import CATALOG, Keys
 
 # (title, codec module) of the sections after the key table; the keys each owns come from keys.CATALOG
 CODECS = (
-    ("episode events", "shared.protocol.events"),
-    ("prompt groups", "shared.protocol.prompts"),
-    ("samples", "shared.protocol.samples"),
-    ("versions", "shared.protocol.versions"),
-    ("control", "shared.protocol.control"),
-    ("dead letters", "shared.protocol.dead_letters"),
-    ("metrics", "shared.protocol.metrics"),
-    ("repacks", "shared.protocol.repacks"),
-    ("pulls and the load lease", "shared.protocol.pulls"),
-    ("LLM calls", "shared.protocol.calls"),
+    ("episode events", "shared.protocol.episode.events"),
+    ("prompt groups", "shared.protocol.streams.prompts"),
+    ("samples", "shared.protocol.streams.samples"),
+    ("versions", "shared.protocol.streams.versions"),
+    ("control", "shared.protocol.streams.control"),
+    ("dead letters", "shared.protocol.streams.dead_letters"),
+    ("metrics", "shared.protocol.streams.metrics"),
+    ("repacks", "shared.protocol.streams.repacks"),
+    ("pulls and the load lease", "shared.protocol.streams.pulls"),
+    ("LLM calls", "shared.protocol.streams.calls"),
     ("the staleness gate", "shared.protocol.gate"),
-    ("idempotent writes", "shared.protocol.once"),
-    ("the trainer's ledger (a file: <run_dir>/<run>/trainer/trained.jsonl)", "shared.protocol.ledger"),
+    ("idempotent writes", "shared.protocol.streams.once"),
+    ("the trainer's ledger (a file: <run_dir>/<run>/trainer/trained.jsonl)", "shared.protocol.archive.ledger"),
 )
 
 

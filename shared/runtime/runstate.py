@@ -22,8 +22,8 @@ from pathlib import Path
 import redis
 
 from shared.protocol.keys import Keys
-from shared.protocol.ledger import read_ledger
-from shared.runtime.config import Config
+from shared.protocol.archive.ledger import read_ledger
+from shared.runtime.config.keys import Config
 from shared.runtime.connection import redact
 from shared.runtime.secrets import private_dir
 

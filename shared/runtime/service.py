@@ -15,15 +15,15 @@ import uuid
 
 import redis
 
-from shared.runtime import config as configmod
-from shared.runtime import config_sources
+from shared.runtime.config import keys as configmod
+from shared.runtime.config import sources as config_sources
 from shared.runtime import logs, runstate, secrets
 from shared.runtime.connection import connect, redact
 from shared.runtime.heartbeat import Heartbeat
 from shared.protocol.keys import Keys
 
 
-# the config sections (full-line comments in shared/runtime/config.py) each service's --help lists
+# the config sections (full-line comments in shared/runtime/config/keys.py) each service's --help lists
 SHOWN = {"rollout": ("where", "episode log", "model", "rollout", "staleness"), "trainer": ("where", "model", "trainer",
          "staleness"), "syncer": ("where", "staleness"), "tools": ("where", "rollout")}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from shared.runtime.config import Config, ConfigError
+from shared.runtime.config.keys import Config, ConfigError
 from shared.runtime.wandb_sink import WandbSink
 
 

@@ -6,7 +6,7 @@ them locally only (``wandb sync`` uploads them later)."""
 
 from __future__ import annotations
 
-from shared.runtime.config import Config, ConfigError
+from shared.runtime.config.keys import Config, ConfigError
 
 
 class WandbSink:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.protocol import samples, segments, versions
-from shared.protocol.ledger import append_ledger
-from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.streams import samples, versions
+from shared.protocol.archive import segments
+from shared.protocol.archive.ledger import append_ledger
+from shared.protocol.episode.log import EpisodeLog
 from services.archiver import cadence
 from tests.archiver.tiers_support import make_run, write_episode
 from tests.support.procs import spawn, stop, wait_until

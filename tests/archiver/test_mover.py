@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from shared.protocol import segments
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.samples import Sample, encode
+from shared.protocol.archive import segments
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.streams.samples import Sample, encode
 from shared.runtime import faults
 from services.archiver.mover import Mover
 from services.archiver.select import due_groups, due_val_groups, old_groups, still_needed
-from services.ops.check_data import read_run
-from services.ops.cli import main
+from services.ops.check.data import read_run
+from services.ops.cli.main import main
 from tests.archiver.tiers_support import all_streams, make_run, write_episode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,7 +120,7 @@ def test_an_episode_that_has_not_ended_is_never_moved(client, keys, tmp_path):
     log = EpisodeLog(client, keys, "w1")
     write_episode(log, "open", "g1", 1, end=False)
     client.xadd(keys.samples, encode(Sample("g1", ["open"], "w1")))
-    from shared.protocol.ledger import append_ledger
+    from shared.protocol.archive.ledger import append_ledger
     for v in (1, 2, 3):
         append_ledger(tmp_path / "trainer", {"commit": v, "version": v, "groups": ["g1"] if v == 1 else []})
     assert Mover(client, keys, tmp_path, retention=1).step() == 0

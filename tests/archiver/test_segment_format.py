@@ -9,8 +9,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shared.protocol import segment_builder, segment_columns, segment_entries, segments
-from shared.protocol.sampling import episode_seed
+from shared.protocol.archive import builder as segment_builder, columns as segment_columns, entries as segment_entries, segments
+from shared.protocol.episode.sampling import episode_seed
 from tests.archiver.tiers_support import all_streams, make_run, one_segment, row_of
 
 FORMAT_1 = pa.schema(segments.ANALYSIS + [("entry_ids", pa.list_(pa.binary())),

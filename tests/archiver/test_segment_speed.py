@@ -1,6 +1,6 @@
 """The move's shortcuts give what the long ways give: a group's started payload matched off its bytes
-(shared/protocol/segment_templates.py) templates as decoding it does, the segment's columns built off numpy buffers
-(shared/protocol/segment_arrays.py) are the table ``pyarrow`` builds from the rows, and a move never imports pandas
+(shared/protocol/archive/templates.py) templates as decoding it does, the segment's columns built off numpy buffers
+(shared/protocol/archive/arrays.py) are the table ``pyarrow`` builds from the rows, and a move never imports pandas
 (~0.2 s of CPU in each archiver process) nor pyarrow.compute."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import msgpack
 import pyarrow as pa
 import pytest
 
-from shared.protocol import segment_arrays, segment_builder, segment_entries, segment_templates, segments
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.sampling import episode_seed
+from shared.protocol.archive import arrays as segment_arrays, builder as segment_builder, entries as segment_entries, templates as segment_templates, segments
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.sampling import episode_seed
 from tests.archiver.test_segment_format import _entry, _tokens
 from tests.archiver.test_segment_summary import SHAPES, _write
 

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from shared.protocol import segment_entries, segments
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.fold import fold
-from shared.runtime.config import ConfigError
-from shared.runtime.config_sources import load
+from shared.protocol.archive import entries as segment_entries, segments
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.fold import fold
+from shared.runtime.config.keys import ConfigError
+from shared.runtime.config.sources import load
 from tests.archiver.tiers_support import row_of
 
 ANALYSIS = ["group_id", "worker", "status", "finish_reason", "reward", "num_generated", "version"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.parquet as pq
 
-from shared.protocol import segment_builder, segment_index, segments
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.fold import fold
-from services.ops.episodes import read_summaries
+from shared.protocol.archive import builder as segment_builder, index as segment_index, segments
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.fold import fold
+from services.ops.inspect.episodes import read_summaries
 from tests.archiver.tiers_support import all_streams, make_run, one_segment
 
 

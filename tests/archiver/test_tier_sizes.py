@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from services.driver.status import format_line, snapshot
-from shared.protocol import tiers
+from shared.protocol.archive import tiers
 from tests.archiver.tiers_support import one_segment
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.protocol import samples
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.ledger import append_ledger
+from shared.protocol.streams import samples
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.archive.ledger import append_ledger
 
 
 def write_episode(log: EpisodeLog, episode_id: str, group_id: str, version: int, n_tokens: int = 40,
@@ -49,7 +49,7 @@ def all_streams(client, keys, episode_ids) -> dict[str, list]:
 def one_segment(client, keys, run_path: Path, versions: int) -> tuple[list[str], dict[str, list], Path]:
     """A run's episodes written to one segment file (listed in the manifest): (episode ids, their streams as
     Redis gave them, the segments' folder)."""
-    from shared.protocol import segment_builder, segments
+    from shared.protocol.archive import builder as segment_builder, segments
 
     groups = make_run(client, keys, run_path, versions=versions)
     eids = [e for es in groups.values() for e in es]
@@ -63,7 +63,7 @@ def one_segment(client, keys, run_path: Path, versions: int) -> tuple[list[str],
 def row_of(episode_id: str, entries: list, seed_base: int | None = None) -> dict:
     """An episode's segment row, read back from its one-row table: every column as ``to_pylist`` gives it, but
     ``tok_ids`` / ``tok_logprobs`` as their raw little-endian bytes (a null log-prob +0.0), as ``unpack`` takes them."""
-    from shared.protocol import segment_builder, segments
+    from shared.protocol.archive import builder as segment_builder, segments
 
     table = segment_builder.table_of([(episode_id, entries)], seed_base)
     (_, ids), (_, lps) = segments.token_bytes(table, "tok_ids"), segments.token_bytes(table, "tok_logprobs")

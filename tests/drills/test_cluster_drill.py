@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.ops.checker import check, read_run
+from services.ops.check.checker import check, read_run
 from shared.protocol.keys import ROLLOUT_GROUP
-from shared.protocol.prompts import PromptGroup, enqueue
-from shared.runtime.config import Config
+from shared.protocol.streams.prompts import PromptGroup, enqueue
+from shared.runtime.config.keys import Config
 from tests.support.procs import kill9, spawn, stop, wait_until
 from tests.support.rollout_harness import episodes, make_worker, samples, snapshot, tick_until
 

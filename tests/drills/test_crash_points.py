@@ -8,15 +8,15 @@ import signal
 
 import pytest
 
-from services.ops.checker import check, read_run
+from services.ops.check.checker import check, read_run
 from services.syncer.syncer import Syncer
 from services.trainer.publish import publish
 from shared.protocol import gate
-from shared.protocol.fold import fold
+from shared.protocol.episode.fold import fold
 from shared.protocol.keys import ROLLOUT_GROUP
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.runtime import faults, logs
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from tests.support.gateway_stack import env_for
 from tests.support.models import nudged_weights
 from tests.support.procs import kill9, spawn, wait_until

@@ -3,7 +3,7 @@ persistence, two rollout workers, an rq tools worker, trainer, syncer,
 driver), each process kind killed with kill -9 mid-work and restarted as a
 supervisor would, garbage written into every stream a person can reach, and
 the Redis server stopped and restarted. After each run, `streamrl check`'s
-counts (services/ops/checker.py) must be 0, and the tokens generated again after a
+counts (services/ops/check/checker.py) must be 0, and the tokens generated again after a
 rollout worker kill must be exactly the tokens it had not flushed, at most
 one flush interval per episode in flight.
 
@@ -23,13 +23,14 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from shared.protocol import control, dead_letters, events, prompts
-from services.ops.checker import check, format_report, read_run
-from services.ops.redis_server import find_binary
+from shared.protocol.streams import control, dead_letters, prompts
+from shared.protocol.episode import events
+from services.ops.check.checker import check, format_report, read_run
+from services.ops.launch.redis_server import find_binary
 from tests.support.fault_run import LiveRun
-from services.ops.tiny_model import make_tiny_model
+from services.ops.launch.tiny_model import make_tiny_model
 from tests.support.models import overfit
-from shared.protocol.fold import fold
+from shared.protocol.episode.fold import fold
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP
 from dataclasses import asdict
 

@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 
 from services.driver.driver import queue_depth
-from services.ops.check_data import read_run
-from services.ops.checker import check
-from shared.protocol import stream_head
+from services.ops.check.data import read_run
+from services.ops.check.checker import check
+from shared.protocol.streams import stream_head
 from tests.support.fault_run import LiveRun
 
 pytestmark = pytest.mark.slow(seconds=60)

@@ -14,10 +14,10 @@ import pytest
 from services.driver.plots import read_metrics
 from services.driver.status import snapshot
 from services.driver.validation import Validator
-from services.ops.check_data import read_run
-from services.ops.checker import check
+from services.ops.check.data import read_run
+from services.ops.check.checker import check
 from services.ops.ui.run_view import read_run_view
-from shared.protocol import metrics, versions
+from shared.protocol.streams import metrics, versions
 from tests.support.fault_run import LiveRun
 
 pytestmark = pytest.mark.slow(seconds=20)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.ops.checker import check, format_report, read_run
+from services.ops.check.checker import check, format_report, read_run
 from tests.support.fault_proxy import FaultProxy
 from tests.support.fault_run import LiveRun
 from tests.drills.test_faults import _config

@@ -7,9 +7,9 @@ import json
 
 from services.gateway import toolparse
 from services.gateway.chat import Renderer
-from services.ops import tiny_model
-from services.ops.tiny_model import CALC_TOOL, agent_sft_examples, build_tokenizer, ensure_default_model
-from shared.runtime.config import Config
+from services.ops.launch import tiny_model
+from services.ops.launch.tiny_model import CALC_TOOL, agent_sft_examples, build_tokenizer, ensure_default_model
+from shared.runtime.config.keys import Config
 
 
 def test_the_agent_warm_start_uses_the_example_agents_tool():

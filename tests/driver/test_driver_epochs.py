@@ -7,8 +7,8 @@ import json
 
 from services.driver.driver import Driver
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP
-from shared.protocol.prompts import decode_group
-from shared.runtime.config import Config
+from shared.protocol.streams.prompts import decode_group
+from shared.runtime.config.keys import Config
 
 
 def test_epochs_feed_every_row_once_per_epoch_then_end(client, keys, redis_url, tmp_path):
@@ -41,7 +41,7 @@ def test_agent_runs_get_the_same_rows_and_group_ids_as_rq_jobs(client, keys, red
     """With ``agent`` set, the driver enqueues each group's episodes as agent jobs (not prompt groups), with the
     rows and the epoch/position group ids prompt groups would have had."""
     from services.driver import agents
-    from shared.protocol import prompts
+    from shared.protocol.streams import prompts
 
     rows = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(3)]
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
@@ -60,7 +60,8 @@ def test_agent_groups_pass_the_staleness_gate_and_are_recorded_once(client, keys
     """An agent group takes a gate slot before its jobs are enqueued (a closed gate enqueues nothing) and is
     recorded in ``prompts:agents`` once, so the check can count it; enqueueing it again records nothing new."""
     from services.driver import agents
-    from shared.protocol import gate, prompts
+    from shared.protocol import gate
+    from shared.protocol.streams import prompts
 
     rows = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(5)]
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
@@ -76,8 +77,8 @@ def test_agent_groups_pass_the_staleness_gate_and_are_recorded_once(client, keys
     assert recorded == [prompts.group_id(0, i) for i in range(3)]
     assert agents.enqueue_group(cfg, client, keys, prompts.group_id(0, 0), dict(rows[0]), 2) is not None  # a repeat
     assert client.xlen(keys.agent_groups) == 3 and gate.started(client, keys) == 3  # neither recorded nor counted again
-    from services.ops.check_data import read_run
-    from services.ops.checker import check
+    from services.ops.check.data import read_run
+    from services.ops.check.checker import check
 
     report = check(read_run(client, keys, tmp_path / "runs" / keys.run))
     assert (report.groups_enqueued, report.groups_in_flight, report.groups_lost) == (3, 3, 0)  # jobs wait in rq

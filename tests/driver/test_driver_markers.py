@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 from services.driver.driver import Driver
-from shared.protocol import prompts
-from shared.protocol.prompts import decode_group
-from shared.runtime.config import Config
+from shared.protocol.streams import prompts
+from shared.protocol.streams.prompts import decode_group
+from shared.runtime.config.keys import Config
 
 
 def _cfg(keys, redis_url, tmp_path) -> Config:

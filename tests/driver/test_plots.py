@@ -6,7 +6,7 @@ import json
 import warnings
 
 from services.driver.plots import write_plots
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 
 
 def test_plots_of_a_run_whose_clip_never_bound_raise_no_warning(tmp_path, redis_url, keys):

@@ -9,7 +9,7 @@ import pytest
 
 from services.rollout.jobs.rewards import arithmetic as reward
 from services.driver import tasks
-from services.ops.tiny_model import build_tokenizer, sft_examples
+from services.ops.launch.tiny_model import build_tokenizer, sft_examples
 
 
 def test_arithmetic_rows_are_right():

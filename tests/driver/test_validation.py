@@ -11,15 +11,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.driver import validation
-from shared.runtime.config import Config
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.runtime.config.keys import Config
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 from services.driver.status import format_line, snapshot
 from shared.runtime.tensorboard import flatten
 from tests.support.models import scripted_model
 from tests.support.rollout_harness import make_worker, samples, tick_until
 from shared.protocol.keys import ROLLOUT_GROUP
-from shared.protocol import metrics, versions
-from shared.protocol import samples as psamples
+from shared.protocol.streams import metrics, versions
+from shared.protocol.streams import samples as psamples
 
 # greedy decoding of this model answers A: right and B: wrong
 SCRIPTS = [("1+3=", "answer: 4"), ("2+2=", "answer: 5")]
@@ -119,10 +119,10 @@ def test_status_line_and_cli(client, keys, cli_env):
     assert "dropped 2" in line and snap["samples_per_s"] > 0 and "scored 0" not in line
     cut = format_line({**snap, "train": {"reward_mean": 0.0, "batch_policy_failures": 60, "samples": 64}})
     assert "reward 0.000 (60/64 cut short by max_tokens, the context or max_tool_calls: scored 0)" in cut
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "status"], env=cli_env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "status"], env=cli_env, capture_output=True, text=True)
     assert out.returncode == 0 and "reward 0.250" in out.stdout
     env = {**cli_env, "STREAMRL_RUN": "no-such-run"}
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "status"], env=env, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "status"], env=env, capture_output=True, text=True)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "no-such-run" in out.stderr
 
 

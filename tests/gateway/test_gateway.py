@@ -15,8 +15,8 @@ from services.driver import agents as driver_agents
 from services.gateway.__main__ import build
 from services.trainer.batch import build_batch
 from shared.runtime import faults, logs
-from shared.runtime.config import Config
-from shared.protocol import calls as calls_codec, metrics, samples as samples_codec
+from shared.runtime.config.keys import Config
+from shared.protocol.streams import calls as calls_codec, metrics, samples as samples_codec
 from shared.protocol.keys import Keys
 from tests.support.chat_models import CALC_TOOL, calc_conversation, scripted_chat_model
 from tests.support.gateway_agents import calc_agent
@@ -26,7 +26,7 @@ from tests.support.procs import kill9, spawn, stop, wait_until
 from tests.support.rollout_harness import acks, send
 from services.gateway.runner import _append_last
 from services.gateway.chat import template_messages
-from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.episode.log import EpisodeLog
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 TASK = {"question": "2+3?", "answer": "5"}
@@ -367,7 +367,7 @@ def test_replay_continue_reruns_an_agent_from_a_chosen_call_and_writes_nothing_t
     before = {k: client.xlen(k) for k in (keys.episode("again-0"), keys.calls)}
     original = episode(client, keys, "again-0")
     env = {**stack["env"], "STREAMRL_RUN_DIR": str(tmp_path / "runs")}
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "replay", "again-0", "--continue", "--from-call",
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "replay", "again-0", "--continue", "--from-call",
                           "1", "--version", "0", "--json"], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
@@ -378,7 +378,7 @@ def test_replay_continue_reruns_an_agent_from_a_chosen_call_and_writes_nothing_t
     assert r["generated_by_replay"] == [1, 2]  # call 0 came from the copied stream
     assert r["calls"]["1"]["extends"] == 0  # generated again as the continuation of call 0 from the stream
     assert {k: client.xlen(k) for k in before} == before  # nothing written to the run
-    bad = subprocess.run([sys.executable, "-m", "services.ops.cli", "replay", "again-0", "--continue", "--from-call",
+    bad = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "replay", "again-0", "--continue", "--from-call",
                           "9"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--from-call 9" in bad.stderr and "calls 0..2" in bad.stderr
 

@@ -14,9 +14,9 @@ from transformers import AutoTokenizer
 from services.gateway.app import make_app
 from services.gateway.core import Gateway
 from services.gateway.limits import MAX_BODY, MAX_DEPTH
-from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.episode.log import EpisodeLog
 from shared.runtime import logs, secrets
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from tests.support.chat_models import make_chat_model
 from tests.support.fuzz import cases
 from tests.support.gateway_stack import start_agent_episode

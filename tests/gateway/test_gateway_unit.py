@@ -11,7 +11,7 @@ from services.gateway.app import make_app
 from services.gateway.chat import Renderer, canonical, template_messages
 from services.gateway.core import Gateway
 from shared.runtime import logs
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from tests.support.chat_models import CALC_TOOL, calc_conversation, make_chat_model, tool_call_message
 from tests.support.gateway_stack import start_agent_episode
 

@@ -59,7 +59,7 @@ def test_a_live_run_gives_nothing_to_a_local_attacker_without_its_secrets(tmp_pa
            "STREAMRL_MAX_MINUTES": "4", "STREAMRL_LOG_LEVEL": "warning"}
     log = tmp_path / "run.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.ops.cli", "run"], env=env, cwd=ROOT, stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "services.ops.cli.main", "run"], env=env, cwd=ROOT, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_until(lambda: (runstate.read_marker(run_path) or {}).get("id") or proc.poll() is not None,

@@ -6,10 +6,10 @@ import json
 import subprocess
 import sys
 
-from services.ops import checker
-from services.ops.checker import ConsumerGroup, RunData, check, episode_stats, read_run
-from shared.protocol.events import Event
-from shared.protocol.prompts import PromptGroup, encode_group
+from services.ops.check import checker
+from services.ops.check.checker import ConsumerGroup, RunData, check, episode_stats, read_run
+from shared.protocol.episode.events import Event
+from shared.protocol.streams.prompts import PromptGroup, encode_group
 from tests.support.helpers import finished, raw, started, tokens
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP
 
@@ -199,7 +199,7 @@ def test_streamrl_check_on_a_real_server(cli_env, client, keys, tmp_path):
     ledger = tmp_path / keys.run / "trainer" / "trained.jsonl"
     ledger.parent.mkdir(parents=True)
     ledger.write_text(json.dumps({"version": 1, "groups": ["g1"], "skipped": []}) + "\n")
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "check", "--json"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "check", "--json"], env=env, capture_output=True,
                          timeout=60)
     report = json.loads(out.stdout)
     assert out.returncode == 1, out.stderr  # g2 was delivered, never published, not pending: lost
@@ -209,7 +209,7 @@ def test_streamrl_check_on_a_real_server(cli_env, client, keys, tmp_path):
     with open(ledger, "a") as fh:
         fh.write(json.dumps({"version": 2, "groups": ["g2"], "skipped": []}) + "\n")
     client.xgroup_setid(keys.samples, TRAINER_GROUP, id="$")
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "check"], env=env, capture_output=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "check"], env=env, capture_output=True, timeout=60)
     assert out.returncode == 0, out.stdout.decode() + out.stderr.decode()
     text = out.stdout.decode()
     assert "prompt groups lost" in text and "samples trained twice" in text and text.rstrip().endswith("ok")
@@ -235,7 +235,7 @@ def test_a_group_enqueued_twice_and_a_version_published_twice_fail_the_check():
 def test_a_worker_reporting_an_older_version_than_before_fails_the_check():
     """Issue 28's row: the acks of each worker carry the version it runs after the command; one lower than an
     earlier one (a backwards load), or a pulled load of an older version, is a failure."""
-    from shared.protocol import control
+    from shared.protocol.streams import control
 
     def ack(entry_id, worker, cmd, version):
         return (entry_id, _b(control.ack(control.Command(cmd, f"s{version}", version), worker, True, version)))
@@ -312,8 +312,8 @@ def test_tokens_trained_past_the_staleness_bound_fail_the_check_and_masked_ones_
 
 
 def test_the_staleness_bound_comes_from_the_run_config():
-    from services.ops.check_data import staleness_bound
-    from shared.runtime.config import Config
+    from services.ops.check.data import staleness_bound
+    from shared.runtime.config.keys import Config
 
     assert staleness_bound(Config(mode="sync", max_staleness=0)) == 0
     assert staleness_bound(Config(hard_max_staleness=4)) == 4

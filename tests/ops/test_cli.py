@@ -4,14 +4,14 @@ import json
 
 import msgpack
 
-from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.episode.log import EpisodeLog
 from tests.support.helpers import finished, raw, started, tokens
 from tests.support.procs import run_module
 from shared.protocol.keys import ROLLOUT_GROUP
 
 
 def streamrl(env, *args, stdin: bytes | None = None):
-    return run_module("services.ops.cli", *args, env=env, input=stdin, timeout=60)
+    return run_module("services.ops.cli.main", *args, env=env, input=stdin, timeout=60)
 
 
 def test_hand_written_episode_replays(cli_env, keys):

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from services.ops.episodes import Filters, ordered, summarize
-from shared.protocol.events import Event
+from services.ops.inspect.episodes import Filters, ordered, summarize
+from shared.protocol.episode.events import Event
 from tests.support.helpers import finished, raw, started, tokens
 
 
@@ -66,7 +66,7 @@ def test_the_command_prints_the_ids_replay_takes(cli_env, client, keys):
     for eid, evs in STREAMS.items():
         for _, fields in raw(evs):
             client.xadd(keys.episode(eid), fields)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "services.ops.cli", "episodes", *a], env=cli_env,  # noqa
+    run = lambda *a: subprocess.run([sys.executable, "-m", "services.ops.cli.main", "episodes", *a], env=cli_env,  # noqa
                                     capture_output=True, text=True, timeout=60)
     out = run("--taken-over", "--ids")
     assert out.returncode == 0 and out.stdout.split() == ["g1-1"], out.stderr

@@ -98,6 +98,6 @@ def test_an_in_process_benchmark_measures_the_files_it_imported():
     out = subprocess.run([sys.executable, "-c", "import services.trainer.batch; from bench.record import loaded; "
                           "print('\\n'.join(loaded()))"], cwd=root, capture_output=True, text=True, check=True).stdout
     files = out.split()
-    assert "services/trainer/batch.py" in files and "shared/protocol/fold.py" in files
+    assert "services/trainer/batch.py" in files and "shared/protocol/episode/fold.py" in files
     assert "services/trainer/trainer.py" not in files  # never imported: a change there leaves the figures current
     assert all(f.startswith(("services/", "shared/")) and f.endswith(".py") for f in files)

@@ -11,9 +11,9 @@ import sys
 import threading
 import time
 
-from services.ops import keep
-from services.ops.keep import BACKOFF_MAX_S, BACKOFF_S, MAX_RESTARTS, WINDOW_S, History, decide
-from services.ops.redis_server import EmbeddedRedis
+from services.ops.launch import keep
+from services.ops.launch.keep import BACKOFF_MAX_S, BACKOFF_S, MAX_RESTARTS, WINDOW_S, History, decide
+from services.ops.launch.redis_server import EmbeddedRedis
 from shared.runtime.connection import connect
 from tests.support.procs import wait_until
 
@@ -42,7 +42,7 @@ def _script(tmp_path, body: str) -> list[str]:
 
 
 def _keep(command, **kw):
-    return subprocess.Popen([sys.executable, "-m", "services.ops.keep", "--", *command], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "services.ops.launch.keep", "--", *command], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
 
 
@@ -135,7 +135,7 @@ def test_the_runs_own_redis_is_started_again_on_its_port_with_its_data(tmp_path)
 def test_chaos_picks_only_allowed_kinds_and_sums_up_kills_restarts_and_recovery():
     import random
 
-    from services.ops.chaos import Chaos, Kill, summary
+    from services.ops.launch.chaos import Chaos, Kill, summary
 
     c = Chaos(5.0, seed=3, only=frozenset({"rollout", "redis"}))
     rng = random.Random(3)

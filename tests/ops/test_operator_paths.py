@@ -19,9 +19,9 @@ import pytest
 
 from shared.protocol.keys import Keys
 from shared.runtime import runstate
-from shared.runtime.config import Config
-from services.ops.keep import PID_DIR_ENV, processes as keep_processes
-from services.ops.redis_server import free_port
+from shared.runtime.config.keys import Config
+from services.ops.launch.keep import PID_DIR_ENV, processes as keep_processes
+from services.ops.launch.redis_server import free_port
 from tests.support.procs import WARM, starter_pid, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
     env = base_env(run_dir, name, tiny_model_dir)
     try:
         # 1. `streamrl run`: its embedded Redis keeps its data in the run's folder; the check at the end is complete
-        first = run([sys.executable, "-m", "services.ops.cli", "run"], env, timeout=280)
+        first = run([sys.executable, "-m", "services.ops.cli.main", "run"], env, timeout=280)
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
         check = first.stderr[first.stderr.index("streamrl check at the end of the run"):]
         assert re.search(r"tokens generated again\s+\d+", check), check  # known: every worker wrote its final record
@@ -107,7 +107,7 @@ def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
         assert (archived[0] / "redis" / "appendonlydir").is_dir()
         assert sorted((archived[0] / "weights").glob("v*.safetensors")) and not first_weights.exists()  # moved along
         reads_run(env, archived[0].name, name, archived[0], tmp_path / "export-archived", archived[0] / "weights")  # the archived run, by its folder
-        listed = run([sys.executable, "-m", "services.ops.cli", "runs", "--json"], env, timeout=60)
+        listed = run([sys.executable, "-m", "services.ops.cli.main", "runs", "--json"], env, timeout=60)
         states = {r["folder"]: (r["run"], r["state"]) for r in json.loads(listed.stdout)}
         assert states == {archived[0].name: (name, "archived"), name: (name, "ended")}, listed.stdout
         second_id = runstate.read_marker(run_path)["id"]
@@ -128,7 +128,7 @@ def reads_run(env: dict, folder_name: str, run_name: str, run_path: Path, out: P
     """inspect, replay, check and export of a run no server serves, as `--run <folder name>`, with no model_dir
     given: each works and the run's folder is byte-for-byte what it was."""
     env = {k: v for k, v in env.items() if k not in ("STREAMRL_MODEL_DIR", "STREAMRL_RUN")}
-    cli = [sys.executable, "-m", "services.ops.cli"]
+    cli = [sys.executable, "-m", "services.ops.cli.main"]
     before = tree_hash(run_path)
     inspect = run(cli + ["inspect", "--run", folder_name, "--json"], env, timeout=120)
     assert inspect.returncode == 0 and "serving a copy of" in inspect.stderr, inspect.stderr
@@ -156,7 +156,7 @@ def test_driver_on_an_ended_run_continues_nothing_in_one_line(redis_url, client,
     runstate.bind(client, keys, tmp_path / keys.run, redis_url)
     runstate.mark_ended(client, keys, 5)
     env = {**os.environ, "REDIS_URL": redis_url, "STREAMRL_RUN": keys.run, "STREAMRL_RUN_DIR": str(tmp_path)}
-    out = run([sys.executable, "-m", "services.ops.cli", "drive"], env, timeout=60)
+    out = run([sys.executable, "-m", "services.ops.cli.main", "drive"], env, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"driver: run {keys.run!r} ended at version 5 on ")

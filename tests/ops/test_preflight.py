@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.ops.cli import main
-from services.ops.preflight import lora_problems, split_problems
+from services.ops.cli.main import main
+from services.ops.launch.preflight import lora_problems, split_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW = {"prompt": "1+1=", "answer": "2"}
@@ -99,8 +99,8 @@ def test_bad_input_is_one_line_each_exit_2_and_nothing_under_runs(flags, lines, 
 
 
 def test_a_good_input_passes(tiny_model_dir, tmp_path):
-    from services.ops import preflight
-    from shared.runtime.config import Config
+    from services.ops.launch import preflight
+    from shared.runtime.config.keys import Config
 
     (tmp_path / "chat.jsonl").write_text(json.dumps(CHAT) + "\n")
     assert preflight.problems(Config(model_dir=tiny_model_dir)) == []
@@ -131,7 +131,7 @@ def test_specs_import_from_the_working_directory_as_the_services_do():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    code = ("from services.ops.preflight import _specs; from shared.runtime.config import Config; "
+    code = ("from services.ops.launch.preflight import _specs; from shared.runtime.config.keys import Config; "
             "print(_specs(Config(agent='examples.calc:agent')))")
     out = subprocess.run([sys.executable, "-I", "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -3,7 +3,7 @@ fenced code block of README.md or docs/*.md is one the code accepts.
 
 Checked without running anything:
 - `streamrl ...` (and `./dev run ...`, which is `streamrl run ...`): the real CLI's argument parser
-  (`services.ops.cli.build_parser`) accepts the line, and its config flags (plus `STREAMRL_*=` assignments before
+  (`services.ops.cli.main.build_parser`) accepts the line, and its config flags (plus `STREAMRL_*=` assignments before
   it) pass the config's type and value checks;
 - `python -m services.X ...` / `torchrun ... -m services.X -- ...`: the module's file exists, and each flag is a
   config key, `--config`, `--worker-id`, or named in the module's source;
@@ -111,13 +111,13 @@ def fill_placeholders(words: list[str]) -> list[str]:
 # ---- checking one command
 
 def _cli_parser():
-    from services.ops.cli import build_parser
+    from services.ops.cli.main import build_parser
 
     return build_parser()
 
 
 def _check_config(flags: dict, env: dict[str, str]) -> str:
-    from shared.runtime import config as configmod, config_sources
+    from shared.runtime.config import keys as configmod, sources as config_sources
 
     try:
         config_sources.load_with_sources(None, env=env, overrides=flags)
@@ -153,7 +153,7 @@ def _bench_sources(script: Path) -> list[Path]:
 
 
 def _config_flags() -> set[str]:
-    from shared.runtime.config import FIELDS
+    from shared.runtime.config.keys import FIELDS
 
     return {f"--{k.replace('_', '-')}" for k in FIELDS} | {"--config", "--worker-id"}
 

@@ -31,7 +31,7 @@ def test_streamrl_run_on_a_qwen2_folder_with_chat_rows(tmp_path, extra):
     run = f"qwen{'-lora' if extra else ''}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_") and k != "REDIS_URL"}
     env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    args = [sys.executable, "-m", "services.ops.cli", "run", "--run", run, "--model-dir", model_dir,
+    args = [sys.executable, "-m", "services.ops.cli.main", "run", "--run", run, "--model-dir", model_dir,
             "--dataset", str(tmp_path / "rows.jsonl"), "--run-dir", str(tmp_path / "runs"),
             "--weights-dir", str(tmp_path / "weights"), "--max-versions", "6", "--max-minutes", "3",
             "--group-size", "4", "--batch-groups", "2", "--max-tokens", "8", "--max-groups-in-flight", "4",

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import redis
 
-from services.ops.redis_server import EmbeddedRedis
-from shared.runtime.config import Config, ConfigError
-from shared.runtime.config_checks import validate
+from services.ops.launch.redis_server import EmbeddedRedis
+from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.checks import validate
 from shared.runtime.service import out_of_memory_line
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from services.ops.replay import decoder
-from shared.runtime.config import Config
+from services.ops.replay.text import decoder
+from shared.runtime.config.keys import Config
 from tests.support.arch_models import bpe_tokenizer
 
 

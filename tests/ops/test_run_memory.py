@@ -11,13 +11,13 @@ import uuid
 import pytest
 
 from services.driver.driver import ENDED
-from services.ops import run_target
-from services.ops.cli import main
-from services.ops.runner import archive_ended_run
-from services.ops.runs import list_runs
+from services.ops.inspect import run_target
+from services.ops.cli.main import main
+from services.ops.launch.runner import archive_ended_run
+from services.ops.inspect.runs import list_runs
 from shared.protocol.keys import Keys
 from shared.runtime import folders, runstate
-from shared.runtime.config import Config, ConfigError
+from shared.runtime.config.keys import Config, ConfigError
 from shared.runtime.connection import connect
 
 
@@ -129,7 +129,7 @@ def test_runs_lists_ended_archived_and_interrupted_runs(tmp_path):
 def test_the_readme_order_default_agent_default_gets_each_run_its_recipes_model(tmp_path, monkeypatch, capsys):
     """README's order of commands: `./dev run`, `./dev run --agent examples.calc:agent`, `./dev run` again: each run
     starts on the default model made for its own recipe (remade with one line when the last run wanted another)."""
-    from services.ops import tiny_model
+    from services.ops.launch import tiny_model
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(tiny_model, "DEFAULT_WARM_STEPS", 0)
@@ -153,7 +153,7 @@ def test_an_interrupted_run_on_the_default_model_is_not_remade_under_it(tmp_path
 
 
 def test_run_outside_the_checkout_finds_its_procfile(tmp_path, monkeypatch):
-    from services.ops.runner import PACKAGE_ROOT, find_procfile
+    from services.ops.launch.runner import PACKAGE_ROOT, find_procfile
 
     monkeypatch.chdir(tmp_path)
     assert find_procfile("Procfile") == PACKAGE_ROOT / "Procfile"
@@ -169,7 +169,7 @@ def test_the_venvs_streamrl_runs_its_lines_without_the_venv_on_path(tmp_path, re
     (tmp_path / "Procfile").write_text("driver: exec streamrl schema\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
     env.update({"PATH": "/usr/bin:/bin", "REDIS_URL": redis_url, "STREAMRL_RUN_DIR": str(tmp_path / "runs")})
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "run", "--model-dir", tiny_model_dir],
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "run", "--model-dir", tiny_model_dir],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "not found" not in out.stdout + out.stderr and "samples" in out.stdout  # the schema was printed
@@ -178,8 +178,8 @@ def test_the_venvs_streamrl_runs_its_lines_without_the_venv_on_path(tmp_path, re
 def test_a_live_run_on_its_embedded_password_protected_redis_is_found_by_runs_and_status(tmp_path):
     """run.json records the embedded server's URL with its password masked: commands find the live run there with
     the password from the run's secrets file (not a copy of its files served instead)."""
-    from services.ops.redis_server import EmbeddedRedis
-    from services.ops.run_target import is_live, resolve, serving_url
+    from services.ops.launch.redis_server import EmbeddedRedis
+    from services.ops.inspect.run_target import is_live, resolve, serving_url
     from shared.runtime import secrets
 
     cfg = Config(run="live", run_dir=str(tmp_path / "runs"))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import uuid
 
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from services.driver.driver import ENDED
-from services.ops.runner import archive_ended_run, processes
+from services.ops.launch.runner import archive_ended_run, processes
 
 
 def test_ended_run_is_moved_aside_and_interrupted_run_is_kept(tmp_path):
@@ -39,7 +39,7 @@ def test_a_reader_gone_away_silences_the_run_and_the_processes_still_end_with_it
 
     from honcho.manager import Manager
 
-    from services.ops.runner import LinePrinter
+    from services.ops.launch.runner import LinePrinter
 
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before the first line
@@ -54,7 +54,7 @@ def test_a_reader_gone_away_silences_the_run_and_the_processes_still_end_with_it
 
 
 def test_a_redis_url_at_another_address_is_the_users_own_server(monkeypatch):
-    from services.ops.runner import own_server
+    from services.ops.launch.runner import own_server
 
     monkeypatch.delenv("REDIS_URL", raising=False)
     assert not own_server(Config())  # the default: the embedded server, on a free port
@@ -70,8 +70,8 @@ def test_the_users_own_server_must_answer_before_anything_starts(redis_url):
 
     import pytest
 
-    from services.ops.runner import reachable
-    from shared.runtime.config import ConfigError
+    from services.ops.launch.runner import reachable
+    from shared.runtime.config.keys import ConfigError
 
     reachable(redis_url)  # the session's server answers
     with socket.socket() as s:

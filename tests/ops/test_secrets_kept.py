@@ -16,13 +16,13 @@ import torch
 from services.driver.agents import group_specs
 from services.trainer import checkpoint
 from shared.runtime import runstate, secrets
-from shared.runtime.config import Config
-from shared.runtime.weight_server import WeightServer, file_name
+from shared.runtime.config.keys import Config
+from shared.runtime.weights.server import WeightServer, file_name
 from tests.support.procs import ROOT
 
 
 def _config(*args: str, env: dict | None = None) -> str:
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "config", *args], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "config", *args], capture_output=True, text=True,
                          cwd=ROOT, env={**{k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")},
                                         **(env or {})})
     assert out.returncode == 0, out.stderr

@@ -1,4 +1,4 @@
-"""The warm process starter (services/ops/starter.py): a forked process is the process asked for, its exit is
+"""The warm process starter (services/ops/launch/starter.py): a forked process is the process asked for, its exit is
 reported as Popen reports it, it dies with whoever supervises it, and `streamrl keep` restarts through it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from services.ops import starter_client
+from services.ops.launch import starter_client
 from tests.support import procs
 from tests.support.procs import ROOT, wait_until
 
@@ -117,10 +117,10 @@ def test_call_runs_a_function_in_a_child_and_says_when_it_fails(warm):
 
 def test_keep_restarts_a_killed_process_through_the_starter(warm, tmp_path):
     env = {**os.environ, starter_client.ENV: warm[1], "PYTHONPATH": ROOT, "KEEP_PID_DIR": str(tmp_path / "pids")}
-    keep = subprocess.Popen([sys.executable, "-m", "services.ops.keep", "--", sys.executable, "-m",
+    keep = subprocess.Popen([sys.executable, "-m", "services.ops.launch.keep", "--", sys.executable, "-m",
                              "tests.support.probe_main", "sleep"], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
-        from services.ops.keep import processes
+        from services.ops.launch.keep import processes
         first = wait_until(lambda: processes(tmp_path / "pids").get(NAME), "the first start", 60)[0]
         assert _parent(first) == warm[0].pid  # forked by the starter, not exec'd by keep
         os.killpg(first, signal.SIGKILL)

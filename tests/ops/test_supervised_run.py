@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from services.ops import starter_client
-from services.ops.keep import processes
-from shared.protocol.ledger import read_ledger
+from services.ops.launch import starter_client
+from services.ops.launch.keep import processes
+from shared.protocol.archive.ledger import read_ledger
 from tests.support.procs import starter_pid
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ def _env(**extra) -> dict:
 
 
 def _run_args(tmp_path, model_dir, *extra) -> list[str]:
-    return [sys.executable, "-m", "services.ops.cli", "run", "--run", "kept", "--model-dir", model_dir,
+    return [sys.executable, "-m", "services.ops.cli.main", "run", "--run", "kept", "--model-dir", model_dir,
             "--run-dir", str(tmp_path / "runs"), "--weights-dir", str(tmp_path / "weights"), "--max-minutes", "4",
             "--group-size", "4", "--batch-groups", "2", "--max-tokens", "8", "--val-every", "0",
             "--heartbeat-ttl", "2", *extra]
@@ -62,7 +62,7 @@ def test_a_service_killed_mid_run_is_restarted_and_the_run_ends_with_the_check_a
             assert proc.poll() is None and time.monotonic() < deadline, "the run never committed a version"
             time.sleep(0.2)
         parent, command = _parent(_child(pids, "trainer"))  # forked from the run's own starter
-        assert "-m services.ops.starter" in command and parent != starter_pid(), command
+        assert "-m services.ops.launch.starter" in command and parent != starter_pid(), command
         os.kill(_child(pids, "trainer"), signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
     finally:

@@ -7,17 +7,17 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from services.ops.episodes import Filters
+from services.ops.inspect.episodes import Filters
 from services.ops.ui import queries
 from services.ops.ui.app import make_app
 from services.ops.ui.episode_view import episode_view
 from services.ops.ui.index import EpisodeIndex, decode_rows, encode_rows
 from services.ops.ui.sources import RunSource, Sources
-from services.ops.run_target import Target
-from services.ops.views import timeline_json
-from shared.protocol.events import Event
-from shared.protocol.fold import fold
-from shared.runtime.config import Config
+from services.ops.inspect.run_target import Target
+from services.ops.inspect.views import timeline_json
+from shared.protocol.episode.events import Event
+from shared.protocol.episode.fold import fold
+from shared.runtime.config.keys import Config
 from tests.ops.test_episodes import STREAMS
 from tests.support.helpers import finished, raw, started, tokens
 
@@ -146,7 +146,7 @@ def test_the_index_and_the_episode_page_read_episodes_the_archiver_moved(client,
     """Issue 33: the browser reads one log. Episodes moved to segments are listed and drawn as those in Redis are,
     and those that ended and moved between two refreshes are found in the segments."""
     from services.archiver.mover import Mover
-    from shared.protocol.segments import SegmentStore
+    from shared.protocol.archive.segments import SegmentStore
     from tests.archiver.tiers_support import make_run
 
     http = _app(client, keys, tmp_path)

@@ -86,7 +86,7 @@ def _shot(page, shots: Path, name: str) -> None:
 
 def test_the_pages_of_a_live_then_ended_run(tmp_path, tiny_model_dir, browser):
     runs, shots = tmp_path / "runs", Path(os.environ.get("UI_SCREENSHOTS") or tmp_path / "shots")
-    run = subprocess.Popen([sys.executable, "-m", "services.ops.cli", "run", "--run", "live", "--model-dir",
+    run = subprocess.Popen([sys.executable, "-m", "services.ops.cli.main", "run", "--run", "live", "--model-dir",
                             tiny_model_dir, "--run-dir", str(runs), "--weights-dir", str(tmp_path / "weights"),
                             "--max-minutes", "1", "--max-versions", "0", "--group-size", "4", "--batch-groups", "2",
                             "--max-tokens", "48", "--val-every", "10"], cwd=ROOT, env=_env(),
@@ -95,7 +95,7 @@ def test_the_pages_of_a_live_then_ended_run(tmp_path, tiny_model_dir, browser):
     try:
         _wait("the run's first step", lambda: (runs / "live" / "metrics.jsonl").exists(), 120, run)
         port = _port()
-        ui = subprocess.Popen([sys.executable, "-m", "services.ops.cli", "ui", "--run", "live", "--run-dir", str(runs),
+        ui = subprocess.Popen([sys.executable, "-m", "services.ops.cli.main", "ui", "--run", "live", "--run-dir", str(runs),
                                "--port", str(port)], cwd=ROOT, env=_env(), stdout=open(tmp_path / "ui.log", "w"),
                               stderr=subprocess.STDOUT, text=True)
         _wait("the ui's address", lambda: "streamrl ui: http" in (tmp_path / "ui.log").read_text(), 60, ui)
@@ -138,7 +138,7 @@ def test_the_pages_of_a_live_then_ended_run(tmp_path, tiny_model_dir, browser):
         page.wait_for_selector("#response .tok")
         _shot(page, shots, "episode")
 
-        replay = subprocess.run([sys.executable, "-m", "services.ops.cli", "replay", episode, "--json", "--run", "live",
+        replay = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "replay", episode, "--json", "--run", "live",
                                  "--run-dir", str(runs)], cwd=ROOT, env=_env(), capture_output=True, text=True,
                                 timeout=120)
         assert replay.returncode == 0, replay.stderr[-2000:]

@@ -14,13 +14,14 @@ import inspect
 import pytest
 import redis
 
-from services.ops.check_data import read_run
-from services.ops.views import run_streams
-from shared.protocol import calls, control, dead_letters, gate, prompts, samples, versions
-from shared.protocol.episode_log import EpisodeLog
+from services.ops.check.data import read_run
+from services.ops.inspect.views import run_streams
+from shared.protocol import gate
+from shared.protocol.streams import calls, control, dead_letters, prompts, samples, versions
+from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import PREFIX, ROLLOUT_GROUP, Keys
-from shared.runtime import config as configmod
-from shared.runtime import config_sources
+from shared.runtime.config import keys as configmod
+from shared.runtime.config import sources as config_sources
 from shared.runtime.connection import connect, is_cluster, is_cluster_client, redact
 from shared.runtime.heartbeat import Heartbeat, alive, alive_of
 from tests.ops import test_checker

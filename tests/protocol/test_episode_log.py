@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from shared.protocol.episode_log import EpisodeLog, Fenced
-from shared.protocol.events import Event
+from shared.protocol.episode.log import EpisodeLog, Fenced
+from shared.protocol.episode.events import Event
 from shared.runtime.connection import is_cluster_client
 from tests.support.helpers import started
 

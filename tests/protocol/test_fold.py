@@ -1,8 +1,8 @@
 import msgpack
 import pytest
 
-from shared.protocol.events import Event, EventError
-from shared.protocol.fold import PROMPT_VERSION, fold
+from shared.protocol.episode.events import Event, EventError
+from shared.protocol.episode.fold import PROMPT_VERSION, fold
 from tests.support.helpers import finished, raw, started, tokens
 
 

@@ -3,8 +3,8 @@
 import msgpack
 import pytest
 
-from shared.protocol.events import Event, EventError
-from shared.protocol.fold import PROMPT_VERSION, fold
+from shared.protocol.episode.events import Event, EventError
+from shared.protocol.episode.fold import PROMPT_VERSION, fold
 from tests.support.helpers import raw
 
 
@@ -89,7 +89,7 @@ def test_version_1_entries_still_fold_and_cannot_hold_calls():
 
 
 def test_replay_shows_an_agent_episode_call_by_call():
-    from services.ops.views import format_timeline, timeline_json
+    from services.ops.inspect.views import format_timeline, timeline_json
 
     evs = [agent_started(),
            call(1, 0, -1, [1, 2]), toks(2, 0, [10]),

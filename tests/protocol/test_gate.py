@@ -15,12 +15,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from services.syncer.syncer import Syncer
 from services.trainer.trainer import Trainer
-from shared.protocol import dead_letters, gate, prompts
+from shared.protocol import gate
+from shared.protocol.streams import dead_letters, prompts
 from shared.protocol.keys import Keys
-from shared.protocol.prompts import PromptGroup
+from shared.protocol.streams.prompts import PromptGroup
 from shared.protocol.staleness import group_capacity
 from shared.runtime import logs
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from tests.support.rollout_harness import make_worker, samples, tick_until
 from tests.trainer.test_trainer import _cfg, _write_group
 
@@ -46,7 +47,7 @@ def test_reserve_grants_up_to_the_limit_and_reports_no_gate(client, keys):
 def test_a_call_s_own_token_lives_as_long_as_a_retry_and_a_named_one_as_long_as_a_restart(client, keys):
     """A per-call token guards only a retry within ``redis_wait``: its marker expires with the retry markers (issue
     33: 600 s of them piled up, one per reservation); a group's token guards a restart and keeps REQUEST_TTL_S."""
-    from shared.protocol import once
+    from shared.protocol.streams import once
 
     gate.open(client, keys, 1, 100, 1)
     g = gate.Gate(client, keys, sync_mode=False)

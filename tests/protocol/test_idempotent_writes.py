@@ -11,8 +11,9 @@ import logging
 
 import structlog
 
-from shared.protocol import control, dead_letters, gate, metrics, prompts, schema, versions
-from shared.protocol.prompts import PromptGroup
+from shared.protocol import gate, schema
+from shared.protocol.streams import control, dead_letters, metrics, prompts, versions
+from shared.protocol.streams.prompts import PromptGroup
 
 
 @contextlib.contextmanager

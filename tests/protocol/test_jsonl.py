@@ -1,10 +1,10 @@
-"""shared/protocol/jsonl.py: an append-only JSON-lines file read whole or by its end, a torn last line ignored."""
+"""shared/protocol/archive/jsonl.py: an append-only JSON-lines file read whole or by its end, a torn last line ignored."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.protocol import jsonl
+from shared.protocol.archive import jsonl
 
 
 def test_read_skips_a_torn_last_line_and_names_a_bad_line(tmp_path):

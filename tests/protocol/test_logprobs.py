@@ -1,4 +1,4 @@
-"""The one log-prob definition (shared/protocol/logprobs.py): hand examples, the sampler agrees, gradients."""
+"""The one log-prob definition (shared/protocol/episode/logprobs.py): hand examples, the sampler agrees, gradients."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from services.rollout.engine.base import SamplingParams
 from services.rollout.engine.sampler import sample
-from shared.protocol.logprobs import processed_logprobs, token_logprobs
+from shared.protocol.episode.logprobs import processed_logprobs, token_logprobs
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))  # softmax at T = 1 is these probabilities
 

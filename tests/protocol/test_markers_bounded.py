@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.protocol import control, once, samples
+from shared.protocol.streams import control, once, samples
 from shared.protocol.keys import ROLLOUT_GROUP
-from shared.runtime.config import Config, ConfigError
-from shared.runtime.config_checks import validate
+from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.checks import validate
 
 
 def _delivered(client, keys, group_id: str, consumer: str = "w1") -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from shared.protocol import metrics, stream_head
+from shared.protocol.streams import metrics, stream_head
 
 
 def _fields(kind: str, data: dict) -> dict:

@@ -11,9 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.protocol import calls, control, dead_letters, events, metrics, prompts, pulls, repacks, samples, versions
-from shared.protocol.events import EventError
-from shared.protocol.fold import fold
+from shared.protocol.streams import calls, control, dead_letters, metrics, prompts, pulls, repacks, samples, versions
+from shared.protocol.episode import events
+from shared.protocol.episode.events import EventError
+from shared.protocol.episode.fold import fold
 from tests.support.fuzz import cases
 
 # a value anywhere in an entry: what a writer without the schema could put there

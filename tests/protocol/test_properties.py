@@ -14,14 +14,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.ops.check_report import MUST_BE_ZERO
-from services.ops.checker import ConsumerGroup, RunData, _entries, check, episode_stats
+from services.ops.check.report import MUST_BE_ZERO
+from services.ops.check.checker import ConsumerGroup, RunData, _entries, check, episode_stats
 from services.trainer.batch import build_batch
-from shared.protocol import calls, control, dead_letters, gate, ledger, metrics, prompts, samples, versions
-from shared.protocol.events import Event, EventError, encode
-from shared.protocol.fold import Episode, fold
+from shared.protocol import gate
+from shared.protocol.streams import calls, control, dead_letters, metrics, prompts, samples, versions
+from shared.protocol.archive import ledger
+from shared.protocol.episode.events import Event, EventError, encode
+from shared.protocol.episode.fold import Episode, fold
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
-from shared.protocol.prompts import PromptGroup, encode_group
+from shared.protocol.streams.prompts import PromptGroup, encode_group
 from tests.support.helpers import finished, raw, started, tokens
 
 FIXTURES = settings(suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None, max_examples=25)
@@ -148,7 +150,7 @@ def test_episode_events_written_to_a_stream_fold_back_to_the_episode(client, key
 
 chat = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": text}),
                 min_size=1, max_size=3)
-# sampling as the codecs accept it (shared/protocol/sampling.py; tests/protocol/test_poison.py feeds them the rest)
+# sampling as the codecs accept it (shared/protocol/episode/sampling.py; tests/protocol/test_poison.py feeds them the rest)
 sampling_maps = st.fixed_dictionaries({}, optional={
     "temperature": st.floats(0, 100), "top_p": st.floats(0, 1, exclude_min=True), "top_k": st.integers(0, 1000),
     "max_tokens": st.integers(1, 4096), "seed": st.integers(-2**63, 2**64 - 1),

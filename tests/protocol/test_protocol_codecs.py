@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.protocol import gate, samples, versions
-from shared.protocol.events import EventError
+from shared.protocol import gate
+from shared.protocol.streams import samples, versions
+from shared.protocol.episode.events import EventError
 from shared.protocol.keys import ROLLOUT_GROUP
 
 

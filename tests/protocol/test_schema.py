@@ -12,10 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.ops.redis_server import find_binary
-from shared.protocol import events, schema
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.fold import fold
+from services.ops.launch.redis_server import find_binary
+from shared.protocol import schema
+from shared.protocol.episode import events
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.fold import fold
 from shared.protocol.keys import CATALOG, PREFIX, Keys
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +56,7 @@ def test_every_key_of_a_run_matches_the_runs_scan_patterns_with_its_hash_tags():
 
 
 def test_streamrl_schema_prints_every_key_as_built(cli_env):
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "schema"], env=cli_env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "schema"], env=cli_env, capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     for key, builder, *_ in schema.key_table():
@@ -89,7 +90,7 @@ def test_the_hand_written_episode_in_the_docstring_runs_and_replays(redis_server
         assert done.returncode == 0 and "ERR" not in done.stdout, (shell, done.stdout, done.stderr)
     ep = fold(EpisodeLog(client, keys, "reader").read("e1"))  # read back through the codec
     assert (ep.prompt_ids, ep.tokens, ep.status, ep.reward) == ([20, 21, 22], [30, 31], "finished", 1.0)
-    replay = subprocess.run([sys.executable, "-m", "services.ops.cli", *commands[-1].split()[1:-1], keys.run,
+    replay = subprocess.run([sys.executable, "-m", "services.ops.cli.main", *commands[-1].split()[1:-1], keys.run,
                              "--no-text"],  # no model needed: the default one may not be made on this machine
                             env={**cli_env, **os.environ, "REDIS_URL": redis_server.url}, capture_output=True,
                             text=True, timeout=60, cwd=ROOT)

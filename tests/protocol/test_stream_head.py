@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
-from shared.protocol import samples, stream_head
+from shared.protocol.streams import samples, stream_head
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP
-from shared.protocol.stream_head import Trimmer, trim_point
+from shared.protocol.streams.stream_head import Trimmer, trim_point
 
 NOW = 1_000_000_000
 
@@ -90,8 +90,8 @@ def test_a_reader_behind_the_trim_or_starting_over_reads_the_file_first(client, 
 
 
 def test_the_time_window_and_the_versions_rule():
-    from shared.protocol import versions
-    from shared.runtime.weight_origins import RECENT_VERSIONS
+    from shared.protocol.streams import versions
+    from shared.runtime.weights.origins import RECENT_VERSIONS
 
     assert stream_head.window_point(NOW, keep_s=60) == f"{NOW - 60_000}-0"
     assert stream_head.window_point(5_000, keep_s=60) == "0-0"  # a clock near zero: nothing is older
@@ -143,7 +143,7 @@ def test_a_reader_following_a_long_head_reads_the_file_once(client, keys, tmp_pa
 def test_a_trimmer_by_its_own_rule_stores_what_it_is_told(client, keys, tmp_path):
     """No consumer group: the rule is ``point``; ``store`` leaves out what is kept elsewhere (the trainer's
     records), and the next trim after a restart neither loses nor repeats an entry."""
-    from shared.protocol import metrics
+    from shared.protocol.streams import metrics
 
     for i in range(10):
         metrics.record(client, keys, "train" if i % 2 else "sync", {"step" if i % 2 else "sync": i})

@@ -1,4 +1,4 @@
-"""The weight-delta codec (shared/protocol/weight_delta.py): encode / apply give the target file's bytes exactly, any
+"""The weight-delta codec (shared/protocol/weights/delta.py): encode / apply give the target file's bytes exactly, any
 damage is refused, and the default codec stays within 1.3x of the entropy floor on an AdamW-like update."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from shared.protocol import weight_delta as wd
+from shared.protocol.weights import delta as wd
 
 
 def _file(state: dict, version: int) -> bytes:

@@ -12,18 +12,18 @@ from services.rollout.episodes import continuation as cont
 from services.rollout.jobs import rewards
 from services.rollout.engine import make_engine
 from services.trainer.publish import publish, sha256
-from shared.runtime.config import Config
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.events import Event
-from shared.protocol.prompts import PromptGroup, enqueue
-from services.ops.tiny_model import make_tiny_model
+from shared.runtime.config.keys import Config
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.events import Event
+from shared.protocol.streams.prompts import PromptGroup, enqueue
+from services.ops.launch.tiny_model import make_tiny_model
 from tests.support.helpers import finished, raw, started, tokens
 from tests.support.procs import run_module
 from tests.support.rollout_harness import make_worker, samples, tick_until
 
 
 def streamrl(env, *args):
-    return run_module("services.ops.cli", *args, env=env, timeout=120)
+    return run_module("services.ops.cli.main", *args, env=env, timeout=120)
 
 
 @pytest.fixture

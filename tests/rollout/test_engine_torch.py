@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from services.rollout.engine import Chunk, EngineError, SamplingParams, TorchEngine, make_engine
 from services.rollout.engine.sampler import final_logprobs, sample
-from services.ops.tiny_model import CHARACTERS, CHAT_TOKENS, SPECIAL_TOKENS, load_tokenizer, make_tiny_model
+from services.ops.launch.tiny_model import CHARACTERS, CHAT_TOKENS, SPECIAL_TOKENS, load_tokenizer, make_tiny_model
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22]]
 
@@ -79,7 +79,7 @@ def reference_logprobs(model, prompt: list[int], response: list[int], p: Samplin
         logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
     out = []
     for row, token in zip(logits, response):
-        if p.temperature == 0:  # greedy: the behaviour is one-hot at the argmax (shared/protocol/logprobs.py)
+        if p.temperature == 0:  # greedy: the behaviour is one-hot at the argmax (shared/protocol/episode/logprobs.py)
             out.append(0.0 if int(row.argmax()) == token else float("-inf"))
             continue
         x = row / p.temperature

@@ -7,9 +7,9 @@ from __future__ import annotations
 import structlog
 
 from services.rollout.groups.claims import GroupRun
-from shared.protocol.fold import fold
-from shared.protocol.prompts import PromptGroup, enqueue
-from shared.runtime.config import Config
+from shared.protocol.episode.fold import fold
+from shared.protocol.streams.prompts import PromptGroup, enqueue
+from shared.runtime.config.keys import Config
 from tests.support.rollout_harness import make_worker, samples, tick_until
 
 

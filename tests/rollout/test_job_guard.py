@@ -8,7 +8,7 @@ from rq.job import Callback, Job, JobStatus
 from rq.serializers import JSONSerializer
 
 from services.rollout.jobs.tools_worker import RUN_REWARD, RUN_TOOL, allowed
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from shared.runtime.job_guard import refusal
 from tests.support.procs import spawn, stop, wait_until
 

@@ -9,13 +9,13 @@ import signal
 
 import pytest
 
-from services.ops.checker import check, read_run
-from services.ops.views import format_timeline
-from shared.protocol import repacks
+from services.ops.check.checker import check, read_run
+from services.ops.inspect.views import format_timeline
+from shared.protocol.streams import repacks
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.runtime import faults
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from tests.support.gateway_stack import env_for
 from tests.support.procs import kill9, spawn, wait_until
 from tests.support.rollout_harness import episodes, make_worker, samples, snapshot, worker_info

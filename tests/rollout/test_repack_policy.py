@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from services.rollout.groups.repack_policy import GroupTail, capacity, choose, claim_cap, pick_target
-from shared.protocol import repacks
-from shared.protocol.events import EventError
-from shared.runtime.config import ConfigError
-from shared.runtime.config_sources import load
+from shared.protocol.streams import repacks
+from shared.protocol.episode.events import EventError
+from shared.runtime.config.keys import ConfigError
+from shared.runtime.config.sources import load
 
 CAP = 16  # a worker generating 16 episodes when full
 

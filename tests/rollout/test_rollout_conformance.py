@@ -19,13 +19,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from shared.runtime.checksum import sha256_file
+from shared.runtime.weights.checksum import sha256_file
 from services.trainer.batch import build_batch
 from services.trainer.corrections import mismatch
 from services.trainer.step import policy_logprobs
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from shared.protocol.keys import Keys
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 from tests.support.rollout_harness import acks, episodes, make_vllm_engine, make_worker, samples, send, tick_until
 
 ENGINES = ["torch", pytest.param("vllm", marks=pytest.mark.skipif(

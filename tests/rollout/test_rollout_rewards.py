@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from services.rollout.jobs import rewards
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from shared.protocol.keys import ROLLOUT_GROUP
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 from tests.support.rollout_harness import episodes, make_worker, samples, tick_until, tools_worker  # noqa: F401
 
 

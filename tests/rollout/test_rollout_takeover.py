@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.runtime.config import Config
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.runtime.config.keys import Config
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 from tests.support.procs import kill9, spawn, stop, wait_until
 from tests.support.rollout_harness import episodes, make_worker, samples, snapshot, tick_until, wait_claimable
 from shared.protocol.keys import ROLLOUT_GROUP

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.runtime.config import Config
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.runtime.config.keys import Config
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 from tests.support import debug_tools
 from tests.support.models import scripted_model
 from tests.support.rollout_harness import (acks, episodes, make_worker, samples, send, start_tools_worker, tick_until,  # noqa: F401
@@ -14,7 +14,7 @@ from tests.support.rollout_harness import (acks, episodes, make_worker, samples,
 from tests.support.procs import stop
 from shared.protocol.keys import ROLLOUT_GROUP
 from dataclasses import asdict
-from shared.protocol import dead_letters
+from shared.protocol.streams import dead_letters
 
 SCRIPTS = [
     ("S:", "<call>sleep: 2</call><result>2</result>answer: 2"),

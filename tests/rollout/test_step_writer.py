@@ -11,14 +11,14 @@ import signal
 import pytest
 import structlog
 
-from services.ops.checker import check, read_run
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.events import decode
-from shared.protocol.fold import fold
+from services.ops.check.checker import check, read_run
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.events import decode
+from shared.protocol.episode.fold import fold
 from shared.protocol.keys import ROLLOUT_GROUP
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.runtime import faults
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from tests.support.gateway_stack import env_for
 from tests.support.procs import kill9, spawn
 from tests.support.rollout_harness import episodes, make_worker, samples, send, snapshot, tick_until

@@ -12,8 +12,8 @@ import importlib.util
 
 import pytest
 
-from shared.runtime.config import Config
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.runtime.config.keys import Config
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 from tests.support.procs import kill9, spawn, wait_until
 from tests.support.rollout_harness import (acks, episodes, make_vllm_engine, make_worker, samples, send, snapshot, tick_until,
                                    wait_claimable)

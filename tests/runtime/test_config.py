@@ -1,7 +1,7 @@
 import pytest
 
-from shared.runtime.config import Config, ConfigError
-from shared.runtime.config_sources import load
+from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.sources import load
 
 
 def test_precedence_file_env_flag(tmp_path, monkeypatch):

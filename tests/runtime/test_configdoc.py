@@ -10,9 +10,9 @@ from dataclasses import fields
 
 import pytest
 
-from services.ops.cli import build_parser
-from shared.runtime import configdoc
-from shared.runtime.config import Config
+from services.ops.cli.main import build_parser
+from shared.runtime.config import doc as configdoc
+from shared.runtime.config.keys import Config
 
 SOURCE = '''
 from dataclasses import dataclass
@@ -86,7 +86,7 @@ def test_config_prints_the_effective_config_with_sources(tmp_path):
     toml.write_text('lr = 0.001\ngroup_size = 4\nrun = "fromfile"\n')
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_") and k != "REDIS_URL"}
     env.update({"STREAMRL_GROUP_SIZE": "6", "REDIS_URL": "redis://127.0.0.1:7001/0"})
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "config", "--config", str(toml),
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "config", "--config", str(toml),
                           "--run", "fromflag"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     values = tomllib.loads(out.stdout)  # the output is itself a config file

@@ -14,7 +14,7 @@ from transformers.utils import logging as hf_logging
 from services.rollout.engine.model_runner import ModelRunner
 from services.trainer.model import load_policy
 from services.trainer.step import no_dropout
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 
 
 class Records(logging.Handler):

@@ -6,8 +6,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-from shared.protocol import control, dead_letters, prompts, versions
-from shared.protocol.prompts import PromptGroup
+from shared.protocol.streams import control, dead_letters, prompts, versions
+from shared.protocol.streams.prompts import PromptGroup
 import redis
 
 from shared.runtime.connection import connect

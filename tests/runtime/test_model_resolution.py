@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from services.ops.cli import main
-from services.ops.tiny_model import load_tokenizer
+from services.ops.cli.main import main
+from services.ops.launch.tiny_model import load_tokenizer
 from shared.runtime.models import ModelNotFound, resolve_model
 from shared.runtime.prompt_format import PromptError, encode_prompt, stop_token_ids
 

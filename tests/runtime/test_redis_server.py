@@ -4,9 +4,9 @@ import pytest
 import redis
 
 from shared.runtime.connection import connect, redact
-from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import Keys
-from services.ops.redis_server import EmbeddedRedis, ServerError
+from services.ops.launch.redis_server import EmbeddedRedis, ServerError
 from tests.support.procs import wait_until
 
 
@@ -82,7 +82,7 @@ def test_drain_waits_for_clients_to_leave_then_returns(tmp_path):
     drains and then leaves ends the drain at once (long before its 600-s grace)."""
     import threading
 
-    from services.ops.redis_server import DRAIN_CLIENT
+    from services.ops.launch.redis_server import DRAIN_CLIENT
 
     with EmbeddedRedis(tmp_path) as server:
         client = connect(server.url)

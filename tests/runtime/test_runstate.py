@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from shared.protocol.ledger import append_ledger
+from shared.protocol.archive.ledger import append_ledger
 from shared.runtime import runstate
 from shared.runtime.runstate import RunStateError, bind
 from tests.support.procs import spawn, wait_until
@@ -88,7 +88,7 @@ def test_service_and_check_stop_with_one_line(redis_url, keys, tmp_path):
     env = {**os.environ, "REDIS_URL": redis_url, "STREAMRL_RUN": keys.run, "STREAMRL_RUN_DIR": str(run_dir),
            "STREAMRL_LOG_LEVEL": "warning"}
     for cmd, who in (([sys.executable, "-m", "services.syncer"], "syncer"),
-                     ([sys.executable, "-m", "services.ops.cli", "check"], "streamrl check")):
+                     ([sys.executable, "-m", "services.ops.cli.main", "check"], "streamrl check")):
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 2, out.stderr
         assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
@@ -98,7 +98,7 @@ def test_service_and_check_stop_with_one_line(redis_url, keys, tmp_path):
 
 def test_a_service_says_in_one_line_when_redis_is_gone(tmp_path, keys):
     """redis_wait: a server that stays gone stops the service with one line, not minutes of silent retries."""
-    from services.ops.redis_server import EmbeddedRedis
+    from services.ops.launch.redis_server import EmbeddedRedis
     from shared.runtime.connection import connect
 
     server = EmbeddedRedis(tmp_path / "redis").start()

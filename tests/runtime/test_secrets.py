@@ -10,9 +10,10 @@ import uuid
 import pytest
 import redis
 
-from services.ops.redis_server import start_for_run
-from shared.runtime import config_sources, secrets
-from shared.runtime.config import Config
+from services.ops.launch.redis_server import start_for_run
+from shared.runtime import secrets
+from shared.runtime.config import sources as config_sources
+from shared.runtime.config.keys import Config
 
 
 def _mode(path) -> int:

@@ -11,13 +11,13 @@ import httpx
 import pytest
 
 from services.rollout.weights.local import LocalWeights
-from shared.protocol import versions
+from shared.protocol.streams import versions
 from shared.runtime import logs
-from shared.runtime.checksum import sha256_file
-from shared.runtime.config import Config, ConfigError
-from shared.runtime.config_sources import load
-from shared.runtime.weight_fetch import FetchError, fetch, prune
-from shared.runtime.weight_server import WeightServer, file_name
+from shared.runtime.weights.checksum import sha256_file
+from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.sources import load
+from shared.runtime.weights.fetch import FetchError, fetch, prune
+from shared.runtime.weights.server import WeightServer, file_name
 
 SIZE = 3 * 1024 * 1024 + 17  # a few chunks, not a round number
 

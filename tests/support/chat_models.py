@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.ops.tiny_model import make_tiny_model
+from services.ops.launch.tiny_model import make_tiny_model
 from tests.support.models import fit_rows
 
 CHATML_TOOLS = (

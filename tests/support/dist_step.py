@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from services.trainer import distributed
 from services.trainer.batch import build_batch
 from services.trainer.step import StepConfig, train_on_batch
-from shared.protocol.fold import fold
+from shared.protocol.episode.fold import fold
 from tests.support.helpers import finished, raw, started, tokens
 
 RUNS = {"sgd": dict(micro_batch_tokens=0), "adamw": dict(micro_batch_tokens=40)}  # optimizer -> StepConfig

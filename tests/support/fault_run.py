@@ -2,7 +2,7 @@
 second) and every Procfile process kind as real subprocesses, each one
 killable (kill -9) and restartable the way a supervisor restarts it.
 
-It mirrors services/ops/runner.py (every process gets the same config as
+It mirrors services/ops/launch/runner.py (every process gets the same config as
 STREAMRL_<KEY> environment variables) but keeps a handle per process.
 Rollout workers run as ``python -m tests.support.fault_worker`` (the real worker plus
 a probe, see that module).
@@ -16,11 +16,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from shared.runtime.config import FIELDS, Config
+from shared.runtime.config.keys import FIELDS, Config
 from shared.runtime.connection import connect
 from shared.protocol.keys import Keys
-from services.ops.redis_server import EmbeddedRedis
-from shared.protocol import metrics, versions
+from services.ops.launch.redis_server import EmbeddedRedis
+from shared.protocol.streams import metrics, versions
 from tests.support.procs import spawn, wait_until
 
 COMMANDS = {  # process kind -> (module, args)
@@ -28,7 +28,7 @@ COMMANDS = {  # process kind -> (module, args)
     "tools": ("services.rollout.jobs.tools_worker", ()),
     "trainer": ("services.trainer", ()),
     "syncer": ("services.syncer", ()),
-    "driver": ("services.ops.cli", ("drive",)),
+    "driver": ("services.ops.cli.main", ("drive",)),
 }
 
 

@@ -13,7 +13,7 @@ with the tokens generated again.
 
 from __future__ import annotations
 
-from shared.protocol import metrics
+from shared.protocol.streams import metrics
 import os
 import signal
 import time

@@ -11,8 +11,8 @@ import tempfile
 import httpx
 import uvicorn
 
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.fold import fold
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.fold import fold
 from shared.protocol.keys import Keys
 from tests.support.procs import ROOT, wait_until
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.protocol.events import Event, encode
+from shared.protocol.episode.events import Event, encode
 
 
 def started(seq: int = 0, episode_id: str = "e1", prompt=(5, 6, 7), policy: int = 0, worker: str = "w") -> Event:

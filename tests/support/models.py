@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.ops.tiny_model import make_tiny_model
+from services.ops.launch.tiny_model import make_tiny_model
 
 
 def fit_rows(model_dir: str | Path, model, pad_id: int, rows: list[tuple[list[int], int]], steps: int,

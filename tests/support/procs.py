@@ -6,7 +6,7 @@ fails at once when a process the test depends on has died. No test sleeps a fixe
 synchronise with another process: it waits for the state it needs.
 
 `spawn` forks its processes from a warm interpreter that has imported torch and transformers once (the same
-starter `streamrl run` uses, `services/ops/starter.py`, one per pytest worker) instead of paying those imports
+starter `streamrl run` uses, `services/ops/launch/starter.py`, one per pytest worker) instead of paying those imports
 in every process; `TESTS_COLD_START=1` starts each with a fresh interpreter instead. Either way the handle
 answers as `subprocess.Popen` does (`pid`, `args`, `poll`, `wait`, `returncode`, `terminate`, `communicate`).
 """
@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from services.ops import starter_client
+from services.ops.launch import starter_client
 
 ROOT = str(Path(__file__).resolve().parents[2])
 POLL_S = 0.05  # how often a condition is re-read; only the deadline bounds how long a wait may take

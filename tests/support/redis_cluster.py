@@ -16,7 +16,7 @@ from pathlib import Path
 
 import redis
 
-from services.ops.redis_server import EmbeddedRedis, ServerError
+from services.ops.launch.redis_server import EmbeddedRedis, ServerError
 
 SLOTS = 16384
 

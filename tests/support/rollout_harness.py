@@ -9,12 +9,12 @@ from transformers import AutoTokenizer
 
 from services.rollout.engine import make_engine
 from services.rollout.worker import RolloutWorker
-from shared.protocol import control
+from shared.protocol.streams import control
 from shared.runtime import logs
-from shared.runtime.config import Config
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.fold import fold
-from shared.protocol import samples as psamples
+from shared.runtime.config.keys import Config
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.fold import fold
+from shared.protocol.streams import samples as psamples
 from shared.protocol.keys import ROLLOUT_GROUP
 from tests.support.procs import spawn, stop, wait_until
 

@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM
 from services.rollout.weights.local import LocalWeights
 from services.trainer.deltas import DeltaWriter
 from services.trainer.publish import write_weights
-from shared.protocol import metrics
+from shared.protocol.streams import metrics
 from shared.runtime import logs
-from shared.runtime.checksum import sha256_file
-from shared.runtime.config import Config
-from shared.runtime.weight_server import WeightServer, delta_name, file_name
+from shared.runtime.weights.checksum import sha256_file
+from shared.runtime.config.keys import Config
+from shared.runtime.weights.server import WeightServer, delta_name, file_name
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ KILLED_MID_CHAIN = """
 import sys
 from services.rollout.weights.local import LocalWeights
 from shared.runtime import logs
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 folder, path, digest, url = sys.argv[1:]
 w = LocalWeights(Config(run="t", weights_fetch="always", rollout_weights_dir=folder, delta_max_chain=4),
                  logs.get("dying"))

@@ -12,11 +12,12 @@ import pytest
 
 from services.rollout.weights.load_policy import State, decide
 from services.rollout.weights.local import LocalWeights
-from shared.protocol import pulls, relay_tree
+from shared.protocol.streams import pulls
+from shared.protocol.weights import relay_tree
 from shared.runtime import logs
-from shared.runtime.config import Config, ConfigError
-from shared.runtime.config_sources import load
-from shared.runtime.weight_server import WeightServer
+from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.sources import load
+from shared.runtime.weights.server import WeightServer
 from tests.support.models import nudged_weights
 from tests.support.procs import wait_until
 

@@ -14,10 +14,11 @@ import sys
 import pytest
 
 from services.trainer.publish import publish
-from shared.protocol import control, gate, metrics, pulls
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.protocol import gate
+from shared.protocol.streams import control, metrics, pulls
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.runtime import faults
-from shared.runtime.weight_server import WeightServer
+from shared.runtime.weights.server import WeightServer
 from tests.support.models import nudged_weights
 from tests.support.procs import kill9, wait_until
 from tests.support.rollout_harness import samples, worker_info
@@ -126,7 +127,7 @@ def test_a_worker_killed_holding_the_load_lease_blocks_the_others_only_until_it_
     assert sorted((p.worker, p.version) for p in records if p.event == "released") == [
         ("A", 1), ("A", 2), ("C", 1), ("C", 2)]
     assert sorted(s["group_id"] for s in samples(client, keys)) == sorted(g.group_id for g in groups)
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "check", "--json"], env=cli_env,
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "check", "--json"], env=cli_env,
                          capture_output=True, timeout=120)
     report = json.loads(out.stdout)
     assert report["groups_lost"] == 0 and report["episodes_finished_twice"] == 0, report

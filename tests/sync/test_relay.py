@@ -10,12 +10,12 @@ import httpx
 import pytest
 
 from services.rollout.weights.local import LocalWeights
-from shared.protocol import control
-from shared.protocol.events import EventError
+from shared.protocol.streams import control
+from shared.protocol.episode.events import EventError
 from shared.runtime import logs
-from shared.runtime.checksum import sha256_file
-from shared.runtime.config import Config
-from shared.runtime.weight_server import WeightServer, file_name
+from shared.runtime.weights.checksum import sha256_file
+from shared.runtime.config.keys import Config
+from shared.runtime.weights.server import WeightServer, file_name
 from tests.support.models import nudged_weights
 
 TOKEN = "relay-s3cret"
@@ -126,8 +126,8 @@ def test_each_wave_of_a_round_is_written_once(client, keys):
     ({"relay_port": "9000", "relay_host": "0.0.0.0"}, "config key 'relay_host': expected an address other workers"),
 ])
 def test_bad_rolling_and_relay_keys_name_the_key(flags, words):
-    from shared.runtime.config import ConfigError
-    from shared.runtime.config_sources import load
+    from shared.runtime.config.keys import ConfigError
+    from shared.runtime.config.sources import load
 
     with pytest.raises(ConfigError) as err:
         load(env={}, overrides=flags)

@@ -13,12 +13,13 @@ import sys
 import pytest
 
 from services.trainer.publish import publish
-from shared.protocol import control, gate, metrics
-from shared.protocol.fold import fold
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.protocol import gate
+from shared.protocol.streams import control, metrics
+from shared.protocol.episode.fold import fold
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.runtime import faults, logs
 from shared.runtime.heartbeat import alive_of
-from shared.runtime.weight_server import WeightServer
+from shared.runtime.weights.server import WeightServer
 from tests.support.models import nudged_weights
 from tests.support.procs import kill9, spawn, wait_until
 from tests.support.rollout_harness import samples, worker_info
@@ -166,7 +167,7 @@ def test_a_worker_killed_between_its_pause_and_its_load_the_others_change_and_ta
     finally:
         kill9(*procs.values())
     assert sorted(s["group_id"] for s in samples(client, keys)) == sorted(g.group_id for g in groups)
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli", "check", "--json"], env=cli_env,
+    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "check", "--json"], env=cli_env,
                          capture_output=True, timeout=120)
     report = json.loads(out.stdout)
     assert report["groups_lost"] == 0 and report["episodes_finished_twice"] == 0, report

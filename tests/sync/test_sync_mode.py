@@ -10,15 +10,15 @@ from collections import Counter
 import pytest
 
 from services.syncer.syncer import Syncer
-from shared.protocol.ledger import read_ledger
+from shared.protocol.archive.ledger import read_ledger
 from services.trainer.trainer import Trainer
 from shared.runtime import logs
-from shared.runtime.config import Config, ConfigError
-from shared.runtime.config_sources import load
+from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.sources import load
 from shared.runtime.connection import connect
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.fold import fold
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.fold import fold
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 from tests.support.procs import wait_until
 from tests.support.rollout_harness import make_worker, tick_until
 

@@ -10,11 +10,12 @@ import signal
 import pytest
 
 from services.trainer.publish import publish
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.fold import fold
-from shared.protocol.prompts import PromptGroup, enqueue
-from shared.protocol import control, gate, metrics
-from shared.protocol import versions as pversions
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.fold import fold
+from shared.protocol.streams.prompts import PromptGroup, enqueue
+from shared.protocol import gate
+from shared.protocol.streams import control, metrics
+from shared.protocol.streams import versions as pversions
 from shared.runtime.heartbeat import alive_of
 from tests.support.models import nudged_weights
 from tests.support.procs import kill9, spawn, wait_until

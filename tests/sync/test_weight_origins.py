@@ -1,4 +1,4 @@
-"""The weights token goes only to origins the run announced (shared/runtime/weight_origins.py): a forged fetch
+"""The weights token goes only to origins the run announced (shared/runtime/weights/origins.py): a forged fetch
 command naming a listener of an attacker's gets no request with the token, and the worker acks it as failed."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import http.server
 import threading
 
-from shared.protocol import versions
-from shared.runtime.config import Config
-from shared.runtime.weight_fetch import origin
-from shared.runtime.weight_origins import announced
+from shared.protocol.streams import versions
+from shared.runtime.config.keys import Config
+from shared.runtime.weights.fetch import origin
+from shared.runtime.weights.origins import announced
 from tests.support.rollout_harness import acks, make_worker, send, tick_until
 
 

@@ -11,13 +11,13 @@ import pytest
 
 from services.syncer.syncer import Syncer
 from services.trainer.publish import publish
-from shared.protocol import control, metrics
-from shared.protocol.fold import fold
-from shared.protocol.prompts import PromptGroup, enqueue
+from shared.protocol.streams import control, metrics
+from shared.protocol.episode.fold import fold
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.runtime import logs
-from shared.runtime.checksum import sha256_file
-from shared.runtime.config import Config
-from shared.runtime.weight_server import WeightServer, file_name
+from shared.runtime.weights.checksum import sha256_file
+from shared.runtime.config.keys import Config
+from shared.runtime.weights.server import WeightServer, file_name
 from tests.support.models import nudged_weights
 from tests.support.procs import kill9, spawn, wait_until
 from tests.support.rollout_harness import worker_info
@@ -145,8 +145,8 @@ def test_the_trainer_process_serves_what_it_publishes_at_the_url_in_the_version_
         client, keys, redis_url, tiny_model_dir, tmp_path):
     """A real trainer process with weights_port and weights_token: its version event carries the URL, and that URL
     (with the token; not without it) gives the file the event's sha256 names."""
-    from shared.protocol import versions
-    from shared.runtime.weight_fetch import FetchError, fetch
+    from shared.protocol.streams import versions
+    from shared.runtime.weights.fetch import FetchError, fetch
     from tests.support.procs import stop
     from tests.trainer.test_trainer import _write_group
 

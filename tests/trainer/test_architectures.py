@@ -13,9 +13,9 @@ from services.rollout.engine import EngineError, SamplingParams
 from services.rollout.engine.torch_engine import TorchEngine
 from services.trainer.export import export_version
 from services.trainer.trainer import Trainer
-from shared.protocol.episode_log import EpisodeLog
+from shared.protocol.episode.log import EpisodeLog
 from shared.runtime import logs
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from shared.runtime.prompt_format import encode_prompt, stop_token_ids
 from tests.support.arch_models import make_arch_model
 

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from services.ops.checker import check, read_run
+from services.ops.check.checker import check, read_run
 from services.trainer import distributed, sharded_checkpoint
 from services.trainer.batch import build_batch
 from services.trainer.step import StepConfig, plan
-from shared.protocol import versions as pversions
+from shared.protocol.streams import versions as pversions
 from shared.protocol.keys import TRAINER_GROUP
-from shared.protocol.ledger import read_ledger
+from shared.protocol.archive.ledger import read_ledger
 from shared.runtime import faults
 from tests.support import dist_step
 from tests.support.dist_step import RUNS, make_groups

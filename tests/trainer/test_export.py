@@ -7,11 +7,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.driver.driver import ENDED
-from services.ops.cli import main
-from services.ops.runner import archive_ended_run
+from services.ops.cli.main import main
+from services.ops.launch.runner import archive_ended_run
 from services.trainer.trainer import Trainer
 from shared.runtime import logs
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 from tests.trainer.test_trainer import _write_group
 
 

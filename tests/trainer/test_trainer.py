@@ -12,21 +12,21 @@ import pytest
 import torch
 
 from services.trainer import checkpoint
-from shared.protocol.ledger import read_ledger
+from shared.protocol.archive.ledger import read_ledger
 from services.trainer.batch import build_batch
 from shared.runtime import faults
-from services.ops.checker import check, read_run
+from services.ops.check.checker import check, read_run
 from services.trainer.publish import sha256
 from services.trainer.trainer import Trainer
 from shared.runtime import logs
-from shared.runtime.config import Config
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.fold import fold
+from shared.runtime.config.keys import Config
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.fold import fold
 from tests.support.helpers import finished, raw, started, tokens
 from shared.protocol.keys import TRAINER_GROUP
-from shared.protocol import samples
-from shared.protocol import dead_letters
-from shared.protocol import versions as pversions
+from shared.protocol.streams import samples
+from shared.protocol.streams import dead_letters
+from shared.protocol.streams import versions as pversions
 from tests.support.procs import kill9, spawn, stop, wait_until
 
 
@@ -326,7 +326,7 @@ def test_policy_failures_train_with_reward_zero_and_greedy_episodes_are_not_trai
 
 
 def test_a_torn_last_ledger_line_is_ignored_and_repaired(tmp_path):
-    from shared.protocol.ledger import append_ledger, repair_ledger
+    from shared.protocol.archive.ledger import append_ledger, repair_ledger
     append_ledger(tmp_path, {"commit": 1, "groups": ["a"], "skipped": []})
     with open(tmp_path / "trained.jsonl", "a") as fh:
         fh.write('{"commit": 2, "groups": ["b"')  # killed mid-append

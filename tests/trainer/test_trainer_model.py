@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from services.trainer import kl
-from shared.protocol.logprobs import token_logprobs
+from shared.protocol.episode.logprobs import token_logprobs
 from services.trainer.model import load_policy
-from shared.runtime.config import Config
+from shared.runtime.config.keys import Config
 
 
 def _batch(vocab: int, b: int = 2, t: int = 12):

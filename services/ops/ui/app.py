@@ -24,15 +24,15 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 
-from services.ops import runs as runs_mod
+from services.ops.inspect import runs as runs_mod
 from services.ops.ui import queries
 from services.ops.ui.episode_view import episode_view
 from services.ops.ui.index import row_json
 from services.ops.ui.run_view import read_run_view
 from services.ops.ui.sources import NoRun, Sources
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.events import EventError
-from shared.protocol.fold import fold
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.events import EventError
+from shared.protocol.episode.fold import fold
 from shared.runtime import secrets
 
 STATIC = Path(__file__).parent / "static"
@@ -148,8 +148,8 @@ def make_app(sources: Sources, api_key: str = "", is_live=None) -> FastAPI:
         if src.client is None:
             return _error(409, f"run {run!r}: no server holds it and its folder has no Redis data to check")
         if src.check is None:
-            from services.ops.checker import check, read_run
-            from services.ops.check_report import format_report
+            from services.ops.check.checker import check, read_run
+            from services.ops.check.report import format_report
 
             report = check(read_run(src.client, src.keys, src.path, None, src.target.cfg))
             src.check = {"ok": report.ok, "report": report.to_json(), "text": format_report(report, run)}
@@ -185,7 +185,7 @@ def make_app(sources: Sources, api_key: str = "", is_live=None) -> FastAPI:
 
     def _decoder(src):
         if not hasattr(src, "decode_text"):
-            from services.ops.replay import ReplayError, decoder
+            from services.ops.replay.text import ReplayError, decoder
 
             try:
                 src.decode_text = decoder(src.target.cfg)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import shlex
 
-from services.ops.views import timeline_json
-from shared.protocol.fold import Episode
+from services.ops.inspect.views import timeline_json
+from shared.protocol.episode.fold import Episode
 
 
 def resume_kind(r: dict) -> str:

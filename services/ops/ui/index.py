@@ -1,4 +1,4 @@
-"""The episodes page's index: one ``Summary`` per episode (services/ops/episodes.py), built once and kept.
+"""The episodes page's index: one ``Summary`` per episode (services/ops/inspect/episodes.py), built once and kept.
 
 The first build reads every episode of the run through ``read_summaries`` (the one reader of all the run's
 episodes); after that a refresh summarizes only the episodes it has not seen end: a SCAN of the episode keys
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import msgpack
 
-from services.ops.episodes import Filters, Summary, ordered, read_summaries, summarize
-from shared.protocol.episode_log import EpisodeLog
+from services.ops.inspect.episodes import Filters, Summary, ordered, read_summaries, summarize
+from shared.protocol.episode.log import EpisodeLog
 
 ENDED = ("finished", "failed", "truncated")  # outcomes whose summary cannot change any more
 CACHE = Path("ui") / "episodes.msgpack"  # under the run's folder

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.ops.episodes import OUTCOMES, SORTS, Filters
+from services.ops.inspect.episodes import OUTCOMES, SORTS, Filters
 
 MAX_PAGE = 500
 

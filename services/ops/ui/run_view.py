@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from services.ops.keep import processes
-from shared.protocol import dead_letters, metrics, versions
+from services.ops.launch.keep import processes
+from shared.protocol.streams import dead_letters, metrics, versions
 from shared.runtime.heartbeat import alive
 
 STAT_KEYS = ("clip_fraction", "is_masked_fraction", "is_truncated_fraction", "approx_kl", "tokens_per_s",

@@ -1,5 +1,5 @@
 """Where the ui reads each run: a client on the server that serves it (live), or on a copy of its data served for
-the ui (ended, interrupted, archived: services/ops/serve_ended.py), opened on first use and kept; and its episode
+the ui (ended, interrupted, archived: services/ops/inspect/serve_ended.py), opened on first use and kept; and its episode
 index, brought up to date in a background thread (never inside a request)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 import redis
 import structlog
 
-from services.ops import run_target, serve_ended
+from services.ops.inspect import run_target, serve_ended
 from services.ops.ui.index import EpisodeIndex
-from shared.protocol import segments
+from shared.protocol.archive import segments
 from shared.protocol.keys import Keys
 from shared.runtime import secrets
 from shared.runtime.connection import connect

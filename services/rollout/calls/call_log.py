@@ -11,8 +11,8 @@ it over, it is not complete), appends them again after the new tail.
 
 from __future__ import annotations
 
-from shared.protocol.episode_log import EpisodeLog, Fenced
-from shared.protocol.fold import fold
+from shared.protocol.episode.log import EpisodeLog, Fenced
+from shared.protocol.episode.fold import fold
 
 MAX_REBASES = 8
 

@@ -22,11 +22,11 @@ import redis
 from services.rollout.calls.call_log import CallLog
 from services.rollout.engine import Chunk, EngineError, SamplingParams
 from services.rollout.episodes.live import stable_seed
-from shared.protocol.calls import CallRequest, decode_request
-from shared.protocol.episode_log import Fenced
-from shared.protocol import dead_letters
-from shared.protocol.events import EventError
-from shared.protocol.fold import fold
+from shared.protocol.streams.calls import CallRequest, decode_request
+from shared.protocol.episode.log import Fenced
+from shared.protocol.streams import dead_letters
+from shared.protocol.episode.events import EventError
+from shared.protocol.episode.fold import fold
 from shared.protocol.keys import ROLLOUT_GROUP as GROUP, Keys
 
 REQUEST_PREFIX = "call:"  # engine request ids of calls: call:<episode>:<index>

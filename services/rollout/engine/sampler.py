@@ -9,7 +9,7 @@ import hashlib
 import torch
 
 from services.rollout.engine.base import SamplingParams
-from shared.protocol.logprobs import processed_logprobs
+from shared.protocol.episode.logprobs import processed_logprobs
 
 
 def uniform(seed: int, position: int) -> float:
@@ -21,7 +21,7 @@ def uniform(seed: int, position: int) -> float:
 def final_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Log-probs [B, V] of each row's sampling distribution (temperature, then top-k, then top-p on the
     renormalised rest; cut tokens get -inf; greedy rows one-hot at the argmax): the one definition in
-    ``shared.protocol.logprobs``, which the trainer uses too."""
+    ``shared.protocol.episode.logprobs``, which the trainer uses too."""
     device = logits.device
     return processed_logprobs(logits, torch.tensor([float(p.temperature) for p in params], device=device),
                               torch.tensor([int(p.top_k) for p in params], device=device),

@@ -25,7 +25,7 @@ vLLM's own weight version tag.
 Log-probs are those of the sampled token under the sampling distribution
 (``logprobs_mode="processed_logprobs"``: after temperature / top-k / top-p),
 which is what the torch engine reports and the trainer recomputes (the one definition:
-``shared.protocol.logprobs``). Greedy tokens get log-prob 0 (the argmax has probability 1).
+``shared.protocol.episode.logprobs``). Greedy tokens get log-prob 0 (the argmax has probability 1).
 
 Seeds: vLLM's per-request generator is not addressed by position the way the
 torch engine's sampler is, so a resumed request cannot redraw the numbers the
@@ -161,7 +161,7 @@ class VLLMEngine:
                 continue
             completion = out.outputs[0]
             ids = list(completion.token_ids)
-            if rid in self._greedy:  # greedy: the behaviour is one-hot at the argmax (shared.protocol.logprobs)
+            if rid in self._greedy:  # greedy: the behaviour is one-hot at the argmax (shared.protocol.episode.logprobs)
                 logprobs = [0.0] * len(ids)
             else:
                 logprobs = [float(completion.logprobs[i][tok].logprob) for i, tok in enumerate(ids)] if ids else []
@@ -236,7 +236,7 @@ def _check_cpu_head_size(model_dir: Path) -> None:
     if head not in supported:
         raise EngineError(f"model at {str(model_dir)!r} has attention head size {head}; vLLM's CPU attention "
                           f"supports {supported}: use engine 'torch', or a model with a supported head size "
-                          f"(e.g. services.ops.tiny_model.make_tiny_model(dir, hidden_size=128))")
+                          f"(e.g. services.ops.launch.tiny_model.make_tiny_model(dir, hidden_size=128))")
 
 
 def _safetensors_files(path: Path) -> list[Path]:

@@ -26,9 +26,9 @@ from services.rollout.jobs import rewards, tools
 from services.rollout.episodes.agent_loop import Agent, Finish, ToolCall
 from services.rollout.engine import EngineError, SamplingParams
 from services.rollout.episodes.live import LiveEpisode, index_after_seq
-from shared.protocol.events import TERMINAL_KINDS, decode
-from shared.protocol.fold import PROMPT_VERSION, Episode, fold
-from shared.protocol.versions import Version
+from shared.protocol.episode.events import TERMINAL_KINDS, decode
+from shared.protocol.episode.fold import PROMPT_VERSION, Episode, fold
+from shared.protocol.streams.versions import Version
 
 
 class ContinuationError(ValueError):
@@ -133,7 +133,7 @@ def load_version(engine, version: int, path: str | None, sha256: str = "") -> No
         engine.version = version
         return
     if sha256:
-        from shared.runtime.checksum import sha256_file
+        from shared.runtime.weights.checksum import sha256_file
 
         actual = sha256_file(Path(path))
         if actual != sha256:

@@ -17,9 +17,9 @@ from services.rollout.groups.claims import GroupRun, Groups
 from services.rollout.episodes.prompting import prompt_ids
 from services.rollout.jobs.tool_jobs import Outcome, ToolJobs
 from services.rollout.episodes.settlement import Writes
-from shared.protocol.episode_log import EpisodeLog
-from shared.protocol.events import EventError, decode
-from shared.protocol.fold import fold
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.episode.events import EventError, decode
+from shared.protocol.episode.fold import fold
 from shared.runtime.faults import crash_point
 
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from services.rollout.engine import SamplingParams
-from shared.protocol.fold import Episode
-from shared.protocol.sampling import episode_seed, stable_seed  # noqa: F401 - the rule lives in shared (segments use it)
+from shared.protocol.episode.fold import Episode
+from shared.protocol.episode.sampling import episode_seed, stable_seed  # noqa: F401 - the rule lives in shared (segments use it)
 
 
 class State(Enum):

@@ -3,7 +3,7 @@ The rules (chat template, BOS, the stop-id union) live in ``shared.runtime.promp
 
 from __future__ import annotations
 
-from shared.protocol.prompts import PromptGroup
+from shared.protocol.streams.prompts import PromptGroup
 from shared.runtime.prompt_format import encode_prompt
 from shared.runtime.prompt_format import stop_token_ids as _stop_ids
 

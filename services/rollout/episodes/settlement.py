@@ -19,7 +19,7 @@ from typing import Callable
 from services.rollout.episodes.live import LiveEpisode, State
 from services.rollout.groups.claims import Groups
 from services.rollout.episodes.step_writer import StepWriter
-from shared.protocol.episode_log import Batch, EpisodeLog, Fenced
+from shared.protocol.episode.log import Batch, EpisodeLog, Fenced
 from shared.runtime.faults import crash_point
 
 

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 
 import redis
 
-from shared.protocol import dead_letters, gate
-from shared.protocol.events import EventError
+from shared.protocol import gate
+from shared.protocol.streams import dead_letters
+from shared.protocol.episode.events import EventError
 from shared.protocol.gate import Gate
 from shared.protocol.keys import ROLLOUT_GROUP as GROUP, Keys
-from shared.protocol.prompts import PromptGroup, decode_group
-from shared.protocol.samples import Publisher, Sample
+from shared.protocol.streams.prompts import PromptGroup, decode_group
+from shared.protocol.streams.samples import Publisher, Sample
 from shared.runtime.faults import crash_point
 
 

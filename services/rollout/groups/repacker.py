@@ -22,9 +22,9 @@ import time
 
 from services.rollout.groups import repack_policy as repack
 from services.rollout.episodes.live import State
-from shared.protocol import repacks
-from shared.protocol.events import EventError
-from shared.protocol.fold import fold
+from shared.protocol.streams import repacks
+from shared.protocol.episode.events import EventError
+from shared.protocol.episode.fold import fold
 from shared.runtime.faults import crash_point
 from shared.runtime.heartbeat import alive_of
 

@@ -7,7 +7,7 @@ reads that copy (``local``): no download and no hashing in the pause. A load tha
 worker catching up at start) gets its copy right then.
 
 A download is first tried as deltas (``delta_max_chain`` > 0, issue 31): from the newest verified copy here, at most
-that many versions older, and the deltas since (``shared/runtime/delta_fetch.py``), checked against the published
+that many versions older, and the deltas since (``shared/runtime/weights/delta_fetch.py``), checked against the published
 sha256; a bad chain is refused with one warning and the file downloaded instead.
 """
 
@@ -19,12 +19,12 @@ import threading
 import time
 from pathlib import Path
 
-from shared.protocol.weight_delta import DeltaError
-from shared.runtime import delta_fetch, weight_fetch
-from shared.runtime.checksum import sha256_file
-from shared.runtime.config import Config
+from shared.protocol.weights.delta import DeltaError
+from shared.runtime.weights import delta_fetch, fetch as weight_fetch
+from shared.runtime.weights.checksum import sha256_file
+from shared.runtime.config.keys import Config
 from shared.runtime.folders import private_folder
-from shared.runtime.weight_server import DELTA, file_name
+from shared.runtime.weights.server import DELTA, file_name
 
 
 def _stat_key(path: Path) -> tuple:
@@ -42,7 +42,7 @@ class LocalWeights:
         self.log = log
         self.announced = None  # () -> the origins the token may go to (weight_origins.announced); set by the worker
         # which folder this worker downloads into, as the relay tree tells folders apart: host and path (workers on
-        # one host with the same folder share each download: shared/protocol/relay_tree.py); in every heartbeat
+        # one host with the same folder share each download: shared/protocol/weights/relay_tree.py); in every heartbeat
         self.folder_id = f"{socket.gethostname()}:{self.folder.absolute()}"
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified when a version's fetch ends (a relay waits on it)

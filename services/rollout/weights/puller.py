@@ -2,12 +2,12 @@
 
 - Announce: it also wakes on the ``versions`` stream. A version newer than the one it runs and than the one it is
   fetching starts a background download (``LocalWeights.prefetch``: a thread, resumable, sha256-checked) while it
-  goes on generating, from its parent in the relay tree (``shared/protocol/relay_tree.py``, the syncer's rolling
+  goes on generating, from its parent in the relay tree (``shared/protocol/weights/relay_tree.py``, the syncer's rolling
   rule, over the live workers) or from the trainer when it hangs under the root or relays are off; a failing relay
   falls back to the trainer. A verified download appends ``fetched`` to the ``pulls`` stream (that wakes it when
   idle, and is the record of where each copy came from).
 - Load at a cheap point: between engine steps, ``load_policy.decide`` says whether to load the downloaded version
-  now (gated, idle, quiet, overdue). Then it asks for the load lease (``shared/protocol/pulls.py``: at most
+  now (gated, idle, quiet, overdue). Then it asks for the load lease (``shared/protocol/streams/pulls.py``: at most
   ``max_loading`` workers loading at once, expiring after ``load_lease_s``); refused, it asks again when a
   release wakes it (the ``pulls`` stream) or when the first lease held expires. With the lease: the worker's own
   pause, load, resume (episodes abort and continue by replay; every token keeps its version), its heartbeat
@@ -23,11 +23,12 @@ from __future__ import annotations
 import time
 
 from services.rollout.weights import load_policy
-from shared.protocol import pulls, relay_tree, versions
-from shared.protocol.events import EventError
+from shared.protocol.streams import pulls, versions
+from shared.protocol.weights import relay_tree
+from shared.protocol.episode.events import EventError
 from shared.runtime import heartbeat
 from shared.runtime.faults import crash_point
-from shared.runtime.weight_server import PREFIX, file_name
+from shared.runtime.weights.server import PREFIX, file_name
 
 RELAY_WAIT_S = 30.0  # a relay asked for a version it is still fetching waits this long at most (and fetch_timeout)
 

@@ -130,7 +130,7 @@ class Pulling(Commanded):
 
 
 def choose(cfg, host) -> Commanded:
-    """The way this worker takes new versions, from its config (validated: ``shared/runtime/config_checks.py``)."""
+    """The way this worker takes new versions, from its config (validated: ``shared/runtime/config/checks.py``)."""
     if cfg.mode == "sync":
         return Lockstep(host)
     return {"global": Commanded, "rolling": Rolling, "pull": Pulling}[cfg.sync_mode](host)

@@ -1,0 +1,1 @@
+"""`streamrl`: the command line. ``main`` holds the commands, ``args`` their grammar."""

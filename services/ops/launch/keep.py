@@ -1,0 +1,246 @@
+"""`streamrl keep -- COMMAND...`: run one process of the run and start it again when it crashes.
+
+Every Procfile line runs under it, so a crash does not end the run, under `streamrl run` and under a plain
+`honcho start` alike (honcho stops every process when one exits; this process exits only when the run should
+end). What it does when its process exits (``decide``, pure):
+
+- exit 0 (the driver ended the run, a warm stop): exits 0 too, and the run ends as before;
+- exit 2 (a bad config value, a run-identity mismatch: the process already said why, in one line): starting it
+  again cannot help, so it exits 2 and the run stops;
+- anything else (a crash, kill -9, Redis gone for longer than ``redis_wait``): starts it again after a backoff
+  (0.1 s, doubling up to 10 s, counted over the last minute), one log line per restart;
+- more than ``MAX_RESTARTS`` crashes in a row within ``WINDOW_S``, each within ``STABLE_S`` of its start (it
+  never came up): a crash loop; it exits with the process's code and its last line, and the run stops.
+
+SIGTERM / SIGINT (honcho stopping the run) is passed to the process once and nothing is restarted after it.
+The process runs in its own process group (``--chaos`` and drills kill it with its children), and dies with
+this one (Linux: the parent-death signal), so a kill -9 of the supervisor leaves no orphan behind. Under
+`streamrl run` a ``python -m MODULE`` line is forked from the run's warm starter (``services/ops/launch/starter.py``:
+torch and transformers already imported, so a restart after a crash does not import them again); with no
+starter (a plain ``honcho start``) it is started the ordinary way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.ops.launch import starter_client
+
+WINDOW_S = 60.0
+MAX_RESTARTS = 5
+STABLE_S = 10.0  # a process that ran this long had come up: its crash is not part of a loop
+BACKOFF_S, BACKOFF_MAX_S = 0.1, 10.0  # systemd's RestartSec default; measured: 0.5 cost --chaos 5 about 9 s a run
+FATAL_CODES = (2,)  # the process refused its config or its run: the same again would fail the same way
+SINCE_ENV = "KEEP_SINCE"  # given to the process: when keep first started it (the driver's max_minutes clock)
+NAME_ENV = "KEEP_NAME"  # the process's name in the run (honcho's: rollout.2), for its lines and its pid file
+PID_DIR_ENV = "KEEP_PID_DIR"  # where each kept child's pid is written (not STREAMRL_*: those are config keys)
+
+
+@dataclass
+class History:
+    crashes: list[float] = field(default_factory=list)  # monotonic times of crashes within the window
+    restarts: int = 0
+
+
+def decide(code: int, stopping: bool, history: History, now: float, ran_s: float = 0.0) -> tuple[str, float]:
+    """What to do when the process exited with ``code`` (negative: killed by that signal) after running ``ran_s``
+    seconds: ("end", 0) exit as it did, ("fatal", 0) exit 2 at once, ("loop", 0) a crash loop, ("restart", delay
+    seconds). A process that ran ``STABLE_S`` or more had come up: its crash starts the count and the backoff
+    afresh (a kill -9 now and then is not a loop, however often it happens); one that died sooner counts."""
+    if stopping or code == 0:
+        return "end", 0.0
+    if code in FATAL_CODES:
+        return "fatal", 0.0
+    if ran_s >= STABLE_S:
+        history.crashes = []
+    history.crashes = [t for t in history.crashes if now - t < WINDOW_S] + [now]
+    if len(history.crashes) > MAX_RESTARTS:
+        return "loop", 0.0
+    return "restart", min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (len(history.crashes) - 1))
+
+
+def describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: its own process group, and SIGKILL when this supervisor dies (Linux)."""
+    os.setpgrp()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def name_of(command: list[str]) -> str:
+    """A short name for logs: the last part of ``python -m services.X.Y`` (``rollout``, ``tools_worker``), else
+    the program."""
+    if "-m" in command[:-1]:
+        module = command[command.index("-m") + 1]
+        return module.rsplit(".", 1)[-1] if module.startswith("services.") else module
+    return " ".join(os.path.basename(w) for w in command[:2])
+
+
+class Keeper:
+    def __init__(self, command: list[str], name: str | None = None, out=None):
+        self.command, self.name = command, name or os.environ.get(NAME_ENV) or name_of(command)
+        self.out = out or sys.stdout
+        self.stopping = False
+        self.child: subprocess.Popen | starter_client.Started | None = None
+        self.last_line = ""
+        self.history = History()
+        self.since = time.time()  # the driver's max_minutes runs from here, across its restarts
+
+    def _signal(self, signum, frame) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        if self.child is not None and self.child.poll() is None:
+            os.kill(self.child.pid, signum)
+
+    def say(self, text: str) -> None:
+        print(f"keep: {self.name} {text}", file=self.out, flush=True)
+
+    def _start(self) -> None:
+        env = {**os.environ, SINCE_ENV: os.environ.get(SINCE_ENV, str(self.since))}
+        self.child = self._start_warm(env) or subprocess.Popen(
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env=env)
+        pid_dir = os.environ.get(PID_DIR_ENV)
+        if pid_dir:  # `streamrl run`: --chaos picks its victims here, the end-of-run check counts the restarts
+            os.makedirs(pid_dir, exist_ok=True)
+            tmp = os.path.join(pid_dir, f".{os.getpid()}.tmp")
+            with open(tmp, "w") as fh:
+                fh.write(f"{self.child.pid} {self.name} {self.history.restarts}\n")
+            os.replace(tmp, os.path.join(pid_dir, f"{os.getpid()}.pid"))
+
+    def _start_warm(self, env: dict) -> starter_client.Started | None:
+        """The process forked by the run's starter, its output on a pipe to here; None when there is no starter
+        or it does not answer (then the process starts the ordinary way)."""
+        path, target = starter_client.inherited(), starter_client.python_module(self.command)
+        if not path or target is None:
+            return None
+        read, write = os.pipe()
+        try:
+            child = starter_client.start(path, *target, env=env, cwd=os.getcwd(), stdout=write, stderr=write,
+                                  watch_pid=os.getpid())
+        except OSError:
+            os.close(read)
+            return None
+        finally:
+            os.close(write)
+        child.stdout = os.fdopen(read, "rb")
+        return child
+
+    def _relay(self) -> int:
+        """Copy the child's output through, remembering its last line; its exit code."""
+        for raw in iter(self.child.stdout.readline, b""):
+            line = raw.decode(errors="replace")
+            if line.strip():
+                self.last_line = line.strip()
+            self.out.write(line)
+            self.out.flush()
+        return self.child.wait()
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._signal)
+        signal.signal(signal.SIGINT, self._signal)
+        while True:
+            self._start()
+            began = time.monotonic()
+            if self.stopping and self.child.poll() is None:  # the signal came while it was starting
+                os.kill(self.child.pid, signal.SIGTERM)
+            code = self._relay()
+            action, delay = decide(code, self.stopping, self.history, time.monotonic(), time.monotonic() - began)
+            if action == "end":  # a clean exit, or the run stopping: a signal's own exit is clean too
+                return 0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else (code if code > 0 else 1)
+            if action == "fatal":
+                return code
+            if action == "loop":
+                self.say(f"crashed {len(self.history.crashes)} times within {WINDOW_S:g} s ({describe(code)}); "
+                         f"stopping the run. Its last line: {self.last_line or '(none)'}")
+                return code if code > 0 else 1
+            self.history.restarts += 1
+            self.say(f"{describe(code)}; restart {self.history.restarts} in {delay:g} s "
+                     f"({len(self.history.crashes)} in a row within {WINDOW_S:g} s)")
+            deadline = time.monotonic() + delay
+            while time.monotonic() < deadline and not self.stopping:
+                time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+            if self.stopping:
+                return 0
+
+
+def processes(pid_dir) -> dict[str, tuple[int, int]]:
+    """{name: (its current pid, restarts so far)} from the files each ``keep`` writes in ``pid_dir``."""
+    out = {}
+    for path in sorted(Path(pid_dir).glob("*.pid")) if pid_dir and Path(pid_dir).is_dir() else []:
+        try:
+            pid, name, restarts = path.read_text().split()
+        except (OSError, ValueError):
+            continue  # being replaced, or not ours
+        out[name] = (int(pid), int(restarts))
+    return out
+
+
+def keep_server(server, stop, out=None, log_every_s: float = 0.1):
+    """`streamrl run`'s own embedded Redis under the same rule, on a thread until ``stop`` (an Event) is set: when
+    its process dies, it is started again on the same port over its append-only data, every service waits for it
+    (``redis_wait``) and goes on. Returns the thread; ``thread.restarts`` counts them and ``thread.failed`` is the
+    line that gave up (a crash loop, or a start that failed)."""
+    import threading
+
+    history = History()
+    out = out or sys.stderr
+
+    def watch() -> None:
+        while not stop.wait(log_every_s):  # a process watch (no Redis round trip): is the server's process alive
+            code = server.proc.poll() if server.proc is not None else None
+            if code is None:
+                continue
+            # a server that start() returned is up (it answered); a Redis that cannot come up fails start() instead
+            action, delay = decide(code if code else 1, False, history, time.monotonic(), STABLE_S)
+            if action != "restart":
+                thread.failed = f"the embedded Redis crashed {len(history.crashes)} times within {WINDOW_S:g} s"
+                print(f"keep: {thread.failed}; not starting it again", file=out, flush=True)
+                return
+            thread.restarts += 1
+            print(f"keep: redis {describe(code)}; restart {thread.restarts} in {delay:g} s on port {server.port}",
+                  file=out, flush=True)
+            if stop.wait(delay):
+                return
+            try:
+                server.start()
+            except Exception as exc:  # the port taken meanwhile, the data folder gone: say so, stop watching
+                thread.failed = f"the embedded Redis did not start again: {exc}"
+                print(f"keep: {thread.failed}", file=out, flush=True)
+                return
+
+    thread = threading.Thread(target=watch, daemon=True, name="keep-redis")
+    thread.restarts, thread.failed = 0, None
+    thread.start()
+    return thread
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("streamrl keep: expected a command after '--' (e.g. streamrl keep -- python -m services.trainer)",
+              file=sys.stderr)
+        return 2
+    return Keeper(argv).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

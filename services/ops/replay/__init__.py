@@ -1,0 +1,2 @@
+"""`streamrl replay`: a text episode decoded and continued (text), an agent episode run again against its
+own log (agent)."""

@@ -150,11 +150,13 @@ def test_sampler_draws_from_the_final_distribution():
     logits = torch.randn(1, 12).expand(6000, 12)
     params = [SamplingParams(temperature=0.8, top_k=6, top_p=0.9, seed=3)] * 6000
     tokens, logprobs = sample(logits, params, list(range(6000)))
-    probs = final_logprobs(logits[:1], params[:1])[0].exp()
+    final = final_logprobs(logits[:1], params[:1])[0]
+    probs = final.exp()
     freq = torch.bincount(torch.tensor(tokens), minlength=12) / 6000
     assert torch.all(freq[probs == 0] == 0)
     assert (freq - probs).abs().max() < 0.03
-    assert logprobs == [float(probs[t].log()) for t in tokens]
+    # the log-probs themselves, not exp then log again: that round trip differs in the last bit on some CPUs
+    assert logprobs == [float(final[t]) for t in tokens]
 
 
 def test_greedy_is_argmax_and_deterministic(engine, model):

@@ -18,21 +18,36 @@ from shared.runtime.connection import connect
 from tests.support.procs import wait_until
 
 
+def decide_on(h: History, code: int, now: float, ran_s: float = 0.0, stopping: bool = False) -> tuple[str, float]:
+    """The rule as the supervisor uses it: the crash times it returns are the history of the next call."""
+    given, before = list(h.crashes), list(h.crashes)
+    action, delay, h.crashes = decide(code, stopping, given, now, ran_s)
+    # pure: the list it was given is left as it was
+    assert given == before
+    return action, delay
+
+
 def test_the_rule_restarts_crashes_with_backoff_and_stops_a_loop():
     h = History()
-    delays = [decide(1, False, h, t)[1] for t in (0.0, 1.0, 2.0, 3.0, 4.0)]
+    delays = [decide_on(h, 1, t)[1] for t in (0.0, 1.0, 2.0, 3.0, 4.0)]
     assert delays == sorted(delays) and delays[0] == BACKOFF_S and max(delays) <= BACKOFF_MAX_S
-    assert decide(-9, False, h, 5.0)[0] == "loop"  # the sixth crash within the window
+    # the sixth crash within the window
+    assert decide_on(h, -9, 5.0)[0] == "loop"
     h = History()
     for t in range(MAX_RESTARTS):
-        decide(1, False, h, t * WINDOW_S)  # one a minute: never a loop, the backoff starts over
-    assert decide(1, False, h, MAX_RESTARTS * WINDOW_S) == ("restart", BACKOFF_S)
+        # one a minute: never a loop, the backoff starts over
+        decide_on(h, 1, t * WINDOW_S)
+    assert decide_on(h, 1, MAX_RESTARTS * WINDOW_S) == ("restart", BACKOFF_S)
     h = History()
-    for t in range(3 * MAX_RESTARTS):  # killed every 12 s after coming up (chaos): never a loop, no backoff
-        assert decide(-9, False, h, 12.0 * t, ran_s=11.0) == ("restart", BACKOFF_S)
-    assert decide(0, False, History(), 0.0) == ("end", 0.0)
-    assert decide(2, False, History(), 0.0) == ("fatal", 0.0)  # a config or run-identity error
-    assert decide(-9, True, History(), 0.0) == ("end", 0.0)  # the run is stopping: nothing restarts
+    # killed every 12 s after coming up (chaos): never a loop, no backoff
+    for t in range(3 * MAX_RESTARTS):
+        assert decide_on(h, -9, 12.0 * t, ran_s=11.0) == ("restart", BACKOFF_S)
+    assert decide_on(History(), 0, 0.0) == ("end", 0.0)
+    # a config or run-identity error
+    assert decide_on(History(), 2, 0.0) == ("fatal", 0.0)
+    # the run is stopping: nothing restarts
+    assert decide_on(History(), -9, 0.0, stopping=True) == ("end", 0.0)
+    assert decide(1, False, [0.0, 1.0], 2.0)[2] == [0.0, 1.0, 2.0]
 
 
 def _script(tmp_path, body: str) -> list[str]:

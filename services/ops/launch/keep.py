@@ -2,7 +2,7 @@
 
 Every Procfile line runs under it, so a crash does not end the run, under `streamrl run` and under a plain
 `honcho start` alike (honcho stops every process when one exits; this process exits only when the run should
-end). What it does when its process exits (``decide``, pure):
+end). What it does when its process exits (``decide``, a pure rule over the recent crash times):
 
 - exit 0 (the driver ended the run, a warm stop): exits 0 too, and the run ends as before;
 - exit 2 (a bad config value, a run-identity mismatch: the process already said why, in one line): starting it
@@ -49,21 +49,22 @@ class History:
     restarts: int = 0
 
 
-def decide(code: int, stopping: bool, history: History, now: float, ran_s: float = 0.0) -> tuple[str, float]:
+def decide(code: int, stopping: bool, crashes: list[float], now: float,
+           ran_s: float = 0.0) -> tuple[str, float, list[float]]:
     """What to do when the process exited with ``code`` (negative: killed by that signal) after running ``ran_s``
     seconds: ("end", 0) exit as it did, ("fatal", 0) exit 2 at once, ("loop", 0) a crash loop, ("restart", delay
-    seconds). A process that ran ``STABLE_S`` or more had come up: its crash starts the count and the backoff
-    afresh (a kill -9 now and then is not a loop, however often it happens); one that died sooner counts."""
+    seconds), each with the crash times (``crashes``, the earlier ones) the caller keeps for next time. A process
+    that ran ``STABLE_S`` or more had come up: its crash starts the count and the backoff afresh (a kill -9 now and
+    then is not a loop, however often it happens); one that died sooner counts. Pure: it changes nothing given."""
     if stopping or code == 0:
-        return "end", 0.0
+        return "end", 0.0, list(crashes)
     if code in FATAL_CODES:
-        return "fatal", 0.0
-    if ran_s >= STABLE_S:
-        history.crashes = []
-    history.crashes = [t for t in history.crashes if now - t < WINDOW_S] + [now]
-    if len(history.crashes) > MAX_RESTARTS:
-        return "loop", 0.0
-    return "restart", min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (len(history.crashes) - 1))
+        return "fatal", 0.0, list(crashes)
+    recent = [] if ran_s >= STABLE_S else [t for t in crashes if now - t < WINDOW_S]
+    recent.append(now)
+    if len(recent) > MAX_RESTARTS:
+        return "loop", 0.0, recent
+    return "restart", min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (len(recent) - 1)), recent
 
 
 def describe(code: int) -> str:
@@ -162,7 +163,8 @@ class Keeper:
             if self.stopping and self.child.poll() is None:  # the signal came while it was starting
                 os.kill(self.child.pid, signal.SIGTERM)
             code = self._relay()
-            action, delay = decide(code, self.stopping, self.history, time.monotonic(), time.monotonic() - began)
+            now = time.monotonic()
+            action, delay, self.history.crashes = decide(code, self.stopping, self.history.crashes, now, now - began)
             if action == "end":  # a clean exit, or the run stopping: a signal's own exit is clean too
                 return 0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else (code if code > 0 else 1)
             if action == "fatal":
@@ -209,7 +211,8 @@ def keep_server(server, stop, out=None, log_every_s: float = 0.1):
             if code is None:
                 continue
             # a server that start() returned is up (it answered); a Redis that cannot come up fails start() instead
-            action, delay = decide(code if code else 1, False, history, time.monotonic(), STABLE_S)
+            action, delay, history.crashes = decide(code if code else 1, False, history.crashes, time.monotonic(),
+                                                    STABLE_S)
             if action != "restart":
                 thread.failed = f"the embedded Redis crashed {len(history.crashes)} times within {WINDOW_S:g} s"
                 print(f"keep: {thread.failed}; not starting it again", file=out, flush=True)

@@ -1,0 +1,1 @@
+"""What every process shares: the wire protocol (``protocol``) and the process runtime (``runtime``)."""

@@ -1,1 +1,2 @@
-"""The archiver: moves trained episodes out of Redis into the run's Parquet segments (shared/protocol/archive/segments.py)."""
+"""The archiver: moves trained episodes out of Redis into the run's Parquet segments
+(shared/protocol/archive/segments.py)."""

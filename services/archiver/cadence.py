@@ -1,7 +1,7 @@
 """When the archiver steps (pure): once the newest published version is ``every_versions`` past the one of its last
 step, or ``every_s`` after that step whatever the versions (a slow run still moves). Stepping by versions bounds what
 Redis holds at retention + ``every_versions`` versions of episodes at any rate; stepping by time alone held retention
-+ ``every_s`` seconds of versions, so the level followed the rate (issue 33, bench/tiers_memory.py)."""
++ ``every_s`` seconds of versions, so the level followed the rate (bench/tiers_memory.py)."""
 
 from __future__ import annotations
 

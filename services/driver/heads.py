@@ -1,4 +1,4 @@
-"""The streams whose heads the driver moves out of Redis (issue 33; shared/protocol/streams/stream_head.py): ``prompts`` and
+"""The streams whose heads the driver moves out of Redis (shared/protocol/streams/stream_head.py), so Redis stays flat however long the run: ``prompts`` and
 ``prompts:val`` below what the rollout group needs, ``samples:val`` below its validator's cursor (a round not yet
 reported is read again from the file by a restarted driver), ``metrics`` by time (the trainer's records left to
 its ``metrics.jsonl`` when that is in this run folder), ``versions`` by time, keeping the newest few. The driver

@@ -25,7 +25,7 @@ def read_metrics(cfg: Config) -> tuple[list[dict], list[dict], list[dict], list[
 
 
 def plot_weights_wire(published: list[dict], path: Path) -> Path | None:
-    """Bytes per version: the full file, its delta (snapshots have none) and the entropy floor (issue 31)."""
+    """Bytes per version: the full file, its delta (snapshots have none) and the entropy floor."""
     import matplotlib.pyplot as plt
 
     rows = [r for r in published if not r.get("snapshot", True)]

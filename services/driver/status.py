@@ -40,7 +40,7 @@ WIRE = ("fetched_bytes", "delta_bytes", "delta_full_bytes", "delta_versions", "d
 
 
 def weights_wire(published: list[dict], rollout: list[dict]) -> dict:
-    """Weights on the wire (issue 31), pure: from the trainer's ``publish`` records, the versions with a delta, the
+    """Weights on the wire, pure: from the trainer's ``publish`` records, the versions with a delta, the
     newest one's size as a fraction of its file and over the entropy floor; from each rollout worker's newest record,
     bytes downloaded in all and as deltas (with the full bytes those deltas stood for), fallbacks, the longest chain."""
     deltas = [r for r in published if not r.get("snapshot", True)]

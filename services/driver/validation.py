@@ -126,7 +126,7 @@ class Validator:
         groups = round_groups(version, self.rows, self.size, self.k)
         enqueued = any(enqueue(self.client, self.keys, groups, stream=self.keys.val_prompts))
         older = {v for v in self.requested if v < version}
-        if older:  # the newest round stands for them (asked_before): the set keeps one round, not every one (issue 33)
+        if older:  # the newest round stands for them (asked_before): the set keeps one round, not every one, so it does not grow with the run
             self.client.srem(self._requested_key, *older)
             self.requested -= older
         self.requested.add(version)
@@ -138,7 +138,7 @@ class Validator:
 
     def _forget_before(self, version: int) -> None:
         """Drop the enqueue markers of the rounds before ``version``: the driver asks only for the newest version,
-        which never goes back, so no driver (this one restarted) asks for their rounds again (issue 33)."""
+        which never goes back, so no driver (this one restarted) asks for their rounds again; their markers would otherwise pile up with the run."""
         stale = sorted(v for v in self.marked if v < version)
         if stale:
             pipe = self.client.pipeline(transaction=False)

@@ -6,7 +6,7 @@ goes on generating; the thread acks the fetch once a verified copy is here. The 
 reads that copy (``local``): no download and no hashing in the pause. A load that no fetch preceded (by hand, or a
 worker catching up at start) gets its copy right then.
 
-A download is first tried as deltas (``delta_max_chain`` > 0, issue 31): from the newest verified copy here, at most
+A download is first tried as deltas (``delta_max_chain`` > 0): from the newest verified copy here, at most
 that many versions older, and the deltas since (``shared/runtime/weights/delta_fetch.py``), checked against the published
 sha256; a bad chain is refused with one warning and the file downloaded instead.
 """

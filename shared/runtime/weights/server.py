@@ -2,7 +2,7 @@
 
     GET  /weights/v000007.safetensors     the file (Range requests answered 206 with Content-Range; If-Range)
     HEAD /weights/v000007.safetensors     its headers only
-    GET  /weights/v000007.delta           its delta against v000006 (issue 31; 404 for a snapshot version)
+    GET  /weights/v000007.delta           its delta against v000006 (404 for a snapshot version)
 
 Every answer for a file carries ``ETag: "<sha256 hex>"`` and ``Repr-Digest: sha-256=:<base64>:`` (RFC 9530), so a
 client can check the digest before it downloads and resume with ``If-Range``. Only names of published versions
@@ -11,7 +11,7 @@ folder can be reached. With a token, a request without ``Authorization: Bearer <
 
 The transfer itself (ranges, HEAD, conditional requests) is starlette's ``FileResponse`` served by uvicorn in a
 thread. The server holds no state beyond a digest cache keyed by (name, size, mtime, inode): any process holding a
-verified copy of a version can serve it with this same class (a relay for issue 19).
+verified copy of a version can serve it with this same class (a relay: a rollout worker that serves its neighbours in the relay tree).
 """
 
 from __future__ import annotations

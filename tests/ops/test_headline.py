@@ -1,4 +1,4 @@
-"""bench/headline.py: result files in, the RESULTS.md headline table out; a row whose measured code changed since
+"""bench/harness/headline.py: result files in, the RESULTS.md headline table out; a row whose measured code changed since
 its commit is marked stale, a moved file is not a change."""
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def test_an_in_process_benchmark_measures_the_files_it_imported():
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", "import services.trainer.batch; from bench.record import loaded; "
+    out = subprocess.run([sys.executable, "-c", "import services.trainer.batch; from bench.harness.record import loaded; "
                           "print('\\n'.join(loaded()))"], cwd=root, capture_output=True, text=True, check=True).stdout
     files = out.split()
     assert "services/trainer/batch.py" in files and "shared/protocol/episode/fold.py" in files

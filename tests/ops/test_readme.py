@@ -298,7 +298,7 @@ def test_every_documented_command_is_accepted():
     "./dev run --group-size x",
     "./dev test tests/no_such_file.py",
     "python bench/no_such_bench.py",
-    "python bench/event_log.py --no-such-flag",
+    "python bench/log/event_log.py --no-such-flag",
     "python -m services.no_such_service",
     "python -m services.trainer --no-such-flag 1",
     "python -m pytest tests/no_such_test.py",
@@ -313,7 +313,7 @@ def test_a_wrong_command_is_refused(line):
 @pytest.mark.parametrize("line", [
     "streamrl replay <episode-id> --continue [--from-seq N] [--version V]",
     "STREAMRL_LR=1e-3 streamrl config --run mine",
-    "python bench/trajectory_async.py --budget 3072 --workers 8",   # --budget comes from async_vs_sync's args
+    "python bench/learning/trajectory_async.py --budget 3072 --workers 8",   # --budget comes from async_vs_sync's args
     "torchrun --nproc-per-node 2 -m services.trainer -- --run NAME",
     "./dev test tests/<area>",
 ])
@@ -327,7 +327,7 @@ def test_command_lines_of_a_block():
 
 
 def test_headline_benchmark_commands_are_accepted():
-    """bench/headline.py shows these commands for rows not measured yet."""
+    """bench/harness/headline.py shows these commands for rows not measured yet."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("headline", ROOT / "bench" / "headline.py")

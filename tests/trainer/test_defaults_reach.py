@@ -1,4 +1,4 @@
-"""bench/defaults_reach.py's pure parts: when a run's 20-step mean reward first reaches 0.9, and the candidate's
+"""bench/learning/defaults_reach.py's pure parts: when a run's 20-step mean reward first reaches 0.9, and the candidate's
 config keys (the bench itself runs whole `streamrl run`s: not in the suite)."""
 
 import importlib.util

@@ -1,4 +1,4 @@
-"""bench/staleness_agent.py: calc.py's episodes in process, at staleness fixed exactly."""
+"""bench/learning/staleness_agent.py: calc.py's episodes in process, at staleness fixed exactly."""
 
 import json
 import sys
@@ -10,8 +10,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.staleness_agent_cell import after_call, calc_reward, generate, run_agent_cell  # noqa: E402
-from bench.staleness_cell import Setup, split_task  # noqa: E402
+from bench.learning.staleness_agent_cell import after_call, calc_reward, generate, run_agent_cell  # noqa: E402
+from bench.learning.staleness_cell import Setup, split_task  # noqa: E402
 from examples.calc import TOOLS  # noqa: E402
 from services.gateway.chat import Renderer  # noqa: E402
 from services.ops.launch.tiny_model import AGENT_CONTEXT, DEFAULT_MODEL, load_tokenizer, make_tiny_model  # noqa: E402

@@ -1,4 +1,4 @@
-"""bench/staleness.py trains at staleness fixed exactly: every batch trained at version v was sampled by v − η."""
+"""bench/learning/staleness.py trains at staleness fixed exactly: every batch trained at version v was sampled by v − η."""
 
 import importlib.util
 import sys

@@ -1,7 +1,7 @@
 """Would the staleness benchmark's recipe make a better default? The default job as a user runs it, side by side:
 today's defaults against a candidate (default: the recipe that kept parity at η = 8 in bench/learning/staleness.py: lr 5e-5,
 token truncation, max_staleness 8), each seed interleaved, and the version at which each run's 20-step mean
-reward first reaches 0.9 (issue 32's bar for changing a default: no later than today's).
+reward first reaches 0.9 (the bar for changing a default: no later than today's).
 
     python bench/learning/defaults_reach.py --seeds 2
     python bench/learning/defaults_reach.py --candidate lr=1e-4,is_mode=truncate,max_staleness=4

@@ -1,4 +1,4 @@
-"""Staleness tolerance, with staleness fixed exactly (issue 32): in one process, no Redis, no pipeline.
+"""Staleness tolerance, with staleness fixed exactly: in one process, no Redis, no pipeline.
 
 Every step v the batch is sampled by policy version v − η (the harness keeps the last η + 1 snapshots; for
 v < η, before any older version exists, by version 0, so staleness is min(v, η)), its behaviour log-probs

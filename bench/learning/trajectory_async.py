@@ -1,4 +1,4 @@
-"""Trajectory-level asynchrony (issue 19), side by side in one run: several rollout workers under the simulated
+"""Trajectory-level asynchrony, side by side in one run: several rollout workers under the simulated
 GPU cost model, long-tailed response lengths, the same task, model, seeds and sample budget for every variant:
 
     sync      ``mode=sync``, ``max_staleness=0``: generate a batch with version v, train, publish, sync, repeat

@@ -1,4 +1,4 @@
-"""Event-log benchmark (issue 2): the fenced EpisodeLog writer and replay vs raw Redis stream ops.
+"""Event-log benchmark: the fenced EpisodeLog writer and replay vs raw Redis stream ops.
 
     python bench/log/event_log.py [--quick] [--json]
 

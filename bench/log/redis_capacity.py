@@ -1,4 +1,4 @@
-"""Event-log capacity (issue 15): token events per second one Redis node (or a cluster) absorbs through streamrl's
+"""Event-log capacity: token events per second one Redis node (or a cluster) absorbs through streamrl's
 real append path before append latency rises, as "GPUs of rollout per Redis node".
 
     PYTHONPATH=. python bench/log/redis_capacity.py                            # own embedded Redis, ramp 1..96 GPUs

@@ -1,4 +1,4 @@
-"""The move and its segments, an older revision against this tree, side by side in one invocation (issue 33): each
+"""The move and its segments, an older revision against this tree, side by side in one invocation: each
 round runs the same measurements in the base revision's tree (``git archive`` into a scratch folder, this tree's
 Python environment) and in this one, alternately, so that the box's load moves both alike.
 

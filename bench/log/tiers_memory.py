@@ -1,5 +1,5 @@
 """Redis memory over a long default run with a retention window: does it stay flat once the archiver moves trained
-episodes out (issue 33)? One ``streamrl run`` with ``log_retention_versions`` on; a thread beside it reads the
+episodes out? One ``streamrl run`` with ``log_retention_versions`` on; a thread beside it reads the
 run's Redis every ``--every`` seconds (INFO used_memory, DBSIZE, the newest version) and, a few times, counts its
 keys by family (episode streams, markers, the rest) with their memory. Writes docs/tiers_memory.png (used memory
 and keys against versions) and prints the ratio: the late level (mean over the last 10 % of versions) over the

@@ -1,4 +1,4 @@
-"""Engine benchmark (issue 6): the torch engine vs vLLM on the same tiny model, one run.
+"""Engine benchmark: the torch engine vs vLLM on the same tiny model, one run.
 
     .venv-vllm/bin/python bench/rollout/engine_vllm.py [--quick] [--hidden 128] [--layers 2] [--json]
 

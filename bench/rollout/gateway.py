@@ -1,4 +1,4 @@
-"""Gateway overhead (issue 12): a chat call through the gateway vs the same generation
+"""Gateway overhead: a chat call through the gateway vs the same generation
 through the rollout worker's direct path, same tokens, measured side by side in one run.
 
     python bench/rollout/gateway.py [--calls 10] [--tokens 64]

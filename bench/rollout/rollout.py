@@ -1,4 +1,4 @@
-"""Rollout benchmark (issue 3): event-log overhead, resume time, tokens lost to a kill -9.
+"""Rollout benchmark: event-log overhead, resume time, tokens lost to a kill -9.
 
     python bench/rollout/rollout.py [--quick] [--json] [--only throughput,resume,kill]
 

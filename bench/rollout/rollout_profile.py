@@ -1,4 +1,4 @@
-"""Where the Redis episode log's extra cost goes in the rollout throughput benchmark (issue 14 item 5).
+"""Where the Redis episode log's extra cost goes in the rollout throughput benchmark.
 
     python bench/rollout/rollout_profile.py [--reps 3] [--max-tokens 32] [--groups 48]
 

@@ -1,4 +1,4 @@
-"""Rollout scaling (issue 15): 1, 2, 4 and 8 rollout worker processes against one embedded Redis, each engine a
+"""Rollout scaling: 1, 2, 4 and 8 rollout worker processes against one embedded Redis, each engine a
 SIMULATED memory-bound GPU.
 
     PYTHONPATH=. python bench/rollout/rollout_scaling.py                  # 1,2,4,8 workers x 2 interleaved repeats (~8 min)

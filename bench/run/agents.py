@@ -1,4 +1,4 @@
-"""Agent throughput (issue 12): 1, 8 and 32 concurrent agents, each making two LLM calls with a 1-second tool
+"""Agent throughput: 1, 8 and 32 concurrent agents, each making two LLM calls with a 1-second tool
 call between them, in async vs sync mode, side by side in one run. Tools overlapping generation (and
 training) is where asynchronous RL wins: in sync mode a batch's tools, generation and the trainer's step
 take turns; in async mode the next groups' agents run while the trainer learns.

@@ -1,5 +1,5 @@
 """The default job with and without `--chaos`, side by side on one box: wall time, the last-100-step reward, the
-end-of-run check, and the chaos summary (issue 29's goal: check all zero, reward within 0.05, time <= 1.5x).
+end-of-run check, and the chaos summary (the goal chaos is held to: check all zero, reward within 0.05, time <= 1.5x).
 
     python bench/run/chaos.py [--every 5] [--seed 0] [--max-versions 1000] [--pairs 1]
     python bench/run/chaos.py --agent examples.calc:agent [--minutes 3] [--every 5]

@@ -1,4 +1,4 @@
-"""Issue 28's stall drills, repeated on one live run (real processes, the embedded Redis, sync_mode rolling).
+"""The stall drills, repeated on one live run (real processes, the embedded Redis, sync_mode rolling).
 
 1. Rolling stall: each try waits for a wave's ``pause`` naming one worker, stops that worker (SIGSTOP) at once,
    waits until the gate is complete past the wave's version (the syncer went on without it), and wakes it

@@ -1,4 +1,4 @@
-"""Delta weight sync (issue 31), side by side in one invocation: full files vs deltas.
+"""Delta weight sync, side by side in one invocation: full files vs deltas.
 
     python bench/weights/delta_sync.py [--versions 32] [--quick] [--json]
 

@@ -1,4 +1,4 @@
-"""Weights pulled through relays (issue 19): bytes the trainer's weight server sends per version with N rollout workers,
+"""Weights pulled through relays: bytes the trainer's weight server sends per version with N rollout workers,
 from the trainer alone vs through a relay tree, side by side.
 
     python bench/weights/fetch_fanout.py [--workers 6] [--fanout 2] [--reps 2] [--quick] [--json]

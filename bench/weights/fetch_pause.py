@@ -1,4 +1,4 @@
-"""Weights over the wire (issue 15): the rollout pause with the download before it vs inside it, side by side.
+"""Weights over the wire: the rollout pause with the download before it vs inside it, side by side.
 
     python bench/weights/fetch_pause.py [--quick] [--json]
 

@@ -1,4 +1,4 @@
-"""Rolling version changes (issue 19): who stands paused during a sync, global pause vs rolling waves, side by side.
+"""Rolling version changes: who stands paused during a sync, global pause vs rolling waves, side by side.
 
     python bench/weights/rolling_sync.py [--workers 4] [--reps 3] [--step-delay-ms 20] [--quick] [--json]
 

@@ -1,4 +1,4 @@
-"""Weight-sync benchmark (issue 4): how long rollout pauses per sync, against
+"""Weight-sync benchmark: how long rollout pauses per sync, against
 the weights' size and the copy bandwidth measured on this machine.
 
     python bench/weights/sync_pause.py [--quick] [--json]

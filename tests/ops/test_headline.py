@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # moves with tests/
-_spec = importlib.util.spec_from_file_location("bench_headline", ROOT / "bench" / "headline.py")
+_spec = importlib.util.spec_from_file_location("bench_headline", ROOT / "bench" / "harness" / "headline.py")
 headline = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(headline)
 
-HEADLINES = [("a", "figure a", "python bench/a.py"), ("b", "figure b", "python bench/b.py --x")]
+HEADLINES = [("a", "figure a", "python bench/a.py", "page_a"), ("b", "figure b", "python bench/b.py --x", "page_b")]
 
 
 def result(**kw) -> dict:
@@ -25,31 +25,59 @@ def result(**kw) -> dict:
 
 
 def test_fresh_row_and_missing_benchmark():
-    out = headline.table({"a": result()}, changed=lambda c, p: 0, headlines=HEADLINES)
+    out = headline.table({"a": result()}, changed=lambda c, p: 0, headlines=HEADLINES, off={})
     lines = out.splitlines()
-    assert lines[0].startswith("| what | figure | command |")
-    assert lines[2] == ("| figure a | **0.95x** (overhead) | `python bench/a.py` | 2026-11-25, `abc1234` | "
-                        "2 CPUs (EPYC), no GPU |")
-    two = headline.table({"a": result(rows=[{"what": "x", "value": "1"}, {"what": "y", "value": "2"}])},
-                         changed=lambda c, p: 0, headlines=HEADLINES)
-    assert "| figure a | x: **1**<br>y: **2** |" in two
-    assert lines[3] == "| figure b | not measured yet | `python bench/b.py --x` | | |"
+    assert lines[0] == "| what | figure | ran | history |"
+    assert lines[2] == "| figure a | **0.95x** | 2026-11-25, `abc1234` | [page_a](history/page_a.md) |"
+    assert lines[3] == "| figure b | not measured yet: `python bench/b.py --x` | | [page_b](history/page_b.md) |"
+
+
+def test_cells_are_short_the_figure_and_its_ratio():
+    long = ("median 22 ms, worst 44 ms of 5 queries x 5; folding every stream instead: 5.2 s (236x), and "
+            + "more words " * 40)
+    rows = [{"what": "x", "value": long}, {"what": "y", "value": "2"}]
+    out = headline.table({"a": result(rows=rows)}, changed=lambda c, p: 0, headlines=HEADLINES, off={})
+    row = out.splitlines()[2]
+    assert "| **median 22 ms, worst 44 ms of 5 queries x 5 (236x)** |" in row
+    # the second figure and the long tail live on the history page, not in the table
+    assert "folding" not in row and "y" not in row.split("|")[2]
+    assert max(len(cell) for cell in row.split("|")) < 100
+    assert headline.short("1.58x (1,126 vs 712); greedy eval +0.045 vs sync") == "1.58x"
+    assert headline.short("130 ms (replay 3.1 ms + re-prefill 127 ms) vs 6.2 s to generate: 47x") == "130 ms (47x)"
+    assert headline.short("**635, 510 vs never, never**") == "635, 510 vs never, never"
+    assert headline.short("word " * 40).endswith(" ...") and len(headline.short("word " * 40)) <= headline.SHORT + 4
 
 
 def test_stale_rows_are_marked():
     changed = {"abc1234def": 12, "gone": None}
     out = headline.table({"a": result(), "b": result(name="b", commit="gone")},
-                         changed=lambda c, p: changed[c], headlines=HEADLINES)
-    assert "| **STALE: 12 lines of services/rollout changed since abc1234**<br>~~**0.95x** (overhead)~~ |" in out
-    assert "STALE: commit gone is not in this history" in out
-    dirty = headline.table({"a": result(dirty=True)}, changed=lambda c, p: 0, headlines=HEADLINES)
-    assert "STALE: ran with uncommitted changes" in dirty
+                         changed=lambda c, p: changed[c], headlines=HEADLINES, off={})
+    assert "| figure a | **STALE** since `abc1234`: ~~**0.95x**~~ |" in out
+    assert "| figure b | **STALE** since `gone`: ~~**0.95x**~~ |" in out
+    assert headline.staleness(result(), lambda c, p: 12) == "STALE: 12 lines of services/rollout changed since abc1234"
+    assert headline.staleness(result(commit="gone"), lambda c, p: None) == "STALE: commit gone is not in this history"
+    assert "uncommitted" in headline.staleness(result(dirty=True), lambda c, p: 0)
+
+
+def test_rows_kept_off_the_table_are_listed_under_it_with_why():
+    out = headline.table({"a": result(), "c": result(name="c")}, changed=lambda c, p: 0, headlines=HEADLINES,
+                         off={"a": "takes 3 hours"})
+    assert "| figure a |" not in out
+    assert "| c: overhead | **0.95x** |" in out
+    assert out.splitlines()[-1] == "Kept off the table: `a` (takes 3 hours, see [its history](history/a.md))."
+
+
+def test_the_real_table_keeps_stale_rows_off_and_links_pages_that_exist():
+    out = headline.table(headline.load())
+    assert "~~" not in out and "staleness (" not in out
+    for page in set(headline.re.findall(r"\(history/([\w-]+)\.md\)", out)):
+        assert (ROOT / "bench" / "history" / f"{page}.md").exists(), page
 
 
 def test_quick_and_simulated_are_said_in_the_row():
     out = headline.table({"a": result(quick=True, simulated="every engine step sleeps 20 ms")},
-                         changed=lambda c, p: 0, headlines=HEADLINES)
-    assert "| figure a (quick run; SIMULATED: every engine step sleeps 20 ms) | **0.95x** (overhead) |" in out
+                         changed=lambda c, p: 0, headlines=HEADLINES, off={})
+    assert "| figure a (quick run; SIMULATED) | **0.95x** |" in out
 
 
 def test_rewrite_touches_only_the_block():
@@ -88,6 +116,37 @@ def test_changed_lines_ignores_moves_and_imports_but_not_edits(tmp_path):
     git(tmp_path, "commit", "-qam", "edit")
     assert headline.changed_lines(measured, ["services/rollout"], tmp_path) == 2
     assert headline.changed_lines("0" * 40, ["services/rollout"], tmp_path) is None
+
+
+def test_a_script_moved_into_a_room_is_not_a_change(tmp_path):
+    """The recorded paths are the old ones: the check follows the rename, and the lines the move itself rewrites
+    (the script's own path in its usage text, a sibling's module name, where it finds the repository root, the
+    docstring) do not count; a real edit still does."""
+    git(tmp_path, "init", "-q")
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    script = ('"""Usage: python bench/x.py"""\nfrom pathlib import Path\nROOT = Path(__file__).resolve().parent.parent\n'
+              'USAGE = "python bench/x.py --help"\nCELL = "bench.x_cell"\n\n\ndef run(n):\n    return n * 2\n'
+              + "".join(f"\n\ndef f{i}(x):\n    return x + {i}\n" for i in range(20)))
+    (bench / "x.py").write_text(script)
+    (bench / "x_cell.py").write_text("def cell(n):\n    return n + 1\n")
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-qm", "base")
+    measured = git(tmp_path, "rev-parse", "HEAD")
+    (bench / "room").mkdir()
+    git(tmp_path, "mv", "bench/x.py", "bench/room/x.py")
+    git(tmp_path, "mv", "bench/x_cell.py", "bench/room/x_cell.py")
+    (bench / "room" / "__init__.py").write_text('"""What the room is for."""\n')
+    moved = bench / "room" / "x.py"
+    moved.write_text(script.replace("bench/x.py", "bench/room/x.py").replace("bench.x_cell", "bench.room.x_cell")
+                     .replace(".parent.parent", ".parents[2]").replace('"""Usage', '"""Now run as: usage'))
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-qm", "rooms")
+    paths = ["bench/x.py", "bench/x_cell.py"]
+    assert headline.changed_lines(measured, paths, tmp_path) == 0
+    moved.write_text(moved.read_text().replace("n * 2", "n * 3"))
+    git(tmp_path, "commit", "-qam", "edit")
+    assert headline.changed_lines(measured, paths, tmp_path) == 2
 
 
 

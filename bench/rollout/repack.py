@@ -1,6 +1,6 @@
-"""Long-tail repack vs none, side by side in one run (issue 19). GPU time is SIMULATED: rounds of engine steps.
+"""Long-tail repack vs none, side by side in one run. GPU time is SIMULATED: rounds of engine steps.
 
-    python bench/log/repack.py [--groups 24] [--group-size 4] [--max-tokens 96] [--below 0.25] [--min-tokens 8]
+    python bench/rollout/repack.py [--groups 24] [--group-size 4] [--max-tokens 96] [--below 0.25] [--min-tokens 8]
 
 Starts its own EmbeddedRedis in a temp dir and the tiny random-init model (``services.ops.launch.tiny_model``), on CPU.
 Two real RolloutWorkers, ticked in turn in this process: one round = one tick of each, so at most one engine step

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
-from services.rollout import rewards  # noqa: E402
+from services.rollout.jobs import rewards  # noqa: E402
 from services.rollout.jobs.tool_jobs import ToolJobs  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402

@@ -146,10 +146,10 @@ def _source_names_flag(paths: list[Path], flag: str) -> bool:
 
 
 def _bench_sources(script: Path) -> list[Path]:
-    """The script and the bench modules it imports (`from bench.x import`, `from bench import x`)."""
+    """The script and the bench modules it imports (`from bench.room.x import`, `from bench.room import x`)."""
     src = script.read_text()
-    names = re.findall(r"from bench\.(\w+) import", src) + re.findall(r"from bench import (\w+)", src)
-    return [script, *(p for n in names if (p := script.parent / f"{n}.py").exists())]
+    names = re.findall(r"from bench\.(\w+)\.(\w+) import", src) + re.findall(r"from bench\.(\w+) import (\w+)", src)
+    return [script, *(p for room, n in names if (p := ROOT / "bench" / room / f"{n}.py").exists())]
 
 
 def _config_flags() -> set[str]:
@@ -196,7 +196,7 @@ def check_python(words: list[str], env: dict[str, str]) -> str:
     script = ROOT / rest[0]
     if not script.exists():
         return f"no file {rest[0]}"
-    if script.suffix == ".py" and script.parent.name == "bench":
+    if script.suffix == ".py" and script.relative_to(ROOT).parts[:1] == ("bench",):
         unknown = [f for f in _flags(fill_placeholders(rest[1:])) if f not in ("--help", "-h")
                    and not _source_names_flag(_bench_sources(script), f)]
         if unknown:
@@ -330,8 +330,8 @@ def test_headline_benchmark_commands_are_accepted():
     """bench/harness/headline.py shows these commands for rows not measured yet."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("headline", ROOT / "bench" / "headline.py")
+    spec = importlib.util.spec_from_file_location("headline", ROOT / "bench" / "harness" / "headline.py")
     headline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(headline)
-    bad = [f"{cmd}: {why}" for _, _, cmd in headline.HEADLINES for w in segments(cmd) if (why := check_command(w))]
+    bad = [f"{cmd}: {why}" for _, _, cmd, _ in headline.HEADLINES for w in segments(cmd) if (why := check_command(w))]
     assert not bad, bad

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("bench_defaults_reach", ROOT / "bench" / "defaults_reach.py")
+spec = importlib.util.spec_from_file_location("bench_defaults_reach", ROOT / "bench" / "learning" / "defaults_reach.py")
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 

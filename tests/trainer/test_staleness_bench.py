@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_staleness", ROOT / "bench" / "staleness.py")
+    spec = importlib.util.spec_from_file_location("bench_staleness", ROOT / "bench" / "learning" / "staleness.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("bench_staleness", mod)  # dataclasses look their module up
     spec.loader.exec_module(mod)

@@ -125,7 +125,8 @@ def test_a_script_moved_into_a_room_is_not_a_change(tmp_path):
     git(tmp_path, "init", "-q")
     bench = tmp_path / "bench"
     bench.mkdir()
-    script = ('"""Usage: python bench/x.py"""\nfrom pathlib import Path\nROOT = Path(__file__).resolve().parent.parent\n'
+    script = ('"""Usage: python bench/x.py"""\nfrom pathlib import Path\n'
+              'ROOT = Path(__file__).resolve().parent.parent\n'
               'USAGE = "python bench/x.py --help"\nCELL = "bench.x_cell"\n\n\ndef run(n):\n    return n * 2\n'
               + "".join(f"\n\ndef f{i}(x):\n    return x + {i}\n" for i in range(20)))
     (bench / "x.py").write_text(script)

@@ -33,38 +33,68 @@ END = "<!-- headline:end -->"
 # The headline benchmarks, in table order: (result name, what it shows, its normal command, its history page under
 # bench/history/). The command is shown when no result file exists yet.
 HEADLINES = [
-    ("async_vs_sync", "async vs sync training, trained tokens/s",
-     "python bench/learning/async_vs_sync.py --simulate-gpu --simulated-train-us-per-token 250", "async_vs_sync"),
-    ("staleness_agent",
-     "staleness tolerance of the agent (examples/calc.py's episodes in process, staleness fixed exactly)",
-     "python bench/learning/staleness_agent.py", "staleness"),
-    ("trajectory_async", "pulled weights vs a global pause, 8 workers, 1 s loads",
-     "python bench/learning/trajectory_async.py --budget 3072 --workers 8 --in-flight 4 --step-delay-ms 100 "
-     "--simulated-train-us-per-token 50 --warm-steps 200 --eval-size 200 --max-minutes 6 --simulated-load-ms 1000 "
-     "--variants global,pull --seeds 2", "trajectory_async"),
-    ("rollout-throughput", "event-log overhead on rollout throughput",
-     "python bench/rollout/rollout.py --only throughput", "rollout"),
+    (
+        "async_vs_sync",
+        "async vs sync training, trained tokens/s",
+        "python bench/learning/async_vs_sync.py --simulate-gpu --simulated-train-us-per-token 250",
+        "async_vs_sync",
+    ),
+    (
+        "staleness_agent",
+        "staleness tolerance of the agent (examples/calc.py's episodes in process, staleness fixed exactly)",
+        "python bench/learning/staleness_agent.py",
+        "staleness",
+    ),
+    (
+        "trajectory_async",
+        "pulled weights vs a global pause, 8 workers, 1 s loads",
+        "python bench/learning/trajectory_async.py --budget 3072 --workers 8 --in-flight 4 --step-delay-ms 100 "
+        "--simulated-train-us-per-token 50 --warm-steps 200 --eval-size 200 --max-minutes 6 --simulated-load-ms 1000 "
+        "--variants global,pull --seeds 2",
+        "trajectory_async",
+    ),
+    (
+        "rollout-throughput",
+        "event-log overhead on rollout throughput",
+        "python bench/rollout/rollout.py --only throughput",
+        "rollout",
+    ),
     ("rollout-resume", "resume of a 4,096-token episode", "python bench/rollout/rollout.py --only resume", "rollout"),
     ("event_log", "event-log writes and replay", "python bench/log/event_log.py", "event_log"),
     ("sync_pause", "rollout pause per weight sync", "python bench/weights/sync_pause.py", "sync_pause"),
-    ("rolling_sync", "rolling version changes: workers generating during a sync",
-     "python bench/weights/rolling_sync.py", "rolling_sync"),
-    ("delta_sync",
-     "delta weight sync: bytes per version against the full bf16 file (anchors: TRL 1.7-2.9 %, slime ~3 %)",
-     "python bench/weights/delta_sync.py", "delta_sync"),
+    (
+        "rolling_sync",
+        "rolling version changes: workers generating during a sync",
+        "python bench/weights/rolling_sync.py",
+        "rolling_sync",
+    ),
+    (
+        "delta_sync",
+        "delta weight sync: bytes per version against the full bf16 file (anchors: TRL 1.7-2.9 %, slime ~3 %)",
+        "python bench/weights/delta_sync.py",
+        "delta_sync",
+    ),
     ("gateway", "OpenAI-compatible gateway overhead per call", "python bench/rollout/gateway.py --calls 8", "gateway"),
     ("redis_capacity", "event-log capacity of one Redis node", "python bench/log/redis_capacity.py", "redis_capacity"),
-    ("ui_episodes_run", "streamrl ui: a filtered episodes query on a finished ./dev run",
-     "python bench/run/ui_episodes.py --run demo --run-dir runs", "ui_episodes"),
-    ("ui_episodes", "streamrl ui: a filtered episodes query on 68,000 synthetic episodes",
-     "python bench/run/ui_episodes.py", "ui_episodes"),
+    (
+        "ui_episodes_run",
+        "streamrl ui: a filtered episodes query on a finished ./dev run",
+        "python bench/run/ui_episodes.py --run demo --run-dir runs",
+        "ui_episodes",
+    ),
+    (
+        "ui_episodes",
+        "streamrl ui: a filtered episodes query on 68,000 synthetic episodes",
+        "python bench/run/ui_episodes.py",
+        "ui_episodes",
+    ),
 ]
 
 # Result files kept off the table, each with why; they are listed under it, and their history pages say when and
 # at which commit they were last measured. A figure that turned STALE and cannot be re-run soon belongs here.
 OFF_TABLE = {
     "staleness": "its grid of corrections by staleness takes about 3 hours to re-run; last measured at fe77750, "
-                 "before the trainer changed",
+    "before the trainer changed",
     # These three measure all of services/ and shared/: the restart decision of the process supervisor
     # (services/ops/launch/keep.py) was rewritten after they ran. Re-run them to bring them back.
     "async_vs_sync": "STALE since 5638634: the process supervisor's restart decision changed after it ran",
@@ -73,8 +103,13 @@ OFF_TABLE = {
 }
 
 # History pages of the result files that are not headlines (the name is the page unless said here).
-PAGES = {"staleness": "staleness", "staleness_agent_lr3e-4": "staleness", "segments_ab": "tiers",
-         "tiers_cost_1000v": "tiers_cost", "archiver_cpu": "tiers_cost"}
+PAGES = {
+    "staleness": "staleness",
+    "staleness_agent_lr3e-4": "staleness",
+    "segments_ab": "tiers",
+    "tiers_cost_1000v": "tiers_cost",
+    "archiver_cpu": "tiers_cost",
+}
 
 COMMENT_LINE = re.compile(r"^#")
 # Where a script finds the repository root is not what it measures; moving the script one folder down rewrites it.
@@ -83,8 +118,13 @@ ROOT_LINE = re.compile(r"Path\(__file__\)")
 
 def renames(commit: str, root: Path = ROOT) -> dict[str, str]:
     """Every file git sees as renamed (``-M``) from ``commit`` to HEAD: old path -> new path."""
-    out = subprocess.run(["git", "diff", "-M", "--name-status", "-z", "--no-ext-diff", commit, "HEAD"], cwd=root,
-                         capture_output=True, text=True, check=True).stdout.split("\0")
+    out = subprocess.run(
+        ["git", "diff", "-M", "--name-status", "-z", "--no-ext-diff", commit, "HEAD"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
     moved, i = {}, 0
     while i < len(out) and out[i]:
         status = out[i]
@@ -111,14 +151,20 @@ def _code(text: str, path: str) -> list[str]:
                 body = getattr(node, "body", None)
                 if isinstance(body, list):
                     kept = [s for s in body if not isinstance(s, (ast.Import, ast.ImportFrom))]
-                    if kept and isinstance(kept[0], ast.Expr) and isinstance(getattr(kept[0], "value", None),
-                                                                                ast.Constant) \
-                            and isinstance(kept[0].value.value, str):
+                    if (
+                        kept
+                        and isinstance(kept[0], ast.Expr)
+                        and isinstance(getattr(kept[0], "value", None), ast.Constant)
+                        and isinstance(kept[0].value.value, str)
+                    ):
                         kept = kept[1:]
                     node.body = kept
             # A package's __init__.py that is only a docstring writes back as nothing.
-            return [ln.strip() for ln in ast.unparse(tree).splitlines()
-                    if ln.strip() and ln.strip() != "pass" and not ROOT_LINE.search(ln)]
+            return [
+                ln.strip()
+                for ln in ast.unparse(tree).splitlines()
+                if ln.strip() and ln.strip() != "pass" and not ROOT_LINE.search(ln)
+            ]
     return [ln.strip() for ln in text.splitlines() if ln.strip() and not COMMENT_LINE.match(ln.strip())]
 
 
@@ -133,19 +179,34 @@ def changed_lines(commit: str, paths: list[str], root: Path = ROOT) -> int | Non
     self, and a line whose only change is a renamed file's path or module name is not counted; neither are
     imports, comments, docstrings, blank lines, line wrapping and the lines that locate the repository root.
     None when the commit is unknown here."""
-    if not commit or subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root,
-                                    capture_output=True).returncode != 0:
+    if (
+        not commit
+        or subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True).returncode
+        != 0
+    ):
         return None
     moved = renames(commit, root)
     # Both sides of each rename in the pathspec, or git sees the old path deleted and the new one out of view.
     spec = list(paths) + sorted(new for old, new in moved.items() if _under(old, paths))
-    status = subprocess.run(["git", "diff", "-M", "--name-status", "-z", "--no-ext-diff", commit, "HEAD", "--",
-                             *spec], cwd=root, capture_output=True, text=True, check=True).stdout.split("\0")
+    status = subprocess.run(
+        ["git", "diff", "-M", "--name-status", "-z", "--no-ext-diff", commit, "HEAD", "--", *spec],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
     # Old paths and their dotted module names, longest first, so bench/x.py is not rewritten inside bench/x_cell.py.
-    subs = {**moved, **{o[:-3].replace("/", "."): n[:-3].replace("/", ".")
-                        for o, n in moved.items() if o.endswith(".py") and n.endswith(".py")}}
-    pattern = re.compile("|".join(re.escape(o) + r"(?![\w/])" for o in sorted(subs, key=len, reverse=True))) \
-        if subs else None
+    subs = {
+        **moved,
+        **{
+            o[:-3].replace("/", "."): n[:-3].replace("/", ".")
+            for o, n in moved.items()
+            if o.endswith(".py") and n.endswith(".py")
+        },
+    }
+    pattern = (
+        re.compile("|".join(re.escape(o) + r"(?![\w/])" for o in sorted(subs, key=len, reverse=True))) if subs else None
+    )
     total, i = 0, 0
     while i < len(status) and status[i]:
         kind = status[i][:1]
@@ -161,7 +222,7 @@ def changed_lines(commit: str, paths: list[str], root: Path = ROOT) -> int | Non
 
 
 def staleness(result: dict, changed=changed_lines) -> str:
-    """"" when the result describes the code at HEAD, else why not."""
+    """ "" when the result describes the code at HEAD, else why not."""
     short = (result.get("commit") or "?")[:7]
     n = changed(result.get("commit", ""), result.get("measures", []))
     if n is None:
@@ -221,8 +282,12 @@ def table(results: dict[str, dict], changed=changed_lines, headlines=HEADLINES, 
         lines.append(f"| {_cell(what)} | {figure} | {when} | {link} |")
     listed = [n for n in off if n in results]
     if listed:
-        lines += ["", "Kept off the table: " + "; ".join(
-            f"`{n}` ({_cell(off[n])}, see [its history](history/{PAGES.get(n, n)}.md))" for n in listed) + "."]
+        lines += [
+            "",
+            "Kept off the table: "
+            + "; ".join(f"`{n}` ({_cell(off[n])}, see [its history](history/{PAGES.get(n, n)}.md))" for n in listed)
+            + ".",
+        ]
     return "\n".join(lines)
 
 
@@ -251,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     new = rewrite(text, table(load()))
     if args.check:
         if new != text:
-            print("bench/RESULTS.md: the headline table is out of date; run python bench/harness/headline.py", file=sys.stderr)
+            print(
+                "bench/RESULTS.md: the headline table is out of date; run python bench/harness/headline.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     RESULTS_MD.write_text(new)

@@ -1,5 +1,5 @@
-"""bench/harness/headline.py: result files in, the RESULTS.md headline table out; a row whose measured code changed since
-its commit is marked stale, a moved file is not a change."""
+"""bench/harness/headline.py: result files in, the RESULTS.md headline table out; a row whose measured code changed
+since its commit is marked stale, a moved file is not a change."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # moves with tests/
+# moves with tests/
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 _spec = importlib.util.spec_from_file_location("bench_headline", ROOT / "bench" / "harness" / "headline.py")
 headline = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(headline)
@@ -18,9 +19,18 @@ HEADLINES = [("a", "figure a", "python bench/a.py", "page_a"), ("b", "figure b",
 
 
 def result(**kw) -> dict:
-    base = {"name": "a", "command": "python bench/a.py", "date": "2026-11-25 09:00 UTC", "commit": "abc1234def",
-            "dirty": False, "machine": "2 CPUs (EPYC), no GPU", "quick": False, "simulated": "",
-            "measures": ["services/rollout"], "rows": [{"what": "overhead", "value": "0.95x"}]}
+    base = {
+        "name": "a",
+        "command": "python bench/a.py",
+        "date": "2026-11-25 09:00 UTC",
+        "commit": "abc1234def",
+        "dirty": False,
+        "machine": "2 CPUs (EPYC), no GPU",
+        "quick": False,
+        "simulated": "",
+        "measures": ["services/rollout"],
+        "rows": [{"what": "overhead", "value": "0.95x"}],
+    }
     return {**base, **kw}
 
 
@@ -33,8 +43,10 @@ def test_fresh_row_and_missing_benchmark():
 
 
 def test_cells_are_short_the_figure_and_its_ratio():
-    long = ("median 22 ms, worst 44 ms of 5 queries x 5; folding every stream instead: 5.2 s (236x), and "
-            + "more words " * 40)
+    long = (
+        "median 22 ms, worst 44 ms of 5 queries x 5; folding every stream instead: 5.2 s (236x), and "
+        + "more words " * 40
+    )
     rows = [{"what": "x", "value": long}, {"what": "y", "value": "2"}]
     out = headline.table({"a": result(rows=rows)}, changed=lambda c, p: 0, headlines=HEADLINES, off={})
     row = out.splitlines()[2]
@@ -50,8 +62,12 @@ def test_cells_are_short_the_figure_and_its_ratio():
 
 def test_stale_rows_are_marked():
     changed = {"abc1234def": 12, "gone": None}
-    out = headline.table({"a": result(), "b": result(name="b", commit="gone")},
-                         changed=lambda c, p: changed[c], headlines=HEADLINES, off={})
+    out = headline.table(
+        {"a": result(), "b": result(name="b", commit="gone")},
+        changed=lambda c, p: changed[c],
+        headlines=HEADLINES,
+        off={},
+    )
     assert "| figure a | **STALE** since `abc1234`: ~~**0.95x**~~ |" in out
     assert "| figure b | **STALE** since `gone`: ~~**0.95x**~~ |" in out
     assert headline.staleness(result(), lambda c, p: 12) == "STALE: 12 lines of services/rollout changed since abc1234"
@@ -60,8 +76,9 @@ def test_stale_rows_are_marked():
 
 
 def test_rows_kept_off_the_table_are_listed_under_it_with_why():
-    out = headline.table({"a": result(), "c": result(name="c")}, changed=lambda c, p: 0, headlines=HEADLINES,
-                         off={"a": "takes 3 hours"})
+    out = headline.table(
+        {"a": result(), "c": result(name="c")}, changed=lambda c, p: 0, headlines=HEADLINES, off={"a": "takes 3 hours"}
+    )
     assert "| figure a |" not in out
     assert "| c: overhead | **0.95x** |" in out
     assert out.splitlines()[-1] == "Kept off the table: `a` (takes 3 hours, see [its history](history/a.md))."
@@ -75,8 +92,12 @@ def test_the_real_table_keeps_stale_rows_off_and_links_pages_that_exist():
 
 
 def test_quick_and_simulated_are_said_in_the_row():
-    out = headline.table({"a": result(quick=True, simulated="every engine step sleeps 20 ms")},
-                         changed=lambda c, p: 0, headlines=HEADLINES, off={})
+    out = headline.table(
+        {"a": result(quick=True, simulated="every engine step sleeps 20 ms")},
+        changed=lambda c, p: 0,
+        headlines=HEADLINES,
+        off={},
+    )
     assert "| figure a (quick run; SIMULATED) | **0.95x** |" in out
 
 
@@ -92,8 +113,13 @@ def test_rewrite_touches_only_the_block():
 
 
 def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
-                          capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 def test_changed_lines_ignores_moves_and_imports_but_not_edits(tmp_path):
@@ -108,7 +134,8 @@ def test_changed_lines_ignores_moves_and_imports_but_not_edits(tmp_path):
     (pkg / "weights").mkdir()
     git(tmp_path, "mv", "services/rollout/puller.py", "services/rollout/weights/puller.py")
     moved = pkg / "weights" / "puller.py"
-    text = moved.read_text().replace("weights import", "weights.load import")  # the import follows the move
+    # the import follows the move
+    text = moved.read_text().replace("weights import", "weights.load import")
     moved.write_text(text + "# a comment\n")
     git(tmp_path, "commit", "-qam", "move")
     assert headline.changed_lines(measured, ["services/rollout"], tmp_path) == 0
@@ -125,10 +152,12 @@ def test_a_script_moved_into_a_room_is_not_a_change(tmp_path):
     git(tmp_path, "init", "-q")
     bench = tmp_path / "bench"
     bench.mkdir()
-    script = ('"""Usage: python bench/x.py"""\nfrom pathlib import Path\n'
-              'ROOT = Path(__file__).resolve().parent.parent\n'
-              'USAGE = "python bench/x.py --help"\nCELL = "bench.x_cell"\n\n\ndef run(n):\n    return n * 2\n'
-              + "".join(f"\n\ndef f{i}(x):\n    return x + {i}\n" for i in range(20)))
+    script = (
+        '"""Usage: python bench/x.py"""\nfrom pathlib import Path\n'
+        "ROOT = Path(__file__).resolve().parent.parent\n"
+        'USAGE = "python bench/x.py --help"\nCELL = "bench.x_cell"\n\n\ndef run(n):\n    return n * 2\n'
+        + "".join(f"\n\ndef f{i}(x):\n    return x + {i}\n" for i in range(20))
+    )
     (bench / "x.py").write_text(script)
     (bench / "x_cell.py").write_text("def cell(n):\n    return n + 1\n")
     git(tmp_path, "add", "-A")
@@ -139,8 +168,12 @@ def test_a_script_moved_into_a_room_is_not_a_change(tmp_path):
     git(tmp_path, "mv", "bench/x_cell.py", "bench/room/x_cell.py")
     (bench / "room" / "__init__.py").write_text('"""What the room is for."""\n')
     moved = bench / "room" / "x.py"
-    moved.write_text(script.replace("bench/x.py", "bench/room/x.py").replace("bench.x_cell", "bench.room.x_cell")
-                     .replace(".parent.parent", ".parents[2]").replace('"""Usage', '"""Now run as: usage'))
+    moved.write_text(
+        script.replace("bench/x.py", "bench/room/x.py")
+        .replace("bench.x_cell", "bench.room.x_cell")
+        .replace(".parent.parent", ".parents[2]")
+        .replace('"""Usage', '"""Now run as: usage')
+    )
     git(tmp_path, "add", "-A")
     git(tmp_path, "commit", "-qm", "rooms")
     paths = ["bench/x.py", "bench/x_cell.py"]
@@ -150,14 +183,23 @@ def test_a_script_moved_into_a_room_is_not_a_change(tmp_path):
     assert headline.changed_lines(measured, paths, tmp_path) == 2
 
 
-
 def test_an_in_process_benchmark_measures_the_files_it_imported():
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", "import services.trainer.batch; from bench.harness.record import loaded; "
-                          "print('\\n'.join(loaded()))"], cwd=root, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import services.trainer.batch; from bench.harness.record import loaded; print('\\n'.join(loaded()))",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     files = out.split()
     assert "services/trainer/batch.py" in files and "shared/protocol/episode/fold.py" in files
-    assert "services/trainer/trainer.py" not in files  # never imported: a change there leaves the figures current
+    # never imported: a change there leaves the figures current
+    assert "services/trainer/trainer.py" not in files
     assert all(f.startswith(("services/", "shared/")) and f.endswith(".py") for f in files)

@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.runs import streamrl_run  # noqa: E402
 
-TOOL_S = float(os.environ.get("BENCH_AGENT_TOOL_S", "1.0"))  # the agents worker inherits it from the bench
+# the agents worker inherits it from the bench
+TOOL_S = float(os.environ.get("BENCH_AGENT_TOOL_S", "1.0"))
 
 
 def agent(client, task: dict) -> dict:
@@ -39,8 +40,9 @@ def agent(client, task: dict) -> dict:
     from examples.calc import TOOLS, calc
 
     messages = [{"role": "user", "content": task["prompt"]}]
-    message = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
-                                             max_tokens=96).choices[0].message
+    message = (
+        client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=96).choices[0].message
+    )
     messages.append(message.model_dump(exclude_none=True))
     time.sleep(TOOL_S)
     if message.tool_calls:
@@ -52,8 +54,9 @@ def agent(client, task: dict) -> dict:
         messages.append({"role": "tool", "tool_call_id": call.id, "content": calc(expr)})
     else:
         messages.append({"role": "user", "content": "Use the calc tool."})
-    message = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
-                                             max_tokens=96).choices[0].message
+    message = (
+        client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=96).choices[0].message
+    )
     numbers = re.findall(r"-?\d+", message.content or "")
     return float(bool(numbers) and numbers[-1] == str(task["answer"]))
 
@@ -61,9 +64,14 @@ def agent(client, task: dict) -> dict:
 def summarize(t_start: float, steps: list[dict]) -> dict:
     samples = sum(s["samples"] for s in steps)
     elapsed = steps[-1]["time"] - t_start if steps else float("nan")
-    return {"steps": len(steps), "samples": samples, "seconds": elapsed, "samples_per_s": samples / elapsed,
-            "trainer_wait_s": sum(s["wait_s"] for s in steps), "reward": sum(s["reward_mean"] for s in steps) /
-            max(len(steps), 1)}
+    return {
+        "steps": len(steps),
+        "samples": samples,
+        "seconds": elapsed,
+        "samples_per_s": samples / elapsed,
+        "trainer_wait_s": sum(s["wait_s"] for s in steps),
+        "reward": sum(s["reward_mean"] for s in steps) / max(len(steps), 1),
+    }
 
 
 def main() -> None:
@@ -74,8 +82,11 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--batch-groups", type=int, default=2)
     p.add_argument("--warm-steps", type=int, default=400)
-    p.add_argument("--model-dir", help="an agent-format model to use instead of making one (e.g. models/tiny after "
-                                       "`streamrl make-model --agent examples.calc:agent`)")
+    p.add_argument(
+        "--model-dir",
+        help="an agent-format model to use instead of making one (e.g. models/tiny after "
+        "`streamrl make-model --agent examples.calc:agent`)",
+    )
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -88,26 +99,46 @@ def main() -> None:
     t0 = time.monotonic()
     if not args.model_dir:
         make_default_model(model_dir, agent=True, warm_steps=args.warm_steps, seed=0)
-    print(f"agents bench: {os.cpu_count()} CPUs, no GPU; tiny agent model made in {time.monotonic() - t0:.0f}s; "
-          f"tool {args.tool_s}s; groups of {args.group_size}, {args.batch_groups} per step", flush=True)
+    print(
+        f"agents bench: {os.cpu_count()} CPUs, no GPU; tiny agent model made in {time.monotonic() - t0:.0f}s; "
+        f"tool {args.tool_s}s; groups of {args.group_size}, {args.batch_groups} per step",
+        flush=True,
+    )
     results = []
     for n in args.concurrency:
         for mode in ("sync", "async"):
-            flags = {"run": f"bench-agents-{tag}-{mode}-{n}", "run_dir": str(work), "model_dir": str(model_dir),
-                     "agent": "bench.agents:agent", "agent_workers": 1, "agent_concurrency": n,
-                     "mode": mode, "max_staleness": 0 if mode == "sync" else 1, "max_minutes": args.minutes,
-                     "group_size": args.group_size, "batch_groups": args.batch_groups, "val_every": 0,
-                     "log_level": "warning", "seed": 0}
+            flags = {
+                "run": f"bench-agents-{tag}-{mode}-{n}",
+                "run_dir": str(work),
+                "model_dir": str(model_dir),
+                "agent": "bench.agents:agent",
+                "agent_workers": 1,
+                "agent_concurrency": n,
+                "mode": mode,
+                "max_staleness": 0 if mode == "sync" else 1,
+                "max_minutes": args.minutes,
+                "group_size": args.group_size,
+                "batch_groups": args.batch_groups,
+                "val_every": 0,
+                "log_level": "warning",
+                "seed": 0,
+            }
             t_start, steps = streamrl_run(flags, args.verbose)
             r = summarize(t_start, steps) | {"mode": mode, "concurrency": n}
-            print(f"   {mode} x{n}: {r['samples']} samples in {r['seconds']:.0f}s = {r['samples_per_s']:.2f}/s "
-                  f"({r['steps']} steps, trainer waited {r['trainer_wait_s']:.0f}s)", flush=True)
+            print(
+                f"   {mode} x{n}: {r['samples']} samples in {r['seconds']:.0f}s = {r['samples_per_s']:.2f}/s "
+                f"({r['steps']} steps, trainer waited {r['trainer_wait_s']:.0f}s)",
+                flush=True,
+            )
             results.append(r)
     shutil.rmtree(work, ignore_errors=True)
     print(f"\n{'agents':>7}{'sync samples/s':>16}{'async samples/s':>17}{'async / sync':>14}")
     for n in args.concurrency:
         s, a = (next(r for r in results if r["concurrency"] == n and r["mode"] == m) for m in ("sync", "async"))
-        print(f"{n:>7}{s['samples_per_s']:>16.2f}{a['samples_per_s']:>17.2f}{a['samples_per_s'] / s['samples_per_s']:>14.2f}")
+        print(
+            f"{n:>7}{s['samples_per_s']:>16.2f}{a['samples_per_s']:>17.2f}"
+            f"{a['samples_per_s'] / s['samples_per_s']:>14.2f}"
+        )
     if args.json:
         print(json.dumps(results))
 

@@ -72,9 +72,11 @@ def make_model(path: Path, warm_steps: int) -> float:
 
     t0 = time.monotonic()
     make_default_model(path, dataset="chain_sum", warm_steps=warm_steps, seed=0)
-    print(f"model: tiny Llama + {warm_steps} warm-start steps on chain_sum in {time.monotonic() - t0:.0f}s; "
-          f"greedy accuracy {greedy_accuracy(path, chain_sum(100, seed=777), max_tokens=80):.2f} on 100 problems",
-          flush=True)
+    print(
+        f"model: tiny Llama + {warm_steps} warm-start steps on chain_sum in {time.monotonic() - t0:.0f}s; "
+        f"greedy accuracy {greedy_accuracy(path, chain_sum(100, seed=777), max_tokens=80):.2f} on 100 problems",
+        flush=True,
+    )
     return time.monotonic() - t0
 
 
@@ -93,31 +95,57 @@ def evaluate(model_dir: Path, weights: Path | None, rows: list[dict], max_tokens
         return greedy_accuracy(tmp, rows, max_tokens=max_tokens)
 
 
-def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str, seed: int = 0, extra: dict | None = None,
-                label: str = "") -> dict:
+def run_variant(
+    args,
+    mode: str,
+    staleness: int,
+    model_dir: Path,
+    tag: str,
+    seed: int = 0,
+    extra: dict | None = None,
+    label: str = "",
+) -> dict:
     """One whole run of a variant; ``extra``: more config keys (bench/trajectory_async.py's sync modes)."""
     run = f"bench-{tag}-{label or mode + str(staleness)}-s{seed}"
     per_version = args.steps_per_version
-    flags = {"run": run, "mode": mode, "max_staleness": staleness, "dataset": "chain_sum",
-             "model_dir": str(model_dir), "max_minutes": args.max_minutes,
-             "max_versions": args.versions // per_version,
-             "group_size": args.group_size, "batch_groups": args.batch_groups, "max_tokens": args.max_tokens,
-             "max_groups_in_flight": args.in_flight, "max_batch_size": args.group_size * args.in_flight,
-             "lr": args.lr, "tools": "", "log_level": "warning", "seed": seed,
-             "steps_per_version": per_version, "hard_max_staleness": args.hard_max_staleness,
-             "step_delay_ms": args.step_delay_ms, "simulated_train_us_per_token": args.simulated_train_us_per_token}
-    if getattr(args, "simulated_load_ms", 0):  # bench/trajectory_async.py's flag
+    flags = {
+        "run": run,
+        "mode": mode,
+        "max_staleness": staleness,
+        "dataset": "chain_sum",
+        "model_dir": str(model_dir),
+        "max_minutes": args.max_minutes,
+        "max_versions": args.versions // per_version,
+        "group_size": args.group_size,
+        "batch_groups": args.batch_groups,
+        "max_tokens": args.max_tokens,
+        "max_groups_in_flight": args.in_flight,
+        "max_batch_size": args.group_size * args.in_flight,
+        "lr": args.lr,
+        "tools": "",
+        "log_level": "warning",
+        "seed": seed,
+        "steps_per_version": per_version,
+        "hard_max_staleness": args.hard_max_staleness,
+        "step_delay_ms": args.step_delay_ms,
+        "simulated_train_us_per_token": args.simulated_train_us_per_token,
+    }
+    # bench/trajectory_async.py's flag
+    if getattr(args, "simulated_load_ms", 0):
         flags["simulated_load_ms"] = args.simulated_load_ms
     if "val_every" in FIELDS:
-        flags["val_every"] = 0  # validation rounds would cost both modes the same rollout time; leave them out
+        # validation rounds would cost both modes the same rollout time; leave them out
+        flags["val_every"] = 0
     flags.update(extra or {})
     print(f"\n== {label or mode} max_staleness={staleness} seed {seed}", flush=True)
     t_start, steps = streamrl_run(flags, args.verbose)
     reports = rollout_reports(Path(flags.get("run_dir", ROOT / "runs")), run)
     generated = sum(int(r.get("tokens", 0)) for r in reports.values())
     versions = args.versions // per_version
-    steps = [s for s in steps if s["step"] <= versions * per_version]  # the budget; steps after the end don't count
-    run_path = Path(flags.get("run_dir", ROOT / "runs")) / run  # the default weights folder is keyed by the run's id
+    # the budget; steps after the end don't count
+    steps = [s for s in steps if s["step"] <= versions * per_version]
+    # the default weights folder is keyed by the run's id
+    run_path = Path(flags.get("run_dir", ROOT / "runs")) / run
     weights = Config(run=run, run_dir=str(run_path.parent), run_id=runstate.read_marker(run_path)["id"]).weights_path
     t0 = time.monotonic()
     # the trainer goes on for a step or few while the run shuts down and prunes old files: the first kept
@@ -127,17 +155,29 @@ def run_variant(args, mode: str, staleness: int, model_dir: Path, tag: str, seed
         raise SystemExit(f"{run}: no published weights at or past version {versions} in {weights}")
     eval_version = int(kept[0].stem[1:])
     final_eval = evaluate(model_dir, kept[0], args.eval_rows, args.max_tokens)
-    print(f"   greedy accuracy of version {eval_version} on {len(args.eval_rows)} fixed problems: {final_eval:.3f} "
-          f"({time.monotonic() - t0:.0f}s)", flush=True)
+    print(
+        f"   greedy accuracy of version {eval_version} on {len(args.eval_rows)} fixed problems: {final_eval:.3f} "
+        f"({time.monotonic() - t0:.0f}s)",
+        flush=True,
+    )
     shutil.rmtree(weights, ignore_errors=True)
     busy = [r["busy_s"] / max(1e-9, r["busy_s"] + r["idle_s"]) for r in reports.values()]
-    counters = {k: sum(float(r.get(k, 0)) for r in reports.values())
-                for k in {k for r in reports.values() for k in r if k.startswith(("repack", "pull"))}}
-    return summarize(steps, t_start, args.window) | {"run": run, "mode": mode, "max_staleness": staleness,
-                                                     "final_eval": final_eval, "eval_version": eval_version,
-                                                     "seed": seed, "generated_tokens": generated,
-                                                     "rollout_busy": sum(busy) / max(1, len(busy)),
-                                                     "label": label or mode, **counters}
+    counters = {
+        k: sum(float(r.get(k, 0)) for r in reports.values())
+        for k in {k for r in reports.values() for k in r if k.startswith(("repack", "pull"))}
+    }
+    return summarize(steps, t_start, args.window) | {
+        "run": run,
+        "mode": mode,
+        "max_staleness": staleness,
+        "final_eval": final_eval,
+        "eval_version": eval_version,
+        "seed": seed,
+        "generated_tokens": generated,
+        "rollout_busy": sum(busy) / max(1, len(busy)),
+        "label": label or mode,
+        **counters,
+    }
 
 
 def mean_over_seeds(runs: list[dict]) -> dict:
@@ -148,8 +188,10 @@ def mean_over_seeds(runs: list[dict]) -> dict:
     for key, value in runs[0].items():
         if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("max_staleness", "seed"):
             out[key] = sum(r[key] for r in runs) / len(runs)
-    out["staleness_tokens"] = {k: round(sum(r["staleness_tokens"].get(k, 0) for r in runs) / len(runs))
-                               for k in {k for r in runs for k in r["staleness_tokens"]}}
+    out["staleness_tokens"] = {
+        k: round(sum(r["staleness_tokens"].get(k, 0) for r in runs) / len(runs))
+        for k in {k for r in runs for k in r["staleness_tokens"]}
+    }
     evals = [r["final_eval"] for r in runs]
     out["eval_sd"] = (sum((e - out["final_eval"]) ** 2 for e in evals) / (len(evals) - 1)) ** 0.5
     out["evals"], out["seeds"] = evals, len(runs)
@@ -162,23 +204,39 @@ def summarize(steps: list[dict], t_start: float, window: int) -> dict:
     samples = sum(s["samples"] for s in steps)
     elapsed = steps[-1]["time"] - t_start
     rewards = [s["reward_mean"] for s in steps]
-    curve = [(s["time"] - t_start, sum(rewards[max(0, i - window + 1):i + 1]) / len(rewards[max(0, i - window + 1):i + 1]))
-             for i, s in enumerate(steps)]
-    tail = steps[int(len(steps) * 0.8):]
+    curve = [
+        (
+            s["time"] - t_start,
+            sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1]),
+        )
+        for i, s in enumerate(steps)
+    ]
+    tail = steps[int(len(steps) * 0.8) :]
     final = sum(s["reward_mean"] * s["samples"] for s in tail) / sum(s["samples"] for s in tail)
-    first = steps[:max(1, len(steps) // 10)]
+    first = steps[: max(1, len(steps) // 10)]
     start = sum(s["reward_mean"] * s["samples"] for s in first) / sum(s["samples"] for s in first)
     stale = {}
     for s in steps:
         for k, v in s["staleness"].items():
             stale[k] = stale.get(k, 0) + v
     tokens = sum(s["tokens"] for s in steps)
-    return {"steps": len(steps), "samples": samples, "seconds": elapsed, "samples_per_s": samples / elapsed,
-            "train_s": sum(s["train_s"] for s in steps),
-            "tokens": tokens, "tokens_per_s": tokens / elapsed, "start_reward": start, "final_reward": final,
-            "curve": curve, "response_len": sum(s["response_len"] for s in steps) / len(steps),
-            "trainer_wait_s": sum(s["wait_s"] for s in steps), "staleness_tokens": stale,
-            "stale_dropped": steps[-1].get("stale_dropped", 0), "tokens_wasted": steps[-1].get("tokens_wasted", 0)}
+    return {
+        "steps": len(steps),
+        "samples": samples,
+        "seconds": elapsed,
+        "samples_per_s": samples / elapsed,
+        "train_s": sum(s["train_s"] for s in steps),
+        "tokens": tokens,
+        "tokens_per_s": tokens / elapsed,
+        "start_reward": start,
+        "final_reward": final,
+        "curve": curve,
+        "response_len": sum(s["response_len"] for s in steps) / len(steps),
+        "trainer_wait_s": sum(s["wait_s"] for s in steps),
+        "staleness_tokens": stale,
+        "stale_dropped": steps[-1].get("stale_dropped", 0),
+        "tokens_wasted": steps[-1].get("tokens_wasted", 0),
+    }
 
 
 def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -195,21 +253,40 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warm-steps", type=int, default=400)
-    p.add_argument("--target", type=float, default=None,
-                   help="reward target for time-to-target (default: 0.95 x the lowest final reward of the variants)")
+    p.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="reward target for time-to-target (default: 0.95 x the lowest final reward of the variants)",
+    )
     p.add_argument("--window", type=int, default=10, help="steps in the moving mean used for time-to-target")
     p.add_argument("--max-minutes", type=float, default=8.0, help="cap per variant")
     p.add_argument("--eval-size", type=int, default=200, help="fixed problems for the greedy evaluation")
-    p.add_argument("--steps-per-version", type=int, default=1,
-                   help="optimizer steps between weight syncs, the same for every variant")
-    p.add_argument("--hard-max-staleness", type=int, default=0,
-                   help="policy tokens more versions behind than this are masked out (0: none)")
+    p.add_argument(
+        "--steps-per-version",
+        type=int,
+        default=1,
+        help="optimizer steps between weight syncs, the same for every variant",
+    )
+    p.add_argument(
+        "--hard-max-staleness",
+        type=int,
+        default=0,
+        help="policy tokens more versions behind than this are masked out (0: none)",
+    )
     p.add_argument("--seeds", type=int, default=1, help="runs per variant (seeds 0..N-1, interleaved); means")
-    p.add_argument("--simulate-gpu", action="store_true",
-                   help=f"the simulated GPU cost model: {SIMULATED_GPU} (sleeps; named in the output)")
+    p.add_argument(
+        "--simulate-gpu",
+        action="store_true",
+        help=f"the simulated GPU cost model: {SIMULATED_GPU} (sleeps; named in the output)",
+    )
     p.add_argument("--step-delay-ms", type=float, default=0.0, help="simulated cost of one engine step (sleep)")
-    p.add_argument("--simulated-train-us-per-token", type=float, default=0.0,
-                   help="simulated training cost per trained token (sleep)")
+    p.add_argument(
+        "--simulated-train-us-per-token",
+        type=float,
+        default=0.0,
+        help="simulated training cost per trained token (sleep)",
+    )
     p.add_argument("--verbose", action="store_true", help="echo the driver's progress lines")
     p.add_argument("--json", action="store_true", help="print every figure as JSON at the end")
 
@@ -218,11 +295,18 @@ def prepare(args) -> None:
     """Defaults that depend on other flags: the simulated GPU's costs, the budget in versions."""
     if args.simulate_gpu:
         args.step_delay_ms = args.step_delay_ms or SIMULATED_GPU["step_delay_ms"]
-        args.simulated_train_us_per_token = (args.simulated_train_us_per_token or
-                                             SIMULATED_GPU["simulated_train_us_per_token"])
+        args.simulated_train_us_per_token = (
+            args.simulated_train_us_per_token or SIMULATED_GPU["simulated_train_us_per_token"]
+        )
     budget = args.budget or (3072 if args.quick else 12288)
     per_version = args.group_size * args.batch_groups
     args.versions = max(2, budget // per_version)
+
+
+def stale_counts(st: dict) -> str:
+    """Trained tokens by staleness, as 0/1/2/3+ (keys are staleness as strings)."""
+    three_plus = sum(v for k, v in st.items() if int(k) >= 3)
+    return "/".join(str(st.get(k, 0)) for k in ("0", "1", "2")) + f"/{three_plus}"
 
 
 def main() -> None:
@@ -234,13 +318,19 @@ def main() -> None:
     tag = uuid.uuid4().hex[:6]
     model_dir = ROOT / "runs" / f"bench-{tag}-model"
     t0 = time.monotonic()
-    print(f"async vs sync: chain_sum, budget {args.versions * per_version} trained samples per variant "
-          f"({args.versions} steps x {args.batch_groups} groups x {args.group_size}), max_tokens {args.max_tokens}, "
-          f"lr {args.lr}, {args.steps_per_version} step(s) per version, hard_max_staleness {args.hard_max_staleness}, "
-          f"{args.seeds} seed(s), {os.cpu_count()} CPUs", flush=True)
+    print(
+        f"async vs sync: chain_sum, budget {args.versions * per_version} trained samples per variant "
+        f"({args.versions} steps x {args.batch_groups} groups x {args.group_size}), max_tokens {args.max_tokens}, "
+        f"lr {args.lr}, {args.steps_per_version} step(s) per version, hard_max_staleness {args.hard_max_staleness}, "
+        f"{args.seeds} seed(s), {os.cpu_count()} CPUs",
+        flush=True,
+    )
     if args.step_delay_ms or args.simulated_train_us_per_token:
-        print(f"SIMULATED COST (not measured hardware): every engine step sleeps {args.step_delay_ms:g} ms, the "
-              f"trainer sleeps {args.simulated_train_us_per_token:g} us per trained token", flush=True)
+        print(
+            f"SIMULATED COST (not measured hardware): every engine step sleeps {args.step_delay_ms:g} ms, the "
+            f"trainer sleeps {args.simulated_train_us_per_token:g} us per trained token",
+            flush=True,
+        )
     make_model(model_dir, args.warm_steps)
     from services.driver.tasks import chain_sum
 
@@ -248,7 +338,8 @@ def main() -> None:
     start_eval = evaluate(model_dir, None, args.eval_rows, args.max_tokens)
     print(f"greedy accuracy before RL on {args.eval_size} fixed problems: {start_eval:.3f}", flush=True)
     runs = {(mode, eta): [] for mode, eta in VARIANTS}
-    for seed in range(args.seeds):  # interleaved: seed 0 of every variant, then seed 1 of every variant...
+    # interleaved: seed 0 of every variant, then seed 1 of every variant...
+    for seed in range(args.seeds):
         for mode, eta in VARIANTS:
             runs[(mode, eta)].append(run_variant(args, mode, eta, model_dir, tag, seed))
     results = [mean_over_seeds(rs) for rs in runs.values()]
@@ -256,38 +347,59 @@ def main() -> None:
     target = args.target if args.target is not None else 0.95 * min(r["final_reward"] for r in results)
     sync = results[0]
     sync_ttt = time_to(sync["curve"], target)
-    print(f"\nresults (target reward {target:.3f}{'' if args.target is not None else ' = 0.95 x lowest final'}; "
-          f"moving mean over {args.window} steps)")
-    print(f"{'variant':<22}{'samples':>8}{'seconds':>9}{'samples/s':>11}{'x sync':>8}{'to target s':>13}{'x sync':>8}"
-          f"{'start r':>9}{'final r':>9}{'- sync':>8}{'eval':>7}{'- sync':>8}{'sd':>7}{'resp len':>9}{'tok/s':>8}{'x sync':>7}{'dropped':>8}"
-          f"{'wasted tok':>11}{'gen tok/s':>10}{'unused':>8}{'train %':>8} {'stale tok 0/1/2/3+':>26}")
+    print(
+        f"\nresults (target reward {target:.3f}{'' if args.target is not None else ' = 0.95 x lowest final'}; "
+        f"moving mean over {args.window} steps)"
+    )
+    print(
+        f"{'variant':<22}{'samples':>8}{'seconds':>9}{'samples/s':>11}{'x sync':>8}{'to target s':>13}{'x sync':>8}"
+        f"{'start r':>9}{'final r':>9}{'- sync':>8}{'eval':>7}{'- sync':>8}{'sd':>7}{'resp len':>9}{'tok/s':>8}"
+        f"{'x sync':>7}{'dropped':>8}"
+        f"{'wasted tok':>11}{'gen tok/s':>10}{'unused':>8}{'train %':>8} {'stale tok 0/1/2/3+':>26}"
+    )
     for r in results:
         ttt = time_to(r["curve"], target)
         st = r["staleness_tokens"]
         speed = sync_ttt / ttt if ttt and sync_ttt else float("nan")
-        print(f"{r['mode'] + ' max_staleness=' + str(r['max_staleness']):<22}{r['samples']:>8}{r['seconds']:>9.1f}"
-              f"{r['samples_per_s']:>11.1f}{r['samples_per_s'] / sync['samples_per_s']:>8.2f}"
-              f"{(f'{ttt:.1f}' if ttt is not None else 'never'):>13}{speed:>8.2f}"
-              f"{r['start_reward']:>9.3f}{r['final_reward']:>9.3f}{r['final_reward'] - sync['final_reward']:>+8.3f}"
-              f"{r['final_eval']:>7.3f}{r['final_eval'] - sync['final_eval']:>+8.3f}{r['eval_sd']:>7.3f}"
-              f"{r['response_len']:>9.1f}{r['tokens_per_s']:>8.0f}{r['tokens_per_s'] / sync['tokens_per_s']:>7.2f}"
-              f"{r['stale_dropped']:>8}{r['tokens_wasted']:>11}{r['generated_tokens'] / r['seconds']:>10.0f}"
-              f"{1 - r['tokens'] / max(1, r['generated_tokens']):>8.1%}{r['train_s'] / r['seconds']:>8.0%}"
-              f" {'/'.join(str(st.get(k, 0)) for k in ('0', '1', '2')) + '/' + str(sum(v for k, v in st.items() if int(k) >= 3)):>26}")
-    print(f"(x sync of 'to target' is sync's time / this variant's time: > 1 is faster; sd: eval's standard deviation "
-          f"over {args.seeds} seed(s); total {time.monotonic() - t0:.0f}s)")
+        print(
+            f"{r['mode'] + ' max_staleness=' + str(r['max_staleness']):<22}{r['samples']:>8}{r['seconds']:>9.1f}"
+            f"{r['samples_per_s']:>11.1f}{r['samples_per_s'] / sync['samples_per_s']:>8.2f}"
+            f"{(f'{ttt:.1f}' if ttt is not None else 'never'):>13}{speed:>8.2f}"
+            f"{r['start_reward']:>9.3f}{r['final_reward']:>9.3f}{r['final_reward'] - sync['final_reward']:>+8.3f}"
+            f"{r['final_eval']:>7.3f}{r['final_eval'] - sync['final_eval']:>+8.3f}{r['eval_sd']:>7.3f}"
+            f"{r['response_len']:>9.1f}{r['tokens_per_s']:>8.0f}{r['tokens_per_s'] / sync['tokens_per_s']:>7.2f}"
+            f"{r['stale_dropped']:>8}{r['tokens_wasted']:>11}{r['generated_tokens'] / r['seconds']:>10.0f}"
+            f"{1 - r['tokens'] / max(1, r['generated_tokens']):>8.1%}{r['train_s'] / r['seconds']:>8.0%}"
+            f" {stale_counts(st):>26}"
+        )
+    print(
+        f"(x sync of 'to target' is sync's time / this variant's time: > 1 is faster; sd: eval's standard deviation "
+        f"over {args.seeds} seed(s); total {time.monotonic() - t0:.0f}s)"
+    )
     if args.json:
         print(json.dumps({"target": target, "start_eval": start_eval, "results": results}, default=str))
     from bench.record import record
 
-    record("async_vs_sync", [
-        {"what": f"async (max_staleness {r['max_staleness']}) over sync, trained tokens/s on chain_sum, "
-                 f"{args.seeds} seed(s)",
-         "value": f"{r['tokens_per_s'] / sync['tokens_per_s']:.2f}x ({r['tokens_per_s']:,.0f} vs "
-                  f"{sync['tokens_per_s']:,.0f}); greedy eval {r['final_eval'] - sync['final_eval']:+.3f} vs sync"}
-        for r in results[1:]], ["services", "shared", "bench/async_vs_sync.py", "bench/runs.py"], quick=args.quick,
-        simulated=(f"every engine step sleeps {args.step_delay_ms:g} ms, the trainer {args.simulated_train_us_per_token:g}"
-                   f" us per trained token" if args.step_delay_ms or args.simulated_train_us_per_token else ""))
+    record(
+        "async_vs_sync",
+        [
+            {
+                "what": f"async (max_staleness {r['max_staleness']}) over sync, trained tokens/s on chain_sum, "
+                f"{args.seeds} seed(s)",
+                "value": f"{r['tokens_per_s'] / sync['tokens_per_s']:.2f}x ({r['tokens_per_s']:,.0f} vs "
+                f"{sync['tokens_per_s']:,.0f}); greedy eval {r['final_eval'] - sync['final_eval']:+.3f} vs sync",
+            }
+            for r in results[1:]
+        ],
+        ["services", "shared", "bench/async_vs_sync.py", "bench/runs.py"],
+        quick=args.quick,
+        simulated=(
+            f"every engine step sleeps {args.step_delay_ms:g} ms, the trainer {args.simulated_train_us_per_token:g}"
+            f" us per trained token"
+            if args.step_delay_ms or args.simulated_train_us_per_token
+            else ""
+        ),
+    )
 
 
 if __name__ == "__main__":

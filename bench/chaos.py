@@ -30,27 +30,61 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def one(root: Path, name: str, max_versions: int, chaos: list[str]) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_") and k != "REDIS_URL"}
-    args = [sys.executable, "-m", "services.ops.cli.main", "run", "--run", name, "--run-dir", str(root / "runs"),
-            "--model-dir", str(root / "model"), "--max-versions", str(max_versions), "--max-minutes", "30", *chaos]
+    args = [
+        sys.executable,
+        "-m",
+        "services.ops.cli.main",
+        "run",
+        "--run",
+        name,
+        "--run-dir",
+        str(root / "runs"),
+        "--model-dir",
+        str(root / "model"),
+        "--max-versions",
+        str(max_versions),
+        "--max-minutes",
+        "30",
+        *chaos,
+    ]
     t0 = time.monotonic()
     out = subprocess.run(args, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
     seconds = time.monotonic() - t0
     log = out.stdout + out.stderr
     (root / f"{name}.log").write_text(log)
-    rewards = [json.loads(line)["reward_mean"] for line in
-               (root / "runs" / name / "metrics.jsonl").read_text().splitlines() if '"reward_mean"' in line]
-    summary = [line for line in log.splitlines() if line.startswith(("streamrl run: chaos:", "  restarts:",
-                                                                      "  kill to the next", "  by process:"))]
-    return {"name": name, "rc": out.returncode, "seconds": seconds, "check_ok": "\nok\n" in log,
-            "last100": sum(rewards[-100:]) / max(len(rewards[-100:]), 1), "steps": len(rewards),
-            "regen": (re.findall(r"tokens generated again\s+(\S+)", log) or ["?"])[-1],
-            "takeovers": (re.findall(r"takeovers after a crash\s+(\d+)", log) or ["?"])[-1], "summary": summary,
-            "tail": "\n".join(line for line in log.splitlines() if "crashed" in line or "Traceback" in line
-                              or line.startswith("streamrl run:"))[-3000:] + f"\n(log: {root / name}.log)"
-            if out.returncode else ""}
+    rewards = [
+        json.loads(line)["reward_mean"]
+        for line in (root / "runs" / name / "metrics.jsonl").read_text().splitlines()
+        if '"reward_mean"' in line
+    ]
+    summary = [
+        line
+        for line in log.splitlines()
+        if line.startswith(("streamrl run: chaos:", "  restarts:", "  kill to the next", "  by process:"))
+    ]
+    return {
+        "name": name,
+        "rc": out.returncode,
+        "seconds": seconds,
+        "check_ok": "\nok\n" in log,
+        "last100": sum(rewards[-100:]) / max(len(rewards[-100:]), 1),
+        "steps": len(rewards),
+        "regen": (re.findall(r"tokens generated again\s+(\S+)", log) or ["?"])[-1],
+        "takeovers": (re.findall(r"takeovers after a crash\s+(\d+)", log) or ["?"])[-1],
+        "summary": summary,
+        "tail": "\n".join(
+            line
+            for line in log.splitlines()
+            if "crashed" in line or "Traceback" in line or line.startswith("streamrl run:")
+        )[-3000:]
+        + f"\n(log: {root / name}.log)"
+        if out.returncode
+        else "",
+    }
 
 
-KILLED = ("killed", "SIGKILL", "connection", "Connection", "gateway_stopping", "timed out")  # a kill's words
+# a kill's words
+KILLED = ("killed", "SIGKILL", "connection", "Connection", "gateway_stopping", "timed out")
 
 
 def agent_run(root: Path, spec: str, minutes: float, every: float, seed: int) -> bool:
@@ -60,13 +94,31 @@ def agent_run(root: Path, spec: str, minutes: float, every: float, seed: int) ->
     cli = [sys.executable, "-m", "services.ops.cli.main"]
     where = ["--run", "agent-chaos", "--run-dir", str(root / "runs")]
     t0 = time.monotonic()
-    out = subprocess.run(cli + ["run", *where, "--agent", spec, "--max-minutes", str(minutes), "--chaos", str(every),
-                                "--chaos-seed", str(seed)], cwd=ROOT, env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        cli
+        + [
+            "run",
+            *where,
+            "--agent",
+            spec,
+            "--max-minutes",
+            str(minutes),
+            "--chaos",
+            str(every),
+            "--chaos-seed",
+            str(seed),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     seconds = time.monotonic() - t0
     log = out.stdout + out.stderr
     (root / "agent-chaos.log").write_text(log)
-    listed = subprocess.run(cli + ["episodes", *where, "--kind", "agent", "--json"], cwd=ROOT, env=env,
-                            capture_output=True, text=True)
+    listed = subprocess.run(
+        cli + ["episodes", *where, "--kind", "agent", "--json"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     rows = json.loads(listed.stdout or "[]")
     outcomes: dict[str, int] = {}
     for r in rows:
@@ -78,9 +130,11 @@ def agent_run(root: Path, spec: str, minutes: float, every: float, seed: int) ->
     in_flight = int((re.findall(r"(\d+) in flight", log) or ["0"])[-1])
     by_kill = sum(n for why, n in reasons.items() if any(w in why for w in KILLED))
     unfinished = outcomes.get("running", 0) + outcomes.get("paused", 0)
-    print(f"agent run: rc {out.returncode}, {seconds:.0f} s, {len(rows)} agent episodes: "
-          + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
-          + f"; check {'ok' if chr(10) + 'ok' + chr(10) in log else 'FAILED'}; groups in flight at the end {in_flight}")
+    print(
+        f"agent run: rc {out.returncode}, {seconds:.0f} s, {len(rows)} agent episodes: "
+        + ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
+        + f"; check {'ok' if chr(10) + 'ok' + chr(10) in log else 'FAILED'}; groups in flight at the end {in_flight}"
+    )
     for line in log.splitlines():
         if line.startswith(("streamrl run: chaos:", "  restarts:", "  kill to the next", "  by process:")):
             print("   ", line.removeprefix("streamrl run: "))
@@ -102,23 +156,34 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-chaos-"))
     if args.agent:
         return 0 if agent_run(root, args.agent, args.minutes, args.every, args.seed) else 1
-    subprocess.run([sys.executable, "-m", "services.ops.cli.main", "make-model", "--model-dir", str(root / "model")],
-                   cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "services.ops.cli.main", "make-model", "--model-dir", str(root / "model")],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     ok = True
     for i in range(args.pairs):
         plain = one(root, f"plain{i}", args.max_versions, [])
-        chaotic = one(root, f"chaos{i}", args.max_versions, ["--chaos", str(args.every), "--chaos-seed",
-                                                             str(args.seed + i)])
+        chaotic = one(
+            root, f"chaos{i}", args.max_versions, ["--chaos", str(args.every), "--chaos-seed", str(args.seed + i)]
+        )
         for r in (plain, chaotic):
-            print(f"{r['name']}: rc {r['rc']}, {r['seconds']:.0f} s, {r['steps']} steps, last-100 reward "
-                  f"{r['last100']:.3f}, check {'ok' if r['check_ok'] else 'FAILED'}, tokens generated again "
-                  f"{r['regen']}, takeovers {r['takeovers']}", flush=True)
+            print(
+                f"{r['name']}: rc {r['rc']}, {r['seconds']:.0f} s, {r['steps']} steps, last-100 reward "
+                f"{r['last100']:.3f}, check {'ok' if r['check_ok'] else 'FAILED'}, tokens generated again "
+                f"{r['regen']}, takeovers {r['takeovers']}",
+                flush=True,
+            )
             for line in r["summary"]:
                 print("   ", line.removeprefix("streamrl run: "))
             if r["tail"]:
                 print(r["tail"])
-        print(f"pair {i}: time chaos/plain {chaotic['seconds'] / plain['seconds']:.2f}x, reward difference "
-              f"{chaotic['last100'] - plain['last100']:+.3f}", flush=True)
+        print(
+            f"pair {i}: time chaos/plain {chaotic['seconds'] / plain['seconds']:.2f}x, reward difference "
+            f"{chaotic['last100'] - plain['last100']:+.3f}",
+            flush=True,
+        )
         ok &= plain["check_ok"] and chaotic["check_ok"] and chaotic["rc"] == 0
     return 0 if ok else 1
 

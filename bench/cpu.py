@@ -17,7 +17,8 @@ def process_cpu_s(pid: int) -> float:
             fields = f.read().rsplit(")", 1)[1].split()
     except FileNotFoundError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime (fields 14 and 15 of stat)
+    # utime, stime (fields 14 and 15 of stat)
+    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def box_cpu_s() -> float:
@@ -25,7 +26,8 @@ def box_cpu_s() -> float:
     with open("/proc/stat") as f:
         vals = [int(x) for x in f.readline().split()[1:]]
     idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-    return (sum(vals[:8]) - idle) / TICK  # user nice system idle iowait irq softirq steal (guest is inside user)
+    # user nice system idle iowait irq softirq steal (guest is inside user)
+    return (sum(vals[:8]) - idle) / TICK
 
 
 def server_cpu_s(client) -> dict[str, float]:
@@ -38,8 +40,11 @@ def server_cpu_s(client) -> dict[str, float]:
         info = client.info("cpu")
     if "used_cpu_user" in info:
         return {"server": float(info["used_cpu_user"]) + float(info["used_cpu_sys"])}
-    return {str(node): float(v["used_cpu_user"]) + float(v["used_cpu_sys"])
-            for node, v in info.items() if isinstance(v, dict) and "used_cpu_user" in v}
+    return {
+        str(node): float(v["used_cpu_user"]) + float(v["used_cpu_sys"])
+        for node, v in info.items()
+        if isinstance(v, dict) and "used_cpu_user" in v
+    }
 
 
 @dataclass
@@ -51,8 +56,12 @@ class Snapshot:
 
 
 def snapshot(pids=(), client=None) -> Snapshot:
-    return Snapshot(time.monotonic(), box_cpu_s(), {pid: process_cpu_s(pid) for pid in pids},
-                    server_cpu_s(client) if client is not None else {})
+    return Snapshot(
+        time.monotonic(),
+        box_cpu_s(),
+        {pid: process_cpu_s(pid) for pid in pids},
+        server_cpu_s(client) if client is not None else {},
+    )
 
 
 def cores(a: Snapshot, b: Snapshot) -> dict:
@@ -60,8 +69,12 @@ def cores(a: Snapshot, b: Snapshot) -> dict:
     server (all nodes together) and server_max (the busiest node)."""
     dt = max(b.t - a.t, 1e-9)
     server = {n: (b.server[n] - a.server.get(n, 0.0)) / dt for n in b.server}
-    return {"box": (b.box - a.box) / dt, "procs": sum(b.procs[p] - a.procs.get(p, 0.0) for p in b.procs) / dt,
-            "server": sum(server.values()), "server_max": max(server.values(), default=0.0)}
+    return {
+        "box": (b.box - a.box) / dt,
+        "procs": sum(b.procs[p] - a.procs.get(p, 0.0) for p in b.procs) / dt,
+        "server": sum(server.values()),
+        "server_max": max(server.values(), default=0.0),
+    }
 
 
 def load_average() -> str:

@@ -28,7 +28,7 @@ def reached(records: list[dict], target: float = 0.9, window: int = 20) -> int |
     more (pure); None when the run never got there."""
     steps = [r for r in records if "reward_mean" in r and "version" in r]
     for i in range(window - 1, len(steps)):
-        if statistics.fmean(r["reward_mean"] for r in steps[i - window + 1:i + 1]) >= target:
+        if statistics.fmean(r["reward_mean"] for r in steps[i - window + 1 : i + 1]) >= target:
             return int(steps[i]["version"])
     return None
 
@@ -56,26 +56,41 @@ def main() -> int:
     final: dict[str, list] = {"default": [], "candidate": []}
     for seed in range(args.seeds):
         for name, extra in (("default", {}), ("candidate", candidate)):
-            flags = {"run": f"bench-{tag}-{name}-s{seed}", "seed": seed, "max_versions": args.max_versions,
-                     "log_level": "warning", **extra}
+            flags = {
+                "run": f"bench-{tag}-{name}-s{seed}",
+                "seed": seed,
+                "max_versions": args.max_versions,
+                "log_level": "warning",
+                **extra,
+            }
             _, records = streamrl_run(flags)
             v = reached(records)
             rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
             reach[name].append(v)
             final[name].append(statistics.fmean(rewards[-20:]) if rewards else float("nan"))
-            print(f"   {name} seed {seed}: 20-step mean reward 0.9 at version {v}; last 20 steps {final[name][-1]:.3f}",
-                  flush=True)
+            print(
+                f"   {name} seed {seed}: 20-step mean reward 0.9 at version {v}; last 20 steps {final[name][-1]:.3f}",
+                flush=True,
+            )
     fmt = lambda vs: ", ".join("never" if v is None else str(v) for v in vs)  # noqa: E731
     print(f"\nversion at which the 20-step mean reward first reaches 0.9 (seeds 0..{args.seeds - 1}):")
     print(f"  default:   {fmt(reach['default'])}   (last 20 steps: {', '.join(f'{x:.3f}' for x in final['default'])})")
-    print(f"  candidate {args.candidate}: {fmt(reach['candidate'])}   "
-          f"(last 20 steps: {', '.join(f'{x:.3f}' for x in final['candidate'])})")
-    record("defaults_reach", [
-        {"what": f"default job, versions to a 20-step mean reward of 0.9, today's defaults vs {args.candidate} "
-                 f"({args.seeds} seeds, interleaved)",
-         "value": f"**{fmt(reach['default'])} vs {fmt(reach['candidate'])}**"}],
+    print(
+        f"  candidate {args.candidate}: {fmt(reach['candidate'])}   "
+        f"(last 20 steps: {', '.join(f'{x:.3f}' for x in final['candidate'])})"
+    )
+    record(
+        "defaults_reach",
+        [
+            {
+                "what": f"default job, versions to a 20-step mean reward of 0.9, today's defaults vs {args.candidate} "
+                f"({args.seeds} seeds, interleaved)",
+                "value": f"**{fmt(reach['default'])} vs {fmt(reach['candidate'])}**",
+            }
+        ],
         ["services", "shared", "bench/defaults_reach.py", "bench/runs.py"],
-        extra={"reach": reach, "final_reward": final, "candidate": candidate})
+        extra={"reach": reach, "final_reward": final, "candidate": candidate},
+    )
     return 0
 
 

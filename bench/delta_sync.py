@@ -50,8 +50,8 @@ def free_port() -> int:
 def run_records(run_dir: Path, run: str) -> dict[str, list[dict]]:
     """kind -> the metrics records of an ended run, read from its own Redis data."""
     from services.ops.launch.redis_server import EmbeddedRedis
-    from shared.protocol.streams import metrics
     from shared.protocol.keys import Keys
+    from shared.protocol.streams import metrics
     from shared.runtime.connection import connect
 
     server = EmbeddedRedis(run_dir / run / "redis").start()
@@ -85,19 +85,39 @@ class Archive:
             try:
                 shutil.copy(p, self.dst / f".{p.name}.tmp")
                 os.replace(self.dst / f".{p.name}.tmp", self.dst / p.name)
-            except FileNotFoundError:  # pruned meanwhile
+            # pruned meanwhile
+            except FileNotFoundError:
                 pass
 
 
 def variant(args, tmp: Path, model_dir: Path, label: str, lr: float, max_chain: int, keep: set[int]) -> dict:
     run = f"bench-delta-{label}"
     run_dir, weights = tmp / "runs", tmp / f"weights-{label}"
-    flags = {"run": run, "run_dir": run_dir, "model_dir": model_dir, "dataset": "arithmetic",
-             "reward_fn": "bench.delta_reward:distinct_chars", "lr": lr, "publish_dtype": "bfloat16",
-             "delta_max_chain": max_chain, "weights_dir": weights, "weights_port": free_port(),
-             "weights_fetch": "always", "rollout_workers": 2, "max_versions": args.versions, "group_size": 4,
-             "batch_groups": 2, "max_tokens": 16, "max_groups_in_flight": 2, "max_batch_size": 8, "tools": "",
-             "val_every": 0, "max_staleness": 1, "log_level": "warning", "max_minutes": args.max_minutes}
+    flags = {
+        "run": run,
+        "run_dir": run_dir,
+        "model_dir": model_dir,
+        "dataset": "arithmetic",
+        "reward_fn": "bench.delta_reward:distinct_chars",
+        "lr": lr,
+        "publish_dtype": "bfloat16",
+        "delta_max_chain": max_chain,
+        "weights_dir": weights,
+        "weights_port": free_port(),
+        "weights_fetch": "always",
+        "rollout_workers": 2,
+        "max_versions": args.versions,
+        "group_size": 4,
+        "batch_groups": 2,
+        "max_tokens": 16,
+        "max_groups_in_flight": 2,
+        "max_batch_size": 8,
+        "tools": "",
+        "val_every": 0,
+        "max_staleness": 1,
+        "log_level": "warning",
+        "max_minutes": args.max_minutes,
+    }
     archive = Archive(weights, tmp / f"archive-{label}", keep)
     archive.thread.start()
     try:
@@ -113,26 +133,49 @@ def variant(args, tmp: Path, model_dir: Path, label: str, lr: float, max_chain: 
     newest = {}
     for r in recs["rollout"]:
         newest[r["worker"]] = r
-    workers = {k: sum(r.get(k, 0) for r in newest.values()) for k in
-               ("fetched_bytes", "delta_bytes", "delta_full_bytes", "delta_versions", "delta_fallbacks",
-                "delta_missing", "delta_fetch_s", "delta_apply_s", "fetches")}
+    workers = {
+        k: sum(r.get(k, 0) for r in newest.values())
+        for k in (
+            "fetched_bytes",
+            "delta_bytes",
+            "delta_full_bytes",
+            "delta_versions",
+            "delta_fallbacks",
+            "delta_missing",
+            "delta_fetch_s",
+            "delta_apply_s",
+            "fetches",
+        )
+    }
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
-    return {"label": label, "lr": lr, "max_chain": max_chain, "versions": len(recs["publish"]),
-            "full_mb": med([r["full_bytes"] / 1e6 for r in pub]),
-            "delta_pct_median": med([100 * r["delta_bytes"] / r["full_bytes"] for r in deltas]),
-            "delta_pct_max": max((100 * r["delta_bytes"] / r["full_bytes"] for r in deltas), default=float("nan")),
-            "changed_pct_median": med([100 * r["changed"] / r["elements"] for r in deltas]),
-            "over_floor_median": med([r["delta_bytes"] / r["floor_bytes"] for r in deltas]),
-            "over_floor_max": max((r["delta_bytes"] / r["floor_bytes"] for r in deltas), default=float("nan")),
-            "encode_s_median": med([r["encode_s"] for r in deltas]),
-            "fetch_s_median": med([r.get("fetch_s", 0.0) for r in syncs]),
-            "paused_s_median": med([r["paused_s"] for r in syncs]),
-            "train_s_median": med([s["train_s"] for s in steps if s["version"] > 10]),
-            "commit_s_median": med([s["commit_s"] for s in steps if s["version"] > 10 and s["commit_s"]]),
-            "syncs": len(syncs), "deltas": len(deltas), **workers,
-            "per_version": [{k: r.get(k) for k in ("version", "full_bytes", "delta_bytes", "floor_bytes", "changed",
-                                                    "elements", "encode_s")} for r in recs["publish"]],
-            "archive": str(archive.dst)}
+    return {
+        "label": label,
+        "lr": lr,
+        "max_chain": max_chain,
+        "versions": len(recs["publish"]),
+        "full_mb": med([r["full_bytes"] / 1e6 for r in pub]),
+        "delta_pct_median": med([100 * r["delta_bytes"] / r["full_bytes"] for r in deltas]),
+        "delta_pct_max": max((100 * r["delta_bytes"] / r["full_bytes"] for r in deltas), default=float("nan")),
+        "changed_pct_median": med([100 * r["changed"] / r["elements"] for r in deltas]),
+        "over_floor_median": med([r["delta_bytes"] / r["floor_bytes"] for r in deltas]),
+        "over_floor_max": max((r["delta_bytes"] / r["floor_bytes"] for r in deltas), default=float("nan")),
+        "encode_s_median": med([r["encode_s"] for r in deltas]),
+        "fetch_s_median": med([r.get("fetch_s", 0.0) for r in syncs]),
+        "paused_s_median": med([r["paused_s"] for r in syncs]),
+        "train_s_median": med([s["train_s"] for s in steps if s["version"] > 10]),
+        "commit_s_median": med([s["commit_s"] for s in steps if s["version"] > 10 and s["commit_s"]]),
+        "syncs": len(syncs),
+        "deltas": len(deltas),
+        **workers,
+        "per_version": [
+            {
+                k: r.get(k)
+                for k in ("version", "full_bytes", "delta_bytes", "floor_bytes", "changed", "elements", "encode_s")
+            }
+            for r in recs["publish"]
+        ],
+        "archive": str(archive.dst),
+    }
 
 
 def codecs(archive: Path, v: int) -> dict:
@@ -147,8 +190,13 @@ def codecs(archive: Path, v: int) -> dict:
         delta = wd.encode(base, target, v, v - 1, codec=codec)
         t1 = time.perf_counter()
         assert wd.apply(base, delta) == target
-        out[codec] = {"bytes": len(delta), "pct": 100 * len(delta) / len(target), "over_floor": len(delta) / floor,
-                      "encode_s": t1 - t0, "apply_s": time.perf_counter() - t1}
+        out[codec] = {
+            "bytes": len(delta),
+            "pct": 100 * len(delta) / len(target),
+            "over_floor": len(delta) / floor,
+            "encode_s": t1 - t0,
+            "apply_s": time.perf_counter() - t1,
+        }
     return out
 
 
@@ -156,8 +204,8 @@ def behind(archive: Path, tmp: Path, start: int, target: int) -> dict:
     """A worker holding ``start`` gets ``target`` over HTTP: the chain of deltas vs the full file."""
     from services.rollout.weights.local import LocalWeights
     from shared.runtime import logs
-    from shared.runtime.weights.checksum import sha256_file
     from shared.runtime.config.keys import Config
+    from shared.runtime.weights.checksum import sha256_file
     from shared.runtime.weights.server import WeightServer, file_name
 
     server = WeightServer(archive).start()
@@ -168,14 +216,21 @@ def behind(archive: Path, tmp: Path, start: int, target: int) -> dict:
             folder = tmp / f"behind-{label}"
             folder.mkdir(mode=0o700)
             shutil.copy(archive / file_name(start), folder / file_name(start))
-            w = LocalWeights(Config(run="bench", weights_fetch="always", rollout_weights_dir=str(folder),
-                                    delta_max_chain=chain), logs.get("bench"))
+            w = LocalWeights(
+                Config(run="bench", weights_fetch="always", rollout_weights_dir=str(folder), delta_max_chain=chain),
+                logs.get("bench"),
+            )
             t0 = time.perf_counter()
             got = w.local(target, str(tmp / "elsewhere" / file_name(target)), digest, server.url_of(target))
             seconds = time.perf_counter() - t0
             assert sha256_file(got) == digest
-            out[label] = {"seconds": seconds, "bytes": w.stats["fetched_bytes"], "steps": w.stats["delta_steps"],
-                          "fetch_s": w.stats["delta_fetch_s"], "apply_s": w.stats["delta_apply_s"]}
+            out[label] = {
+                "seconds": seconds,
+                "bytes": w.stats["fetched_bytes"],
+                "steps": w.stats["delta_steps"],
+                "fetch_s": w.stats["delta_fetch_s"],
+                "apply_s": w.stats["delta_apply_s"],
+            }
     finally:
         server.stop()
     return out
@@ -207,9 +262,18 @@ def main() -> int:
     load = os.getloadavg()
     print(table(results, extra, load))
     rows = headline(results, extra)
-    record("delta_sync", rows, ["shared/protocol/weights/delta.py", "shared/runtime/weights/delta_fetch.py",
-                                "services/trainer/deltas.py", "services/rollout/weights"],
-           quick=args.quick, extra={"variants": results, **extra, "load": load})
+    record(
+        "delta_sync",
+        rows,
+        [
+            "shared/protocol/weights/delta.py",
+            "shared/runtime/weights/delta_fetch.py",
+            "services/trainer/deltas.py",
+            "services/rollout/weights",
+        ],
+        quick=args.quick,
+        extra={"variants": results, **extra, "load": load},
+    )
     print(f"(total {time.perf_counter() - t_start:.0f} s)")
     if args.json:
         print(json.dumps({"variants": results, **extra}, indent=1, default=str))
@@ -217,45 +281,72 @@ def main() -> int:
 
 
 def table(results: list[dict], extra: dict, load) -> str:
-    lines = ["| variant | versions | file MB | delta % of file (median / max) | changed % | delta / floor (median / "
-             "max) | encode s | fetch phase s | pause s | train step s | commit s | worker MB downloaded | from deltas"
-             " | fallbacks |", "|" + "---|" * 14]
+    lines = [
+        "| variant | versions | file MB | delta % of file (median / max) | changed % | delta / floor (median / "
+        "max) | encode s | fetch phase s | pause s | train step s | commit s | worker MB downloaded | from deltas"
+        " | fallbacks |",
+        "|" + "---|" * 14,
+    ]
     for r in results:
-        lines.append(f"| {r['label']} | {r['versions']} | {r['full_mb']:.1f} | {r['delta_pct_median']:.2f} / "
-                     f"{r['delta_pct_max']:.2f} | {r['changed_pct_median']:.2f} | {r['over_floor_median']:.3f} / "
-                     f"{r['over_floor_max']:.3f} | {r['encode_s_median']:.2f} | {r['fetch_s_median']:.3f} | "
-                     f"{r['paused_s_median']:.3f} | {r['train_s_median']:.3f} | {r['commit_s_median']:.2f} | "
-                     f"{r['fetched_bytes'] / 1e6:.1f} | {r['delta_versions']} | {r['delta_fallbacks']} |")
+        lines.append(
+            f"| {r['label']} | {r['versions']} | {r['full_mb']:.1f} | {r['delta_pct_median']:.2f} / "
+            f"{r['delta_pct_max']:.2f} | {r['changed_pct_median']:.2f} | {r['over_floor_median']:.3f} / "
+            f"{r['over_floor_max']:.3f} | {r['encode_s_median']:.2f} | {r['fetch_s_median']:.3f} | "
+            f"{r['paused_s_median']:.3f} | {r['train_s_median']:.3f} | {r['commit_s_median']:.2f} | "
+            f"{r['fetched_bytes'] / 1e6:.1f} | {r['delta_versions']} | {r['delta_fallbacks']} |"
+        )
     c = extra["codecs"]
-    lines += ["", f"codecs on v{c['version'] - 1} -> v{c['version']} (lr 1e-6), floor {c['floor_bytes'] / 1e3:.0f} kB "
-              f"of {c['full_bytes'] / 1e6:.1f} MB:"]
+    lines += [
+        "",
+        f"codecs on v{c['version'] - 1} -> v{c['version']} (lr 1e-6), floor {c['floor_bytes'] / 1e3:.0f} kB "
+        f"of {c['full_bytes'] / 1e6:.1f} MB:",
+    ]
     for name in ("sparse", "values", "xor"):
         x = c[name]
-        lines.append(f"  {name:7s} {x['bytes'] / 1e3:8.0f} kB  {x['pct']:.2f}% of the file  {x['over_floor']:.3f}x the "
-                     f"floor  encode {x['encode_s']:.2f} s  apply+sha256 {x['apply_s']:.2f} s")
+        lines.append(
+            f"  {name:7s} {x['bytes'] / 1e3:8.0f} kB  {x['pct']:.2f}% of the file  {x['over_floor']:.3f}x the "
+            f"floor  encode {x['encode_s']:.2f} s  apply+sha256 {x['apply_s']:.2f} s"
+        )
     b = extra["behind"]
-    lines += ["", f"a worker {b['to'] - b['from']} versions behind (v{b['from']} -> v{b['to']}) over HTTP:",
-              f"  full file  {b['full']['bytes'] / 1e6:.1f} MB in {b['full']['seconds']:.2f} s",
-              f"  deltas     {b['deltas']['bytes'] / 1e6:.2f} MB in {b['deltas']['seconds']:.2f} s ({b['deltas']['steps']}"
-              f" deltas: fetch {b['deltas']['fetch_s']:.2f} s, apply + sha256 {b['deltas']['apply_s']:.2f} s)",
-              f"(load average {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}; 2 cores shared with other work)"]
+    lines += [
+        "",
+        f"a worker {b['to'] - b['from']} versions behind (v{b['from']} -> v{b['to']}) over HTTP:",
+        f"  full file  {b['full']['bytes'] / 1e6:.1f} MB in {b['full']['seconds']:.2f} s",
+        f"  deltas     {b['deltas']['bytes'] / 1e6:.2f} MB in {b['deltas']['seconds']:.2f} s ({b['deltas']['steps']}"
+        f" deltas: fetch {b['deltas']['fetch_s']:.2f} s, apply + sha256 {b['deltas']['apply_s']:.2f} s)",
+        f"(load average {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}; 2 cores shared with other work)",
+    ]
     return "\n".join(lines)
 
 
 def headline(results: list[dict], extra: dict) -> list[dict]:
     by = {r["label"]: r for r in results}
     d = by["deltas-1e-6"]
-    rows = [{"what": "delta bytes per version, lr 1e-6, after v10 (median / max % of the bf16 file)",
-             "value": f"{d['delta_pct_median']:.2f} % / {d['delta_pct_max']:.2f} %"},
-            {"what": "delta over the entropy floor, lr 1e-6 (median / max)",
-             "value": f"{d['over_floor_median']:.3f}x / {d['over_floor_max']:.3f}x"}]
+    rows = [
+        {
+            "what": "delta bytes per version, lr 1e-6, after v10 (median / max % of the bf16 file)",
+            "value": f"{d['delta_pct_median']:.2f} % / {d['delta_pct_max']:.2f} %",
+        },
+        {
+            "what": "delta over the entropy floor, lr 1e-6 (median / max)",
+            "value": f"{d['over_floor_median']:.3f}x / {d['over_floor_max']:.3f}x",
+        },
+    ]
     if "deltas-1e-5" in by:
-        rows.append({"what": "delta bytes per version, lr 1e-5 (median % of the file)",
-                     "value": f"{by['deltas-1e-5']['delta_pct_median']:.2f} %"})
+        rows.append(
+            {
+                "what": "delta bytes per version, lr 1e-5 (median % of the file)",
+                "value": f"{by['deltas-1e-5']['delta_pct_median']:.2f} %",
+            }
+        )
     b = extra["behind"]
-    rows.append({"what": f"a worker {b['to'] - b['from']} versions behind: chain vs full file (bytes, seconds)",
-                 "value": f"{b['deltas']['bytes'] / 1e6:.2f} MB in {b['deltas']['seconds']:.2f} s vs "
-                          f"{b['full']['bytes'] / 1e6:.1f} MB in {b['full']['seconds']:.2f} s"})
+    rows.append(
+        {
+            "what": f"a worker {b['to'] - b['from']} versions behind: chain vs full file (bytes, seconds)",
+            "value": f"{b['deltas']['bytes'] / 1e6:.2f} MB in {b['deltas']['seconds']:.2f} s vs "
+            f"{b['full']['bytes'] / 1e6:.1f} MB in {b['full']['seconds']:.2f} s",
+        }
+    )
     return rows
 
 

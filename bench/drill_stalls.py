@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.ops.check.checker import check, format_report, read_run  # noqa: E402
 from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
 from shared.protocol import gate  # noqa: E402
-from shared.protocol.streams import control
 from shared.protocol.episode.events import EventError, decode  # noqa: E402
+from shared.protocol.streams import control
 from tests.support.fault_run import LiveRun  # noqa: E402
 
 TTL = 2.0
@@ -71,13 +71,22 @@ def rolling_stall(run: LiveRun, cursor: str, newer_than: int) -> tuple[str, str,
     while time.monotonic() < deadline:
         for entry_id, entry in _entries_after(run, cursor):
             cursor = entry_id
-            if isinstance(entry, control.Command) and entry.cmd == "pause" and len(entry.targets) == 1 \
-                    and entry.version > newer_than and entry.targets[0] in run.procs:
+            if (
+                isinstance(entry, control.Command)
+                and entry.cmd == "pause"
+                and len(entry.targets) == 1
+                and entry.version > newer_than
+                and entry.targets[0] in run.procs
+            ):
                 victim, v = entry.targets[0], entry.version
                 _signal(run, victim, signal.SIGSTOP)
-                try:  # the wave goes on without it (sync_timeout), and the next one too: the gate a version ahead
-                    run.wait(lambda: (gate.complete_version(run.client, run.keys) or 0) > v,
-                             f"the gate complete past v{v}", timeout=120)
+                # the wave goes on without it (sync_timeout), and the next one too: the gate a version ahead
+                try:
+                    run.wait(
+                        lambda: (gate.complete_version(run.client, run.keys) or 0) > v,
+                        f"the gate complete past v{v}",
+                        timeout=120,
+                    )
                 finally:
                     _signal(run, victim, signal.SIGCONT)
                 now = gate.complete_version(run.client, run.keys)
@@ -109,10 +118,29 @@ def main() -> int:
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="drill-stalls-"))
     model = make_tiny_model(str(root / "model"))
-    run = LiveRun(root, run="stalls", model_dir=model, tools="", max_tokens=48, group_size=2, batch_groups=2,
-                  max_staleness=1, sync_mode="rolling", max_loading=1, sync_timeout=3.0, fetch_timeout=10.0,
-                  flush_tokens=8, flush_ms=100.0, step_delay_ms=20.0, heartbeat_ttl=TTL, max_groups_in_flight=4,
-                  max_minutes=30.0, max_versions=100_000, val_every=0, log_level="info")
+    run = LiveRun(
+        root,
+        run="stalls",
+        model_dir=model,
+        tools="",
+        max_tokens=48,
+        group_size=2,
+        batch_groups=2,
+        max_staleness=1,
+        sync_mode="rolling",
+        max_loading=1,
+        sync_timeout=3.0,
+        fetch_timeout=10.0,
+        flush_tokens=8,
+        flush_ms=100.0,
+        step_delay_ms=20.0,
+        heartbeat_ttl=TTL,
+        max_groups_in_flight=4,
+        max_minutes=30.0,
+        max_versions=100_000,
+        val_every=0,
+        log_level="info",
+    )
     failures = 0
     try:
         run.start(rollout_workers=3)
@@ -125,8 +153,11 @@ def main() -> int:
             victim = run.names("rollout")[i % 3]
             taken = redis_after_stall(run, victim)
             failures += taken > 0
-            print(f"redis restart {i + 1}/{args.redis_tries}: {victim} stalled 1.3 ttl before it; "
-                  f"its episodes taken over after the restart: {taken}", flush=True)
+            print(
+                f"redis restart {i + 1}/{args.redis_tries}: {victim} stalled 1.3 ttl before it; "
+                f"its episodes taken over after the restart: {taken}",
+                flush=True,
+            )
         run.stop()
         events = _token_events(run)
         newest: dict[str, int] = {}

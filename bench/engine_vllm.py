@@ -35,15 +35,14 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.rollout.engine import SamplingParams, make_engine  # noqa: E402
 from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
+from services.rollout.engine import SamplingParams, make_engine  # noqa: E402
 
 
 def throughput(engine, n_req: int, prompt_len: int, new_tokens: int, seed: int) -> float:
     params = SamplingParams(temperature=1.0, seed=seed, max_tokens=new_tokens)
     for i in range(n_req):
-        engine.add_request(f"r{seed}-{i}", [1] + [20 + (i + j) % 60 for j in range(prompt_len - 1)], params,
-                           new_tokens)
+        engine.add_request(f"r{seed}-{i}", [1] + [20 + (i + j) % 60 for j in range(prompt_len - 1)], params, new_tokens)
     t0 = time.perf_counter()
     tokens = 0
     while engine.has_unfinished():
@@ -102,15 +101,21 @@ def main() -> None:
     from safetensors.torch import load_file, save_file
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-engine-"))
-    model_dir = make_tiny_model(tmp / "model", hidden_size=args.hidden, num_layers=args.layers,
-                                num_heads=args.hidden // 32, intermediate_size=4 * args.hidden)
+    model_dir = make_tiny_model(
+        tmp / "model",
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.hidden // 32,
+        intermediate_size=4 * args.hidden,
+    )
     base = load_file(f"{model_dir}/model.safetensors")
     paths = []
     for v in range(2):
         gen = torch.Generator().manual_seed(v)
         path = tmp / f"v{v:06d}.safetensors"
-        save_file({k: (t + 0.01 * torch.randn(t.shape, generator=gen)).contiguous() for k, t in base.items()},
-                  str(path))
+        save_file(
+            {k: (t + 0.01 * torch.randn(t.shape, generator=gen)).contiguous() for k, t in base.items()}, str(path)
+        )
         paths.append(str(path))
 
     t0 = time.perf_counter()
@@ -118,11 +123,16 @@ def main() -> None:
     start = {"torch": time.perf_counter() - t0}
     for name, dtype in (("vllm", "float32"), ("vllm-bf16", "bfloat16")):
         t0 = time.perf_counter()
-        engines[name] = make_engine("vllm", model_dir, max_batch_size=args.requests,
-                                    vllm_args=json.dumps({"dtype": dtype, "kv_cache_memory_bytes": 256 << 20}))
+        engines[name] = make_engine(
+            "vllm",
+            model_dir,
+            max_batch_size=args.requests,
+            vllm_args=json.dumps({"dtype": dtype, "kv_cache_memory_bytes": 256 << 20}),
+        )
         start[name] = time.perf_counter() - t0
-    dtypes = {name: str(e.llm.model_config.dtype).removeprefix("torch.") for name, e in engines.items()
-              if name != "torch"}
+    dtypes = {
+        name: str(e.llm.model_config.dtype).removeprefix("torch.") for name, e in engines.items() if name != "torch"
+    }
 
     # warm-up: first calls allocate, build kernels, fill caches
     for e in engines.values():
@@ -131,11 +141,12 @@ def main() -> None:
         reload(e, paths, 1)
         reload(e, paths, 0)
 
-    res: dict[str, dict[str, list[float]]] = {n: {"tok_s": [], "abort_ms": [], "resume_ms": [], "reload_ms": []}
-                                              for n in engines}
+    res: dict[str, dict[str, list[float]]] = {
+        n: {"tok_s": [], "abort_ms": [], "resume_ms": [], "reload_ms": []} for n in engines
+    }
     order = list(engines)
     for rep in range(reps):
-        for name in (order if rep % 2 == 0 else order[::-1]):
+        for name in order if rep % 2 == 0 else order[::-1]:
             e = engines[name]
             res[name]["tok_s"].append(throughput(e, args.requests, args.prompt, args.tokens, seed=rep))
             if name == "vllm-bf16":
@@ -146,8 +157,10 @@ def main() -> None:
             res[name]["reload_ms"].append(reload(e, paths, rep + 1) * 1e3)
     med = {n: {k: statistics.median(v) if v else float("nan") for k, v in r.items()} for n, r in res.items()}
     # per-rep ratios (the two were measured back to back), then their median: steadier on a shared box
-    ratio = {k: statistics.median(v / t for v, t in zip(res["vllm"][k], res["torch"][k]))
-             for k in ("tok_s", "abort_ms", "resume_ms", "reload_ms")}
+    ratio = {
+        k: statistics.median(v / t for v, t in zip(res["vllm"][k], res["torch"][k]))
+        for k in ("tok_s", "abort_ms", "resume_ms", "reload_ms")
+    }
     ratio["bf16_tok_s"] = statistics.median(b / v for b, v in zip(res["vllm-bf16"]["tok_s"], res["vllm"]["tok_s"]))
     for e in engines.values():
         if hasattr(e, "close"):
@@ -156,24 +169,37 @@ def main() -> None:
     if args.json:
         print(json.dumps({"median": med, "ratios": ratio, "start_s": start, "dtypes": dtypes, "reps": res}, indent=1))
         return
-    print(f"vllm {vllm.__version__}, torch {torch.__version__}, Python {platform.python_version()}, "
-          f"{os.cpu_count()} CPUs")
-    print(f"tiny Llama: hidden {args.hidden}, {args.layers} layers, head size 32, vocab 100; "
-          f"{args.requests} requests x {args.prompt} prompt tokens -> {args.tokens} new tokens, temperature 1; "
-          f"median of {reps} interleaved reps")
-    print(f"{'engine':20} | {'start s':>7} | {'rollout tok/s':>13} | {'abort_all ms':>12} | {'resume ms':>9} | "
-          f"{'reload ms':>9}")
+    print(
+        f"vllm {vllm.__version__}, torch {torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs"
+    )
+    print(
+        f"tiny Llama: hidden {args.hidden}, {args.layers} layers, head size 32, vocab 100; "
+        f"{args.requests} requests x {args.prompt} prompt tokens -> {args.tokens} new tokens, temperature 1; "
+        f"median of {reps} interleaved reps"
+    )
+    print(
+        f"{'engine':20} | {'start s':>7} | {'rollout tok/s':>13} | {'abort_all ms':>12} | {'resume ms':>9} | "
+        f"{'reload ms':>9}"
+    )
     for name, m in med.items():
         label = name if name == "torch" else f"{name} ({dtypes[name]})"
-        print(f"{label:20} | {start[name]:7.1f} | {m['tok_s']:13,.0f} | {m['abort_ms']:12.2f} | "
-              f"{m['resume_ms']:9.1f} | {m['reload_ms']:9.1f}")
-    print(f"vllm/torch (float32), median of per-rep ratios: rollout tok/s x{ratio['tok_s']:.2f}, "
-          f"abort_all time x{ratio['abort_ms']:.2f}, resume time x{ratio['resume_ms']:.2f}, "
-          f"reload time x{ratio['reload_ms']:.2f}; vllm bf16/fp32 tok/s x{ratio['bf16_tok_s']:.2f}")
-    print("per-rep rollout tok/s: " + "; ".join(f"{n} " + " ".join(f"{x:,.0f}" for x in r["tok_s"])
-                                                for n, r in res.items()))
-    print("(abort_all = what a worker does on pause; resume = re-add every request from prompt + tokens so far "
-          "until each has its next token; reload = load_weights of one safetensors file incl. vLLM's prefix-cache reset)")
+        print(
+            f"{label:20} | {start[name]:7.1f} | {m['tok_s']:13,.0f} | {m['abort_ms']:12.2f} | "
+            f"{m['resume_ms']:9.1f} | {m['reload_ms']:9.1f}"
+        )
+    print(
+        f"vllm/torch (float32), median of per-rep ratios: rollout tok/s x{ratio['tok_s']:.2f}, "
+        f"abort_all time x{ratio['abort_ms']:.2f}, resume time x{ratio['resume_ms']:.2f}, "
+        f"reload time x{ratio['reload_ms']:.2f}; vllm bf16/fp32 tok/s x{ratio['bf16_tok_s']:.2f}"
+    )
+    print(
+        "per-rep rollout tok/s: "
+        + "; ".join(f"{n} " + " ".join(f"{x:,.0f}" for x in r["tok_s"]) for n, r in res.items())
+    )
+    print(
+        "(abort_all = what a worker does on pause; resume = re-add every request from prompt + tokens so far "
+        "until each has its next token; reload = load_weights of one safetensors file incl. vLLM's prefix-cache reset)"
+    )
 
 
 if __name__ == "__main__":

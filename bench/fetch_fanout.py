@@ -59,21 +59,58 @@ def bench(client, redis_url: str, model_dir: str, root: Path, workers: int, fano
     trainer_dir = root / f"{keys.run}-trainer"
     trainer_dir.mkdir()
     server = WeightServer(trainer_dir).start()
-    cfg = Config(run=keys.run, model_dir=model_dir, sync_timeout=600.0, fetch_timeout=600.0, heartbeat_ttl=60.0,
-                 relay_fanout=fanout)
+    cfg = Config(
+        run=keys.run,
+        model_dir=model_dir,
+        sync_timeout=600.0,
+        fetch_timeout=600.0,
+        heartbeat_ttl=60.0,
+        relay_fanout=fanout,
+    )
     names = [f"W{i}" for i in range(workers)]
-    procs = [subprocess.Popen([sys.executable, "-m", "services.rollout", "--worker-id", w, "--run", keys.run,
-                               "--redis-url", redis_url, "--model-dir", model_dir, "--tools", "",
-                               "--heartbeat-ttl", "60", "--log-level", "warning", "--weights-fetch", "always",
-                               "--rollout-weights-dir", str(root / f"{keys.run}-{w}"), "--relay-port", "-1"],
-                              start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for w in names]
-    syncers = {"trainer only": TrainerOnlySyncer(cfg, client, logs.get("bench-syncer")),
-               "relay tree": Syncer(cfg, client, logs.get("bench-syncer"))}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.rollout",
+                "--worker-id",
+                w,
+                "--run",
+                keys.run,
+                "--redis-url",
+                redis_url,
+                "--model-dir",
+                model_dir,
+                "--tools",
+                "",
+                "--heartbeat-ttl",
+                "60",
+                "--log-level",
+                "warning",
+                "--weights-fetch",
+                "always",
+                "--rollout-weights-dir",
+                str(root / f"{keys.run}-{w}"),
+                "--relay-port",
+                "-1",
+            ],
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for w in names
+    ]
+    syncers = {
+        "trainer only": TrainerOnlySyncer(cfg, client, logs.get("bench-syncer")),
+        "relay tree": Syncer(cfg, client, logs.get("bench-syncer")),
+    }
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     rows = []
     try:
+
         def relaying() -> int:
             return sum(1 for info in heartbeat.alive_of(client, keys, "rollout").values() if info.get("relay"))
+
         wait(lambda: relaying() == workers, "every worker up with its relay", procs)
         for version in range(1, 2 * reps + 1):
             mode = MODES[(version - 1) % 2]
@@ -83,30 +120,57 @@ def bench(client, redis_url: str, model_dir: str, root: Path, workers: int, fano
             record = syncers[mode].sync(version, str(path), digest, server.url_of(version))
             assert record["workers"] == workers and not record["missing"] and not record["refused"], record
             sent = server.sent_bytes - before
-            rows.append({"mode": mode, "version": version, "trainer_bytes": sent,
-                         "copies": sent / path.stat().st_size, "fetch_s": record["fetch_s"],
-                         "levels": record["fetch_levels"], "relayed": len(record["relayed"])})
-            print(f"  v{version} {mode:<13} trainer sent {sent / 1e6:8.1f} MB = {rows[-1]['copies']:.2f} copies, "
-                  f"fetch {record['fetch_s']:.2f} s, {record['fetch_levels']} level(s)", flush=True)
+            rows.append(
+                {
+                    "mode": mode,
+                    "version": version,
+                    "trainer_bytes": sent,
+                    "copies": sent / path.stat().st_size,
+                    "fetch_s": record["fetch_s"],
+                    "levels": record["fetch_levels"],
+                    "relayed": len(record["relayed"]),
+                }
+            )
+            print(
+                f"  v{version} {mode:<13} trainer sent {sent / 1e6:8.1f} MB = {rows[-1]['copies']:.2f} copies, "
+                f"fetch {record['fetch_s']:.2f} s, {record['fetch_levels']} level(s)",
+                flush=True,
+            )
             keep_only(trainer_dir, path)
         size = path.stat().st_size
     finally:
         kill_all(procs)
         server.stop()
-    med = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m)
-               for k in ("trainer_bytes", "copies", "fetch_s", "levels", "relayed")} for m in MODES}
-    return {"bytes": size, "workers": workers, "fanout": fanout, "reps": reps, "median": med, "runs": rows,
-            "trainer_bytes_ratio": med["trainer only"]["trainer_bytes"] / med["relay tree"]["trainer_bytes"]}
+    med = {
+        m: {
+            k: statistics.median(r[k] for r in rows if r["mode"] == m)
+            for k in ("trainer_bytes", "copies", "fetch_s", "levels", "relayed")
+        }
+        for m in MODES
+    }
+    return {
+        "bytes": size,
+        "workers": workers,
+        "fanout": fanout,
+        "reps": reps,
+        "median": med,
+        "runs": rows,
+        "trainer_bytes_ratio": med["trainer only"]["trainer_bytes"] / med["relay tree"]["trainer_bytes"],
+    }
 
 
 def render(label: str, r: dict) -> str:
-    out = [f"model: {label}, {r['bytes'] / 1e6:.1f} MB per version; {r['workers']} rollout worker processes; "
-           f"relay_fanout {r['fanout']}; medians over {r['reps']} versions per mode, alternated in one run",
-           f"{'mode':<13} | {'trainer MB/version':>18} {'copies':>7} {'levels':>6} {'relayed':>7} {'fetch s':>8}"]
+    out = [
+        f"model: {label}, {r['bytes'] / 1e6:.1f} MB per version; {r['workers']} rollout worker processes; "
+        f"relay_fanout {r['fanout']}; medians over {r['reps']} versions per mode, alternated in one run",
+        f"{'mode':<13} | {'trainer MB/version':>18} {'copies':>7} {'levels':>6} {'relayed':>7} {'fetch s':>8}",
+    ]
     for m in MODES:
         x = r["median"][m]
-        out.append(f"{m:<13} | {x['trainer_bytes'] / 1e6:>18.1f} {x['copies']:>7.2f} {x['levels']:>6.0f} "
-                   f"{x['relayed']:>7.0f} {x['fetch_s']:>8.2f}")
+        out.append(
+            f"{m:<13} | {x['trainer_bytes'] / 1e6:>18.1f} {x['copies']:>7.2f} {x['levels']:>6.0f} "
+            f"{x['relayed']:>7.0f} {x['fetch_s']:>8.2f}"
+        )
     out.append(f"trainer bytes per version, trainer only / relay tree: {r['trainer_bytes_ratio']:.2f}x")
     return "\n".join(out)
 
@@ -126,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         label = "tiny default" if args.quick else "medium random-init (~30M parameters, float32)"
         model_dir = make_tiny_model(tmp / "model") if args.quick else make_tiny_model(tmp / "model", **MEDIUM)
         result = bench(client, url, model_dir, weights_dir, args.workers, args.fanout, args.reps)
-    print(f"weights folders in {'/dev/shm' if Path('/dev/shm').is_dir() else 'a temp dir'}; weight server and relays: "
-          f"uvicorn threads, loopback HTTP; syncer: Syncer.sync in the benchmark process; CPU, torch "
-          f"{torch.__version__}, {os.cpu_count()} cores (shared box)")
+    print(
+        f"weights folders in {'/dev/shm' if Path('/dev/shm').is_dir() else 'a temp dir'}; weight server and relays: "
+        f"uvicorn threads, loopback HTTP; syncer: Syncer.sync in the benchmark process; CPU, torch "
+        f"{torch.__version__}, {os.cpu_count()} cores (shared box)"
+    )
     return finish(render(label, result), t_start, result, args.json)
 
 

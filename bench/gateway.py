@@ -61,6 +61,7 @@ def main() -> None:
         from transformers import AutoTokenizer
 
         from services.gateway.chat import Renderer
+
         tok = AutoTokenizer.from_pretrained(model)
         renderer = Renderer(tok)
         prompt_ids = renderer.full(MESSAGES, None)
@@ -69,8 +70,11 @@ def main() -> None:
             gid = f"d{i}"
             key = keys.episode(f"{gid}-0")
             t0 = time.perf_counter()
-            enqueue(client, keys, [PromptGroup(gid, 1, prompt_ids=prompt_ids, sampling={
-                "max_tokens": args.tokens, "temperature": 0.0})])
+            enqueue(
+                client,
+                keys,
+                [PromptGroup(gid, 1, prompt_ids=prompt_ids, sampling={"max_tokens": args.tokens, "temperature": 0.0})],
+            )
             cursor = "0-0"
             while True:
                 reply = client.xread({key: cursor}, block=5000)
@@ -80,6 +84,7 @@ def main() -> None:
                         if decode_event(entry_id, fields).kind == "finished":
                             ms = (time.perf_counter() - t0) * 1000
                             from shared.protocol.episode.fold import fold
+
                             return ms, len(fold(client.xrange(key)).tokens)
 
         def gateway(i: int) -> tuple[float, int]:
@@ -90,7 +95,8 @@ def main() -> None:
             r = api.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=args.tokens, temperature=0)
             return (time.perf_counter() - t0) * 1000, r.usage.completion_tokens
 
-        direct(-1), gateway(-1)  # warm both paths (first prefill, imports, connections)
+        # warm both paths (first prefill, imports, connections)
+        direct(-1), gateway(-1)
         d_ms, g_ms, ratios, d_tok, g_tok = [], [], [], [], []
         for i in range(args.calls):
             order = (direct, gateway) if i % 2 == 0 else (gateway, direct)
@@ -102,17 +108,25 @@ def main() -> None:
         print(f"  tokens per call: direct {sorted(set(d_tok))}, gateway {sorted(set(g_tok))}")
         print(f"  direct path  median {statistics.median(d_ms):8.1f} ms")
         print(f"  gateway      median {statistics.median(g_ms):8.1f} ms")
-        print(f"  ratio gateway/direct (median of pairs) {statistics.median(ratios):.3f}  "
-              f"(+{statistics.median(g_ms) - statistics.median(d_ms):.1f} ms)")
+        print(
+            f"  ratio gateway/direct (median of pairs) {statistics.median(ratios):.3f}  "
+            f"(+{statistics.median(g_ms) - statistics.median(d_ms):.1f} ms)"
+        )
         from bench.record import record
 
-        record("gateway", [
-            {"what": f"a {args.tokens}-token call through the gateway (stock openai client) vs the same prompt "
-                     f"through the prompts stream, tiny model",
-             "value": f"{statistics.median(ratios):.3f}x the time, median of {args.calls} pairs "
-                      f"(+{statistics.median(g_ms) - statistics.median(d_ms):.1f} ms on "
-                      f"{statistics.median(d_ms):.0f} ms)"}],
-            ["services/gateway", "services/rollout", "shared", "bench/gateway.py"])
+        record(
+            "gateway",
+            [
+                {
+                    "what": f"a {args.tokens}-token call through the gateway (stock openai client) vs the same prompt "
+                    f"through the prompts stream, tiny model",
+                    "value": f"{statistics.median(ratios):.3f}x the time, median of {args.calls} pairs "
+                    f"(+{statistics.median(g_ms) - statistics.median(d_ms):.1f} ms on "
+                    f"{statistics.median(d_ms):.0f} ms)",
+                }
+            ],
+            ["services/gateway", "services/rollout", "shared", "bench/gateway.py"],
+        )
     finally:
         for p in procs:
             stop(p)

@@ -28,49 +28,81 @@ END = "<!-- headline:end -->"
 # The headline benchmarks, in table order: (result name, what it shows, its normal command). The command is shown
 # when no result file exists yet.
 HEADLINES = [
-    ("async_vs_sync", "async vs sync training, trained tokens/s",
-     "python bench/async_vs_sync.py --simulate-gpu --simulated-train-us-per-token 250"),
-    ("staleness", "staleness tolerance by correction, staleness fixed exactly (in-process, tiny model, held-out chain sums)",
-     "python bench/staleness.py"),
-    ("staleness_agent", "staleness tolerance of the agent (examples/calc.py's episodes in process, staleness fixed exactly)",
-     "python bench/staleness_agent.py"),
-    ("trajectory_async", "pulled weights vs a global pause, 8 workers, 1 s loads",
-     "python bench/trajectory_async.py --budget 3072 --workers 8 --in-flight 4 --step-delay-ms 100 "
-     "--simulated-train-us-per-token 50 --warm-steps 200 --eval-size 200 --max-minutes 6 --simulated-load-ms 1000 "
-     "--variants global,pull --seeds 2"),
-    ("rollout-throughput", "event-log overhead on rollout throughput",
-     "python bench/rollout.py --only throughput"),
+    (
+        "async_vs_sync",
+        "async vs sync training, trained tokens/s",
+        "python bench/async_vs_sync.py --simulate-gpu --simulated-train-us-per-token 250",
+    ),
+    (
+        "staleness",
+        "staleness tolerance by correction, staleness fixed exactly (in-process, tiny model, held-out chain sums)",
+        "python bench/staleness.py",
+    ),
+    (
+        "staleness_agent",
+        "staleness tolerance of the agent (examples/calc.py's episodes in process, staleness fixed exactly)",
+        "python bench/staleness_agent.py",
+    ),
+    (
+        "trajectory_async",
+        "pulled weights vs a global pause, 8 workers, 1 s loads",
+        "python bench/trajectory_async.py --budget 3072 --workers 8 --in-flight 4 --step-delay-ms 100 "
+        "--simulated-train-us-per-token 50 --warm-steps 200 --eval-size 200 --max-minutes 6 --simulated-load-ms 1000 "
+        "--variants global,pull --seeds 2",
+    ),
+    ("rollout-throughput", "event-log overhead on rollout throughput", "python bench/rollout.py --only throughput"),
     ("rollout-resume", "resume of a 4,096-token episode", "python bench/rollout.py --only resume"),
     ("event_log", "event-log writes and replay", "python bench/event_log.py"),
     ("sync_pause", "rollout pause per weight sync", "python bench/sync_pause.py"),
     ("rolling_sync", "rolling version changes: workers generating during a sync", "python bench/rolling_sync.py"),
-    ("delta_sync", "delta weight sync: bytes per version against the full bf16 file (anchors: TRL 1.7-2.9 %, slime ~3 %)",
-     "python bench/delta_sync.py"),
+    (
+        "delta_sync",
+        "delta weight sync: bytes per version against the full bf16 file (anchors: TRL 1.7-2.9 %, slime ~3 %)",
+        "python bench/delta_sync.py",
+    ),
     ("gateway", "OpenAI-compatible gateway overhead per call", "python bench/gateway.py --calls 8"),
     ("redis_capacity", "event-log capacity of one Redis node", "python bench/redis_capacity.py"),
-    ("ui_episodes_run", "streamrl ui: a filtered episodes query on a finished ./dev run",
-     "python bench/ui_episodes.py --run demo --run-dir runs"),
-    ("ui_episodes", "streamrl ui: a filtered episodes query on 68,000 synthetic episodes", "python bench/ui_episodes.py"),
+    (
+        "ui_episodes_run",
+        "streamrl ui: a filtered episodes query on a finished ./dev run",
+        "python bench/ui_episodes.py --run demo --run-dir runs",
+    ),
+    (
+        "ui_episodes",
+        "streamrl ui: a filtered episodes query on 68,000 synthetic episodes",
+        "python bench/ui_episodes.py",
+    ),
 ]
 
-IMPORT_LINE = re.compile(r"^[+-]\s*((from\s+\S+\s+)?import\s|#)")  # import lines and comments do not count
+# import lines and comments do not count
+IMPORT_LINE = re.compile(r"^[+-]\s*((from\s+\S+\s+)?import\s|#)")
 
 
 def changed_lines(commit: str, paths: list[str], root: Path = ROOT) -> int | None:
     """Lines of code under ``paths`` that changed from ``commit`` to HEAD; renamed files (git's rename detection),
     import lines, comment lines and blank lines are not counted. None when the commit is unknown here."""
-    if not commit or subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root,
-                                    capture_output=True).returncode != 0:
+    if (
+        not commit
+        or subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True).returncode
+        != 0
+    ):
         return None
-    diff = subprocess.run(["git", "diff", "-M", "--unified=0", "--no-color", "--no-ext-diff", commit, "HEAD", "--",
-                           *paths], cwd=root, capture_output=True, text=True, check=True).stdout
-    return sum(1 for ln in diff.splitlines()
-               if ln[:1] in "+-" and not ln.startswith(("+++", "---")) and ln[1:].strip()
-               and not IMPORT_LINE.match(ln))
+    diff = subprocess.run(
+        ["git", "diff", "-M", "--unified=0", "--no-color", "--no-ext-diff", commit, "HEAD", "--", *paths],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return sum(
+        1
+        for ln in diff.splitlines()
+        if ln[:1] in "+-" and not ln.startswith(("+++", "---")) and ln[1:].strip() and not IMPORT_LINE.match(ln)
+    )
 
 
 def staleness(result: dict, changed=changed_lines) -> str:
-    """"" when the result describes the code at HEAD, else why not."""
+    """ "" when the result describes the code at HEAD, else why not."""
     short = (result.get("commit") or "?")[:7]
     n = changed(result.get("commit", ""), result.get("measures", []))
     if n is None:
@@ -99,18 +131,27 @@ def table(results: dict[str, dict], changed=changed_lines, headlines=HEADLINES) 
             lines.append(f"| {_cell(what)} | not measured yet | `{_cell(command)}` | | |")
             continue
         stale = staleness(r, changed)
-        notes = [n for n in ("quick run" if r.get("quick") else "",
-                             f"SIMULATED: {r['simulated']}" if r.get("simulated") else "") if n]
+        notes = [
+            n
+            for n in (
+                "quick run" if r.get("quick") else "",
+                f"SIMULATED: {r['simulated']}" if r.get("simulated") else "",
+            )
+            if n
+        ]
         what += f" ({'; '.join(notes)})" if notes else ""
         rows = r.get("rows", [])
-        figures = [f"{row['what']}: **{row['value']}**" if len(rows) > 1 else f"**{row['value']}** ({row['what']})"
-                   for row in rows]
+        figures = [
+            f"{row['what']}: **{row['value']}**" if len(rows) > 1 else f"**{row['value']}** ({row['what']})"
+            for row in rows
+        ]
         figure = "<br>".join(_cell(f) for f in figures)
         if stale:
             figure = f"**{stale}**<br>~~{figure}~~"
         when = f"{r.get('date', '?')[:10]}, `{(r.get('commit') or '?')[:7]}`"
-        lines.append(f"| {_cell(what)} | {figure} | `{_cell(r.get('command', ''))}` | {when} | "
-                     f"{_cell(r.get('machine', ''))} |")
+        lines.append(
+            f"| {_cell(what)} | {figure} | `{_cell(r.get('command', ''))}` | {when} | {_cell(r.get('machine', ''))} |"
+        )
     return "\n".join(lines)
 
 

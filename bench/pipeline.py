@@ -49,11 +49,16 @@ def run_once(tree: Path, run: str, minutes: float) -> dict:
     elapsed = steps[-1]["time"] - t_start
     last = rollout_reports(tree / "runs", run)
     rollout_busy = sum(r["busy_s"] for r in last.values()) / max(1, len(last))
-    return {"samples_per_s": sum(s["samples"] for s in steps) / elapsed, "versions": steps[-1]["version"],
-            "versions_per_s": steps[-1]["version"] / elapsed, "elapsed": elapsed,
-            "trainer_busy": sum(s["train_s"] + s.get("commit_s", 0) for s in steps) / elapsed,
-            "trainer_waiting": sum(s["wait_s"] for s in steps[1:]) / elapsed, "rollout_busy": rollout_busy / elapsed,
-            "final_reward": sum(s["reward_mean"] for s in steps[-20:]) / len(steps[-20:])}
+    return {
+        "samples_per_s": sum(s["samples"] for s in steps) / elapsed,
+        "versions": steps[-1]["version"],
+        "versions_per_s": steps[-1]["version"] / elapsed,
+        "elapsed": elapsed,
+        "trainer_busy": sum(s["train_s"] + s.get("commit_s", 0) for s in steps) / elapsed,
+        "trainer_waiting": sum(s["wait_s"] for s in steps[1:]) / elapsed,
+        "rollout_busy": rollout_busy / elapsed,
+        "final_reward": sum(s["reward_mean"] for s in steps[-20:]) / len(steps[-20:]),
+    }
 
 
 def main() -> None:
@@ -65,32 +70,51 @@ def main() -> None:
     args = p.parse_args()
     base = Path(tempfile.mkdtemp(prefix="streamrl-base-"))
     subprocess.run(["git", "worktree", "add", "--detach", "-q", str(base), args.base], cwd=ROOT, check=True)
-    head_rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True).stdout.strip()
+    head_rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     try:
-        subprocess.run([sys.executable, "-c", "from shared.runtime.config.keys import Config; "
-                        "from services.ops.launch.tiny_model import ensure_default_model; ensure_default_model(Config())"],
-                       cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        shutil.copytree(ROOT / "models" / "tiny", base / "models" / "tiny")  # the same model for both
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from shared.runtime.config.keys import Config; "
+                "from services.ops.launch.tiny_model import ensure_default_model; ensure_default_model(Config())",
+            ],
+            cwd=ROOT,
+            check=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        # the same model for both
+        shutil.copytree(ROOT / "models" / "tiny", base / "models" / "tiny")
         tag = uuid.uuid4().hex[:6]
         results: dict[str, list[dict]] = {"base": [], "head": []}
         for i in range(args.repeats):
             for name, tree in (("base", base), ("head", ROOT)):
                 r = run_once(tree, f"pipe-{tag}-{name}{i}", args.minutes)
                 results[name].append(r)
-                print(f"{name} ({args.base if name == 'base' else head_rev + ' + working tree'}) run {i + 1}: "
-                      f"{r['samples_per_s']:.1f} samples/s, {r['versions']} versions, trainer busy "
-                      f"{r['trainer_busy']:.0%} (waiting for samples {r['trainer_waiting']:.0%}), rollout busy "
-                      f"{r['rollout_busy']:.0%}, last-20-step reward "
-                      f"{r['final_reward']:.3f}", flush=True)
+                print(
+                    f"{name} ({args.base if name == 'base' else head_rev + ' + working tree'}) run {i + 1}: "
+                    f"{r['samples_per_s']:.1f} samples/s, {r['versions']} versions, trainer busy "
+                    f"{r['trainer_busy']:.0%} (waiting for samples {r['trainer_waiting']:.0%}), rollout busy "
+                    f"{r['rollout_busy']:.0%}, last-20-step reward "
+                    f"{r['final_reward']:.3f}",
+                    flush=True,
+                )
         mean = {n: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0]} for n, rs in results.items()}
-        print(f"\n{'tree':<6}{'samples/s':>11}{'versions/s':>12}{'trainer busy':>14}{'waiting':>9}{'rollout busy':>14}"
-              f"{'reward':>8}")
+        print(
+            f"\n{'tree':<6}{'samples/s':>11}{'versions/s':>12}{'trainer busy':>14}{'waiting':>9}{'rollout busy':>14}"
+            f"{'reward':>8}"
+        )
         for n, m in mean.items():
-            print(f"{n:<6}{m['samples_per_s']:>11.1f}{m['versions_per_s']:>12.2f}{m['trainer_busy']:>14.0%}"
-                  f"{m['trainer_waiting']:>9.0%}{m['rollout_busy']:>14.0%}{m['final_reward']:>8.3f}")
-        print(f"head / base samples/s: {mean['head']['samples_per_s'] / mean['base']['samples_per_s']:.2f}x "
-              f"(means of {args.repeats} interleaved {args.minutes:g}-minute runs each; {os.cpu_count()} CPUs)")
+            print(
+                f"{n:<6}{m['samples_per_s']:>11.1f}{m['versions_per_s']:>12.2f}{m['trainer_busy']:>14.0%}"
+                f"{m['trainer_waiting']:>9.0%}{m['rollout_busy']:>14.0%}{m['final_reward']:>8.3f}"
+            )
+        print(
+            f"head / base samples/s: {mean['head']['samples_per_s'] / mean['base']['samples_per_s']:.2f}x "
+            f"(means of {args.repeats} interleaved {args.minutes:g}-minute runs each; {os.cpu_count()} CPUs)"
+        )
         if args.json:
             print(json.dumps(results))
     finally:

@@ -17,7 +17,8 @@ def _stat(pid: int) -> tuple[int, float] | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = raw.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    # after the command name, which may hold spaces
+    fields = raw.rsplit(")", 1)[1].split()
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
 
 
@@ -57,7 +58,8 @@ class TreeCPU:
         for pid in tree:
             if pid in parents:
                 self.seconds[pid] = parents[pid][1]
-                self.commands[pid] = _names(pid) or self.commands.get(pid, "")  # a fork names itself later
+                # a fork names itself later
+                self.commands[pid] = _names(pid) or self.commands.get(pid, "")
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -74,5 +76,8 @@ class TreeCPU:
     def total(self, contains: str = "", excluding: str | None = None) -> float:
         """CPU seconds of the processes whose command line holds ``contains`` (all of them: "") and not
         ``excluding``."""
-        return sum(s for pid, s in self.seconds.items() if contains in self.commands.get(pid, "")
-                   and not (excluding and excluding in self.commands.get(pid, "")))
+        return sum(
+            s
+            for pid, s in self.seconds.items()
+            if contains in self.commands.get(pid, "") and not (excluding and excluding in self.commands.get(pid, ""))
+        )

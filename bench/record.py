@@ -57,13 +57,22 @@ def loaded(*packages: str) -> list[str]:
         if name.split(".")[0] in roots and path:
             try:
                 files.add(Path(path).resolve().relative_to(ROOT).as_posix())
-            except ValueError:  # the same package installed elsewhere: not this checkout's code
+            # the same package installed elsewhere: not this checkout's code
+            except ValueError:
                 continue
     return sorted(files)
 
 
-def record(name: str, rows: list[dict], measures: list[str], *, quick: bool = False, simulated: str = "",
-           argv: list[str] | None = None, extra: dict | None = None) -> Path:
+def record(
+    name: str,
+    rows: list[dict],
+    measures: list[str],
+    *,
+    quick: bool = False,
+    simulated: str = "",
+    argv: list[str] | None = None,
+    extra: dict | None = None,
+) -> Path:
     """Write bench/results/<name>.json. ``rows``: [{"what": str, "value": str}], the headline figures;
     ``measures``: the paths (folders preferred: robust to files moving inside them) of the code the figures
     describe; ``simulated``: the simulated costs the figures rest on, in words ("" when none)."""

@@ -17,11 +17,11 @@ tokens/s and batch 64 the 50 ms age limit flushes first, so entries hold about 4
 only the total, sets the entry rate the server sees.
 
 The ramp offers 1, 2, 4, ... simulated GPUs, spread over ``--writers`` processes (started and stopped with
-tests/support/procs.py). A writer that falls behind its steps skips them (a real worker would also slow down: the flush is
-synchronous in its loop), so "achieved" falls below "offered". Per step, over ``--step-seconds`` after a warm-up:
-offered and achieved tokens/s, flushes/s and entries/s, p50/p99 of the flush latency (one ``flush`` call: encode +
-one pipeline round trip; the append itself is a buffer write), and CPU: the server's (INFO cpu, summed over the
-nodes of a cluster, and the busiest node), the writers', the whole box's.
+tests/support/procs.py). A writer that falls behind its steps skips them (a real worker would also slow down: the flush
+is synchronous in its loop), so "achieved" falls below "offered". Per step, over ``--step-seconds`` after a warm-up:
+offered and achieved tokens/s, flushes/s and entries/s, p50/p99 of the flush latency (one ``flush`` call: encode + one
+pipeline round trip; the append itself is a buffer write), and CPU: the server's (INFO cpu, summed over the nodes of a
+cluster, and the busiest node), the writers', the whole box's.
 
 The knee: the first step whose p99 is at least twice the lightest step's, or whose achieved rate is below 95 % of
 the offered. Capacity is the step before it. The writers share the box's cores with the server, so the
@@ -36,7 +36,6 @@ import heapq
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -65,21 +64,34 @@ class SimulatedGPU:
         self.keys, self.name, self.a, self.rng = keys, name, a, rng
         self.log = EpisodeLog(client, keys, worker=name, flush_tokens=a.flush_tokens, flush_ms=a.flush_ms)
         self.period = a.batch / a.gpu_tokens_per_s
-        self.next = start + rng.random() * self.period  # GPUs do not step in lockstep
-        self.episodes: dict[str, int] = {}  # episode id -> tokens still to generate
+        # GPUs do not step in lockstep
+        self.next = start + rng.random() * self.period
+        # episode id -> tokens still to generate
+        self.episodes: dict[str, int] = {}
         self.opened = 0
         self.ids = [rng.randrange(150_000) for _ in range(997)]
         self.lps = [-rng.random() * 5 for _ in range(997)]
-        for _ in range(a.batch):  # episodes part-way through, so they end (and new ones start) spread out
+        # episodes part-way through, so they end (and new ones start) spread out
+        for _ in range(a.batch):
             self.open(remaining=rng.randrange(1, a.episode_tokens + 1))
 
     def open(self, remaining: int) -> str:
         eid = f"{self.name}-{self.opened}"
         self.opened += 1
         self.log.open(eid)
-        self.log.append(eid, "started", {"episode_id": eid, "group_id": eid, "index": 0,
-                                         "prompt_ids": self.ids[:64], "sampling": {"max_tokens": self.a.episode_tokens},
-                                         "task": {}}, 0)
+        self.log.append(
+            eid,
+            "started",
+            {
+                "episode_id": eid,
+                "group_id": eid,
+                "index": 0,
+                "prompt_ids": self.ids[:64],
+                "sampling": {"max_tokens": self.a.episode_tokens},
+                "task": {},
+            },
+            0,
+        )
         self.episodes[eid] = remaining
         return eid
 
@@ -94,9 +106,11 @@ class SimulatedGPU:
                 done.append(eid)
         for eid in done:
             self.log.append(eid, "finished", {"reason": "length", "reward": 1.0, "details": {}}, 0)
-        if done:  # the worker's one_flush: the episodes that ended in this step, one pipeline
+        # the worker's one_flush: the episodes that ended in this step, one pipeline
+        if done:
             self._timed(self.log.flush, done, latencies)
-        if self.log.due():  # then its maybe_flush: everything pending, once one episode is due
+        # then its maybe_flush: everything pending, once one episode is due
+        if self.log.due():
             self._timed(self.log.flush, None, latencies)
         fresh = []
         for eid in done:
@@ -104,7 +118,8 @@ class SimulatedGPU:
             del self.episodes[eid]
             fresh.append(self.open(remaining=self.a.episode_tokens))
         if fresh:
-            self._timed(self.log.flush, fresh, latencies)  # started events are flushed at once, as open_groups does
+            # started events are flushed at once, as open_groups does
+            self._timed(self.log.flush, fresh, latencies)
         return len(self.episodes), self.log.entries_written - entries0
 
     @staticmethod
@@ -132,7 +147,8 @@ def writer(argv: list[str]) -> None:
     # wall clock (start_at) -> this process's monotonic clock, which EpisodeLog's flush_ms runs on
     start = time.monotonic() + (a.start_at - time.time())
     gpus = [SimulatedGPU(client, keys, f"{a.name}g{i}", a, rng, start) for i in range(a.gpus)]
-    for gpu in gpus:  # the started events of the first episodes, before the clock starts
+    # the started events of the first episodes, before the clock starts
+    for gpu in gpus:
         gpu.log.flush_or_raise()
     w0, w1 = start + a.warmup, start + a.warmup + a.seconds
     heap = [(g.next, i) for i, g in enumerate(gpus)]
@@ -151,13 +167,17 @@ def writer(argv: list[str]) -> None:
         if measuring:
             tokens, entries, steps = tokens + n_tokens, entries + n_entries, steps + 1
         nxt, now = due + gpus[i].period, time.monotonic()
-        if now - nxt > gpus[i].period:  # more than a step behind: those steps are lost, not made up in a burst
+        # more than a step behind: those steps are lost, not made up in a burst
+        if now - nxt > gpus[i].period:
             lost = int((now - nxt) / gpus[i].period)
             skipped += lost if measuring else 0
             nxt += lost * gpus[i].period
         heapq.heappush(heap, (nxt, i))
-    Path(a.out).write_text(json.dumps({"tokens": tokens, "entries": entries, "steps": steps, "skipped": skipped,
-                                       "latencies_ms": latencies}))
+    Path(a.out).write_text(
+        json.dumps(
+            {"tokens": tokens, "entries": entries, "steps": steps, "skipped": skipped, "latencies_ms": latencies}
+        )
+    )
 
 
 # --------------------------------------------------------------------------- the ramp
@@ -179,38 +199,85 @@ def run_step(client, url: str, tmp: Path, gpus: int, a) -> dict:
     procs = []
     try:
         for i, n in enumerate(share):
-            procs.append(spawn("bench.redis_capacity", "--writer", "--redis_url", url, "--run", keys.run,
-                               "--name", f"w{i}", "--out", outs[i], "--gpus", n, "--batch", a.batch,
-                               "--episode_tokens", a.episode_tokens, "--flush_tokens", a.flush_tokens,
-                               "--seed", a.seed * 1000 + i, "--gpu_tokens_per_s", a.gpu_tokens_per_s,
-                               "--flush_ms", a.flush_ms, "--start_at", start_at, "--warmup", a.warmup,
-                               "--seconds", a.step_seconds, env=env, log=tmp / f"{keys.run}-w{i}.log"))
+            procs.append(
+                spawn(
+                    "bench.redis_capacity",
+                    "--writer",
+                    "--redis_url",
+                    url,
+                    "--run",
+                    keys.run,
+                    "--name",
+                    f"w{i}",
+                    "--out",
+                    outs[i],
+                    "--gpus",
+                    n,
+                    "--batch",
+                    a.batch,
+                    "--episode_tokens",
+                    a.episode_tokens,
+                    "--flush_tokens",
+                    a.flush_tokens,
+                    "--seed",
+                    a.seed * 1000 + i,
+                    "--gpu_tokens_per_s",
+                    a.gpu_tokens_per_s,
+                    "--flush_ms",
+                    a.flush_ms,
+                    "--start_at",
+                    start_at,
+                    "--warmup",
+                    a.warmup,
+                    "--seconds",
+                    a.step_seconds,
+                    env=env,
+                    log=tmp / f"{keys.run}-w{i}.log",
+                )
+            )
         pids = [p.pid for p in procs]
-        time.sleep(max(0.0, start_at + a.warmup - time.time()))  # a bench driver's pacing: the window opens
+        # a bench driver's pacing: the window opens
+        time.sleep(max(0.0, start_at + a.warmup - time.time()))
         snap0 = cpu.snapshot(pids, client)
         time.sleep(max(0.0, start_at + a.warmup + a.step_seconds - time.time()))
         snap1 = cpu.snapshot(pids, client)
-        wait_until(lambda: all(p.poll() is not None for p in procs), "the writers to finish their step",
-                   timeout=60 + a.step_seconds, poll=0.1)
+        wait_until(
+            lambda: all(p.poll() is not None for p in procs),
+            "the writers to finish their step",
+            timeout=60 + a.step_seconds,
+            poll=0.1,
+        )
     finally:
         codes = stop(*procs)
     if any(codes) or not all(o.exists() for o in outs):
         logs = "\n".join((tmp / f"{keys.run}-w{i}.log").read_text()[-1500:] for i in range(n_writers))
         raise SystemExit(f"{gpus} GPUs: writer exit codes {codes}\n{logs}")
     results = [json.loads(o.read_text()) for o in outs]
-    from bench.rollout import delete_run  # (imports torch: the driver only, not the writers)
+    # (imports torch: the driver only, not the writers)
+    from bench.rollout import delete_run
 
-    delete_run(client, keys)  # keep the server small between steps
+    # keep the server small between steps
+    delete_run(client, keys)
     lat = [x for r in results for x in r["latencies_ms"]]
     used = cpu.cores(snap0, snap1)
     offered = gpus * a.gpu_tokens_per_s
     achieved = sum(r["tokens"] for r in results) / a.step_seconds
-    return {"gpus": gpus, "writers": n_writers, "offered": offered, "achieved": achieved,
-            "entries_per_s": sum(r["entries"] for r in results) / a.step_seconds,
-            "flushes_per_s": len(lat) / a.step_seconds, "skipped_steps": sum(r["skipped"] for r in results),
-            "p50_ms": quantile(lat, 0.5), "p99_ms": quantile(lat, 0.99), "max_ms": max(lat, default=float("nan")),
-            "cpu_server": used["server"], "cpu_server_max": used["server_max"], "cpu_writers": used["procs"],
-            "cpu_box": used["box"]}
+    return {
+        "gpus": gpus,
+        "writers": n_writers,
+        "offered": offered,
+        "achieved": achieved,
+        "entries_per_s": sum(r["entries"] for r in results) / a.step_seconds,
+        "flushes_per_s": len(lat) / a.step_seconds,
+        "skipped_steps": sum(r["skipped"] for r in results),
+        "p50_ms": quantile(lat, 0.5),
+        "p99_ms": quantile(lat, 0.99),
+        "max_ms": max(lat, default=float("nan")),
+        "cpu_server": used["server"],
+        "cpu_server_max": used["server_max"],
+        "cpu_writers": used["procs"],
+        "cpu_box": used["box"],
+    }
 
 
 def knee(rows: list[dict], tolerance: float) -> tuple[int | None, str]:
@@ -225,23 +292,29 @@ def knee(rows: list[dict], tolerance: float) -> tuple[int | None, str]:
 
 
 def header(a, where: str) -> str:
-    return (f"SIMULATED GPUs (no model runs): one GPU = {a.batch} episodes at {a.gpu_tokens_per_s:,.0f} tokens/s, "
-            f"{a.episode_tokens}-token episodes; EpisodeLog flush_tokens {a.flush_tokens}, flush_ms {a.flush_ms:g}; "
-            f"server: {where}; {a.writers} writer processes max")
+    return (
+        f"SIMULATED GPUs (no model runs): one GPU = {a.batch} episodes at {a.gpu_tokens_per_s:,.0f} tokens/s, "
+        f"{a.episode_tokens}-token episodes; EpisodeLog flush_tokens {a.flush_tokens}, flush_ms {a.flush_ms:g}; "
+        f"server: {where}; {a.writers} writer processes max"
+    )
 
 
 def render(rows: list[dict], a) -> str:
-    out = [f"{'GPUs':>4} {'offered tok/s':>13} {'achieved':>9} {'%':>4} | {'entries/s':>9} {'tok/entry':>9} "
-           f"{'flushes/s':>9} | {'flush p50 ms':>12} {'p99 ms':>7} {'max ms':>7} | {'CPU cores: server':>17} "
-           f"{'busiest':>7} {'writers':>7} {'other':>5} {'box':>5} | {'server us/token':>15} | skipped steps"]
+    out = [
+        f"{'GPUs':>4} {'offered tok/s':>13} {'achieved':>9} {'%':>4} | {'entries/s':>9} {'tok/entry':>9} "
+        f"{'flushes/s':>9} | {'flush p50 ms':>12} {'p99 ms':>7} {'max ms':>7} | {'CPU cores: server':>17} "
+        f"{'busiest':>7} {'writers':>7} {'other':>5} {'box':>5} | {'server us/token':>15} | skipped steps"
+    ]
     for r in rows:
-        out.append(f"{r['gpus']:>4} {r['offered']:>13,.0f} {r['achieved']:>9,.0f} "
-                   f"{r['achieved'] / r['offered']:>4.0%} | "
-                   f"{r['entries_per_s']:>9,.0f} {r['achieved'] / max(r['entries_per_s'], 1e-9):>9.1f} "
-                   f"{r['flushes_per_s']:>9,.0f} | {r['p50_ms']:>12.2f} {r['p99_ms']:>7.2f} {r['max_ms']:>7.1f} | "
-                   f"{r['cpu_server']:>17.2f} {r['cpu_server_max']:>7.2f} {r['cpu_writers']:>7.2f} "
-                   f"{r['cpu_box'] - r['cpu_server'] - r['cpu_writers']:>5.2f} {r['cpu_box']:>5.2f} | "
-                   f"{r['cpu_server'] * 1e6 / max(r['achieved'], 1e-9):>15.1f} | {r['skipped_steps']}")
+        out.append(
+            f"{r['gpus']:>4} {r['offered']:>13,.0f} {r['achieved']:>9,.0f} "
+            f"{r['achieved'] / r['offered']:>4.0%} | "
+            f"{r['entries_per_s']:>9,.0f} {r['achieved'] / max(r['entries_per_s'], 1e-9):>9.1f} "
+            f"{r['flushes_per_s']:>9,.0f} | {r['p50_ms']:>12.2f} {r['p99_ms']:>7.2f} {r['max_ms']:>7.1f} | "
+            f"{r['cpu_server']:>17.2f} {r['cpu_server_max']:>7.2f} {r['cpu_writers']:>7.2f} "
+            f"{r['cpu_box'] - r['cpu_server'] - r['cpu_writers']:>5.2f} {r['cpu_box']:>5.2f} | "
+            f"{r['cpu_server'] * 1e6 / max(r['achieved'], 1e-9):>15.1f} | {r['skipped_steps']}"
+        )
     return "\n".join(out)
 
 
@@ -252,14 +325,19 @@ def conclude(rows: list[dict], a) -> str:
     last = rows[-1] if i is None else rows[i - 1]
     gpus = last["achieved"] / a.gpu_tokens_per_s
     per_core = last["achieved"] / last["cpu_server_max"] if last["cpu_server_max"] > 0 else float("nan")
-    lines = [("knee not reached within the ramp (capacity is at least the last step)" if i is None else
-              f"knee at {rows[i]['gpus']} GPUs: {why}"),
-             f"capacity: {last['achieved']:,.0f} tokens/s achieved at {last['gpus']} simulated GPUs = {gpus:.0f} GPUs "
-             f"of rollout at {a.gpu_tokens_per_s:,.0f} tokens/s per GPU; the server used {last['cpu_server']:.2f} "
-             f"cores there (busiest node {last['cpu_server_max']:.2f}), the writers {last['cpu_writers']:.2f}, the "
-             f"box {last['cpu_box']:.2f} of {os.cpu_count()}",
-             f"scaled to one fully used server core (busiest node): {per_core:,.0f} tokens/s = "
-             f"{per_core / a.gpu_tokens_per_s:.0f} GPUs per node (Redis runs commands on one thread)"]
+    lines = [
+        (
+            "knee not reached within the ramp (capacity is at least the last step)"
+            if i is None
+            else f"knee at {rows[i]['gpus']} GPUs: {why}"
+        ),
+        f"capacity: {last['achieved']:,.0f} tokens/s achieved at {last['gpus']} simulated GPUs = {gpus:.0f} GPUs "
+        f"of rollout at {a.gpu_tokens_per_s:,.0f} tokens/s per GPU; the server used {last['cpu_server']:.2f} "
+        f"cores there (busiest node {last['cpu_server_max']:.2f}), the writers {last['cpu_writers']:.2f}, the "
+        f"box {last['cpu_box']:.2f} of {os.cpu_count()}",
+        f"scaled to one fully used server core (busiest node): {per_core:,.0f} tokens/s = "
+        f"{per_core / a.gpu_tokens_per_s:.0f} GPUs per node (Redis runs commands on one thread)",
+    ]
     return "\n".join(lines)
 
 
@@ -322,11 +400,14 @@ def main(argv: list[str] | None = None) -> int:
         url = a.redis_url or server.url
         try:
             client = connect(url, wait=10)
-            info = client.info("server")  # a cluster client asks one node
+            # a cluster client asks one node
+            info = client.info("server")
             version = f"{info.get('server_name', 'redis')} {info.get('valkey_version') or info.get('redis_version')}"
-            where = (f"a cluster of {len(client.get_primaries())} primaries ({version}) at {redact(url)}"
-                     if hasattr(client, "get_primaries") else
-                     f"{'embedded ' if server else ''}{version} at {redact(url)}")
+            where = (
+                f"a cluster of {len(client.get_primaries())} primaries ({version}) at {redact(url)}"
+                if hasattr(client, "get_primaries")
+                else f"{'embedded ' if server else ''}{version} at {redact(url)}"
+            )
             print(header(a, where), flush=True)
             print(render([], a), flush=True)
             for gpus in a.ramp:
@@ -353,14 +434,21 @@ def main(argv: list[str] | None = None) -> int:
 
         last = rows[-1] if i is None else rows[i - 1]
         per_core = last["achieved"] / last["cpu_server_max"] if last["cpu_server_max"] > 0 else float("nan")
-        record("redis_capacity", [
-            {"what": "event-log token writes one Redis node absorbs, as GPUs of rollout at "
-                     f"{a.gpu_tokens_per_s:,.0f} tokens/s, batch {a.batch}",
-             "value": f"{per_core / a.gpu_tokens_per_s:.0f} GPUs per fully used server core "
-                      f"({last['cpu_server_max'] * 1e6 / last['achieved']:.1f} us of server CPU per token; "
-                      f"this box held {last['gpus']} at {last['achieved']:,.0f} tokens/s)"}],
-            ["shared/protocol", "bench/redis_capacity.py"], quick=a.quick,
-            simulated=f"no model runs: one GPU = {a.batch} episodes at {a.gpu_tokens_per_s:,.0f} tokens/s")
+        record(
+            "redis_capacity",
+            [
+                {
+                    "what": "event-log token writes one Redis node absorbs, as GPUs of rollout at "
+                    f"{a.gpu_tokens_per_s:,.0f} tokens/s, batch {a.batch}",
+                    "value": f"{per_core / a.gpu_tokens_per_s:.0f} GPUs per fully used server core "
+                    f"({last['cpu_server_max'] * 1e6 / last['achieved']:.1f} us of server CPU per token; "
+                    f"this box held {last['gpus']} at {last['achieved']:,.0f} tokens/s)",
+                }
+            ],
+            ["shared/protocol", "bench/redis_capacity.py"],
+            quick=a.quick,
+            simulated=f"no model runs: one GPU = {a.batch} episodes at {a.gpu_tokens_per_s:,.0f} tokens/s",
+        )
     return 0
 
 

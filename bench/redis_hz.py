@@ -39,8 +39,10 @@ def main() -> None:
                     client.xread({"nothing": "$"}, block=block)
                     waits.append((time.perf_counter() - t0) * 1000)
                 median = sorted(waits)[2]
-                print(f"hz {hz:3d}: XREAD BLOCK {block:3d} returned after {median:6.1f} ms (median of 5; "
-                      f"x {median / block:.2f} of the timeout)")
+                print(
+                    f"hz {hz:3d}: XREAD BLOCK {block:3d} returned after {median:6.1f} ms (median of 5; "
+                    f"x {median / block:.2f} of the timeout)"
+                )
             before = server_cpu_ticks(server.proc.pid)
             time.sleep(3)
             print(f"hz {hz:3d}: idle server CPU {(server_cpu_ticks(server.proc.pid) - before) / 3:.2f}% of one core")

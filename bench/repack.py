@@ -34,9 +34,9 @@ from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
 from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
 from services.rollout.engine import make_engine  # noqa: E402
 from services.rollout.worker import RolloutWorker  # noqa: E402
-from shared.protocol.streams import samples as psamples  # noqa: E402
 from shared.protocol.episode.fold import fold  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
+from shared.protocol.streams import samples as psamples  # noqa: E402
 from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
 from shared.runtime import logs  # noqa: E402
 from shared.runtime.config.keys import Config  # noqa: E402
@@ -54,14 +54,30 @@ def run(variant: str, client, model_dir: str, args, tok) -> dict:
     keys = Keys(f"bench-repack-{variant}-{uuid.uuid4().hex[:6]}")
     groups = [PromptGroup(f"g{i}", args.group_size, prompt=f"g{i}: {i}*7=") for i in range(args.groups)]
     enqueue(client, keys, groups)
-    base = Config(run=keys.run, model_dir=model_dir, tools="", max_tokens=args.max_tokens, group_size=args.group_size,
-                  max_groups_in_flight=args.in_flight, heartbeat_ttl=5.0, log_level="warning")
+    base = Config(
+        run=keys.run,
+        model_dir=model_dir,
+        tools="",
+        max_tokens=args.max_tokens,
+        group_size=args.group_size,
+        max_groups_in_flight=args.in_flight,
+        heartbeat_ttl=5.0,
+        log_level="warning",
+    )
     if variant == "none":
         cfgs = [("A", base), ("B", base)]
     else:
-        cfgs = [("A", base.replace(repack_below=args.below, repack_min_tokens=args.min_tokens)),
-                ("L", base.replace(rollout_role="longtail", max_groups_in_flight=args.tail_in_flight,
-                                   longtail_claim_share=args.tail_share))]
+        cfgs = [
+            ("A", base.replace(repack_below=args.below, repack_min_tokens=args.min_tokens)),
+            (
+                "L",
+                base.replace(
+                    rollout_role="longtail",
+                    max_groups_in_flight=args.tail_in_flight,
+                    longtail_claim_share=args.tail_share,
+                ),
+            ),
+        ]
     workers = [(name, _worker(cfg, client, name, tok)) for name, cfg in cfgs]
     busy = {name: 0 for name, _ in workers}
     rounds = 0
@@ -101,18 +117,24 @@ def main() -> None:
         results = [run(v, client, model_dir, args, tok) for v in ("none", "repack")]
     finally:
         server.stop()
-    print(f"{args.groups} groups x {args.group_size} episodes, max_tokens {args.max_tokens}, "
-          f"{args.in_flight} groups in flight per worker (long-tail worker: {args.tail_in_flight}, claim share "
-          f"{args.tail_share}); SIMULATED time: one round = one engine step per worker")
+    print(
+        f"{args.groups} groups x {args.group_size} episodes, max_tokens {args.max_tokens}, "
+        f"{args.in_flight} groups in flight per worker (long-tail worker: {args.tail_in_flight}, claim share "
+        f"{args.tail_share}); SIMULATED time: one round = one engine step per worker"
+    )
     for r in results:
-        print(f"{r['variant']:>6}: {r['rounds']} rounds, {r['tokens']} tokens (median episode {r['median_len']}, "
-              f"max {r['max_len']}), {r['tokens'] / r['rounds']:.2f} tokens/round")
+        print(
+            f"{r['variant']:>6}: {r['rounds']} rounds, {r['tokens']} tokens (median episode {r['median_len']}, "
+            f"max {r['max_len']}), {r['tokens'] / r['rounds']:.2f} tokens/round"
+        )
         for name, st in r["stats"].items():
             steps = max(1, r["busy"][name])
-            print(f"        {name}: busy {r['busy'][name]}/{r['rounds']} rounds, {st['tokens'] / steps:.2f} tokens per "
-                  f"busy step, groups {st['groups']}, repacked out {st['repacked_groups']} groups / "
-                  f"{st['repacked_episodes']} episodes / {st['repacked_tokens']} tokens, repacked in "
-                  f"{st['repacked_in']}, saved steps (est.) {st['repack_saved_steps']}")
+            print(
+                f"        {name}: busy {r['busy'][name]}/{r['rounds']} rounds, {st['tokens'] / steps:.2f} tokens per "
+                f"busy step, groups {st['groups']}, repacked out {st['repacked_groups']} groups / "
+                f"{st['repacked_episodes']} episodes / {st['repacked_tokens']} tokens, repacked in "
+                f"{st['repacked_in']}, saved steps (est.) {st['repack_saved_steps']}"
+            )
     none, rep = results
     print(f"rounds none/repack = {none['rounds'] / rep['rounds']:.2f}; same tokens: {none['tokens'] == rep['tokens']}")
 

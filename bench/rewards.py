@@ -41,16 +41,29 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         server = EmbeddedRedis(Path(tmp) / "redis").start()
         keys = Keys("benchrewards")
-        worker = subprocess.Popen([sys.executable, "-m", "services.rollout.jobs.tools_worker", "--run", keys.run,
-                                   "--redis-url", server.url, "--log-level", "warning"])
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.rollout.jobs.tools_worker",
+                "--run",
+                keys.run,
+                "--redis-url",
+                server.url,
+                "--log-level",
+                "warning",
+            ]
+        )
         try:
             client = connect(server.url)
             jobs = ToolJobs(client, keys.tool_queue, keys.run, "", SPEC, 10.0, 10.0)
-            jobs.reward("warmup", "", RESPONSE, TASK)  # the tools worker's start-up is not measured
+            # the tools worker's start-up is not measured
+            jobs.reward("warmup", "", RESPONSE, TASK)
             while not jobs.poll():
                 time.sleep(0.001)
             t0 = time.perf_counter()
-            for i in range(args.jobs):  # one at a time: the latency an episode waits for its reward
+            # one at a time: the latency an episode waits for its reward
+            for i in range(args.jobs):
                 jobs.reward(f"e{i}", "", RESPONSE, TASK)
                 while not (out := jobs.poll()):
                     time.sleep(0.001)
@@ -60,8 +73,15 @@ def main(argv: list[str] | None = None) -> int:
             worker.terminate()
             worker.wait(10)
             server.stop()
-    print(json.dumps({"inline_us_per_reward": round(inline_us, 2), "rq_job_ms_per_reward": round(job_ms, 2),
-                      "ratio": round(job_ms * 1e3 / inline_us)}))
+    print(
+        json.dumps(
+            {
+                "inline_us_per_reward": round(inline_us, 2),
+                "rq_job_ms_per_reward": round(job_ms, 2),
+                "ratio": round(job_ms * 1e3 / inline_us),
+            }
+        )
+    )
     return 0
 
 

@@ -52,23 +52,62 @@ def bench(client, redis_url: str, model_dir: str, root: Path, workers: int, reps
     trainer_dir = root / f"{keys.run}-trainer"
     trainer_dir.mkdir()
     enqueue(client, keys, [PromptGroup(f"g{i}", 4, prompt=f"{i}+{i}=") for i in range(2000)])
-    base = dict(run=keys.run, model_dir=model_dir, sync_timeout=600.0, fetch_timeout=600.0, heartbeat_ttl=60.0,
-                max_staleness=10_000)
-    syncers = {"global": Syncer(Config(**base), client, logs.get("bench-syncer")),
-               "rolling": Syncer(Config(**base, sync_mode="rolling", max_loading=1), client, logs.get("bench-syncer"))}
-    procs = [subprocess.Popen([sys.executable, "-m", "services.rollout", "--worker-id", f"W{i}", "--run", keys.run,
-                               "--redis-url", redis_url, "--model-dir", model_dir, "--tools", "", "--max-tokens", "400",
-                               "--max-groups-in-flight", "2", "--step-delay-ms", str(step_ms), "--heartbeat-ttl", "60",
-                               "--max-staleness", "10000", "--log-level", "warning"],
-                              start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-             for i in range(workers)]
+    base = dict(
+        run=keys.run,
+        model_dir=model_dir,
+        sync_timeout=600.0,
+        fetch_timeout=600.0,
+        heartbeat_ttl=60.0,
+        max_staleness=10_000,
+    )
+    syncers = {
+        "global": Syncer(Config(**base), client, logs.get("bench-syncer")),
+        "rolling": Syncer(Config(**base, sync_mode="rolling", max_loading=1), client, logs.get("bench-syncer")),
+    }
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.rollout",
+                "--worker-id",
+                f"W{i}",
+                "--run",
+                keys.run,
+                "--redis-url",
+                redis_url,
+                "--model-dir",
+                model_dir,
+                "--tools",
+                "",
+                "--max-tokens",
+                "400",
+                "--max-groups-in-flight",
+                "2",
+                "--step-delay-ms",
+                str(step_ms),
+                "--heartbeat-ttl",
+                "60",
+                "--max-staleness",
+                "10000",
+                "--log-level",
+                "warning",
+            ],
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for i in range(workers)
+    ]
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     syncers["global"].set_gate(0)
     rows = []
     try:
         wait(lambda: len(heartbeat.alive_of(client, keys, "rollout")) == workers, "every worker up", procs)
-        wait(lambda: all(int(i.get("episodes", 0)) > 0 for i in heartbeat.alive_of(client, keys, "rollout").values()),
-             "every worker generating", procs)
+        wait(
+            lambda: all(int(i.get("episodes", 0)) > 0 for i in heartbeat.alive_of(client, keys, "rollout").values()),
+            "every worker generating",
+            procs,
+        )
         for version in range(1, 2 * reps + 1):
             mode = MODES[(version - 1) % 2]
             path, digest = write_weights(model, trainer_dir, version)
@@ -76,12 +115,24 @@ def bench(client, redis_url: str, model_dir: str, root: Path, workers: int, reps
             record = syncers[mode].sync(version, str(path), digest)
             assert record["workers"] == workers and not record["missing"] and not record["refused"], record
             per_wave = workers if mode == "global" else 1
-            rows.append({"mode": mode, "version": version, "sync_s": record["total_s"], "paused_s": record["paused_s"],
-                         "max_paused_s": record["max_paused_s"], "generating_min": record["generating_min"],
-                         "waves": record["waves"], "worker_s_paused": record["paused_s"] * per_wave})
+            rows.append(
+                {
+                    "mode": mode,
+                    "version": version,
+                    "sync_s": record["total_s"],
+                    "paused_s": record["paused_s"],
+                    "max_paused_s": record["max_paused_s"],
+                    "generating_min": record["generating_min"],
+                    "waves": record["waves"],
+                    "worker_s_paused": record["paused_s"] * per_wave,
+                }
+            )
             r = rows[-1]
-            print(f"  v{version} {mode:<8} sync {r['sync_s']:.2f} s, longest paused {r['max_paused_s']:.2f} s, "
-                  f"generating min {r['generating_min']:.2f}, worker-s paused {r['worker_s_paused']:.2f}", flush=True)
+            print(
+                f"  v{version} {mode:<8} sync {r['sync_s']:.2f} s, longest paused {r['max_paused_s']:.2f} s, "
+                f"generating min {r['generating_min']:.2f}, worker-s paused {r['worker_s_paused']:.2f}",
+                flush=True,
+            )
             keep_only(trainer_dir, path)
         size = path.stat().st_size
     finally:
@@ -92,14 +143,18 @@ def bench(client, redis_url: str, model_dir: str, root: Path, workers: int, reps
 
 
 def render(label: str, r: dict) -> str:
-    out = [f"model: {label}, {r['bytes'] / 1e6:.1f} MB; {r['workers']} rollout worker processes, SIMULATED GPU step "
-           f"{r['step_ms']} ms; medians over {r['reps']} syncs per mode, alternated in one run",
-           f"{'mode':<8} | {'sync s':>7} {'paused s (sum)':>14} {'longest paused s':>16} {'waves':>5} "
-           f"{'generating min':>14} {'worker-s paused':>15}"]
+    out = [
+        f"model: {label}, {r['bytes'] / 1e6:.1f} MB; {r['workers']} rollout worker processes, SIMULATED GPU step "
+        f"{r['step_ms']} ms; medians over {r['reps']} syncs per mode, alternated in one run",
+        f"{'mode':<8} | {'sync s':>7} {'paused s (sum)':>14} {'longest paused s':>16} {'waves':>5} "
+        f"{'generating min':>14} {'worker-s paused':>15}",
+    ]
     for m in MODES:
         x = r["median"][m]
-        out.append(f"{m:<8} | {x['sync_s']:>7.2f} {x['paused_s']:>14.2f} {x['max_paused_s']:>16.2f} "
-                   f"{x['waves']:>5.0f} {x['generating_min']:>14.2f} {x['worker_s_paused']:>15.2f}")
+        out.append(
+            f"{m:<8} | {x['sync_s']:>7.2f} {x['paused_s']:>14.2f} {x['max_paused_s']:>16.2f} "
+            f"{x['waves']:>5.0f} {x['generating_min']:>14.2f} {x['worker_s_paused']:>15.2f}"
+        )
     return "\n".join(out)
 
 
@@ -117,22 +172,31 @@ def main(argv: list[str] | None = None) -> int:
         client = connect(url)
         label = "tiny default" if args.quick else "medium random-init (~30M parameters, float32)"
         model_dir = make_tiny_model(tmp / "model") if args.quick else make_tiny_model(tmp / "model", **MEDIUM)
-        result = bench(client, url, model_dir, weights_dir, args.workers, args.reps,
-                       args.step_delay_ms)
-    print(f"weights in {'/dev/shm' if Path('/dev/shm').is_dir() else 'a temp dir'}, read by every worker (no "
-          f"download); syncer: Syncer.sync in the benchmark process; CPU, torch {torch.__version__}, "
-          f"{os.cpu_count()} cores (shared box)")
+        result = bench(client, url, model_dir, weights_dir, args.workers, args.reps, args.step_delay_ms)
+    print(
+        f"weights in {'/dev/shm' if Path('/dev/shm').is_dir() else 'a temp dir'}, read by every worker (no "
+        f"download); syncer: Syncer.sync in the benchmark process; CPU, torch {torch.__version__}, "
+        f"{os.cpu_count()} cores (shared box)"
+    )
     rc = finish(render(label, result), t_start, result, args.json)
     from bench.record import record
 
     g, r = result["median"]["global"], result["median"]["rolling"]
-    record("rolling_sync", [
-        {"what": f"rolling vs global version change, {args.workers} workers: fewest generating during a sync, "
-                 f"longest a worker stands paused, whole sync",
-         "value": f"rolling {r['generating_min']:.0%} generating, {r['max_paused_s']:.2f} s paused, sync "
-                  f"{r['sync_s']:.2f} s; global {g['generating_min']:.0%}, {g['max_paused_s']:.2f} s, {g['sync_s']:.2f} s"}],
-        ["services/syncer", "services/rollout", "shared", "bench/rolling_sync.py"], quick=args.quick,
-        simulated=f"every engine step sleeps {args.step_delay_ms} ms")
+    record(
+        "rolling_sync",
+        [
+            {
+                "what": f"rolling vs global version change, {args.workers} workers: fewest generating during a sync, "
+                f"longest a worker stands paused, whole sync",
+                "value": f"rolling {r['generating_min']:.0%} generating, {r['max_paused_s']:.2f} s paused, sync "
+                f"{r['sync_s']:.2f} s; global {g['generating_min']:.0%}, {g['max_paused_s']:.2f} s, "
+                f"{g['sync_s']:.2f} s",
+            }
+        ],
+        ["services/syncer", "services/rollout", "shared", "bench/rolling_sync.py"],
+        quick=args.quick,
+        simulated=f"every engine step sleeps {args.step_delay_ms} ms",
+    )
     return rc
 
 

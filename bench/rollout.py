@@ -52,19 +52,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
+from services.ops.launch.tiny_model import load_tokenizer, make_tiny_model  # noqa: E402
 from services.rollout.engine import SamplingParams  # noqa: E402
 from services.rollout.engine.torch_engine import TorchEngine  # noqa: E402
 from services.rollout.worker import RolloutWorker  # noqa: E402
+from shared.protocol.episode.events import encode  # noqa: E402
+from shared.protocol.episode.fold import fold  # noqa: E402
+from shared.protocol.episode.log import EpisodeLog  # noqa: E402
+from shared.protocol.keys import Keys  # noqa: E402
+from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
 from shared.runtime import logs  # noqa: E402
 from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
-from shared.protocol.episode.log import EpisodeLog  # noqa: E402
-from shared.protocol.episode.events import encode  # noqa: E402
-from shared.protocol.episode.fold import fold  # noqa: E402
-from shared.protocol.keys import Keys  # noqa: E402
-from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
-from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
-from services.ops.launch.tiny_model import load_tokenizer, make_tiny_model  # noqa: E402
 
 
 class MemoryLog(EpisodeLog):
@@ -107,7 +107,8 @@ def server_cpu(client) -> float:
 def delete_run(client, keys: Keys) -> None:
     batch = [k for pattern in keys.patterns for k in client.scan_iter(match=pattern, count=1000)]
     pipe = client.pipeline(transaction=False)
-    for key in batch:  # one key per DELETE: a run's keys are in many slots on a cluster
+    # one key per DELETE: a run's keys are in many slots on a cluster
+    for key in batch:
         pipe.delete(key)
     pipe.execute()
 
@@ -129,40 +130,60 @@ def rollout_once(client, engine, tok, cfg: Config, sink: str, n_groups: int, log
     while client.xlen(keys.samples) < n_groups:
         worker.tick(block_ms=0)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0 + server_cpu(client) - server0
-    out = {"sink": sink, "seconds": elapsed, "cpu_s": cpu, "tokens": worker.stats["tokens"],
-           "tok_s": worker.stats["tokens"] / elapsed, "tok_cpu_s": worker.stats["tokens"] / cpu,
-           "entries": worker.events.entries_written}
+    out = {
+        "sink": sink,
+        "seconds": elapsed,
+        "cpu_s": cpu,
+        "tokens": worker.stats["tokens"],
+        "tok_s": worker.stats["tokens"] / elapsed,
+        "tok_cpu_s": worker.stats["tokens"] / cpu,
+        "entries": worker.events.entries_written,
+    }
     delete_run(client, keys)
     return out
 
 
-def bench_throughput(client, model_dir: str, reps: int, n_groups: int, max_tokens: int, label: str,
-                     flush_ms: float | None = None) -> dict:
-    cfg = Config(model_dir=model_dir, tools="", temperature=1.0, max_tokens=max_tokens)  # default flush and batch
+def bench_throughput(
+    client, model_dir: str, reps: int, n_groups: int, max_tokens: int, label: str, flush_ms: float | None = None
+) -> dict:
+    # default flush and batch
+    cfg = Config(model_dir=model_dir, tools="", temperature=1.0, max_tokens=max_tokens)
     if flush_ms is not None:
         cfg = cfg.replace(flush_ms=flush_ms)
     tok = load_tokenizer(model_dir)
     engine = TorchEngine(model_dir, max_batch_size=cfg.max_batch_size)
     params = sum(p.numel() for p in engine.runner.model.parameters())
     log = logs.get("bench")
-    rollout_once(client, engine, tok, cfg, "redis", max(2, n_groups // 4), log)  # warm-up
+    # warm-up
+    rollout_once(client, engine, tok, cfg, "redis", max(2, n_groups // 4), log)
     runs: dict[str, list[dict]] = {"redis": [], "memory": []}
     for rep in range(reps):
-        for sink in (("redis", "memory") if rep % 2 == 0 else ("memory", "redis")):
+        for sink in ("redis", "memory") if rep % 2 == 0 else ("memory", "redis"):
             runs[sink].append(rollout_once(client, engine, tok, cfg, sink, n_groups, log))
     assert all(r["tokens"] == runs["redis"][0]["tokens"] for rs in runs.values() for r in rs), "work differed"
     ratios = [r["tok_s"] / m["tok_s"] for r, m in zip(runs["redis"], runs["memory"])]
     cpu_ratios = [r["tok_cpu_s"] / m["tok_cpu_s"] for r, m in zip(runs["redis"], runs["memory"])]
-    return {"model": label, "params": params, "flush_tokens": cfg.flush_tokens, "flush_ms": cfg.flush_ms,
-            "groups": n_groups, "group_size": cfg.group_size, "max_tokens": cfg.max_tokens,
-            "max_groups_in_flight": cfg.max_groups_in_flight,
-            "tokens_per_run": runs["redis"][0]["tokens"], "entries_per_run": runs["redis"][0]["entries"], "reps": reps,
-            "redis_tok_s": statistics.median(r["tok_s"] for r in runs["redis"]),
-            "memory_tok_s": statistics.median(r["tok_s"] for r in runs["memory"]),
-            "ratio_median": statistics.median(ratios), "ratios": ratios,
-            "redis_tok_cpu_s": statistics.median(r["tok_cpu_s"] for r in runs["redis"]),
-            "memory_tok_cpu_s": statistics.median(r["tok_cpu_s"] for r in runs["memory"]),
-            "cpu_ratio_median": statistics.median(cpu_ratios), "cpu_ratios": cpu_ratios}
+    return {
+        "model": label,
+        "params": params,
+        "flush_tokens": cfg.flush_tokens,
+        "flush_ms": cfg.flush_ms,
+        "groups": n_groups,
+        "group_size": cfg.group_size,
+        "max_tokens": cfg.max_tokens,
+        "max_groups_in_flight": cfg.max_groups_in_flight,
+        "tokens_per_run": runs["redis"][0]["tokens"],
+        "entries_per_run": runs["redis"][0]["entries"],
+        "reps": reps,
+        "redis_tok_s": statistics.median(r["tok_s"] for r in runs["redis"]),
+        "memory_tok_s": statistics.median(r["tok_s"] for r in runs["memory"]),
+        "ratio_median": statistics.median(ratios),
+        "ratios": ratios,
+        "redis_tok_cpu_s": statistics.median(r["tok_cpu_s"] for r in runs["redis"]),
+        "memory_tok_cpu_s": statistics.median(r["tok_cpu_s"] for r in runs["memory"]),
+        "cpu_ratio_median": statistics.median(cpu_ratios),
+        "cpu_ratios": cpu_ratios,
+    }
 
 
 # --------------------------------------------------------------------------- 2. resume
@@ -174,7 +195,8 @@ def bench_resume(client, tmp: Path, n_tokens: int, reps: int) -> dict:
     engine.add_request("gen", prompt, params, n_tokens + 1)
     ids, lps = [], []
     t0 = time.perf_counter()
-    while len(ids) < n_tokens:  # time the N tokens only
+    # time the N tokens only
+    while len(ids) < n_tokens:
         for c in engine.step():
             ids += c.token_ids
             lps += c.logprobs
@@ -187,10 +209,21 @@ def bench_resume(client, tmp: Path, n_tokens: int, reps: int) -> dict:
     keys = Keys(f"bench{uuid.uuid4().hex[:8]}")
     log = EpisodeLog(client, keys, "bench", flush_tokens=16)
     log.open("long")
-    log.append("long", "started", {"episode_id": "long", "group_id": "long", "index": 0, "prompt_ids": prompt,
-                                   "sampling": params.to_dict(), "task": {}}, 0)
+    log.append(
+        "long",
+        "started",
+        {
+            "episode_id": "long",
+            "group_id": "long",
+            "index": 0,
+            "prompt_ids": prompt,
+            "sampling": params.to_dict(),
+            "task": {},
+        },
+        0,
+    )
     for i in range(0, n_tokens, 16):
-        log.append_tokens("long", ids[i:i + 16], lps[i:i + 16], 0)
+        log.append_tokens("long", ids[i : i + 16], lps[i : i + 16], 0)
         log.flush_or_raise()
     log.append("long", "aborted", {"reason": "pause", "num_tokens": n_tokens}, 0)
     log.flush_or_raise()
@@ -200,8 +233,9 @@ def bench_resume(client, tmp: Path, n_tokens: int, reps: int) -> dict:
         t0 = time.perf_counter()
         ep = log.replay("long")
         t1 = time.perf_counter()
-        engine.add_request("resume", ep.context_ids, params, params.max_tokens - ep.num_generated,
-                           start_index=len(ep.tokens))
+        engine.add_request(
+            "resume", ep.context_ids, params, params.max_tokens - ep.num_generated, start_index=len(ep.tokens)
+        )
         chunks = engine.step()
         t2 = time.perf_counter()
         engine.abort_all()
@@ -210,9 +244,17 @@ def bench_resume(client, tmp: Path, n_tokens: int, reps: int) -> dict:
         prefill.append(t2 - t1)
     delete_run(client, keys)
     r, p = statistics.median(replay), statistics.median(prefill)
-    return {"tokens": n_tokens, "entries": entries, "reps": reps, "replay_ms": r * 1e3, "prefill_ms": p * 1e3,
-            "resume_ms": (r + p) * 1e3, "generate_s": generate_s, "speedup": generate_s / (r + p),
-            "first_token_matches": True}
+    return {
+        "tokens": n_tokens,
+        "entries": entries,
+        "reps": reps,
+        "replay_ms": r * 1e3,
+        "prefill_ms": p * 1e3,
+        "resume_ms": (r + p) * 1e3,
+        "generate_s": generate_s,
+        "speedup": generate_s / (r + p),
+        "first_token_matches": True,
+    }
 
 
 # --------------------------------------------------------------------------- 3. kill -9
@@ -229,8 +271,16 @@ def crash_child(argv: list[str]) -> None:
     logs.setup("warning")
     torch.set_num_threads(1)
     client = connect(a.redis_url)
-    cfg = Config(run=a.run, model_dir=a.model_dir, tools="", flush_tokens=a.flush_tokens, flush_ms=a.flush_ms,
-                 max_tokens=a.max_tokens, heartbeat_ttl=1.0, temperature=1.0)
+    cfg = Config(
+        run=a.run,
+        model_dir=a.model_dir,
+        tools="",
+        flush_tokens=a.flush_tokens,
+        flush_ms=a.flush_ms,
+        max_tokens=a.max_tokens,
+        heartbeat_ttl=1.0,
+        temperature=1.0,
+    )
     engine = TorchEngine(a.model_dir, max_batch_size=cfg.max_batch_size)
     worker = RolloutWorker(cfg, client, "A", engine, load_tokenizer(a.model_dir), logs.get("bench-A"))
     worker.start()
@@ -247,23 +297,64 @@ def stream_tokens(client, keys: Keys) -> dict[str, list[int]]:
     return out
 
 
-def kill_once(client, redis_url: str, model_dir: str, engine, tok, tmp: Path, flush_tokens: int, flush_ms: float,
-              kill_after: int, n_groups: int, max_tokens: int) -> dict:
+def kill_once(
+    client,
+    redis_url: str,
+    model_dir: str,
+    engine,
+    tok,
+    tmp: Path,
+    flush_tokens: int,
+    flush_ms: float,
+    kill_after: int,
+    n_groups: int,
+    max_tokens: int,
+) -> dict:
     keys = Keys(f"bench{uuid.uuid4().hex[:8]}")
     enqueue(client, keys, groups(n_groups, 4))
     out = tmp / f"{keys.run}.json"
-    child = subprocess.run([sys.executable, __file__, "--crash-child", "--redis_url", redis_url, "--run", keys.run,
-                            "--model_dir", model_dir, "--out", str(out), "--flush_tokens", str(flush_tokens),
-                            "--flush_ms", str(flush_ms), "--kill_after", str(kill_after),
-                            "--max_tokens", str(max_tokens)], capture_output=True, timeout=300)
+    child = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--crash-child",
+            "--redis_url",
+            redis_url,
+            "--run",
+            keys.run,
+            "--model_dir",
+            model_dir,
+            "--out",
+            str(out),
+            "--flush_tokens",
+            str(flush_tokens),
+            "--flush_ms",
+            str(flush_ms),
+            "--kill_after",
+            str(kill_after),
+            "--max_tokens",
+            str(max_tokens),
+        ],
+        capture_output=True,
+        timeout=300,
+    )
     assert child.returncode == -signal.SIGKILL, (child.returncode, child.stderr.decode()[-2000:])
     a = json.loads(out.read_text())
     at_kill = stream_tokens(client, keys)
     stored = sum(len(t) for t in at_kill.values())
     regenerated = a["tokens"] - stored
-    cfg = Config(run=keys.run, model_dir=model_dir, tools="", flush_tokens=flush_tokens, flush_ms=flush_ms,
-                 max_tokens=max_tokens, heartbeat_ttl=1.0, temperature=1.0)
-    time.sleep(1.1)  # A's heartbeat key lapses (TTL 1 s), as after any kill -9
+    cfg = Config(
+        run=keys.run,
+        model_dir=model_dir,
+        tools="",
+        flush_tokens=flush_tokens,
+        flush_ms=flush_ms,
+        max_tokens=max_tokens,
+        heartbeat_ttl=1.0,
+        temperature=1.0,
+    )
+    # A's heartbeat key lapses (TTL 1 s), as after any kill -9
+    time.sleep(1.1)
     b = RolloutWorker(cfg, client, "B", engine, tok, logs.get("bench-B"))
     b.start()
     deadline = time.monotonic() + 120
@@ -271,12 +362,20 @@ def kill_once(client, redis_url: str, model_dir: str, engine, tok, tmp: Path, fl
         assert time.monotonic() < deadline, "B did not finish the groups"
         b.tick(block_ms=0)
     final = stream_tokens(client, keys)
-    assert all(final[e][:len(t)] == t for e, t in at_kill.items()), "a flushed token changed"
+    assert all(final[e][: len(t)] == t for e, t in at_kill.items()), "a flushed token changed"
     total = sum(len(t) for t in final.values())
     delete_run(client, keys)
-    return {"flush_tokens": flush_tokens, "flush_ms": flush_ms, "kill_after": kill_after, "a_tokens": a["tokens"],
-            "in_flight": a["in_flight"], "stored": stored, "regenerated": regenerated,
-            "check": a["tokens"] + b.stats["tokens"] - total, "takeovers": b.stats["takeovers"]}
+    return {
+        "flush_tokens": flush_tokens,
+        "flush_ms": flush_ms,
+        "kill_after": kill_after,
+        "a_tokens": a["tokens"],
+        "in_flight": a["in_flight"],
+        "stored": stored,
+        "regenerated": regenerated,
+        "check": a["tokens"] + b.stats["tokens"] - total,
+        "takeovers": b.stats["takeovers"],
+    }
 
 
 def bench_kill(client, redis_url: str, model_dir: str, tmp: Path, settings, reps: int, rng) -> list[dict]:
@@ -285,11 +384,31 @@ def bench_kill(client, redis_url: str, model_dir: str, tmp: Path, settings, reps
     rows = []
     for flush_ms in settings["flush_ms"]:
         for flush_tokens in settings["flush_tokens"]:
-            runs = [kill_once(client, redis_url, model_dir, engine, tok, tmp, flush_tokens, flush_ms,
-                              rng.randrange(400, 900), settings["groups"], settings["max_tokens"]) for _ in range(reps)]
-            rows.append({"flush_tokens": flush_tokens, "flush_ms": flush_ms, "runs": runs,
-                         "regenerated_mean": statistics.mean(r["regenerated"] for r in runs),
-                         "per_episode_mean": statistics.mean(r["regenerated"] / max(r["in_flight"], 1) for r in runs)})
+            runs = [
+                kill_once(
+                    client,
+                    redis_url,
+                    model_dir,
+                    engine,
+                    tok,
+                    tmp,
+                    flush_tokens,
+                    flush_ms,
+                    rng.randrange(400, 900),
+                    settings["groups"],
+                    settings["max_tokens"],
+                )
+                for _ in range(reps)
+            ]
+            rows.append(
+                {
+                    "flush_tokens": flush_tokens,
+                    "flush_ms": flush_ms,
+                    "runs": runs,
+                    "regenerated_mean": statistics.mean(r["regenerated"] for r in runs),
+                    "per_episode_mean": statistics.mean(r["regenerated"] / max(r["in_flight"], 1) for r in runs),
+                }
+            )
     return rows
 
 
@@ -298,39 +417,50 @@ def render(result: dict) -> str:
     out = []
     if "throughput" in result:
         t0 = result["throughput"][0]
-        out += [f"1. Throughput, Redis EpisodeLog vs in-memory sink: flush_tokens {t0['flush_tokens']}, flush_ms "
-                f"{t0['flush_ms']:g} ({'defaults' if t0['flush_ms'] == Config().flush_ms else 'flush_ms from --flush-ms'}), "
-                f"{t0['group_size']} episodes per group, {t0['max_groups_in_flight']} "
-                f"groups in flight; median of interleaved reps",
-                "   wall: tokens per wall-clock second; CPU: tokens per CPU second of this process (engine + worker "
-                "+ client) plus the Redis server's CPU seconds",
-                f"   {'model':<22} {'max_tokens':>10} {'tokens/run':>10} {'entries':>7} | {'Redis tok/s':>11} "
-                f"{'memory tok/s':>12} {'ratio':>5} | {'Redis tok/CPU-s':>15} {'memory':>7} {'ratio':>5} | "
-                f"per-pair wall ratios"]
+        out += [
+            f"1. Throughput, Redis EpisodeLog vs in-memory sink: flush_tokens {t0['flush_tokens']}, flush_ms "
+            f"{t0['flush_ms']:g} "
+            f"({'defaults' if t0['flush_ms'] == Config().flush_ms else 'flush_ms from --flush-ms'}), "
+            f"{t0['group_size']} episodes per group, {t0['max_groups_in_flight']} "
+            f"groups in flight; median of interleaved reps",
+            "   wall: tokens per wall-clock second; CPU: tokens per CPU second of this process (engine + worker "
+            "+ client) plus the Redis server's CPU seconds",
+            f"   {'model':<22} {'max_tokens':>10} {'tokens/run':>10} {'entries':>7} | {'Redis tok/s':>11} "
+            f"{'memory tok/s':>12} {'ratio':>5} | {'Redis tok/CPU-s':>15} {'memory':>7} {'ratio':>5} | "
+            f"per-pair wall ratios",
+        ]
         for t in result["throughput"]:
             name = f"{t['model']} ({t['params'] / 1e6:.1f}M)"
-            out.append(f"   {name:<22} {t['max_tokens']:>10} "
-                       f"{t['tokens_per_run']:>10} {t['entries_per_run']:>7} | {t['redis_tok_s']:>11,.0f} "
-                       f"{t['memory_tok_s']:>12,.0f} {t['ratio_median']:>5.3f} | {t['redis_tok_cpu_s']:>15,.0f} "
-                       f"{t['memory_tok_cpu_s']:>7,.0f} {t['cpu_ratio_median']:>5.3f} | "
-                       f"{', '.join(f'{r:.2f}' for r in t['ratios'])}")
+            out.append(
+                f"   {name:<22} {t['max_tokens']:>10} "
+                f"{t['tokens_per_run']:>10} {t['entries_per_run']:>7} | {t['redis_tok_s']:>11,.0f} "
+                f"{t['memory_tok_s']:>12,.0f} {t['ratio_median']:>5.3f} | {t['redis_tok_cpu_s']:>15,.0f} "
+                f"{t['memory_tok_cpu_s']:>7,.0f} {t['cpu_ratio_median']:>5.3f} | "
+                f"{', '.join(f'{r:.2f}' for r in t['ratios'])}"
+            )
     if "resume" in result:
         r = result["resume"]
-        out += [f"2. Resume of a {r['tokens']}-token episode ({r['entries']} entries); median of {r['reps']}",
-                f"   replay (XRANGE + fold) {r['replay_ms']:.1f} ms + re-prefill and first token {r['prefill_ms']:.1f} ms"
-                f" = {r['resume_ms']:.1f} ms; generating the {r['tokens']} tokens took {r['generate_s']:.1f} s "
-                f"({r['speedup']:.0f}x); first resumed token = token {r['tokens'] + 1} of the uninterrupted run: "
-                f"{r['first_token_matches']}"]
+        out += [
+            f"2. Resume of a {r['tokens']}-token episode ({r['entries']} entries); median of {r['reps']}",
+            f"   replay (XRANGE + fold) {r['replay_ms']:.1f} ms + re-prefill and first token {r['prefill_ms']:.1f} ms"
+            f" = {r['resume_ms']:.1f} ms; generating the {r['tokens']} tokens took {r['generate_s']:.1f} s "
+            f"({r['speedup']:.0f}x); first resumed token = token {r['tokens'] + 1} of the uninterrupted run: "
+            f"{r['first_token_matches']}",
+        ]
     if "kill" in result:
-        out += ["3. kill -9 of a rollout worker mid-run: tokens regenerated (generated by A but not in its streams)",
-                f"   {'flush_ms':>8} {'flush_tokens':>12} | {'regenerated per run':<28} | {'mean':>6} "
-                f"{'per in-flight episode':>21} | check (A+B-final)"]
+        out += [
+            "3. kill -9 of a rollout worker mid-run: tokens regenerated (generated by A but not in its streams)",
+            f"   {'flush_ms':>8} {'flush_tokens':>12} | {'regenerated per run':<28} | {'mean':>6} "
+            f"{'per in-flight episode':>21} | check (A+B-final)",
+        ]
         for row in result["kill"]:
             ms = "off" if row["flush_ms"] >= 1e6 else f"{row['flush_ms']:g}"
             regs = ", ".join(f"{r['regenerated']}/{r['in_flight']}ep" for r in row["runs"])
             checks = ", ".join(str(r["check"]) for r in row["runs"])
-            out.append(f"   {ms:>8} {row['flush_tokens']:>12} | {regs:<28} | {row['regenerated_mean']:>6.1f} "
-                       f"{row['per_episode_mean']:>21.2f} | {checks}")
+            out.append(
+                f"   {ms:>8} {row['flush_tokens']:>12} | {regs:<28} | {row['regenerated_mean']:>6.1f} "
+                f"{row['per_episode_mean']:>21.2f} | {checks}"
+            )
     return "\n".join(out)
 
 
@@ -344,12 +474,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="also print the full results as JSON")
     ap.add_argument("--only", default="throughput,resume,kill")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--flush-ms", type=float, default=None,
-                    help="throughput only: the episode log's flush_ms for both sinks (default: the config's default)")
+    ap.add_argument(
+        "--flush-ms",
+        type=float,
+        default=None,
+        help="throughput only: the episode log's flush_ms for both sinks (default: the config's default)",
+    )
     args = ap.parse_args(argv)
     parts = set(args.only.split(","))
     logs.setup("warning")
-    torch.set_num_threads(1)  # one engine thread: the box is shared; CPU-time figures stay comparable
+    # one engine thread: the box is shared; CPU-time figures stay comparable
+    torch.set_num_threads(1)
     rng = random.Random(args.seed)
     q = args.quick
     t_start = time.perf_counter()
@@ -361,20 +496,29 @@ def main(argv: list[str] | None = None) -> int:
             client = connect(server.url)
             model_dir = make_tiny_model(tmp / "tiny")
             if "throughput" in parts:
-                small = make_tiny_model(tmp / "small", hidden_size=384, num_layers=4, num_heads=6,
-                                        intermediate_size=1024)
-                scenarios = [(model_dir, "tiny default", 32, 8 if q else 48, 2 if q else 10),
-                             (model_dir, "tiny default", 256, 8 if q else 16, 2 if q else 6),
-                             (small, "small", 64, 8 if q else 16, 1 if q else 5)]
-                result["throughput"] = [bench_throughput(client, m, reps, groups_n, max_tokens, label, args.flush_ms)
-                                        for m, label, max_tokens, groups_n, reps in scenarios]
+                small = make_tiny_model(
+                    tmp / "small", hidden_size=384, num_layers=4, num_heads=6, intermediate_size=1024
+                )
+                scenarios = [
+                    (model_dir, "tiny default", 32, 8 if q else 48, 2 if q else 10),
+                    (model_dir, "tiny default", 256, 8 if q else 16, 2 if q else 6),
+                    (small, "small", 64, 8 if q else 16, 1 if q else 5),
+                ]
+                result["throughput"] = [
+                    bench_throughput(client, m, reps, groups_n, max_tokens, label, args.flush_ms)
+                    for m, label, max_tokens, groups_n, reps in scenarios
+                ]
                 print(render({"throughput": result["throughput"]}), flush=True)
             if "resume" in parts:
                 result["resume"] = bench_resume(client, tmp, n_tokens=1024 if q else 4096, reps=3 if q else 5)
                 print(render({"resume": result["resume"]}), flush=True)
             if "kill" in parts:
-                settings = {"flush_tokens": (1, 16, 64) if q else (1, 4, 16, 64),
-                            "flush_ms": (50.0,) if q else (50.0, 1e9), "groups": 8, "max_tokens": 64}
+                settings = {
+                    "flush_tokens": (1, 16, 64) if q else (1, 4, 16, 64),
+                    "flush_ms": (50.0,) if q else (50.0, 1e9),
+                    "groups": 8,
+                    "max_tokens": 64,
+                }
                 result["kill"] = bench_kill(client, server.url, model_dir, tmp, settings, reps=1 if q else 2, rng=rng)
                 print(render({"kill": result["kill"]}), flush=True)
         finally:
@@ -386,18 +530,37 @@ def main(argv: list[str] | None = None) -> int:
 
     measures = ["services/rollout", "shared/protocol", "bench/rollout.py"]
     if "throughput" in result and args.flush_ms is None:
-        record("rollout-throughput", [
-            {"what": f"rollout throughput with the Redis event log over an in-memory sink, {t['model']} model, "
-                     f"{t['max_tokens']}-token episodes",
-             "value": f"{t['ratio_median']:.3f} wall, {t['cpu_ratio_median']:.3f} per CPU-s "
-                      f"({(1 - t['ratio_median']) * 100:.1f} % overhead)"}
-            for t in result["throughput"]], measures, quick=q, argv=argv)
+        record(
+            "rollout-throughput",
+            [
+                {
+                    "what": f"rollout throughput with the Redis event log over an in-memory sink, {t['model']} model, "
+                    f"{t['max_tokens']}-token episodes",
+                    "value": f"{t['ratio_median']:.3f} wall, {t['cpu_ratio_median']:.3f} per CPU-s "
+                    f"({(1 - t['ratio_median']) * 100:.1f} % overhead)",
+                }
+                for t in result["throughput"]
+            ],
+            measures,
+            quick=q,
+            argv=argv,
+        )
     if "resume" in result:
         r = result["resume"]
-        record("rollout-resume", [
-            {"what": f"resume of a {r['tokens']:,}-token episode ({r['entries']} entries) after an abort",
-             "value": f"{r['resume_ms']:.0f} ms (replay {r['replay_ms']:.1f} ms + re-prefill {r['prefill_ms']:.0f} ms)"
-                      f" vs {r['generate_s']:.1f} s to generate: {r['speedup']:.0f}x"}], measures, quick=q, argv=argv)
+        record(
+            "rollout-resume",
+            [
+                {
+                    "what": f"resume of a {r['tokens']:,}-token episode ({r['entries']} entries) after an abort",
+                    "value": f"{r['resume_ms']:.0f} ms (replay {r['replay_ms']:.1f} ms + "
+                    f"re-prefill {r['prefill_ms']:.0f} ms)"
+                    f" vs {r['generate_s']:.1f} s to generate: {r['speedup']:.0f}x",
+                }
+            ],
+            measures,
+            quick=q,
+            argv=argv,
+        )
     return 0
 
 

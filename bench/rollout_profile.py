@@ -60,11 +60,18 @@ def one_run(client, engine, tok, cfg, sink: str, n_groups: int, log) -> dict:
     prof.disable()
     cum = {k[2]: v[3] for k, v in pstats.Stats(prof).stats.items() if k[0].endswith("episodes.py")}
     cs = client.info("commandstats")
-    return {"wall_s": r["seconds"], "entries": r["entries"], "server_cpu_s": br.server_cpu(client) - server0,
-            "evalsha_calls": _command(cs, "evalsha", "calls"), "evalsha_us_per_call": _command(cs, "evalsha", "usec_per_call"),
-            "fence_ms": (_command(cs, "xrevrange", "usec") + _command(cs, "xlen", "usec")) / 1e3,
-            "xadd_calls": _command(cs, "xadd", "calls"), "writer_thread_cpu_s": _send_cpu[0],
-            "open_groups_ms": cum.get("open_groups", 0.0) * 1e3, "settle_ms": cum.get("settle", 0.0) * 1e3}
+    return {
+        "wall_s": r["seconds"],
+        "entries": r["entries"],
+        "server_cpu_s": br.server_cpu(client) - server0,
+        "evalsha_calls": _command(cs, "evalsha", "calls"),
+        "evalsha_us_per_call": _command(cs, "evalsha", "usec_per_call"),
+        "fence_ms": (_command(cs, "xrevrange", "usec") + _command(cs, "xlen", "usec")) / 1e3,
+        "xadd_calls": _command(cs, "xadd", "calls"),
+        "writer_thread_cpu_s": _send_cpu[0],
+        "open_groups_ms": cum.get("open_groups", 0.0) * 1e3,
+        "settle_ms": cum.get("settle", 0.0) * 1e3,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,9 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             tok = load_tokenizer(model_dir)
             engine = TorchEngine(model_dir, max_batch_size=cfg.max_batch_size)
             log = logs.get("bench")
-            br.rollout_once(client, engine, tok, cfg, "redis", max(2, args.groups // 4), log)  # warm-up
+            # warm-up
+            br.rollout_once(client, engine, tok, cfg, "redis", max(2, args.groups // 4), log)
             for rep in range(args.reps):
-                for sink in (("redis", "memory") if rep % 2 == 0 else ("memory", "redis")):
+                for sink in ("redis", "memory") if rep % 2 == 0 else ("memory", "redis"):
                     runs[sink].append(one_run(client, engine, tok, cfg, sink, args.groups, log))
                     print(f"rep {rep} {sink} done", file=sys.stderr, flush=True)
         finally:

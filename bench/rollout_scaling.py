@@ -18,13 +18,13 @@ With no syncer the gate is never opened, which in async mode lets every worker c
 for (shared/protocol/gate.py). The bench keeps the prompts queue topped up (a consumer-group lag of at least
 ``4 x max_groups_in_flight x workers`` groups) so no worker starves; the smallest lag seen is printed.
 
-Each variant: spawn the workers (tests/support/procs.py), wait for every heartbeat, enqueue, let them run ``--warmup`` s,
-then measure ``--seconds``: samples (finished episodes, in published groups) whose group was published in the
-window, by the samples stream's own entry ids, and the generated tokens of those episodes (their streams, folded).
-CPU over the window: the workers' (from /proc), the Redis server's (INFO cpu), and the whole box's, so a reader
-sees when the box, not the design, limits scaling ("other" is the box minus workers and server: this bench's own
-driver and anything else running). Variants are interleaved (1 2 4 8, then 8 4 2 1, ...); figures are medians.
-"""
+Each variant: spawn the workers (tests/support/procs.py), wait for every heartbeat, enqueue, let them run
+``--warmup`` s, then measure ``--seconds``: samples (finished episodes, in published groups) whose group was
+published in the window, by the samples stream's own entry ids, and the generated tokens of those episodes (their
+streams, folded). CPU over the window: the workers' (from /proc), the Redis server's (INFO cpu), and the whole box's,
+so a reader sees when the box, not the design, limits scaling ("other" is the box minus workers and server: this
+bench's own driver and anything else running). Variants are interleaved (1 2 4 8, then 8 4 2 1, ...); figures are
+medians."""
 
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ from bench.rollout import delete_run  # noqa: E402
 from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
 from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
 from shared.protocol.episode import events  # noqa: E402
-from shared.protocol.streams import samples
 from shared.protocol.episode.fold import fold  # noqa: E402
 from shared.protocol.keys import ROLLOUT_GROUP, Keys  # noqa: E402
+from shared.protocol.streams import samples  # noqa: E402
 from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
 from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
@@ -58,8 +58,10 @@ DEFAULTS = Config()
 
 
 def header(args) -> str:
-    return (f"SIMULATED GPU (not measured hardware): every engine step sleeps {args.step_delay_ms:g} ms "
-            f"(step_delay_ms, engine/slow.py) on top of the tiny model's CPU forward; rollout only (no trainer)")
+    return (
+        f"SIMULATED GPU (not measured hardware): every engine step sleeps {args.step_delay_ms:g} ms "
+        f"(step_delay_ms, engine/slow.py) on top of the tiny model's CPU forward; rollout only (no trainer)"
+    )
 
 
 def groups(tag: str, start: int, n: int, size: int) -> list[PromptGroup]:
@@ -89,30 +91,62 @@ def window_counts(client, keys: Keys, t0_ms: int, t1_ms: int) -> dict:
     tokens = token_entries = 0
     for i in range(0, len(episodes), 500):
         pipe = client.pipeline(transaction=False)
-        for e in episodes[i:i + 500]:
+        for e in episodes[i : i + 500]:
             pipe.xrange(keys.episode(e))
         for stream in pipe.execute():
             tokens += len(fold(stream).tokens)
             token_entries += sum(1 for entry_id, f in stream if events.decode(entry_id, f).kind == "tokens")
-    return {"groups": len(entries), "samples": len(episodes), "tokens": tokens, "token_entries": token_entries,
-            "per_worker": per_worker}
+    return {
+        "groups": len(entries),
+        "samples": len(episodes),
+        "tokens": tokens,
+        "token_entries": token_entries,
+        "per_worker": per_worker,
+    }
 
 
 def measure(client, url: str, tmp: Path, model_dir: str, k: int, rep: int, args) -> dict:
     keys = Keys(f"scale-{uuid.uuid4().hex[:6]}-k{k}-r{rep}")
     env = {key: v for key, v in os.environ.items() if key != "REDIS_URL" and not key.startswith("STREAMRL_")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # one torch thread per worker, as `streamrl run` sets
+    # one torch thread per worker, as `streamrl run` sets
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     ids = [f"w{i}" for i in range(k)]
     workers = []
     try:
         for wid in ids:
-            workers.append(spawn("services.rollout", "--run", keys.run, "--redis-url", url, "--run-dir", tmp / "runs",
-                                 "--model-dir", model_dir, "--tools", "", "--step-delay-ms", args.step_delay_ms,
-                                 "--max-tokens", args.max_tokens, "--log-level", "warning", "--worker-id", wid,
-                                 env=env, log=tmp / f"{keys.run}-{wid}.log"))
+            workers.append(
+                spawn(
+                    "services.rollout",
+                    "--run",
+                    keys.run,
+                    "--redis-url",
+                    url,
+                    "--run-dir",
+                    tmp / "runs",
+                    "--model-dir",
+                    model_dir,
+                    "--tools",
+                    "",
+                    "--step-delay-ms",
+                    args.step_delay_ms,
+                    "--max-tokens",
+                    args.max_tokens,
+                    "--log-level",
+                    "warning",
+                    "--worker-id",
+                    wid,
+                    env=env,
+                    log=tmp / f"{keys.run}-{wid}.log",
+                )
+            )
         t_spawn = time.monotonic()
-        wait_until(lambda: all(client.exists(keys.alive("rollout", w)) for w in ids), f"{k} workers' heartbeats",
-                   timeout=300, procs=workers, poll=0.2)
+        wait_until(
+            lambda: all(client.exists(keys.alive("rollout", w)) for w in ids),
+            f"{k} workers' heartbeats",
+            timeout=300,
+            procs=workers,
+            poll=0.2,
+        )
         startup = time.monotonic() - t_spawn
         target = 4 * DEFAULTS.max_groups_in_flight * k
         queued = 2 * target
@@ -130,9 +164,12 @@ def measure(client, url: str, tmp: Path, model_dir: str, k: int, rep: int, args)
                     queued += 2 * target - left
                 for w in workers:
                     if w.poll() is not None:
-                        raise SystemExit(f"{k} workers, repeat {rep}: worker exited {w.returncode} mid-window; "
-                                         f"see {tmp / keys.run}-*.log")
-                time.sleep(0.25)  # a bench driver's pacing, not synchronisation
+                        raise SystemExit(
+                            f"{k} workers, repeat {rep}: worker exited {w.returncode} mid-window; "
+                            f"see {tmp / keys.run}-*.log"
+                        )
+                # a bench driver's pacing, not synchronisation
+                time.sleep(0.25)
 
         top_up(t_enq + args.warmup, track=False)
         a, t0_ms = cpu.snapshot([w.pid for w in workers], client), int(time.time() * 1000)
@@ -146,14 +183,26 @@ def measure(client, url: str, tmp: Path, model_dir: str, k: int, rep: int, args)
     seconds = (t1_ms - t0_ms) / 1000
     used = cpu.cores(a, b)
     per_worker = [counts["per_worker"].get(w, 0) / seconds for w in ids]
-    delete_run(client, keys)  # keep the server small between variants
-    return {"workers": k, "rep": rep, "seconds": seconds, "startup_s": startup, "groups": counts["groups"],
-            "samples": counts["samples"], "tokens": counts["tokens"],
-            "samples_per_s": counts["samples"] / seconds, "tokens_per_s": counts["tokens"] / seconds,
-            "tokens_per_entry": counts["tokens"] / max(1, counts["token_entries"]),
-            "per_worker_samples_per_s": per_worker, "min_lag": min_lag,
-            "cpu_workers": used["procs"], "cpu_server": used["server"], "cpu_box": used["box"],
-            "cpu_other": used["box"] - used["procs"] - used["server"]}
+    # keep the server small between variants
+    delete_run(client, keys)
+    return {
+        "workers": k,
+        "rep": rep,
+        "seconds": seconds,
+        "startup_s": startup,
+        "groups": counts["groups"],
+        "samples": counts["samples"],
+        "tokens": counts["tokens"],
+        "samples_per_s": counts["samples"] / seconds,
+        "tokens_per_s": counts["tokens"] / seconds,
+        "tokens_per_entry": counts["tokens"] / max(1, counts["token_entries"]),
+        "per_worker_samples_per_s": per_worker,
+        "min_lag": min_lag,
+        "cpu_workers": used["procs"],
+        "cpu_server": used["server"],
+        "cpu_box": used["box"],
+        "cpu_other": used["box"] - used["procs"] - used["server"],
+    }
 
 
 def summarize(runs: list[dict], ks: list[int]) -> list[dict]:
@@ -161,15 +210,24 @@ def summarize(runs: list[dict], ks: list[int]) -> list[dict]:
     for k in ks:
         rs = [r for r in runs if r["workers"] == k]
         row = {"workers": k, "reps": len(rs)}
-        for key in ("samples_per_s", "tokens_per_s", "tokens_per_entry", "cpu_workers", "cpu_server", "cpu_box",
-                    "cpu_other", "startup_s"):
+        for key in (
+            "samples_per_s",
+            "tokens_per_s",
+            "tokens_per_entry",
+            "cpu_workers",
+            "cpu_server",
+            "cpu_box",
+            "cpu_other",
+            "startup_s",
+        ):
             row[key] = statistics.median(r[key] for r in rs)
         row["all_samples_per_s"] = [round(r["samples_per_s"], 1) for r in rs]
         row["per_worker_min"] = min(min(r["per_worker_samples_per_s"]) for r in rs)
         row["per_worker_max"] = max(max(r["per_worker_samples_per_s"]) for r in rs)
         row["min_lag"] = min(r["min_lag"] for r in rs)
         rows.append(row)
-    base = rows[0]["samples_per_s"] / rows[0]["workers"]  # per-worker rate of the smallest variant
+    # per-worker rate of the smallest variant
+    base = rows[0]["samples_per_s"] / rows[0]["workers"]
     for row in rows:
         row["speedup"] = row["samples_per_s"] / rows[0]["samples_per_s"] * rows[0]["workers"]
         row["efficiency"] = row["samples_per_s"] / (base * row["workers"])
@@ -177,22 +235,26 @@ def summarize(runs: list[dict], ks: list[int]) -> list[dict]:
 
 
 def render(rows: list[dict], args, ncpu: int) -> str:
-    out = [header(args),
-           f"max_tokens {args.max_tokens}, group_size {DEFAULTS.group_size}, max_groups_in_flight "
-           f"{DEFAULTS.max_groups_in_flight}, max_batch_size {DEFAULTS.max_batch_size}, flush_tokens "
-           f"{DEFAULTS.flush_tokens}, flush_ms {DEFAULTS.flush_ms:g} (defaults); {args.seconds:g} s windows after "
-           f"{args.warmup:g} s warm-up; median of {rows[0]['reps']} interleaved repeats; box: {ncpu} CPUs",
-           f"{'workers':>7} {'samples/s':>9} {'tokens/s':>9} {'speedup':>7} {'effic.':>6} | "
-           f"{'per worker min-max':>18} | {'CPU cores: workers':>18} {'redis':>5} {'other':>5} {'box':>5} | "
-           f"{'CPU us/token: workers':>21} {'redis':>5} | {'tok/entry':>9} | "
-           f"{'min lag':>7} | samples/s per repeat"]
+    out = [
+        header(args),
+        f"max_tokens {args.max_tokens}, group_size {DEFAULTS.group_size}, max_groups_in_flight "
+        f"{DEFAULTS.max_groups_in_flight}, max_batch_size {DEFAULTS.max_batch_size}, flush_tokens "
+        f"{DEFAULTS.flush_tokens}, flush_ms {DEFAULTS.flush_ms:g} (defaults); {args.seconds:g} s windows after "
+        f"{args.warmup:g} s warm-up; median of {rows[0]['reps']} interleaved repeats; box: {ncpu} CPUs",
+        f"{'workers':>7} {'samples/s':>9} {'tokens/s':>9} {'speedup':>7} {'effic.':>6} | "
+        f"{'per worker min-max':>18} | {'CPU cores: workers':>18} {'redis':>5} {'other':>5} {'box':>5} | "
+        f"{'CPU us/token: workers':>21} {'redis':>5} | {'tok/entry':>9} | "
+        f"{'min lag':>7} | samples/s per repeat",
+    ]
     for r in rows:
-        out.append(f"{r['workers']:>7} {r['samples_per_s']:>9.1f} {r['tokens_per_s']:>9,.0f} {r['speedup']:>6.2f}x "
-                   f"{r['efficiency']:>5.0%} | {r['per_worker_min']:>8.1f}-{r['per_worker_max']:<9.1f} | "
-                   f"{r['cpu_workers']:>18.2f} {r['cpu_server']:>5.2f} {r['cpu_other']:>5.2f} {r['cpu_box']:>5.2f} | "
-                   f"{r['cpu_workers'] * 1e6 / r['tokens_per_s']:>21.0f} "
-                   f"{r['cpu_server'] * 1e6 / r['tokens_per_s']:>5.0f} | {r['tokens_per_entry']:>9.1f} | "
-                   f"{r['min_lag']:>7} | {', '.join(str(x) for x in r['all_samples_per_s'])}")
+        out.append(
+            f"{r['workers']:>7} {r['samples_per_s']:>9.1f} {r['tokens_per_s']:>9,.0f} {r['speedup']:>6.2f}x "
+            f"{r['efficiency']:>5.0%} | {r['per_worker_min']:>8.1f}-{r['per_worker_max']:<9.1f} | "
+            f"{r['cpu_workers']:>18.2f} {r['cpu_server']:>5.2f} {r['cpu_other']:>5.2f} {r['cpu_box']:>5.2f} | "
+            f"{r['cpu_workers'] * 1e6 / r['tokens_per_s']:>21.0f} "
+            f"{r['cpu_server'] * 1e6 / r['tokens_per_s']:>5.0f} | {r['tokens_per_entry']:>9.1f} | "
+            f"{r['min_lag']:>7} | {', '.join(str(x) for x in r['all_samples_per_s'])}"
+        )
     return "\n".join(out)
 
 
@@ -231,8 +293,9 @@ def parse_args(argv):
     p.add_argument("--step-delay-ms", type=float, default=20.0, help="SIMULATED GPU cost of one engine step (sleep)")
     p.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens, help="generated tokens per episode")
     p.add_argument("--plot", default=str(ROOT / "bench" / "rollout_scaling.png"), help="PNG to write ('' for none)")
-    p.add_argument("--quick", action="store_true",
-                   help="workers 1,2 unless --workers, one repeat, 8 s windows (a smoke run)")
+    p.add_argument(
+        "--quick", action="store_true", help="workers 1,2 unless --workers, one repeat, 8 s windows (a smoke run)"
+    )
     p.add_argument("--json", action="store_true", help="also print every window as JSON")
     args = p.parse_args(argv)
     try:
@@ -270,13 +333,16 @@ def main(argv=None) -> int:
         try:
             client = connect(server.url)
             for rep in range(args.repeats):
-                for k in (args.ks if rep % 2 == 0 else list(reversed(args.ks))):
+                for k in args.ks if rep % 2 == 0 else list(reversed(args.ks)):
                     r = measure(client, server.url, tmp, model_dir, k, rep, args)
                     runs.append(r)
-                    print(f"  {k} workers, repeat {rep + 1}: {r['samples_per_s']:.1f} samples/s, "
-                          f"{r['tokens_per_s']:,.0f} tokens/s, CPU cores workers {r['cpu_workers']:.2f} redis "
-                          f"{r['cpu_server']:.2f} box {r['cpu_box']:.2f} (startup {r['startup_s']:.0f} s, "
-                          f"min lag {r['min_lag']})", flush=True)
+                    print(
+                        f"  {k} workers, repeat {rep + 1}: {r['samples_per_s']:.1f} samples/s, "
+                        f"{r['tokens_per_s']:,.0f} tokens/s, CPU cores workers {r['cpu_workers']:.2f} redis "
+                        f"{r['cpu_server']:.2f} box {r['cpu_box']:.2f} (startup {r['startup_s']:.0f} s, "
+                        f"min lag {r['min_lag']})",
+                        flush=True,
+                    )
             client.close()
         finally:
             server.stop()

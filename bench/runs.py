@@ -24,7 +24,8 @@ def streamrl_run(flags: dict, verbose: bool = False, on_start=None) -> tuple[flo
     for k, v in flags.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("STREAMRL_")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the Procfile's python, streamrl
+    # the Procfile's python, streamrl
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     print(f"\n== {' '.join(cmd[4:])}", flush=True)
     t_start, last_line = None, ""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -39,8 +40,9 @@ def streamrl_run(flags: dict, verbose: bool = False, on_start=None) -> tuple[flo
                 print("   " + last_line, flush=True)
     rc = proc.wait()
     if rc != 0 or t_start is None:
-        raise SystemExit(f"{flags['run']}: streamrl run exited {rc} (driver started: {t_start is not None}); "
-                         f"last: {last_line}")
+        raise SystemExit(
+            f"{flags['run']}: streamrl run exited {rc} (driver started: {t_start is not None}); last: {last_line}"
+        )
     run_dir = Path(flags.get("run_dir", ROOT / "runs"))
     return t_start, [json.loads(x) for x in (run_dir / flags["run"] / "metrics.jsonl").read_text().splitlines()]
 
@@ -50,13 +52,14 @@ def rollout_reports(run_dir: Path, run: str) -> dict[str, dict]:
     append-only file under the run folder, served for the read)."""
     sys.path.insert(0, str(ROOT))
     from services.ops.launch.redis_server import EmbeddedRedis
-    from shared.protocol.streams import metrics
     from shared.protocol.keys import Keys
+    from shared.protocol.streams import metrics
     from shared.runtime.connection import connect
 
     server = EmbeddedRedis(Path(run_dir) / run / "redis").start()
     try:
-        found = metrics.history(connect(server.url), Keys(run), Path(run_dir) / run, ("rollout",))  # files + Redis
+        # files + Redis
+        found = metrics.history(connect(server.url), Keys(run), Path(run_dir) / run, ("rollout",))
         return {r["worker"]: r for r in found["rollout"]}
     finally:
         server.stop()
@@ -72,8 +75,11 @@ def scratch_server(weights_in_shm: bool = False):
 
     shm = Path("/dev/shm")
     with tempfile.TemporaryDirectory(prefix="streamrl-bench-") as tmp_name, ExitStack() as stack:
-        weights = (Path(stack.enter_context(tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None)))
-                   if weights_in_shm else None)
+        weights = (
+            Path(stack.enter_context(tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None)))
+            if weights_in_shm
+            else None
+        )
         tmp = Path(tmp_name)
         server = EmbeddedRedis(tmp / "redis").start()
         try:
@@ -82,7 +88,8 @@ def scratch_server(weights_in_shm: bool = False):
             server.stop()
 
 
-MEDIUM = dict(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=2048)  # ~30M parameters, float32
+# ~30M parameters, float32
+MEDIUM = dict(hidden_size=512, num_layers=8, num_heads=8, intermediate_size=2048)
 
 
 def keep_only(folder: Path, newest: Path) -> None:

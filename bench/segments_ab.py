@@ -100,8 +100,10 @@ def run(tree: Path, args: list[str]) -> str:
 
 def measure(tree: Path, real: Path | None) -> dict[str, float]:
     out = run(tree, ["bench/archiver_cpu.py"])
-    m = {"archiver_us": float(re.search(r"([\d.]+) us CPU per episode", out)[1]),
-         "default_shape_bpt": float(re.search(r"segments ([\d.]+) B per policy token", out)[1])}
+    m = {
+        "archiver_us": float(re.search(r"([\d.]+) us CPU per episode", out)[1]),
+        "default_shape_bpt": float(re.search(r"segments ([\d.]+) B per policy token", out)[1]),
+    }
     hit = re.search(r"start: ([\d.]+) ms imports, ([\d.]+) ms first move", run(tree, ["-c", START]))
     m["start_imports_ms"], m["start_first_move_ms"] = float(hit[1]), float(hit[2])
     out = run(tree, ["bench/tiers.py", "--episodes", "2000"])
@@ -140,21 +142,48 @@ def main() -> None:
     for key in med["head"]:
         print(f"  {key}: {med['base'][key]:.2f} -> {med['head'][key]:.2f} ({med['head'][key] / med['base'][key]:.3f})")
     print(f"load average {load_before[0]:.2f} before, {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
-    rows = [{"what": f"archiver CPU per episode moved, {args.base} -> this tree (bench/archiver_cpu.py)",
-             "value": f"{med['base']['archiver_us']:.0f} -> {med['head']['archiver_us']:.0f} us"},
-            {"what": "archiver start: its first move (64 episodes, one-time costs), CPU",
-             "value": f"{med['base']['start_first_move_ms']:.0f} -> {med['head']['start_first_move_ms']:.0f} ms"},
-            {"what": "segment B per policy token, synthetic 256-token episodes",
-             "value": f"{med['base']['synthetic_256_bpt']:.2f} -> {med['head']['synthetic_256_bpt']:.2f}"}]
+    rows = [
+        {
+            "what": f"archiver CPU per episode moved, {args.base} -> this tree (bench/archiver_cpu.py)",
+            "value": f"{med['base']['archiver_us']:.0f} -> {med['head']['archiver_us']:.0f} us",
+        },
+        {
+            "what": "archiver start: its first move (64 episodes, one-time costs), CPU",
+            "value": f"{med['base']['start_first_move_ms']:.0f} -> {med['head']['start_first_move_ms']:.0f} ms",
+        },
+        {
+            "what": "segment B per policy token, synthetic 256-token episodes",
+            "value": f"{med['base']['synthetic_256_bpt']:.2f} -> {med['head']['synthetic_256_bpt']:.2f}",
+        },
+    ]
     if "real_bpt" in med["head"]:
-        rows.append({"what": "segment B per policy token, the real default run's episodes (re-written)",
-                     "value": f"{med['base']['real_bpt']:.2f} -> {med['head']['real_bpt']:.2f}"})
-    record("segments_ab", rows, ["services/archiver", "shared/protocol/archive/segments.py",
-                                 "shared/protocol/archive/entries.py", "shared/protocol/archive/columns.py",
-                                 "shared/protocol/archive/templates.py", "shared/protocol/archive/arrays.py",
-                                 "shared/protocol/archive/summary.py", "shared/protocol/archive/builder.py"],
-           extra={"base": args.base, "rounds": results, "medians": med, "load_average_before": load_before,
-                  "load_average": load})
+        rows.append(
+            {
+                "what": "segment B per policy token, the real default run's episodes (re-written)",
+                "value": f"{med['base']['real_bpt']:.2f} -> {med['head']['real_bpt']:.2f}",
+            }
+        )
+    record(
+        "segments_ab",
+        rows,
+        [
+            "services/archiver",
+            "shared/protocol/archive/segments.py",
+            "shared/protocol/archive/entries.py",
+            "shared/protocol/archive/columns.py",
+            "shared/protocol/archive/templates.py",
+            "shared/protocol/archive/arrays.py",
+            "shared/protocol/archive/summary.py",
+            "shared/protocol/archive/builder.py",
+        ],
+        extra={
+            "base": args.base,
+            "rounds": results,
+            "medians": med,
+            "load_average_before": load_before,
+            "load_average": load,
+        },
+    )
 
 
 if __name__ == "__main__":

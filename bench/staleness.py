@@ -39,8 +39,18 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.staleness_cell import (CORRECTIONS, ETAS, GRID, Setup, behaviour_version, make_model,  # noqa: E402,F401
-                                  run_cell, split_task, step_config)
+from bench.staleness_cell import (  # noqa: E402
+    CORRECTIONS,
+    ETAS,
+    GRID,
+    Setup,
+    # re-exported: tests import it from here
+    behaviour_version,  # noqa: F401
+    make_model,
+    run_cell,
+    split_task,
+    step_config,
+)
 
 
 def mean_se(xs: list[float]) -> tuple[float, float]:
@@ -64,13 +74,18 @@ def table(cells: list[dict], etas: list[int], corrections: list[str], margin: fl
     shown as –. Clearly worse: the difference + 2 se < −``margin`` (the first such η; None: none is). ``seeds``:
     how many seeds the correction's paired differences have (the most over its η > 0); its η = 0 column is the mean
     over the seeds it was trained with."""
-    head = ["| correction | seeds | " + " | ".join(f"η={e}" for e in etas)
-            + " | largest η at parity | first η clearly worse |", "|---" * (len(etas) + 4) + "|"]
+    head = [
+        "| correction | seeds | "
+        + " | ".join(f"η={e}" for e in etas)
+        + " | largest η at parity | first η clearly worse |",
+        "|---" * (len(etas) + 4) + "|",
+    ]
     summary, lines = {}, head
     for c in corrections:
         base = evals(cells, c, 0)
         stale = {x["seed"] for x in cells if x["eta"] and x["correction"] == c}
-        base = {s: v for s, v in base.items() if s in stale} if stale else base  # η = 0 of the same seeds
+        # η = 0 of the same seeds
+        base = {s: v for s, v in base.items() if s in stale} if stale else base
         row, diff, seeds = {}, {}, 0
         for e in etas:
             got = evals(cells, c, e) if e else base
@@ -85,16 +100,27 @@ def table(cells: list[dict], etas: list[int], corrections: list[str], margin: fl
                 break
             parity = e
         worse = next((e for e in diff if diff[e][0] + 2 * diff[e][1] < -margin), None)
-        summary[c] = {"eval": {str(e): row[e] for e in diff}, "diff": {str(e): diff[e] for e in diff},
-                      "parity_eta": parity, "clearly_worse_eta": worse, "seeds": seeds}
-        lines.append(f"| {c} | {seeds} | " + " | ".join(f"{row[e][0]:.3f} ± {row[e][1]:.3f}<br>{diff[e][0]:+.3f} ± "
-                                                        f"{diff[e][1]:.3f}" if e in diff else "–" for e in etas)
-                     + f" | **{parity}** | {worse} |")
+        summary[c] = {
+            "eval": {str(e): row[e] for e in diff},
+            "diff": {str(e): diff[e] for e in diff},
+            "parity_eta": parity,
+            "clearly_worse_eta": worse,
+            "seeds": seeds,
+        }
+        lines.append(
+            f"| {c} | {seeds} | "
+            + " | ".join(
+                f"{row[e][0]:.3f} ± {row[e][1]:.3f}<br>{diff[e][0]:+.3f} ± {diff[e][1]:.3f}" if e in diff else "–"
+                for e in etas
+            )
+            + f" | **{parity}** | {worse} |"
+        )
     return "\n".join(lines), summary
 
 
 def plot(summary: dict, etas: list[int], path: Path, cells: list[dict]) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -116,7 +142,7 @@ def plot(summary: dict, etas: list[int], path: Path, cells: list[dict]) -> None:
             runs = [x["curve"] for x in cells if x["eta"] == e and (e == 0 or x["correction"] == c)]
             if runs:
                 mean = [sum(r[i] for r in runs) / len(runs) for i in range(len(runs[0]))]
-                smooth = [sum(mean[max(0, i - 9):i + 1]) / len(mean[max(0, i - 9):i + 1]) for i in range(len(mean))]
+                smooth = [sum(mean[max(0, i - 9) : i + 1]) / len(mean[max(0, i - 9) : i + 1]) for i in range(len(mean))]
                 bx.plot(range(1, len(mean) + 1), smooth, label=f"η={e}")
         bx.set_title(f"training reward, {c} (mean over seeds, 10-version moving mean)")
     bx.set_xlabel("version")
@@ -135,7 +161,8 @@ def cached_model(folder: str, pool: list[dict], warm_steps: int, seed: int) -> s
         make_model(aside, pool, warm_steps, seed)
         try:
             aside.rename(final)
-        except OSError:  # the other process made it first
+        # the other process made it first
+        except OSError:
             pass
     return str(final)
 
@@ -190,8 +217,11 @@ def run_grid(args, etas: list[int], corrections: list[str], setup: Setup) -> lis
     k, n = map(int, args.part.split("/"))
     todo = grid(etas, corrections, args.seeds, args.first_seed)[k::n]
     pool, eval_rows = split_task(args.terms, args.eval_size)
-    print(f"setup {setup}; {len(todo)} cells (part {args.part}); {len(eval_rows)} held-out problems of "
-          f"{len(pool) + len(eval_rows)}", flush=True)
+    print(
+        f"setup {setup}; {len(todo)} cells (part {args.part}); {len(eval_rows)} held-out problems of "
+        f"{len(pool) + len(eval_rows)}",
+        flush=True,
+    )
     cells, models, t0 = [], {}, time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         for seed, c, e in todo:
@@ -200,8 +230,11 @@ def run_grid(args, etas: list[int], corrections: list[str], setup: Setup) -> lis
             cell = run_cell(models[seed], e, c, seed, setup, eval_rows, pool)
             cells.append(cell)
             tail = cell["curve"][-10:]
-            print(f"seed {seed} {c:>18} η={e:<3} eval {cell['eval']:.3f} (last version {cell['eval_final']:.3f})  "
-                  f"last-10 reward {sum(tail) / len(tail):.3f}  ({time.monotonic() - t0:.0f}s)", flush=True)
+            print(
+                f"seed {seed} {c:>18} η={e:<3} eval {cell['eval']:.3f} (last version {cell['eval_final']:.3f})  "
+                f"last-10 reward {sum(tail) / len(tail):.3f}  ({time.monotonic() - t0:.0f}s)",
+                flush=True,
+            )
             print("  greedy eval by version: " + " ".join(f"{v}:{a:.3f}" for v, a in cell["eval_curve"]), flush=True)
     return cells
 
@@ -209,23 +242,39 @@ def run_grid(args, etas: list[int], corrections: list[str], setup: Setup) -> lis
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--etas", default=",".join(map(str, ETAS)))
-    p.add_argument("--corrections", default=",".join(GRID), help=f"names ({', '.join(CORRECTIONS)}), or "
-                   "name:field=value:... (see step_config)")
+    p.add_argument(
+        "--corrections",
+        default=",".join(GRID),
+        help=f"names ({', '.join(CORRECTIONS)}), or name:field=value:... (see step_config)",
+    )
     p.add_argument("--seeds", type=int, default=5)
-    p.add_argument("--first-seed", type=int, default=0, help="seeds --first-seed .. + --seeds − 1 (one process per "
-                   "seed with --cells-out, then --merge: a cut-off grid keeps its finished seeds)")
+    p.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="seeds --first-seed .. + --seeds − 1 (one process per "
+        "seed with --cells-out, then --merge: a cut-off grid keeps its finished seeds)",
+    )
     p.add_argument("--steps", type=int, default=Setup.steps)
     p.add_argument("--lr", type=float, default=None, help="default: the config's lr")
     p.add_argument("--eval-every", type=int, default=Setup.eval_every, help="greedy-evaluate every this many versions")
-    p.add_argument("--eval-last", type=int, default=Setup.eval_last, help="... the eval is the mean over the last "
-                   "this many evaluated versions (a large value with --etas 0 --seeds 1: η = 0's whole curve)")
+    p.add_argument(
+        "--eval-last",
+        type=int,
+        default=Setup.eval_last,
+        help="... the eval is the mean over the last "
+        "this many evaluated versions (a large value with --etas 0 --seeds 1: η = 0's whole curve)",
+    )
     p.add_argument("--terms", type=int, default=4, help="the task: chain sums of this many one-digit numbers")
     p.add_argument("--warm-steps", type=int, default=600)
     p.add_argument("--eval-size", type=int, default=1000)
     p.add_argument("--part", default="0/1", help="k/n: train every n-th cell from the k-th (two processes: 0/2, 1/2)")
     p.add_argument("--cells-out", default="", help="write the trained cells here (JSON) and stop")
-    p.add_argument("--merge", default="", help="comma-separated --cells-out files: the table, figure and record "
-                   "from them (no training)")
+    p.add_argument(
+        "--merge",
+        default="",
+        help="comma-separated --cells-out files: the table, figure and record from them (no training)",
+    )
     p.add_argument("--models-dir", default="", help="keep the warm-started models here (shared by --part runs)")
     p.add_argument("--png", default=str(ROOT / "docs" / "staleness.png"))
     p.add_argument("--no-record", action="store_true")
@@ -235,11 +284,14 @@ def main(argv=None) -> int:
     corrections = args.corrections.split(",")
     for c in corrections:
         step_config(c)
-    setup = Setup.from_defaults(steps=args.steps, eval_every=args.eval_every, eval_last=args.eval_last,
-                                **({"lr": args.lr} if args.lr else {}))
+    setup = Setup.from_defaults(
+        steps=args.steps, eval_every=args.eval_every, eval_last=args.eval_last, **({"lr": args.lr} if args.lr else {})
+    )
     if setup.steps < setup.eval_every:
-        p.error(f"--steps {setup.steps}: expected at least {setup.eval_every} (the greedy eval runs every "
-                f"{setup.eval_every}th version)")
+        p.error(
+            f"--steps {setup.steps}: expected at least {setup.eval_every} (the greedy eval runs every "
+            f"{setup.eval_every}th version)"
+        )
     if args.merge:
         cells = merge_cells(args.merge.split(","))
     else:
@@ -254,23 +306,43 @@ def main(argv=None) -> int:
     plot(summary, etas, Path(args.png), cells)
     if not args.no_record:
         from bench.record import record
+
         at8 = lambda c: summary[c]["diff"].get("8", (0.0, 0.0))  # noqa: E731
         best = max(summary, key=lambda c: (summary[c]["parity_eta"], at8(c)[0]))
         counts = sorted({s["seeds"] for s in summary.values()})
-        seeds = "-".join(map(str, counts[::max(len(counts) - 1, 1)]))
-        rows = [{"what": f"largest exact staleness η within 0.02 of η=0 (paired by seed), greedy eval on "
-                         f"{args.eval_size} held-out {args.terms}-term chain sums ({seeds} seeds, {setup.steps} versions "
-                         f"at lr {setup.lr:g})",
-                 "value": ", ".join(f"{c} {s['parity_eta']}" for c, s in summary.items()) + f"; best: {best}"}]
+        seeds = "-".join(map(str, counts[:: max(len(counts) - 1, 1)]))
+        rows = [
+            {
+                "what": f"largest exact staleness η within 0.02 of η=0 (paired by seed), greedy eval on "
+                f"{args.eval_size} held-out {args.terms}-term chain sums ({seeds} seeds, {setup.steps} versions "
+                f"at lr {setup.lr:g})",
+                "value": ", ".join(f"{c} {s['parity_eta']}" for c, s in summary.items()) + f"; best: {best}",
+            }
+        ]
         if "8" in summary[best]["diff"]:
-            rows.append({"what": "greedy eval at η=8 minus η=0's, the best correction (mean ± s.e., paired by seed)",
-                         "value": f"{best} {at8(best)[0]:+.3f} ± {at8(best)[1]:.3f}"})
+            rows.append(
+                {
+                    "what": "greedy eval at η=8 minus η=0's, the best correction (mean ± s.e., paired by seed)",
+                    "value": f"{best} {at8(best)[0]:+.3f} ± {at8(best)[1]:.3f}",
+                }
+            )
         given = sys.argv[1:] if argv is None else argv
-        argv_run = [a for i, a in enumerate(given)  # the command that trained the cells: less --merge and its files
-                    if not a.startswith("--merge") and not (i and given[i - 1] == "--merge")]
-        record("staleness", rows, ["bench/staleness.py", "bench/staleness_cell.py", "services/trainer"], argv=argv_run,
-               extra={"summary": summary, "setup": setup.__dict__, "kl_current_max": max(kl0) if kl0 else None,
-                      "cells": [slim(c) for c in cells]})
+        # the command that trained the cells: less --merge and its files
+        argv_run = [
+            a for i, a in enumerate(given) if not a.startswith("--merge") and not (i and given[i - 1] == "--merge")
+        ]
+        record(
+            "staleness",
+            rows,
+            ["bench/staleness.py", "bench/staleness_cell.py", "services/trainer"],
+            argv=argv_run,
+            extra={
+                "summary": summary,
+                "setup": setup.__dict__,
+                "kl_current_max": max(kl0) if kl0 else None,
+                "cells": [slim(c) for c in cells],
+            },
+        )
     return 0
 
 

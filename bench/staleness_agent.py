@@ -6,14 +6,14 @@ the 2-core box one agent episode through it costs seconds. Here bench/staleness_
 episode with the gateway's own renderer and tool-call parser, calc.py's tool and reward (see there for the one
 difference: at most two LLM calls), and trains with the trainer's own ``build_batch`` + ``train_on_batch``.
 
-The task: the chain sums of bench/staleness.py (4 one-digit numbers, 1,000 held out), asked as calc.py asks:
-the user's turn is ``3+4+5+6=``, the model calls ``calc`` on the expression and answers with its result. The
-model: the default agent model's shape and recipe (1,024-token context, warm-started on calc.py's chat episodes),
-but 800 warm-start steps, two stages of the default 400 (400 leave it unable to copy a 4-term sum into its tool
-call: 0.04 held out, no RL signal; 800: 0.93), made once on the training pool (seed 0) and shared by every seed
-(the seed varies the RL: prompts and sampling); its greedy accuracy before RL is reported as version 0. The evaluation: greedy episodes (two
-calls) on ``--eval-size`` held-out problems, the mean over the last ``--eval-last`` evaluated versions; per η the
-mean ± s.e. over seeds and the difference to η = 0 paired by seed (bench/staleness.py's table).
+The task: the chain sums of bench/staleness.py (4 one-digit numbers, 1,000 held out), asked as calc.py asks: the user's
+turn is ``3+4+5+6=``, the model calls ``calc`` on the expression and answers with its result. The model: the default
+agent model's shape and recipe (1,024-token context, warm-started on calc.py's chat episodes), but 800 warm-start steps,
+two stages of the default 400 (400 leave it unable to copy a 4-term sum into its tool call: 0.04 held out, no RL signal;
+800: 0.93), made once on the training pool (seed 0) and shared by every seed (the seed varies the RL: prompts and
+sampling); its greedy accuracy before RL is reported as version 0. The evaluation: greedy episodes (two calls) on
+``--eval-size`` held-out problems, the mean over the last ``--eval-last`` evaluated versions; per η the mean ± s.e. over
+seeds and the difference to η = 0 paired by seed (bench/staleness.py's table).
 
     python bench/staleness_agent.py                     # η 0, 2, 8; token-truncate; 3 seeds (see bench/RESULTS.md)
     python bench/staleness_agent.py --etas 0,8 --seeds 1 --steps 10 --eval-every 5 --eval-last 1 --eval-size 20 \\
@@ -47,7 +47,11 @@ def agent_model(folder: str, pool: list[dict], warm_steps: int) -> str:
     final = Path(folder, f"agent-w{warm_steps}-s0")
     if not (final / "config.json").exists():
         final.parent.mkdir(parents=True, exist_ok=True)
-        made = [n for n in range(WARM_STAGE, warm_steps, WARM_STAGE) if Path(folder, f"agent-w{n}-s0", "config.json").exists()]
+        made = [
+            n
+            for n in range(WARM_STAGE, warm_steps, WARM_STAGE)
+            if Path(folder, f"agent-w{n}-s0", "config.json").exists()
+        ]
         start = (str(Path(folder, f"agent-w{made[-1]}-s0")), made[-1]) if made else None
         aside = Path(tempfile.mkdtemp(dir=folder))
         make_agent_model(aside, pool, warm_steps, 0, start)
@@ -84,19 +88,29 @@ def main(argv=None) -> int:
     p.add_argument("--cells-out", default="", help="write the trained cells here (JSON) and stop")
     p.add_argument("--merge", default="", help="comma-separated --cells-out files: the table and record from them")
     p.add_argument("--model-only", action="store_true", help="make the model, print its greedy accuracy, stop")
-    p.add_argument("--record-name", default="staleness_agent", help="bench/results/<this>.json (another setup: another name)")
+    p.add_argument(
+        "--record-name", default="staleness_agent", help="bench/results/<this>.json (another setup: another name)"
+    )
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     etas = [int(e) for e in args.etas.split(",")]
     step_config(args.correction)
-    setup = Setup.from_defaults(steps=args.steps, lr=args.lr, group_size=args.group_size,
-                                batch_groups=args.batch_groups, eval_every=args.eval_every, eval_last=args.eval_last)
+    setup = Setup.from_defaults(
+        steps=args.steps,
+        lr=args.lr,
+        group_size=args.group_size,
+        batch_groups=args.batch_groups,
+        eval_every=args.eval_every,
+        eval_last=args.eval_last,
+    )
     if setup.steps < setup.eval_every * setup.eval_last:
-        p.error(f"--steps {setup.steps}: expected at least --eval-every x --eval-last = "
-                f"{setup.eval_every * setup.eval_last}")
+        p.error(
+            f"--steps {setup.steps}: expected at least --eval-every x --eval-last = "
+            f"{setup.eval_every * setup.eval_last}"
+        )
     pool, held = split_task(4, 1000)
-    eval_rows = held[:args.eval_size]
+    eval_rows = held[: args.eval_size]
     model_dir = agent_model(args.models_dir, pool, args.warm_steps)
     if args.model_only:
         print(f"{model_dir}: greedy accuracy {start_eval(model_dir, eval_rows):.3f} on {len(eval_rows)} held-out")
@@ -110,10 +124,13 @@ def main(argv=None) -> int:
             cell = run_agent_cell(model_dir, e, c, seed, setup, eval_rows, pool)
             cells.append(cell)
             tail = len(cell["curve"][-10:])
-            print(f"seed {seed} η={e:<2} eval {cell['eval']:.3f} {cell['eval_curve']}  reward last-10 "
-                  f"{sum(cell['curve'][-10:]) / tail:.3f}  tool calls last-10 "
-                  f"{sum(cell['tool_call_share'][-10:]) / tail:.2f}"
-                  f"  ({time.monotonic() - t0:.0f}s)", flush=True)
+            print(
+                f"seed {seed} η={e:<2} eval {cell['eval']:.3f} {cell['eval_curve']}  reward last-10 "
+                f"{sum(cell['curve'][-10:]) / tail:.3f}  tool calls last-10 "
+                f"{sum(cell['tool_call_share'][-10:]) / tail:.2f}"
+                f"  ({time.monotonic() - t0:.0f}s)",
+                flush=True,
+            )
     if args.cells_out:
         Path(args.cells_out).write_text(json.dumps(cells))
         return 0
@@ -126,20 +143,45 @@ def main(argv=None) -> int:
 
         s = summary[args.correction]
         seeds = len({x["seed"] for x in cells})
-        rows = [{"what": f"agent (examples/calc.py episodes, in process): largest exact η within 0.02 of η=0, greedy "
-                         f"eval on {len(eval_rows)} held-out chain sums ({seeds} seeds, {setup.steps} versions of "
-                         f"{setup.batch_groups}x{setup.group_size} episodes at lr {setup.lr:g}, {args.correction})",
-                 "value": f"{s['parity_eta']} (version 0: {v0:.3f}; η=0: {s['eval']['0'][0]:.3f})"}]
-        rows += [{"what": f"agent: greedy eval at η={e} minus η=0's (mean ± s.e., paired by seed)",
-                  "value": f"{s['diff'][str(e)][0]:+.3f} ± {s['diff'][str(e)][1]:.3f}"} for e in etas if e]
+        rows = [
+            {
+                "what": f"agent (examples/calc.py episodes, in process): largest exact η within 0.02 of η=0, greedy "
+                f"eval on {len(eval_rows)} held-out chain sums ({seeds} seeds, {setup.steps} versions of "
+                f"{setup.batch_groups}x{setup.group_size} episodes at lr {setup.lr:g}, {args.correction})",
+                "value": f"{s['parity_eta']} (version 0: {v0:.3f}; η=0: {s['eval']['0'][0]:.3f})",
+            }
+        ]
+        rows += [
+            {
+                "what": f"agent: greedy eval at η={e} minus η=0's (mean ± s.e., paired by seed)",
+                "value": f"{s['diff'][str(e)][0]:+.3f} ± {s['diff'][str(e)][1]:.3f}",
+            }
+            for e in etas
+            if e
+        ]
         given = sys.argv[1:] if argv is None else argv
-        argv_run = [a for i, a in enumerate(given) if not a.startswith("--merge") and not (i and given[i - 1] == "--merge")]
-        record(args.record_name, rows, ["bench/staleness_agent.py", "bench/staleness_agent_cell.py",
-                                         "bench/staleness_cell.py", "services/trainer", "services/gateway/chat.py",
-                                         "examples/calc.py"], argv=argv_run,
-               extra={"summary": summary, "setup": setup.__dict__, "start_eval": v0,
-                      "cells": [dict(slim(c), tool_call_share=[round(x, 3) for x in c["tool_call_share"]])
-                                for c in cells]})
+        argv_run = [
+            a for i, a in enumerate(given) if not a.startswith("--merge") and not (i and given[i - 1] == "--merge")
+        ]
+        record(
+            args.record_name,
+            rows,
+            [
+                "bench/staleness_agent.py",
+                "bench/staleness_agent_cell.py",
+                "bench/staleness_cell.py",
+                "services/trainer",
+                "services/gateway/chat.py",
+                "examples/calc.py",
+            ],
+            argv=argv_run,
+            extra={
+                "summary": summary,
+                "setup": setup.__dict__,
+                "start_eval": v0,
+                "cells": [dict(slim(c), tool_call_share=[round(x, 3) for x in c["tool_call_share"]]) for c in cells],
+            },
+        )
     return 0
 
 

@@ -28,7 +28,8 @@ CORRECTIONS = {
     "m2po": {"is_cap": None, "m2po_tau": 0.04},
 }
 ETAS = (0, 1, 2, 4, 8, 16, 32)
-GRID = ("default", "none", "token-truncate", "m2po", "sequence-truncate", "geometric-truncate")  # --corrections by default
+# --corrections by default
+GRID = ("default", "none", "token-truncate", "m2po", "sequence-truncate", "geometric-truncate")
 
 
 @dataclass
@@ -39,15 +40,26 @@ class Setup:
     batch_groups: int = 8
     max_tokens: int = 32
     temperature: float = 1.0
-    eval_every: int = 5  # greedy-evaluate every this many versions ...
-    eval_last: int = 5  # ... over the last this many such versions (the eval is their mean)
-    eval_tokens: int = 12  # greedy tokens per held-out problem (the longest 4-term reference is 9)
+    # greedy-evaluate every this many versions ...
+    eval_every: int = 5
+    # ... over the last this many such versions (the eval is their mean)
+    eval_last: int = 5
+    # greedy tokens per held-out problem (the longest 4-term reference is 9)
+    eval_tokens: int = 12
 
     @classmethod
     def from_defaults(cls, **changes) -> "Setup":
         c = Config()
-        return replace(cls(lr=c.lr, group_size=c.group_size, batch_groups=c.batch_groups, max_tokens=c.max_tokens,
-                           temperature=c.temperature), **changes)
+        return replace(
+            cls(
+                lr=c.lr,
+                group_size=c.group_size,
+                batch_groups=c.batch_groups,
+                max_tokens=c.max_tokens,
+                temperature=c.temperature,
+            ),
+            **changes,
+        )
 
 
 def split_task(terms: int, eval_size: int, seed: int = 999_999) -> tuple[list[dict], list[dict]]:
@@ -58,11 +70,15 @@ def split_task(terms: int, eval_size: int, seed: int = 999_999) -> tuple[list[di
     import itertools
     import random
 
-    every = [{"prompt": "+".join(map(str, t)) + "=", "answer": str(sum(t))}
-             for t in itertools.product(range(10), repeat=terms)]
+    every = [
+        {"prompt": "+".join(map(str, t)) + "=", "answer": str(sum(t))}
+        for t in itertools.product(range(10), repeat=terms)
+    ]
     if not 0 < eval_size <= len(every) // 2:
-        raise ValueError(f"--eval-size {eval_size}: expected 1..{len(every) // 2} (half of the {len(every)} distinct "
-                         f"problems at --terms {terms}; the rest trains)")
+        raise ValueError(
+            f"--eval-size {eval_size}: expected 1..{len(every) // 2} (half of the {len(every)} distinct "
+            f"problems at --terms {terms}; the rest trains)"
+        )
     held = set(random.Random(seed).sample(range(len(every)), eval_size))
     return [r for i, r in enumerate(every) if i not in held], [every[i] for i in sorted(held)]
 
@@ -81,8 +97,9 @@ def make_model(out_dir: Path, pool: list[dict], warm_steps: int, seed: int) -> s
 
     make_tiny_model(out_dir, **DEFAULT_MODEL, seed=seed)
     if warm_steps > 0:
-        warm_start(out_dir, sft_examples(draw(pool, 4096, seed + 12345), load_tokenizer(out_dir)), warm_steps,
-                   seed=seed)
+        warm_start(
+            out_dir, sft_examples(draw(pool, 4096, seed + 12345), load_tokenizer(out_dir)), warm_steps, seed=seed
+        )
     return str(out_dir)
 
 
@@ -96,8 +113,10 @@ def step_config(correction: str) -> StepConfig:
     for change in changes:
         key, _, value = change.partition("=")
         if key not in StepConfig.__dataclass_fields__ or not value:
-            raise ValueError(f"--corrections: {correction!r}: expected field=value with a field of StepConfig "
-                             f"({', '.join(StepConfig.__dataclass_fields__)}), got {change!r}")
+            raise ValueError(
+                f"--corrections: {correction!r}: expected field=value with a field of StepConfig "
+                f"({', '.join(StepConfig.__dataclass_fields__)}), got {change!r}"
+            )
         old = getattr(sc, key)
         sc = replace(sc, **{key: None if value == "none" else type(old if old is not None else 1.0)(value)})
     return sc
@@ -117,8 +136,17 @@ def by_width(prompts: list[list[int]]) -> dict[int, list[int]]:
 
 
 @torch.no_grad()
-def sample(model, tok, rows: list[dict], n: int, version: int, max_tokens: int, temperature: float,
-           gen: torch.Generator, group_offset: int = 0) -> list[list[Episode]]:
+def sample(
+    model,
+    tok,
+    rows: list[dict],
+    n: int,
+    version: int,
+    max_tokens: int,
+    temperature: float,
+    gen: torch.Generator,
+    group_offset: int = 0,
+) -> list[list[Episode]]:
     """One group of ``n`` sampled episodes per row, each token's behaviour log-prob and version recorded;
     rewards by the default reward function. Rows are sampled one prompt length at a time."""
     from services.rollout.jobs.rewards import arithmetic
@@ -130,7 +158,8 @@ def sample(model, tok, rows: list[dict], n: int, version: int, max_tokens: int, 
         ids = torch.tensor([prompts[g] for g in idx for _ in range(n)])
         done = torch.zeros(len(ids), dtype=torch.bool)
         seq = ids
-        for _ in range(max_tokens):  # plain sampling loop, full forward each token (tiny model, short answers)
+        # plain sampling loop, full forward each token (tiny model, short answers)
+        for _ in range(max_tokens):
             logits = model(input_ids=seq).logits[:, -1].float() / temperature
             nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).squeeze(1)
             nxt = torch.where(done, tok.pad_token_id, nxt)
@@ -147,11 +176,23 @@ def sample(model, tok, rows: list[dict], n: int, version: int, max_tokens: int, 
                 stop = resp.index(eos) + 1 if eos in resp else len(resp)
                 resp = resp[:stop]
                 reward = arithmetic(tok.decode(resp, skip_special_tokens=True), row)[0]
-                group.append(Episode(f"e{group_offset + g}-{i}", f"g{group_offset + g}", i, prompts[g],
-                                     {"temperature": temperature}, row, tokens=resp,
-                                     logprobs=logp[k, width - 1:width - 1 + stop].tolist(),
-                                     versions=[version] * stop, mask=[1] * stop, status="finished",
-                                     finish_reason="stop" if stop and resp[-1] == eos else "length", reward=reward))
+                group.append(
+                    Episode(
+                        f"e{group_offset + g}-{i}",
+                        f"g{group_offset + g}",
+                        i,
+                        prompts[g],
+                        {"temperature": temperature},
+                        row,
+                        tokens=resp,
+                        logprobs=logp[k, width - 1 : width - 1 + stop].tolist(),
+                        versions=[version] * stop,
+                        mask=[1] * stop,
+                        status="finished",
+                        finish_reason="stop" if stop and resp[-1] == eos else "length",
+                        reward=reward,
+                    )
+                )
             groups[g] = group
     return groups
 
@@ -169,7 +210,7 @@ def greedy_eval(model, tok, rows: list[dict], max_tokens: int = 8) -> float:
             seq = torch.cat([seq, model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
         for j, k in enumerate(idx):
             resp = seq[j, width:].tolist()
-            resp = resp[:resp.index(eos)] if eos in resp else resp
+            resp = resp[: resp.index(eos)] if eos in resp else resp
             right += arithmetic(tok.decode(resp, skip_special_tokens=True), rows[k])[0] == 1.0
     return right / len(rows)
 
@@ -188,12 +229,28 @@ def start_cell(model_dir: str, correction: str, seed: int, setup: "Setup", pool:
     behaviour = copy.deepcopy(model).eval()
     opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=0.0)
     rows = draw(pool, setup.steps * setup.batch_groups, seed + 1)
-    return (tok, model, behaviour, opt, step_config(correction), torch.Generator().manual_seed(seed), rows,
-            {0: copy.deepcopy(model.state_dict())})
+    return (
+        tok,
+        model,
+        behaviour,
+        opt,
+        step_config(correction),
+        torch.Generator().manual_seed(seed),
+        rows,
+        {0: copy.deepcopy(model.state_dict())},
+    )
 
 
-def run_cell(model_dir: str, eta: int, correction: str, seed: int, setup: Setup, eval_rows: list[dict],
-             pool: list[dict], on_step=None) -> dict:
+def run_cell(
+    model_dir: str,
+    eta: int,
+    correction: str,
+    seed: int,
+    setup: Setup,
+    eval_rows: list[dict],
+    pool: list[dict],
+    on_step=None,
+) -> dict:
     """Train ``setup.steps`` versions at staleness exactly η; return the reward curve, the greedy eval (the mean
     over the last ``setup.eval_last`` versions evaluated, every ``setup.eval_every``-th; ``eval_final`` the last
     version's) and the per-step behaviour versions and mismatch figures."""
@@ -202,24 +259,44 @@ def run_cell(model_dir: str, eta: int, correction: str, seed: int, setup: Setup,
     for v in range(setup.steps):
         bv = behaviour_version(v, eta)
         behaviour.load_state_dict(snapshots[bv])
-        chunk = rows[v * setup.batch_groups:(v + 1) * setup.batch_groups]
-        groups = sample(behaviour, tok, chunk, setup.group_size, bv, setup.max_tokens, setup.temperature, gen,
-                        v * setup.batch_groups)
+        chunk = rows[v * setup.batch_groups : (v + 1) * setup.batch_groups]
+        groups = sample(
+            behaviour,
+            tok,
+            chunk,
+            setup.group_size,
+            bv,
+            setup.max_tokens,
+            setup.temperature,
+            gen,
+            v * setup.batch_groups,
+        )
         batch = build_batch(groups, tok.pad_token_id, trainer_version=v)
         stats = train_on_batch(model, opt, batch, sc)
         snapshots[v + 1] = copy.deepcopy(model.state_dict())
-        snapshots.pop(v + 1 - eta - 1, None)  # keep the last η + 1
+        # keep the last η + 1
+        snapshots.pop(v + 1 - eta - 1, None)
         reward = float(batch.rewards.mean())
         curve.append(reward)
         behav_versions.append(int(batch.versions[batch.loss_mask > 0].unique().item()))
         mismatch0.append(stats.get("mismatch_kl"))
-        masked.append(sum(stats.get(k, 0.0) for k in ("is_masked_fraction", "icepop_masked_fraction",
-                                                      "m2po_masked_fraction")))
+        masked.append(
+            sum(stats.get(k, 0.0) for k in ("is_masked_fraction", "icepop_masked_fraction", "m2po_masked_fraction"))
+        )
         if (v + 1) % setup.eval_every == 0 and v + 1 > setup.steps - setup.eval_every * setup.eval_last:
             eval_curve.append((v + 1, greedy_eval(model.eval(), tok, eval_rows, setup.eval_tokens)))
         if on_step:
             on_step(v, reward, stats)
-    return {"eta": eta, "correction": correction, "seed": seed, "curve": curve, "behaviour_versions": behav_versions,
-            "eval": sum(a for _, a in eval_curve) / len(eval_curve), "eval_final": eval_curve[-1][1],
-            "eval_curve": eval_curve, "mismatch_kl_current": mismatch0,
-            "masked_fraction": masked, "snapshots_kept": len(snapshots)}
+    return {
+        "eta": eta,
+        "correction": correction,
+        "seed": seed,
+        "curve": curve,
+        "behaviour_versions": behav_versions,
+        "eval": sum(a for _, a in eval_curve) / len(eval_curve),
+        "eval_final": eval_curve[-1][1],
+        "eval_curve": eval_curve,
+        "mismatch_kl_current": mismatch0,
+        "masked_fraction": masked,
+        "snapshots_kept": len(snapshots),
+    }

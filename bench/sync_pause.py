@@ -41,19 +41,20 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from bench.runs import finish, keep_only, kill_all, scratch_server  # noqa: E402
+from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
 from services.syncer.syncer import Syncer  # noqa: E402
 from services.trainer.publish import publish, sha256, write_weights  # noqa: E402
+from shared.protocol.episode import events
+from shared.protocol.keys import Keys  # noqa: E402
+from shared.protocol.streams import control  # noqa: E402
+from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
 from shared.runtime import logs  # noqa: E402
 from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
-from shared.protocol.keys import Keys  # noqa: E402
-from shared.protocol.streams import control  # noqa: E402
-from shared.protocol.episode import events
-from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
-from bench.runs import finish, keep_only, kill_all, scratch_server  # noqa: E402
-from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
 
-LARGE = dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)  # ~113M parameters
+# ~113M parameters
+LARGE = dict(hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072)
 
 
 def ms(entry_id) -> int:
@@ -81,7 +82,8 @@ def measure_copy(path: Path, digest: str, reps: int) -> dict:
     load_file + copy_ into resident model-shaped tensors (what the engine's load does);
     and a plain memcpy of the same bytes between resident tensors."""
     sha_s, load_s, memcpy_s = [], [], []
-    targets = {k: torch.zeros_like(v) for k, v in load_file(str(path)).items()}  # resident, like a model's
+    # resident, like a model's
+    targets = {k: torch.zeros_like(v) for k, v in load_file(str(path)).items()}
     for _ in range(reps):
         t0 = time.perf_counter()
         assert sha256(path) == digest
@@ -100,8 +102,11 @@ def measure_copy(path: Path, digest: str, reps: int) -> dict:
         memcpy_s.append(t4 - t3)
         del tensors, resident
     size = path.stat().st_size
-    out = {"sha256_s": statistics.median(sha_s), "load_copy_s": statistics.median(load_s),
-           "memcpy_s": statistics.median(memcpy_s)}
+    out = {
+        "sha256_s": statistics.median(sha_s),
+        "load_copy_s": statistics.median(load_s),
+        "memcpy_s": statistics.median(memcpy_s),
+    }
     out["floor_s"] = out["sha256_s"] + out["load_copy_s"]
     out.update({f"{k[:-2]}_gb_s": size / v / 1e9 for k, v in list(out.items())})
     return out
@@ -111,10 +116,34 @@ def bench_model(client, redis_url: str, model_dir: str, label: str, weights_dir:
     keys = Keys(f"sync{uuid.uuid4().hex[:8]}")
     cfg = Config(run=keys.run, model_dir=model_dir, sync_timeout=120.0, max_staleness=10_000, heartbeat_ttl=30.0)
     enqueue(client, keys, [PromptGroup(f"g{i}", 4, prompt=f"{i}+{i}=") for i in range(200)])
-    worker = subprocess.Popen([sys.executable, "-m", "services.rollout", "--worker-id", "W", "--run", keys.run,
-                               "--redis-url", redis_url, "--model-dir", model_dir, "--tools", "",
-                               "--max-tokens", "400", "--flush-tokens", "1", "--max-groups-in-flight", "2",
-                               "--heartbeat-ttl", "30", "--log-level", "warning"], start_new_session=True)
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.rollout",
+            "--worker-id",
+            "W",
+            "--run",
+            keys.run,
+            "--redis-url",
+            redis_url,
+            "--model-dir",
+            model_dir,
+            "--tools",
+            "",
+            "--max-tokens",
+            "400",
+            "--flush-tokens",
+            "1",
+            "--max-groups-in-flight",
+            "2",
+            "--heartbeat-ttl",
+            "30",
+            "--log-level",
+            "warning",
+        ],
+        start_new_session=True,
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     params = sum(p.numel() for p in model.parameters())
     syncer = Syncer(cfg, client, logs.get("bench-syncer"))
@@ -135,8 +164,11 @@ def bench_model(client, redis_url: str, model_dir: str, label: str, weights_dir:
             publish(client, keys, version, path, digest, step=version)
             record = syncer.sync(version, str(path), digest)
             assert record["workers"] == 1 and not record["missing"] and not record["refused"], record
-            pause_ms = max(ms(i) for i, c in control.read_after(client, keys, "0-0", count=100_000)
-                           if isinstance(c, control.Command) and c.cmd == "pause" and c.sync == record["sync"])
+            pause_ms = max(
+                ms(i)
+                for i, c in control.read_after(client, keys, "0-0", count=100_000)
+                if isinstance(c, control.Command) and c.cmd == "pause" and c.sync == record["sync"]
+            )
             deadline = time.monotonic() + 300
             while (first := first_token_ms(client, keys, version)) is None:
                 assert worker.poll() is None, f"the rollout worker exited with {worker.returncode}"
@@ -147,28 +179,46 @@ def bench_model(client, redis_url: str, model_dir: str, label: str, weights_dir:
         size = path.stat().st_size
     finally:
         kill_all([worker])
-    med = {k: statistics.median(r[k] for r in rows) for k in ("pause_to_first_token_s", "total_s", "pause_s",
-                                                               "load_s", "resume_s", "write_s")}
-    return {"model": label, "params": params, "bytes": size, "reps": reps, "copy": copy, "median": med,
-            "runs": [{k: r[k] for k in ("version", "pause_to_first_token_s", "total_s", "pause_s", "load_s",
-                                        "resume_s", "write_s")} for r in rows],
-            "pause_over_floor": med["pause_to_first_token_s"] / copy["floor_s"]}
+    med = {
+        k: statistics.median(r[k] for r in rows)
+        for k in ("pause_to_first_token_s", "total_s", "pause_s", "load_s", "resume_s", "write_s")
+    }
+    return {
+        "model": label,
+        "params": params,
+        "bytes": size,
+        "reps": reps,
+        "copy": copy,
+        "median": med,
+        "runs": [
+            {
+                k: r[k]
+                for k in ("version", "pause_to_first_token_s", "total_s", "pause_s", "load_s", "resume_s", "write_s")
+            }
+            for r in rows
+        ],
+        "pause_over_floor": med["pause_to_first_token_s"] / copy["floor_s"],
+    }
 
 
 def render(results: list[dict]) -> str:
-    out = ["Per sync, medians. first token: pause sent -> first token of the new version in a stream. "
-           "phases: the syncer's pause / load / resume (each until every worker acked).",
-           "floor: sha256 of the file + load_file and copy_ into resident tensors, measured on the same file in the "
-           "benchmark process (GB/s of each, and of a plain memcpy, in brackets).",
-           f"{'model':<18} {'params':>7} {'MB':>7} | {'first token s':>13} {'sync s':>7} {'pause':>6} {'load':>6} "
-           f"{'resume':>6} | {'floor s':>7} (sha256, load+copy_, memcpy GB/s) | first token / floor | write s"]
+    out = [
+        "Per sync, medians. first token: pause sent -> first token of the new version in a stream. "
+        "phases: the syncer's pause / load / resume (each until every worker acked).",
+        "floor: sha256 of the file + load_file and copy_ into resident tensors, measured on the same file in the "
+        "benchmark process (GB/s of each, and of a plain memcpy, in brackets).",
+        f"{'model':<18} {'params':>7} {'MB':>7} | {'first token s':>13} {'sync s':>7} {'pause':>6} {'load':>6} "
+        f"{'resume':>6} | {'floor s':>7} (sha256, load+copy_, memcpy GB/s) | first token / floor | write s",
+    ]
     for r in results:
         m, c = r["median"], r["copy"]
-        out.append(f"{r['model']:<18} {r['params'] / 1e6:>6.1f}M {r['bytes'] / 1e6:>7.1f} | "
-                   f"{m['pause_to_first_token_s']:>13.3f} {m['total_s']:>7.3f} {m['pause_s']:>6.3f} "
-                   f"{m['load_s']:>6.3f} {m['resume_s']:>6.3f} | {c['floor_s']:>7.3f} ({c['sha256_gb_s']:.2f}, "
-                   f"{c['load_copy_gb_s']:.2f}, {c['memcpy_gb_s']:.2f}) | {r['pause_over_floor']:>19.1f} | "
-                   f"{m['write_s']:.2f}")
+        out.append(
+            f"{r['model']:<18} {r['params'] / 1e6:>6.1f}M {r['bytes'] / 1e6:>7.1f} | "
+            f"{m['pause_to_first_token_s']:>13.3f} {m['total_s']:>7.3f} {m['pause_s']:>6.3f} "
+            f"{m['load_s']:>6.3f} {m['resume_s']:>6.3f} | {c['floor_s']:>7.3f} ({c['sha256_gb_s']:.2f}, "
+            f"{c['load_copy_gb_s']:.2f}, {c['memcpy_gb_s']:.2f}) | {r['pause_over_floor']:>19.1f} | "
+            f"{m['write_s']:.2f}"
+        )
     return "\n".join(out)
 
 
@@ -181,22 +231,35 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     with scratch_server(weights_in_shm=True) as (tmp, url, weights_dir):
         client = connect(url)
-        models = [(make_tiny_model(tmp / "tiny"), "tiny default", 3 if args.quick else 8),
-                  (make_tiny_model(tmp / "large", **LARGE), "large random-init", 1 if args.quick else 3)]
+        models = [
+            (make_tiny_model(tmp / "tiny"), "tiny default", 3 if args.quick else 8),
+            (make_tiny_model(tmp / "large", **LARGE), "large random-init", 1 if args.quick else 3),
+        ]
         results = [bench_model(client, url, d, label, weights_dir, reps) for d, label, reps in models]
-    print(f"weights in {'/dev/shm' if Path('/dev/shm').is_dir() else 'a temp dir'}; rollout worker: a process; "
-          f"syncer: Syncer.sync in the benchmark process; CPU, torch {torch.__version__}")
+    print(
+        f"weights in {'/dev/shm' if Path('/dev/shm').is_dir() else 'a temp dir'}; rollout worker: a process; "
+        f"syncer: Syncer.sync in the benchmark process; CPU, torch {torch.__version__}"
+    )
     rc = finish(render(results), t_start, results, args.json)
     from bench.record import record
 
-    record("sync_pause", [
-        {"what": f"weight sync, {r['model']} model ({r['bytes'] / 1e6:,.1f} MB): generation paused "
-                 f"(pause + load + resume), and pause sent to first new token",
-         "value": f"{(r['median']['pause_s'] + r['median']['load_s'] + r['median']['resume_s']) * 1e3:,.0f} ms paused, "
-                  f"{r['median']['pause_to_first_token_s'] * 1e3:,.0f} ms to the first token"} for r in results],
+    record(
+        "sync_pause",
+        [
+            {
+                "what": f"weight sync, {r['model']} model ({r['bytes'] / 1e6:,.1f} MB): generation paused "
+                f"(pause + load + resume), and pause sent to first new token",
+                "value": f"{(r['median']['pause_s'] + r['median']['load_s'] + r['median']['resume_s']) * 1e3:,.0f} "
+                f"ms paused, "
+                f"{r['median']['pause_to_first_token_s'] * 1e3:,.0f} ms to the first token",
+            }
+            for r in results
+        ],
         ["services/syncer", "services/rollout", "services/trainer/publish.py", "shared", "bench/sync_pause.py"],
-        quick=args.quick)
+        quick=args.quick,
+    )
     return rc
+
 
 if __name__ == "__main__":
     sys.exit(main())

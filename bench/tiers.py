@@ -25,15 +25,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.record import record  # noqa: E402
 from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
-from shared.protocol.archive import builder as segment_builder, segments  # noqa: E402
+from shared.protocol.archive import builder as segment_builder  # noqa: E402
+from shared.protocol.archive import segments
 from shared.protocol.episode.log import EpisodeLog  # noqa: E402
-from shared.protocol.keys import Keys  # noqa: E402
 from shared.protocol.episode.sampling import episode_seed  # noqa: E402
+from shared.protocol.keys import Keys  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 
-
-GROUP = 8  # episodes per group (the default group_size)
-SEED = 0  # the run's seed (the default)
+# episodes per group (the default group_size)
+GROUP = 8
+# the run's seed (the default)
+SEED = 0
 
 
 def _zipf(rng, n: int) -> list[int]:
@@ -48,8 +50,9 @@ def columns(path: Path, tokens: int) -> dict[str, float]:
         c = meta.row_group(0).column(i)
         name = c.path_in_schema.split(".")[0]
         out[name] = out.get(name, 0) + c.total_compressed_size / tokens
-    out["(footer)"] = (path.stat().st_size - sum(meta.row_group(0).column(i).total_compressed_size
-                                                 for i in range(meta.num_columns))) / tokens
+    out["(footer)"] = (
+        path.stat().st_size - sum(meta.row_group(0).column(i).total_compressed_size for i in range(meta.num_columns))
+    ) / tokens
     return out
 
 
@@ -76,18 +79,36 @@ def measure(client, folder: Path, n_episodes: int, n_tokens: int, chunk: int, rn
     prompts = {}
     for eid in eids:
         group_id, index = eid.rsplit("-", 1)
-        if group_id not in prompts:  # a group's episodes share their prompt, as in a run
+        # a group's episodes share their prompt, as in a run
+        if group_id not in prompts:
             prompts[group_id] = _zipf(rng, 24)
         log.open(eid)
-        sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": n_tokens, "stop_token_ids": [2],
-                    "seed": episode_seed(SEED, group_id, int(index))}  # the rollout's own
-        log.append(eid, "started", {"episode_id": eid, "group_id": group_id, "index": int(index),
-                                    "prompt_ids": prompts[group_id], "sampling": sampling,
-                                    "task": {"answer": "42"}}, 3)
+        sampling = {
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "max_tokens": n_tokens,
+            "stop_token_ids": [2],
+            # the rollout's own
+            "seed": episode_seed(SEED, group_id, int(index)),
+        }
+        log.append(
+            eid,
+            "started",
+            {
+                "episode_id": eid,
+                "group_id": group_id,
+                "index": int(index),
+                "prompt_ids": prompts[group_id],
+                "sampling": sampling,
+                "task": {"answer": "42"},
+            },
+            3,
+        )
         ids = _zipf(rng, n_tokens)
         lps = np.where(rng.random(n_tokens) < 0.7, -rng.exponential(0.3, n_tokens), 0.0).astype(np.float32).tolist()
         for s in range(0, n_tokens, chunk):
-            log.append_tokens(eid, ids[s:s + chunk], lps[s:s + chunk], 3)
+            log.append_tokens(eid, ids[s : s + chunk], lps[s : s + chunk], 3)
             log.flush_or_raise([eid])
         log.append(eid, "finished", {"reason": "length", "reward": 1.0, "details": {}}, 3)
         log.flush_or_raise([eid])
@@ -98,8 +119,11 @@ def measure(client, folder: Path, n_episodes: int, n_tokens: int, chunk: int, rn
     size = segments.write_file(folder, name, table)
     client.delete(*[keys.episode(e) for e in eids])
     tokens = n_episodes * n_tokens
-    return {"redis_per_token": redis_bytes / tokens, "segment_per_token": size / tokens,
-            "columns": columns(folder / name, tokens)}
+    return {
+        "redis_per_token": redis_bytes / tokens,
+        "segment_per_token": size / tokens,
+        "columns": columns(folder / name, tokens),
+    }
 
 
 def main() -> None:
@@ -117,23 +141,42 @@ def main() -> None:
             server.stop()
     load = os.getloadavg()[0]
     for label, m in (("8-token episodes (default run shape)", short), ("256-token episodes", long)):
-        print(f"{label}: Redis {m['redis_per_token']:.1f} B/token, segment {m['segment_per_token']:.2f} B/token "
-              f"({m['redis_per_token'] / m['segment_per_token']:.0f}x smaller)")
-        print("  by column (B/token): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(m["columns"].items(),
-                                                                                          key=lambda kv: -kv[1])))
+        print(
+            f"{label}: Redis {m['redis_per_token']:.1f} B/token, segment {m['segment_per_token']:.2f} B/token "
+            f"({m['redis_per_token'] / m['segment_per_token']:.0f}x smaller)"
+        )
+        print(
+            "  by column (B/token): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(m["columns"].items(), key=lambda kv: -kv[1]))
+        )
     print(f"load average {load:.2f}")
-    record("tiers", [
-        {"what": "episode log bytes per policy token, Redis -> segment (8-token episodes)",
-         "value": f"{short['redis_per_token']:.0f} -> {short['segment_per_token']:.1f}"},
-        {"what": "episode log bytes per policy token, Redis -> segment (256-token episodes)",
-         "value": f"{long['redis_per_token']:.0f} -> {long['segment_per_token']:.1f}"},
-    ], ["shared/protocol/archive/segments.py", "shared/protocol/archive/entries.py", "shared/protocol/archive/builder.py",
-        "shared/protocol/episode/log.py"],
+    record(
+        "tiers",
+        [
+            {
+                "what": "episode log bytes per policy token, Redis -> segment (8-token episodes)",
+                "value": f"{short['redis_per_token']:.0f} -> {short['segment_per_token']:.1f}",
+            },
+            {
+                "what": "episode log bytes per policy token, Redis -> segment (256-token episodes)",
+                "value": f"{long['redis_per_token']:.0f} -> {long['segment_per_token']:.1f}",
+            },
+        ],
+        [
+            "shared/protocol/archive/segments.py",
+            "shared/protocol/archive/entries.py",
+            "shared/protocol/archive/builder.py",
+            "shared/protocol/episode/log.py",
+        ],
         simulated="token ids (Zipf over 32k) and log-probs (float32, 70% from an exponential, 30% exactly 0) drawn "
-                  "at random; groups of 8 share a 24-token Zipf prompt", extra={
-                      "load_average": load, "episodes": args.episodes,
-                      "columns_8": {k: round(v, 3) for k, v in short["columns"].items()},
-                      "columns_256": {k: round(v, 3) for k, v in long["columns"].items()}})
+        "at random; groups of 8 share a 24-token Zipf prompt",
+        extra={
+            "load_average": load,
+            "episodes": args.episodes,
+            "columns_8": {k: round(v, 3) for k, v in short["columns"].items()},
+            "columns_256": {k: round(v, 3) for k, v in long["columns"].items()},
+        },
+    )
 
 
 if __name__ == "__main__":

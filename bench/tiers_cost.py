@@ -65,9 +65,23 @@ class FirstMove:
             if pid is None:
                 pid = next((p for p, c in list(self.tree.commands.items()) if c.startswith("[archiver]")), None)
                 if pid is not None and self.spy_out is not None:
-                    self.spy = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "250", "--format",
-                                                 "raw", "--nonblocking", "--output", str(self.spy_out)],
-                                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                    self.spy = subprocess.Popen(
+                        [
+                            "py-spy",
+                            "record",
+                            "--pid",
+                            str(pid),
+                            "--rate",
+                            "250",
+                            "--format",
+                            "raw",
+                            "--nonblocking",
+                            "--output",
+                            str(self.spy_out),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.STDOUT,
+                    )
             elif self.manifest.exists():
                 st = _stat(pid)
                 self.cpu_s = st[1] if st is not None else None
@@ -105,8 +119,14 @@ def main() -> None:
         for pair in range(args.pairs):
             for variant, retention in (("off", 0), ("on", args.retention)):
                 run = f"tiers-{variant}-{pair}"
-                flags = {"run": run, "run_dir": str(work), "max_versions": args.versions, "seed": 0,
-                         "log_retention_versions": retention, "log_level": "warning"}
+                flags = {
+                    "run": run,
+                    "run_dir": str(work),
+                    "max_versions": args.versions,
+                    "seed": 0,
+                    "log_retention_versions": retention,
+                    "log_level": "warning",
+                }
                 watch: list[TreeCPU] = []
                 first: list[FirstMove] = []
                 spy_out = args.py_spy / f"archiver-{run}.txt" if args.py_spy and retention else None
@@ -124,28 +144,40 @@ def main() -> None:
                         f.close()
                 r = summarize(t_start, steps)
                 r["cpu_s"] = watch[0].total()
-                r["archiver_cpu_s"] = watch[0].total("[archiver]") + watch[0].total("-m services.archiver",
-                                                                                     excluding="keep")
+                r["archiver_cpu_s"] = watch[0].total("[archiver]") + watch[0].total(
+                    "-m services.archiver", excluding="keep"
+                )
                 r["segments"] = segments.SegmentStore(segments.folder_of(work / run)).sizes()
                 listed = segments.read_manifest(segments.folder_of(work / run))
-                r["archiver_first_cpu_s"] = first[0].cpu_s if first else None  # its start and its first move
+                # its start and its first move
+                r["archiver_first_cpu_s"] = first[0].cpu_s if first else None
                 r["first_segment_episodes"] = listed[0]["episodes"] if listed else 0
                 r["streams_left"] = streams_left(work, run)
                 r["columns"] = folder_columns(segments.folder_of(work / run))
                 results[variant].append(r)
                 cold = r["segments"]
-                moved = (f"; {cold['episodes']} episodes moved, {cold['bytes'] / max(cold['tokens'], 1):.1f} B per "
-                         f"policy token in segments" if cold["episodes"] else "")
+                moved = (
+                    f"; {cold['episodes']} episodes moved, {cold['bytes'] / max(cold['tokens'], 1):.1f} B per "
+                    f"policy token in segments"
+                    if cold["episodes"]
+                    else ""
+                )
                 per_version = (cold["episodes"] + r["streams_left"]) / args.versions
-                share = (f"; {r['streams_left']} streams left in Redis (= {r['streams_left'] / per_version:.0f} "
-                         f"versions' episodes); archiver {r['archiver_cpu_s']:.2f} of {r['cpu_s']:.1f} CPU s "
-                         f"({100 * r['archiver_cpu_s'] / r['cpu_s']:.1f} %), "
-                         f"{1e6 * r['archiver_cpu_s'] / max(cold['episodes'], 1):.0f} us per episode moved; "
-                         f"{r['archiver_first_cpu_s'] or 0:.2f} CPU s by its first segment "
-                         f"({r['first_segment_episodes']} episodes)"
-                         if variant == "on" else f"; {r['cpu_s']:.1f} CPU s")
-                print(f"   {variant} #{pair}: {r['samples']} samples in {r['seconds']:.1f}s = "
-                      f"{r['samples_per_s']:.1f}/s{moved}{share}", flush=True)
+                share = (
+                    f"; {r['streams_left']} streams left in Redis (= {r['streams_left'] / per_version:.0f} "
+                    f"versions' episodes); archiver {r['archiver_cpu_s']:.2f} of {r['cpu_s']:.1f} CPU s "
+                    f"({100 * r['archiver_cpu_s'] / r['cpu_s']:.1f} %), "
+                    f"{1e6 * r['archiver_cpu_s'] / max(cold['episodes'], 1):.0f} us per episode moved; "
+                    f"{r['archiver_first_cpu_s'] or 0:.2f} CPU s by its first segment "
+                    f"({r['first_segment_episodes']} episodes)"
+                    if variant == "on"
+                    else f"; {r['cpu_s']:.1f} CPU s"
+                )
+                print(
+                    f"   {variant} #{pair}: {r['samples']} samples in {r['seconds']:.1f}s = "
+                    f"{r['samples_per_s']:.1f}/s{moved}{share}",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rate = {v: sum(r["samples"] for r in rs) / sum(r["seconds"] for r in rs) for v, rs in results.items()}
@@ -157,43 +189,77 @@ def main() -> None:
     archiver_cpu = sum(r["archiver_cpu_s"] for r in on)
     share = archiver_cpu / sum(r["cpu_s"] for r in on)
     per_moved = archiver_cpu / max(sum(c["episodes"] for c in cold), 1)
-    start_cpu = sum(r["archiver_first_cpu_s"] or 0 for r in on)  # each archiver's start and first move
+    # each archiver's start and first move
+    start_cpu = sum(r["archiver_first_cpu_s"] or 0 for r in on)
     later_share = (archiver_cpu - start_cpu) / sum(r["cpu_s"] for r in on)
-    later_per_moved = (archiver_cpu - start_cpu) / max(sum(c["episodes"] for c in cold) -
-                                                       sum(r["first_segment_episodes"] for r in on), 1)
+    later_per_moved = (archiver_cpu - start_cpu) / max(
+        sum(c["episodes"] for c in cold) - sum(r["first_segment_episodes"] for r in on), 1
+    )
     cpu_ratio = (sum(r["cpu_s"] / r["samples"] for r in on) / len(on)) / (
-        sum(r["cpu_s"] / r["samples"] for r in results["off"]) / len(results["off"]))
+        sum(r["cpu_s"] / r["samples"] for r in results["off"]) / len(results["off"])
+    )
     load = os.getloadavg()
-    print(f"archiver CPU: {100 * share:.2f} % of the 'on' runs' CPU seconds, {1e6 * per_moved:.0f} us per episode "
-          f"moved; the whole run's CPU per sample on/off {cpu_ratio:.3f}")
-    print(f"  without its start (the CPU seconds by its first segment, {start_cpu / len(on):.2f} s a run, start and "
-          f"first move): {100 * later_share:.2f} %, {1e6 * later_per_moved:.0f} us per episode moved after it"
-          + ("" if len(cold) and all(c["segments"] > 1 for c in cold) else " (a run of one segment: not a figure)"))
-    print(f"\nsamples/s, retention off {rate['off']:.1f}, on ({args.retention} versions) {rate['on']:.1f}: "
-          f"on/off {ratio:.3f} ({100 * (ratio - 1):+.1f} %)")
+    print(
+        f"archiver CPU: {100 * share:.2f} % of the 'on' runs' CPU seconds, {1e6 * per_moved:.0f} us per episode "
+        f"moved; the whole run's CPU per sample on/off {cpu_ratio:.3f}"
+    )
+    print(
+        f"  without its start (the CPU seconds by its first segment, {start_cpu / len(on):.2f} s a run, start and "
+        f"first move): {100 * later_share:.2f} %, {1e6 * later_per_moved:.0f} us per episode moved after it"
+        + ("" if len(cold) and all(c["segments"] > 1 for c in cold) else " (a run of one segment: not a figure)")
+    )
+    print(
+        f"\nsamples/s, retention off {rate['off']:.1f}, on ({args.retention} versions) {rate['on']:.1f}: "
+        f"on/off {ratio:.3f} ({100 * (ratio - 1):+.1f} %)"
+    )
     print(f"segments of the real default run: {per_token:.2f} B per policy token, {per_episode:.1f} B per episode")
     tokens = max(sum(c["tokens"] for c in cold), 1)
     by_column = {}
     for r in on:
         for name, size in r["columns"].items():
             by_column[name] = by_column.get(name, 0) + size
-    print("  by column (B/token): " + ", ".join(f"{k} {v / tokens:.3f}" for k, v in
-                                               sorted(by_column.items(), key=lambda kv: -kv[1])))
+    print(
+        "  by column (B/token): "
+        + ", ".join(f"{k} {v / tokens:.3f}" for k, v in sorted(by_column.items(), key=lambda kv: -kv[1]))
+    )
     print(f"load average {load_before[0]:.2f} before, {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
-    record("tiers_cost", [
-        {"what": f"samples/s with retention on ({args.retention} versions) / off, default job, {args.versions} "
-                 f"versions x {args.pairs} pairs", "value": f"{ratio:.3f} ({rate['on']:.1f} vs {rate['off']:.1f})"},
-        {"what": "archiver CPU, share of the run's CPU seconds (per episode moved)",
-         "value": f"{100 * share:.2f} % ({1e6 * per_moved:.0f} us)"},
-        {"what": "archiver CPU after its first segment (its start and first move left out), share (per episode)",
-         "value": f"{100 * later_share:.2f} % ({1e6 * later_per_moved:.0f} us)"},
-        {"what": "segment bytes per policy token, the default run's episodes",
-         "value": f"{per_token:.1f} ({per_episode:.0f} B per episode)"},
-    ], ["services/archiver", "shared/protocol/archive/segments.py", "shared/protocol/archive/entries.py",
-        "shared/protocol/archive/templates.py", "shared/protocol/archive/arrays.py",
-        "shared/protocol/archive/summary.py", "shared/protocol/archive/builder.py"],
-        extra={"columns_per_token": {k: round(v / tokens, 4) for k, v in by_column.items()},
-               "load_average_before": load_before, "load_average": load, "runs": results})
+    record(
+        "tiers_cost",
+        [
+            {
+                "what": f"samples/s with retention on ({args.retention} versions) / off, default job, {args.versions} "
+                f"versions x {args.pairs} pairs",
+                "value": f"{ratio:.3f} ({rate['on']:.1f} vs {rate['off']:.1f})",
+            },
+            {
+                "what": "archiver CPU, share of the run's CPU seconds (per episode moved)",
+                "value": f"{100 * share:.2f} % ({1e6 * per_moved:.0f} us)",
+            },
+            {
+                "what": "archiver CPU after its first segment (its start and first move left out), share (per episode)",
+                "value": f"{100 * later_share:.2f} % ({1e6 * later_per_moved:.0f} us)",
+            },
+            {
+                "what": "segment bytes per policy token, the default run's episodes",
+                "value": f"{per_token:.1f} ({per_episode:.0f} B per episode)",
+            },
+        ],
+        [
+            "services/archiver",
+            "shared/protocol/archive/segments.py",
+            "shared/protocol/archive/entries.py",
+            "shared/protocol/archive/templates.py",
+            "shared/protocol/archive/arrays.py",
+            "shared/protocol/archive/summary.py",
+            "shared/protocol/archive/builder.py",
+        ],
+        extra={
+            "columns_per_token": {k: round(v / tokens, 4) for k, v in by_column.items()},
+            "load_average_before": load_before,
+            "load_average": load,
+            "runs": results,
+        },
+    )
 
 
 if __name__ == "__main__":

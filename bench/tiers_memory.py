@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.record import record  # noqa: E402
 from bench.runs import ROOT, streamrl_run  # noqa: E402
 from shared.protocol.archive import segments  # noqa: E402
-from shared.protocol.streams import versions
 from shared.protocol.keys import Keys  # noqa: E402
+from shared.protocol.streams import versions
 from shared.runtime import secrets  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
 
@@ -48,7 +48,8 @@ def family(keys: Keys, key: bytes) -> str:
     return f"{head}:* markers" if ":" in rest else rest
 
 
-SINGLE = set()  # the run's one-of-a-kind keys whose names hold a ':' (prompts:val, ...), set in main
+# the run's one-of-a-kind keys whose names hold a ':' (prompts:val, ...), set in main
+SINGLE = set()
 
 
 def census(client, keys: Keys) -> dict[str, list[int]]:
@@ -71,8 +72,10 @@ class Sampler(threading.Thread):
         self.keys, self.every = keys, every
         self.run_path = run_path
         self.store = segments.SegmentStore(segments.folder_of(run_path))
-        self.samples: list[tuple[float, int, int, int]] = []  # (time, version, used_memory, keys)
-        self.first_move: int | None = None  # the version at which the first segment was listed
+        # (time, version, used_memory, keys)
+        self.samples: list[tuple[float, int, int, int]] = []
+        # the version at which the first segment was listed
+        self.first_move: int | None = None
         self.censuses: dict[int, dict] = {}
         self.todo = list(census_versions)
         self.errors: list[str] = []
@@ -82,14 +85,15 @@ class Sampler(threading.Thread):
         client = None
         while not self.stop.is_set():
             try:
-                run = secrets.read(self.run_path)  # the embedded server: where `streamrl run` put it, its password
+                # the embedded server: where `streamrl run` put it, its password
+                run = secrets.read(self.run_path)
                 if not run.get("redis_server"):
                     raise RuntimeError("the run's embedded server has not started yet")
                 url = secrets.with_password(f"redis://{run['redis_server']}/0", run.get("redis_password", ""))
-                client = client or connect(url, wait=5)  # gone at the end: give up soon
+                # gone at the end: give up soon
+                client = client or connect(url, wait=5)
                 version = versions.latest_number(client, self.keys)
-                self.samples.append((time.time(), version, int(client.info("memory")["used_memory"]),
-                                     client.dbsize()))
+                self.samples.append((time.time(), version, int(client.info("memory")["used_memory"]), client.dbsize()))
                 if self.first_move is None and self.store.sizes()["segments"]:
                     self.first_move = version
                 if self.todo and version >= self.todo[0]:
@@ -115,6 +119,7 @@ def fifth(samples, lo: int, hi: int) -> tuple[int, int, float, float]:
 
 def plot(samples, retention: int, window: tuple[int, int], path: Path, ratio: float) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -149,17 +154,37 @@ def main() -> None:
     run, work = "tiers-memory", ROOT / "runs" / f"bench-tiers-memory-{uuid.uuid4().hex[:6]}"
     censuses = [args.versions // 20] + [args.versions * k // 5 for k in range(1, 5)] + [args.versions * 97 // 100]
     keys = Keys(run)
-    SINGLE.update(getattr(keys, name) for name in ("val_prompts", "val_samples", "agent_groups", "gate_started",
-                                                    "load_lease", "driver_enqueued", "val_requested", "agents_running"))
+    SINGLE.update(
+        getattr(keys, name)
+        for name in (
+            "val_prompts",
+            "val_samples",
+            "agent_groups",
+            "gate_started",
+            "load_lease",
+            "driver_enqueued",
+            "val_requested",
+            "agents_running",
+        )
+    )
     sampler = Sampler(keys, args.every, censuses, work / run)
     sampler.start()
     load_before = os.getloadavg()
     try:
-        t_start, steps = streamrl_run({"run": run, "run_dir": str(work), "seed": 0,
-                                       "max_versions": args.versions, "log_retention_versions": args.retention,
-                                       "max_minutes": 0, "log_level": "warning",  # to the last version
-                                       **({} if args.archiver_nice is None else {"archiver_nice": args.archiver_nice})},
-                                      args.verbose)
+        t_start, steps = streamrl_run(
+            {
+                "run": run,
+                "run_dir": str(work),
+                "seed": 0,
+                "max_versions": args.versions,
+                "log_retention_versions": args.retention,
+                # to the last version
+                "max_minutes": 0,
+                "log_level": "warning",
+                **({} if args.archiver_nice is None else {"archiver_nice": args.archiver_nice}),
+            },
+            args.verbose,
+        )
         cold = segments.SegmentStore(segments.folder_of(work / run)).sizes()
     finally:
         sampler.stop.set()
@@ -169,42 +194,76 @@ def main() -> None:
     if not s:
         raise SystemExit(f"no sample of the run's Redis: {sampler.errors[-3:]}")
     top = max(v for _, v, _, _ in s)
-    s = s[:next(i for i, x in enumerate(s) if x[1] == top) + 1]  # up to the last version: not the wind-down
+    # up to the last version: not the wind-down
+    s = s[: next(i for i, x in enumerate(s) if x[1] == top) + 1]
     v1 = sampler.first_move or args.retention
     window = (v1, v1 + max(args.retention, top // 20))
     first, late = level(s, *window), level(s, int(0.9 * top), top)
     ratio = late / first
     plot(s, args.retention, window, Path(args.out), ratio)
     load = os.getloadavg()
-    print(f"{len(s)} samples to version {top} ({len(steps)} steps, {time.time() - t_start:.0f} s): used_memory "
-          f"{first / 1e6:.1f} MB over versions {window[0]}..{window[1]} (the first move at {v1}), "
-          f"{late / 1e6:.1f} MB over the "
-          f"last 10 %: {ratio:.2f}x (goal <= 1.2); keys {s[0][3]} -> {s[-1][3]}")
+    print(
+        f"{len(s)} samples to version {top} ({len(steps)} steps, {time.time() - t_start:.0f} s): used_memory "
+        f"{first / 1e6:.1f} MB over versions {window[0]}..{window[1]} (the first move at {v1}), "
+        f"{late / 1e6:.1f} MB over the "
+        f"last 10 %: {ratio:.2f}x (goal <= 1.2); keys {s[0][3]} -> {s[-1][3]}"
+    )
     fifths = [fifth(s, top * k // 5, top * (k + 1) // 5) for k in range(5)]
-    print("by fifth of the run: " + ", ".join(f"v{lo}-{hi} {mb:.1f} MB at {vps:.1f} versions/s"
-                                              for lo, hi, mb, vps in fifths))
-    print(f"segments: {cold['segments']} files, {cold['episodes']} episodes, {cold['bytes'] / 1e6:.1f} MB, "
-          f"{cold['bytes'] / max(cold['tokens'], 1):.1f} B per policy token")
+    print(
+        "by fifth of the run: "
+        + ", ".join(f"v{lo}-{hi} {mb:.1f} MB at {vps:.1f} versions/s" for lo, hi, mb, vps in fifths)
+    )
+    print(
+        f"segments: {cold['segments']} files, {cold['episodes']} episodes, {cold['bytes'] / 1e6:.1f} MB, "
+        f"{cold['bytes'] / max(cold['tokens'], 1):.1f} B per policy token"
+    )
     for version, families in sorted(sampler.censuses.items()):
-        print(f"keys at version {version}: " + ", ".join(f"{f} {n} ({b / 1e6:.1f} MB)" for f, (n, b) in
-                                                         sorted(families.items(), key=lambda kv: -kv[1][1])))
+        print(
+            f"keys at version {version}: "
+            + ", ".join(
+                f"{f} {n} ({b / 1e6:.1f} MB)" for f, (n, b) in sorted(families.items(), key=lambda kv: -kv[1][1])
+            )
+        )
     if len(sampler.censuses) >= 2:
         (v0, start), (v9, end) = min(sampler.censuses.items()), max(sampler.censuses.items())
         print(f"per family, version {v0} -> {v9} (keys, kB):")
         for f in sorted(set(start) | set(end), key=lambda f: -end.get(f, [0, 0])[1]):
             (n0, b0), (n9, b9) = start.get(f, [0, 0]), end.get(f, [0, 0])
             print(f"  {f:32s} {n0:>7,} -> {n9:>7,} keys  {b0 / 1e3:>8.1f} -> {b9 / 1e3:>8.1f} kB")
-    print(f"load average {load_before[0]:.2f} before, {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end; "
-          f"plot: {args.out}")
-    record("tiers_memory", [
-        {"what": f"Redis used_memory, late / first retention window, default run of {top} versions, retention "
-                 f"{args.retention}{'' if args.archiver_nice is None else f', archiver_nice {args.archiver_nice}'}", "value": f"{ratio:.2f}x ({first / 1e6:.1f} -> {late / 1e6:.1f} MB)"},
-        {"what": "Redis used_memory by fifth of the run (MB, at versions/s)",
-         "value": ", ".join(f"{mb:.1f} at {vps:.1f}" for _, _, mb, vps in fifths)},
-    ], ["services/archiver", "shared/protocol/archive/segments.py", "shared/protocol/archive/entries.py",
-        "shared/protocol/archive/builder.py", "services/driver/heads.py", "shared/protocol/streams/stream_head.py"], extra={
-        "load_average_before": load_before, "load_average": load, "segments": cold, "censuses": sampler.censuses, "fifths": fifths,
-        "samples": s[:: max(1, len(s) // 400)]})
+    print(
+        f"load average {load_before[0]:.2f} before, {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end; "
+        f"plot: {args.out}"
+    )
+    record(
+        "tiers_memory",
+        [
+            {
+                "what": f"Redis used_memory, late / first retention window, default run of {top} versions, retention "
+                f"{args.retention}{'' if args.archiver_nice is None else f', archiver_nice {args.archiver_nice}'}",
+                "value": f"{ratio:.2f}x ({first / 1e6:.1f} -> {late / 1e6:.1f} MB)",
+            },
+            {
+                "what": "Redis used_memory by fifth of the run (MB, at versions/s)",
+                "value": ", ".join(f"{mb:.1f} at {vps:.1f}" for _, _, mb, vps in fifths),
+            },
+        ],
+        [
+            "services/archiver",
+            "shared/protocol/archive/segments.py",
+            "shared/protocol/archive/entries.py",
+            "shared/protocol/archive/builder.py",
+            "services/driver/heads.py",
+            "shared/protocol/streams/stream_head.py",
+        ],
+        extra={
+            "load_average_before": load_before,
+            "load_average": load,
+            "segments": cold,
+            "censuses": sampler.censuses,
+            "fifths": fifths,
+            "samples": s[:: max(1, len(s) // 400)],
+        },
+    )
 
 
 if __name__ == "__main__":

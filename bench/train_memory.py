@@ -31,8 +31,16 @@ OPTIONS = {
     "grad-checkpointing": {"grad_checkpointing": True},
     "lora-r16": {"lora_rank": 16, "lora_alpha": 32.0},
 }
-MODEL = dict(hidden_size=768, num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=12,
-             intermediate_size=2048, vocab_size=16000, max_position_embeddings=2048, tie_word_embeddings=False)
+MODEL = dict(
+    hidden_size=768,
+    num_hidden_layers=10,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    intermediate_size=2048,
+    vocab_size=16000,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
 
 
 def make_model(path: Path) -> int:
@@ -68,8 +76,8 @@ class PeakRSS:
 def one(model_dir: str, option: str, device: str, batch: int, seq: int, steps: int) -> dict:
     import torch
 
-    from shared.protocol.episode.logprobs import token_logprobs
     from services.trainer.model import load_policy
+    from shared.protocol.episode.logprobs import token_logprobs
     from shared.runtime.config.keys import Config
 
     torch.manual_seed(0)
@@ -90,7 +98,8 @@ def one(model_dir: str, option: str, device: str, batch: int, seq: int, steps: i
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 
-    step()  # warm-up: optimizer state allocated, kernels chosen
+    # warm-up: optimizer state allocated, kernels chosen
+    step()
     if device != "cpu":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -101,8 +110,12 @@ def one(model_dir: str, option: str, device: str, batch: int, seq: int, steps: i
     seconds = time.perf_counter() - t0
     peak = meter.done() if meter else torch.cuda.max_memory_allocated()
     trainable = sum(p.numel() for p in policy.trainable_parameters())
-    return {"option": option, "peak_mb": peak / 2**20, "tokens_per_s": batch * seq * steps / seconds,
-            "trainable": trainable}
+    return {
+        "option": option,
+        "peak_mb": peak / 2**20,
+        "tokens_per_s": batch * seq * steps / seconds,
+        "trainable": trainable,
+    }
 
 
 def main() -> None:
@@ -123,16 +136,37 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         n = make_model(Path(tmp) / "model")
-        print(f"random-init Llama, {n / 1e6:.0f}M parameters; {args.batch} x {args.seq} tokens per step, "
-              f"{args.steps} timed steps after 1 warm-up, device {args.device}, {args.threads} threads", flush=True)
+        print(
+            f"random-init Llama, {n / 1e6:.0f}M parameters; {args.batch} x {args.seq} tokens per step, "
+            f"{args.steps} timed steps after 1 warm-up, device {args.device}, {args.threads} threads",
+            flush=True,
+        )
         rows = []
         for option in OPTIONS:
             try:
-                out = subprocess.run([sys.executable, __file__, "--one", str(Path(tmp) / "model"), option,
-                                      "--device", args.device, "--batch", str(args.batch), "--seq", str(args.seq),
-                                      "--steps", str(args.steps), "--threads", str(args.threads)],
-                                     capture_output=True, text=True, timeout=args.timeout,
-                                     env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--one",
+                        str(Path(tmp) / "model"),
+                        option,
+                        "--device",
+                        args.device,
+                        "--batch",
+                        str(args.batch),
+                        "--seq",
+                        str(args.seq),
+                        "--steps",
+                        str(args.steps),
+                        "--threads",
+                        str(args.threads),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=args.timeout,
+                    env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"},
+                )
             except subprocess.TimeoutExpired:
                 print(f"{option}: over {args.timeout:.0f} s, left out", flush=True)
                 continue
@@ -143,8 +177,10 @@ def main() -> None:
     base = rows[0]
     print(f"{'option':<20}{'peak MB':>10}{'x fp32':>8}{'tokens/s':>10}{'x fp32':>8}{'trainable':>12}")
     for r in rows:
-        print(f"{r['option']:<20}{r['peak_mb']:>10.0f}{r['peak_mb'] / base['peak_mb']:>8.2f}"
-              f"{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / base['tokens_per_s']:>8.2f}{r['trainable'] / 1e6:>11.1f}M")
+        print(
+            f"{r['option']:<20}{r['peak_mb']:>10.0f}{r['peak_mb'] / base['peak_mb']:>8.2f}"
+            f"{r['tokens_per_s']:>10.0f}{r['tokens_per_s'] / base['tokens_per_s']:>8.2f}{r['trainable'] / 1e6:>11.1f}M"
+        )
 
 
 if __name__ == "__main__":

@@ -33,13 +33,13 @@ import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 
 from bench.record import record  # noqa: E402
-from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
 from services.ops.inspect.run_target import Target  # noqa: E402
 from services.ops.inspect.serve_ended import ServedCopy  # noqa: E402
+from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
 from services.ops.ui.app import make_app  # noqa: E402
 from services.ops.ui.index import EpisodeIndex  # noqa: E402
-from shared.protocol.archive import segments  # noqa: E402
 from services.ops.ui.sources import RunSource, Sources  # noqa: E402
+from shared.protocol.archive import segments  # noqa: E402
 from shared.protocol.episode.events import Event, encode  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
 from shared.runtime import runstate  # noqa: E402
@@ -57,16 +57,40 @@ QUERIES = {
 
 def synthetic_events(i: int) -> list[Event]:
     eid, group, v, w = f"q{i // 8:06d}-{i % 8}", f"q{i // 8:06d}", 1 + i // 4000, f"rollout-{i % 3}"
-    evs = [Event("started", v, w, 0, {"episode_id": eid, "group_id": group, "index": i % 8, "prompt_ids": [5, 6, 7, 8],
-                                      "sampling": {"max_tokens": 48}, "task": {"answer": "4"}})]
-    chunk = lambda version, who: Event("tokens", version, who, len(evs), {"ids": list(range(16)),  # noqa: E731
-                                                                           "logprobs": [-0.5] * 16})
+    evs = [
+        Event(
+            "started",
+            v,
+            w,
+            0,
+            {
+                "episode_id": eid,
+                "group_id": group,
+                "index": i % 8,
+                "prompt_ids": [5, 6, 7, 8],
+                "sampling": {"max_tokens": 48},
+                "task": {"answer": "4"},
+            },
+        )
+    ]
+    chunk = lambda version, who: Event(
+        "tokens",
+        version,
+        who,
+        len(evs),
+        {
+            "ids": list(range(16)),  # noqa: E731
+            "logprobs": [-0.5] * 16,
+        },
+    )
     evs.append(chunk(v, w))
-    if i % 3 == 0:  # aborted by a sync, resumed under the next version (2 %: by another worker, a takeover)
+    # aborted by a sync, resumed under the next version (2 %: by another worker, a takeover)
+    if i % 3 == 0:
         evs.append(Event("aborted", v, w, len(evs), {"reason": "pause", "num_tokens": 16}))
         other = f"rollout-{(i + 1) % 3}" if i % 50 == 0 else w
-        evs.append(Event("resumed", v + 1, other, len(evs), {"num_tokens": 16, **({"takeover_from": w} if other != w
-                                                                                   else {})}))
+        evs.append(
+            Event("resumed", v + 1, other, len(evs), {"num_tokens": 16, **({"takeover_from": w} if other != w else {})})
+        )
         v, w = v + 1, other
     evs.append(chunk(v, w))
     if i % 33 == 0:
@@ -107,8 +131,10 @@ def measure(client, keys: Keys, run_path: Path, run_id: str, repeats: int, archi
     t0 = time.perf_counter()
     index.refresh()
     out["build_s"], out["episodes"] = time.perf_counter() - t0, len(index.table)
-    print(f"(A) first build, every stream read and folded: {out['build_s']:.1f} s for {out['episodes']:,} episodes",
-          flush=True)
+    print(
+        f"(A) first build, every stream read and folded: {out['build_s']:.1f} s for {out['episodes']:,} episodes",
+        flush=True,
+    )
     again = EpisodeIndex(client, keys, run_path, run_id, archive=archive)
     t0 = time.perf_counter()
     again.load()
@@ -116,12 +142,16 @@ def measure(client, keys: Keys, run_path: Path, run_id: str, repeats: int, archi
     t0 = time.perf_counter()
     fresh = again.refresh()
     out["refresh_s"] = time.perf_counter() - t0
-    print(f"(B) kept index loaded: {out['load_s']:.2f} s ({cache.stat().st_size / 1e6:.1f} MB); (C) a refresh with "
-          f"nothing new: {out['refresh_s']:.2f} s ({fresh} episodes read)", flush=True)
+    print(
+        f"(B) kept index loaded: {out['load_s']:.2f} s ({cache.stat().st_size / 1e6:.1f} MB); (C) a refresh with "
+        f"nothing new: {out['refresh_s']:.2f} s ({fresh} episodes read)",
+        flush=True,
+    )
 
     sources = Sources(Config(run_dir=str(run_path.parent)), {})
     src = RunSource(run_path.name, Target(Config(run=keys.run), keys, run_path, None), client, True, sources.stack)
-    src.index, src.ready = again, True  # as after the ui's first refresh
+    # as after the ui's first refresh
+    src.index, src.ready = again, True
     sources.runs[run_path.name] = src
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(make_app(sources), host="127.0.0.1", port=port, log_level="warning"))
@@ -139,8 +169,11 @@ def measure(client, keys: Keys, run_path: Path, run_id: str, repeats: int, archi
                 r.raise_for_status()
                 total = r.json()["total"]
             out["queries"][name] = {"median_s": statistics.median(times), "worst_s": max(times), "matches": total}
-            print(f"(D) {name:<44} {total:>7,} match  median {statistics.median(times) * 1000:7.1f} ms  worst "
-                  f"{max(times) * 1000:7.1f} ms", flush=True)
+            print(
+                f"(D) {name:<44} {total:>7,} match  median {statistics.median(times) * 1000:7.1f} ms  worst "
+                f"{max(times) * 1000:7.1f} ms",
+                flush=True,
+            )
     server.should_exit = True
     return out
 
@@ -160,8 +193,14 @@ def main() -> int:
                 keys = Keys(marker.get("run", args.run))
                 # the kept index goes to a scratch folder: the run's own is left as it was
                 scratch = Path(tmp) / args.run
-                out = measure(connect(url), keys, scratch, marker.get("id", ""), args.repeats,
-                              archive=segments.SegmentStore(segments.folder_of(run_path)))
+                out = measure(
+                    connect(url),
+                    keys,
+                    scratch,
+                    marker.get("id", ""),
+                    args.repeats,
+                    archive=segments.SegmentStore(segments.folder_of(run_path)),
+                )
             what = f"ended `./dev run` {args.run!r}"
         else:
             server = EmbeddedRedis(Path(tmp) / "redis").start()
@@ -175,17 +214,29 @@ def main() -> int:
     worst = max(q["worst_s"] for q in out["queries"].values())
     median = statistics.median(q["median_s"] for q in out["queries"].values())
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"\n{what}, {out['episodes']:,} episodes: filtered query median {median * 1000:.0f} ms, worst "
-          f"{worst * 1000:.0f} ms (< 1 s: {'yes' if worst < 1 else 'NO'}), {out['build_s'] / median:.0f}x faster "
-          f"than folding every stream ({out['build_s']:.1f} s); load average {load}")
-    rows = [{"what": f"episodes page: filtered, sorted query over {out['episodes']:,} episodes ({what}), through HTTP",
-             "value": f"median {median * 1000:.0f} ms, worst {worst * 1000:.0f} ms of {len(QUERIES)} queries x "
-                      f"{args.repeats}; folding every stream instead: {out['build_s']:.1f} s "
-                      f"({out['build_s'] / median:.0f}x)"},
-            {"what": "the kept index: loaded at start / refreshed with nothing new",
-             "value": f"{out['load_s']:.2f} s / {out['refresh_s']:.2f} s"}]
-    record("ui_episodes" + ("_run" if args.run else ""), rows, ["services/ops/ui", "services/ops/inspect/episodes.py",
-                                                                "bench/ui_episodes.py"], extra=out)
+    print(
+        f"\n{what}, {out['episodes']:,} episodes: filtered query median {median * 1000:.0f} ms, worst "
+        f"{worst * 1000:.0f} ms (< 1 s: {'yes' if worst < 1 else 'NO'}), {out['build_s'] / median:.0f}x faster "
+        f"than folding every stream ({out['build_s']:.1f} s); load average {load}"
+    )
+    rows = [
+        {
+            "what": f"episodes page: filtered, sorted query over {out['episodes']:,} episodes ({what}), through HTTP",
+            "value": f"median {median * 1000:.0f} ms, worst {worst * 1000:.0f} ms of {len(QUERIES)} queries x "
+            f"{args.repeats}; folding every stream instead: {out['build_s']:.1f} s "
+            f"({out['build_s'] / median:.0f}x)",
+        },
+        {
+            "what": "the kept index: loaded at start / refreshed with nothing new",
+            "value": f"{out['load_s']:.2f} s / {out['refresh_s']:.2f} s",
+        },
+    ]
+    record(
+        "ui_episodes" + ("_run" if args.run else ""),
+        rows,
+        ["services/ops/ui", "services/ops/inspect/episodes.py", "bench/ui_episodes.py"],
+        extra=out,
+    )
     return 0 if worst < 1 else 1
 
 

@@ -45,6 +45,7 @@ def timed(fn, acc: dict, wall: str | None, cpu_key: str):
             acc[cpu_key] += time.process_time() - c0
             if wall:
                 acc[wall] += time.monotonic() - t0
+
     return wrapper
 
 
@@ -61,6 +62,7 @@ def count_round_trips(acc: dict) -> None:
         key = "trips_main" if threading.current_thread() is threading.main_thread() else "trips_other"
         acc[key] = acc.get(key, 0) + 1
         return send(self, *a, **k)
+
     redis.connection.AbstractConnection.send_packed_command = counted
 
 
@@ -74,7 +76,8 @@ def main(argv=None) -> int:
     args.max_tokens = Config().max_tokens
     import torch
 
-    torch.set_num_threads(1)  # as the worker processes (OMP_NUM_THREADS=1)
+    # as the worker processes (OMP_NUM_THREADS=1)
+    torch.set_num_threads(1)
     logs.setup("warning")
     print(header(args).replace("rollout only (no trainer)", "one worker in this process"))
     print(f"load average at start: {cpu.load_average()}", flush=True)
@@ -85,25 +88,34 @@ def main(argv=None) -> int:
         try:
             client = connect(server.url)
             cfg = Config(run="step", model_dir=model_dir, tools="", step_delay_ms=args.step_delay_ms)
-            engine = make_engine("torch", model_dir, max_batch_size=cfg.max_batch_size,
-                                 step_delay_ms=cfg.step_delay_ms)
+            engine = make_engine("torch", model_dir, max_batch_size=cfg.max_batch_size, step_delay_ms=cfg.step_delay_ms)
             worker = RolloutWorker(cfg, client, "step", engine, load_tokenizer(model_dir), logs.get("step"))
-            enqueue(client, Keys(cfg.run), groups(cfg.run, 0, 5_000, cfg.group_size))  # never runs dry
+            # never runs dry
+            enqueue(client, Keys(cfg.run), groups(cfg.run, 0, 5_000, cfg.group_size))
             worker.start()
             end = time.monotonic() + 3.0
             while time.monotonic() < end:
                 worker.tick()
-            acc = {"engine_cpu": 0.0, "flush_wall": 0.0, "flush_cpu": 0.0, "wait_wall": 0.0, "wait_cpu": 0.0,
-                   "steps": 0}
+            acc = {
+                "engine_cpu": 0.0,
+                "flush_wall": 0.0,
+                "flush_cpu": 0.0,
+                "wait_wall": 0.0,
+                "wait_cpu": 0.0,
+                "steps": 0,
+            }
             inner = engine.inner.step
 
             def counted():
                 acc["steps"] += 1
                 return inner()
+
             engine.inner.step = timed(counted, acc, None, "engine_cpu")
-            owner = getattr(worker.episodes, "writes", worker.episodes)  # the flushes' owner: writes.py, or older trees
+            # the flushes' owner: writes.py, or older trees
+            owner = getattr(worker.episodes, "writes", worker.episodes)
             owner.flush = timed(owner.flush, acc, "flush_wall", "flush_cpu")
-            writer = getattr(owner, "writer", None)  # main before the step writer has none
+            # main before the step writer has none
+            writer = getattr(owner, "writer", None)
             if writer is not None:
                 writer.wait = timed(writer.wait, acc, "wait_wall", "wait_cpu")
             count_round_trips(acc)
@@ -120,16 +132,20 @@ def main(argv=None) -> int:
         finally:
             server.stop()
     ms = lambda x: f"{x / n * 1e3:.2f} ms"  # noqa: E731
-    print(f"{n} engine steps in {wall:.1f} s: per step wall {ms(wall)}, process CPU {ms(proc_cpu)}, engine CPU "
-          f"{ms(acc['engine_cpu'])} (the tiny model on this CPU), flushes wall {ms(acc['flush_wall'])} "
-          f"({acc['flush_wall'] / wall:.0%} of wall), flushes CPU {ms(acc['flush_cpu'])}, step-writer wait "
-          f"{ms(acc['wait_wall'])} ({acc['wait_wall'] / wall:.0%} of wall); {tokens / n:.1f} tokens "
-          f"per step, {tokens / wall:,.0f} tokens/s; CPU per token outside the engine "
-          f"{(proc_cpu - acc['engine_cpu']) / max(1, tokens) * 1e6:.0f} us")
+    print(
+        f"{n} engine steps in {wall:.1f} s: per step wall {ms(wall)}, process CPU {ms(proc_cpu)}, engine CPU "
+        f"{ms(acc['engine_cpu'])} (the tiny model on this CPU), flushes wall {ms(acc['flush_wall'])} "
+        f"({acc['flush_wall'] / wall:.0%} of wall), flushes CPU {ms(acc['flush_cpu'])}, step-writer wait "
+        f"{ms(acc['wait_wall'])} ({acc['wait_wall'] / wall:.0%} of wall); {tokens / n:.1f} tokens "
+        f"per step, {tokens / wall:,.0f} tokens/s; CPU per token outside the engine "
+        f"{(proc_cpu - acc['engine_cpu']) / max(1, tokens) * 1e6:.0f} us"
+    )
     calls = sorted(((k.removeprefix("cmdstat_"), v["calls"]) for k, v in stats.items()), key=lambda kv: -kv[1])
     print("Redis commands per engine step: " + ", ".join(f"{k} {c / n:.2f}" for k, c in calls if c / n >= 0.05))
-    print(f"Redis round trips per engine step: {trips[0] / n:.2f} waited for by the main thread, {trips[1] / n:.2f} on "
-          f"the step writer's thread (beside the next engine step)")
+    print(
+        f"Redis round trips per engine step: {trips[0] / n:.2f} waited for by the main thread, {trips[1] / n:.2f} on "
+        f"the step writer's thread (beside the next engine step)"
+    )
     print(f"load average at end: {cpu.load_average()}")
     return 0
 

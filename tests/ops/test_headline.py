@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # moves with tests/
+# moves with tests/
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 _spec = importlib.util.spec_from_file_location("bench_headline", ROOT / "bench" / "headline.py")
 headline = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(headline)
@@ -18,9 +19,18 @@ HEADLINES = [("a", "figure a", "python bench/a.py"), ("b", "figure b", "python b
 
 
 def result(**kw) -> dict:
-    base = {"name": "a", "command": "python bench/a.py", "date": "2026-11-25 09:00 UTC", "commit": "abc1234def",
-            "dirty": False, "machine": "2 CPUs (EPYC), no GPU", "quick": False, "simulated": "",
-            "measures": ["services/rollout"], "rows": [{"what": "overhead", "value": "0.95x"}]}
+    base = {
+        "name": "a",
+        "command": "python bench/a.py",
+        "date": "2026-11-25 09:00 UTC",
+        "commit": "abc1234def",
+        "dirty": False,
+        "machine": "2 CPUs (EPYC), no GPU",
+        "quick": False,
+        "simulated": "",
+        "measures": ["services/rollout"],
+        "rows": [{"what": "overhead", "value": "0.95x"}],
+    }
     return {**base, **kw}
 
 
@@ -28,18 +38,23 @@ def test_fresh_row_and_missing_benchmark():
     out = headline.table({"a": result()}, changed=lambda c, p: 0, headlines=HEADLINES)
     lines = out.splitlines()
     assert lines[0].startswith("| what | figure | command |")
-    assert lines[2] == ("| figure a | **0.95x** (overhead) | `python bench/a.py` | 2026-11-25, `abc1234` | "
-                        "2 CPUs (EPYC), no GPU |")
-    two = headline.table({"a": result(rows=[{"what": "x", "value": "1"}, {"what": "y", "value": "2"}])},
-                         changed=lambda c, p: 0, headlines=HEADLINES)
+    assert lines[2] == (
+        "| figure a | **0.95x** (overhead) | `python bench/a.py` | 2026-11-25, `abc1234` | 2 CPUs (EPYC), no GPU |"
+    )
+    two = headline.table(
+        {"a": result(rows=[{"what": "x", "value": "1"}, {"what": "y", "value": "2"}])},
+        changed=lambda c, p: 0,
+        headlines=HEADLINES,
+    )
     assert "| figure a | x: **1**<br>y: **2** |" in two
     assert lines[3] == "| figure b | not measured yet | `python bench/b.py --x` | | |"
 
 
 def test_stale_rows_are_marked():
     changed = {"abc1234def": 12, "gone": None}
-    out = headline.table({"a": result(), "b": result(name="b", commit="gone")},
-                         changed=lambda c, p: changed[c], headlines=HEADLINES)
+    out = headline.table(
+        {"a": result(), "b": result(name="b", commit="gone")}, changed=lambda c, p: changed[c], headlines=HEADLINES
+    )
     assert "| **STALE: 12 lines of services/rollout changed since abc1234**<br>~~**0.95x** (overhead)~~ |" in out
     assert "STALE: commit gone is not in this history" in out
     dirty = headline.table({"a": result(dirty=True)}, changed=lambda c, p: 0, headlines=HEADLINES)
@@ -47,8 +62,11 @@ def test_stale_rows_are_marked():
 
 
 def test_quick_and_simulated_are_said_in_the_row():
-    out = headline.table({"a": result(quick=True, simulated="every engine step sleeps 20 ms")},
-                         changed=lambda c, p: 0, headlines=HEADLINES)
+    out = headline.table(
+        {"a": result(quick=True, simulated="every engine step sleeps 20 ms")},
+        changed=lambda c, p: 0,
+        headlines=HEADLINES,
+    )
     assert "| figure a (quick run; SIMULATED: every engine step sleeps 20 ms) | **0.95x** (overhead) |" in out
 
 
@@ -64,8 +82,13 @@ def test_rewrite_touches_only_the_block():
 
 
 def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
-                          capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
 
 
 def test_changed_lines_ignores_moves_and_imports_but_not_edits(tmp_path):
@@ -80,7 +103,8 @@ def test_changed_lines_ignores_moves_and_imports_but_not_edits(tmp_path):
     (pkg / "weights").mkdir()
     git(tmp_path, "mv", "services/rollout/puller.py", "services/rollout/weights/puller.py")
     moved = pkg / "weights" / "puller.py"
-    text = moved.read_text().replace("weights import", "weights.load import")  # the import follows the move
+    # the import follows the move
+    text = moved.read_text().replace("weights import", "weights.load import")
     moved.write_text(text + "# a comment\n")
     git(tmp_path, "commit", "-qam", "move")
     assert headline.changed_lines(measured, ["services/rollout"], tmp_path) == 0
@@ -90,14 +114,23 @@ def test_changed_lines_ignores_moves_and_imports_but_not_edits(tmp_path):
     assert headline.changed_lines("0" * 40, ["services/rollout"], tmp_path) is None
 
 
-
 def test_an_in_process_benchmark_measures_the_files_it_imported():
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", "import services.trainer.batch; from bench.record import loaded; "
-                          "print('\\n'.join(loaded()))"], cwd=root, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import services.trainer.batch; from bench.record import loaded; print('\\n'.join(loaded()))",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     files = out.split()
     assert "services/trainer/batch.py" in files and "shared/protocol/episode/fold.py" in files
-    assert "services/trainer/trainer.py" not in files  # never imported: a change there leaves the figures current
+    # never imported: a change there leaves the figures current
+    assert "services/trainer/trainer.py" not in files
     assert all(f.startswith(("services/", "shared/")) and f.endswith(".py") for f in files)

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())  # moves with tests/
+# moves with tests/
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").exists())
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell"}
 PYTHONS = re.compile(r"^(\S*/)?python(3(\.\d+)?)?$")
@@ -31,7 +32,7 @@ PYTHONS = re.compile(r"^(\S*/)?python(3(\.\d+)?)?$")
 
 def test_layout_table_names_real_files():
     text = (ROOT / "README.md").read_text()
-    table = text[text.index("## Layout"):]
+    table = text[text.index("## Layout") :]
     missing = []
     for row in re.findall(r"^\| `([^`]+)`[^|]*\| (.*) \|$", table, flags=re.M):
         folder, what = ROOT / row[0].split("`")[0], row[1]
@@ -45,6 +46,7 @@ def test_layout_table_names_real_files():
 
 
 # ---- finding the commands
+
 
 def command_lines(text: str) -> list[tuple[int, str]]:
     """(line number, command line) of every command in the text's fenced code blocks."""
@@ -64,7 +66,8 @@ def command_lines(text: str) -> list[tuple[int, str]]:
 def _commands_of_block(lang: str, lines: list[str], start: int) -> list[tuple[int, str]]:
     out, current, first = [], None, 0
     for i, line in enumerate(lines):
-        if current is not None:  # a continuation of the line before
+        # a continuation of the line before
+        if current is not None:
             current += " " + line.strip()
         else:
             stripped = line.strip()
@@ -110,6 +113,7 @@ def fill_placeholders(words: list[str]) -> list[str]:
 
 # ---- checking one command
 
+
 def _cli_parser():
     from services.ops.cli.main import build_parser
 
@@ -117,7 +121,8 @@ def _cli_parser():
 
 
 def _check_config(flags: dict, env: dict[str, str]) -> str:
-    from shared.runtime.config import keys as configmod, sources as config_sources
+    from shared.runtime.config import keys as configmod
+    from shared.runtime.config import sources as config_sources
 
     try:
         config_sources.load_with_sources(None, env=env, overrides=flags)
@@ -127,7 +132,7 @@ def _check_config(flags: dict, env: dict[str, str]) -> str:
 
 
 def check_streamrl(args: list[str], env: dict[str, str]) -> str:
-    """"" when `streamrl <args>` parses and its config values pass the checks, else why not."""
+    """ "" when `streamrl <args>` parses and its config values pass the checks, else why not."""
     import contextlib
     import io
 
@@ -197,8 +202,11 @@ def check_python(words: list[str], env: dict[str, str]) -> str:
     if not script.exists():
         return f"no file {rest[0]}"
     if script.suffix == ".py" and script.parent.name == "bench":
-        unknown = [f for f in _flags(fill_placeholders(rest[1:])) if f not in ("--help", "-h")
-                   and not _source_names_flag(_bench_sources(script), f)]
+        unknown = [
+            f
+            for f in _flags(fill_placeholders(rest[1:]))
+            if f not in ("--help", "-h") and not _source_names_flag(_bench_sources(script), f)
+        ]
         if unknown:
             return f"{rest[0]} takes no {', '.join(unknown)}"
     return ""
@@ -221,7 +229,7 @@ def _check_test_paths(args: list[str]) -> str:
 
 
 def check_command(words: list[str]) -> str:
-    """"" when the command is one the code accepts (or one this test does not know), else why not."""
+    """ "" when the command is one the code accepts (or one this test does not know), else why not."""
     env = {}
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
         k, v = words[0].split("=", 1)
@@ -232,7 +240,8 @@ def check_command(words: list[str]) -> str:
     if not words:
         return ""
     env = {k: v for k, v in env.items() if k.startswith("STREAMRL_") or k == "REDIS_URL"}
-    head = words[0].rsplit("/", 1)[-1] if words[0] != "./dev" else words[0]  # .venv-vllm/bin/streamrl, ...
+    # .venv-vllm/bin/streamrl, ...
+    head = words[0].rsplit("/", 1)[-1] if words[0] != "./dev" else words[0]
     if head == "streamrl":
         return check_streamrl(words[1:], env)
     if head == "./dev":
@@ -241,10 +250,11 @@ def check_command(words: list[str]) -> str:
         return check_python(words, env)
     if head == "torchrun" and "-m" in words:
         i = words.index("-m")
-        return check_module(words[i + 1], words[i + 2:], env)
+        return check_module(words[i + 1], words[i + 2 :], env)
     if head == "pip" and "install" in words:
-        extras = re.search(r"^\[project\.optional-dependencies\]\n(.*?)^\[", (ROOT / "pyproject.toml").read_text(),
-                           flags=re.M | re.S)
+        extras = re.search(
+            r"^\[project\.optional-dependencies\]\n(.*?)^\[", (ROOT / "pyproject.toml").read_text(), flags=re.M | re.S
+        )
         known = set(re.findall(r"^(\w+)\s*=", extras.group(1), flags=re.M)) if extras else set()
         for w in words:
             if m := re.fullmatch(r"\.\[([\w,]+)\]", w):
@@ -288,35 +298,44 @@ def test_every_documented_command_is_accepted():
     assert not bad, "commands in README.md / docs/*.md that the code does not accept:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("line", [
-    "streamrl replay",                                  # the episode argument is required
-    "streamrl nosuchcommand",
-    "streamrl status --no-such-flag",
-    "streamrl run --max-versions many",                 # a config value of the wrong type
-    "STREAMRL_LR=fast streamrl config",
-    "./dev nosuch",
-    "./dev run --group-size x",
-    "./dev test tests/no_such_file.py",
-    "python bench/no_such_bench.py",
-    "python bench/event_log.py --no-such-flag",
-    "python -m services.no_such_service",
-    "python -m services.trainer --no-such-flag 1",
-    "python -m pytest tests/no_such_test.py",
-    ".venv-vllm/bin/streamrl run --engine",
-    "pip install -e '.[nosuchextra]'",
-    "honcho start -c nosuch=2",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        # the episode argument is required
+        "streamrl replay",
+        "streamrl nosuchcommand",
+        "streamrl status --no-such-flag",
+        # a config value of the wrong type
+        "streamrl run --max-versions many",
+        "STREAMRL_LR=fast streamrl config",
+        "./dev nosuch",
+        "./dev run --group-size x",
+        "./dev test tests/no_such_file.py",
+        "python bench/no_such_bench.py",
+        "python bench/event_log.py --no-such-flag",
+        "python -m services.no_such_service",
+        "python -m services.trainer --no-such-flag 1",
+        "python -m pytest tests/no_such_test.py",
+        ".venv-vllm/bin/streamrl run --engine",
+        "pip install -e '.[nosuchextra]'",
+        "honcho start -c nosuch=2",
+    ],
+)
 def test_a_wrong_command_is_refused(line):
     assert any(check_command(w) for w in segments(line)), f"{line!r} should be refused"
 
 
-@pytest.mark.parametrize("line", [
-    "streamrl replay <episode-id> --continue [--from-seq N] [--version V]",
-    "STREAMRL_LR=1e-3 streamrl config --run mine",
-    "python bench/trajectory_async.py --budget 3072 --workers 8",   # --budget comes from async_vs_sync's args
-    "torchrun --nproc-per-node 2 -m services.trainer -- --run NAME",
-    "./dev test tests/<area>",
-])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "streamrl replay <episode-id> --continue [--from-seq N] [--version V]",
+        "STREAMRL_LR=1e-3 streamrl config --run mine",
+        # --budget comes from async_vs_sync's args
+        "python bench/trajectory_async.py --budget 3072 --workers 8",
+        "torchrun --nproc-per-node 2 -m services.trainer -- --run NAME",
+        "./dev test tests/<area>",
+    ],
+)
 def test_a_good_command_is_accepted(line):
     assert not [why for w in segments(line) if (why := check_command(w))]
 

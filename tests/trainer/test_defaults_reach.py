@@ -15,11 +15,13 @@ spec.loader.exec_module(bench)
 def test_reached_is_the_first_version_whose_trailing_20_step_mean_reaches_the_target():
     records = [{"version": v, "reward_mean": 0.5} for v in range(1, 31)]
     records += [{"version": v, "reward_mean": 1.0} for v in range(31, 60)]
-    records.insert(5, {"version": 3, "kind": "rollout"})  # other records are not steps
+    # other records are not steps
+    records.insert(5, {"version": 3, "kind": "rollout"})
     # the window [v-19, v] holds k ones and 20-k halves: mean >= 0.9 once k >= 16, first at v = 46
     assert bench.reached(records) == 46
     assert bench.reached(records, target=1.0) == 50
-    assert bench.reached(records[:25]) is None  # never got there
+    # never got there
+    assert bench.reached(records[:25]) is None
 
 
 def test_a_candidate_is_key_value_pairs_and_a_bad_part_is_named():

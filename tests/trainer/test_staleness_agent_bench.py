@@ -20,7 +20,8 @@ from services.ops.launch.tiny_model import AGENT_CONTEXT, DEFAULT_MODEL, load_to
 @pytest.fixture(scope="module")
 def agent_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("agent") / "m"
-    make_tiny_model(d, **dict(DEFAULT_MODEL, max_position_embeddings=AGENT_CONTEXT), seed=0)  # random init
+    # random init
+    make_tiny_model(d, **dict(DEFAULT_MODEL, max_position_embeddings=AGENT_CONTEXT), seed=0)
     return str(d)
 
 
@@ -29,7 +30,8 @@ def test_a_tool_call_is_answered_by_calc_in_a_tool_turn(agent_model):
     call = r.encode('<tool_call>{"name": "calc", "arguments": {"e": "3+4+5"}}</tool_call>') + [r.end_id]
     bridge, content = after_call(r, call, 0)
     assert content is None and r.tok.decode(bridge) == "\n<|im_start|>tool\n12<|im_end|>\n<|im_start|>assistant\n"
-    cut, _ = after_call(r, call[:-1], 0)  # the call ran out of tokens before its end-of-turn: the bridge closes it
+    # the call ran out of tokens before its end-of-turn: the bridge closes it
+    cut, _ = after_call(r, call[:-1], 0)
     assert cut == [r.end_id] + bridge
     bridge, content = after_call(r, r.encode("the sum is 12") + [r.end_id], 0)
     assert bridge is None and content == "the sum is 12" and calc_reward(content, "12") == 1.0
@@ -49,7 +51,7 @@ def test_cached_generation_is_the_full_forward_greedy(agent_model):
         with torch.no_grad():
             for _ in range(len(ids)):
                 seq = torch.cat([seq, model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)], 1)
-        assert seq[0, len(p):].tolist() == ids
+        assert seq[0, len(p) :].tolist() == ids
 
 
 def test_agent_batches_come_from_version_v_minus_eta(agent_model):
@@ -58,4 +60,5 @@ def test_agent_batches_come_from_version_v_minus_eta(agent_model):
     cell = run_agent_cell(agent_model, 2, "token-truncate", 0, setup, held[:2], pool)
     assert cell["behaviour_versions"] == [0, 0, 0, 1] and cell["snapshots_kept"] == 3
     assert [v for v, _ in cell["eval_curve"]] == [4] and len(cell["tool_call_share"]) == 4
-    json.dumps(cell)  # the cell goes to --cells-out as it is
+    # the cell goes to --cells-out as it is
+    json.dumps(cell)

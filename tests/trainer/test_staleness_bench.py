@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _bench():
     spec = importlib.util.spec_from_file_location("bench_staleness", ROOT / "bench" / "staleness.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_staleness", mod)  # dataclasses look their module up
+    # dataclasses look their module up
+    sys.modules.setdefault("bench_staleness", mod)
     spec.loader.exec_module(mod)
     return mod
 
@@ -48,12 +49,17 @@ def test_correction_with_changes():
 
 def test_paired_parity_stops_at_the_first_failure():
     b = _bench()
-    cells = [{"seed": s, "correction": c, "eta": e, "eval": v} for s in (0, 1) for c, e, v in
-             (("a", 0, 0.8), ("a", 2, 0.79), ("a", 8, 0.7), ("a", 32, 0.8))]
+    cells = [
+        {"seed": s, "correction": c, "eta": e, "eval": v}
+        for s in (0, 1)
+        for c, e, v in (("a", 0, 0.8), ("a", 2, 0.79), ("a", 8, 0.7), ("a", 32, 0.8))
+    ]
     _, summary = b.table(cells, [0, 2, 8, 32], ["a"])
-    assert summary["a"]["parity_eta"] == 2  # η = 32's parity after η = 8's failure does not count
+    # η = 32's parity after η = 8's failure does not count
+    assert summary["a"]["parity_eta"] == 2
     assert summary["a"]["diff"]["8"][0] == pytest.approx(-0.1)
-    assert summary["a"]["clearly_worse_eta"] == 8  # no spread over the seeds: -0.1 is clearly below -0.02
+    # no spread over the seeds: -0.1 is clearly below -0.02
+    assert summary["a"]["clearly_worse_eta"] == 8
 
 
 def test_trained_batches_come_from_version_v_minus_eta(tmp_path):
@@ -62,9 +68,12 @@ def test_trained_batches_come_from_version_v_minus_eta(tmp_path):
     model_dir = b.make_model(tmp_path / "m", pool, warm_steps=20, seed=0)
     setup = b.Setup.from_defaults(steps=6, batch_groups=2, group_size=4, max_tokens=4, eval_every=2, eval_last=2)
     cell = b.run_cell(model_dir, 2, "default", 0, setup, held, pool)
-    assert [v for v, _ in cell["eval_curve"]] == [4, 6]  # the eval: the mean of the last 2 evaluated versions
-    assert cell["behaviour_versions"] == [0, 0, 0, 1, 2, 3]  # v − 2 once version v − 2 exists
-    assert cell["snapshots_kept"] == 3  # η + 1
+    # the eval: the mean of the last 2 evaluated versions
+    assert [v for v, _ in cell["eval_curve"]] == [4, 6]
+    # v − 2 once version v − 2 exists
+    assert cell["behaviour_versions"] == [0, 0, 0, 1, 2, 3]
+    # η + 1
+    assert cell["snapshots_kept"] == 3
     # at η = 0 every token is the trainer's current version's: the engine mismatch is 0 on torch
     fresh = b.run_cell(model_dir, 0, "default", 0, setup, held, pool)
     assert fresh["behaviour_versions"] == list(range(6))
@@ -80,19 +89,43 @@ def test_merge_reads_a_record_and_new_cells_and_refuses_a_cell_twice(tmp_path):
     import json
 
     b = _bench()
-    old = [{"seed": s, "correction": "default", "eta": e, "eval": 0.8 + 0.03 * (s == 2) - 0.01 * e, "curve": [0.5],
-            "masked_fraction_mean": 0.0} for s in (0, 1, 2) for e in (0, 2)]
+    old = [
+        {
+            "seed": s,
+            "correction": "default",
+            "eta": e,
+            "eval": 0.8 + 0.03 * (s == 2) - 0.01 * e,
+            "curve": [0.5],
+            "masked_fraction_mean": 0.0,
+        }
+        for s in (0, 1, 2)
+        for e in (0, 2)
+    ]
     (tmp_path / "record.json").write_text(json.dumps({"name": "staleness", "extra": {"cells": old}}))
-    new = [{"seed": s, "correction": "m2po", "eta": 8, "eval": 0.79, "curve": [0.5], "masked_fraction": [0.1],
-            "mismatch_kl_current": [0.0], "behaviour_versions": [0]} for s in (0, 1)]
+    new = [
+        {
+            "seed": s,
+            "correction": "m2po",
+            "eta": 8,
+            "eval": 0.79,
+            "curve": [0.5],
+            "masked_fraction": [0.1],
+            "mismatch_kl_current": [0.0],
+            "behaviour_versions": [0],
+        }
+        for s in (0, 1)
+    ]
     (tmp_path / "new.json").write_text(json.dumps(new))
     cells = b.merge_cells([str(tmp_path / "record.json"), str(tmp_path / "new.json")])
     assert len(cells) == 8 and b.slim(cells[0]) == old[0] and "masked_fraction" not in b.slim(cells[-1])
     md, summary = b.table(cells, [0, 2, 8], ["default", "m2po"])
     assert summary["m2po"]["seeds"] == 2 and summary["default"]["seeds"] == 3
-    assert "2" not in summary["m2po"]["diff"] and summary["m2po"]["parity_eta"] == 8  # η = 2 not trained: skipped
-    assert summary["m2po"]["diff"]["8"][0] == pytest.approx(-0.01)  # paired with seeds 0 and 1's η = 0 only
-    assert "| m2po | 2 | 0.800 ± 0.000<br>+0.000 ± 0.000 | – |" in md  # η = 0: seeds 0 and 1
+    # η = 2 not trained: skipped
+    assert "2" not in summary["m2po"]["diff"] and summary["m2po"]["parity_eta"] == 8
+    # paired with seeds 0 and 1's η = 0 only
+    assert summary["m2po"]["diff"]["8"][0] == pytest.approx(-0.01)
+    # η = 0: seeds 0 and 1
+    assert "| m2po | 2 | 0.800 ± 0.000<br>+0.000 ± 0.000 | – |" in md
     (tmp_path / "again.json").write_text(json.dumps(new[:1]))
     with pytest.raises(ValueError, match="seed 0 m2po η=8 is in both .*new.json and .*again.json"):
         b.merge_cells([str(tmp_path / "new.json"), str(tmp_path / "again.json")])

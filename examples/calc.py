@@ -4,8 +4,16 @@ with a calculator as a native tool. Train it: `streamrl run --agent examples.cal
 import json
 import re
 
-TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Evaluate + - * on integers",
-          "parameters": {"type": "object", "properties": {"e": {"type": "string"}}, "required": ["e"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Evaluate + - * on integers",
+            "parameters": {"type": "object", "properties": {"e": {"type": "string"}}, "required": ["e"]},
+        },
+    }
+]
 
 
 def calc(expr: str) -> str:

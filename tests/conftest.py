@@ -13,12 +13,12 @@ import uuid
 
 import pytest
 
-from shared.runtime.connection import connect
-from shared.protocol.keys import Keys
 from services.ops.launch.redis_server import EmbeddedRedis
+from shared.protocol.keys import Keys
+from shared.runtime.connection import connect
 
-
-SLOW_SECONDS = 10  # a slow test's wall time when its marker gives none (`@pytest.mark.slow(seconds=N)`)
+# a slow test's wall time when its marker gives none (`@pytest.mark.slow(seconds=N)`)
+SLOW_SECONDS = 10
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,16 +33,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         mark = item.get_closest_marker("slow")
         weight[item.nodeid.split("::")[0]] = weight.get(item.nodeid.split("::")[0], 0.0) + (
-            mark.kwargs.get("seconds", SLOW_SECONDS) if mark else 0.0)
+            mark.kwargs.get("seconds", SLOW_SECONDS) if mark else 0.0
+        )
     weight.update({path: s for path, s in measured.items() if path in weight})
-    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: ties keep the collection order
+    # stable: ties keep the collection order
+    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])
 
 
 def pytest_terminal_summary(terminalreporter):
     """Figures a test measured (``record_property("figure", "name: value")``), listed at the end of the run, so a
     log shows them (CI's vLLM step reports the vLLM engine's mismatch KL this way)."""
-    lines = [value for report in terminalreporter.stats.get("passed", []) if report.when == "call"
-             for key, value in report.user_properties if key == "figure"]
+    lines = [
+        value
+        for report in terminalreporter.stats.get("passed", [])
+        if report.when == "call"
+        for key, value in report.user_properties
+        if key == "figure"
+    ]
     if lines:
         terminalreporter.section("figures")
         for line in sorted(lines):
@@ -93,8 +100,13 @@ def keys() -> Keys:
 @pytest.fixture
 def cli_env(redis_url, keys, tmp_path) -> dict:
     """Environment for `streamrl` subprocesses pointed at the test server and run (its folder under tmp_path)."""
-    return {**os.environ, "REDIS_URL": redis_url, "STREAMRL_RUN": keys.run, "STREAMRL_LOG_LEVEL": "warning",
-            "STREAMRL_RUN_DIR": str(tmp_path / "runs")}
+    return {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "STREAMRL_RUN": keys.run,
+        "STREAMRL_LOG_LEVEL": "warning",
+        "STREAMRL_RUN_DIR": str(tmp_path / "runs"),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -118,7 +130,8 @@ CLUSTER_PASSWORD = "cluster-secret"
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory):
-    """A real 3-master Redis Cluster (password-protected) on loopback for the session: tests/support/redis_cluster.py."""
+    """A real 3-master Redis Cluster (password-protected) on loopback for the session:
+    tests/support/redis_cluster.py."""
     from tests.support.redis_cluster import LocalCluster
 
     cluster = LocalCluster(tmp_path_factory.mktemp("cluster"), password=CLUSTER_PASSWORD).start()
@@ -144,16 +157,23 @@ def start_syncer(request, client, keys, tiny_model_dir):
     from shared.runtime.config.keys import Config
 
     def start(**overrides) -> Syncer:
-        cfg = Config(**{"run": keys.run, "model_dir": tiny_model_dir, "sync_timeout": 20.0,
-                        "heartbeat_ttl": getattr(request.module, "HEARTBEAT_TTL", 5.0), **overrides})
+        cfg = Config(
+            **{
+                "run": keys.run,
+                "model_dir": tiny_model_dir,
+                "sync_timeout": 20.0,
+                "heartbeat_ttl": getattr(request.module, "HEARTBEAT_TTL", 5.0),
+                **overrides,
+            }
+        )
         stop = threading.Event()
         syncer = Syncer(cfg, client, logs.get("syncer-test"))
         thread = threading.Thread(target=syncer.run, kwargs={"should_stop": stop.is_set}, daemon=True)
         thread.start()
         running.append((stop, thread))
         return syncer
+
     yield start
     for stop, thread in running:
         stop.set()
         thread.join(30)
-

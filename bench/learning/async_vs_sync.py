@@ -303,6 +303,12 @@ def prepare(args) -> None:
     args.versions = max(2, budget // per_version)
 
 
+def stale_counts(st: dict) -> str:
+    """Trained tokens by staleness, as 0/1/2/3+ (keys are staleness as strings)."""
+    three_plus = sum(v for k, v in st.items() if int(k) >= 3)
+    return "/".join(str(st.get(k, 0)) for k in ("0", "1", "2")) + f"/{three_plus}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(p)
@@ -347,7 +353,8 @@ def main() -> None:
     )
     print(
         f"{'variant':<22}{'samples':>8}{'seconds':>9}{'samples/s':>11}{'x sync':>8}{'to target s':>13}{'x sync':>8}"
-        f"{'start r':>9}{'final r':>9}{'- sync':>8}{'eval':>7}{'- sync':>8}{'sd':>7}{'resp len':>9}{'tok/s':>8}{'x sync':>7}{'dropped':>8}"
+        f"{'start r':>9}{'final r':>9}{'- sync':>8}{'eval':>7}{'- sync':>8}{'sd':>7}{'resp len':>9}{'tok/s':>8}"
+        f"{'x sync':>7}{'dropped':>8}"
         f"{'wasted tok':>11}{'gen tok/s':>10}{'unused':>8}{'train %':>8} {'stale tok 0/1/2/3+':>26}"
     )
     for r in results:
@@ -363,7 +370,7 @@ def main() -> None:
             f"{r['response_len']:>9.1f}{r['tokens_per_s']:>8.0f}{r['tokens_per_s'] / sync['tokens_per_s']:>7.2f}"
             f"{r['stale_dropped']:>8}{r['tokens_wasted']:>11}{r['generated_tokens'] / r['seconds']:>10.0f}"
             f"{1 - r['tokens'] / max(1, r['generated_tokens']):>8.1%}{r['train_s'] / r['seconds']:>8.0%}"
-            f" {'/'.join(str(st.get(k, 0)) for k in ('0', '1', '2')) + '/' + str(sum(v for k, v in st.items() if int(k) >= 3)):>26}"
+            f" {stale_counts(st):>26}"
         )
     print(
         f"(x sync of 'to target' is sync's time / this variant's time: > 1 is faster; sd: eval's standard deviation "

@@ -17,7 +17,8 @@ correction and η the mean ± standard error over seeds, and the difference to �
 
     python bench/learning/staleness.py                       # the grid (long: see bench/RESULTS.md)
     python bench/learning/staleness.py --etas 0,8 --corrections default,none --seeds 1 --steps 20   # a smoke run
-    python bench/learning/staleness.py --part 0/2 --cells-out a.json & python bench/learning/staleness.py --part 1/2 --cells-out b.json
+    python bench/learning/staleness.py --part 0/2 --cells-out a.json &
+      python bench/learning/staleness.py --part 1/2 --cells-out b.json
     python bench/learning/staleness.py --merge a.json,b.json   # two processes, then the table, figure and record
     python bench/learning/staleness.py --merge bench/results/staleness.json,c.json --etas ... --corrections ...
                                                       # a recorded grid's cells and new ones, in one table
@@ -39,12 +40,14 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench.learning.staleness_cell import (
+from bench.learning.staleness_cell import (  # noqa: E402
     CORRECTIONS,
     ETAS,
     GRID,
     Setup,
-    make_model,  # noqa: E402,F401
+    # re-exported: tests import it from here
+    behaviour_version,  # noqa: F401
+    make_model,
     run_cell,
     split_task,
     step_config,

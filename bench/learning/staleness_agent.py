@@ -16,10 +16,13 @@ prompts and sampling); its greedy accuracy before RL is reported as version 0. T
 calls) on ``--eval-size`` held-out problems, the mean over the last ``--eval-last`` evaluated versions; per η the mean ±
 s.e. over seeds and the difference to η = 0 paired by seed (bench/learning/staleness.py's table).
 
-    python bench/learning/staleness_agent.py                     # η 0, 2, 8; token-truncate; 3 seeds (see bench/RESULTS.md)
-    python bench/learning/staleness_agent.py --etas 0,8 --seeds 1 --steps 10 --eval-every 5 --eval-last 1 --eval-size 20 \\
-        --warm-steps 20 --no-record                     # a smoke run
-    python bench/learning/staleness_agent.py --first-seed 1 --seeds 1 --cells-out s1.json   # one seed; then --merge a,b,c
+    # η 0, 2, 8; token-truncate; 3 seeds (see bench/RESULTS.md)
+    python bench/learning/staleness_agent.py
+    # a smoke run
+    python bench/learning/staleness_agent.py --etas 0,8 --seeds 1 --steps 10 --eval-every 5 --eval-last 1 \\
+        --eval-size 20 --warm-steps 20 --no-record
+    # one seed; then --merge a,b,c
+    python bench/learning/staleness_agent.py --first-seed 1 --seeds 1 --cells-out s1.json
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ every result. Usage:
     PYTHONPATH=. python bench/learning/trajectory_async.py                  # 8 workers, ~15-25 min on a 2-core box
     PYTHONPATH=. python bench/learning/trajectory_async.py --quick --workers 4
     PYTHONPATH=. python bench/learning/trajectory_async.py --variants global,rolling --seeds 2
-    PYTHONPATH=. python bench/learning/trajectory_async.py --variants global,rolling,pull      (pull: not in the default set)
+    # pull: not in the default set
+    PYTHONPATH=. python bench/learning/trajectory_async.py --variants global,rolling,pull
 """
 
 from __future__ import annotations
@@ -154,7 +155,13 @@ def main() -> None:
     if args.simulated_load_ms and "simulated_load_ms" not in FIELDS:
         raise SystemExit("this tree's config has no key simulated_load_ms: --simulated-load-ms cannot run here")
     print(
-        f"weights: {'downloaded over HTTP by every async variant' if args.weights_fetch == 'always' else 'read from the trainer folder (one host)'} "
+        "weights: "
+        + (
+            "downloaded over HTTP by every async variant"
+            if args.weights_fetch == "always"
+            else "read from the trainer folder (one host)"
+        )
+        + " "
         f"(--weights-fetch {args.weights_fetch})",
         flush=True,
     )
@@ -224,7 +231,8 @@ def main() -> None:
                 f"{n}: {r['pulled']:.0f} versions loaded by pull over the workers (from relays "
                 f"{r.get('pulled_from_relay', 0):.0f}, the trainer {r.get('pulled_from_trainer', 0):.0f}, its file "
                 f"read locally {r.get('pulled_local', 0):.0f}); mean publish to loaded "
-                f"{r['pull_announced_s'] / r['pulled']:.3f}s, mean pause per load {r['pull_paused_s'] / r['pulled']:.3f}s, "
+                f"{r['pull_announced_s'] / r['pulled']:.3f}s, "
+                f"mean pause per load {r['pull_paused_s'] / r['pulled']:.3f}s, "
                 f"lease refusals {r.get('pull_lease_refused', 0):.0f}"
             )
     print(

@@ -419,7 +419,8 @@ def render(result: dict) -> str:
         t0 = result["throughput"][0]
         out += [
             f"1. Throughput, Redis EpisodeLog vs in-memory sink: flush_tokens {t0['flush_tokens']}, flush_ms "
-            f"{t0['flush_ms']:g} ({'defaults' if t0['flush_ms'] == Config().flush_ms else 'flush_ms from --flush-ms'}), "
+            f"{t0['flush_ms']:g} "
+            f"({'defaults' if t0['flush_ms'] == Config().flush_ms else 'flush_ms from --flush-ms'}), "
             f"{t0['group_size']} episodes per group, {t0['max_groups_in_flight']} "
             f"groups in flight; median of interleaved reps",
             "   wall: tokens per wall-clock second; CPU: tokens per CPU second of this process (engine + worker "
@@ -551,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
             [
                 {
                     "what": f"resume of a {r['tokens']:,}-token episode ({r['entries']} entries) after an abort",
-                    "value": f"{r['resume_ms']:.0f} ms (replay {r['replay_ms']:.1f} ms + re-prefill {r['prefill_ms']:.0f} ms)"
+                    "value": f"{r['resume_ms']:.0f} ms (replay {r['replay_ms']:.1f} ms + "
+                    f"re-prefill {r['prefill_ms']:.0f} ms)"
                     f" vs {r['generate_s']:.1f} s to generate: {r['speedup']:.0f}x",
                 }
             ],

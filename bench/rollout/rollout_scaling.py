@@ -1,7 +1,8 @@
 """Rollout scaling: 1, 2, 4 and 8 rollout worker processes against one embedded Redis, each engine a
 SIMULATED memory-bound GPU.
 
-    PYTHONPATH=. python bench/rollout/rollout_scaling.py                  # 1,2,4,8 workers x 2 interleaved repeats (~8 min)
+    # 1,2,4,8 workers x 2 interleaved repeats (~8 min)
+    PYTHONPATH=. python bench/rollout/rollout_scaling.py
     PYTHONPATH=. python bench/rollout/rollout_scaling.py --quick          # 1,2 workers, short windows (~1.5 min)
     PYTHONPATH=. python bench/rollout/rollout_scaling.py --workers 1,4 --repeats 3 --seconds 30 --step-delay-ms 50
 
@@ -48,7 +49,7 @@ from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
 from shared.protocol.episode import events  # noqa: E402
 from shared.protocol.episode.fold import fold  # noqa: E402
 from shared.protocol.keys import ROLLOUT_GROUP, Keys  # noqa: E402
-from shared.protocol.streams import samples
+from shared.protocol.streams import samples  # noqa: E402
 from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
 from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402

@@ -136,7 +136,8 @@ def main() -> None:
     for n in args.concurrency:
         s, a = (next(r for r in results if r["concurrency"] == n and r["mode"] == m) for m in ("sync", "async"))
         print(
-            f"{n:>7}{s['samples_per_s']:>16.2f}{a['samples_per_s']:>17.2f}{a['samples_per_s'] / s['samples_per_s']:>14.2f}"
+            f"{n:>7}{s['samples_per_s']:>16.2f}{a['samples_per_s']:>17.2f}"
+            f"{a['samples_per_s'] / s['samples_per_s']:>14.2f}"
         )
     if args.json:
         print(json.dumps(results))

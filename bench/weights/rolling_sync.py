@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                 "what": f"rolling vs global version change, {args.workers} workers: fewest generating during a sync, "
                 f"longest a worker stands paused, whole sync",
                 "value": f"rolling {r['generating_min']:.0%} generating, {r['max_paused_s']:.2f} s paused, sync "
-                f"{r['sync_s']:.2f} s; global {g['generating_min']:.0%}, {g['max_paused_s']:.2f} s, {g['sync_s']:.2f} s",
+                f"{r['sync_s']:.2f} s; global {g['generating_min']:.0%}, {g['max_paused_s']:.2f} s, "
+                f"{g['sync_s']:.2f} s",
             }
         ],
         ["services/syncer", "services/rollout", "shared", "bench/weights/rolling_sync.py"],

@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "what": f"weight sync, {r['model']} model ({r['bytes'] / 1e6:,.1f} MB): generation paused "
                 f"(pause + load + resume), and pause sent to first new token",
-                "value": f"{(r['median']['pause_s'] + r['median']['load_s'] + r['median']['resume_s']) * 1e3:,.0f} ms paused, "
+                "value": f"{(r['median']['pause_s'] + r['median']['load_s'] + r['median']['resume_s']) * 1e3:,.0f} "
+                f"ms paused, "
                 f"{r['median']['pause_to_first_token_s'] * 1e3:,.0f} ms to the first token",
             }
             for r in results

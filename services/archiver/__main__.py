@@ -28,26 +28,38 @@ def main(argv=None) -> None:
     cfg = svc.cfg
     # the move takes the CPU the pipeline leaves idle (docs/operations.md): raised to archiver_nice, never lowered
     niceness = os.nice(max(0, cfg.archiver_nice - os.nice(0)))
-    mover = Mover(svc.client, svc.keys, cfg.run_path, cfg.log_retention_versions, log=svc.log,
-                  seed_base=cfg.seed)
+    mover = Mover(svc.client, svc.keys, cfg.run_path, cfg.log_retention_versions, log=svc.log, seed_base=cfg.seed)
     recovered = mover.recover()
-    svc.log.info("archiver started", retention_versions=cfg.log_retention_versions, recovered=recovered,
-                 niceness=niceness, every_versions=cfg.archive_every_versions, every_s=cfg.archive_every_s)
+    svc.log.info(
+        "archiver started",
+        retention_versions=cfg.log_retention_versions,
+        recovered=recovered,
+        niceness=niceness,
+        every_versions=cfg.archive_every_versions,
+        every_s=cfg.archive_every_s,
+    )
     latest = versions.latest(svc.client, svc.keys)
     cursor, newest = (latest.entry_id, latest.version) if latest else ("0-0", 0)
     stepped_at = stepped_version = None
     while not svc.stopping:
-        cursor, newest = follow(svc.client, svc.keys, cursor, newest)  # what the step acts on
+        # what the step acts on
+        cursor, newest = follow(svc.client, svc.keys, cursor, newest)
         if cfg.log_retention_versions > 0:
             mover.step()
         now = time.monotonic()
-        rest = 0.0 if stepped_at is None else cadence.rest_s(newest - stepped_version, now - stepped_at,
-                                                             cfg.archive_every_versions, cfg.archive_every_s)
+        rest = (
+            0.0
+            if stepped_at is None
+            else cadence.rest_s(
+                newest - stepped_version, now - stepped_at, cfg.archive_every_versions, cfg.archive_every_s
+            )
+        )
         stepped_at, stepped_version = now, newest
         while not svc.stopping and time.monotonic() - stepped_at < rest:
             time.sleep(min(rest - (time.monotonic() - stepped_at), cadence.MAX_BLOCK_MS / 1000))
-        while not svc.stopping and not cadence.due(newest, stepped_version, time.monotonic() - stepped_at,
-                                                   cfg.archive_every_versions, cfg.archive_every_s):
+        while not svc.stopping and not cadence.due(
+            newest, stepped_version, time.monotonic() - stepped_at, cfg.archive_every_versions, cfg.archive_every_s
+        ):
             wait = cadence.block_ms(time.monotonic() - stepped_at, cfg.archive_every_s)
             cursor, newest = follow(svc.client, svc.keys, cursor, newest, block_ms=wait)
 

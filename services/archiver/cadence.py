@@ -5,9 +5,12 @@ Redis holds at retention + ``every_versions`` versions of episodes at any rate; 
 
 from __future__ import annotations
 
-MIN_BLOCK_MS = 100  # Valkey's hz 10 rounds a shorter blocking timeout up to ~100 ms anyway (bench/redis_hz.py)
-MAX_BLOCK_MS = 1000  # one blocking read (or rest) at most: the loop looks at the stop flag at least this often
-REST_SHARE = 0.8  # of the time ``every_versions`` took last time
+# Valkey's hz 10 rounds a shorter blocking timeout up to ~100 ms anyway (bench/redis_hz.py)
+MIN_BLOCK_MS = 100
+# one blocking read (or rest) at most: the loop looks at the stop flag at least this often
+MAX_BLOCK_MS = 1000
+# of the time ``every_versions`` took last time
+REST_SHARE = 0.8
 
 
 def due(newest: int, stepped_at_version: int, waited_s: float, every_versions: int, every_s: float) -> bool:

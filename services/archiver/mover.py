@@ -20,14 +20,14 @@ from pathlib import Path
 import redis
 import redis.cluster
 
-from shared.protocol.streams import samples as samples_stream
-from shared.protocol.archive import builder as segment_builder, segments
-from shared.protocol.streams import stream_head
-from shared.protocol.keys import Keys
-from shared.protocol.archive.ledger import LedgerTail
-from shared.runtime.faults import crash_point
-
 from services.archiver.select import due_groups, due_val_groups, newest_commit, still_needed
+from shared.protocol.archive import builder as segment_builder
+from shared.protocol.archive import segments
+from shared.protocol.archive.ledger import LedgerTail
+from shared.protocol.keys import Keys
+from shared.protocol.streams import samples as samples_stream
+from shared.protocol.streams import stream_head
+from shared.runtime.faults import crash_point
 
 _DELETE_IF_LEN = """
 if redis.call('XLEN', KEYS[1]) == tonumber(ARGV[1]) then
@@ -53,16 +53,28 @@ for i, key in ipairs(KEYS) do
 end
 return out
 """
-BATCH = 10_000  # episodes per segment at most: one segment per step on a default run (a footer, ~2.5 KB, each)
-DELETE_CHUNK = 500  # streams per script call and per DEL (one server; on a cluster each key is its own call)
-READ_CHUNK = 500  # streams per XRANGE script call (one server): a few ms of the server's time per call
+# episodes per segment at most: one segment per step on a default run (a footer, ~2.5 KB, each)
+BATCH = 10_000
+# streams per script call and per DEL (one server; on a cluster each key is its own call)
+DELETE_CHUNK = 500
+# streams per XRANGE script call (one server): a few ms of the server's time per call
+READ_CHUNK = 500
 
 
 class Mover:
-    def __init__(self, client, keys: Keys, run_path: Path | str, retention: int, batch: int = BATCH, log=None,
-                 seed_base: int | None = None):
+    def __init__(
+        self,
+        client,
+        keys: Keys,
+        run_path: Path | str,
+        retention: int,
+        batch: int = BATCH,
+        log=None,
+        seed_base: int | None = None,
+    ):
         self.client, self.keys, self.retention, self.batch, self.log = client, keys, retention, batch, log
-        self.seed_base = seed_base  # the run's seed: episodes' default seeds are stored as this one number
+        # the run's seed: episodes' default seeds are stored as this one number
+        self.seed_base = seed_base
         self.run_path = Path(run_path)
         self.folder = segments.folder_of(run_path)
         self.store = segments.SegmentStore(self.folder)
@@ -72,7 +84,8 @@ class Mover:
         self._xrange_many = client.register_script(_XRANGE_MANY) if one_server else None
         self._ledger = LedgerTail(self.run_path / "trainer")
         self._cursor, self._val_cursor = "0-0", "0-0"
-        self._episodes_of: dict[str, list[str]] = {}  # training groups (samples), then validation rounds' (samples:val)
+        # training groups (samples), then validation rounds' (samples:val)
+        self._episodes_of: dict[str, list[str]] = {}
         self._val_episodes_of: dict[str, list[str]] = {}
         self.moved = 0
 
@@ -88,7 +101,7 @@ class Mover:
         archived = list(self.store.ids(since=len(self.store.segments()) - 1)) if newest else []
         deleted = 0
         for start in range(0, len(archived), self.batch):
-            chunk = archived[start:start + self.batch]
+            chunk = archived[start : start + self.batch]
             pipe = self.client.pipeline(transaction=False)
             for eid in chunk:
                 pipe.exists(self.keys.episode(eid))
@@ -122,32 +135,42 @@ class Mover:
                 gc.enable()
 
     def _step(self) -> int:
-        self._cursor = self._follow(self.keys.samples, self._cursor, self._episodes_of,
-                                    head=stream_head.path_of(self.run_path, "samples"))
-        self._val_cursor = self._follow(self.keys.val_samples, self._val_cursor, self._val_episodes_of,
-                                        head=stream_head.path_of(self.run_path, stream_head.NAMES["samples:val"]))
+        self._cursor = self._follow(
+            self.keys.samples, self._cursor, self._episodes_of, head=stream_head.path_of(self.run_path, "samples")
+        )
+        self._val_cursor = self._follow(
+            self.keys.val_samples,
+            self._val_cursor,
+            self._val_episodes_of,
+            head=stream_head.path_of(self.run_path, stream_head.NAMES["samples:val"]),
+        )
         ledger = self._ledger.read()
         due = [(self._episodes_of, g) for g in due_groups(ledger, self._episodes_of, self.retention)]
-        due += [(self._val_episodes_of, g) for g in due_val_groups(self._val_episodes_of, newest_commit(ledger),
-                                                                     self.retention)]
+        due += [
+            (self._val_episodes_of, g)
+            for g in due_val_groups(self._val_episodes_of, newest_commit(ledger), self.retention)
+        ]
         ids = [e for groups, g in due for e in groups[g]]
         movable = [e for e, held in zip(ids, self.store.may_hold(ids)) if not held]
         moved = 0
         for start in range(0, len(movable), self.batch):
-            moved += self._move(movable[start:start + self.batch])
+            moved += self._move(movable[start : start + self.batch])
         self.moved += moved
         held = iter(self.store.may_hold(ids))
-        for groups, g in due:  # a group moved whole is never looked at again (a run's groups grow without end)
+        # a group moved whole is never looked at again (a run's groups grow without end)
+        for groups, g in due:
             if all([next(held) for _ in groups[g]]):
                 del groups[g]
-        self._ledger.keep(still_needed(ledger, self._episodes_of, self.retention))  # nor are its done lines
+        # nor are its done lines
+        self._ledger.keep(still_needed(ledger, self._episodes_of, self.retention))
         return moved
 
     def _move(self, episode_ids: list[str]) -> int:
         streams = self._read(episode_ids)
         builder = segment_builder.Builder(self.seed_base)
         for eid, entries in streams.items():
-            if segments.ended(entries):  # a published group's episodes have ended; never move one that could grow
+            # a published group's episodes have ended; never move one that could grow
+            if segments.ended(entries):
                 builder.add(eid, entries)
         if not builder:
             return 0
@@ -155,14 +178,14 @@ class Mover:
         size = segments.write_file(self.folder, name, builder.table())
         crash_point("archiver", "written")
         moved, tokens = builder.episode_ids, builder.tokens
-        segments.append_manifest(self.folder, {"segment": name, "episodes": len(moved), "bytes": size,
-                                               "tokens": tokens})
+        segments.append_manifest(
+            self.folder, {"segment": name, "episodes": len(moved), "bytes": size, "tokens": tokens}
+        )
         crash_point("archiver", "listed")
         self.store.add(name, moved)
         self._drop({eid: streams[eid] for eid in moved})
         if self.log:
-            self.log.info("episodes moved to a segment", segment=name, episodes=len(moved), bytes=size,
-                          tokens=tokens)
+            self.log.info("episodes moved to a segment", segment=name, episodes=len(moved), bytes=size, tokens=tokens)
         return len(moved)
 
     def _read(self, episode_ids: list[str]) -> dict[str, list[tuple[bytes, list[bytes]]]]:
@@ -172,13 +195,16 @@ class Mover:
         pipe = self.client.pipeline(transaction=False)
         if self._xrange_many is not None:
             for at in range(0, len(episode_ids), READ_CHUNK):
-                self._xrange_many(keys=[self.keys.episode(eid) for eid in episode_ids[at:at + READ_CHUNK]],
-                                  client=pipe)
+                self._xrange_many(
+                    keys=[self.keys.episode(eid) for eid in episode_ids[at : at + READ_CHUNK]], client=pipe
+                )
             replies = [entries for chunk in pipe.execute() for entries in chunk]
             return {eid: entries for eid, entries in zip(episode_ids, replies) if entries}
-        if isinstance(pipe, redis.client.Pipeline):  # a cluster's pipeline keeps its own replies' shape
+        # a cluster's pipeline keeps its own replies' shape
+        if isinstance(pipe, redis.client.Pipeline):
             pipe.response_callbacks = redis.client.CaseInsensitiveDict(
-                {k: v for k, v in pipe.response_callbacks.items() if k.upper() != "XRANGE"})
+                {k: v for k, v in pipe.response_callbacks.items() if k.upper() != "XRANGE"}
+            )
         for eid in episode_ids:
             pipe.xrange(self.keys.episode(eid))
         out = {}
@@ -198,16 +224,19 @@ class Mover:
             if self._delete_many is not None:
                 scripts = -(-len(part) // DELETE_CHUNK)
                 for at in range(0, len(part), DELETE_CHUNK):
-                    chunk = part[at:at + DELETE_CHUNK]
-                    self._delete_many(keys=[self.keys.episode(eid) for eid, _ in chunk],
-                                      args=[len(entries) for _, entries in chunk], client=pipe)
+                    chunk = part[at : at + DELETE_CHUNK]
+                    self._delete_many(
+                        keys=[self.keys.episode(eid) for eid, _ in chunk],
+                        args=[len(entries) for _, entries in chunk],
+                        client=pipe,
+                    )
             else:
                 scripts = len(part)
                 for eid, entries in part:
                     self._delete(keys=[self.keys.episode(eid)], args=[len(entries)], client=pipe)
             indexes = [self.keys.call_index(eid) for eid, _ in part]
             for at in range(0, len(indexes), DELETE_CHUNK if self._delete_many is not None else 1):
-                pipe.delete(*indexes[at:at + (DELETE_CHUNK if self._delete_many is not None else 1)])
+                pipe.delete(*indexes[at : at + (DELETE_CHUNK if self._delete_many is not None else 1)])
             results = pipe.execute()
             deleted += sum(results[:scripts])
             crash_point("archiver", point)

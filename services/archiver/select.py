@@ -29,8 +29,15 @@ def still_needed(ledger: list[dict], episodes_of: dict[str, list[str]], retentio
     a group not moved whole yet (still in ``episodes_of``). The rest are done for good: a long run's archiver holds
     and scans a window of the ledger, not every line of it."""
     cutoff = newest_commit(ledger) - retention
-    return [r for r in ledger if "commit" in r and (int(r.get("version", r["commit"])) > cutoff or any(
-        g in episodes_of for g in (*r.get("groups", ()), *r.get("skipped", ()))))]
+    return [
+        r
+        for r in ledger
+        if "commit" in r
+        and (
+            int(r.get("version", r["commit"])) > cutoff
+            or any(g in episodes_of for g in (*r.get("groups", ()), *r.get("skipped", ())))
+        )
+    ]
 
 
 def due_groups(ledger: list[dict], episodes_of: dict[str, list[str]], retention: int) -> list[str]:

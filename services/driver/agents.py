@@ -31,11 +31,22 @@ def job_id(run: str, episode_id: str, attempt: int = 0) -> str:
 def group_specs(cfg, group_id: str, task: dict, n: int) -> list[dict]:
     """The job specs of one group's agent episodes (JSON: rq runs them with the JSON serializer)."""
     episodes = [f"{group_id}-{i}" for i in range(n)]
-    return [{"run": cfg.run, "episode_id": eid, "group_id": group_id, "index": i, "episodes": episodes,
-             "task": task, "agent": cfg.agent, "gateway_url": cfg.agent_gateway_url,
-             "timeout": cfg.agent_timeout, "attempt": 0,
-             "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens}}
-            for i, eid in enumerate(episodes)]
+    return [
+        {
+            "run": cfg.run,
+            "episode_id": eid,
+            "group_id": group_id,
+            "index": i,
+            "episodes": episodes,
+            "task": task,
+            "agent": cfg.agent,
+            "gateway_url": cfg.agent_gateway_url,
+            "timeout": cfg.agent_timeout,
+            "attempt": 0,
+            "sampling": {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens},
+        }
+        for i, eid in enumerate(episodes)
+    ]
 
 
 def queue(client, keys: Keys) -> Queue:
@@ -50,11 +61,21 @@ def enqueue_group(cfg, client, keys: Keys, group_id: str, task: dict, n: int, rq
     if not grant.granted:
         return None
     rest = {k: v for k, v in task.items() if k != "prompt"}
-    enqueue(client, keys, [PromptGroup(group_id, n, prompt=task.get("prompt", ""), task=rest)], stream=keys.agent_groups)
+    enqueue(
+        client, keys, [PromptGroup(group_id, n, prompt=task.get("prompt", ""), task=rest)], stream=keys.agent_groups
+    )
     q = queue(rq_client or client, keys)
-    jobs = [Queue.prepare_data(JOB, args=(spec,), job_id=job_id(cfg.run, spec["episode_id"]),
-                               timeout=int(cfg.agent_timeout) + 60, result_ttl=3600, failure_ttl=86400)
-            for spec in group_specs(cfg, group_id, task, n)]
+    jobs = [
+        Queue.prepare_data(
+            JOB,
+            args=(spec,),
+            job_id=job_id(cfg.run, spec["episode_id"]),
+            timeout=int(cfg.agent_timeout) + 60,
+            result_ttl=3600,
+            failure_ttl=86400,
+        )
+        for spec in group_specs(cfg, group_id, task, n)
+    ]
     return [j.id for j in q.enqueue_many(jobs)]
 
 

@@ -14,21 +14,23 @@ import signal
 import time
 
 from services.driver import agents, heads, tasks
-from shared.runtime.config.keys import Config
-from shared.runtime import runstate
-from shared.runtime.connection import connect, redact
-from shared.protocol.archive import segments
-from shared.protocol.streams import versions
-from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
-from shared.protocol.streams.prompts import PromptGroup, enqueue, forget, group_id
 from services.driver.status import alive_services, format_line, snapshot
-from shared.runtime.tensorboard import TensorBoard
 from services.driver.validation import Validator, split
+from shared.protocol.archive import segments
+from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
+from shared.protocol.streams import versions
+from shared.protocol.streams.prompts import PromptGroup, enqueue, forget, group_id
+from shared.runtime import runstate
+from shared.runtime.config.keys import Config
+from shared.runtime.connection import connect, redact
+from shared.runtime.tensorboard import TensorBoard
 
-SINCE_ENV = "KEEP_SINCE"  # when `streamrl keep` (services/ops/launch/keep.py) first started this process, unix seconds
+# when `streamrl keep` (services/ops/launch/keep.py) first started this process, unix seconds
+SINCE_ENV = "KEEP_SINCE"
 
 SERVICES = ("rollout", "trainer", "syncer")
-ENDED = "ENDED"  # file in the run's folder once the driver ended the run: the next start moves it aside
+# file in the run's folder once the driver ended the run: the next start moves it aside
+ENDED = "ENDED"
 
 
 def load_task(cfg: Config) -> tuple[list[dict], list[dict]]:
@@ -62,18 +64,26 @@ class Driver:
         self.client = connect(cfg.redis_url, wait=cfg.redis_wait)
         self.rq_client = connect(cfg.rq_redis_url, wait=cfg.redis_wait) if cfg.rq_redis_url else self.client
         self.keys = Keys(cfg.run)
-        self.meta = runstate.bind(self.client, self.keys, cfg.run_path, cfg.redis_url,
-                                   config=runstate.recordable(cfg))
+        self.meta = runstate.bind(self.client, self.keys, cfg.run_path, cfg.redis_url, config=runstate.recordable(cfg))
         rows, held_out = load_task(cfg)
         self.rows = tasks.RowOrder(rows, cfg.seed, cfg.shuffle)
         self.tensorboard = TensorBoard(cfg, "driver")
-        self.validator = Validator(self.client, self.keys, held_out, cfg.val_every, cfg.val_size,
-                                   on_result=lambda r: self.tensorboard.scalars("validation", r, r["version"]),
-                                   k=cfg.val_k, archive=segments.SegmentStore(segments.folder_of(cfg.run_path)),
-                                   run_path=cfg.run_path)
+        self.validator = Validator(
+            self.client,
+            self.keys,
+            held_out,
+            cfg.val_every,
+            cfg.val_size,
+            on_result=lambda r: self.tensorboard.scalars("validation", r, r["version"]),
+            k=cfg.val_k,
+            archive=segments.SegmentStore(segments.folder_of(cfg.run_path)),
+            run_path=cfg.run_path,
+        )
         self.enqueued = int(self.client.get(self.keys.driver_enqueued) or 0)
-        self.heads = heads.trimmers(self.client, self.keys, cfg, self.validator)  # what no reader needs: to files
-        self.total = cfg.epochs * len(self.rows)  # prompt groups of the whole run; 0: no end by epochs
+        # what no reader needs: to files
+        self.heads = heads.trimmers(self.client, self.keys, cfg, self.validator)
+        # prompt groups of the whole run; 0: no end by epochs
+        self.total = cfg.epochs * len(self.rows)
 
     def epochs_done(self) -> bool:
         """Every group of the last epoch enqueued, rolled out, and read by the trainer (a remainder smaller
@@ -84,26 +94,34 @@ class Driver:
             groups = {g["name"].decode(): g for g in self.client.xinfo_groups(self.keys.prompts)}
             rollout = groups[ROLLOUT_GROUP]
             trainer = {g["name"].decode(): g for g in self.client.xinfo_groups(self.keys.samples)}[TRAINER_GROUP]
-        except Exception:  # no stream or group yet
+        # no stream or group yet
+        except Exception:
             return False
-        return (rollout["lag"] == 0 and rollout["pending"] == 0 and trainer["lag"] == 0
-                and trainer["pending"] < self.cfg.batch_groups)
+        return (
+            rollout["lag"] == 0
+            and rollout["pending"] == 0
+            and trainer["lag"] == 0
+            and trainer["pending"] < self.cfg.batch_groups
+        )
 
     def top_up(self, depth: int) -> None:
         """Keep ``depth`` groups waiting beyond what has been delivered."""
-        if self.cfg.agent:  # agent episodes go to the agents workers as rq jobs
+        # agent episodes go to the agents workers as rq jobs
+        if self.cfg.agent:
             return self.top_up_agents(depth)
         try:
             info = {g["name"].decode(): g for g in self.client.xinfo_groups(self.keys.prompts)}
             lag = info[ROLLOUT_GROUP]["lag"] if ROLLOUT_GROUP in info else self.client.xlen(self.keys.prompts)
-        except Exception:  # no stream or group yet
+        # no stream or group yet
+        except Exception:
             lag = self.client.xlen(self.keys.prompts) if self.client.exists(self.keys.prompts) else 0
         missing = min(depth - (lag or 0), self.total - self.enqueued if self.total else depth)
         if missing <= 0:
             return
         groups = []
         for _ in range(missing):
-            epoch, position = divmod(self.enqueued, len(self.rows))  # position in the epoch's (seeded) order
+            # position in the epoch's (seeded) order
+            epoch, position = divmod(self.enqueued, len(self.rows))
             row = self.rows.row(self.enqueued)
             task = {k: v for k, v in row.items() if k != "prompt"}
             groups.append(PromptGroup(group_id(epoch, position), self.cfg.group_size, prompt=row["prompt"], task=task))
@@ -124,11 +142,23 @@ class Driver:
             if self.total and self.enqueued >= self.total:
                 return
             epoch, position = divmod(self.enqueued, len(self.rows))
-            if agents.enqueue_group(self.cfg, self.client, self.keys, group_id(epoch, position),
-                                    dict(self.rows.row(self.enqueued)), self.cfg.group_size, self.rq_client) is None:
-                return  # the staleness gate is closed until the next sync
+            if (
+                agents.enqueue_group(
+                    self.cfg,
+                    self.client,
+                    self.keys,
+                    group_id(epoch, position),
+                    dict(self.rows.row(self.enqueued)),
+                    self.cfg.group_size,
+                    self.rq_client,
+                )
+                is None
+            ):
+                # the staleness gate is closed until the next sync
+                return
             self.enqueued += 1
-            self.client.set(self.keys.driver_enqueued, self.enqueued)  # agent groups keep their markers (7 days)
+            # agent groups keep their markers (7 days)
+            self.client.set(self.keys.driver_enqueued, self.enqueued)
 
     def wait_for_services(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
@@ -142,16 +172,26 @@ class Driver:
         return f"[{time.monotonic() - t0:6.0f}s] " + format_line(snapshot(self.client, self.keys, self.cfg.run_path))
 
     def run(self) -> int:
-        if ended := runstate.ended(self.meta):  # an ended run is never continued (docs/operations.md)
-            print(f"driver: run {self.cfg.run!r} ended {ended}; nothing to continue on {redact(self.cfg.redis_url)}; "
-                  f"start another with --run NAME", flush=True)
+        # an ended run is never continued (docs/operations.md)
+        if ended := runstate.ended(self.meta):
+            print(
+                f"driver: run {self.cfg.run!r} ended {ended}; nothing to continue on {redact(self.cfg.redis_url)}; "
+                f"start another with --run NAME",
+                flush=True,
+            )
             return 0
         self.wait_for_services()
-        print(f"driver: run {self.cfg.run!r} started; ends after {self.cfg.max_versions or 'unlimited'} versions "
-              f"or {self.cfg.max_minutes or 'unlimited'} minutes", flush=True)
+        print(
+            f"driver: run {self.cfg.run!r} started; ends after {self.cfg.max_versions or 'unlimited'} versions "
+            f"or {self.cfg.max_minutes or 'unlimited'} minutes",
+            flush=True,
+        )
         if self.cfg.max_versions and latest_version(self.client, self.keys) >= self.cfg.max_versions:
-            print(f"driver: run {self.cfg.run!r} is already at version {self.cfg.max_versions}; start another with "
-                  f"--run NAME", flush=True)
+            print(
+                f"driver: run {self.cfg.run!r} is already at version {self.cfg.max_versions}; start another with "
+                f"--run NAME",
+                flush=True,
+            )
         # the clock of max_minutes runs from when this driver was first started in this session: a driver that
         # `streamrl keep` restarted after a crash goes on with it (a continued run, started again, gets a new one)
         t0 = time.monotonic() - max(0.0, time.time() - float(os.environ.get(SINCE_ENV, time.time())))
@@ -173,24 +213,32 @@ class Driver:
             self.validator.maybe_request(version)
             for r in self.validator.poll():
                 k = self.cfg.val_k
-                print(f"driver: validation at version {r['version']}: reward {r['reward_mean']:.3f} sampled, "
-                      f"{r['reward_greedy']:.3f} greedy, pass@{k} {r[f'pass@{k}']:.3f}, mean@{k} {r[f'mean@{k}']:.3f} "
-                      f"({r['n']} episodes)", flush=True)
+                print(
+                    f"driver: validation at version {r['version']}: reward {r['reward_mean']:.3f} sampled, "
+                    f"{r['reward_greedy']:.3f} greedy, pass@{k} {r[f'pass@{k}']:.3f}, mean@{k} {r[f'mean@{k}']:.3f} "
+                    f"({r['n']} episodes)",
+                    flush=True,
+                )
             if self.epochs_done():
-                print(f"driver: {self.cfg.epochs} epoch(s) of {len(self.rows)} rows trained at version {version}; "
-                      f"ending the run", flush=True)
+                print(
+                    f"driver: {self.cfg.epochs} epoch(s) of {len(self.rows)} rows trained at version {version}; "
+                    f"ending the run",
+                    flush=True,
+                )
                 break
             if self.cfg.max_versions and version >= self.cfg.max_versions:
                 print(f"driver: reached version {version}; ending the run", flush=True)
                 break
             if self.cfg.max_minutes and now - t0 >= self.cfg.max_minutes * 60:
-                print(f"driver: {self.cfg.max_minutes:g} minutes are up at version {version}; ending the run",
-                      flush=True)
+                print(
+                    f"driver: {self.cfg.max_minutes:g} minutes are up at version {version}; ending the run", flush=True
+                )
                 break
             # wake on what changes the picture: a group rolled out (a worker's slot freed: top up now), a
             # version published, a validation result; else when the next progress line is due
-            for stream, entries in self.client.xread(wake, block=max(1, int((next_print - time.monotonic()) * 1000)))\
-                    or []:
+            for stream, entries in (
+                self.client.xread(wake, block=max(1, int((next_print - time.monotonic()) * 1000))) or []
+            ):
                 wake[stream.decode() if isinstance(stream, bytes) else stream] = entries[-1][0].decode()
         self.finish()
         return 0
@@ -206,8 +254,11 @@ class Driver:
         (self.cfg.run_path / ENDED).write_text(json.dumps({"version": version, "time": time.time()}))
         # the end-of-run check needs every worker stopped and its final record written: `streamrl run` runs it
         # after honcho has stopped them all; under a bare `honcho start`, run `streamrl check` afterwards
-        print(f"driver: run {self.cfg.run!r} ended; `streamrl check --run {self.cfg.run}` verifies it once every "
-              f"process has stopped", flush=True)
+        print(
+            f"driver: run {self.cfg.run!r} ended; `streamrl check --run {self.cfg.run}` verifies it once every "
+            f"process has stopped",
+            flush=True,
+        )
 
 
 def _stopped(signum, frame) -> None:

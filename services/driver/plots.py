@@ -7,10 +7,10 @@ from pathlib import Path
 
 import redis
 
+from shared.protocol.keys import Keys
+from shared.protocol.streams import metrics
 from shared.runtime.config.keys import Config
 from shared.runtime.connection import connect
-from shared.protocol.streams import metrics
-from shared.protocol.keys import Keys
 
 
 def read_metrics(cfg: Config) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
@@ -19,7 +19,8 @@ def read_metrics(cfg: Config) -> tuple[list[dict], list[dict], list[dict], list[
     kinds = ("train", "rollout", "validation", "publish")
     try:
         found = metrics.history(connect(cfg.redis_url, wait=2), Keys(cfg.run), cfg.run_path, kinds)
-    except redis.exceptions.RedisError:  # plots from the files alone when the server is gone
+    # plots from the files alone when the server is gone
+    except redis.exceptions.RedisError:
         found = metrics.history(None, Keys(cfg.run), cfg.run_path, kinds)
     return found["train"], found["rollout"], found["validation"], found["publish"]
 
@@ -37,8 +38,12 @@ def plot_weights_wire(published: list[dict], path: Path) -> Path | None:
     ax.plot([r["version"] for r in rows], [r["delta_bytes"] / 1e6 for r in rows], "o-", ms=3, label="delta")
     floor = [r for r in rows if r.get("floor_bytes")]
     if floor:
-        ax.plot([r["version"] for r in floor], [r["floor_bytes"] / 1e6 for r in floor], "--",
-                label="entropy floor (changed elements + new bits)")
+        ax.plot(
+            [r["version"] for r in floor],
+            [r["floor_bytes"] / 1e6 for r in floor],
+            "--",
+            label="entropy floor (changed elements + new bits)",
+        )
     ax.set(yscale="log", xlabel="version", ylabel="MB", title="Weights on the wire per version")
     ax.legend()
     fig.tight_layout()
@@ -69,10 +74,18 @@ def write_plots(cfg: Config, out_dir: Path | None = None) -> list[Path]:
     ax = axes[0][0]
     ax.plot(minutes, reward, label="train reward (batch mean)")
     if validation:
-        ax.plot([(v["time"] - t0) / 60 for v in validation], [v["reward_mean"] for v in validation], "o-",
-                label="validation reward (sampled)")
-        ax.plot([(v["time"] - t0) / 60 for v in validation], [v["reward_greedy"] for v in validation], "s--",
-                label="validation reward (greedy)")
+        ax.plot(
+            [(v["time"] - t0) / 60 for v in validation],
+            [v["reward_mean"] for v in validation],
+            "o-",
+            label="validation reward (sampled)",
+        )
+        ax.plot(
+            [(v["time"] - t0) / 60 for v in validation],
+            [v["reward_greedy"] for v in validation],
+            "s--",
+            label="validation reward (greedy)",
+        )
     ax.set(xlabel="minutes", ylabel="reward", title="Reward over time", ylim=(-0.05, 1.05))
     ax.legend()
     ax = axes[0][1]
@@ -99,8 +112,10 @@ def write_plots(cfg: Config, out_dir: Path | None = None) -> list[Path]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    busy = sum(m.get("train_s", 0) + m.get("commit_s", 0) for m in train)  # training steps and commits
-    idle = sum(m.get("wait_s", 0) for m in train)  # waiting for samples
+    # training steps and commits
+    busy = sum(m.get("train_s", 0) + m.get("commit_s", 0) for m in train)
+    # waiting for samples
+    idle = sum(m.get("wait_s", 0) for m in train)
     bars = [("trainer", busy, idle)]
     last_by_worker: dict[str, dict] = {}
     for r in rollout:
@@ -116,21 +131,26 @@ def write_plots(cfg: Config, out_dir: Path | None = None) -> list[Path]:
     fig.savefig(util, dpi=100)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(8, 4))  # the trust region at work: how often the clip and the IS cap bind
+    # the trust region at work: how often the clip and the IS cap bind
+    fig, ax = plt.subplots(figsize=(8, 4))
     steps = [m["step"] for m in train]
-    for key, label in (("clip_fraction", "clip fraction (PPO clip or dual clip won)"),
-                       ("is_masked_fraction", "IS weight over is_cap: masked"),
-                       ("is_truncated_fraction", "IS weight over is_cap: truncated")):
+    for key, label in (
+        ("clip_fraction", "clip fraction (PPO clip or dual clip won)"),
+        ("is_masked_fraction", "IS weight over is_cap: masked"),
+        ("is_truncated_fraction", "IS weight over is_cap: truncated"),
+    ):
         if any(m.get(key) for m in train):
             ax.plot(steps, [m.get(key, 0.0) for m in train], label=label, linewidth=0.8)
     ax.set(xlabel="optimizer step", ylabel="fraction of trained tokens", title="Trust region and importance weights")
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
-    else:  # neither the clip nor the IS cap ever bound: say so (a legend of nothing is a matplotlib warning)
+    # neither the clip nor the IS cap ever bound: say so (a legend of nothing is a matplotlib warning)
+    else:
         ax.text(0.5, 0.5, "the PPO clip and the IS cap never bound", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     trust = out_dir / "trust_region.png"
     fig.savefig(trust, dpi=100)
     plt.close(fig)
-    wire = plot_weights_wire(published, out_dir / "weights_wire.png")  # with deltas only
+    # with deltas only
+    wire = plot_weights_wire(published, out_dir / "weights_wire.png")
     return [main, util, trust] + ([wire] if wire else [])

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
-from shared.protocol.streams import metrics, samples, versions
 from shared.protocol.archive import tiers
 from shared.protocol.keys import Keys
+from shared.protocol.streams import metrics, samples, versions
 
 _last = metrics.last
 
@@ -35,8 +35,16 @@ def samples_per_s(client, keys: Keys, window_s: float = 30.0) -> float:
     return sum(s.n for s in entries) / span
 
 
-WIRE = ("fetched_bytes", "delta_bytes", "delta_full_bytes", "delta_versions", "delta_fallbacks", "delta_missing",
-        "delta_fetch_s", "delta_apply_s")
+WIRE = (
+    "fetched_bytes",
+    "delta_bytes",
+    "delta_full_bytes",
+    "delta_versions",
+    "delta_fallbacks",
+    "delta_missing",
+    "delta_fetch_s",
+    "delta_apply_s",
+)
 
 
 def weights_wire(published: list[dict], rollout: list[dict]) -> dict:
@@ -47,8 +55,11 @@ def weights_wire(published: list[dict], rollout: list[dict]) -> dict:
     out: dict = {"versions": len(published), "deltas": len(deltas)}
     if deltas:
         last = deltas[-1]
-        out.update(last_version=last["version"], last_fraction=last["delta_bytes"] / max(1, last["full_bytes"]),
-                   last_over_floor=last["delta_bytes"] / last["floor_bytes"] if last.get("floor_bytes") else None)
+        out.update(
+            last_version=last["version"],
+            last_fraction=last["delta_bytes"] / max(1, last["full_bytes"]),
+            last_over_floor=last["delta_bytes"] / last["floor_bytes"] if last.get("floor_bytes") else None,
+        )
     newest: dict[str, dict] = {}
     for r in rollout:
         newest[r.get("worker", "")] = r
@@ -63,34 +74,49 @@ def snapshot(client, keys: Keys, run_path=None) -> dict:
     published = [r for _, r in metrics.read(client, keys, "publish", newest_first=True, count=2000)]
     rollout = [r for _, r in metrics.read(client, keys, "rollout", newest_first=True, count=500)]
     # the newest train / validation / sync record: from Redis's recent window, else from the run's files' ends
-    return {"version": versions.latest_number(client, keys),
-            "train": _last(client, keys, "train", run_path=run_path) or {},
-            "validation": _last(client, keys, "validation", run_path=run_path),
-            "sync": _last(client, keys, "sync", run_path=run_path),
-            "samples_per_s": samples_per_s(client, keys), "alive": alive_services(client, keys),
-            "dead_letters": client.xlen(keys.dead_letters), "weights": weights_wire(published[::-1], rollout[::-1]),
-            "tiers": tiers.sizes(client, run_path)}
+    return {
+        "version": versions.latest_number(client, keys),
+        "train": _last(client, keys, "train", run_path=run_path) or {},
+        "validation": _last(client, keys, "validation", run_path=run_path),
+        "sync": _last(client, keys, "sync", run_path=run_path),
+        "samples_per_s": samples_per_s(client, keys),
+        "alive": alive_services(client, keys),
+        "dead_letters": client.xlen(keys.dead_letters),
+        "weights": weights_wire(published[::-1], rollout[::-1]),
+        "tiers": tiers.sizes(client, run_path),
+    }
 
 
 def format_line(s: dict) -> str:
     m, val, sync = s["train"], s["validation"], s["sync"]
-    parts = [f"version {s['version']:3d}", f"step {m.get('step', 0):4d}",
-             f"reward {m.get('reward_mean', float('nan')):.3f}"]
-    if m.get("batch_policy_failures"):  # why a reward can be 0 whatever the reward function says
-        parts[-1] += (f" ({m['batch_policy_failures']}/{m.get('samples', '?')} cut short by max_tokens, the context "
-                      f"or max_tool_calls: scored 0)")
+    parts = [
+        f"version {s['version']:3d}",
+        f"step {m.get('step', 0):4d}",
+        f"reward {m.get('reward_mean', float('nan')):.3f}",
+    ]
+    # why a reward can be 0 whatever the reward function says
+    if m.get("batch_policy_failures"):
+        parts[-1] += (
+            f" ({m['batch_policy_failures']}/{m.get('samples', '?')} cut short by max_tokens, the context "
+            f"or max_tool_calls: scored 0)"
+        )
     if val:
         parts.append(f"val@v{val['version']} {val['reward_mean']:.3f} (greedy {val['reward_greedy']:.3f})")
-    parts += [f"samples/s {s['samples_per_s']:5.1f}", f"staleness max {m.get('staleness_max', 0)}",
-              f"dropped {m.get('stale_dropped', 0)}"]
+    parts += [
+        f"samples/s {s['samples_per_s']:5.1f}",
+        f"staleness max {m.get('staleness_max', 0)}",
+        f"dropped {m.get('stale_dropped', 0)}",
+    ]
     if sync:
         parts.append(f"last sync {sync.get('total_s', 0) * 1000:.0f} ms")
     w = s.get("weights") or {}
     if w.get("deltas"):
         floor = f", {w['last_over_floor']:.2f}x the floor" if w.get("last_over_floor") else ""
-        parts.append(f"weights as deltas: v{w['last_version']} {100 * w['last_fraction']:.2f}% of the file{floor}; "
-                     f"workers got {w['delta_versions']} versions in {w['delta_bytes'] / 1e6:.1f} MB for "
-                     f"{w['delta_full_bytes'] / 1e6:.1f} MB, {w['delta_fallbacks']} fallbacks")
+        parts.append(
+            f"weights as deltas: v{w['last_version']} {100 * w['last_fraction']:.2f}% of the file{floor}; "
+            f"workers got {w['delta_versions']} versions in {w['delta_bytes'] / 1e6:.1f} MB for "
+            f"{w['delta_full_bytes'] / 1e6:.1f} MB, {w['delta_fallbacks']} fallbacks"
+        )
     parts.append(f"rollout workers {s['alive'].get('rollout', 0)}")
     if s.get("tiers"):
         parts.append(tiers.describe(s["tiers"]))

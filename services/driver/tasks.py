@@ -44,8 +44,11 @@ def reference(row: dict, tools: bool = False) -> list[tuple[str, bool]]:
     expr = row["prompt"].removesuffix("=")
     terms = re.findall(r"-?\d+|[-+*]", expr)
     if tools:
-        return [(f"<call>calc: {expr}</call>", True), (f"<result>{row['answer']}</result>", False),
-                (row["answer"], True)]
+        return [
+            (f"<call>calc: {expr}</call>", True),
+            (f"<result>{row['answer']}</result>", False),
+            (row["answer"], True),
+        ]
     if len(terms) > 3 and all(t == "+" for t in terms[1::2]):
         total, sums = int(terms[0]), []
         for t in terms[2::2]:
@@ -64,15 +67,18 @@ def builtin(name: str, n: int, seed: int = 0) -> list[dict]:
         return arithmetic(n, seed=seed)
     if name == "chain_sum":
         return chain_sum(n, seed=seed)
-    raise ValueError(f"dataset {name!r}: expected one of {', '.join(BUILTIN)}, a .jsonl / .json / .parquet / .csv "
-                     f"file or a hub dataset name")
+    raise ValueError(
+        f"dataset {name!r}: expected one of {', '.join(BUILTIN)}, a .jsonl / .json / .parquet / .csv "
+        f"file or a hub dataset name"
+    )
 
 
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def load_rows(source: str, split: str = "train", prompt_key: str = "prompt", answer_key: str = "answer",
-              key: str = "dataset") -> list[dict]:
+def load_rows(
+    source: str, split: str = "train", prompt_key: str = "prompt", answer_key: str = "answer", key: str = "dataset"
+) -> list[dict]:
     """Rows of a .jsonl / .json / .parquet / .csv file or a hub dataset (``split``; the local cache when
     offline), read with the ``datasets`` library -> [{"prompt": text or chat messages, "answer", ...other columns}].
     ``key`` names the config key in errors."""
@@ -81,7 +87,8 @@ def load_rows(source: str, split: str = "train", prompt_key: str = "prompt", ans
     kind = FILE_KINDS.get(Path(source).suffix.lower())
     where = f"config key {key!r}: {source}"
     datasets.disable_progress_bars()
-    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)  # its errors come back as one line below
+    # its errors come back as one line below
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
     try:
         if kind:
             if not Path(source).is_file():
@@ -94,8 +101,12 @@ def load_rows(source: str, split: str = "train", prompt_key: str = "prompt", ans
             raise
         raise ValueError(f"{where}: {_first_bad_line(source) or str(exc).splitlines()[0]}") from None
     except Exception as exc:  # noqa: BLE001 - datasets raises many kinds (FileNotFound, connection, arrow): one line
-        hint = "" if kind else f" (not a built-in task ({', '.join(BUILTIN)}), not a file with a suffix in " \
-                               f"{', '.join(FILE_KINDS)}, and not a hub dataset in the local cache)"
+        hint = (
+            ""
+            if kind
+            else f" (not a built-in task ({', '.join(BUILTIN)}), not a file with a suffix in "
+            f"{', '.join(FILE_KINDS)}, and not a hub dataset in the local cache)"
+        )
         raise ValueError(f"{where}: {_first_bad_line(source) or str(exc).splitlines()[0]}{hint}") from None
     return [normalize_row(row, i, where, prompt_key, answer_key) for i, row in enumerate(ds.to_list())]
 
@@ -113,20 +124,25 @@ def _first_bad_line(path: str) -> str | None:
 
 
 def normalize_row(row: dict, i: int, where: str, prompt_key: str, answer_key: str) -> dict:
-    """One dataset row as a task row. The prompt is ``row[prompt_key]`` (text or chat messages), else (only
-    when ``prompt_key`` is the default ``prompt``) a ``messages`` column; chat messages that end with an assistant turn give it as the answer when the row has
-    no ``answer_key`` (the reference reply), and the prompt is the turns before it."""
+    """One dataset row as a task row. The prompt is ``row[prompt_key]`` (text or chat messages), else (only when
+    ``prompt_key`` is the default ``prompt``) a ``messages`` column; chat messages that end with an assistant turn
+    give it as the answer when the row has no ``answer_key`` (the reference reply), and the prompt is the turns
+    before it."""
     from shared.runtime.prompt_format import PromptError, check_messages
 
-    fallback = prompt_key == "prompt" and row.get("messages") is not None  # only the default key falls back
+    # only the default key falls back
+    fallback = prompt_key == "prompt" and row.get("messages") is not None
     column = prompt_key if row.get(prompt_key) is not None else "messages" if fallback else None
     if column is None:
-        raise ValueError(f"{where}: row {i}: missing field {prompt_key!r} (config key 'prompt_key'; columns: "
-                         f"{', '.join(row)})")
+        raise ValueError(
+            f"{where}: row {i}: missing field {prompt_key!r} (config key 'prompt_key'; columns: {', '.join(row)})"
+        )
     prompt, answer = row[column], row.get(answer_key)
     if isinstance(prompt, list):
         try:
-            prompt = [{k: v for k, v in m.items() if v is not None} for m in check_messages(prompt, f"{where}: row {i}")]
+            prompt = [
+                {k: v for k, v in m.items() if v is not None} for m in check_messages(prompt, f"{where}: row {i}")
+            ]
         except PromptError as exc:
             raise ValueError(str(exc)) from None
         if prompt[-1]["role"] == "assistant":
@@ -135,11 +151,13 @@ def normalize_row(row: dict, i: int, where: str, prompt_key: str, answer_key: st
         if not prompt:
             raise ValueError(f"{where}: row {i}: the chat messages hold no turn before the assistant's")
     elif not isinstance(prompt, str):
-        raise ValueError(f"{where}: row {i}: field {column!r}: expected text or chat messages, got "
-                         f"{type(prompt).__name__}")
+        raise ValueError(
+            f"{where}: row {i}: field {column!r}: expected text or chat messages, got {type(prompt).__name__}"
+        )
     if answer is None:
-        raise ValueError(f"{where}: row {i}: missing field {answer_key!r} (config key 'answer_key'; columns: "
-                         f"{', '.join(row)})")
+        raise ValueError(
+            f"{where}: row {i}: missing field {answer_key!r} (config key 'answer_key'; columns: {', '.join(row)})"
+        )
     rest = {k: v for k, v in row.items() if k not in (column, answer_key, "prompt", "answer")}
     return {**rest, "prompt": prompt, "answer": answer}
 
@@ -160,6 +178,8 @@ class RowOrder:
     def row(self, index: int) -> dict:
         epoch, i = divmod(index, len(self.rows))
         if self.shuffle and epoch != self._epoch:
-            self._epoch, self._perm = epoch, random.Random(f"{self.seed}:{epoch}").sample(range(len(self.rows)),
-                                                                                        len(self.rows))
+            self._epoch, self._perm = (
+                epoch,
+                random.Random(f"{self.seed}:{epoch}").sample(range(len(self.rows)), len(self.rows)),
+            )
         return self.rows[self._perm[i]]

@@ -1,12 +1,12 @@
 """Validation rounds: a held-out split rolled out with the current version, never trained on.
 
-Every ``val_every`` versions the driver enqueues one round on the ``prompts:val`` stream: each held-out prompt
-twice, once greedy (temperature 0) and as a group of ``val_k`` episodes sampled with the run's settings. Rollout workers serve that stream
-before the training one and publish its finished groups to ``samples:val``, which the trainer never reads. When every
-group of a round is back, the round's rewards go to the metrics stream as a ``validation`` entry (and to TensorBoard
-when enabled), with pass@k (share of prompts with at least one of its k sampled episodes at full reward,
->= 1.0) and mean@k (mean reward of the sampled episodes). Group ids name the round: ``val-v<version>-g<i>`` (greedy) and ``val-v<version>-s<i>`` (sampled).
-"""
+Every ``val_every`` versions the driver enqueues one round on the ``prompts:val`` stream: each held-out prompt twice,
+once greedy (temperature 0) and as a group of ``val_k`` episodes sampled with the run's settings. Rollout workers
+serve that stream before the training one and publish its finished groups to ``samples:val``, which the trainer never
+reads. When every group of a round is back, the round's rewards go to the metrics stream as a ``validation`` entry
+(and to TensorBoard when enabled), with pass@k (share of prompts with at least one of its k sampled episodes at full
+reward, >= 1.0) and mean@k (mean reward of the sampled episodes). Group ids name the round: ``val-v<version>-g<i>``
+(greedy) and ``val-v<version>-s<i>`` (sampled)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,17 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from shared.protocol.streams import metrics, samples, stream_head, val_groups
-from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.episode.events import EventError
 from shared.protocol.episode.fold import fold
+from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import Keys
+from shared.protocol.streams import metrics, samples, stream_head, val_groups
 from shared.protocol.streams.prompts import PromptGroup, enqueue, forget
 from shared.protocol.streams.val_groups import parse_group_id
 from shared.runtime.prompt_format import prompt_key
 
-PASS = 1.0  # an episode passes (for pass@k) at this reward or above
+# an episode passes (for pass@k) at this reward or above
+PASS = 1.0
 
 
 def split(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
@@ -33,14 +34,22 @@ def split(rows: list[dict], fraction: float) -> tuple[list[dict], list[dict]]:
         raise ValueError(f"validation fraction must be in [0, 1), got {fraction}")
     if fraction == 0 or not rows:
         return list(rows), []
-    h = {prompt_key(row["prompt"]): int.from_bytes(hashlib.sha256(prompt_key(row["prompt"]).encode()).digest()[:8],
-                                                  "big") / 2**64 for row in rows}
+    h = {
+        prompt_key(row["prompt"]): int.from_bytes(
+            hashlib.sha256(prompt_key(row["prompt"]).encode()).digest()[:8], "big"
+        )
+        / 2**64
+        for row in rows
+    }
     if len(h) == 1:
-        return list(rows), []  # one distinct prompt: nothing to hold out
+        # one distinct prompt: nothing to hold out
+        return list(rows), []
     # tiny datasets: hold out at least the lowest-hashed prompt and train on at least the highest-hashed one
     cut = min(max(fraction, min(h.values())), max(h.values()) - 1e-12)
-    return ([r for r in rows if h[prompt_key(r["prompt"])] > cut],
-            [r for r in rows if h[prompt_key(r["prompt"])] <= cut])
+    return (
+        [r for r in rows if h[prompt_key(r["prompt"])] > cut],
+        [r for r in rows if h[prompt_key(r["prompt"])] <= cut],
+    )
 
 
 def round_groups(version: int, rows: list[dict], size: int, k: int = 1) -> list[PromptGroup]:
@@ -52,26 +61,42 @@ def round_groups(version: int, rows: list[dict], size: int, k: int = 1) -> list[
         seen.add(prompt_key(row["prompt"]))
         task = {k: v for k, v in row.items() if k != "prompt"}
         i = len(seen) - 1
-        out.append(PromptGroup(val_groups.group_id(version, "greedy", i), 1, prompt=row["prompt"], task=task,
-                               sampling={"temperature": 0.0}))
+        out.append(
+            PromptGroup(
+                val_groups.group_id(version, "greedy", i),
+                1,
+                prompt=row["prompt"],
+                task=task,
+                sampling={"temperature": 0.0},
+            )
+        )
         out.append(PromptGroup(val_groups.group_id(version, "sampled", i), k, prompt=row["prompt"], task=task))
         if len(seen) >= size:
             break
     return out
 
 
-def summarize(version: int, rewards: dict[str, list[float]], token_versions: list[int],
-              sampled_groups: list[list[float]] | None = None, k: int = 1) -> dict:
+def summarize(
+    version: int,
+    rewards: dict[str, list[float]],
+    token_versions: list[int],
+    sampled_groups: list[list[float]] | None = None,
+    k: int = 1,
+) -> dict:
     """The metrics entry of one finished round; ``sampled_groups``: the rewards of each prompt's k samples."""
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     groups = sampled_groups or []
-    return {"version": version, "time": time.time(), "reward_mean": mean(rewards.get("sampled", [])),
-            f"pass@{k}": mean([float(any(r >= PASS for r in g)) for g in groups]),
-            f"mean@{k}": mean([mean(g) for g in groups if g]),
-            "reward_greedy": mean(rewards.get("greedy", [])),
-            "n": sum(len(v) for v in rewards.values()),
-            "token_version_min": min(token_versions, default=version),
-            "token_version_max": max(token_versions, default=version)}
+    return {
+        "version": version,
+        "time": time.time(),
+        "reward_mean": mean(rewards.get("sampled", [])),
+        f"pass@{k}": mean([float(any(r >= PASS for r in g)) for g in groups]),
+        f"mean@{k}": mean([mean(g) for g in groups if g]),
+        "reward_greedy": mean(rewards.get("greedy", [])),
+        "n": sum(len(v) for v in rewards.values()),
+        "token_version_min": min(token_versions, default=version),
+        "token_version_max": max(token_versions, default=version),
+    }
 
 
 def asked_before(requested: set[int], version: int) -> bool:
@@ -88,14 +113,26 @@ class Round:
     rewards: dict[str, list[float]] = field(default_factory=dict)
     token_versions: list[int] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
-    sampled: list[list[float]] = field(default_factory=list)  # per sampled group: its k rewards
+    # per sampled group: its k rewards
+    sampled: list[list[float]] = field(default_factory=list)
 
 
 class Validator:
     """The driver's side: enqueue rounds, gather their samples, report each round once."""
 
-    def __init__(self, client, keys: Keys, rows: list[dict], every: int, size: int, log=None, on_result=None,
-                 k: int = 1, archive=None, run_path=None):
+    def __init__(
+        self,
+        client,
+        keys: Keys,
+        rows: list[dict],
+        every: int,
+        size: int,
+        log=None,
+        on_result=None,
+        k: int = 1,
+        archive=None,
+        run_path=None,
+    ):
         self.client, self.keys, self.rows, self.every, self.size, self.k = client, keys, rows, every, size, k
         self.log, self.on_result = log, on_result
         # ``archive``: the run's segments, where the archiver may have moved a round's episodes (a driver that
@@ -105,11 +142,15 @@ class Validator:
         # ``run_path``: where the driver moves samples:val's and the metrics' older entries (services/driver/heads.py)
         self.head = stream_head.path_of(run_path, stream_head.NAMES["samples:val"]) if run_path is not None else None
         self.cursor = "0-0"
-        reported = metrics.history(client, keys, run_path, ("validation",))["validation"] if run_path is not None \
+        reported = (
+            metrics.history(client, keys, run_path, ("validation",))["validation"]
+            if run_path is not None
             else [r for _, r in metrics.read(client, keys, "validation")]
+        )
         self.reported = {r["version"] for r in reported}
         self.requested = {int(v) for v in client.smembers(self._requested_key)}
-        self.marked: set[int] = set()  # rounds this driver enqueued whose enqueue markers are still there
+        # rounds this driver enqueued whose enqueue markers are still there
+        self.marked: set[int] = set()
 
     @property
     def _requested_key(self) -> str:
@@ -126,7 +167,9 @@ class Validator:
         groups = round_groups(version, self.rows, self.size, self.k)
         enqueued = any(enqueue(self.client, self.keys, groups, stream=self.keys.val_prompts))
         older = {v for v in self.requested if v < version}
-        if older:  # the newest round stands for them (asked_before): the set keeps one round, not every one, so it does not grow with the run
+        # the newest round stands for them (asked_before): the set keeps one round, not every one, so it does not grow
+        # with the run
+        if older:
             self.client.srem(self._requested_key, *older)
             self.requested -= older
         self.requested.add(version)
@@ -138,7 +181,8 @@ class Validator:
 
     def _forget_before(self, version: int) -> None:
         """Drop the enqueue markers of the rounds before ``version``: the driver asks only for the newest version,
-        which never goes back, so no driver (this one restarted) asks for their rounds again; their markers would otherwise pile up with the run."""
+        which never goes back, so no driver (this one restarted) asks for their rounds again; their markers would
+        otherwise pile up with the run."""
         stale = sorted(v for v in self.marked if v < version)
         if stale:
             pipe = self.client.pipeline(transaction=False)
@@ -158,8 +202,10 @@ class Validator:
                 continue
             version, kind = parsed
             if version in self.reported:
-                continue  # reported once, never again: its episodes need not be read (a restarted driver reads all)
-            if version not in self.rounds:  # requested by an earlier driver process: same groups
+                # reported once, never again: its episodes need not be read (a restarted driver reads all)
+                continue
+            # requested by an earlier driver process: same groups
+            if version not in self.rounds:
                 self.rounds[version] = Round(expected=len(round_groups(version, self.rows, self.size, self.k)))
             rnd = self.rounds[version]
             if group_id in rnd.seen:
@@ -188,6 +234,10 @@ class Validator:
         if self.on_result:
             self.on_result(summary)
         if self.log:
-            self.log.info("validation", version=version, reward_sampled=round(summary["reward_mean"], 3),
-                          reward_greedy=round(summary["reward_greedy"], 3))
+            self.log.info(
+                "validation",
+                version=version,
+                reward_sampled=round(summary["reward_mean"], 3),
+                reward_greedy=round(summary["reward_greedy"], 3),
+            )
         return summary

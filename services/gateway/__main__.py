@@ -8,8 +8,8 @@ from pathlib import Path
 import uvicorn
 
 from services.gateway.app import make_app
-from services.gateway.core import Gateway
 from services.gateway.chat import RenderError
+from services.gateway.core import Gateway
 from shared.runtime.service import Service
 
 
@@ -31,8 +31,13 @@ def main(argv=None) -> None:
         svc.log.error("cannot start the gateway", model_dir=svc.cfg.model_dir, error=str(exc))
         sys.exit(2)
     svc.log.info("listening", host=svc.cfg.gateway_host, port=svc.cfg.gateway_port)
-    config = uvicorn.Config(make_app(gw, svc.cfg.gateway_api_key), host=svc.cfg.gateway_host,
-                            port=svc.cfg.gateway_port, log_level="warning", timeout_graceful_shutdown=3)
+    config = uvicorn.Config(
+        make_app(gw, svc.cfg.gateway_api_key),
+        host=svc.cfg.gateway_host,
+        port=svc.cfg.gateway_port,
+        log_level="warning",
+        timeout_graceful_shutdown=3,
+    )
     Server(config, gw).run()
 
 

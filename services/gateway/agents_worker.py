@@ -44,14 +44,19 @@ RUN_EPISODE = "services.gateway.runner.run_episode"
 
 def allowed(cfg) -> dict[str, Check]:
     """The one job this run's agents workers run: an episode of the run's own agent (config ``agent``)."""
+
     def check(args: tuple, kwargs: dict) -> str | None:
         spec = args[0] if len(args) == 1 and not kwargs else None
         if not isinstance(spec, dict):
             return "expected one argument, the episode's spec"
         if spec.get("agent") != cfg.agent or spec.get("run") != cfg.run:
-            return f"agent {spec.get('agent')!r} of run {spec.get('run')!r} is not this run's ({cfg.agent!r}, {cfg.run!r})"
+            return (
+                f"agent {spec.get('agent')!r} of run {spec.get('run')!r} is not this run's ({cfg.agent!r}, {cfg.run!r})"
+            )
         return None
+
     return {RUN_EPISODE: check}
+
 
 _CLAIM = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
@@ -80,8 +85,9 @@ class Reaper:
             if self.client.eval(_CLAIM, 1, self.keys.agents_running, eid, raw, mine):
                 rerun = self._rerun(spec)
                 self.retire(entry.get("job"), rerun.id)
-                self.log.warning("agent episode re-run: its worker died", episode=eid.decode(), dead=owner,
-                                 attempt=spec["attempt"])
+                self.log.warning(
+                    "agent episode re-run: its worker died", episode=eid.decode(), dead=owner, attempt=spec["attempt"]
+                )
                 requeued += 1
         return requeued + self.orphans()
 
@@ -103,7 +109,8 @@ class Reaper:
                 job = Job.fetch(job_id, connection=self.queue.connection, serializer=JSONSerializer)
             except NoSuchJobError:
                 continue
-            owner, _, k = (job.worker_name or "").rpartition(".")  # thread workers are named <worker id>.<k>
+            # thread workers are named <worker id>.<k>
+            owner, _, k = (job.worker_name or "").rpartition(".")
             owner = owner if k.isdigit() else job.worker_name or ""
             if job.get_status(refresh=False) != JobStatus.STARTED or not owner or not self.dead(owner):
                 continue
@@ -114,16 +121,25 @@ class Reaper:
             mine = json.dumps({"worker": f"requeued-by-{self.worker_id}", "spec": spec})
             if self.client.hsetnx(self.keys.agents_running, spec["episode_id"], mine):
                 self.retire(job.id, self._rerun(spec).id)
-                self.log.warning("agent episode re-run: its worker died as it took the job", dead=owner,
-                                 episode=spec["episode_id"], attempt=spec["attempt"])
+                self.log.warning(
+                    "agent episode re-run: its worker died as it took the job",
+                    dead=owner,
+                    episode=spec["episode_id"],
+                    attempt=spec["attempt"],
+                )
                 requeued += 1
         return requeued
 
     def _rerun(self, spec: dict):
-        return self.queue.enqueue_call(runner.run_episode.__module__ + ".run_episode", args=(spec,),
-                                       job_id=f"{spec['run']}-{spec['episode_id']}-r{spec['attempt']}",
-                                       timeout=int(spec.get("timeout", 600)) + 60, result_ttl=3600,
-                                       failure_ttl=86400, at_front=True)
+        return self.queue.enqueue_call(
+            runner.run_episode.__module__ + ".run_episode",
+            args=(spec,),
+            job_id=f"{spec['run']}-{spec['episode_id']}-r{spec['attempt']}",
+            timeout=int(spec.get("timeout", 600)) + 60,
+            result_ttl=3600,
+            failure_ttl=86400,
+            at_front=True,
+        )
 
     def retire(self, job_id: str | None, rerun_id: str) -> None:
         """The dead worker's job is not a failure: its episode runs again as ``rerun_id``. Out of rq's started
@@ -145,13 +161,15 @@ class Reaper:
 class ThreadWorker(SimpleWorker):
     """A SimpleWorker for a thread that is not the main one: no signal handlers (the main thread's worker stops
     the others), job timeouts by a timer instead of SIGALRM."""
+
     death_penalty_class = TimerDeathPenalty
 
     def _install_signal_handlers(self):
         pass
 
 
-STOP_GRACE_S = 3.0  # a warm stop's wait for running episodes: honcho kills -9 what is left after 5 s
+# a warm stop's wait for running episodes: honcho kills -9 what is left after 5 s
+STOP_GRACE_S = 3.0
 
 
 class MainWorker(SimpleWorker):
@@ -159,6 +177,7 @@ class MainWorker(SimpleWorker):
     STOP_GRACE_S to end; then the process exits 0 with one line. An episode cut short stays in ``agents:running``
     and a reaper runs it again if the run goes on (its calls answered from its stream); at the end of a run the
     gateway and the rollout workers are stopping too, so no episode could end anyway."""
+
     others: list = []
 
     def request_stop(self, signum, frame):
@@ -166,8 +185,11 @@ class MainWorker(SimpleWorker):
             running = [w.get_current_job_id() for w in [self, *self.others]]
             running = [j for j in running if j]
             if running:
-                self.log.warning("stopping: %d agent episode(s) cut short (a reaper runs them again if the run goes "
-                                 "on): %s", len(running), ", ".join(running))
+                self.log.warning(
+                    "stopping: %d agent episode(s) cut short (a reaper runs them again if the run goes on): %s",
+                    len(running),
+                    ", ".join(running),
+                )
                 os._exit(0)
 
         threading.Timer(STOP_GRACE_S, cut_short).start()
@@ -181,13 +203,16 @@ def _work(worker) -> None:
 def main(argv=None) -> None:
     svc = Service("agents", argv)
     runner.WORKER_ID = svc.worker_id
-    runner.GATEWAY = (svc.cfg.agent_gateway_url, svc.cfg.gateway_api_key)  # from the config, never from a job
-    if svc.cfg.rq_redis_url:  # the jobs' rq connection is another server: they write the run's streams through this
+    # from the config, never from a job
+    runner.GATEWAY = (svc.cfg.agent_gateway_url, svc.cfg.gateway_api_key)
+    # the jobs' rq connection is another server: they write the run's streams through this
+    if svc.cfg.rq_redis_url:
         runner.CLIENT = svc.client
     reaper = Reaper(svc.cfg, connect(svc.cfg.redis_url), svc.keys, svc.worker_id, svc.log, svc.rq_connect())
     ttl = svc.cfg.heartbeat_ttl
 
-    def beat() -> None:  # a thread: the heartbeat keeps going while an agent runs in the main thread
+    # a thread: the heartbeat keeps going while an agent runs in the main thread
+    def beat() -> None:
         hb = connect(svc.cfg.redis_url)
         key = svc.keys.alive("agents", svc.worker_id)
         while True:
@@ -197,28 +222,41 @@ def main(argv=None) -> None:
                 pipe.pexpire(key, int(ttl * 1000))
                 pipe.execute()
                 reaper.reap()
-            except Exception as exc:  # Redis away for a moment: try again next beat
+            # Redis away for a moment: try again next beat
+            except Exception as exc:
                 svc.log.warning("heartbeat failed", error=str(exc))
             time.sleep(min(1.0, ttl / 3))
 
     threading.Thread(target=beat, daemon=True, name="agents-heartbeat").start()
     job_class = guarded_job_class(allowed(svc.cfg), svc.log)
     queue = Queue(svc.keys.agent_queue, connection=svc.rq_client, serializer=JSONSerializer, job_class=job_class)
-    main_worker = MainWorker([queue], connection=svc.rq_client, serializer=JSONSerializer, name=svc.worker_id,
-                             job_class=job_class)
-    others = [ThreadWorker([queue], connection=svc.rq_connect(), serializer=JSONSerializer, job_class=job_class,
-                           name=f"{svc.worker_id}.{k}") for k in range(1, svc.cfg.agent_concurrency)]
+    main_worker = MainWorker(
+        [queue], connection=svc.rq_client, serializer=JSONSerializer, name=svc.worker_id, job_class=job_class
+    )
+    others = [
+        ThreadWorker(
+            [queue],
+            connection=svc.rq_connect(),
+            serializer=JSONSerializer,
+            job_class=job_class,
+            name=f"{svc.worker_id}.{k}",
+        )
+        for k in range(1, svc.cfg.agent_concurrency)
+    ]
     main_worker.others = others
     threads = [threading.Thread(target=_work, args=(w,), daemon=True, name=w.name) for w in others]
     for t in threads:
         t.start()
     svc.log.info("ready", queue=queue.name, concurrency=svc.cfg.agent_concurrency)
-    _work(main_worker)  # returns on SIGTERM once its own episode has ended
+    # returns on SIGTERM once its own episode has ended
+    _work(main_worker)
     for w in others:
-        w._stop_requested = True  # rq's own flag: the loop stops before its next job
+        # rq's own flag: the loop stops before its next job
+        w._stop_requested = True
     deadline = time.monotonic() + STOP_GRACE_S
     while any(w.get_current_job_id() for w in others) and time.monotonic() < deadline:
-        time.sleep(0.2)  # let running episodes end (a cut-short one would be re-run by a reaper anyway)
+        # let running episodes end (a cut-short one would be re-run by a reaper anyway)
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -33,13 +33,17 @@ from shared.runtime import secrets
 
 def _error(exc: GatewayError) -> JSONResponse:
     kind = "invalid_request_error" if exc.status < 500 else "server_error"
-    return JSONResponse({"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.code}},
-                        status_code=exc.status, headers=exc.headers)
+    return JSONResponse(
+        {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.code}},
+        status_code=exc.status,
+        headers=exc.headers,
+    )
 
 
 def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
     @contextlib.asynccontextmanager
-    async def lifespan(_app):  # every waiting call holds a thread: room for many agents at once
+    # every waiting call holds a thread: room for many agents at once
+    async def lifespan(_app):
         anyio.to_thread.current_default_thread_limiter().total_tokens = 512
         yield
 
@@ -55,36 +59,59 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
-        if api_key and request.url.path != "/healthz" and not authorized(request.scope["path"],
-                                                                         request.headers.get("authorization", "")):
-            gw.log.warning("request refused: wrong key", path=request.scope["path"][:200],
-                           client=request.client.host if request.client else None)
-            return _error(GatewayError(401, "authorization: missing or wrong API key (Bearer token; an agent "
-                                            "episode's key is good for its own episode only)", None,
-                                       "invalid_api_key"))
+        if (
+            api_key
+            and request.url.path != "/healthz"
+            and not authorized(request.scope["path"], request.headers.get("authorization", ""))
+        ):
+            gw.log.warning(
+                "request refused: wrong key",
+                path=request.scope["path"][:200],
+                client=request.client.host if request.client else None,
+            )
+            return _error(
+                GatewayError(
+                    401,
+                    "authorization: missing or wrong API key (Bearer token; an agent "
+                    "episode's key is good for its own episode only)",
+                    None,
+                    "invalid_api_key",
+                )
+            )
         length = request.headers.get("content-length") or "0"
-        if not length.isdigit() or int(length) > MAX_BODY:  # (a length that is no number: h11 stops it first)
-            return _error(GatewayError(413, f"request body: Content-Length {length[:20]}: expected at most "
-                                            f"{MAX_BODY} bytes", None, "body_too_large"))
+        # (a length that is no number: h11 stops it first)
+        if not length.isdigit() or int(length) > MAX_BODY:
+            return _error(
+                GatewayError(
+                    413,
+                    f"request body: Content-Length {length[:20]}: expected at most {MAX_BODY} bytes",
+                    None,
+                    "body_too_large",
+                )
+            )
         try:
             return await call_next(request)
         except GatewayError as exc:
             return _error(exc)
-        except Exception as exc:  # never a traceback to the client; the log has it
+        # never a traceback to the client; the log has it
+        except Exception as exc:
             gw.log.exception("gateway request failed", path=request.url.path)
             return _error(GatewayError(500, f"internal error: {exc.__class__.__name__}", None, "internal_error"))
 
     async def _body(request: Request):
         raw = bytearray()
-        async for chunk in request.stream():  # a body without a Content-Length is counted as it arrives
+        # a body without a Content-Length is counted as it arrives
+        async for chunk in request.stream():
             raw += chunk
             if len(raw) > MAX_BODY:
                 raise GatewayError(413, f"request body: more than {MAX_BODY} bytes", None, "body_too_large")
         return parse_body(bytes(raw))
 
     def _models() -> dict:
-        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "streamrl"}
-                                           for m in gw.model_names]}
+        return {
+            "object": "list",
+            "data": [{"id": m, "object": "model", "created": 0, "owned_by": "streamrl"} for m in gw.model_names],
+        }
 
     app.get("/v1/models")(_models)
     app.get("/ep/{episode_id}/v1/models")(lambda episode_id: _models())
@@ -104,52 +131,85 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
 
     async def _respond(prep: Prepared, chat: bool):
         if prep.stream:
-            return StreamingResponse(_sse(prep, chat), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache"})
+            return StreamingResponse(
+                _sse(prep, chat), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+            )
         return await anyio.to_thread.run_sync(_whole, prep, chat)
 
     def _whole(prep: Prepared, chat: bool):
         for kind, value in gw.follow(prep.episode_id, prep.call, gw.cfg.gateway_timeout):
             if kind == "timeout":
-                raise GatewayError(503, f"call {prep.call} of episode {prep.episode_id!r} is still generating "
-                                        f"(a weight sync holds it); retry: the retry waits on the same call",
-                                   None, "still_generating", {"x-should-retry": "true", "retry-after": "1"})
+                raise GatewayError(
+                    503,
+                    f"call {prep.call} of episode {prep.episode_id!r} is still generating "
+                    f"(a weight sync holds it); retry: the retry waits on the same call",
+                    None,
+                    "still_generating",
+                    {"x-should-retry": "true", "retry-after": "1"},
+                )
             if kind == "stopping":
-                raise GatewayError(503, f"the gateway is stopping (the run ends, or it restarts); retry: call "
-                                        f"{prep.call} of episode {prep.episode_id!r} is answered from its stream",
-                                   None, "gateway_stopping", {"x-should-retry": "true", "retry-after": "1"})
+                raise GatewayError(
+                    503,
+                    f"the gateway is stopping (the run ends, or it restarts); retry: call "
+                    f"{prep.call} of episode {prep.episode_id!r} is answered from its stream",
+                    None,
+                    "gateway_stopping",
+                    {"x-should-retry": "true", "retry-after": "1"},
+                )
             if kind == "done":
                 return _completion(prep, value, chat)
 
     def _usage(call) -> dict:
-        return {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.tokens),
-                "total_tokens": len(call.prompt_ids) + len(call.tokens)}
+        return {
+            "prompt_tokens": len(call.prompt_ids),
+            "completion_tokens": len(call.tokens),
+            "total_tokens": len(call.prompt_ids) + len(call.tokens),
+        }
 
     def _completion(prep: Prepared, call, chat: bool) -> dict:
-        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{prep.episode_id}-{prep.call}", "created": int(time.time()),
-                "model": prep.model, "usage": _usage(call), "streamrl": {"episode": prep.episode_id, "call": call.index}}
+        base = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{prep.episode_id}-{prep.call}",
+            "created": int(time.time()),
+            "model": prep.model,
+            "usage": _usage(call),
+            "streamrl": {"episode": prep.episode_id, "call": call.index},
+        }
         if not chat:
             text = gw.tok.decode(call.tokens, skip_special_tokens=True)
             reason = "stop" if call.reason == "stop" else "length"
-            choice = {"index": 0, "text": text, "finish_reason": reason,
-                      "logprobs": gw.completion_logprobs(call) if prep.logprobs else None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "finish_reason": reason,
+                "logprobs": gw.completion_logprobs(call) if prep.logprobs else None,
+            }
             if prep.token_ids:
                 choice.update(prompt_token_ids=call.prompt_ids, token_ids=call.tokens)
             return {**base, "object": "text_completion", "choices": [choice]}
         message, reason, problems = gw.answer(call)
         if problems:
-            gw.log.warning("tool call not parsed; answered as text", episode=prep.episode_id, call=call.index,
-                           problems=problems)
-        choice = {"index": 0, "message": message, "finish_reason": reason,
-                  "logprobs": gw.logprobs(call) if prep.logprobs else None}
-        if prep.token_ids:  # vLLM's names: the prompt's ids at the top, the completion's in the choice
+            gw.log.warning(
+                "tool call not parsed; answered as text", episode=prep.episode_id, call=call.index, problems=problems
+            )
+        choice = {
+            "index": 0,
+            "message": message,
+            "finish_reason": reason,
+            "logprobs": gw.logprobs(call) if prep.logprobs else None,
+        }
+        # vLLM's names: the prompt's ids at the top, the completion's in the choice
+        if prep.token_ids:
             base["prompt_token_ids"], choice["token_ids"] = call.prompt_ids, call.tokens
         return {**base, "object": "chat.completion", "choices": [choice]}
 
     def _sse(prep: Prepared, chat: bool):
         """Real streaming: deltas as the tokens land in the episode stream, across aborts and resumes."""
-        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{prep.episode_id}-{prep.call}", "created": int(time.time()),
-                "model": prep.model, "object": "chat.completion.chunk" if chat else "text_completion"}
+        base = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{prep.episode_id}-{prep.call}",
+            "created": int(time.time()),
+            "model": prep.model,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+        }
 
         def event(delta: dict | None = None, reason=None, text: str | None = None, **extra) -> str:
             choice = {"index": 0, "finish_reason": reason}
@@ -165,9 +225,11 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
         try:
             for kind, value in gw.follow(prep.episode_id, prep.call, 24 * 3600.0):
                 if kind == "stopping":
-                    return  # the process is stopping: the stream ends unfinished (the client sees a broken stream)
+                    # the process is stopping: the stream ends unfinished (the client sees a broken stream)
+                    return
                 if kind == "wait":
-                    yield ": still generating\n\n"  # keeps proxies and clients from timing out during a sync
+                    # keeps proxies and clients from timing out during a sync
+                    yield ": still generating\n\n"
                 elif kind == "tokens":
                     text = gw.tok.decode(value, skip_special_tokens=True)
                     upto = toolparse.safe_prefix_len(text) if chat else len(text)

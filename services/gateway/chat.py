@@ -46,8 +46,13 @@ def canonical(message: dict) -> dict:
     out = {"role": message.get("role"), "content": _text(message.get("content"))}
     calls = message.get("tool_calls") or []
     if calls:
-        out["tool_calls"] = [{"name": (c.get("function") or {}).get("name"),
-                              "arguments": _args((c.get("function") or {}).get("arguments"))} for c in calls]
+        out["tool_calls"] = [
+            {
+                "name": (c.get("function") or {}).get("name"),
+                "arguments": _args((c.get("function") or {}).get("arguments")),
+            }
+            for c in calls
+        ]
     if message.get("name"):
         out["name"] = message["name"]
     return out
@@ -63,10 +68,14 @@ def template_messages(messages: list[dict]) -> list[dict]:
     for m in messages:
         t = {"role": m["role"], "content": _text(m.get("content"))}
         if m.get("tool_calls"):
-            t["tool_calls"] = [{"type": "function", "id": c.get("id", ""),
-                                "function": {"name": c["function"]["name"],
-                                             "arguments": _args(c["function"].get("arguments"))}}
-                               for c in m["tool_calls"]]
+            t["tool_calls"] = [
+                {
+                    "type": "function",
+                    "id": c.get("id", ""),
+                    "function": {"name": c["function"]["name"], "arguments": _args(c["function"].get("arguments"))},
+                }
+                for c in m["tool_calls"]
+            ]
         for k in ("name", "tool_call_id"):
             if m.get(k):
                 t[k] = m[k]
@@ -86,9 +95,11 @@ class Renderer:
 
     def _apply(self, messages, tools, generation: bool) -> str:
         try:
-            return self.tok.apply_chat_template(template_messages(messages), tools=tools or None,
-                                                add_generation_prompt=generation, tokenize=False)
-        except Exception as exc:  # jinja raises its own kinds, templates raise_exception(...)
+            return self.tok.apply_chat_template(
+                template_messages(messages), tools=tools or None, add_generation_prompt=generation, tokenize=False
+            )
+        # jinja raises its own kinds, templates raise_exception(...)
+        except Exception as exc:
             raise RenderError(f"the chat template refused the messages: {exc}") from None
 
     def encode(self, text: str) -> list[int]:
@@ -103,21 +114,28 @@ class Renderer:
         base = self._apply(DUMMY, tools, False)
         full = self._apply(DUMMY + new_messages, tools, True)
         cut = base.rfind(self.end_text)
-        if cut < 0 or not full.startswith(base[:cut + len(self.end_text)]):
+        if cut < 0 or not full.startswith(base[: cut + len(self.end_text)]):
             return None
-        ids = self.encode(full[cut + len(self.end_text):])
+        ids = self.encode(full[cut + len(self.end_text) :])
         return ids if parent_ended else [self.end_id, *ids]
 
     def assistant(self, completion_ids: list[int], call_index: int) -> tuple[dict, list[str]]:
         """The assistant message the gateway answers for a completion (deterministic: a retry gets the same)."""
         text = self.tok.decode(completion_ids, skip_special_tokens=True)
         parsed = toolparse.parse(text)
-        message: dict = {"role": "assistant", "content": parsed.content if (parsed.content or not parsed.calls)
-                         else None}
+        message: dict = {
+            "role": "assistant",
+            "content": parsed.content if (parsed.content or not parsed.calls) else None,
+        }
         if parsed.calls:
-            message["tool_calls"] = [{"id": f"call_{call_index}_{k}", "type": "function",
-                                      "function": {"name": c["name"], "arguments": c["arguments"]}}
-                                     for k, c in enumerate(parsed.calls)]
+            message["tool_calls"] = [
+                {
+                    "id": f"call_{call_index}_{k}",
+                    "type": "function",
+                    "function": {"name": c["name"], "arguments": c["arguments"]},
+                }
+                for k, c in enumerate(parsed.calls)
+            ]
         return message, parsed.problems
 
 
@@ -135,6 +153,6 @@ def find_parent(calls: dict, messages: list[dict], tools, renderer: Renderer):
             continue
         answer, _ = renderer.assistant(call.tokens, call.index)
         prev = [canonical(m) for m in logged.get("messages", [])] + [canonical(answer)]
-        if len(want) > len(prev) and want[:len(prev)] == prev:
-            return call, messages[len(prev):]
+        if len(want) > len(prev) and want[: len(prev)] == prev:
+            return call, messages[len(prev) :]
     return None

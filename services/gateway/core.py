@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from services.gateway.chat import Renderer, RenderError, canonical, digest, find_parent
-from shared.protocol.streams.calls import CallRequest, Requester
 from shared.protocol.episode.events import EventError, decode
 from shared.protocol.episode.fold import TRANSFORM, Call, Episode, fold
 from shared.protocol.keys import Keys
+from shared.protocol.streams.calls import CallRequest, Requester
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -33,8 +33,9 @@ def same_transform(a: dict, b: dict) -> bool:
 class GatewayError(Exception):
     """An OpenAI-style error: HTTP status, message, the offending parameter."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
 
@@ -48,7 +49,8 @@ class Prepared:
     stream: bool
     include_usage: bool
     model: str
-    token_ids: bool = False  # return_token_ids: prompt_token_ids and token_ids in the answer (vLLM's names)
+    # return_token_ids: prompt_token_ids and token_ids in the answer (vLLM's names)
+    token_ids: bool = False
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -58,15 +60,19 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise GatewayError(400, f"{name}: expected a finite number, got {json.dumps(value)}", name, "invalid_type")
     if value < lo or value > hi or (lo_open and value == lo):
-        raise GatewayError(400, f"{name}: expected {'>' if lo_open else '>='} {lo:g} and <= {hi:g}, got {value}",
-                           name, "invalid_value")
+        raise GatewayError(
+            400, f"{name}: expected {'>' if lo_open else '>='} {lo:g} and <= {hi:g}, got {value}", name, "invalid_value"
+        )
     return float(value)
 
 
 def _named_function(item) -> bool:
     """A tool or a tool call: an object whose ``function`` is an object with a string ``name``."""
-    return isinstance(item, dict) and isinstance(item.get("function"), dict) and \
-        isinstance(item["function"].get("name"), str)
+    return (
+        isinstance(item, dict)
+        and isinstance(item.get("function"), dict)
+        and isinstance(item["function"].get("name"), str)
+    )
 
 
 from services.gateway import schema  # noqa: E402 (it imports GatewayError from here)
@@ -80,14 +86,20 @@ class Gateway:
         self.requester = Requester(client, self.keys)
         self.max_model_len = max_model_len
         self.model_names = model_names
-        self.stopping = threading.Event()  # set when the process is told to stop: calls held open answer at once
+        # set when the process is told to stop: calls held open answer at once
+        self.stopping = threading.Event()
 
     # --- request checks
     def _episode(self, episode_id: str) -> Episode:
         entries = self.client.xrange(self.keys.episode(episode_id))
         if not entries:
-            raise GatewayError(404, f"unknown episode {episode_id!r}: no stream {self.keys.episode(episode_id)} "
-                                    f"(episodes are started by the agent runner)", None, "episode_not_found")
+            raise GatewayError(
+                404,
+                f"unknown episode {episode_id!r}: no stream {self.keys.episode(episode_id)} "
+                f"(episodes are started by the agent runner)",
+                None,
+                "episode_not_found",
+            )
         try:
             ep = fold(entries)
         except EventError as exc:
@@ -99,8 +111,12 @@ class Gateway:
             raise GatewayError(400, "request body: expected a JSON object", None, "invalid_type")
         model = body.get("model")
         if model is not None and model not in self.model_names:
-            raise GatewayError(404, f"model: unknown model {model!r}; this gateway serves "
-                                    f"{', '.join(map(repr, self.model_names))}", "model", "model_not_found")
+            raise GatewayError(
+                404,
+                f"model: unknown model {model!r}; this gateway serves {', '.join(map(repr, self.model_names))}",
+                "model",
+                "model_not_found",
+            )
         if body.get("n", 1) != 1:
             raise GatewayError(400, f"n: only 1 choice per call is supported, got {body.get('n')!r}", "n")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -108,8 +124,9 @@ class Gateway:
         if max_tokens is None:
             max_tokens = self.cfg.max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise GatewayError(400, f"{name}: expected an integer >= 1, got {json.dumps(max_tokens)}", name,
-                               "invalid_value")
+            raise GatewayError(
+                400, f"{name}: expected an integer >= 1, got {json.dumps(max_tokens)}", name, "invalid_value"
+            )
         stop = body.get("stop")
         stops = [stop] if isinstance(stop, str) else (stop or [])
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > 4:
@@ -118,15 +135,23 @@ class Gateway:
         for s in stops:
             ids = self.tok.encode(s, add_special_tokens=False)
             if len(ids) != 1:
-                raise GatewayError(400, f"stop: {s!r} is {len(ids)} tokens; only stop strings of one token are "
-                                        f"supported", "stop", "invalid_value")
+                raise GatewayError(
+                    400,
+                    f"stop: {s!r} is {len(ids)} tokens; only stop strings of one token are supported",
+                    "stop",
+                    "invalid_value",
+                )
             stop_ids.append(ids[0])
         for flag in ("stream", "return_token_ids"):
             if not isinstance(body.get(flag, False), bool):
                 raise GatewayError(400, f"{flag}: expected true or false, got {json.dumps(body.get(flag))}", flag)
-        return {"temperature": _number(body, "temperature", self.cfg.temperature, 0.0, 2.0),
-                "top_p": _number(body, "top_p", self.cfg.top_p, 0.0, 1.0, lo_open=True),
-                "top_k": self.cfg.top_k, "max_tokens": max_tokens, "stop_token_ids": sorted(set(stop_ids))}
+        return {
+            "temperature": _number(body, "temperature", self.cfg.temperature, 0.0, 2.0),
+            "top_p": _number(body, "top_p", self.cfg.top_p, 0.0, 1.0, lo_open=True),
+            "top_k": self.cfg.top_k,
+            "max_tokens": max_tokens,
+            "stop_token_ids": sorted(set(stop_ids)),
+        }
 
     def _messages(self, body: dict) -> tuple[list[dict], list | None]:
         messages = body.get("messages")
@@ -134,13 +159,19 @@ class Gateway:
             raise GatewayError(400, "messages: expected a non-empty array of messages", "messages")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES:
-                raise GatewayError(400, f"messages[{i}].role: expected one of {', '.join(ROLES)}, got "
-                                        f"{json.dumps(m.get('role') if isinstance(m, dict) else m)}",
-                                   f"messages[{i}].role")
+                raise GatewayError(
+                    400,
+                    f"messages[{i}].role: expected one of {', '.join(ROLES)}, got "
+                    f"{json.dumps(m.get('role') if isinstance(m, dict) else m)}",
+                    f"messages[{i}].role",
+                )
             calls = m.get("tool_calls")
             if calls is not None and not (isinstance(calls, list) and all(_named_function(c) for c in calls)):
-                raise GatewayError(400, f"messages[{i}].tool_calls: expected an array of objects with function.name",
-                                   f"messages[{i}].tool_calls")
+                raise GatewayError(
+                    400,
+                    f"messages[{i}].tool_calls: expected an array of objects with function.name",
+                    f"messages[{i}].tool_calls",
+                )
         tools = body.get("tools")
         if tools is not None and not (isinstance(tools, list) and all(_named_function(t) for t in tools)):
             raise GatewayError(400, "tools: expected an array of {type: function, function: {name, ...}}", "tools")
@@ -151,8 +182,9 @@ class Gateway:
         schema.check(body, schema.Chat)
         sampling = self._common(body)
         if not isinstance(body.get("logprobs", False), bool):
-            raise GatewayError(400, f"logprobs: expected true or false, got {json.dumps(body.get('logprobs'))}",
-                               "logprobs")
+            raise GatewayError(
+                400, f"logprobs: expected true or false, got {json.dumps(body.get('logprobs'))}", "logprobs"
+            )
         messages, tools = self._messages(body)
         dg = digest("chat", {"messages": [canonical(m) for m in messages], "tools": tools, "sampling": sampling})
         ep = self._episode(episode_id)
@@ -160,8 +192,10 @@ class Gateway:
         def build() -> tuple[int, list[int]]:
             found = find_parent(ep.calls, messages, tools, self.renderer)
             if found is not None and not same_transform(found[0].sampling, sampling):
-                self.log.info("call changes temperature/top_k/top_p; a new chain (a row trains under one transform)",
-                              episode=episode_id)
+                self.log.info(
+                    "call changes temperature/top_k/top_p; a new chain (a row trains under one transform)",
+                    episode=episode_id,
+                )
                 found = None
             if found is not None:
                 parent, new = found
@@ -173,65 +207,103 @@ class Gateway:
             return -1, self.renderer.full(messages, tools)
 
         index = self._call(ep, dg, build, sampling, json.dumps({"messages": messages, "tools": tools}))
-        return Prepared(episode_id, index, 0, bool(body.get("logprobs")), bool(body.get("stream")),
-                        bool((body.get("stream_options") or {}).get("include_usage")), body.get("model") or
-                        self.model_names[0], bool(body.get("return_token_ids")))
+        return Prepared(
+            episode_id,
+            index,
+            0,
+            bool(body.get("logprobs")),
+            bool(body.get("stream")),
+            bool((body.get("stream_options") or {}).get("include_usage")),
+            body.get("model") or self.model_names[0],
+            bool(body.get("return_token_ids")),
+        )
 
     def prepare_completion(self, episode_id: str, body: Any) -> Prepared:
         schema.check(body, schema.Completion)
         sampling = self._common(body)
         top = body.get("logprobs")
         if top is not None and not isinstance(top, bool) and top != 0:
-            raise GatewayError(400, f"logprobs: the episode stream keeps the sampled token's log-prob only; expected "
-                                    f"0 or true, got {json.dumps(top)}", "logprobs", "invalid_value")
+            raise GatewayError(
+                400,
+                f"logprobs: the episode stream keeps the sampled token's log-prob only; expected "
+                f"0 or true, got {json.dumps(top)}",
+                "logprobs",
+                "invalid_value",
+            )
         prompt = body.get("prompt")
         if isinstance(prompt, str) and prompt:
             ids = self.tok.encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) and
-                                                         0 <= i < len(self.tok) for i in prompt):
+        elif (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(self.tok) for i in prompt)
+        ):
             ids = list(prompt)
         else:
-            raise GatewayError(400, f"prompt: expected a non-empty string or array of token ids below "
-                                    f"{len(self.tok)}", "prompt")
+            raise GatewayError(
+                400, f"prompt: expected a non-empty string or array of token ids below {len(self.tok)}", "prompt"
+            )
         dg = digest("completion", {"prompt": ids, "sampling": sampling})
         ep = self._episode(episode_id)
 
         def build() -> tuple[int, list[int]]:
             for call in sorted(ep.calls.values(), key=lambda c: c.index, reverse=True):
                 context = call.prompt_ids + call.tokens
-                if call.done and len(ids) > len(context) and ids[:len(context)] == context and \
-                        same_transform(call.sampling, sampling):
+                if (
+                    call.done
+                    and len(ids) > len(context)
+                    and ids[: len(context)] == context
+                    and same_transform(call.sampling, sampling)
+                ):
                     return call.index, ids
             return -1, ids
 
-        index = self._call(ep, dg, build, sampling, json.dumps({"prompt": prompt if isinstance(prompt, str) else
-                                                                None}))
-        return Prepared(episode_id, index, 0, top is not None and top is not False, bool(body.get("stream")),
-                        bool((body.get("stream_options") or {}).get("include_usage")), body.get("model") or
-                        self.model_names[0], bool(body.get("return_token_ids")))
+        index = self._call(ep, dg, build, sampling, json.dumps({"prompt": prompt if isinstance(prompt, str) else None}))
+        return Prepared(
+            episode_id,
+            index,
+            0,
+            top is not None and top is not False,
+            bool(body.get("stream")),
+            bool((body.get("stream_options") or {}).get("include_usage")),
+            body.get("model") or self.model_names[0],
+            bool(body.get("return_token_ids")),
+        )
 
     def _call(self, ep: Episode, dg: str, build, sampling: dict, messages: str) -> int:
         for call in ep.calls.values():
             if call.digest == dg:
-                return call.index  # made before: answered from the stream
+                # made before: answered from the stream
+                return call.index
         known = self.requester.lookup(ep.episode_id, dg)
         if known is not None:
-            return known  # requested before, not yet opened by a worker: wait for it
+            # requested before, not yet opened by a worker: wait for it
+            return known
         if ep.done:
-            raise GatewayError(409, f"episode {ep.episode_id!r} has ended ({ep.status}); it takes no more calls",
-                               None, "episode_ended")
+            raise GatewayError(
+                409, f"episode {ep.episode_id!r} has ended ({ep.status}); it takes no more calls", None, "episode_ended"
+            )
         try:
             extends, prompt = build()
         except RenderError as exc:
             raise GatewayError(400, f"messages: {exc}", "messages", "invalid_value") from None
         if len(prompt) + 1 > self.max_model_len:
-            raise GatewayError(400, f"messages: the prompt is {len(prompt)} tokens; the model's context is "
-                                    f"{self.max_model_len} tokens (prompt + completion)", "messages",
-                               "context_length_exceeded")
+            raise GatewayError(
+                400,
+                f"messages: the prompt is {len(prompt)} tokens; the model's context is "
+                f"{self.max_model_len} tokens (prompt + completion)",
+                "messages",
+                "context_length_exceeded",
+            )
         sampling = {**sampling, "max_tokens": min(sampling["max_tokens"], self.max_model_len - len(prompt))}
         index, new = self.requester.request(CallRequest(ep.episode_id, dg, extends, prompt, sampling, messages))
-        self.log.info("call requested" if new else "call matched a request", episode=ep.episode_id, call=index,
-                      extends=extends, prompt_tokens=len(prompt))
+        self.log.info(
+            "call requested" if new else "call matched a request",
+            episode=ep.episode_id,
+            call=index,
+            extends=extends,
+            prompt_tokens=len(prompt),
+        )
         return index
 
     # --- following the stream
@@ -260,8 +332,9 @@ class Gateway:
             if done:
                 call = fold(self.client.xrange(key)).calls.get(index)
                 if call is None or not call.done:
-                    raise GatewayError(409, f"episode {episode_id!r} ended before call {index} was answered", None,
-                                       "episode_ended")
+                    raise GatewayError(
+                        409, f"episode {episode_id!r} ended before call {index} was answered", None, "episode_ended"
+                    )
                 yield "done", call
                 return
             if grew:
@@ -289,8 +362,12 @@ class Gateway:
         return message, reason, problems
 
     def logprobs(self, call: Call) -> dict:
-        return {"content": [{"token": self.tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-                            for t, lp in zip(call.tokens, call.logprobs)]}
+        return {
+            "content": [
+                {"token": self.tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                for t, lp in zip(call.tokens, call.logprobs)
+            ]
+        }
 
     def completion_logprobs(self, call: Call) -> dict:
         """The completions API's (legacy) form: tokens, token_logprobs, top_logprobs, text_offset."""

@@ -8,8 +8,10 @@ import json
 
 from services.gateway.core import GatewayError
 
-MAX_BODY = 8 << 20  # bytes of one request body (413 beyond)
-MAX_DEPTH = 64  # nesting of arrays and objects (a chat request needs about 6)
+# bytes of one request body (413 beyond)
+MAX_BODY = 8 << 20
+# nesting of arrays and objects (a chat request needs about 6)
+MAX_DEPTH = 64
 
 
 def _constant(name: str):

@@ -18,15 +18,18 @@ from __future__ import annotations
 import json
 import time
 
-from shared.protocol.streams import metrics
-from shared.protocol.episode.log import EpisodeLog, Fenced
 from shared.protocol.episode.fold import fold
+from shared.protocol.episode.log import EpisodeLog, Fenced
 from shared.protocol.keys import Keys
+from shared.protocol.streams import metrics
 from shared.runtime import faults, logs, secrets, specs
 
-WORKER_ID = "agents-inline"  # set by the agents worker process: who runs the job (for the reaper)
-CLIENT = None  # set by the agents worker process: the run's Redis (None: the job's rq connection is that server)
-GATEWAY = ("", "")  # set by the agents worker process from its config: (gateway URL, gateway key); never from a job
+# set by the agents worker process: who runs the job (for the reaper)
+WORKER_ID = "agents-inline"
+# set by the agents worker process: the run's Redis (None: the job's rq connection is that server)
+CLIENT = None
+# set by the agents worker process from its config: (gateway URL, gateway key); never from a job
+GATEWAY = ("", "")
 
 _PUBLISH = """
 redis.call('SADD', KEYS[1], ARGV[1])
@@ -77,59 +80,98 @@ def _record_metrics(client, keys: Keys, episode_id: str) -> None:
     histories), aborted and resumed calls."""
     ep = fold(client.xrange(keys.episode(episode_id)))
     calls = list(ep.calls.values())
-    metrics.record(client, keys, "agent", {
-        "episode": episode_id, "time": time.time(), "status": ep.status, "reward": ep.reward, "calls": len(calls),
-        "rows": len(ep.rows) if calls else 0, "forks": sum(c.extends < 0 and c.index > 0 for c in calls),
-        "linear": int(bool(calls) and not ep.branches), "aborted_calls": sum(bool(c.aborts) for c in calls),
-        "generated": ep.num_generated})
+    metrics.record(
+        client,
+        keys,
+        "agent",
+        {
+            "episode": episode_id,
+            "time": time.time(),
+            "status": ep.status,
+            "reward": ep.reward,
+            "calls": len(calls),
+            "rows": len(ep.rows) if calls else 0,
+            "forks": sum(c.extends < 0 and c.index > 0 for c in calls),
+            "linear": int(bool(calls) and not ep.branches),
+            "aborted_calls": sum(bool(c.aborts) for c in calls),
+            "generated": ep.num_generated,
+        },
+    )
 
 
 def run_episode(spec: dict) -> dict:
-    from rq import get_current_job
-
     import openai
+    from rq import get_current_job
 
     job = get_current_job()
     client = CLIENT or job.connection
     keys = Keys(spec["run"])
     eid = spec["episode_id"]
     log = logs.get("agents", episode=eid, worker=WORKER_ID)
-    faults.crash_point("agents", "job_started")  # a kill here: a reaper finds the job in rq's started registry
+    # a kill here: a reaper finds the job in rq's started registry
+    faults.crash_point("agents", "job_started")
     # the job's rq id too: a reaper that runs the episode again retires this job (rq would later call it failed)
-    client.hset(keys.agents_running, eid, json.dumps({"worker": WORKER_ID, "spec": spec, "job": job.id if job else None}))
+    client.hset(
+        keys.agents_running, eid, json.dumps({"worker": WORKER_ID, "spec": spec, "job": job.id if job else None})
+    )
     events = EpisodeLog(client, keys, WORKER_ID)
     if not events.read(eid):
         events.open(eid, 0)
-        events.append(eid, "started", {"episode_id": eid, "group_id": spec["group_id"], "index": spec["index"],
-                                       "prompt_ids": [], "sampling": spec.get("sampling", {}), "task": spec["task"],
-                                       "agent": spec["agent"]}, 0)
+        events.append(
+            eid,
+            "started",
+            {
+                "episode_id": eid,
+                "group_id": spec["group_id"],
+                "index": spec["index"],
+                "prompt_ids": [],
+                "sampling": spec.get("sampling", {}),
+                "task": spec["task"],
+                "agent": spec["agent"],
+            },
+            0,
+        )
         try:
             events.flush_or_raise([eid])
         except Fenced:
-            pass  # another run of this job started it first
+            # another run of this job started it first
+            pass
     ep = fold(events.read(eid))
     result = {"episode_id": eid, "rerun": bool(ep.calls) or ep.done}
     if not ep.done:
         t0 = time.monotonic()
         url, key = GATEWAY if GATEWAY[0] else (spec["gateway_url"], "")
         # the agent holds its episode's own key, never the gateway's: it can call into this episode only
-        oai = openai.OpenAI(base_url=f"{url}/ep/{eid}/v1", api_key=secrets.episode_key(key, eid) if key else "streamrl",
-                            max_retries=100, timeout=spec.get("timeout", 600.0))
+        oai = openai.OpenAI(
+            base_url=f"{url}/ep/{eid}/v1",
+            api_key=secrets.episode_key(key, eid) if key else "streamrl",
+            max_retries=100,
+            timeout=spec.get("timeout", 600.0),
+        )
         try:
             reward, details = normalise(load_agent(spec["agent"])(oai, dict(spec["task"])))
             _append_last(events, eid, "finished", {"reason": "stop", "reward": reward, "details": details})
             result.update(reward=reward)
             log.info("agent episode finished", reward=reward, seconds=round(time.monotonic() - t0, 3))
-        except Exception as exc:  # a user's agent can raise anything: an error on the episode, not a lost group
+        # a user's agent can raise anything: an error on the episode, not a lost group
+        except Exception as exc:
             error = f"agent {spec['agent']} raised {exc.__class__.__name__}: {exc}"
             log.warning("agent episode failed", error=error)
             _append_last(events, eid, "failed", {"error": error[:2000], "where": "agent"})
             result.update(error=error)
     _record_metrics(client, keys, eid)
-    published = client.eval(_PUBLISH, 3, keys.agents_done(spec["group_id"]), keys.sampled(spec["group_id"]),
-                            keys.samples, eid, spec["group_id"], len(spec["episodes"]), ",".join(spec["episodes"]),
-                            WORKER_ID)
+    published = client.eval(
+        _PUBLISH,
+        3,
+        keys.agents_done(spec["group_id"]),
+        keys.sampled(spec["group_id"]),
+        keys.samples,
+        eid,
+        spec["group_id"],
+        len(spec["episodes"]),
+        ",".join(spec["episodes"]),
+        WORKER_ID,
+    )
     client.hdel(keys.agents_running, eid)
     result["published"] = bool(published)
     return result
-

@@ -21,7 +21,8 @@ class Function(_Open):
     name: str
 
 
-class Named(_Open):  # a tool, or a tool call: {"type": "function", "function": {"name": ...}}
+# a tool, or a tool call: {"type": "function", "function": {"name": ...}}
+class Named(_Open):
     function: Function
 
 
@@ -42,7 +43,8 @@ class _Common(_Open):
     logprobs: bool | None = None
     stop: str | list[str] | None = None
     stream_options: dict[str, Any] | None = None
-    return_token_ids: bool | None = None  # vLLM's: the prompt's and the completion's token ids in the answer
+    # vLLM's: the prompt's and the completion's token ids in the answer
+    return_token_ids: bool | None = None
 
 
 class Chat(_Common):
@@ -52,7 +54,8 @@ class Chat(_Common):
 
 class Completion(_Common):
     prompt: str | list[int]
-    logprobs: bool | int | None = None  # the legacy API's: how many top log-probs (0: the sampled token's only)
+    # the legacy API's: how many top log-probs (0: the sampled token's only)
+    logprobs: bool | int | None = None
 
 
 _TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none")
@@ -81,5 +84,6 @@ def check(body: Any, kind: type[_Open]) -> None:
         err = exc.errors(include_url=False)[0]
         param = _param(err["loc"])
         got = json.dumps(err.get("input"), default=str)[:80] if err["type"] != "missing" else "nothing"
-        raise GatewayError(400, f"{param}: {err['msg'][0].lower()}{err['msg'][1:]} (got {got})", param,
-                           "invalid_type") from None
+        raise GatewayError(
+            400, f"{param}: {err['msg'][0].lower()}{err['msg'][1:]} (got {got})", param, "invalid_type"
+        ) from None

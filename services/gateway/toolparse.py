@@ -21,29 +21,32 @@ _THINK = re.compile(r"<think>.*?(</think>|$)", re.S)
 @dataclass
 class Parsed:
     content: str
-    calls: list[dict] = field(default_factory=list)  # {"name": str, "arguments": str (JSON text)}
+    # {"name": str, "arguments": str (JSON text)}
+    calls: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
 
 def parse(text: str) -> Parsed:
-    visible = _THINK.sub(lambda m: " " * len(m.group(0)), text)  # same offsets, calls in <think> hidden
+    # same offsets, calls in <think> hidden
+    visible = _THINK.sub(lambda m: " " * len(m.group(0)), text)
     calls, problems, kept, pos = [], [], [], 0
     for m in _BLOCK.finditer(visible):
-        body = text[m.start(1):m.end(1)].strip()
+        body = text[m.start(1) : m.end(1)].strip()
         try:
             obj = json.loads(body)
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 raise ValueError("expected an object with a string 'name'")
             args = obj.get("arguments", obj.get("parameters", {}))
             if isinstance(args, str):
-                json.loads(args)  # must be JSON text already
+                # must be JSON text already
+                json.loads(args)
                 arguments = args
             else:
                 arguments = json.dumps(args)
         except ValueError as exc:
             problems.append(f"malformed tool call {body[:80]!r}: {exc}")
             continue
-        kept.append(text[pos:m.start()])
+        kept.append(text[pos : m.start()])
         pos = m.end()
         calls.append({"name": obj["name"], "arguments": arguments})
     kept.append(text[pos:])

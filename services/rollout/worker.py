@@ -16,31 +16,32 @@ import time
 
 import redis
 
-from services.rollout.jobs import rewards, tools
-from services.rollout.episodes.agent_loop import Agent
 from services.rollout.calls.server import CallServer
 from services.rollout.engine import Engine, EngineError
+from services.rollout.episodes.agent_loop import Agent
 from services.rollout.episodes.lifecycle import Episodes
-from services.rollout.groups.claims import Groups
 from services.rollout.episodes.prompting import stop_token_ids
+from services.rollout.groups.claims import Groups
 from services.rollout.groups.repacker import Repacker
+from services.rollout.jobs import rewards, tools
 from services.rollout.jobs.tool_jobs import ToolJobs
 from services.rollout.weights import sync_modes
 from services.rollout.weights.local import LocalWeights
-from shared.protocol.streams import control, metrics, versions
-from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.episode.events import EventError
+from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import Keys
+from shared.protocol.streams import control, metrics, versions
 from shared.runtime.config.keys import Config
 from shared.runtime.connection import connect
 from shared.runtime.faults import crash_point
-from shared.runtime.weights import origins as weight_origins
 from shared.runtime.heartbeat import Heartbeat
+from shared.runtime.weights import origins as weight_origins
 from shared.runtime.weights.server import WeightServer
 
-
-IDLE_BLOCK_MS = 1000  # longest blocking read of an idle worker (timers cut it shorter; any event ends it)
-CLAIM_RECHECK_S = 1.0  # claims are event driven; this only bounds the wait for a slot the trainer gave back
+# longest blocking read of an idle worker (timers cut it shorter; any event ends it)
+IDLE_BLOCK_MS = 1000
+# claims are event driven; this only bounds the wait for a slot the trainer gave back
+CLAIM_RECHECK_S = 1.0
 
 
 class RolloutWorker:
@@ -51,28 +52,53 @@ class RolloutWorker:
         registry = tools.registry(cfg.tools)
         reward = rewards.load(cfg.reward_fn)
         self.claims = Groups(cfg, client, self.keys, worker_id, self.log)
-        rq_client = connect(cfg.rq_redis_url, wait=cfg.redis_wait) if cfg.rq_redis_url else client  # rq: one server
-        self.jobs = ToolJobs(rq_client, self.keys.tool_queue, cfg.run, cfg.tools, cfg.reward_fn, cfg.tool_timeout,
-                             cfg.reward_timeout, wake_on_results=rq_client is client)
+        # rq: one server
+        rq_client = connect(cfg.rq_redis_url, wait=cfg.redis_wait) if cfg.rq_redis_url else client
+        self.jobs = ToolJobs(
+            rq_client,
+            self.keys.tool_queue,
+            cfg.run,
+            cfg.tools,
+            cfg.reward_fn,
+            cfg.tool_timeout,
+            cfg.reward_timeout,
+            wake_on_results=rq_client is client,
+        )
         agent = Agent(tokenizer, registry, cfg.max_tool_calls, engine.max_model_len)
-        self.episodes = Episodes(cfg, EpisodeLog(client, self.keys, worker_id, cfg.flush_tokens, cfg.flush_ms),
-                                 engine, tokenizer, agent, self.jobs, self.claims, reward,
-                                 stop_token_ids(tokenizer, cfg.model_dir, cfg.stop),
-                                 self.log)
-        self.calls = CallServer(cfg, client, worker_id, engine, tokenizer, self.log)  # gateway calls (agents)
-        self.repack = Repacker(cfg, client, self.keys, worker_id, self.episodes, self.claims, self.log)  # long tails
+        self.episodes = Episodes(
+            cfg,
+            EpisodeLog(client, self.keys, worker_id, cfg.flush_tokens, cfg.flush_ms),
+            engine,
+            tokenizer,
+            agent,
+            self.jobs,
+            self.claims,
+            reward,
+            stop_token_ids(tokenizer, cfg.model_dir, cfg.stop),
+            self.log,
+        )
+        # gateway calls (agents)
+        self.calls = CallServer(cfg, client, worker_id, engine, tokenizer, self.log)
+        # long tails
+        self.repack = Repacker(cfg, client, self.keys, worker_id, self.episodes, self.claims, self.log)
         self.heartbeat = Heartbeat(client, self.keys, "rollout", worker_id, cfg.heartbeat_ttl)
-        self.weights = LocalWeights(cfg, self.log)  # each version's file: the published one, or a download
+        # each version's file: the published one, or a download
+        self.weights = LocalWeights(cfg, self.log)
         # the token goes only where the run announced a weight server (not to a URL a control entry names)
         self.weights.announced = lambda: weight_origins.announced(client, self.keys, cfg.weights_base_url)
-        self.relay: WeightServer | None = None  # serves its verified copies to other workers (relay_port)
-        self.sync = sync_modes.choose(cfg, self)  # how new versions arrive: commanded, rolling, pulled, lockstep
+        # serves its verified copies to other workers (relay_port)
+        self.relay: WeightServer | None = None
+        # how new versions arrive: commanded, rolling, pulled, lockstep
+        self.sync = sync_modes.choose(cfg, self)
         self.control_cursor = "$"
-        self.prompt_cursors = {self.keys.prompts: "$", self.keys.val_prompts: "$"}  # wake on new prompt groups
+        # wake on new prompt groups
+        self.prompt_cursors = {self.keys.prompts: "$", self.keys.val_prompts: "$"}
         self.seen = control.Seen()
         self._next_takeover = self._next_claim = 0.0
-        self._claim_wanted, self._claimed_with = True, None  # event-driven claiming: see _claim
-        self._wake_sent = False  # the wake read went with the step's writes (tick)
+        # event-driven claiming: see _claim
+        self._claim_wanted, self._claimed_with = True, None
+        # the wake read went with the step's writes (tick)
+        self._wake_sent = False
         self._next_report = time.monotonic() + 5.0
         self.started_at = time.monotonic()
         self.busy_s = 0.0
@@ -87,14 +113,23 @@ class RolloutWorker:
         return self.episodes.events
 
     @events.setter
-    def events(self, log: EpisodeLog) -> None:  # bench/rollout.py swaps in an in-memory log
+    # bench/rollout.py swaps in an in-memory log
+    def events(self, log: EpisodeLog) -> None:
         self.episodes.events = log
-    groups = property(lambda self: self.claims.held)  # group id -> GroupRun
+
+    # group id -> GroupRun
+    groups = property(lambda self: self.claims.held)
 
     @property
     def stats(self) -> dict:
-        return {**self.episodes.stats, "groups": self.claims.published, "takeovers": self.takeovers,
-                **self.weights.stats, **self.repack.stats, **self.sync.stats}
+        return {
+            **self.episodes.stats,
+            "groups": self.claims.published,
+            "takeovers": self.takeovers,
+            **self.weights.stats,
+            **self.repack.stats,
+            **self.sync.stats,
+        }
 
     def waiting_on_jobs(self) -> bool:
         return self.jobs.waiting()
@@ -103,15 +138,22 @@ class RolloutWorker:
     def start(self) -> None:
         self.claims.create_consumer_groups()
         self.control_cursor = control.last_id(self.client, self.keys)
-        for stream in self.prompt_cursors:  # from here on, a new entry wakes an idle worker
+        # from here on, a new entry wakes an idle worker
+        for stream in self.prompt_cursors:
             last = self.client.xrevrange(stream, count=1)
             self.prompt_cursors[stream] = last[0][0].decode() if last else "0-0"
         self.calls.start()
         if self.cfg.relay_port:
-            wait_s = self.sync.relay_wait_s  # pull: a child asks for a version this worker may still be fetching
-            self.relay = WeightServer(self.cfg.rollout_weights_path, self.cfg.relay_host, max(0, self.cfg.relay_port),
-                                      self.cfg.weights_token, resolve=lambda name: self.weights.served(name, wait_s),
-                                      config_keys="relay_host, relay_port").start()
+            # pull: a child asks for a version this worker may still be fetching
+            wait_s = self.sync.relay_wait_s
+            self.relay = WeightServer(
+                self.cfg.rollout_weights_path,
+                self.cfg.relay_host,
+                max(0, self.cfg.relay_port),
+                self.cfg.weights_token,
+                resolve=lambda name: self.weights.served(name, wait_s),
+                config_keys="relay_host, relay_port",
+            ).start()
             self.log.info("relay serving verified weights", url=self.relay.url)
         self.repack.start()
         self.sync.start()
@@ -146,7 +188,8 @@ class RolloutWorker:
         made while the next step runs; its reply is obeyed after that step."""
         busy = self.engine.has_unfinished() and not self.paused
         if not (busy and self._wake_sent):
-            self.episodes.writes.settle()  # the reply of a read in flight first: the cursors move in order
+            # the reply of a read in flight first: the cursors move in order
+            self.episodes.writes.settle()
             self._on_replies()
             self._handle_control(block_ms=0 if busy else self._idle_block_ms(block_ms))
         self._wake_sent = False
@@ -154,26 +197,32 @@ class RolloutWorker:
         if not self.paused:
             self.sync.before_claims()
             self._claim(now)
-            self.sync.between_steps()  # pull: load a downloaded version at a cheap point
+            # pull: load a downloaded version at a cheap point
+            self.sync.between_steps()
         self.calls.tick(self.paused)
         for outcome in self.jobs.poll():
             self.episodes.on_job(outcome)
         if not self.paused and self.engine.has_unfinished():
             t0 = time.monotonic()
-            with self.episodes.writes.one_flush():  # every episode that ends in this step: in the step's one round trip
-                for chunk in self.engine.step():  # chunks are routed by request id (= episode id)
+            # every episode that ends in this step: in the step's one round trip
+            with self.episodes.writes.one_flush():
+                # chunks are routed by request id (= episode id)
+                for chunk in self.engine.step():
                     if self.calls.owns(chunk.request_id):
                         self.calls.on_chunk(chunk)
                     else:
                         self.episodes.on_chunk(chunk)
             self.busy_s += time.monotonic() - t0
-            self.episodes.writes.settle(publish_later=True)  # the previous step's writes, made while this step ran
-            self._on_replies()  # may pause: that writes everything now
+            # the previous step's writes, made while this step ran
+            self.episodes.writes.settle(publish_later=True)
+            # may pause: that writes everything now
+            self._on_replies()
             self._wake_sent = self.engine.has_unfinished() and not self.paused
             self.episodes.writes.send_step(self._wake_read() if self._wake_sent else None)
         else:
             self.episodes.flush(due_only=True)
-        self.repack.after_tick(self.busy_s)  # long-tail repack: policy, handoff (services/rollout/groups/repacker.py)
+        # long-tail repack: policy, handoff (services/rollout/groups/repacker.py)
+        self.repack.after_tick(self.busy_s)
         self.beat()
         if now >= self._next_report:
             self.report()
@@ -184,7 +233,8 @@ class RolloutWorker:
         prompt group or a resume (the gate moves with a sync) woke the worker, and at the latest every
         CLAIM_RECHECK_S (a gate slot given back by the trainer); never throttled, never on every engine step for
         nothing."""
-        if now >= self._next_takeover or self.repack.waiting():  # a group repacked here: open it before new ones
+        # a group repacked here: open it before new ones
+        if now >= self._next_takeover or self.repack.waiting():
             self._next_takeover = now + self.cfg.heartbeat_ttl / 2
             runs = self.claims.take_over()
             self.takeovers += sum(run.takeover_from is not None for run in runs)
@@ -196,11 +246,13 @@ class RolloutWorker:
             return
         if self.claims.room() <= 0 and self.claims.val_room() <= 0:
             return
-        if not self.sync.may_claim():  # rolling: behind the gate and the catch-up failed: retried later
+        # rolling: behind the gate and the catch-up failed: retried later
+        if not self.sync.may_claim():
             self._claim_wanted, self._claimed_with, self._next_claim = False, held, now + CLAIM_RECHECK_S
             return
         self._claim_wanted = False
-        self.episodes.open_groups(self.claims.claim(self.engine.version))  # one pipeline for all of them
+        # one pipeline for all of them
+        self.episodes.open_groups(self.claims.claim(self.engine.version))
         self._claimed_with, self._next_claim = (self.claims.slots_used(), self.claims.published), now + CLAIM_RECHECK_S
 
     def _idle_block_ms(self, block_ms: int) -> int:
@@ -208,8 +260,15 @@ class RolloutWorker:
         an event buffer's age flush, a job's deadline."""
         if not block_ms:
             return 0
-        due = [self.heartbeat.next_due(), self._next_takeover, self._next_report, self.episodes.events.next_due(),
-               self.calls.events.next_due(), self.jobs.next_deadline(), self.sync.next_due()]
+        due = [
+            self.heartbeat.next_due(),
+            self._next_takeover,
+            self._next_report,
+            self.episodes.events.next_due(),
+            self.calls.events.next_due(),
+            self.jobs.next_deadline(),
+            self.sync.next_due(),
+        ]
         if self.claims.room() > 0 or self.claims.val_room() > 0:
             due.append(self._next_claim)
         soonest = min((t for t in due if t is not None), default=None)
@@ -219,18 +278,37 @@ class RolloutWorker:
 
     def beat(self, force: bool = False) -> None:
         relay = {"relay": self.relay.url, "fetch_dir": self.weights.folder_id} if self.relay is not None else {}
-        self.heartbeat.beat(force=force, version=self.engine.version, paused=int(self.paused),
-                            episodes=len(self.live), groups=len(self.claims.held), role=self.cfg.rollout_role,
-                            room=self.claims.room(), **relay)
+        self.heartbeat.beat(
+            force=force,
+            version=self.engine.version,
+            paused=int(self.paused),
+            episodes=len(self.live),
+            groups=len(self.claims.held),
+            role=self.cfg.rollout_role,
+            room=self.claims.room(),
+            **relay,
+        )
 
     def report(self, final: bool = False) -> None:
         """Throughput and busy/idle time, on the metrics stream every few seconds; ``final`` marks the last
         record of a process (its counters are complete: `streamrl check` reads them)."""
         self._next_report = time.monotonic() + 5.0
         elapsed = time.monotonic() - self.started_at
-        metrics.record(self.client, self.keys, "rollout", {
-            "worker": self.worker_id, "time": time.time(), "version": self.engine.version, "busy_s": self.busy_s,
-            "idle_s": max(elapsed - self.busy_s, 0.0), "final": final, **self.stats, **self.calls.stats})
+        metrics.record(
+            self.client,
+            self.keys,
+            "rollout",
+            {
+                "worker": self.worker_id,
+                "time": time.time(),
+                "version": self.engine.version,
+                "busy_s": self.busy_s,
+                "idle_s": max(elapsed - self.busy_s, 0.0),
+                "final": final,
+                **self.stats,
+                **self.calls.stats,
+            },
+        )
 
     # --- weights
     def catch_up(self) -> None:
@@ -240,7 +318,8 @@ class RolloutWorker:
             self._load(latest.version, latest.path, latest.sha256, latest.url)
 
     def _load(self, version: int, path: str, sha256: str, url: str = "") -> None:
-        if version < self.engine.version:  # never back: every path that loads checks first; this is the last word
+        # never back: every path that loads checks first; this is the last word
+        if version < self.engine.version:
             raise ValueError(f"version {version} is older than the one this worker runs ({self.engine.version})")
         # verified by the fetch before the pause, as a rule; else fetched now, the heartbeat kept meanwhile
         local = self.weights.local(version, path, sha256, url, waiting=lambda: self.beat(force=True))
@@ -261,15 +340,22 @@ class RolloutWorker:
             self._load(v.version, v.path, v.sha256, v.url)
         except EngineError as exc:
             raise ValueError(str(exc)) from None
-        self._claim_wanted = True  # a newer version: the gate's limit for it
+        # a newer version: the gate's limit for it
+        self._claim_wanted = True
         self.beat(force=True)
 
     # --- control: fetch / pause / load / resume
     def _wake_streams(self) -> dict:
         # every stream that can give an idle worker work: control, new prompt groups, gateway calls, results of
         # its rq jobs (rq writes one stream per job)
-        return {self.keys.control: self.control_cursor, **self.prompt_cursors, **self.calls.wake_streams(),
-                **self.jobs.result_streams(), **self.repack.wake_streams(), **self.sync.wake_streams()}
+        return {
+            self.keys.control: self.control_cursor,
+            **self.prompt_cursors,
+            **self.calls.wake_streams(),
+            **self.jobs.result_streams(),
+            **self.repack.wake_streams(),
+            **self.sync.wake_streams(),
+        }
 
     def _wake_read(self):
         """The non-blocking read of the wake streams, for the step's pipeline (built on the writer thread, from
@@ -289,16 +375,20 @@ class RolloutWorker:
     def _on_wake(self, reply) -> None:
         for stream, entries in reply or []:
             name = stream.decode() if isinstance(stream, bytes) else stream
-            if name in self.prompt_cursors:  # new prompt groups: claim on this tick
+            # new prompt groups: claim on this tick
+            if name in self.prompt_cursors:
                 self.prompt_cursors[name] = entries[-1][0].decode()
                 self._claim_wanted = True
                 continue
-            if self.repack.saw(name, entries):  # a long-tail worker: groups handed to it, opened on this tick
+            # a long-tail worker: groups handed to it, opened on this tick
+            if self.repack.saw(name, entries):
                 continue
-            if self.sync.saw(name, entries):  # pull: a version announced, a lease freed
+            # pull: a version announced, a lease freed
+            if self.sync.saw(name, entries):
                 continue
             if name not in (self.keys.control, self.keys.calls):
-                continue  # a job's result: jobs.poll() picks it up on this tick
+                # a job's result: jobs.poll() picks it up on this tick
+                continue
             for entry_id, fields in entries:
                 if self.calls.saw(stream, entry_id):
                     continue
@@ -309,21 +399,37 @@ class RolloutWorker:
                     self.claims.dead_letter(self.keys.control, entry_id, str(exc))
                     continue
                 if not isinstance(cmd, control.Command) or not cmd.for_worker(self.worker_id):
-                    continue  # an ack, or a command for other workers (a wave, a level of the fetch tree)
-                if self.seen.first(cmd):  # a command read twice is obeyed once
+                    # an ack, or a command for other workers (a wave, a level of the fetch tree)
+                    continue
+                # a command read twice is obeyed once
+                if self.seen.first(cmd):
                     self._obey(cmd)
 
     def _obey(self, cmd: control.Command) -> None:
         ok, error = True, ""
-        if 0 <= cmd.version < self.engine.version:  # a sync older than what this worker runs: it caught up meanwhile
-            self.log.debug("command of an older sync acknowledged and ignored", cmd=cmd.cmd, sync=cmd.sync,
-                           version=cmd.version, current=self.engine.version)
+        # a sync older than what this worker runs: it caught up meanwhile
+        if 0 <= cmd.version < self.engine.version:
+            self.log.debug(
+                "command of an older sync acknowledged and ignored",
+                cmd=cmd.cmd,
+                sync=cmd.sync,
+                version=cmd.version,
+                current=self.engine.version,
+            )
             control.send_ack(self.client, self.keys, cmd, self.worker_id, ok, self.engine.version, error)
             return
-        if cmd.cmd == "fetch":  # in a thread, while generation goes on; the thread acks once the copy is verified
-            self.weights.prefetch(cmd.version, cmd.path, cmd.sha256, cmd.url, lambda ok, error: control.send_ack(
-                self.client, self.keys, cmd, self.worker_id, ok, self.engine.version, error),
-                relay=cmd.sources.get(self.worker_id, ""))
+        # in a thread, while generation goes on; the thread acks once the copy is verified
+        if cmd.cmd == "fetch":
+            self.weights.prefetch(
+                cmd.version,
+                cmd.path,
+                cmd.sha256,
+                cmd.url,
+                lambda ok, error: control.send_ack(
+                    self.client, self.keys, cmd, self.worker_id, ok, self.engine.version, error
+                ),
+                relay=cmd.sources.get(self.worker_id, ""),
+            )
             return
         if cmd.cmd == "pause":
             self._pause()
@@ -332,13 +438,18 @@ class RolloutWorker:
                 self._load(cmd.version, cmd.path, cmd.sha256, cmd.url)
             except (OSError, EngineError, ValueError) as exc:
                 ok, error = False, str(exc)
-                self.log.error("weights refused; keeping old version", version=cmd.version,
-                               current=self.engine.version, error=error)
+                self.log.error(
+                    "weights refused; keeping old version",
+                    version=cmd.version,
+                    current=self.engine.version,
+                    error=error,
+                )
         elif cmd.cmd == "resume":
             self._resume()
         control.send_ack(self.client, self.keys, cmd, self.worker_id, ok, self.engine.version, error)
         if cmd.cmd == "pause":
-            crash_point("rollout", "paused")  # tests only (shared/runtime/faults.py)
+            # tests only (shared/runtime/faults.py)
+            crash_point("rollout", "paused")
         self.beat(force=True)
 
     def _pause(self) -> None:
@@ -349,7 +460,8 @@ class RolloutWorker:
             self.episodes.paused = True
 
     def _resume(self) -> None:
-        self._claim_wanted = True  # a sync moved the staleness gate
+        # a sync moved the staleness gate
+        self._claim_wanted = True
         if self.paused:
             self.episodes.paused = False
             self.episodes.resume_all()

@@ -16,17 +16,21 @@ from __future__ import annotations
 import time
 
 from shared.protocol import gate
-from shared.protocol.streams import metrics, pulls, versions
 from shared.protocol.episode.events import EventError
+from shared.protocol.streams import metrics, pulls, versions
 
-BLOCK_MS = 1000  # longest blocking read; any entry on either stream ends it
-CHECK_S = 2.0  # heartbeats lapse without an event: looked at this often while a version is not complete
+# longest blocking read; any entry on either stream ends it
+BLOCK_MS = 1000
+# heartbeats lapse without an event: looked at this often while a version is not complete
+CHECK_S = 2.0
 
 
 class Announcer:
     def __init__(self, syncer):
-        self.s = syncer  # the Syncer: its config, client, keys, gate, live workers, heartbeat
-        self.announced: dict[int, float] = {}  # version -> time.monotonic() when this syncer saw it
+        # the Syncer: its config, client, keys, gate, live workers, heartbeat
+        self.s = syncer
+        # version -> time.monotonic() when this syncer saw it
+        self.announced: dict[int, float] = {}
         self._next_check = 0.0
 
     def run(self, should_stop=lambda: False) -> None:
@@ -34,14 +38,16 @@ class Announcer:
         last = versions.latest(s.client, s.keys)
         cursor = last.entry_id if last else "0-0"
         s.version = last.version if last else 0
-        s.set_gate(s.version, complete=False)  # complete as soon as every live worker runs it (no record)
+        # complete as soon as every live worker runs it (no record)
+        s.set_gate(s.version, complete=False)
         self.check()
         pulls_cursor = pulls.last_id(s.client, s.keys)
         s.log.info("ready", version=s.version, sync_mode="pull")
         while not should_stop():
             s._beat()
-            reply = s.client.xread({s.keys.versions: cursor, s.keys.pulls: pulls_cursor}, count=100,
-                                   block=BLOCK_MS) or []
+            reply = (
+                s.client.xread({s.keys.versions: cursor, s.keys.pulls: pulls_cursor}, count=100, block=BLOCK_MS) or []
+            )
             loaded = False
             for stream, entries in reply:
                 name = stream.decode() if isinstance(stream, bytes) else stream
@@ -72,7 +78,8 @@ class Announcer:
     def check(self) -> None:
         s = self.s
         self._next_check = time.monotonic() + CHECK_S
-        if gate.opened_version(s.client, s.keys) != s.version:  # a Redis restart lost the gate's update
+        # a Redis restart lost the gate's update
+        if gate.opened_version(s.client, s.keys) != s.version:
             s.log.warning("staleness gate behind the announced version; set again", version=s.version)
             s.set_gate(s.version, complete=False)
         done = gate.complete_version(s.client, s.keys)
@@ -85,10 +92,19 @@ class Announcer:
         gate.mark_complete(s.client, s.keys, s.version)
         since = self.announced.pop(s.version, None)
         self.announced = {v: t for v, t in self.announced.items() if v > s.version}
-        if since is None:  # the version this syncer found at start: no announcement of its own to time
+        # the version this syncer found at start: no announcement of its own to time
+        if since is None:
             return
-        record = {"version": s.version, "sync": f"v{s.version}-pull", "workers": len(live), "missing": [],
-                  "refused": {}, "sync_mode": "pull", "total_s": time.monotonic() - since, "paused_s": 0.0,
-                  "waves": 0}
+        record = {
+            "version": s.version,
+            "sync": f"v{s.version}-pull",
+            "workers": len(live),
+            "missing": [],
+            "refused": {},
+            "sync_mode": "pull",
+            "total_s": time.monotonic() - since,
+            "paused_s": 0.0,
+            "waves": 0,
+        }
         metrics.record(s.client, s.keys, "sync", record)
         s.log.info("every live worker runs the version; gate complete", version=s.version, workers=len(live))

@@ -28,38 +28,43 @@ from dataclasses import dataclass, field
 
 import redis
 
+from services.syncer.announce import Announcer
 from shared.protocol import gate
+from shared.protocol.keys import Keys
+from shared.protocol.staleness import group_capacity
 from shared.protocol.streams import control, metrics, versions
 from shared.protocol.weights import relay_tree
-from services.syncer.announce import Announcer
 from shared.runtime import heartbeat, runstate
 from shared.runtime.config.keys import Config
 from shared.runtime.faults import crash_point
-from shared.protocol.keys import Keys
-from shared.protocol.staleness import group_capacity
 from shared.runtime.weights.server import PREFIX, file_name
-
-
 
 
 @dataclass
 class _Round:
     """One sync's state: what it moves, to whom, and what it has seen so far."""
+
     sync: str
     version: int
     path: str
     sha256: str
     url: str
-    workers: set[str]  # live when it began
+    # live when it began
+    workers: set[str]
     log: object
-    missing: set[str] = field(default_factory=set)  # died or stayed silent: not waited for again
+    # died or stayed silent: not waited for again
+    missing: set[str] = field(default_factory=set)
     refused: dict[str, str] = field(default_factory=dict)
     why: dict[str, str] = field(default_factory=dict)
-    durations: dict[str, float] = field(default_factory=dict)  # per command, summed over waves and levels
-    relayed: dict[str, str] = field(default_factory=dict)  # worker -> the relay URL its fetch named
+    # per command, summed over waves and levels
+    durations: dict[str, float] = field(default_factory=dict)
+    # worker -> the relay URL its fetch named
+    relayed: dict[str, str] = field(default_factory=dict)
     fetch_levels: int = 1
-    longest_paused: float = 0.0  # the longest wave: pause sent to resume acked
-    generating_min: float = 1.0  # the smallest fraction of the workers not in the wave being changed
+    # the longest wave: pause sent to resume acked
+    longest_paused: float = 0.0
+    # the smallest fraction of the workers not in the wave being changed
+    generating_min: float = 1.0
 
 
 def groups_per_version(cfg: Config) -> int:
@@ -72,12 +77,14 @@ class Syncer:
 
     def __init__(self, cfg: Config, client: redis.Redis, log, heartbeat=lambda: None):
         self.cfg, self.client, self.log = cfg, client, log
-        self.heartbeat = heartbeat  # refreshes this process's alive key; called often, also while waiting
+        # refreshes this process's alive key; called often, also while waiting
+        self.heartbeat = heartbeat
         self._next_beat = 0.0
         self.keys = Keys(cfg.run)
         self.version = 0
         self.cursor = "0-0"
-        self._next_stuck_check, self._stuck = 0.0, set()  # workers seen paused between syncs
+        # workers seen paused between syncs
+        self._next_stuck_check, self._stuck = 0.0, set()
 
     @property
     def rolling(self) -> bool:
@@ -90,16 +97,26 @@ class Syncer:
 
     def set_gate(self, version: int, complete: bool = True) -> None:
         limit = group_capacity(version, self.cfg.max_staleness, groups_per_version(self.cfg), started_groups=0)
-        gate.open(self.client, self.keys, version, limit, self.cfg.max_staleness, groups_per_version(self.cfg),
-                  complete=complete)
+        gate.open(
+            self.client,
+            self.keys,
+            version,
+            limit,
+            self.cfg.max_staleness,
+            groups_per_version(self.cfg),
+            complete=complete,
+        )
 
     def start(self) -> None:
         last = versions.latest(self.client, self.keys)
         if last:
             self.cursor, self.version = last.entry_id, last.version
             # restarted mid-sync (workers left paused, or not at the newest version), or workers missed a round
-            behind = [w for w, info in self.live_workers().items()
-                      if int(info.get("version", -1)) < self.version or info.get("paused") == "1"]
+            behind = [
+                w
+                for w, info in self.live_workers().items()
+                if int(info.get("version", -1)) < self.version or info.get("paused") == "1"
+            ]
             if behind:
                 self.sync(last.version, last.path, last.sha256, last.url)
         self.set_gate(self.version)
@@ -121,7 +138,8 @@ class Syncer:
                 self._resume_if_stuck()
                 continue
             self.cursor = entries[-1].entry_id
-            newest = entries[-1]  # only the newest matters
+            # only the newest matters
+            newest = entries[-1]
             if newest.version > self.version:
                 self.sync(newest.version, newest.path, newest.sha256, newest.url)
 
@@ -134,9 +152,11 @@ class Syncer:
             return
         self._next_stuck_check = now + 2.0
         gate_version = gate.opened_version(self.client, self.keys)
-        if gate_version != self.version:  # a Redis restart lost the gate's update
-            self.log.warning("staleness gate behind the synced version; set again", gate=gate_version,
-                             version=self.version)
+        # a Redis restart lost the gate's update
+        if gate_version != self.version:
+            self.log.warning(
+                "staleness gate behind the synced version; set again", gate=gate_version, version=self.version
+            )
             self.set_gate(self.version)
         stuck = {w for w, info in self.live_workers().items() if info.get("paused") == "1"}
         latest = versions.latest(self.client, self.keys)
@@ -171,17 +191,37 @@ class Syncer:
         if not waves:
             self.set_gate(version)
         elif self.rolling and len(waves) > 1:
-            gate.mark_complete(self.client, self.keys, version)  # every live worker runs it now
+            # every live worker runs it now
+            gate.mark_complete(self.client, self.keys, version)
         self.version = version
         paused_s = sum(r.durations.get(f"{c}_s", 0.0) for c in ("pause", "load", "resume"))
-        record = {"version": version, "sync": sync_id, "workers": len(r.workers), "missing": sorted(r.missing),
-                  "missing_why": r.why, "refused": r.refused, "total_s": time.monotonic() - t_start,
-                  "paused_s": paused_s, "sync_mode": "rolling" if self.rolling else "global", "waves": len(waves),
-                  "max_paused_s": r.longest_paused, "generating_min": r.generating_min,
-                  "fetch_levels": r.fetch_levels, "relayed": r.relayed, **r.durations}
+        record = {
+            "version": version,
+            "sync": sync_id,
+            "workers": len(r.workers),
+            "missing": sorted(r.missing),
+            "missing_why": r.why,
+            "refused": r.refused,
+            "total_s": time.monotonic() - t_start,
+            "paused_s": paused_s,
+            "sync_mode": "rolling" if self.rolling else "global",
+            "waves": len(waves),
+            "max_paused_s": r.longest_paused,
+            "generating_min": r.generating_min,
+            "fetch_levels": r.fetch_levels,
+            "relayed": r.relayed,
+            **r.durations,
+        }
         metrics.record(self.client, self.keys, "sync", record)
-        r.log.info("synced", workers=len(r.workers), missing=len(r.missing), refused=len(r.refused), waves=len(waves),
-                   relayed=len(r.relayed), **{k: round(v, 4) for k, v in r.durations.items()})
+        r.log.info(
+            "synced",
+            workers=len(r.workers),
+            missing=len(r.missing),
+            refused=len(r.refused),
+            waves=len(waves),
+            relayed=len(r.relayed),
+            **{k: round(v, 4) for k, v in r.durations.items()},
+        )
         return record
 
     def _waves(self, r: "_Round") -> list[list[str]]:
@@ -191,7 +231,7 @@ class Syncer:
             return [sorted(r.workers)]
         ready = sorted(r.workers - r.missing)
         n = self.cfg.max_loading
-        return [ready[i:i + n] for i in range(0, len(ready), n)]
+        return [ready[i : i + n] for i in range(0, len(ready), n)]
 
     def _fetch(self, r: "_Round", live: dict[str, dict]) -> None:
         """Every worker gets a verified copy while it generates. With workers that relay (``relay`` in their
@@ -203,31 +243,57 @@ class Syncer:
         if not relays:
             self._phase(r, "fetch", set(r.workers), (), deadline=deadline)
             return
-        folders = {w: info.get("fetch_dir", "") for w, info in live.items()}  # one host's shared folder: one node
-        parent = relay_tree.parents(r.workers, relays, self.cfg.relay_fanout, folders)  # shared/protocol/weights/relay_tree.py
+        # one host's shared folder: one node
+        folders = {w: info.get("fetch_dir", "") for w, info in live.items()}
+        # shared/protocol/weights/relay_tree.py
+        parent = relay_tree.parents(r.workers, relays, self.cfg.relay_fanout, folders)
         order = relay_tree.order(r.workers, relays)
         depth = relay_tree.depths(parent)
-        have: set[str] = set()  # workers that acked a verified copy: they can serve it
+        # workers that acked a verified copy: they can serve it
+        have: set[str] = set()
         for level in range(1, max(depth.values()) + 1):
             wave = [w for w in order if depth[w] == level]
-            sources = {w: f"{relays[parent[w]].rstrip('/')}{PREFIX}{file_name(r.version)}" for w in wave
-                       if parent[w] in have and parent[w] in relays}
+            sources = {
+                w: f"{relays[parent[w]].rstrip('/')}{PREFIX}{file_name(r.version)}"
+                for w in wave
+                if parent[w] in have and parent[w] in relays
+            }
             r.relayed.update(sources)
-            have |= self._phase(r, "fetch", set(wave), tuple(wave), part=str(level), sources=sources,
-                                deadline=deadline)
+            have |= self._phase(r, "fetch", set(wave), tuple(wave), part=str(level), sources=sources, deadline=deadline)
         r.fetch_levels = max(depth.values())
 
-    def _phase(self, r: "_Round", cmd: str, awaited: set[str], targets: tuple, part: str = "",
-               sources: dict | None = None, deadline: float | None = None) -> set[str]:
+    def _phase(
+        self,
+        r: "_Round",
+        cmd: str,
+        awaited: set[str],
+        targets: tuple,
+        part: str = "",
+        sources: dict | None = None,
+        deadline: float | None = None,
+    ) -> set[str]:
         """Send one command (to ``targets``, or everyone) and wait for the acks of ``awaited``: the workers that
         acked it ok."""
         t0 = time.monotonic()
         cursor = control.last_id(self.client, self.keys)
         weights = cmd in control.WITH_WEIGHTS
-        control.send_command(self.client, self.keys, control.Command(
-            cmd, r.sync, r.version, r.path if weights else "", r.sha256 if weights else "",
-            url=r.url if weights else "", targets=targets, sources=sources or {}), part=part)
-        crash_point("syncer", cmd)  # tests only (shared/runtime/faults.py)
+        control.send_command(
+            self.client,
+            self.keys,
+            control.Command(
+                cmd,
+                r.sync,
+                r.version,
+                r.path if weights else "",
+                r.sha256 if weights else "",
+                url=r.url if weights else "",
+                targets=targets,
+                sources=sources or {},
+            ),
+            part=part,
+        )
+        # tests only (shared/runtime/faults.py)
+        crash_point("syncer", cmd)
         timeout = self.cfg.fetch_timeout if cmd == "fetch" else self.cfg.sync_timeout
         if deadline is not None:
             timeout = max(0.0, deadline - time.monotonic())
@@ -236,15 +302,22 @@ class Syncer:
         for worker, error in failed.items():
             r.log.error("worker refused the version; it keeps its old weights", worker=worker, error=error)
         r.refused.update({f"{worker}": f"{cmd}: {error}" for worker, error in failed.items()})
-        if dead and runstate.ended(runstate.read_meta(self.client, self.keys)):  # the run's own shutdown
+        # the run's own shutdown
+        if dead and runstate.ended(runstate.read_meta(self.client, self.keys)):
             r.log.info("workers stopped with the run before acknowledging", cmd=cmd, workers=sorted(dead))
         elif dead:
-            r.log.warning("workers died (heartbeat lapsed) before acknowledging; going on without them", cmd=cmd,
-                          workers=sorted(dead))
+            r.log.warning(
+                "workers died (heartbeat lapsed) before acknowledging; going on without them",
+                cmd=cmd,
+                workers=sorted(dead),
+            )
         limit = "fetch_timeout" if cmd == "fetch" else "sync_timeout"
         if silent:
-            r.log.warning(f"workers did not acknowledge within {limit}={timeout:g}s; going on without them", cmd=cmd,
-                          workers=sorted(silent))
+            r.log.warning(
+                f"workers did not acknowledge within {limit}={timeout:g}s; going on without them",
+                cmd=cmd,
+                workers=sorted(silent),
+            )
         r.why.update({w: f"{cmd}: heartbeat lapsed" for w in dead})
         r.why.update({w: f"{cmd}: silent past {limit}" for w in silent})
         r.missing |= silent | dead
@@ -260,7 +333,8 @@ class Syncer:
         next_alive_check = 0.0
         while workers - acked:
             for cursor, entry in control.read_after(self.client, self.keys, cursor, count=1000, block_ms=250):
-                if isinstance(entry, dict):  # an ack (a duplicate only re-adds the same worker)
+                # an ack (a duplicate only re-adds the same worker)
+                if isinstance(entry, dict):
                     a = control.decode_ack(entry)
                     if a.sync == sync_id and a.cmd == cmd:
                         acked.add(a.worker)
@@ -270,9 +344,11 @@ class Syncer:
             self._beat()
             if now > deadline:
                 break
-            if now > next_alive_check:  # a dead worker's heartbeat key lapses: stop waiting for it
+            # a dead worker's heartbeat key lapses: stop waiting for it
+            if now > next_alive_check:
                 next_alive_check = now + 0.25
-                waiting = sorted(workers - acked)  # EXISTS per awaited worker, not a SCAN of the keyspace
+                # EXISTS per awaited worker, not a SCAN of the keyspace
+                waiting = sorted(workers - acked)
                 pipe = self.client.pipeline(transaction=False)
                 for w in waiting:
                     pipe.exists(self.keys.alive("rollout", w))

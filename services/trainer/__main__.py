@@ -16,10 +16,16 @@ def serve_weights(cfg, log, resolve=None) -> WeightServer | None:
     if not cfg.weights_port:
         return None
     cfg.weights_path.mkdir(parents=True, exist_ok=True)
-    server = WeightServer(cfg.weights_path, cfg.weights_host, cfg.weights_port, cfg.weights_token,
-                          resolve=resolve).start()
-    log.info("serving weights", listen=server.url, advertised=cfg.weights_base_url, folder=str(cfg.weights_path),
-             auth=bool(cfg.weights_token))
+    server = WeightServer(
+        cfg.weights_path, cfg.weights_host, cfg.weights_port, cfg.weights_token, resolve=resolve
+    ).start()
+    log.info(
+        "serving weights",
+        listen=server.url,
+        advertised=cfg.weights_base_url,
+        folder=str(cfg.weights_path),
+        auth=bool(cfg.weights_token),
+    )
     return server
 
 
@@ -28,21 +34,29 @@ def main(argv=None) -> None:
     trainer = Trainer(svc.cfg, svc.client, svc.log)
     server, clean = None, False
     try:
-        if not trainer.shard.main:  # under torchrun: rank 0 reads, commits and beats; this rank follows it
+        # under torchrun: rank 0 reads, commits and beats; this rank follows it
+        if not trainer.shard.main:
             trainer.run()
             clean = True
             return
         try:
             server = serve_weights(svc.cfg, svc.log, resolve=trainer.deltas.resolve)
-        except OSError as exc:  # address in use, or not an address of this host
+        # address in use, or not an address of this host
+        except OSError as exc:
             print(f"trainer: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
-        svc.log.info("ready", model_dir=svc.cfg.model_dir, loss=svc.cfg.loss, batch_groups=svc.cfg.batch_groups,
-                     world_size=trainer.shard.size)
+        svc.log.info(
+            "ready",
+            model_dir=svc.cfg.model_dir,
+            loss=svc.cfg.loss,
+            batch_groups=svc.cfg.batch_groups,
+            world_size=trainer.shard.size,
+        )
         beat = svc.heartbeat(ttl=max(10.0, 2 * svc.cfg.heartbeat_ttl))
         beat.beat()
         try:
-            def should_stop() -> bool:  # the trainer's loop asks often: the heartbeat is refreshed there
+            # the trainer's loop asks often: the heartbeat is refreshed there
+            def should_stop() -> bool:
                 beat.beat()
                 return svc.stopping
 

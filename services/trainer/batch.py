@@ -29,22 +29,37 @@ MALFORMED_CALL = "malformed tool call"
 
 @dataclass
 class Batch:
-    input_ids: torch.Tensor  # [B, L] prompt + response, right-padded
-    attention_mask: torch.Tensor  # [B, L]
-    targets: torch.Tensor  # [B, L-1] input_ids shifted: logits[:, t] predicts targets[:, t]
-    loss_mask: torch.Tensor  # [B, L-1] 1 where the target is a trained policy-generated response token
-    behav_logp: torch.Tensor  # [B, L-1] behaviour log-probs at loss positions, 0 elsewhere
-    versions: torch.Tensor  # [B, L-1] producing policy version at loss positions, -1 elsewhere
-    advantages: torch.Tensor  # [B] group-normalised
-    temperature: torch.Tensor  # [B] sampling temperature of each episode (0: greedy)
-    top_k: torch.Tensor  # [B] (0: off)
-    top_p: torch.Tensor  # [B] (1: off)
-    rewards: torch.Tensor  # [B] as trained (policy failures 0)
+    # [B, L] prompt + response, right-padded
+    input_ids: torch.Tensor
+    # [B, L]
+    attention_mask: torch.Tensor
+    # [B, L-1] input_ids shifted: logits[:, t] predicts targets[:, t]
+    targets: torch.Tensor
+    # [B, L-1] 1 where the target is a trained policy-generated response token
+    loss_mask: torch.Tensor
+    # [B, L-1] behaviour log-probs at loss positions, 0 elsewhere
+    behav_logp: torch.Tensor
+    # [B, L-1] producing policy version at loss positions, -1 elsewhere
+    versions: torch.Tensor
+    # [B] group-normalised
+    advantages: torch.Tensor
+    # [B] sampling temperature of each episode (0: greedy)
+    temperature: torch.Tensor
+    # [B] (0: off)
+    top_k: torch.Tensor
+    # [B] (1: off)
+    top_p: torch.Tensor
+    # [B] as trained (policy failures 0)
+    rewards: torch.Tensor
     episode_ids: list[str]
-    policy_failures: int = 0  # episodes trained with reward 0 because the policy ended them badly
-    greedy_tokens: int = 0  # policy tokens of greedy episodes, not trained
-    stale_tokens_masked: int = 0  # policy tokens past hard_max_staleness, not trained
-    version: int = 0  # the trainer's version the batch was built for (staleness = version - token version)
+    # episodes trained with reward 0 because the policy ended them badly
+    policy_failures: int = 0
+    # policy tokens of greedy episodes, not trained
+    greedy_tokens: int = 0
+    # policy tokens past hard_max_staleness, not trained
+    stale_tokens_masked: int = 0
+    # the trainer's version the batch was built for (staleness = version - token version)
+    version: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -59,10 +74,20 @@ class Batch:
         """The sub-batch of these rows, right padding trimmed to its longest row (same values elsewhere)."""
         idx = torch.as_tensor(index, dtype=torch.long)
         width = max(int(self.lengths[idx].max()), 2) if len(idx) else 2
-        return Batch(self.input_ids[idx, :width], self.attention_mask[idx, :width], self.targets[idx, :width - 1],
-                     self.loss_mask[idx, :width - 1], self.behav_logp[idx, :width - 1],
-                     self.versions[idx, :width - 1], self.advantages[idx], self.temperature[idx], self.top_k[idx],
-                     self.top_p[idx], self.rewards[idx], [self.episode_ids[i] for i in idx.tolist()])
+        return Batch(
+            self.input_ids[idx, :width],
+            self.attention_mask[idx, :width],
+            self.targets[idx, : width - 1],
+            self.loss_mask[idx, : width - 1],
+            self.behav_logp[idx, : width - 1],
+            self.versions[idx, : width - 1],
+            self.advantages[idx],
+            self.temperature[idx],
+            self.top_k[idx],
+            self.top_p[idx],
+            self.rewards[idx],
+            [self.episode_ids[i] for i in idx.tolist()],
+        )
 
 
 def trained_reward(ep: Episode) -> tuple[float, bool]:
@@ -73,8 +98,9 @@ def trained_reward(ep: Episode) -> tuple[float, bool]:
     return float(ep.reward), False
 
 
-def build_batch(groups: list[list[Episode]], pad_id: int, trainer_version: int = 0,
-                hard_max_staleness: int = 0) -> Batch:
+def build_batch(
+    groups: list[list[Episode]], pad_id: int, trainer_version: int = 0, hard_max_staleness: int = 0
+) -> Batch:
     """One row per finished episode; advantages normalised within each group, on the trained rewards."""
     episodes = [ep for group in groups for ep in group]
     if not episodes:
@@ -97,9 +123,10 @@ def build_batch(groups: list[list[Episode]], pad_id: int, trainer_version: int =
     greedy_tokens = stale = 0
     for i, ep in enumerate(episodes):
         ids = ep.prompt_ids + ep.tokens
-        input_ids[i, :len(ids)] = torch.tensor(ids)
-        attention[i, :len(ids)] = 1
-        start = len(ep.prompt_ids) - 1  # target index of the first response token
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention[i, : len(ids)] = 1
+        # target index of the first response token
+        start = len(ep.prompt_ids) - 1
         end = start + len(ep.tokens)
         mask = torch.tensor(ep.mask, dtype=torch.float32)
         vers = torch.tensor(ep.versions, dtype=torch.long)
@@ -114,9 +141,21 @@ def build_batch(groups: list[list[Episode]], pad_id: int, trainer_version: int =
         behav[i, start:end] = torch.tensor(ep.logprobs)
         versions[i, start:end] = vers
     sampling = [ep.sampling for ep in episodes]
-    return Batch(input_ids, attention, input_ids[:, 1:].clone(), loss_mask, behav, versions, advantages,
-                 torch.tensor([float(s.get("temperature", 1.0)) for s in sampling]),
-                 torch.tensor([int(s.get("top_k", 0) or 0) for s in sampling]),
-                 torch.tensor([float(s.get("top_p", 1.0) or 1.0) for s in sampling]),
-                 rewards, [ep.episode_id for ep in episodes], sum(f for _, f in judged), greedy_tokens, stale,
-                 trainer_version)
+    return Batch(
+        input_ids,
+        attention,
+        input_ids[:, 1:].clone(),
+        loss_mask,
+        behav,
+        versions,
+        advantages,
+        torch.tensor([float(s.get("temperature", 1.0)) for s in sampling]),
+        torch.tensor([int(s.get("top_k", 0) or 0) for s in sampling]),
+        torch.tensor([float(s.get("top_p", 1.0) or 1.0) for s in sampling]),
+        rewards,
+        [ep.episode_id for ep in episodes],
+        sum(f for _, f in judged),
+        greedy_tokens,
+        stale,
+        trainer_version,
+    )

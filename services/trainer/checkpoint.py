@@ -1,10 +1,10 @@
 """Atomic checkpoints (the ledger's format is shared.protocol.archive.ledger).
 
-A checkpoint (``checkpoint.pt``) holds model, RNG, step, version and its commit's ledger line (the ids of the
-prompt groups that commit includes; every earlier commit's are in the ledger). It is written to a temporary
-file, fsynced and renamed, so a crash leaves the old or the new one, never half. Samples are acknowledged in Redis only after the checkpoint including them is durable; the ledger
-lists, per commit, the groups it includes (the checkpoint holds its own ledger line and restore re-appends it
-when the ledger is behind).
+A checkpoint (``checkpoint.pt``) holds model, RNG, step, version and its commit's ledger line (the ids of the prompt
+groups that commit includes; every earlier commit's are in the ledger). It is written to a temporary file, fsynced and
+renamed, so a crash leaves the old or the new one, never half. Samples are acknowledged in Redis only after the
+checkpoint including them is durable; the ledger lists, per commit, the groups it includes (the checkpoint holds its own
+ledger line and restore re-appends it when the ledger is behind).
 
 The optimizer's state (two moments per parameter: twice the model) goes to its own file, ``optimizer.pt``,
 written the same atomic way by one background thread, off the commit's critical path: the next write waits for
@@ -32,7 +32,8 @@ def atomic_write(path: Path, write) -> None:
     """``write(tmp_path)``, fsync, rename over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))  # the owner's only, from the start
+    # the owner's only, from the start
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
     os.chmod(tmp, 0o600)
     write(tmp)
     with open(tmp, "rb") as fh:
@@ -56,9 +57,13 @@ def save_optimizer(directory: Path, version: int, optimizer_state: dict) -> None
 
 def _copy(optimizer_state: dict) -> dict:
     """A copy training cannot change under the writer: every tensor cloned (8x faster than deepcopy)."""
-    return {"state": {i: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in s.items()}
-                      for i, s in optimizer_state["state"].items()},
-            "param_groups": copy.deepcopy(optimizer_state["param_groups"])}
+    return {
+        "state": {
+            i: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in s.items()}
+            for i, s in optimizer_state["state"].items()
+        },
+        "param_groups": copy.deepcopy(optimizer_state["param_groups"]),
+    }
 
 
 def wait() -> None:
@@ -75,7 +80,8 @@ def load(directory: Path) -> dict | None:
     path = directory / "checkpoint.pt"
     if not path.exists():
         return None
-    state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain data: no pickle code
+    # tensors and plain data: no pickle code
+    state = torch.load(path, map_location="cpu", weights_only=True)
     if "optimizer" in state:
         return state | {"optimizer_version": state["version"]}
     opt_path = directory / "optimizer.pt"

@@ -32,7 +32,8 @@ from torch import Tensor
 
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
-_MAX_LOG_W = 80.0  # exp(80) is finite in float32: a sequence-level weight past it is capped or masked anyway
+# exp(80) is finite in float32: a sequence-level weight past it is capped or masked anyway
+_MAX_LOG_W = 80.0
 
 
 @dataclass(frozen=True)
@@ -77,15 +78,20 @@ def behaviour_weights(prox: Tensor, behav: Tensor, keep: Tensor, c: Correction) 
         w = torch.where(over, 0.0, raw)
     icepop = torch.zeros_like(keep)
     if c.icepop_beta:
-        icepop = keep & (d.abs() > math.log(c.icepop_beta))  # exp(d) outside [1/beta, beta]
+        # exp(d) outside [1/beta, beta]
+        icepop = keep & (d.abs() > math.log(c.icepop_beta))
     m2po = second_moment_mask(d, keep, c.m2po_tau) if c.m2po_tau else torch.zeros_like(keep)
     w = torch.where(keep & ~icepop & ~m2po, w, 0.0)
     n = max(int(keep.sum()), 1)
     capped = int(over.sum()) / n
-    return w, {"is_weight_mean": float(w.sum()) / n, "is_weight_max": float(w.max()) if keep.any() else 0.0,
-               "is_truncated_fraction": capped if c.mode == "truncate" else 0.0,
-               "is_masked_fraction": capped if c.mode == "mask" else 0.0,
-               "icepop_masked_fraction": int(icepop.sum()) / n, "m2po_masked_fraction": int(m2po.sum()) / n}
+    return w, {
+        "is_weight_mean": float(w.sum()) / n,
+        "is_weight_max": float(w.max()) if keep.any() else 0.0,
+        "is_truncated_fraction": capped if c.mode == "truncate" else 0.0,
+        "is_masked_fraction": capped if c.mode == "mask" else 0.0,
+        "icepop_masked_fraction": int(icepop.sum()) / n,
+        "m2po_masked_fraction": int(m2po.sum()) / n,
+    }
 
 
 def second_moment_mask(d: Tensor, keep: Tensor, tau: float) -> Tensor:
@@ -96,10 +102,12 @@ def second_moment_mask(d: Tensor, keep: Tensor, tau: float) -> Tensor:
         return torch.zeros_like(keep)
     order = torch.argsort(sq, descending=True)
     ranked = sq[order]
-    left_sum = ranked.sum() - torch.cumsum(ranked, 0)  # after removing the first k + 1
+    # after removing the first k + 1
+    left_sum = ranked.sum() - torch.cumsum(ranked, 0)
     left_n = n - torch.arange(1, sq.numel() + 1, device=sq.device)
     ok = (left_n > 0) & (left_sum <= tau * left_n.clamp(min=1))
-    k = int(torch.nonzero(ok)[0]) + 1 if ok.any() else n  # how many to drop
+    # how many to drop
+    k = int(torch.nonzero(ok)[0]) + 1 if ok.any() else n
     out = torch.zeros_like(sq, dtype=torch.bool)
     out[order[:k]] = True
     return out.view_as(keep) & keep
@@ -109,7 +117,8 @@ def second_moment_mask(d: Tensor, keep: Tensor, tau: float) -> Tensor:
 def mismatch(prox: Tensor, behav: Tensor, keep: Tensor, versions: Tensor, trainer_version: int) -> dict:
     """k3 KL(sampler ‖ trainer) = mean(exp(d) − 1 − d) over kept tokens of ``trainer_version`` (``mismatch_kl``,
     None when there are none) and per staleness η = trainer_version − version (``mismatch_kl_by_staleness``)."""
-    d = (prox - behav).double()  # float64 and expm1: in float32, exp(d) − 1 − d cancels to noise for |d| ~ 1e-6
+    # float64 and expm1: in float32, exp(d) − 1 − d cancels to noise for |d| ~ 1e-6
+    d = (prox - behav).double()
     k3 = torch.expm1(d) - d
     stale = trainer_version - versions
     by = {}

@@ -22,11 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from services.trainer.checkpoint import atomic_write
-from shared.protocol.weights import delta as weight_delta
 from shared.protocol.streams.metrics import record as record_metrics
+from shared.protocol.weights import delta as weight_delta
 from shared.runtime.weights.server import delta_name, file_name
 
-WAIT_S = 30.0  # a request for a delta being written waits this long at most
+# a request for a delta being written waits this long at most
+WAIT_S = 30.0
 
 
 def snapshot_reason(version: int, max_chain: int) -> str:
@@ -45,8 +46,10 @@ class DeltaWriter:
         self.client, self.keys, self.folder, self.log = client, keys, Path(folder), log
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="delta-writer")
         self._lock = threading.Condition()
-        self._busy: set[int] = set()  # versions whose delta is being made
-        self.measure_floor = True  # the entropy floor (a histogram of the changed bits: cheap beside the encode)
+        # versions whose delta is being made
+        self._busy: set[int] = set()
+        # the entropy floor (a histogram of the changed bits: cheap beside the encode)
+        self.measure_floor = True
 
     def submit(self, version: int, path: Path, sha256: str) -> None:
         """Make ``version``'s delta in the background (a snapshot version only gets its record)."""
@@ -84,7 +87,8 @@ class DeltaWriter:
     def _run(self, version: int, path: Path, sha256: str) -> None:
         try:
             self._make(version, path, sha256)
-        except Exception as exc:  # a delta is an optimisation: the full file is published either way
+        # a delta is an optimisation: the full file is published either way
+        except Exception as exc:
             self.log.error("weights delta not written; workers download the file", version=version, error=str(exc))
         finally:
             with self._lock:
@@ -96,8 +100,9 @@ class DeltaWriter:
         target = path.read_bytes()
         rec = {"version": version, "full_bytes": len(target), "delta_bytes": 0, "snapshot": True, "reason": ""}
         base_path = self.folder / file_name(version - 1)
-        rec["reason"] = snapshot_reason(version, self.max_chain) or ("" if base_path.is_file() else
-                                                                 f"v{version - 1}'s file is not here")
+        rec["reason"] = snapshot_reason(version, self.max_chain) or (
+            "" if base_path.is_file() else f"v{version - 1}'s file is not here"
+        )
         if not rec["reason"]:
             base = base_path.read_bytes()
             try:
@@ -106,8 +111,11 @@ class DeltaWriter:
                 rec["reason"] = str(exc)
             else:
                 header = weight_delta.read_header(delta)
-                rec.update(changed=header["changed"], elements=(len(target) - header["data_start"]) // header["word"],
-                           delta_bytes=len(delta))
+                rec.update(
+                    changed=header["changed"],
+                    elements=(len(target) - header["data_start"]) // header["word"],
+                    delta_bytes=len(delta),
+                )
                 if self.measure_floor:
                     rec["floor_bytes"] = round(weight_delta.entropy_floor_bits(base, target) / 8)
                 if len(delta) > self.max_fraction * len(target):
@@ -117,6 +125,11 @@ class DeltaWriter:
                     rec["snapshot"] = False
         rec["encode_s"] = round(time.monotonic() - t0, 4)
         record_metrics(self.client, self.keys, "publish", rec)
-        self.log.info("weights delta written" if not rec["snapshot"] else "version published as a snapshot",
-                      version=version, delta_bytes=rec["delta_bytes"], full_bytes=rec["full_bytes"],
-                      reason=rec["reason"] or None, seconds=rec["encode_s"])
+        self.log.info(
+            "weights delta written" if not rec["snapshot"] else "version published as a snapshot",
+            version=version,
+            delta_bytes=rec["delta_bytes"],
+            full_bytes=rec["full_bytes"],
+            reason=rec["reason"] or None,
+            seconds=rec["encode_s"],
+        )

@@ -27,21 +27,35 @@ import torch.distributed as dist
 
 from services.trainer.batch import Batch
 
-TIMEOUT = timedelta(minutes=30)  # a collective waiting longer fails; an idle rank 0 sends `idle` well before
-IDLE_EVERY_S = 60.0  # how often an idle rank 0 tells the followers it is alive
-_FIELDS = (("input_ids", torch.long, "BL"), ("attention_mask", torch.long, "BL"), ("targets", torch.long, "BT"),
-           ("loss_mask", torch.float32, "BT"), ("behav_logp", torch.float32, "BT"), ("versions", torch.long, "BT"),
-           ("advantages", torch.float32, "B"), ("temperature", torch.float32, "B"), ("top_k", torch.long, "B"),
-           ("top_p", torch.float32, "B"), ("rewards", torch.float32, "B"))
-_COUNTS = ("policy_failures", "greedy_tokens", "stale_tokens_masked", "version")  # Batch's int fields, in order
+# a collective waiting longer fails; an idle rank 0 sends `idle` well before
+TIMEOUT = timedelta(minutes=30)
+# how often an idle rank 0 tells the followers it is alive
+IDLE_EVERY_S = 60.0
+_FIELDS = (
+    ("input_ids", torch.long, "BL"),
+    ("attention_mask", torch.long, "BL"),
+    ("targets", torch.long, "BT"),
+    ("loss_mask", torch.float32, "BT"),
+    ("behav_logp", torch.float32, "BT"),
+    ("versions", torch.long, "BT"),
+    ("advantages", torch.float32, "B"),
+    ("temperature", torch.float32, "B"),
+    ("top_k", torch.long, "B"),
+    ("top_p", torch.float32, "B"),
+    ("rewards", torch.float32, "B"),
+)
+# Batch's int fields, in order
+_COUNTS = ("policy_failures", "greedy_tokens", "stale_tokens_masked", "version")
 
 
 @dataclass(frozen=True)
 class Shard:
     """This process's place among the ranks; ``LOCAL`` is the single process (every reduction the identity)."""
+
     rank: int = 0
     size: int = 1
-    device: torch.device = torch.device("cpu")  # where collectives' tensors live (cuda under nccl)
+    # where collectives' tensors live (cuda under nccl)
+    device: torch.device = torch.device("cpu")
 
     @property
     def distributed(self) -> bool:
@@ -158,8 +172,13 @@ def broadcast(shard: Shard, message: dict | None = None) -> dict:
 
 
 def step_message(groups: list[tuple[str, str, list[str]]], batch: Batch) -> dict:
-    return {"op": "step", "groups": [list(g) for g in groups], "episode_ids": batch.episode_ids,
-            "shape": list(batch.input_ids.shape), **{k: getattr(batch, k) for k in _COUNTS}}
+    return {
+        "op": "step",
+        "groups": [list(g) for g in groups],
+        "episode_ids": batch.episode_ids,
+        "shape": list(batch.input_ids.shape),
+        **{k: getattr(batch, k) for k in _COUNTS},
+    }
 
 
 def broadcast_batch(shard: Shard, message: dict, batch: Batch | None = None) -> Batch:

@@ -51,8 +51,9 @@ def save_folder(model_dir: str, state: dict, out: Path, meta: dict | None = None
     model.tie_weights()
     still_meta = [k for k, v in model.state_dict().items() if v.is_meta]
     if unexpected or still_meta:
-        raise ExportError(f"weights do not match the model at {model_dir}: unexpected {unexpected[:5]}, "
-                          f"missing {still_meta[:5]}")
+        raise ExportError(
+            f"weights do not match the model at {model_dir}: unexpected {unexpected[:5]}, missing {still_meta[:5]}"
+        )
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
@@ -61,8 +62,9 @@ def save_folder(model_dir: str, state: dict, out: Path, meta: dict | None = None
         GenerationConfig.from_pretrained(model_dir).save_pretrained(str(tmp))
     except OSError:
         GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
-    (tmp / "streamrl.json").write_text(json.dumps({**(meta or {}), "base_model": str(model_dir),
-                                                  "time": time.time()}, indent=1))
+    (tmp / "streamrl.json").write_text(
+        json.dumps({**(meta or {}), "base_model": str(model_dir), "time": time.time()}, indent=1)
+    )
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
@@ -82,12 +84,14 @@ def export_version(cfg: Config, version: int, out: Path | None = None) -> Path:
     path = weights_file(cfg, version)
     if not path.is_file():
         if export_path(cfg, version).is_dir() and out == export_path(cfg, version):
-            return out  # exported before; its file has been pruned since
+            # exported before; its file has been pruned since
+            return out
         kept = kept_versions(cfg)
-        raise ExportError(f"version {version} of run {cfg.run!r} is not kept: no {path}; kept: "
-                          f"{', '.join(map(str, kept[-20:])) or 'none'} (and 0, the initial model)")
-    return save_folder(model_dir, load_file(str(path)), out, {"run": cfg.run, "version": version,
-                                                             "weights": str(path)})
+        raise ExportError(
+            f"version {version} of run {cfg.run!r} is not kept: no {path}; kept: "
+            f"{', '.join(map(str, kept[-20:])) or 'none'} (and 0, the initial model)"
+        )
+    return save_folder(model_dir, load_file(str(path)), out, {"run": cfg.run, "version": version, "weights": str(path)})
 
 
 def maybe_export(cfg: Config, version: int, log=None) -> Path | None:

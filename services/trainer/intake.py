@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from services.trainer.batch import trained_reward
 from shared.protocol import gate
-from shared.protocol.streams import dead_letters, samples
 from shared.protocol.archive import ledger
-from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.episode.events import EventError
 from shared.protocol.episode.fold import Episode, fold
+from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import TRAINER_GROUP as GROUP
+from shared.protocol.streams import dead_letters, samples
 
-CONSUMER = "trainer"  # one trainer per run: a stable name gets its own pending entries back after a restart
+# one trainer per run: a stable name gets its own pending entries back after a restart
+CONSUMER = "trainer"
 
 
 class Intake:
@@ -27,10 +28,14 @@ class Intake:
         self.client, self.keys, self.counts, self.log = client, keys, counts, log
         self.filter_constant_groups = filter_constant_groups
         self.episodes = EpisodeLog(client, keys, "trainer")
-        self.consumed: set[str] = set()  # group ids trained or judged untrainable (the ledger's)
-        self.uncommitted: list[tuple[str, str, bool]] = []  # (samples entry, group id, trained?) since the last commit
-        self.buffer: list[tuple[str, str, list[str]]] = []  # (entry id, group id, episode ids) not yet trained
-        self.taken: dict[str, str] = {}  # group id -> samples entry, for groups read but not yet committed
+        # group ids trained or judged untrainable (the ledger's)
+        self.consumed: set[str] = set()
+        # (samples entry, group id, trained?) since the last commit
+        self.uncommitted: list[tuple[str, str, bool]] = []
+        # (entry id, group id, episode ids) not yet trained
+        self.buffer: list[tuple[str, str, list[str]]] = []
+        # group id -> samples entry, for groups read but not yet committed
+        self.taken: dict[str, str] = {}
 
     def read_pending(self) -> int:
         """Entries delivered before a crash come back first: all of them, page by page; the pages read."""
@@ -88,17 +93,20 @@ class Intake:
         """The group's finished episodes, or None when it is not trained (no finished episode, or a constant
         reward with ``filter_constant_groups``): then it gives its gate slot back and is counted."""
         episodes = []
-        for eid, entries in zip(eids, self.episodes.read_many(eids)):  # the group's streams in one round trip
+        # the group's streams in one round trip
+        for eid, entries in zip(eids, self.episodes.read_many(eids)):
             try:
                 ep = fold(entries)
-            except EventError as exc:  # set aside with its reason (loses nothing); the group trains without it
+            # set aside with its reason (loses nothing); the group trains without it
+            except EventError as exc:
                 self.log.error("episode stream unreadable; episode skipped", episode=eid, error=str(exc))
                 dead_letters.send(self.client, self.keys, self.keys.episode(eid), exc.entry_id, str(exc), "trainer")
                 self.counts["episodes_failed"] += 1
                 continue
             if ep.status == "finished":
                 episodes.append(ep)
-            else:  # failed: the engine or the reward function, not the policy
+            # failed: the engine or the reward function, not the policy
+            else:
                 self.counts["episodes_failed"] += 1
         rewards = {trained_reward(ep)[0] for ep in episodes}
         constant = self.filter_constant_groups and len(rewards) == 1
@@ -107,7 +115,8 @@ class Intake:
             self.counts["constant_groups_filtered" if episodes else "groups_dropped"] += 1
             self.counts["tokens_wasted"] += sum(ep.num_generated for ep in episodes)
             self.log.info("group not trained", group=group_id, reason=reason)
-            self.uncommitted.append((entry_id, group_id, False))  # acknowledged with the next commit, never trained
+            # acknowledged with the next commit, never trained
+            self.uncommitted.append((entry_id, group_id, False))
             # give its start back to the staleness gate (which counts starts): a replacement group may start.
             # Without it a synchronous run (exactly batch_groups starts per version) would wait forever.
             gate.refund_group(self.client, self.keys, group_id)

@@ -28,15 +28,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from shared.protocol.episode.logprobs import token_logprobs  # noqa: F401  (the one log-prob definition, re-exported)
-
 from services.trainer.corrections import Correction, behaviour_weights
+from shared.protocol.episode.logprobs import token_logprobs  # noqa: F401  (the one log-prob definition, re-exported)
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
-def grpo_advantages(rewards: Tensor | Sequence[Sequence[float]], eps: float = 1e-6,
-                    normalize_std: bool = True) -> Tensor:
+def grpo_advantages(
+    rewards: Tensor | Sequence[Sequence[float]], eps: float = 1e-6, normalize_std: bool = True
+) -> Tensor:
     """Group-normalised advantages A = (r − mean_g) / (std_g + eps), std the population std.
 
     ``normalize_std=False`` gives A = r − mean_g. A group whose rewards are all equal gets exact zeros.
@@ -51,7 +51,7 @@ def grpo_advantages(rewards: Tensor | Sequence[Sequence[float]], eps: float = 1e
             raise ValueError("grpo_advantages: rewards must be finite")
         centred = r - r.mean(dim=1, keepdim=True)
         adv = centred / (r.std(dim=1, unbiased=False, keepdim=True) + eps) if normalize_std else centred
-        constant = (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True))
+        constant = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
         return torch.where(constant, torch.zeros_like(adv), adv)
     groups = [torch.as_tensor(g, dtype=torch.float32).reshape(1, -1) for g in rewards]
     if any(g.numel() == 0 for g in groups):
@@ -68,9 +68,17 @@ def entropy_from_logits(logits: Tensor, mask: Tensor) -> Tensor:
     return torch.where(keep, ent, 0.0).sum() / keep.sum().clamp(min=1)
 
 
-def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float = 0.2,
-                  clip_high: float = 0.2, agg: str = "token-mean", clip_ratio_c: float | None = None,
-                  denom: float | None = None) -> tuple[Tensor, dict[str, float]]:
+def ppo_clip_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    agg: str = "token-mean",
+    clip_ratio_c: float | None = None,
+    denom: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip against ``old_logp``: r = exp(logp − old_logp), o = min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A),
     and with ``clip_ratio_c`` = c (dual-clip, verl's ``clip_ratio_c``) o = max(o, c·A) where A < 0, which
     bounds the objective of a negative-advantage token whose ratio ran away; loss = −aggregate(o).
@@ -83,11 +91,23 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
     return loss, _stats(logp, old_logp, keep, clipped)
 
 
-def decoupled_ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
-                       clip_low: float = 0.2, clip_high: float = 0.2, is_cap: float | None = 5.0,
-                       agg: str = "token-mean", is_mode: str = "truncate", clip_ratio_c: float | None = None,
-                       denom: float | None = None, is_level: str = "token", icepop_beta: float = 0.0,
-                       m2po_tau: float = 0.0) -> tuple[Tensor, dict[str, float]]:
+def decoupled_ppo_loss(
+    logp: Tensor,
+    prox_logp: Tensor,
+    behav_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    is_cap: float | None = 5.0,
+    agg: str = "token-mean",
+    is_mode: str = "truncate",
+    clip_ratio_c: float | None = None,
+    denom: float | None = None,
+    is_level: str = "token",
+    icepop_beta: float = 0.0,
+    m2po_tau: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
     """AReaL's decoupled PPO: o = w · min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A) with
     r = exp(logp − prox_logp) (the trust region, around the proximal policy) and w the behaviour importance
     weight, detached, from prox_logp − behav_logp (services/trainer/corrections.py: ``is_level`` token |
@@ -103,7 +123,8 @@ def decoupled_ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, adva
     clip_fraction, approx_kl (to behaviour), is_weight_mean, is_weight_max (after the cap),
     is_truncated_fraction and is_masked_fraction (weights over is_cap, by mode; the other is 0),
     icepop_masked_fraction, m2po_masked_fraction."""
-    correction = Correction(is_level, is_mode, is_cap, icepop_beta, m2po_tau)  # validates each value
+    # validates each value
+    correction = Correction(is_level, is_mode, is_cap, icepop_beta, m2po_tau)
     keep, adv = _prepare(logp, advantages, mask, agg, prox_logp=prox_logp, behav_logp=behav_logp)
     logp, prox, behav = _clean(logp, keep), _clean(prox_logp, keep), _clean(behav_logp, keep)
     w, weight_stats = behaviour_weights(prox, behav, keep, correction)
@@ -124,8 +145,9 @@ def _prepare(logp: Tensor, advantages: Tensor, mask: Tensor, agg: str, **others:
     if advantages.shape == logp.shape[:1]:
         advantages = advantages[:, None].expand_as(logp)
     elif advantages.shape != logp.shape:
-        raise ValueError(f"advantages must be [B] or [B, T] for logp {tuple(logp.shape)}, "
-                         f"got {tuple(advantages.shape)}")
+        raise ValueError(
+            f"advantages must be [B] or [B, T] for logp {tuple(logp.shape)}, got {tuple(advantages.shape)}"
+        )
     keep = mask.bool()
     return keep, _clean(advantages.detach().to(logp.dtype), keep)
 
@@ -134,8 +156,9 @@ def _clean(x: Tensor, keep: Tensor) -> Tensor:
     return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _clipped_objective(logp: Tensor, ref_logp: Tensor, adv: Tensor, clip_low: float, clip_high: float,
-                       clip_ratio_c: float | None = None) -> tuple[Tensor, Tensor]:
+def _clipped_objective(
+    logp: Tensor, ref_logp: Tensor, adv: Tensor, clip_low: float, clip_high: float, clip_ratio_c: float | None = None
+) -> tuple[Tensor, Tensor]:
     """min(r·A, clip(r)·A) per token, r = exp(logp − ref_logp) with ref detached, then max(·, c·A) where
     A < 0 when ``clip_ratio_c`` = c is given; also where a clip won (its gradient is 0 there)."""
     if clip_ratio_c is not None and not clip_ratio_c > 1:

@@ -37,8 +37,10 @@ def check_device(device: str, dtype: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"config key 'trainer_device' (or 'device'): {device!r} requested but CUDA is not available")
     if dtype == "bfloat16" and dev.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"config key 'dtype': bfloat16 autocast needs a GPU with bf16 support; {device!r} has none "
-                          f"(use dtype = \"float32\")")
+        raise ConfigError(
+            f"config key 'dtype': bfloat16 autocast needs a GPU with bf16 support; {device!r} has none "
+            f'(use dtype = "float32")'
+        )
     return dev
 
 
@@ -49,7 +51,8 @@ class Policy:
         self.device = check_device(cfg.device_of("trainer"), cfg.dtype)
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         if cfg.grad_checkpointing:
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23's name
+            # transformers >= 5.23's name
+            if hasattr(model, "activation_checkpointing_enable"):
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -58,7 +61,8 @@ class Policy:
         if self.lora:
             model = _with_lora(model, cfg)
         model.to(self.device).train()
-        if cfg.dtype == "bfloat16":  # every forward (policy and LoRA reference) under bf16 autocast
+        # every forward (policy and LoRA reference) under bf16 autocast
+        if cfg.dtype == "bfloat16":
             model.forward = _autocast(model.forward, self.device, cfg.dtype)
         self.model = model
         self.reference = None
@@ -90,9 +94,11 @@ class Policy:
 
         def penalty(mb, logp, device):
             ids, attn, targets = mb.input_ids.to(device), mb.attention_mask.to(device), mb.targets.to(device)
-            ref = self.reference_logprobs(ids, attn, targets, mb.temperature.to(device), mb.top_k.to(device),
-                                          mb.top_p.to(device))
+            ref = self.reference_logprobs(
+                ids, attn, targets, mb.temperature.to(device), mb.top_k.to(device), mb.top_p.to(device)
+            )
             return self.cfg.kl_coef * klmod.kl_term(logp, ref, mb.loss_mask.to(device), self.cfg.kl_estimator)
+
         return penalty
 
     # --- what a version publishes
@@ -118,7 +124,8 @@ def merged_state(model, lora: bool) -> dict[str, torch.Tensor]:
         if "lora_" in key:
             continue
         ptr = value.data_ptr()
-        if ptr in seen:  # a tied weight (lm_head = embeddings): the engines tie it themselves
+        # a tied weight (lm_head = embeddings): the engines tie it themselves
+        if ptr in seen:
             continue
         seen.add(ptr)
         if key in deltas:
@@ -130,11 +137,23 @@ def merged_state(model, lora: bool) -> dict[str, torch.Tensor]:
 def _with_lora(model, cfg: Config):
     from peft import LoraConfig, get_peft_model
 
-    targets = "all-linear" if cfg.lora_targets.strip() == "all-linear" else \
-        [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    targets = (
+        "all-linear"
+        if cfg.lora_targets.strip() == "all-linear"
+        else [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    )
     try:
-        return get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets,
-                                                lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+        return get_peft_model(
+            model,
+            LoraConfig(
+                r=cfg.lora_rank,
+                lora_alpha=cfg.lora_alpha,
+                target_modules=targets,
+                lora_dropout=0.0,
+                bias="none",
+                task_type="CAUSAL_LM",
+            ),
+        )
     except ValueError as exc:
         raise ConfigError(f"config key 'lora_targets': {cfg.lora_targets!r}: {str(exc).splitlines()[0]}") from None
 

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from services.trainer.checkpoint import atomic_write
-from shared.protocol.streams import versions
 from shared.protocol.keys import Keys
+from shared.protocol.streams import versions
 from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.weights.server import PREFIX
 
@@ -23,8 +23,10 @@ def write_weights(state, directory: Path, version: int, dtype: str = "") -> tupl
     path = directory / f"v{version:06d}.safetensors"
     state = state.state_dict() if hasattr(state, "state_dict") else state
     cast = getattr(torch, dtype) if dtype else None
-    state = {k: v.detach().to("cpu", dtype=cast if cast is not None and v.is_floating_point() else None).contiguous()
-             for k, v in state.items()}
+    state = {
+        k: v.detach().to("cpu", dtype=cast if cast is not None and v.is_floating_point() else None).contiguous()
+        for k, v in state.items()
+    }
     atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata={"version": str(version)}))
     return path, sha256(path)
 

@@ -39,8 +39,11 @@ def folder(directory: Path) -> Path:
 
 def latest(directory: Path) -> Path | None:
     """The newest complete checkpoint folder, or None."""
-    done = sorted(p for p in folder(directory).glob("v*") if p.is_dir() and not p.name.endswith(".tmp")
-                  and (p / "meta.json").exists())
+    done = sorted(
+        p
+        for p in folder(directory).glob("v*")
+        if p.is_dir() and not p.name.endswith(".tmp") and (p / "meta.json").exists()
+    )
     return done[-1] if done else None
 
 
@@ -49,8 +52,10 @@ def save(directory: Path, model, opt, meta: dict, main: bool) -> Path:
     final = folder(directory) / f"v{meta['version']:06d}"
     tmp = final.with_name(final.name + ".tmp")
     if main:
-        shutil.rmtree(tmp, ignore_errors=True)  # a crash's half-written folder of this version
-    dist.barrier()  # before any rank writes into it
+        # a crash's half-written folder of this version
+        shutil.rmtree(tmp, ignore_errors=True)
+    # before any rank writes into it
+    dist.barrier()
     dcp, state_dict = _dcp()
     model_state, optim_state = state_dict.get_state_dict(model, opt)
     dcp.save({"model": model_state, "optim": optim_state, "rng": torch.get_rng_state()}, checkpoint_id=tmp)
@@ -59,7 +64,8 @@ def save(directory: Path, model, opt, meta: dict, main: bool) -> Path:
             fh.write(json.dumps(meta) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
-        shutil.rmtree(final, ignore_errors=True)  # a re-trained version after a crash before its ledger line
+        # a re-trained version after a crash before its ledger line
+        shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         fsync_dir(final.parent)
         for old in folder(directory).glob("v*"):

@@ -26,18 +26,26 @@ from dataclasses import dataclass
 import torch
 
 from services.trainer.batch import Batch
-from services.trainer.distributed import LOCAL, Shard, as_float
 from services.trainer.corrections import mismatch
+from services.trainer.distributed import LOCAL, Shard, as_float
 from services.trainer.loss import aggregate_denominator, decoupled_ppo_loss, ppo_clip_loss
 from shared.protocol.episode.logprobs import token_logprobs
 
-WEIGHTED_STATS = ("clip_fraction", "approx_kl", "is_weight_mean", "is_truncated_fraction", "is_masked_fraction",
-                  "icepop_masked_fraction", "m2po_masked_fraction")
+WEIGHTED_STATS = (
+    "clip_fraction",
+    "approx_kl",
+    "is_weight_mean",
+    "is_truncated_fraction",
+    "is_masked_fraction",
+    "icepop_masked_fraction",
+    "m2po_masked_fraction",
+)
 
 
 @dataclass
 class StepConfig:
-    loss: str = "decoupled"  # decoupled | ppo
+    # decoupled | ppo
+    loss: str = "decoupled"
     agg: str = "token-mean"
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -45,7 +53,8 @@ class StepConfig:
     is_cap: float | None = 5.0
     is_mode: str = "mask"
     ppo_minibatches: int = 2
-    micro_batch_tokens: int = 0  # 0: no limit
+    # 0: no limit
+    micro_batch_tokens: int = 0
     max_grad_norm: float = 1.0
     is_level: str = "token"
     icepop_beta: float = 0.0
@@ -53,16 +62,29 @@ class StepConfig:
 
     @classmethod
     def from_config(cls, cfg) -> "StepConfig":
-        return cls(cfg.loss, cfg.agg, cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c or None, cfg.is_cap or None,
-                   cfg.is_mode, cfg.ppo_minibatches, cfg.micro_batch_tokens, cfg.max_grad_norm, cfg.is_level,
-                   cfg.icepop_beta, cfg.m2po_tau)
+        return cls(
+            cfg.loss,
+            cfg.agg,
+            cfg.clip_low,
+            cfg.clip_high,
+            cfg.clip_ratio_c or None,
+            cfg.is_cap or None,
+            cfg.is_mode,
+            cfg.ppo_minibatches,
+            cfg.micro_batch_tokens,
+            cfg.max_grad_norm,
+            cfg.is_level,
+            cfg.icepop_beta,
+            cfg.m2po_tau,
+        )
 
 
 def policy_logprobs(model, mb: Batch, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs [b, L-1] of the targets under each row's sampling transform, logits [b, L-1, V])."""
     logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device)).logits[:, :-1]
-    logp = token_logprobs(logits, mb.targets.to(device), mb.temperature.to(device), mb.top_k.to(device),
-                          mb.top_p.to(device))
+    logp = token_logprobs(
+        logits, mb.targets.to(device), mb.temperature.to(device), mb.top_k.to(device), mb.top_p.to(device)
+    )
     return logp, logits
 
 
@@ -109,8 +131,10 @@ def entropy(logits: torch.Tensor, temperature: torch.Tensor, mask: torch.Tensor)
 def no_dropout(model) -> None:
     """Forward without dropout, gradients still flowing: eval mode, or, with gradient checkpointing (which
     transformers runs only in training mode), training mode with every dropout module switched off."""
-    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.23
-    if checkpointing is None:  # earlier releases' name (deprecated in 5.23)
+    # transformers >= 5.23
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    # earlier releases' name (deprecated in 5.23)
+    if checkpointing is None:
         checkpointing = getattr(model, "is_gradient_checkpointing", False)
     if checkpointing:
         model.train()
@@ -126,7 +150,7 @@ def plan(batch: Batch, sc: StepConfig, shard: Shard = LOCAL) -> list[tuple[list[
     empty one: a forward that trains nothing). One process: every row, as ``micro_batches`` packs them."""
     out = []
     for rows in minibatches(batch, sc.ppo_minibatches):
-        per_rank = [micro_batches(batch, rows[r::shard.size], sc.micro_batch_tokens) for r in range(shard.size)]
+        per_rank = [micro_batches(batch, rows[r :: shard.size], sc.micro_batch_tokens) for r in range(shard.size)]
         mine = per_rank[shard.rank]
         out.append((rows, mine + [[]] * (max(map(len, per_rank)) - len(mine))))
     return out
@@ -147,12 +171,12 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=No
                 mb = batch.rows(micro or rows[:1])
                 logp, logits = policy_logprobs(model, mb, device)
                 if micro:
-                    prox[micro, :logp.shape[1]] = logp.float().cpu()
+                    prox[micro, : logp.shape[1]] = logp.float().cpu()
                     s, n = entropy(logits, mb.temperature.to(device), mb.loss_mask.to(device))
                     ent_sum, ent_n = ent_sum + s, ent_n + n
-    own = sorted(r for _, micros in steps for micro in micros for r in micro)  # rows whose prox this rank has
-    drift = mismatch(prox[own], batch.behav_logp[own], batch.loss_mask[own].bool(), batch.versions[own],
-                     batch.version)
+    # rows whose prox this rank has
+    own = sorted(r for _, micros in steps for micro in micros for r in micro)
+    drift = mismatch(prox[own], batch.behav_logp[own], batch.loss_mask[own].bool(), batch.versions[own], batch.version)
     sums = dict.fromkeys(WEIGHTED_STATS, 0.0)
     weight_max, losses, norms, skipped, counted, kl_sum = 0.0, [], [], 0, 0, 0.0
     for rows, micros in steps:
@@ -160,13 +184,23 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=No
         opt.zero_grad(set_to_none=True)
         loss_total = 0.0
         for micro in micros:
-            if not micro:  # this rank has no row left in the minibatch: a forward and backward of weight 0
+            # this rank has no row left in the minibatch: a forward and backward of weight 0
+            if not micro:
                 (policy_logprobs(model, batch.rows(rows[:1]), device)[1].float().sum() * 0.0).backward()
                 continue
             mb = batch.rows(micro)
-            loss, stats = _micro_loss(model, mb, prox[micro, :mb.targets.shape[1]], sc, denom, device, kl,
-                                      mb.num_tokens / max(int(batch.loss_mask[rows].sum()), 1))
-            (loss * shard.size).backward()  # the ranks' gradients are averaged: x size makes their sum
+            loss, stats = _micro_loss(
+                model,
+                mb,
+                prox[micro, : mb.targets.shape[1]],
+                sc,
+                denom,
+                device,
+                kl,
+                mb.num_tokens / max(int(batch.loss_mask[rows].sum()), 1),
+            )
+            # the ranks' gradients are averaged: x size makes their sum
+            (loss * shard.size).backward()
             loss_total += float(loss.detach())
             n = mb.num_tokens
             counted += n
@@ -186,28 +220,51 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=No
     counted, kl_sum, ent_sum, ent_n, *weighted = shard.sum([counted, kl_sum, ent_sum, ent_n, *sums.values()])
     weight_max = shard.max(weight_max)
     out = {k: v / max(counted, 1) for k, v in zip(sums, weighted)}
-    return out | {"is_weight_max": weight_max, "loss": sum(losses) / max(len(losses), 1),
-                  "grad_norm": _mean([g for g in norms if math.isfinite(g)]), "entropy": ent_sum / max(ent_n, 1),
-                  "ppo_steps": len(steps) - skipped, "nonfinite_skipped": skipped,
-                  "micro_batches": int(shard.sum([sum(bool(m) for _, micros in steps for m in micros)])[0])} | drift | \
-        ({"kl": kl_sum / max(counted, 1)} if kl else {})
+    return (
+        out
+        | {
+            "is_weight_max": weight_max,
+            "loss": sum(losses) / max(len(losses), 1),
+            "grad_norm": _mean([g for g in norms if math.isfinite(g)]),
+            "entropy": ent_sum / max(ent_n, 1),
+            "ppo_steps": len(steps) - skipped,
+            "nonfinite_skipped": skipped,
+            "micro_batches": int(shard.sum([sum(bool(m) for _, micros in steps for m in micros)])[0]),
+        }
+        | drift
+        | ({"kl": kl_sum / max(counted, 1)} if kl else {})
+    )
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def _micro_loss(model, mb: Batch, prox: torch.Tensor, sc: StepConfig, denom: float, device, kl=None,
-                share: float = 1.0):
+def _micro_loss(
+    model, mb: Batch, prox: torch.Tensor, sc: StepConfig, denom: float, device, kl=None, share: float = 1.0
+):
     logp, _ = policy_logprobs(model, mb, device)
     mask, behav, adv = mb.loss_mask.to(device), mb.behav_logp.to(device), mb.advantages.to(device)
     if sc.loss == "decoupled":
-        loss, stats = decoupled_ppo_loss(logp, prox.to(device), behav, adv, mask, sc.clip_low, sc.clip_high,
-                                         sc.is_cap, sc.agg, sc.is_mode, sc.clip_ratio_c, denom, sc.is_level,
-                                         sc.icepop_beta, sc.m2po_tau)
+        loss, stats = decoupled_ppo_loss(
+            logp,
+            prox.to(device),
+            behav,
+            adv,
+            mask,
+            sc.clip_low,
+            sc.clip_high,
+            sc.is_cap,
+            sc.agg,
+            sc.is_mode,
+            sc.clip_ratio_c,
+            denom,
+            sc.is_level,
+            sc.icepop_beta,
+            sc.m2po_tau,
+        )
     else:
-        loss, stats = ppo_clip_loss(logp, behav, adv, mask, sc.clip_low, sc.clip_high, sc.agg, sc.clip_ratio_c,
-                                    denom)
+        loss, stats = ppo_clip_loss(logp, behav, adv, mask, sc.clip_low, sc.clip_high, sc.agg, sc.clip_ratio_c, denom)
     if kl is not None:
         term = kl(mb, logp, device)
         loss, stats = loss + share * term, {**stats, "kl": float(term.detach())}

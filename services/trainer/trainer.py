@@ -25,27 +25,39 @@ import time
 
 import redis
 import torch
-from services.trainer import checkpoint, commit as commit_path, distributed, export, publish, sharded_checkpoint
+
+from services.trainer import checkpoint, distributed, export, publish, sharded_checkpoint
+from services.trainer import commit as commit_path
+from services.trainer.batch import Batch, build_batch
 from services.trainer.deltas import DeltaWriter
-from services.trainer.model import load_policy
 from services.trainer.intake import Intake
+from services.trainer.model import load_policy
+from services.trainer.step import StepConfig, train_on_batch
 from shared.protocol.archive import ledger
+from shared.protocol.episode.fold import Episode
+from shared.protocol.keys import TRAINER_GROUP as GROUP
+from shared.protocol.keys import Keys
+from shared.protocol.staleness import staleness_histogram, version_spans
 from shared.protocol.streams import stream_head
 from shared.protocol.streams.metrics import record as record_metrics
-from services.trainer.batch import Batch, build_batch
-from services.trainer.step import StepConfig, train_on_batch
-from shared.runtime.folders import private_folder
 from shared.runtime.config.keys import Config, ConfigError
 from shared.runtime.faults import crash_point
+from shared.runtime.folders import private_folder
 from shared.runtime.runstate import bind
-from shared.protocol.episode.fold import Episode
-from shared.protocol.keys import TRAINER_GROUP as GROUP, Keys
-from shared.protocol.staleness import staleness_histogram, version_spans
 from shared.runtime.tensorboard import TensorBoard
 
 # cumulative counts, kept in the checkpoint and reported with every step (docs/training.md)
-COUNTERS = ("groups_dropped", "constant_groups_filtered", "episodes_failed", "policy_failures", "greedy_tokens",
-            "stale_tokens_masked", "is_masked_tokens", "tokens_wasted", "nonfinite_skipped")
+COUNTERS = (
+    "groups_dropped",
+    "constant_groups_filtered",
+    "episodes_failed",
+    "policy_failures",
+    "greedy_tokens",
+    "stale_tokens_masked",
+    "is_masked_tokens",
+    "tokens_wasted",
+    "nonfinite_skipped",
+)
 
 
 class Trainer:
@@ -53,35 +65,47 @@ class Trainer:
         self.cfg, self.client, self.log = cfg, client, log
         self.keys = Keys(cfg.run)
         self.ckpt_dir = cfg.run_path / "trainer"
-        self.weights_dir = private_folder(cfg.weights_path, "weights_dir")  # per user and run id, 0700
+        # per user and run id, 0700
+        self.weights_dir = private_folder(cfg.weights_path, "weights_dir")
         self.metrics_path = cfg.run_path / "metrics.jsonl"
-        self.samples_head = stream_head.for_run(client, self.keys.samples, GROUP, cfg)  # acked and committed: out
-        self.launched = distributed.launched()  # under torchrun: one of WORLD_SIZE ranks (distributed.py)
+        # acked and committed: out
+        self.samples_head = stream_head.for_run(client, self.keys.samples, GROUP, cfg)
+        # under torchrun: one of WORLD_SIZE ranks (distributed.py)
+        self.launched = distributed.launched()
         if self.launched and cfg.lora_rank > 0:
-            raise ConfigError("config key 'lora_rank': LoRA is not supported under torchrun yet (the published "
-                              "version merges adapters from unsharded weights); run one trainer process")
+            raise ConfigError(
+                "config key 'lora_rank': LoRA is not supported under torchrun yet (the published "
+                "version merges adapters from unsharded weights); run one trainer process"
+            )
         self.shard = distributed.init(torch.device(cfg.device_of("trainer"))) if self.launched else distributed.LOCAL
         if self.launched:
             self.log = log = log.bind(rank=self.shard.rank, world_size=self.shard.size)
-            if self.shard.device.type == "cuda":  # each rank on its own GPU (LOCAL_RANK), whatever cuda:N says
+            # each rank on its own GPU (LOCAL_RANK), whatever cuda:N says
+            if self.shard.device.type == "cuda":
                 cfg = self.cfg = dataclasses.replace(cfg, trainer_device=str(self.shard.device))
         self.tensorboard = TensorBoard(cfg, "trainer") if self.shard.main else None
         torch.manual_seed(cfg.seed)
-        self.policy = load_policy(cfg)  # device, bf16 autocast, grad checkpointing, LoRA, KL reference: model.py
+        # device, bf16 autocast, grad checkpointing, LoRA, KL reference: model.py
+        self.policy = load_policy(cfg)
         self.model = self.policy.model
-        if self.launched:  # the same initial weights on every rank (same seed, same files), then sharded
+        # the same initial weights on every rank (same seed, same files), then sharded
+        if self.launched:
             self.tied = distributed.tied_names(self.model)
             distributed.shard_model(self.model)
-        self._told = time.monotonic()  # when rank 0 last sent the other ranks a command
+        # when rank 0 last sent the other ranks a command
+        self._told = time.monotonic()
         self.pad_id = self.model.config.pad_token_id or 0
         self.opt = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.step, self.version = 0, 0
         self._next_version_check = 0.0
         self.counts = dict.fromkeys(COUNTERS, 0)
-        self.intake = Intake(client, self.keys, self.counts, cfg.filter_constant_groups, log)  # samples, exactly once
+        # samples, exactly once
+        self.intake = Intake(client, self.keys, self.counts, cfg.filter_constant_groups, log)
         self.wait_s = 0.0
-        self.commit_s = 0.0  # time in commits since the last metrics record (reported with the next step)
-        self.deltas = DeltaWriter(cfg, client, self.keys, self.weights_dir, log)  # each version's delta, in a thread
+        # time in commits since the last metrics record (reported with the next step)
+        self.commit_s = 0.0
+        # each version's delta, in a thread
+        self.deltas = DeltaWriter(cfg, client, self.keys, self.weights_dir, log)
 
     # --- startup
     def restore(self) -> None:
@@ -94,7 +118,8 @@ class Trainer:
         # every group trained or judged untrainable: the ledger's lines (now level with the checkpoint), plus the
         # list older checkpoints carried themselves
         self.intake.consumed = set((state or {}).get("consumed", ())) | {
-            g for rec in ledger.read_ledger(self.ckpt_dir) for g in rec["groups"] + rec["skipped"]}
+            g for rec in ledger.read_ledger(self.ckpt_dir) for g in rec["groups"] + rec["skipped"]
+        }
         try:
             self.client.xgroup_create(self.keys.samples, GROUP, id="0", mkstream=True)
         except redis.exceptions.ResponseError as exc:
@@ -110,8 +135,10 @@ class Trainer:
         single, sharded = (self.ckpt_dir / "checkpoint.pt").exists(), sharded_checkpoint.latest(self.ckpt_dir)
         if self.launched and single and sharded is None or not self.launched and sharded is not None:
             have, need = ("checkpoint.pt (one process)", "torchrun") if single else ("dcp/ (torchrun)", "one process")
-            raise RuntimeError(f"trainer: {self.ckpt_dir} holds a {have} checkpoint, which a trainer run as {need} "
-                               f"cannot restore; restart it the way it was run")
+            raise RuntimeError(
+                f"trainer: {self.ckpt_dir} holds a {have} checkpoint, which a trainer run as {need} "
+                f"cannot restore; restart it the way it was run"
+            )
         if self.launched:
             state = sharded_checkpoint.load(self.ckpt_dir, self.model, self.opt)
             state = state and state | {"optimizer_version": state["version"]}
@@ -121,9 +148,13 @@ class Trainer:
                 self.opt.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["rng"])
         if state is not None:
-            if state["optimizer_version"] != state["version"]:  # killed before the background write landed
-                self.log.warning("optimizer state older than the model: AdamW moments from an earlier version",
-                                 model_version=state["version"], optimizer_version=state["optimizer_version"])
+            # killed before the background write landed
+            if state["optimizer_version"] != state["version"]:
+                self.log.warning(
+                    "optimizer state older than the model: AdamW moments from an earlier version",
+                    model_version=state["version"],
+                    optimizer_version=state["optimizer_version"],
+                )
             self.step, self.version = state["step"], state["version"]
             self.log.info("restored checkpoint", step=self.step, version=self.version)
         return state
@@ -144,8 +175,9 @@ class Trainer:
         """A crash between checkpoint and publish leaves the version unpublished."""
         if self.version > 0 and publish.latest_version(self.client, self.keys) < self.version:
             self._tell({"op": "gather"})
-            path, digest = publish.write_weights(self._publish_state(), self.weights_dir, self.version,
-                                                 self.cfg.publish_dtype)
+            path, digest = publish.write_weights(
+                self._publish_state(), self.weights_dir, self.version, self.cfg.publish_dtype
+            )
             publish.publish(self.client, self.keys, self.version, path, digest, self.step, self.cfg.weights_base_url)
             self.log.info("republished version after restart", version=self.version)
 
@@ -159,8 +191,9 @@ class Trainer:
         self._next_version_check = now + 2.0
         path = self.weights_dir / f"v{self.version:06d}.safetensors"
         if publish.latest_version(self.client, self.keys) < self.version and path.exists():
-            publish.publish(self.client, self.keys, self.version, path, publish.sha256(path), self.step,
-                            self.cfg.weights_base_url)
+            publish.publish(
+                self.client, self.keys, self.version, path, publish.sha256(path), self.step, self.cfg.weights_base_url
+            )
             self.log.warning("version event lost by Redis; published again", version=self.version)
 
     # --- reading samples (services/trainer/intake.py)
@@ -176,52 +209,84 @@ class Trainer:
         self.intake.settle_skipped(self.ckpt_dir, self.version, self.step)
         self._republish_if_lost()
         if time.monotonic() - self._told > distributed.IDLE_EVERY_S:
-            self._tell({"op": "idle"})  # the other ranks wait in a collective: keep it short of TIMEOUT
+            # the other ranks wait in a collective: keep it short of TIMEOUT
+            self._tell({"op": "idle"})
 
     # --- learning
     def train_step(self, groups: list[tuple[str, str, list[Episode]]]) -> dict:
         t0 = time.monotonic()
         batch = build_batch([eps for _, _, eps in groups], self.pad_id, self.version, self.cfg.hard_max_staleness)
-        if self.launched:  # every rank gets the batch's ids and tensors (distributed.py)
+        # every rank gets the batch's ids and tensors (distributed.py)
+        if self.launched:
             ids = [(e, g, [ep.episode_id for ep in eps]) for e, g, eps in groups]
             message = distributed.step_message(ids, batch)
             self._tell(message)
             distributed.broadcast_batch(self.shard, message, batch)
         stats = self._train(batch)
-        if self.cfg.simulated_train_us_per_token:  # benchmarks: a SIMULATED GPU's training time, not real work
+        # benchmarks: a SIMULATED GPU's training time, not real work
+        if self.cfg.simulated_train_us_per_token:
             time.sleep(batch.num_tokens * self.cfg.simulated_train_us_per_token / 1e6)
         self.step += 1
-        trained = stats["ppo_steps"] > 0  # every optimizer step non-finite: the groups count as not trained
+        # every optimizer step non-finite: the groups count as not trained
+        trained = stats["ppo_steps"] > 0
         self.intake.trained(groups, trained)
         if stats["nonfinite_skipped"]:
-            self.log.error("non-finite loss or grad norm: optimizer step skipped", step=self.step,
-                           skipped=stats["nonfinite_skipped"], loss=stats["loss"], grad_norm=stats["grad_norm"])
+            self.log.error(
+                "non-finite loss or grad norm: optimizer step skipped",
+                step=self.step,
+                skipped=stats["nonfinite_skipped"],
+                loss=stats["loss"],
+                grad_norm=stats["grad_norm"],
+            )
         masked = round(stats["is_masked_fraction"] * batch.num_tokens)
-        for key, value in (("policy_failures", batch.policy_failures), ("greedy_tokens", batch.greedy_tokens),
-                           ("stale_tokens_masked", batch.stale_tokens_masked), ("is_masked_tokens", masked),
-                           ("tokens_wasted", batch.greedy_tokens + batch.stale_tokens_masked + masked),
-                           ("nonfinite_skipped", stats["nonfinite_skipped"])):
+        for key, value in (
+            ("policy_failures", batch.policy_failures),
+            ("greedy_tokens", batch.greedy_tokens),
+            ("stale_tokens_masked", batch.stale_tokens_masked),
+            ("is_masked_tokens", masked),
+            ("tokens_wasted", batch.greedy_tokens + batch.stale_tokens_masked + masked),
+            ("nonfinite_skipped", stats["nonfinite_skipped"]),
+        ):
             self.counts[key] += value
         return self._metrics(batch, groups, stats, time.monotonic() - t0)
 
     def _train(self, batch: Batch) -> dict:
-        return train_on_batch(self.model, self.opt, batch, StepConfig.from_config(self.cfg), self.policy.device,
-                              kl=self.policy.kl_penalty(), shard=self.shard)
+        return train_on_batch(
+            self.model,
+            self.opt,
+            batch,
+            StepConfig.from_config(self.cfg),
+            self.policy.device,
+            kl=self.policy.kl_penalty(),
+            shard=self.shard,
+        )
 
     def _metrics(self, batch: Batch, groups, stats: dict, seconds: float) -> dict:
         eps = [ep for _, _, g in groups for ep in g]
         hist = staleness_histogram(self.version, [ep.versions for ep in eps])
         lengths = torch.tensor([float(ep.num_generated) for ep in eps])
-        return {"step": self.step, "version": self.version, "time": time.time(),
-                "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std(unbiased=False)),
-                "response_len": float(lengths.mean()), "samples": len(eps), "groups": len(groups),
-                "tokens": batch.num_tokens, "tokens_per_s": batch.num_tokens / max(seconds, 1e-9),
-                "wait_s": self.wait_s, "train_s": seconds, "commit_s": self.commit_s,
-                "batch_policy_failures": batch.policy_failures,
-                "staleness": {str(k): v for k, v in sorted(hist.items())},
-                "staleness_max": max(hist, default=0), "stale_dropped": self.counts["groups_dropped"],
-                **version_spans(eps),
-                **stats, **self.counts}
+        return {
+            "step": self.step,
+            "version": self.version,
+            "time": time.time(),
+            "reward_mean": float(batch.rewards.mean()),
+            "reward_std": float(batch.rewards.std(unbiased=False)),
+            "response_len": float(lengths.mean()),
+            "samples": len(eps),
+            "groups": len(groups),
+            "tokens": batch.num_tokens,
+            "tokens_per_s": batch.num_tokens / max(seconds, 1e-9),
+            "wait_s": self.wait_s,
+            "train_s": seconds,
+            "commit_s": self.commit_s,
+            "batch_policy_failures": batch.policy_failures,
+            "staleness": {str(k): v for k, v in sorted(hist.items())},
+            "staleness_max": max(hist, default=0),
+            "stale_dropped": self.counts["groups_dropped"],
+            **version_spans(eps),
+            **stats,
+            **self.counts,
+        }
 
     def record(self, metrics: dict) -> None:
         self.commit_s = 0.0
@@ -230,9 +295,16 @@ class Trainer:
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps(metrics) + "\n")
         record_metrics(self.client, self.keys, "train", metrics)
-        self.log.info("step", step=metrics["step"], version=metrics["version"], reward=round(metrics["reward_mean"], 3),
-                      loss=round(metrics["loss"], 4), tokens_per_s=round(metrics["tokens_per_s"]),
-                      clip_fraction=round(metrics["clip_fraction"], 4), staleness_max=metrics["staleness_max"])
+        self.log.info(
+            "step",
+            step=metrics["step"],
+            version=metrics["version"],
+            reward=round(metrics["reward_mean"], 3),
+            loss=round(metrics["loss"], 4),
+            tokens_per_s=round(metrics["tokens_per_s"]),
+            clip_fraction=round(metrics["clip_fraction"], 4),
+            staleness_max=metrics["staleness_max"],
+        )
 
     # --- committing
     def commit(self) -> None:
@@ -247,19 +319,23 @@ class Trainer:
         trained, skipped = self.intake.to_commit()
         if self.shard.main:
             path, digest = publish.write_weights(weights, self.weights_dir, self.version, self.cfg.publish_dtype)
-            self.deltas.submit(self.version, path, digest)  # off the critical path: workers may fetch deltas
+            # off the critical path: workers may fetch deltas
+            self.deltas.submit(self.version, path, digest)
         self.intake.committed(trained + skipped)
         line = commit_path.record(self.version, self.step, trained, skipped)
         fault("before_checkpoint")
         # the groups trained so far are the ledger's lines plus this commit's (restore rebuilds the set from
         # them), so the checkpoint does not grow with the run
         meta = {"step": self.step, "version": self.version, "counts": dict(self.counts), "ledger_record": line}
-        if self.launched:  # sharded: each rank writes its part (sharded_checkpoint.py)
-            sharded_checkpoint.save(self.ckpt_dir, self.model, self.opt, meta | {"world_size": self.shard.size},
-                                    self.shard.main)
+        # sharded: each rank writes its part (sharded_checkpoint.py)
+        if self.launched:
+            sharded_checkpoint.save(
+                self.ckpt_dir, self.model, self.opt, meta | {"world_size": self.shard.size}, self.shard.main
+            )
         else:
             checkpoint.save(self.ckpt_dir, {"model": self.model.state_dict(), "rng": torch.get_rng_state(), **meta})
-            checkpoint.save_optimizer(self.ckpt_dir, self.version, self.opt.state_dict())  # in the background
+            # in the background
+            checkpoint.save_optimizer(self.ckpt_dir, self.version, self.opt.state_dict())
         fault("after_checkpoint")
         if not self.shard.main:
             return
@@ -269,9 +345,11 @@ class Trainer:
         fault("after_ack")
         publish.publish(self.client, self.keys, self.version, path, digest, self.step, self.cfg.weights_base_url)
         fault("after_publish")
-        self.samples_head.maybe_trim()  # what no commit can need again leaves Redis (issue 33)
+        # what no commit can need again leaves Redis
+        self.samples_head.maybe_trim()
         publish.prune(self.weights_dir, keep_from=self.version - self.cfg.max_staleness - 2)
-        export.maybe_export(self.cfg, self.version, self.log)  # every export_every versions: an HF folder
+        # every export_every versions: an HF folder
+        export.maybe_export(self.cfg, self.version, self.log)
         self.log.info("version published", version=self.version, path=str(path), sha256=digest[:12])
 
     def run(self, should_stop=lambda: False) -> None:
@@ -288,9 +366,11 @@ class Trainer:
                     t0 = time.monotonic()
                     self.commit()
                     self.commit_s += time.monotonic() - t0
-            self._tell({"op": "stop"})  # a warm stop: the other ranks return too
+            # a warm stop: the other ranks return too
+            self._tell({"op": "stop"})
         finally:
-            checkpoint.wait()  # the last optimizer write lands before a warm stop returns
+            # the last optimizer write lands before a warm stop returns
+            checkpoint.wait()
 
     def follow(self) -> None:
         """A rank other than 0 under torchrun: restore from the last commit, then do what rank 0 says."""

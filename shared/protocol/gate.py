@@ -19,28 +19,28 @@ command whose reply was lost, a trainer re-judging a group after a restart) retu
 changes nothing, so slots neither leak nor are given back twice. A call's own random token guards only a retry of
 that call and lives ``once.RETRY_MARKER_TTL_S``; a named token (a group's, guarding a restart) ``REQUEST_TTL_S``.
 
-What the gate promises: at most ``limit`` = (η + v + 1)·B groups are ever started (net of refunds) while the
-gate is at version v, and a worker still running an older version w reserves only under ITS version's limit,
-(η + w + 1)·B, so a group's start rank is bounded by the version that generates it whichever version the
-gate is at: a rolling sync can open the gate as soon as one worker runs the new version. When the trainer consumes groups in start order that bounds staleness by η
-(``shared.protocol.staleness.group_capacity``). The trainer reads in FINISH order: a group that started early
-and finishes late is trained later than its start rank says, so the bound on the admission count is all the
-gate guarantees then. The trainer does not throw such a late group away: it trains it with the importance
-weights of docs/training.md (tokens past ``hard_max_staleness`` masked and counted), and refunds the slot only
-of a group it never trains. tests/protocol/test_gate.py checks the admission bound under finish order.
-"""
+What the gate promises: at most ``limit`` = (η + v + 1)·B groups are ever started (net of refunds) while the gate is
+at version v, and a worker still running an older version w reserves only under ITS version's limit, (η + w + 1)·B,
+so a group's start rank is bounded by the version that generates it whichever version the gate is at: a rolling sync
+can open the gate as soon as one worker runs the new version. When the trainer consumes groups in start order that
+bounds staleness by η (``shared.protocol.staleness.group_capacity``). The trainer reads in FINISH order: a group that
+started early and finishes late is trained later than its start rank says, so the bound on the admission count is all
+the gate guarantees then. The trainer does not throw such a late group away: it trains it with the importance weights
+of docs/training.md (tokens past ``hard_max_staleness`` masked and counted), and refunds the slot only of a group it
+never trains. tests/protocol/test_gate.py checks the admission bound under finish order."""
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
 
-from shared.protocol.streams import once
 from shared.protocol.keys import Keys
+from shared.protocol.streams import once
 
-REQUEST_TTL_S = 600  # how long a NAMED reservation's or refund's outcome is kept (``group:<id>``: a restart's repeat)
+# how long a NAMED reservation's or refund's outcome is kept (``group:<id>``: a restart's repeat)
+REQUEST_TTL_S = 600
 # A call's own token (none given: a uuid per call) guards only a retry of that call, within ``redis_wait``: its
-# outcome is kept ``once.RETRY_MARKER_TTL_S`` (120 s), not 600 s (issue 33: nearly every gate:req key is one of these)
+# outcome is kept ``once.RETRY_MARKER_TTL_S`` (120 s), not 600 s (nearly every gate:req key is one of these)
 
 _RESERVE = """
 local done = redis.call('GET', KEYS[3])
@@ -78,13 +78,17 @@ def ttl_of(token: str | None) -> int:
 
 @dataclass(frozen=True)
 class Grant:
-    granted: int  # slots reserved now (to be refunded when not used)
-    gated: bool  # False: no gate is open (granted is what was asked for in async mode, 0 in sync mode)
-    version: int | None  # the version the gate was opened for, None when no gate
+    # slots reserved now (to be refunded when not used)
+    granted: int
+    # False: no gate is open (granted is what was asked for in async mode, 0 in sync mode)
+    gated: bool
+    # the version the gate was opened for, None when no gate
+    version: int | None
 
 
-def open(client, keys: Keys, version: int, limit: int, max_staleness: int, per_version: int = 0,
-         complete: bool = True) -> None:
+def open(
+    client, keys: Keys, version: int, limit: int, max_staleness: int, per_version: int = 0, complete: bool = True
+) -> None:
     """The syncer, after a sync: up to ``limit`` groups started in total may be running or trained; a worker on an
     older version w reserves under ``limit`` - (version - w) x ``per_version`` (the groups the trainer takes per
     version). ``complete``: every live worker runs ``version`` (a rolling sync: after its last wave)."""
@@ -132,10 +136,15 @@ class Gate:
             return Grant(0, False, None)
         ttl = ttl_of(token)
         token = token or uuid.uuid4().hex
-        granted, version = (int(x) for x in self._reserve(
-            keys=[self.keys.gate, self.keys.gate_started, self.keys.gate_request(token)],
-            args=[want, ttl, -1 if version is None else version]))
-        if granted == -2:  # this very call ran before (a retry): the slots it reserved then are this call's
+        granted, version = (
+            int(x)
+            for x in self._reserve(
+                keys=[self.keys.gate, self.keys.gate_started, self.keys.gate_request(token)],
+                args=[want, ttl, -1 if version is None else version],
+            )
+        )
+        # this very call ran before (a retry): the slots it reserved then are this call's
+        if granted == -2:
             once.skipped("gate reserve", token=token, granted=version)
             granted, version = version, opened_version(self.client, self.keys)
             return Grant(granted, True, version)

@@ -43,9 +43,15 @@ def key_table(run: str = "<run>") -> list[tuple[str, str, str, str, str]]:
 
 def describe() -> str:
     """Markdown: the key table, then one section per codec: its docstring (and the event field table)."""
-    out = ["# Keys", "", "Every key of a run, as `shared/protocol/keys.py` builds it (`{...}`: a Redis Cluster hash tag; "
-           "coordination keys share the run's, each episode stream has its own).", "",
-           "| key | builder | type | owner | holds |", "|---|---|---|---|---|"]
+    out = [
+        "# Keys",
+        "",
+        "Every key of a run, as `shared/protocol/keys.py` builds it (`{...}`: a Redis Cluster hash tag; "
+        "coordination keys share the run's, each episode stream has its own).",
+        "",
+        "| key | builder | type | owner | holds |",
+        "|---|---|---|---|---|",
+    ]
     out += [f"| `{key}` | `{b}` | {kind} | {owner} | {what} |" for key, b, kind, owner, what in key_table()]
     out.append("")
     for title, module_name in CODECS:

@@ -11,8 +11,14 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 
-def group_capacity(current_version: int, max_staleness: int, groups_per_version: int, started_groups: int,
-                   max_in_flight: int | None = None, running_groups: int = 0) -> int:
+def group_capacity(
+    current_version: int,
+    max_staleness: int,
+    groups_per_version: int,
+    started_groups: int,
+    max_in_flight: int | None = None,
+    running_groups: int = 0,
+) -> int:
     """How many more prompt groups may start now (AReaL's admission control).
 
     With η = ``max_staleness``, v = ``current_version``, B = ``groups_per_version`` (groups the trainer
@@ -27,8 +33,11 @@ def group_capacity(current_version: int, max_staleness: int, groups_per_version:
     _check_max_staleness(max_staleness)
     if groups_per_version < 1:
         raise ValueError(f"groups_per_version must be >= 1, got {groups_per_version}")
-    for name, value in (("current_version", current_version), ("started_groups", started_groups),
-                        ("running_groups", running_groups)):
+    for name, value in (
+        ("current_version", current_version),
+        ("started_groups", started_groups),
+        ("running_groups", running_groups),
+    ):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     if max_in_flight is not None and max_in_flight < 0:
@@ -53,8 +62,7 @@ def is_too_stale(trainer_version: int, token_versions: Sequence[int], max_stalen
 
 def staleness_histogram(trainer_version: int, samples_token_versions: Iterable[Sequence[int]]) -> dict[int, int]:
     """Versions behind (max(0, trainer_version − v)) -> number of policy-generated tokens, over all samples."""
-    return dict(Counter(max(0, trainer_version - v) for versions in samples_token_versions
-                        for v in versions if v >= 0))
+    return dict(Counter(max(0, trainer_version - v) for versions in samples_token_versions for v in versions if v >= 0))
 
 
 def _check_max_staleness(max_staleness: int) -> None:

@@ -14,8 +14,8 @@ import math
 import time
 
 import redis
-from redis.cluster import RedisCluster
 from redis.backoff import ExponentialBackoff
+from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 
@@ -24,10 +24,16 @@ def _retry(seconds: float) -> dict:
     from 0.05 s doubling to 1 s between tries), the AOF load after it (BUSY LOADING) included: a service
     waits for Redis instead of dying, and stops when it is really gone. (A client made by from_url otherwise
     gets no retries at all.)"""
-    tries = 5 + max(1, math.ceil(seconds - 1.55))  # 0.05 + 0.1 + 0.2 + 0.4 + 0.8 s, then 1 s apart
-    return {"retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), tries),
-            "retry_on_error": [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                               redis.exceptions.BusyLoadingError]}
+    # 0.05 + 0.1 + 0.2 + 0.4 + 0.8 s, then 1 s apart
+    tries = 5 + max(1, math.ceil(seconds - 1.55))
+    return {
+        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), tries),
+        "retry_on_error": [
+            redis.exceptions.ConnectionError,
+            redis.exceptions.TimeoutError,
+            redis.exceptions.BusyLoadingError,
+        ],
+    }
 
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -61,25 +67,33 @@ def connect(url: str, wait: float = 30.0, retry_for: float | None = None, **kwar
     delay = 0.05
     while True:
         try:
-            if cluster:  # the client reads the slot map on creation: it is the probe
+            # the client reads the slot map on creation: it is the probe
+            if cluster:
                 client = _cluster(url, wait if retry_for is None else retry_for, **kwargs)
                 client.ping()
                 return client
             probe = redis.Redis.from_url(url, **kwargs)
             probe.ping()
             probe.close()
-            return redis.Redis.from_url(url, health_check_interval=30,
-                                        **{**_retry(wait if retry_for is None else retry_for), **kwargs})
+            return redis.Redis.from_url(
+                url, health_check_interval=30, **{**_retry(wait if retry_for is None else retry_for), **kwargs}
+            )
         except redis.exceptions.AuthenticationError:
             raise
         except (redis.exceptions.ConnectionError, redis.exceptions.RedisClusterException) as exc:
-            if isinstance(exc, redis.exceptions.AuthenticationError) or "invalid username-password" in str(exc) \
-                    or "NOAUTH" in str(exc):
+            if (
+                isinstance(exc, redis.exceptions.AuthenticationError)
+                or "invalid username-password" in str(exc)
+                or "NOAUTH" in str(exc)
+            ):
                 raise redis.exceptions.AuthenticationError(str(exc)) from None
-            if isinstance(exc, redis.exceptions.BusyLoadingError):  # it answers: loading its data, not gone
+            # it answers: loading its data, not gone
+            if isinstance(exc, redis.exceptions.BusyLoadingError):
                 deadline = time.monotonic() + wait
             elif time.monotonic() > deadline:
-                raise redis.exceptions.ConnectionError(f"no Redis answering at {redact(url)} after {wait:g} s") from None
+                raise redis.exceptions.ConnectionError(
+                    f"no Redis answering at {redact(url)} after {wait:g} s"
+                ) from None
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
 

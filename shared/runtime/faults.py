@@ -31,10 +31,19 @@ from collections import Counter
 ENV = "FAULT_INJECT_STREAMRL_CRASH"
 POINTS = {
     "trainer": ("before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish"),
-    "rollout": ("opened", "flushed", "finished", "repack_stopped", "repack_handed", "paused", "pull_leased",
-                "delta_fetched"),
+    "rollout": (
+        "opened",
+        "flushed",
+        "finished",
+        "repack_stopped",
+        "repack_handed",
+        "paused",
+        "pull_leased",
+        "delta_fetched",
+    ),
     "syncer": ("fetch", "pause", "load", "resume"),
-    "agents": ("job_started",),  # rq handed the job over; the episode is not yet recorded in agents:running
+    # rq handed the job over; the episode is not yet recorded in agents:running
+    "agents": ("job_started",),
     "archiver": ("written", "listed", "deleting", "deleted"),
 }
 _reached: Counter = Counter()

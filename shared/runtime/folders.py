@@ -33,8 +33,10 @@ def private_folder(path: Path, key: str, create: bool = True) -> Path:
             pass
         st = folder.stat()
         if st.st_uid != os.getuid():
-            raise ConfigError(f"config key {key!r}: {folder} belongs to another user (uid {st.st_uid}, not "
-                              f"{os.getuid()}); set {key} to a folder of your own")
+            raise ConfigError(
+                f"config key {key!r}: {folder} belongs to another user (uid {st.st_uid}, not "
+                f"{os.getuid()}); set {key} to a folder of your own"
+            )
         if not stat.S_ISDIR(st.st_mode):
             raise ConfigError(f"config key {key!r}: {folder} is not a folder")
     return path

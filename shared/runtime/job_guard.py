@@ -37,6 +37,7 @@ def refusal(func_name: str | None, args, kwargs, callbacks: tuple, allowed: dict
 
 def spec_arg(name: str, expected: str, pick=lambda args: args[0] if args else None) -> Check:
     """A check that the job's spec argument (``pick(args)``) is the run's ``expected`` one."""
+
     def check(args: tuple, kwargs: dict) -> str | None:
         if kwargs:
             return f"keyword arguments {sorted(kwargs)} are not allowed"
@@ -47,6 +48,7 @@ def spec_arg(name: str, expected: str, pick=lambda args: args[0] if args else No
         if got != expected:
             return f"{name} {got!r} is not the run's ({expected!r})"
         return None
+
     return check
 
 
@@ -56,11 +58,13 @@ def guarded_job_class(allowed: dict[str, Check], log) -> type[Job]:
     class GuardedJob(Job):
         def perform(self):
             callbacks = (self._success_callback_name, self._failure_callback_name, self._stopped_callback_name)
-            try:  # JSON: reading the job's data runs nothing
+            # JSON: reading the job's data runs nothing
+            try:
                 why = refusal(self.func_name, self.args, self.kwargs, callbacks, allowed)
                 if why is None and self.instance is not None:
                     why = "a method of an instance is not allowed"
-            except Exception as exc:  # data that does not decode: refused the same way
+            # data that does not decode: refused the same way
+            except Exception as exc:
                 why = f"unreadable job data ({exc.__class__.__name__})"
             if why is not None:
                 # none of its callbacks runs either (rq calls the failure callback of a failed job)

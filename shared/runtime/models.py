@@ -49,8 +49,10 @@ def resolve_model(name: str, key: str = "model_dir") -> str:
     if (path / "config.json").is_file():
         return str(path)
     if path.is_dir():
-        raise ModelNotFound(f"config key {key!r}: {name!r} is a folder without config.json "
-                            f"(expected a Hugging Face model folder: config.json, weights, tokenizer)")
+        raise ModelNotFound(
+            f"config key {key!r}: {name!r} is a folder without config.json "
+            f"(expected a Hugging Face model folder: config.json, weights, tokenizer)"
+        )
     tried = f"no folder {str(path.resolve())!r}"
     if not _looks_like_hub_id(name):
         raise ModelNotFound(f"config key {key!r}: {name!r} does not resolve: {tried}, and it is not a hub id")
@@ -62,13 +64,18 @@ def resolve_model(name: str, key: str = "model_dir") -> str:
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError):
         folder = None
         if _offline():
-            raise ModelNotFound(f"config key {key!r}: {name!r} does not resolve: {tried}, and hub id {name!r} is "
-                                f"not in the local Hugging Face cache (HF_HUB_OFFLINE is set)") from None
+            raise ModelNotFound(
+                f"config key {key!r}: {name!r} does not resolve: {tried}, and hub id {name!r} is "
+                f"not in the local Hugging Face cache (HF_HUB_OFFLINE is set)"
+            ) from None
         try:
             folder = snapshot_download(name)
-        except Exception as exc:  # network, auth, no such repo: all one line
-            raise ModelNotFound(f"config key {key!r}: {name!r} does not resolve: {tried}, not in the local "
-                                f"Hugging Face cache, and the hub said: {str(exc).splitlines()[0]}") from None
+        # network, auth, no such repo: all one line
+        except Exception as exc:
+            raise ModelNotFound(
+                f"config key {key!r}: {name!r} does not resolve: {tried}, not in the local "
+                f"Hugging Face cache, and the hub said: {str(exc).splitlines()[0]}"
+            ) from None
     if not (Path(folder) / "config.json").is_file():
         raise ModelNotFound(f"config key {key!r}: hub id {name!r} resolved to {folder!r}, which has no config.json")
     return str(folder)

@@ -42,17 +42,22 @@ def prompt_key(prompt: str | list) -> str:
 def encode_prompt(tokenizer, prompt: str | list, tools: list | None = None) -> list[int]:
     if is_messages(prompt):
         if not getattr(tokenizer, "chat_template", None):
-            raise PromptError("a chat-message prompt needs a tokenizer with a chat template; this one has none "
-                              "(give the model folder a chat_template, or use text prompts)")
-        out = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
+            raise PromptError(
+                "a chat-message prompt needs a tokenizer with a chat template; this one has none "
+                "(give the model folder a chat_template, or use text prompts)"
+            )
+        out = tokenizer.apply_chat_template(
+            prompt, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         return [int(i) for i in (out["input_ids"] if isinstance(out, dict) else out)]
     ids = list(tokenizer.encode(prompt, add_special_tokens=True))
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     if bos is not None and ids[:2] == [bos, bos]:
-        ids = ids[1:]  # the text already started with BOS
+        # the text already started with BOS
+        ids = ids[1:]
     if eos is not None and ids and ids[-1] == eos and not prompt.endswith(tokenizer.eos_token or "\0"):
-        ids = ids[:-1]  # a tokenizer that appends EOS would end the prompt before the answer
+        # a tokenizer that appends EOS would end the prompt before the answer
+        ids = ids[:-1]
     return ids
 
 
@@ -75,8 +80,10 @@ def parse_stop(tokenizer, stop: str) -> list[int]:
         if tid is None or tid == tokenizer.unk_token_id:
             ids = tokenizer.encode(item, add_special_tokens=False)
             if len(ids) != 1:
-                raise PromptError(f"config key 'stop': {item!r} is {len(ids)} tokens for this tokenizer; a stop "
-                                  f"string must be exactly one token (or give token ids)")
+                raise PromptError(
+                    f"config key 'stop': {item!r} is {len(ids)} tokens for this tokenizer; a stop "
+                    f"string must be exactly one token (or give token ids)"
+                )
             tid = ids[0]
         out.append(int(tid))
     return out
@@ -93,6 +100,7 @@ def stop_token_ids(tokenizer, model_dir: str | None = None, stop: str = "") -> t
         try:
             ids += _as_list(GenerationConfig.from_pretrained(resolve_model(model_dir)).eos_token_id)
         except (OSError, ValueError):
-            pass  # no model folder or no generation_config.json: the tokenizer's EOS it is
+            # no model folder or no generation_config.json: the tokenizer's EOS it is
+            pass
     ids += parse_stop(tokenizer, stop)
     return tuple(dict.fromkeys(ids))

@@ -1,14 +1,13 @@
 """A run's identity, so that one run's state is never mixed with another's.
 
-A run's state is in two places: its Redis data (streams, consumer groups) and its folder
-``<run_dir>/<run>/`` (trainer checkpoint and ledger, metrics, plots; by default the Redis data too, in
-``redis/``). Both carry the same identity: Redis holds ``streamrl:<run>:meta`` {run, id, created,
-config, ended?}, the folder holds ``run.json`` {run, id, created, redis, config}: ``config`` is the effective
-config the run was made with (secrets left out), which commands naming ``--run`` start from. Every process binds to the run when it
-has connected (``bind``): the first one creates the identity, the others find it, and a process that finds
-the two disagreeing (another run's data, or a folder whose Redis is gone: a trainer checkpoint ahead of an
-empty server) stops with one line that says what disagrees and how to continue or start afresh.
-"""
+A run's state is in two places: its Redis data (streams, consumer groups) and its folder ``<run_dir>/<run>/``
+(trainer checkpoint and ledger, metrics, plots; by default the Redis data too, in ``redis/``). Both carry the same
+identity: Redis holds ``streamrl:<run>:meta`` {run, id, created, config, ended?}, the folder holds ``run.json`` {run,
+id, created, redis, config}: ``config`` is the effective config the run was made with (secrets left out), which
+commands naming ``--run`` start from. Every process binds to the run when it has connected (``bind``): the first one
+creates the identity, the others find it, and a process that finds the two disagreeing (another run's data, or a
+folder whose Redis is gone: a trainer checkpoint ahead of an empty server) stops with one line that says what
+disagrees and how to continue or start afresh."""
 
 from __future__ import annotations
 
@@ -21,13 +20,14 @@ from pathlib import Path
 
 import redis
 
-from shared.protocol.keys import Keys
 from shared.protocol.archive.ledger import read_ledger
+from shared.protocol.keys import Keys
 from shared.runtime.config.keys import Config
 from shared.runtime.connection import redact
 from shared.runtime.secrets import private_dir
 
-MARKER = "run.json"  # in the run's folder: which run (id) this folder's state belongs to
+# in the run's folder: which run (id) this folder's state belongs to
+MARKER = "run.json"
 
 
 class RunStateError(RuntimeError):
@@ -40,8 +40,10 @@ def read_marker(run_path: Path) -> dict | None:
     except FileNotFoundError:
         return None
     except ValueError as exc:
-        raise RunStateError(f"{Path(run_path) / MARKER}: not JSON ({exc}); it names the run this folder belongs "
-                            f"to: delete it only if {run_path} holds no state you want to keep") from None
+        raise RunStateError(
+            f"{Path(run_path) / MARKER}: not JSON ({exc}); it names the run this folder belongs "
+            f"to: delete it only if {run_path} holds no state you want to keep"
+        ) from None
 
 
 def is_secret(key: str) -> bool:
@@ -74,12 +76,14 @@ def recorded_config(meta: dict | None) -> dict:
 
 def write_marker(run_path: Path, meta: dict, redis_url: str) -> None:
     """Atomic (several processes of one run write the same content at once)."""
-    run_path = private_dir(run_path)  # 0700: the run's Redis data, checkpoints and secrets are in it
+    # 0700: the run's Redis data, checkpoints and secrets are in it
+    run_path = private_dir(run_path)
     tmp = run_path / f".{MARKER}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
     body = {k: meta[k] for k in ("run", "id", "created") if k in meta}
     config = recorded_config(meta)
-    tmp.write_text(json.dumps({**body, "redis": redact(redis_url), **({"config": config} if config else {})},
-                              indent=1) + "\n")
+    tmp.write_text(
+        json.dumps({**body, "redis": redact(redis_url), **({"config": config} if config else {})}, indent=1) + "\n"
+    )
     os.replace(tmp, run_path / MARKER)
 
 
@@ -110,42 +114,49 @@ def _create(client: redis.Redis, keys: Keys, base: dict) -> dict:
     for field, value in base.items():
         pipe.hsetnx(keys.meta, field, value)
     pipe.execute()
-    try:  # on disk before anything of the run is (valkey >= 8, Redis >= 7.2); older servers: fsync within 1 s
+    # on disk before anything of the run is (valkey >= 8, Redis >= 7.2); older servers: fsync within 1 s
+    try:
         client.execute_command("WAITAOF", 1, 0, 2000)
     except redis.exceptions.ResponseError:
         pass
     return read_meta(client, keys)
 
 
-def bind(client: redis.Redis, keys: Keys, run_path: Path, redis_url: str, create: bool = True,
-         config: dict | None = None) -> dict | None:
+def bind(
+    client: redis.Redis, keys: Keys, run_path: Path, redis_url: str, create: bool = True, config: dict | None = None
+) -> dict | None:
     """The run's identity once folder and Redis agree (created when neither has one and ``create``, with
     ``config``: :func:`recordable`, the effective config the run records); RunStateError when they disagree.
     Read-only callers (``create=False``) get None for a run not yet named."""
     run_path, where, run = Path(run_path), redact(redis_url), keys.run
     fresh = f"start afresh: move {run_path} aside (or pick another --run)"
-    local = read_marker(run_path)  # the folder first: whoever wrote it had already named the run in Redis
+    # the folder first: whoever wrote it had already named the run in Redis
+    local = read_marker(run_path)
     meta = read_meta(client, keys)
     if local and meta:
         if local.get("id") != meta.get("id"):
             raise RunStateError(
                 f"run {run!r}: {run_path} belongs to run {_ident(local)} but Redis at {where} holds run "
                 f"{_ident(meta)}: two different runs, not mixed; continue the folder's run on the Redis it ran on "
-                f"({local.get('redis', '?')}; `streamrl redis` serves {run_path / 'redis'}), or {fresh}")
-        if create and local.get("redis") != redact(redis_url):  # served on another port now (`streamrl run`)
+                f"({local.get('redis', '?')}; `streamrl redis` serves {run_path / 'redis'}), or {fresh}"
+            )
+        # served on another port now (`streamrl run`)
+        if create and local.get("redis") != redact(redis_url):
             write_marker(run_path, {**local, **meta}, redis_url)
         return meta
     if meta:
         if local_state(run_path):
             raise RunStateError(
                 f"run {run!r}: {run_path} holds {local_state(run_path)} but no {MARKER}, so it cannot be told "
-                f"to belong to the run in Redis at {where} ({_ident(meta)}); {fresh}")
+                f"to belong to the run in Redis at {where} ({_ident(meta)}); {fresh}"
+            )
         if create:
             write_marker(run_path, meta, redis_url)
         return meta
     has_data = _has_data(client, keys)
     if local:
-        if has_data:  # data of the run from before its name was recorded: adopt it
+        # data of the run from before its name was recorded: adopt it
+        if has_data:
             adopted = {k: local[k] for k in ("run", "id", "created") if k in local}
             if local.get("config"):
                 adopted["config"] = json.dumps(local["config"])
@@ -154,24 +165,35 @@ def bind(client: redis.Redis, keys: Keys, run_path: Path, redis_url: str, create
         raise RunStateError(
             f"run {run!r}: {run_path} belongs to run {_ident(local)}{f' and holds {state}' if state else ''} but "
             f"Redis at {where} has nothing of it: serve the Redis data it ran on ({local.get('redis', '?')}; "
-            f"`streamrl redis` serves {run_path / 'redis'}), or {fresh}")
+            f"`streamrl redis` serves {run_path / 'redis'}), or {fresh}"
+        )
     state = local_state(run_path)
     if state and not has_data:
-        raise RunStateError(f"run {run!r}: {run_path} holds {state} but Redis at {where} has nothing of run "
-                            f"{run!r}: serve the Redis data it ran on (`streamrl redis` serves "
-                            f"{run_path / 'redis'}), or {fresh}")
+        raise RunStateError(
+            f"run {run!r}: {run_path} holds {state} but Redis at {where} has nothing of run "
+            f"{run!r}: serve the Redis data it ran on (`streamrl redis` serves "
+            f"{run_path / 'redis'}), or {fresh}"
+        )
     if not create:
         return None
-    meta = _create(client, keys, {"run": run, "id": uuid.uuid4().hex[:12],
-                                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                  **({"config": json.dumps(config)} if config else {})})
+    meta = _create(
+        client,
+        keys,
+        {
+            "run": run,
+            "id": uuid.uuid4().hex[:12],
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **({"config": json.dumps(config)} if config else {}),
+        },
+    )
     write_marker(run_path, meta, redis_url)
     return meta
 
 
 def mark_ended(client: redis.Redis, keys: Keys, version: int) -> None:
-    client.hset(keys.meta, mapping={"ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                    "ended_version": version})
+    client.hset(
+        keys.meta, mapping={"ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "ended_version": version}
+    )
 
 
 def ended(meta: dict | None) -> str | None:

@@ -23,8 +23,10 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
 FILE = "secrets.json"
-SECRETS = ("redis_password", "gateway_api_key", "weights_token")  # config keys: gateway_api_key, weights_token
-CONFIG_KEYS = ("gateway_api_key", "weights_token")  # the config keys a secret fills when empty
+# config keys: gateway_api_key, weights_token
+SECRETS = ("redis_password", "gateway_api_key", "weights_token")
+# the config keys a secret fills when empty
+CONFIG_KEYS = ("gateway_api_key", "weights_token")
 REDACTED = "***"
 
 
@@ -48,7 +50,9 @@ def read(run_path: str | Path) -> dict:
     except (FileNotFoundError, PermissionError, NotADirectoryError):
         return {}
     except ValueError as exc:
-        raise ValueError(f"{path(run_path)}: not JSON ({exc}); delete it to have the run's secrets made again") from None
+        raise ValueError(
+            f"{path(run_path)}: not JSON ({exc}); delete it to have the run's secrets made again"
+        ) from None
     return {k: v for k, v in data.items() if isinstance(v, str)} if isinstance(data, dict) else {}
 
 
@@ -127,8 +131,10 @@ def apply(cfg):
     """``cfg`` with its empty secrets filled from its run's secrets file, and which keys were (for `streamrl
     config`'s sources)."""
     try:
-        changes = fill({"redis_url": cfg.redis_url, "gateway_api_key": cfg.gateway_api_key,
-                        "weights_token": cfg.weights_token}, read(cfg.run_path))
+        changes = fill(
+            {"redis_url": cfg.redis_url, "gateway_api_key": cfg.gateway_api_key, "weights_token": cfg.weights_token},
+            read(cfg.run_path),
+        )
     except ValueError:
         return cfg, {}
     return (cfg.replace(**changes) if changes else cfg), changes
@@ -138,8 +144,11 @@ def redacted(cfg):
     """``cfg`` with its secrets shown as ``***`` (the Redis password inside redis_url / rq_redis_url too)."""
     from shared.runtime.connection import redact
 
-    return cfg.replace(**{k: REDACTED for k in CONFIG_KEYS if getattr(cfg, k)},
-                       redis_url=redact(cfg.redis_url), rq_redis_url=redact(cfg.rq_redis_url))
+    return cfg.replace(
+        **{k: REDACTED for k in CONFIG_KEYS if getattr(cfg, k)},
+        redis_url=redact(cfg.redis_url),
+        rq_redis_url=redact(cfg.rq_redis_url),
+    )
 
 
 def connect_run(cfg, wait: float | None = None):

@@ -15,17 +15,20 @@ import uuid
 
 import redis
 
+from shared.protocol.keys import Keys
+from shared.runtime import logs, runstate, secrets
 from shared.runtime.config import keys as configmod
 from shared.runtime.config import sources as config_sources
-from shared.runtime import logs, runstate, secrets
 from shared.runtime.connection import connect, redact
 from shared.runtime.heartbeat import Heartbeat
-from shared.protocol.keys import Keys
-
 
 # the config sections (full-line comments in shared/runtime/config/keys.py) each service's --help lists
-SHOWN = {"rollout": ("where", "episode log", "model", "rollout", "staleness"), "trainer": ("where", "model", "trainer",
-         "staleness"), "syncer": ("where", "staleness"), "tools": ("where", "rollout")}
+SHOWN = {
+    "rollout": ("where", "episode log", "model", "rollout", "staleness"),
+    "trainer": ("where", "model", "trainer", "staleness"),
+    "syncer": ("where", "staleness"),
+    "tools": ("where", "rollout"),
+}
 
 
 class Service:
@@ -51,11 +54,14 @@ class Service:
         signal.signal(signal.SIGINT, self._stop)
         sys.excepthook = self._excepthook
         self.log.info("connecting", redis=redact(self.cfg.redis_url))
-        self.cfg, self.client = secrets.connect_run(self.cfg)  # (honcho start: `streamrl redis` makes the secrets)
+        # (honcho start: `streamrl redis` makes the secrets)
+        self.cfg, self.client = secrets.connect_run(self.cfg)
         try:
-            self.meta = runstate.bind(self.client, self.keys, self.cfg.run_path, self.cfg.redis_url,
-                                       config=runstate.recordable(self.cfg))
-            self.cfg = self.cfg.replace(run_id=self.meta["id"])  # keys the default weights folders
+            self.meta = runstate.bind(
+                self.client, self.keys, self.cfg.run_path, self.cfg.redis_url, config=runstate.recordable(self.cfg)
+            )
+            # keys the default weights folders
+            self.cfg = self.cfg.replace(run_id=self.meta["id"])
         except runstate.RunStateError as exc:
             print(f"{name}: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
@@ -84,13 +90,18 @@ class Service:
         if issubclass(kind, redis.exceptions.OutOfMemoryError):
             print(f"{self.name}: {out_of_memory_line(self.cfg)}; stopping", file=sys.stderr, flush=True)
         elif issubclass(kind, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
-            print(f"{self.name}: Redis at {redact(self.cfg.redis_url)} is gone: no answer within redis_wait = "
-                  f"{self.cfg.redis_wait:g} s ({exc}); stopping", file=sys.stderr, flush=True)
+            print(
+                f"{self.name}: Redis at {redact(self.cfg.redis_url)} is gone: no answer within redis_wait = "
+                f"{self.cfg.redis_wait:g} s ({exc}); stopping",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             sys.__excepthook__(kind, exc, tb)
 
     def _stop(self, signum, frame) -> None:
-        if self.stopping:  # second signal: cold shutdown
+        # second signal: cold shutdown
+        if self.stopping:
             raise SystemExit(1)
         self.stopping = True
         self.log.info("stopping", signal=signal.Signals(signum).name)
@@ -102,7 +113,13 @@ class Service:
 
 def out_of_memory_line(cfg) -> str:
     """What a service says when Redis refuses a write for want of memory (``OutOfMemoryError``, noeviction)."""
-    retention = (f"lower log_retention_versions (now {cfg.log_retention_versions}: episodes of older versions move "
-                 f"to Parquet segments)") if cfg.log_retention_versions else \
-        "set log_retention_versions (episodes of old versions move to Parquet segments; 0 keeps every one in Redis)"
+    retention = (
+        (
+            f"lower log_retention_versions (now {cfg.log_retention_versions}: episodes of older versions move "
+            f"to Parquet segments)"
+        )
+        if cfg.log_retention_versions
+        else "set log_retention_versions (episodes of old versions move to Parquet segments; "
+        "0 keeps every one in Redis)"
+    )
     return f"Redis is out of memory (maxmemory {cfg.redis_maxmemory}): raise redis_maxmemory or {retention}"

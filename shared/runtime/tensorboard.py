@@ -17,14 +17,17 @@ from shared.runtime.wandb_sink import WandbSink
 class TensorBoard:
     def __init__(self, cfg: Config, process: str):
         self.writer = None
-        self.wandb = WandbSink(cfg, process)  # the optional second sink (`wandb` key)
+        # the optional second sink (`wandb` key)
+        self.wandb = WandbSink(cfg, process)
         if not cfg.tensorboard:
             return
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError("config key 'tensorboard' is true but the tensorboard package is not installed: "
-                              "pip install '.[tensorboard]'") from None
+            raise ConfigError(
+                "config key 'tensorboard' is true but the tensorboard package is not installed: "
+                "pip install '.[tensorboard]'"
+            ) from None
         self.dir = cfg.run_path / "tensorboard"
         self.writer = SummaryWriter(str(self.dir), filename_suffix=f".{process}")
 

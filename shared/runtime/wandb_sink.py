@@ -19,13 +19,21 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            raise ConfigError("config key 'wandb' is set but the wandb package is not installed: "
-                              "pip install '.[wandb]'") from None
+            raise ConfigError(
+                "config key 'wandb' is set but the wandb package is not installed: pip install '.[wandb]'"
+            ) from None
         folder = cfg.run_path / "wandb"
         folder.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=cfg.wandb_project, name=f"{cfg.run}-{process}", group=cfg.run,
-                              job_type=process, mode=cfg.wandb, dir=str(folder), reinit="create_new",
-                              config={k: v for k, v in vars(cfg).items() if k != "redis_url"})
+        self.run = wandb.init(
+            project=cfg.wandb_project,
+            name=f"{cfg.run}-{process}",
+            group=cfg.run,
+            job_type=process,
+            mode=cfg.wandb,
+            dir=str(folder),
+            reinit="create_new",
+            config={k: v for k, v in vars(cfg).items() if k != "redis_url"},
+        )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.run is not None:

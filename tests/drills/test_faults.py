@@ -18,28 +18,30 @@ import random
 import signal
 import subprocess
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import msgpack
 import pytest
 
-from shared.protocol.streams import control, dead_letters, prompts
-from shared.protocol.episode import events
 from services.ops.check.checker import check, format_report, read_run
 from services.ops.launch.redis_server import find_binary
-from tests.support.fault_run import LiveRun
 from services.ops.launch.tiny_model import make_tiny_model
-from tests.support.models import overfit
+from shared.protocol.episode import events
 from shared.protocol.episode.fold import fold
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP
-from dataclasses import asdict
+from shared.protocol.streams import control, dead_letters, prompts
+from tests.support.fault_run import LiveRun
+from tests.support.models import overfit
 
-pytestmark = [pytest.mark.slow(seconds=35), pytest.mark.timeout(900)]  # a few live runs on a shared 2-core box
+# a few live runs on a shared 2-core box
+pytestmark = [pytest.mark.slow(seconds=35), pytest.mark.timeout(900)]
 
 FLUSH_TOKENS = 8
 MAX_VERSIONS = 10
 TOOL_SECONDS = 0.4
-REDIS_DOWN_S = 1.0  # the fault itself: how long the Redis server is away before it starts again
+# the fault itself: how long the Redis server is away before it starts again
+REDIS_DOWN_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +49,15 @@ def tool_model(tmp_path_factory) -> str:
     """A tiny model overfit to call the (slow) sleep tool before answering, so tool jobs are in flight."""
     import torch
 
-    texts = [(f"{a}+{b}=", f"<call>sleep: {TOOL_SECONDS}</call><result>{TOOL_SECONDS}</result>answer: 7")
-             for a, b in [(1, 2), (3, 4), (5, 5), (9, 0), (2, 8), (6, 1)]]
+    texts = [
+        (f"{a}+{b}=", f"<call>sleep: {TOOL_SECONDS}</call><result>{TOOL_SECONDS}</result>answer: 7")
+        for a, b in [(1, 2), (3, 4), (5, 5), (9, 0), (2, 8), (6, 1)]
+    ]
     out = tmp_path_factory.mktemp("tool-model")
     make_tiny_model(str(out), seed=1)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a busy 2-core box: more threads only fight each other
+    # a busy 2-core box: more threads only fight each other
+    torch.set_num_threads(1)
     try:
         return overfit(out, texts, steps=80, lr=1e-2)
     finally:
@@ -70,19 +75,36 @@ def _dataset(root: Path) -> str:
 
 
 def _config(root: Path, model_dir: str, run: str, **kw) -> dict:
-    return {"run": run, "model_dir": model_dir, "dataset": _dataset(root), "tools": "tests.support.debug_tools:sleep,calc",
-            "tool_timeout": 1.0, "max_tokens": 48, "group_size": 2, "batch_groups": 2, "max_staleness": 1,
-            "flush_tokens": FLUSH_TOKENS, "flush_ms": 250.0, "step_delay_ms": 25.0, "heartbeat_ttl": 2.0,
-            "max_groups_in_flight": 4, "sync_timeout": 10.0, "max_minutes": 4.0, "log_level": "info",
-            "val_every": 0, **kw}
+    return {
+        "run": run,
+        "model_dir": model_dir,
+        "dataset": _dataset(root),
+        "tools": "tests.support.debug_tools:sleep,calc",
+        "tool_timeout": 1.0,
+        "max_tokens": 48,
+        "group_size": 2,
+        "batch_groups": 2,
+        "max_staleness": 1,
+        "flush_tokens": FLUSH_TOKENS,
+        "flush_ms": 250.0,
+        "step_delay_ms": 25.0,
+        "heartbeat_ttl": 2.0,
+        "max_groups_in_flight": 4,
+        "sync_timeout": 10.0,
+        "max_minutes": 4.0,
+        "log_level": "info",
+        "val_every": 0,
+        **kw,
+    }
 
 
 def _redis_cli(run: LiveRun, *args: str, stdin: bytes | None = None) -> str:
     """What a person types: redis-cli (valkey-cli) against the run's server."""
     server = Path(find_binary())
     cli = next(p for p in (server.with_name("valkey-cli"), server.with_name("redis-cli")) if p.exists())
-    out = subprocess.run([str(cli), "-p", str(run.server.port), *args], input=stdin, capture_output=True,
-                         timeout=30, check=True)
+    out = subprocess.run(
+        [str(cli), "-p", str(run.server.port), *args], input=stdin, capture_output=True, timeout=30, check=True
+    )
     return out.stdout.decode().strip()
 
 
@@ -117,32 +139,102 @@ def _inject_garbage(run: LiveRun) -> dict[str, list[tuple[str, str]]]:
     k = run.keys
     got: dict[str, list[tuple[str, str]]] = {k.prompts: [], k.samples: [], k.control: []}
     got[k.prompts].append((_redis_cli(run, "XADD", k.prompts, "*", "hello", "world"), "group_id"))
-    got[k.prompts].append((_redis_cli(run, "XADD", k.prompts, "*", "group_id", "junk1", "n", "2", "v", "7",
-                                      "data", "x"), "schema version"))
-    got[k.prompts].append((_redis_cli(run, "-x", "XADD", k.prompts, "*", "group_id", "junk2", "n", "2", "data",
-                                      stdin=b"\xc1\xff not msgpack"), "msgpack"))
-    got[k.prompts].append((run.client.xadd(k.prompts, {"group_id": "junk3", "n": "2", "data": msgpack.packb(
-        {"prompt": 42})}).decode(), "data.prompt"))
-    # well-formed entries with poison inside (issue 34): a worker that met them crashed, and again on every restart
-    got[k.prompts].append((run.client.xadd(k.prompts, {"group_id": "junk4", "n": "2", "v": "1", "data": msgpack.packb(
-        {"prompt": "1+1=", "sampling": {"temperature": "hot"}})}).decode(), "data.sampling.temperature"))
-    got[k.calls] = [(run.client.xadd(k.calls, {"episode_id": "nobody-0", "call": "0", "v": "1", "data": msgpack.packb(
-        {"digest": "d", "extends": -1, "prompt_ids": [1, 2], "messages": "",
-         "sampling": {"max_tokens": 4, "temperature": float("nan")}})}).decode(), "data.sampling.temperature")]
+    got[k.prompts].append(
+        (
+            _redis_cli(run, "XADD", k.prompts, "*", "group_id", "junk1", "n", "2", "v", "7", "data", "x"),
+            "schema version",
+        )
+    )
+    got[k.prompts].append(
+        (
+            _redis_cli(
+                run, "-x", "XADD", k.prompts, "*", "group_id", "junk2", "n", "2", "data", stdin=b"\xc1\xff not msgpack"
+            ),
+            "msgpack",
+        )
+    )
+    got[k.prompts].append(
+        (
+            run.client.xadd(k.prompts, {"group_id": "junk3", "n": "2", "data": msgpack.packb({"prompt": 42})}).decode(),
+            "data.prompt",
+        )
+    )
+    # well-formed entries with poison inside: a worker that met them crashed, and again on every restart
+    got[k.prompts].append(
+        (
+            run.client.xadd(
+                k.prompts,
+                {
+                    "group_id": "junk4",
+                    "n": "2",
+                    "v": "1",
+                    "data": msgpack.packb({"prompt": "1+1=", "sampling": {"temperature": "hot"}}),
+                },
+            ).decode(),
+            "data.sampling.temperature",
+        )
+    )
+    got[k.calls] = [
+        (
+            run.client.xadd(
+                k.calls,
+                {
+                    "episode_id": "nobody-0",
+                    "call": "0",
+                    "v": "1",
+                    "data": msgpack.packb(
+                        {
+                            "digest": "d",
+                            "extends": -1,
+                            "prompt_ids": [1, 2],
+                            "messages": "",
+                            "sampling": {"max_tokens": 4, "temperature": float("nan")},
+                        }
+                    ),
+                },
+            ).decode(),
+            "data.sampling.temperature",
+        )
+    ]
     got[k.samples].append((_redis_cli(run, "XADD", k.samples, "*", "garbage", "1"), "group_id"))
     got[k.samples].append((_redis_cli(run, "XADD", k.samples, "*", "group_id", "nope"), "episodes"))
-    got[k.control].append((_redis_cli(run, "XADD", k.control, "*", "type", "cmd", "cmd", "explode", "sync", "x"),
-                           "cmd"))
+    got[k.control].append(
+        (_redis_cli(run, "XADD", k.control, "*", "type", "cmd", "cmd", "explode", "sync", "x"), "cmd")
+    )
     got[k.control].append((_redis_cli(run, "XADD", k.control, "*", "type", "bogus"), "type"))
-    got[k.control].append((_redis_cli(run, "XADD", k.control, "*", "type", "cmd", "cmd", "load", "sync", "y",
-                                      "version", "two"), "version"))
+    got[k.control].append(
+        (
+            _redis_cli(run, "XADD", k.control, "*", "type", "cmd", "cmd", "load", "sync", "y", "version", "two"),
+            "version",
+        )
+    )
     # an episode stream a worker will open later (the driver names groups by epoch and dataset position)
     opened = [k.episode_id(key) for key in run.client.scan_iter(match=k.episode("q*"), count=1000)]
     future = max(int(e.split("-")[1]) for e in opened) + 3
     episode = f"{prompts.group_id(0, future)}-1"
-    got[k.episode(episode)] = [(_redis_cli(run, "XADD", k.episode(episode), "*", "type", "tokens", "v", "9",
-                                           "policy", "0", "worker", "someone", "seq", "0", "data", "zz"),
-                                "schema version")]
+    got[k.episode(episode)] = [
+        (
+            _redis_cli(
+                run,
+                "XADD",
+                k.episode(episode),
+                "*",
+                "type",
+                "tokens",
+                "v",
+                "9",
+                "policy",
+                "0",
+                "worker",
+                "someone",
+                "seq",
+                "0",
+                "data",
+                "zz",
+            ),
+            "schema version",
+        )
+    ]
     return got
 
 
@@ -164,9 +256,11 @@ def process_drill(tmp_path_factory, tool_model):
         seen["garbage"] = _inject_garbage(run)
 
         # 1. a rollout worker, mid-episode: its unflushed tokens die with it; another worker takes over
-        victim = run.wait(lambda: next((w for w in run.names("rollout")
-                                        if int(_heartbeat(run, w).get("episodes", 0)) >= 2), None),
-                          "a rollout worker with episodes in flight", poll=0.01)
+        victim = run.wait(
+            lambda: next((w for w in run.names("rollout") if int(_heartbeat(run, w).get("episodes", 0)) >= 2), None),
+            "a rollout worker with episodes in flight",
+            poll=0.01,
+        )
         seen["probe"] = run.probe_and_kill(victim)
         run.spawn("rollout")
         run.wait(lambda: _pending_of(run, victim) == 0, f"takeover of {victim}'s groups")
@@ -181,8 +275,11 @@ def process_drill(tmp_path_factory, tool_model):
 
         # 3. the trainer, holding groups delivered to it and not yet committed (mid-batch or mid-step)
         v = run.wait_version(run.version() + 1)
-        run.wait(lambda: run.client.xpending(run.keys.samples, TRAINER_GROUP)["pending"] > 0,
-                 "the trainer holding uncommitted groups", poll=0.01)
+        run.wait(
+            lambda: run.client.xpending(run.keys.samples, TRAINER_GROUP)["pending"] > 0,
+            "the trainer holding uncommitted groups",
+            poll=0.01,
+        )
         run.kill("trainer-1")
         seen["trainer_killed_at"] = v
         run.spawn("trainer")
@@ -203,7 +300,8 @@ def process_drill(tmp_path_factory, tool_model):
         # same port and data; every process waits for it and goes on
         v = run.version()
         run.redis_stop()
-        time.sleep(REDIS_DOWN_S)  # not a wait for anything: the length of the outage under test
+        # not a wait for anything: the length of the outage under test
+        time.sleep(REDIS_DOWN_S)
         run.redis_start()
         run.wait_version(v + 1, timeout=90)
         mark("redis restarted")
@@ -236,24 +334,30 @@ def test_kill_9_each_process_kind_loses_nothing(process_drill):
     _warm_stops_exit_0(seen)
     assert report.ok, format_report(report, "drill")
     assert report.groups_lost == report.episodes_finished_twice == report.samples_trained_twice == 0
-    assert report.trained_unfinished == 0  # no Redis crash here: every trained episode is finished in its stream
+    # no Redis crash here: every trained episode is finished in its stream
+    assert report.trained_unfinished == 0
     # the rollout kill: the only tokens generated twice are the ones it had not flushed, <= one flush per episode
     assert probe["in_flight"] >= 1
     assert report.tokens_generated_again == probe["unflushed_tokens"], report.details["tokens_generated"]
     assert probe["unflushed_tokens"] <= FLUSH_TOKENS * probe["in_flight"]
-    assert report.takeovers >= 1  # its episodes continued from their streams on another worker
+    # its episodes continued from their streams on another worker
+    assert report.takeovers >= 1
     assert seen["tool_jobs_at_kill"] >= 1
     assert report.groups_trained >= 2 * MAX_VERSIONS
 
 
 def test_garbage_in_every_stream_is_dead_lettered_and_the_run_goes_on(process_drill):
     seen = process_drill
-    assert seen["driver_rc"] == 0 and seen["final_version"] >= MAX_VERSIONS  # the run went on to the end
+    # the run went on to the end
+    assert seen["driver_rc"] == 0 and seen["final_version"] >= MAX_VERSIONS
     assert seen["report"].bad_input_not_dead_lettered == 0
     for stream, entries in seen["garbage"].items():
         for entry_id, why in entries:
-            letters = [d for d in seen["dead"] if d["stream"] == stream and
-                       (d["entry"] == entry_id or stream.rsplit(":", 2)[-2] == "ep")]
+            letters = [
+                d
+                for d in seen["dead"]
+                if d["stream"] == stream and (d["entry"] == entry_id or stream.rsplit(":", 2)[-2] == "ep")
+            ]
             assert letters, f"no dead letter for {stream} {entry_id}"
             assert any(why in d["reason"] for d in letters), (why, letters)
 
@@ -267,7 +371,8 @@ def _episode_entries(run: LiveRun) -> dict[str, list[tuple[str, int]]]:
             try:
                 ev = events.decode(entry_id, f)
             except events.EventError:
-                ev = None  # a garbage entry this drill wrote: no policy tokens
+                # a garbage entry this drill wrote: no policy tokens
+                ev = None
             entries.append((entry_id.decode(), len(ev.data["ids"]) if ev is not None and ev.kind == "tokens" else 0))
         out[run.keys.episode_id(key)] = entries
     return out
@@ -283,13 +388,19 @@ def redis_crash_drill(tmp_path_factory, tool_model):
     try:
         run.wait_version(1)
         for round_ in range(2):
-            run.wait(lambda: sum(int(_heartbeat(run, w).get("episodes", 0)) for w in run.names("rollout")) >= 4,
-                     "episodes in flight")
+            run.wait(
+                lambda: sum(int(_heartbeat(run, w).get("episodes", 0)) for w in run.names("rollout")) >= 4,
+                "episodes in flight",
+            )
             snap: dict = {}
             cut_ms, cut_bytes = run.redis_crash(1.0, before_kill=lambda: snap.update(_episode_entries(run)))
             after = _episode_entries(run)
-            lost = [(eid, entry_id, n) for eid, entries in snap.items()
-                    for entry_id, n in entries if entry_id not in {e for e, _ in after.get(eid, [])}]
+            lost = [
+                (eid, entry_id, n)
+                for eid, entries in snap.items()
+                for entry_id, n in entries
+                if entry_id not in {e for e, _ in after.get(eid, [])}
+            ]
             seen["lost"].append({"cut_ms": cut_ms, "bytes": cut_bytes, "entries": lost})
             run.wait_version(run.version() + 2, timeout=120)
         run.wait(lambda: run.procs["driver-1"].poll() is not None, "the driver ending the run", timeout=180)
@@ -298,8 +409,7 @@ def redis_crash_drill(tmp_path_factory, tool_model):
         seen["exit_codes"] = run.stop()
         seen["report"] = check(read_run(run.client, run.keys, run.cfg.run_path))
         seen["run"] = run
-        print(format_report(seen["report"], run.cfg.run),
-              [(len(x["entries"]), x["bytes"]) for x in seen["lost"]])
+        print(format_report(seen["report"], run.cfg.run), [(len(x["entries"]), x["bytes"]) for x in seen["lost"]])
         yield seen
     finally:
         run.close()
@@ -311,20 +421,24 @@ def test_redis_crash_loses_at_most_the_last_second_and_it_is_regenerated(redis_c
     assert seen["driver_rc"] == 0 and seen["final_version"] >= 8
     _warm_stops_exit_0(seen)
     assert report.ok, format_report(report, "crash")
-    assert sum(len(crash["entries"]) for crash in seen["lost"]) > 0  # the crashes did lose episode events
-    for crash in seen["lost"]:  # and only those of the last second
+    # the crashes did lose episode events
+    assert sum(len(crash["entries"]) for crash in seen["lost"]) > 0
+    # and only those of the last second
+    for crash in seen["lost"]:
         for eid, entry_id, _ in crash["entries"]:
             assert int(entry_id.split("-")[0]) >= crash["cut_ms"] - 50, (eid, entry_id, crash["cut_ms"])
-    assert report.tail_resumes >= 1  # lost tails were detected (the fence) and continued from the stream
+    # lost tails were detected (the fence) and continued from the stream
+    assert report.tail_resumes >= 1
     lost_tokens = sum(n for crash in seen["lost"] for _, _, n in crash["entries"])
-    in_flight = 2 * 4 * 2  # workers x max_groups_in_flight x group_size: each may hold unflushed tokens
+    # workers x max_groups_in_flight x group_size: each may hold unflushed tokens
+    in_flight = 2 * 4 * 2
     assert report.tokens_generated_again is not None
     assert report.tokens_generated_again <= lost_tokens + 2 * FLUSH_TOKENS * in_flight
 
 
 @pytest.mark.slow
 def test_stalled_worker_wakes_fenced_and_the_taker_stalls_too(tmp_path, tool_model):
-    """Issue 16: a rollout worker stalls (SIGSTOP) past heartbeat_ttl holding groups; the other claims them and
+    """a rollout worker stalls (SIGSTOP) past heartbeat_ttl holding groups; the other claims them and
     stalls right after its claim; the first wakes (and takes them back), then the second wakes, fenced. No
     process exits with an error, no episode fails, no traceback in any log, and the checker counts 0."""
     # max_versions well past what the drill needs: the run must not end before (or while) the workers stall
@@ -332,21 +446,30 @@ def test_stalled_worker_wakes_fenced_and_the_taker_stalls_too(tmp_path, tool_mod
     try:
         run.wait_version(1)
         first, second = run.names("rollout")
-        run.wait(lambda: int(_heartbeat(run, first).get("groups", 0)) >= 1 and _pending_of(run, first) >= 1,
-                 f"{first} holding groups", poll=0.01)
+        run.wait(
+            lambda: int(_heartbeat(run, first).get("groups", 0)) >= 1 and _pending_of(run, first) >= 1,
+            f"{first} holding groups",
+            poll=0.01,
+        )
         _stall(run, first)
         held = _pending_of(run, first)
         run.wait(lambda: _pending_of(run, first) == 0, f"{second} claiming {first}'s {held} groups", poll=0.01)
-        _stall(run, second)  # right after its claim
+        # right after its claim
+        _stall(run, second)
         _wake(run, first)
         run.wait(lambda: _pending_of(run, second) == 0, f"{first} taking its groups back from {second}", poll=0.05)
         _wake(run, second)
         woke_at = run.version()
-        run.wait_version(woke_at + 2, timeout=120)  # training goes on after both woke
-        codes = run.stop()  # warm stop of every process (groups still in flight are not lost)
+        # training goes on after both woke
+        run.wait_version(woke_at + 2, timeout=120)
+        # warm stop of every process (groups still in flight are not lost)
+        codes = run.stop()
         report = check(read_run(run.client, run.keys, run.cfg.run_path))
-        failed = [key for key in run.client.scan_iter(match=run.keys.episode("*"), count=1000)
-                  if fold(run.client.xrange(key)).status == "failed"]
+        failed = [
+            key
+            for key in run.client.scan_iter(match=run.keys.episode("*"), count=1000)
+            if fold(run.client.xrange(key)).status == "failed"
+        ]
         logs = {log.name: log.read_text(errors="replace") for log in run.logs}
         fenced = logs[f"{second}.log"].count("fenced: another worker owns this group now")
     finally:
@@ -354,7 +477,8 @@ def test_stalled_worker_wakes_fenced_and_the_taker_stalls_too(tmp_path, tool_mod
     print(format_report(report, "stall"), codes, f"{second} fenced {fenced} times")
     assert all(code == 0 for code in codes.values()), codes
     assert not failed, failed
-    assert not [name for name, text in logs.items() if "Traceback" in text], \
-        {name: text[text.index("Traceback"):][:2000] for name, text in logs.items() if "Traceback" in text}
+    assert not [name for name, text in logs.items() if "Traceback" in text], {
+        name: text[text.index("Traceback") :][:2000] for name, text in logs.items() if "Traceback" in text
+    }
     assert report.ok, format_report(report, "stall")
     assert report.takeovers >= 1

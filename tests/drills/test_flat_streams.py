@@ -1,5 +1,5 @@
 """The streams that grew with a run's length stay bounded in Redis while every reader still sees every record
-(issue 33): ``metrics`` (a time window; older records in ``<run>/streams/metrics.jsonl``, the trainer's in its
+``metrics`` (a time window; older records in ``<run>/streams/metrics.jsonl``, the trainer's in its
 ``metrics.jsonl``), ``versions`` (the newest few and a time window), ``prompts:val`` / ``samples:val`` (below what
 the rollout group and the validator need). A live run with ``stream_keep_s`` 0 to version 30, validating every 4
 versions: at the end Redis holds a few entries of each (it held every entry before), and `streamrl check`, the
@@ -14,8 +14,8 @@ import pytest
 from services.driver.plots import read_metrics
 from services.driver.status import snapshot
 from services.driver.validation import Validator
-from services.ops.check.data import read_run
 from services.ops.check.checker import check
+from services.ops.check.data import read_run
 from services.ops.ui.run_view import read_run_view
 from shared.protocol.streams import metrics, versions
 from tests.support.fault_run import LiveRun
@@ -25,15 +25,33 @@ pytestmark = pytest.mark.slow(seconds=20)
 VERSIONS = 30
 
 
-def test_metrics_versions_and_validation_streams_stay_bounded_while_readers_see_every_record(tmp_path,
-                                                                                             tiny_model_dir):
-    run = LiveRun(tmp_path, run="heads", model_dir=tiny_model_dir, max_tokens=8, group_size=2, batch_groups=2,
-                  val_every=4, val_size=2, max_versions=200, max_minutes=4.0, step_delay_ms=0.0,
-                  heartbeat_ttl=2.0, stream_keep_s=0.0, log_level="warning").start(rollout_workers=1)
+def test_metrics_versions_and_validation_streams_stay_bounded_while_readers_see_every_record(tmp_path, tiny_model_dir):
+    run = LiveRun(
+        tmp_path,
+        run="heads",
+        model_dir=tiny_model_dir,
+        max_tokens=8,
+        group_size=2,
+        batch_groups=2,
+        val_every=4,
+        val_size=2,
+        max_versions=200,
+        max_minutes=4.0,
+        step_delay_ms=0.0,
+        heartbeat_ttl=2.0,
+        stream_keep_s=0.0,
+        log_level="warning",
+    ).start(rollout_workers=1)
     try:
         run.wait_version(VERSIONS, timeout=240)
-        run.wait(lambda: len(metrics.history(run.client, run.keys, run.cfg.run_path, ("validation",))["validation"])
-                 >= VERSIONS // 4 - 1, "validation rounds reported", timeout=60)
+        run.wait(
+            lambda: (
+                len(metrics.history(run.client, run.keys, run.cfg.run_path, ("validation",))["validation"])
+                >= VERSIONS // 4 - 1
+            ),
+            "validation rounds reported",
+            timeout=60,
+        )
         # the fewest entries each stream held over 3 s of the live run: a trim every 0.5 s brings a bounded stream
         # back down (one sample alone may fall just before a trim the driver's loop ran late); an unbounded one
         # never comes down
@@ -58,18 +76,27 @@ def test_metrics_versions_and_validation_streams_stay_bounded_while_readers_see_
         run.close()
     rounds = [r["version"] for r in found["validation"]]
     entries = sum(len(v) for v in found.values())
-    assert entries >= 2 * VERSIONS, {k: len(v) for k, v in found.items()}  # a train and a sync per version...
-    assert lengths["metrics"] <= 20, (lengths, entries)  # ... of which Redis held a few (before: every one)
+    # a train and a sync per version...
+    assert entries >= 2 * VERSIONS, {k: len(v) for k, v in found.items()}
+    # ... of which Redis held a few (before: every one)
+    assert lengths["metrics"] <= 20, (lengths, entries)
     assert lengths["versions"] <= versions.KEEP_LAST + 8 and every_version == list(range(1, newest + 1)), lengths
     # a round's entries, the next one's, and what arrived since the last trim (every 0.5 s here: a fast run can
     # start a third round in between); without the trim they hold every round's (~28 at version 30)
     assert lengths["val_prompts"] <= 3 * 4 and lengths["val_samples"] <= 3 * 4, lengths
-    assert len(rounds) >= VERSIONS // 4 - 1 and rounds == sorted(set(rounds)), rounds  # each round reported once
-    assert (report.versions_missing, report.versions_repeated, report.groups_lost, report.groups_enqueued_twice,
-            report.samples_trained_twice) == (0, 0, 0, 0, 0), report
+    # each round reported once
+    assert len(rounds) >= VERSIONS // 4 - 1 and rounds == sorted(set(rounds)), rounds
+    assert (
+        report.versions_missing,
+        report.versions_repeated,
+        report.groups_lost,
+        report.groups_enqueued_twice,
+        report.samples_trained_twice,
+    ) == (0, 0, 0, 0, 0), report
     assert [r["step"] for r in train] == [r["step"] for r in found["train"]] and len(train) >= VERSIONS
     assert [r["version"] for r in validation] == rounds and len(published) == len(found["publish"])
     assert {r["worker"] for r in rollout} == {r["worker"] for r in found["rollout"]} != set()
     assert view["validation"]["version"] == rounds and len(view["train"]["step"]) == len(train)
     assert status["validation"] is not None and status["validation"]["version"] == rounds[-1]
-    assert set(rounds) <= restarted.reported  # a restarted driver reports no round twice
+    # a restarted driver reports no round twice
+    assert set(rounds) <= restarted.reported

@@ -15,24 +15,26 @@ from shared.runtime.config.keys import Config
 def test_the_agent_warm_start_uses_the_example_agents_tool():
     from examples.calc import TOOLS
 
-    assert TOOLS == [CALC_TOOL]  # else the warm start teaches a system prompt the example never sends
+    # else the warm start teaches a system prompt the example never sends
+    assert TOOLS == [CALC_TOOL]
 
 
 def test_agent_warm_start_rows_are_the_gateways_ids_and_learn_only_the_models_turns():
     tok = build_tokenizer()
     r = Renderer(tok)
-    (ids, labels), = agent_sft_examples([{"prompt": "3+4=", "answer": "7"}], tok)
+    ((ids, labels),) = agent_sft_examples([{"prompt": "3+4=", "answer": "7"}], tok)
     prompt = r.full([{"role": "user", "content": "3+4="}], [CALC_TOOL])
-    assert ids[:len(prompt)] == prompt and set(labels[:len(prompt)]) == {-100}
+    assert ids[: len(prompt)] == prompt and set(labels[: len(prompt)]) == {-100}
     learned = [i for i, l in zip(ids, labels) if l != -100]
     assert all(l in (-100, i) for i, l in zip(ids, labels))
-    first = learned[:learned.index(r.end_id) + 1]
-    message, problems = r.assistant(first, 0)  # what the gateway answers the agent for that completion
+    first = learned[: learned.index(r.end_id) + 1]
+    # what the gateway answers the agent for that completion
+    message, problems = r.assistant(first, 0)
     assert not problems and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"e": "3+4"}
     # the agent sends the answer back with the tool's result: the gateway appends the bridge, then the model answers
     bridge = r.bridge(True, [{"role": "tool", "tool_call_id": "call_0_0", "content": "7"}], [CALC_TOOL])
     assert ids == prompt + first + bridge + tok.encode("7", add_special_tokens=False) + [r.end_id]
-    assert tok.decode(learned[len(first):], skip_special_tokens=True) == "7"
+    assert tok.decode(learned[len(first) :], skip_special_tokens=True) == "7"
     assert toolparse.parse(tok.decode(first, skip_special_tokens=True)).calls[0]["name"] == "calc"
 
 
@@ -44,13 +46,17 @@ def test_the_default_model_is_remade_only_when_a_run_wants_another_recipe(tmp_pa
 
     assert ensure_default_model(plain, warm_steps=0) is True
     assert context() == tiny_model.DEFAULT_MODEL["max_position_embeddings"]
-    assert ensure_default_model(plain, warm_steps=0) is False  # the same recipe: reused
-    assert ensure_default_model(plain) is False  # a run takes whatever warm start make-model was given
-    assert ensure_default_model(agent, warm_steps=0) is True  # an agent run needs the chat format and the context
+    # the same recipe: reused
+    assert ensure_default_model(plain, warm_steps=0) is False
+    # a run takes whatever warm start make-model was given
+    assert ensure_default_model(plain) is False
+    # an agent run needs the chat format and the context
+    assert ensure_default_model(agent, warm_steps=0) is True
     assert context() == tiny_model.AGENT_CONTEXT
     assert "was made for" in capsys.readouterr().err
     assert json.loads((tmp_path / "tiny" / tiny_model.RECIPE_FILE).read_text())["format"] == "agent"
-    (tmp_path / "tiny" / tiny_model.RECIPE_FILE).unlink()  # made before recipes were recorded: remade, not trusted
+    # made before recipes were recorded: remade, not trusted
+    (tmp_path / "tiny" / tiny_model.RECIPE_FILE).unlink()
     assert ensure_default_model(agent, warm_steps=0) is True
 
 
@@ -58,7 +64,8 @@ def test_a_run_on_the_default_model_remakes_it_for_its_recipe(tmp_path, monkeypa
     """What `streamrl run` checks before anything starts (``ensure_model``): the README's agent example after the
     default run found the plain model (256-token context) and every agent call was refused as too long; the run's
     own check now remakes the default model for the agent recipe, and reuses it for the same one."""
-    monkeypatch.chdir(tmp_path)  # the default model_dir, models/tiny, is relative to where the run starts
+    # the default model_dir, models/tiny, is relative to where the run starts
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(tiny_model, "DEFAULT_WARM_STEPS", 0)
     monkeypatch.setattr(tiny_model, "AGENT_WARM_STEPS", 0)
     context = lambda: json.loads((tmp_path / "models" / "tiny" / "config.json").read_text())["max_position_embeddings"]
@@ -68,4 +75,5 @@ def test_a_run_on_the_default_model_remakes_it_for_its_recipe(tmp_path, monkeypa
     assert context() == tiny_model.AGENT_CONTEXT
     made = (tmp_path / "models" / "tiny" / "config.json").stat().st_mtime_ns
     tiny_model.ensure_model(Config(run="dm", agent="examples.calc:agent"))
-    assert (tmp_path / "models" / "tiny" / "config.json").stat().st_mtime_ns == made  # the same recipe: reused
+    # the same recipe: reused
+    assert (tmp_path / "models" / "tiny" / "config.json").stat().st_mtime_ns == made

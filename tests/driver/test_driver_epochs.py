@@ -14,27 +14,41 @@ from shared.runtime.config.keys import Config
 def test_epochs_feed_every_row_once_per_epoch_then_end(client, keys, redis_url, tmp_path):
     rows = [{"messages": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)} for i in range(5)]
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = Config(run=keys.run, redis_url=redis_url, run_dir=str(tmp_path / "runs"), dataset=str(tmp_path / "rows.jsonl"),
-                 epochs=2, val_every=0, group_size=2, batch_groups=2, seed=4)
+    cfg = Config(
+        run=keys.run,
+        redis_url=redis_url,
+        run_dir=str(tmp_path / "runs"),
+        dataset=str(tmp_path / "rows.jsonl"),
+        epochs=2,
+        val_every=0,
+        group_size=2,
+        batch_groups=2,
+        seed=4,
+    )
     driver = Driver(cfg)
     driver.top_up(depth=100)
     driver.top_up(depth=100)
     entries = client.xrange(keys.prompts)
     groups = [decode_group(e, f) for e, f in entries]
-    assert len(groups) == 10  # 2 epochs x 5 rows, and no more however deep the queue may be
+    # 2 epochs x 5 rows, and no more however deep the queue may be
+    assert len(groups) == 10
     answers = [g.task["answer"] for g in groups]
     assert sorted(answers[:5]) == sorted(answers[5:]) == ["1", "2", "3", "4", "5"]
-    assert groups[0].prompt == rows[int(answers[0]) - 1]["messages"]  # chat prompts travel as messages
+    # chat prompts travel as messages
+    assert groups[0].prompt == rows[int(answers[0]) - 1]["messages"]
     assert not driver.epochs_done()
     client.xgroup_create(keys.prompts, ROLLOUT_GROUP, id="0")
     delivered = client.xreadgroup(ROLLOUT_GROUP, "w", {keys.prompts: ">"}, count=100)[0][1]
     client.xgroup_create(keys.samples, TRAINER_GROUP, id="0", mkstream=True)
-    assert not driver.epochs_done()  # delivered, not rolled out yet
+    # delivered, not rolled out yet
+    assert not driver.epochs_done()
     client.xack(keys.prompts, ROLLOUT_GROUP, *[e for e, _ in delivered])
     client.xadd(keys.samples, {"group_id": "q0000009", "episodes": "x", "worker": "w", "n": "2"})
-    assert not driver.epochs_done()  # the trainer has not read it
+    # the trainer has not read it
+    assert not driver.epochs_done()
     client.xreadgroup(TRAINER_GROUP, "trainer", {keys.samples: ">"}, count=100)
-    assert driver.epochs_done()  # one group pending < batch_groups: it can never fill a step
+    # one group pending < batch_groups: it can never fill a step
+    assert driver.epochs_done()
 
 
 def test_agent_runs_get_the_same_rows_and_group_ids_as_rq_jobs(client, keys, redis_url, tmp_path):
@@ -45,12 +59,21 @@ def test_agent_runs_get_the_same_rows_and_group_ids_as_rq_jobs(client, keys, red
 
     rows = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(3)]
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = Config(run=keys.run, redis_url=redis_url, run_dir=str(tmp_path / "runs"), dataset=str(tmp_path / "rows.jsonl"),
-                 val_every=0, group_size=2, shuffle=False, agent="examples.calc:agent")
+    cfg = Config(
+        run=keys.run,
+        redis_url=redis_url,
+        run_dir=str(tmp_path / "runs"),
+        dataset=str(tmp_path / "rows.jsonl"),
+        val_every=0,
+        group_size=2,
+        shuffle=False,
+        agent="examples.calc:agent",
+    )
     Driver(cfg).top_up(depth=4)
     jobs = agents.queue(client, keys).get_jobs()
     specs = [job.args[0] for job in jobs]
-    assert client.xlen(keys.prompts) == 0 and len(specs) == 8  # 4 groups x 2 episodes, none on the prompts stream
+    # 4 groups x 2 episodes, none on the prompts stream
+    assert client.xlen(keys.prompts) == 0 and len(specs) == 8
     group_ids = [prompts.group_id(0, 0), prompts.group_id(0, 1), prompts.group_id(0, 2), prompts.group_id(1, 0)]
     assert [s["group_id"] for s in specs[::2]] == group_ids
     assert [s["task"]["answer"] for s in specs[::2]] == [1, 2, 3, 1] and specs[1]["episode_id"] == f"{group_ids[0]}-1"
@@ -65,25 +88,41 @@ def test_agent_groups_pass_the_staleness_gate_and_are_recorded_once(client, keys
 
     rows = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(5)]
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = Config(run=keys.run, redis_url=redis_url, run_dir=str(tmp_path / "runs"), dataset=str(tmp_path / "rows.jsonl"),
-                 val_every=0, group_size=2, shuffle=False, agent="examples.calc:agent", mode="sync", max_staleness=0)
+    cfg = Config(
+        run=keys.run,
+        redis_url=redis_url,
+        run_dir=str(tmp_path / "runs"),
+        dataset=str(tmp_path / "rows.jsonl"),
+        val_every=0,
+        group_size=2,
+        shuffle=False,
+        agent="examples.calc:agent",
+        mode="sync",
+        max_staleness=0,
+    )
     driver = Driver(cfg)
     driver.top_up(depth=4)
-    assert len(agents.queue(client, keys)) == 0 and driver.enqueued == 0  # sync mode, no gate yet: nothing starts
+    # sync mode, no gate yet: nothing starts
+    assert len(agents.queue(client, keys)) == 0 and driver.enqueued == 0
     gate.open(client, keys, version=0, limit=3, max_staleness=0)
     driver.top_up(depth=4)
     assert driver.enqueued == 3 and gate.started(client, keys) == 3 and len(agents.queue(client, keys)) == 6
     recorded = [prompts.decode_group(e, f).group_id for e, f in client.xrange(keys.agent_groups)]
     assert recorded == [prompts.group_id(0, i) for i in range(3)]
-    assert agents.enqueue_group(cfg, client, keys, prompts.group_id(0, 0), dict(rows[0]), 2) is not None  # a repeat
-    assert client.xlen(keys.agent_groups) == 3 and gate.started(client, keys) == 3  # neither recorded nor counted again
-    from services.ops.check.data import read_run
+    # a repeat
+    assert agents.enqueue_group(cfg, client, keys, prompts.group_id(0, 0), dict(rows[0]), 2) is not None
+    # neither recorded nor counted again
+    assert client.xlen(keys.agent_groups) == 3 and gate.started(client, keys) == 3
     from services.ops.check.checker import check
+    from services.ops.check.data import read_run
 
     report = check(read_run(client, keys, tmp_path / "runs" / keys.run))
-    assert (report.groups_enqueued, report.groups_in_flight, report.groups_lost) == (3, 3, 0)  # jobs wait in rq
+    # jobs wait in rq
+    assert (report.groups_enqueued, report.groups_in_flight, report.groups_lost) == (3, 3, 0)
     job = agents.queue(client, keys).get_jobs()[0]
-    client.hset(keys.agents_running, job.args[0]["episode_id"], "{}")  # one episode of the first group runs
-    agents.queue(client, keys).empty()  # the rest vanish: their groups are lost, the running one is in hand
+    # one episode of the first group runs
+    client.hset(keys.agents_running, job.args[0]["episode_id"], "{}")
+    # the rest vanish: their groups are lost, the running one is in hand
+    agents.queue(client, keys).empty()
     report = check(read_run(client, keys, tmp_path / "runs" / keys.run))
     assert report.details["groups_lost_in_rollout"] == [prompts.group_id(0, 1), prompts.group_id(0, 2)]

@@ -11,15 +11,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.driver import validation
-from shared.runtime.config.keys import Config
-from shared.protocol.streams.prompts import PromptGroup, enqueue
 from services.driver.status import format_line, snapshot
-from shared.runtime.tensorboard import flatten
-from tests.support.models import scripted_model
-from tests.support.rollout_harness import make_worker, samples, tick_until
 from shared.protocol.keys import ROLLOUT_GROUP
 from shared.protocol.streams import metrics, versions
 from shared.protocol.streams import samples as psamples
+from shared.protocol.streams.prompts import PromptGroup, enqueue
+from shared.runtime.config.keys import Config
+from shared.runtime.tensorboard import flatten
+from tests.support.models import scripted_model
+from tests.support.rollout_harness import make_worker, samples, tick_until
 
 # greedy decoding of this model answers A: right and B: wrong
 SCRIPTS = [("1+3=", "answer: 4"), ("2+2=", "answer: 5")]
@@ -63,24 +63,29 @@ def test_round_groups_are_greedy_and_sampled_and_parse_back():
 def test_worker_serves_validation_first_past_a_closed_gate_and_never_into_samples(client, keys, answering_dir):
     cfg = Config(run=keys.run, model_dir=answering_dir, max_tokens=12, tools="", temperature=0.0)
     enqueue(client, keys, [PromptGroup("q1", 2, prompt="1+3=", task={"answer": "4"})])
-    client.hset(keys.gate, mapping={"version": 0, "limit": 0})  # the gate admits no training group
+    # the gate admits no training group
+    client.hset(keys.gate, mapping={"version": 0, "limit": 0})
     validator = validation.Validator(client, keys, ROWS, every=5, size=8)
     assert validator.maybe_request(0) and not validator.maybe_request(0)
-    assert len(list(client.scan_iter(match=keys.enqueued("val-v00000-*")))) == 4  # version 0 may still be asked for
+    # version 0 may still be asked for
+    assert len(list(client.scan_iter(match=keys.enqueued("val-v00000-*")))) == 4
     assert not validator.maybe_request(3)
     worker = make_worker(cfg, client)
     done = []
     tick_until(worker, lambda: done.extend(validator.poll()) or done)
-    assert samples(client, keys) == [] and client.xlen(keys.prompts) == 1  # the training group still waits
+    # the training group still waits
+    assert samples(client, keys) == [] and client.xlen(keys.prompts) == 1
     assert client.xpending(keys.val_prompts, ROLLOUT_GROUP)["pending"] == 0
     [summary] = done
     assert summary["version"] == 0 and summary["n"] == 4
-    assert summary["reward_greedy"] == 0.5  # 1+3 right, 2+2 wrong
+    # 1+3 right, 2+2 wrong
+    assert summary["reward_greedy"] == 0.5
     entries = [rec for _, rec in metrics.read(client, keys, "validation")]
     assert entries == [summary]
-    again = validation.Validator(client, keys, ROWS, every=5, size=8)  # a restarted driver
+    # a restarted driver
+    again = validation.Validator(client, keys, ROWS, every=5, size=8)
     assert not again.maybe_request(0) and again.poll() == []
-    # the newest version moved on (3): round 0's markers went (issue 33), and no driver asks for it again
+    # the newest version moved on (3): round 0's markers went, and no driver asks for it again
     assert list(client.scan_iter(match=keys.enqueued("val-v00000-*"))) == [] and client.xlen(keys.val_prompts) == 4
 
     # a round requested by a driver that then restarted completes in the new one, duplicate prompts or not
@@ -93,17 +98,21 @@ def test_worker_serves_validation_first_past_a_closed_gate_and_never_into_sample
 
 
 def test_the_requested_set_keeps_the_newest_round_and_a_restarted_driver_asks_for_none_again(client, keys):
-    """``validation:requested`` held every round ever asked for (issue 33: it grew with the run); the newest round
+    """``validation:requested`` held every round ever asked for (it grew with the run); the newest round
     now stands for those before it, since the driver asks only for the newest version."""
-    assert validation.asked_before({10}, 10) and validation.asked_before({10}, 5) and not validation.asked_before({10}, 15)
+    assert (
+        validation.asked_before({10}, 10) and validation.asked_before({10}, 5) and not validation.asked_before({10}, 15)
+    )
     assert not validation.asked_before(set(), 0)
     validator = validation.Validator(client, keys, ROWS, every=5, size=8)
     for version in range(0, 101):
         validator.maybe_request(version)
-    assert client.smembers(keys.val_requested) == {b"100"}  # not the 21 rounds asked for
+    # not the 21 rounds asked for
+    assert client.smembers(keys.val_requested) == {b"100"}
     assert client.xlen(keys.val_prompts) == 21 * 4
     restarted = validation.Validator(client, keys, ROWS, every=5, size=8)
-    assert not any(restarted.maybe_request(v) for v in (0, 50, 95, 100, 101))  # none again
+    # none again
+    assert not any(restarted.maybe_request(v) for v in (0, 50, 95, 100, 101))
     assert restarted.maybe_request(105) and client.smembers(keys.val_requested) == {b"105"}
     assert client.xlen(keys.val_prompts) == 22 * 4
 
@@ -119,10 +128,14 @@ def test_status_line_and_cli(client, keys, cli_env):
     assert "dropped 2" in line and snap["samples_per_s"] > 0 and "scored 0" not in line
     cut = format_line({**snap, "train": {"reward_mean": 0.0, "batch_policy_failures": 60, "samples": 64}})
     assert "reward 0.000 (60/64 cut short by max_tokens, the context or max_tool_calls: scored 0)" in cut
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "status"], env=cli_env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "services.ops.cli.main", "status"], env=cli_env, capture_output=True, text=True
+    )
     assert out.returncode == 0 and "reward 0.250" in out.stdout
     env = {**cli_env, "STREAMRL_RUN": "no-such-run"}
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "status"], env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "services.ops.cli.main", "status"], env=env, capture_output=True, text=True
+    )
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "no-such-run" in out.stderr
 
 
@@ -139,8 +152,14 @@ def test_trainer_writes_tensorboard_scalars(client, keys, tiny_model_dir, tmp_pa
     from shared.runtime import logs
     from tests.trainer.test_trainer import _write_group
 
-    cfg = Config(run=keys.run, model_dir=tiny_model_dir, run_dir=str(tmp_path / "runs"), tensorboard=True,
-                 weights_dir=str(tmp_path / "w"), batch_groups=1)
+    cfg = Config(
+        run=keys.run,
+        model_dir=tiny_model_dir,
+        run_dir=str(tmp_path / "runs"),
+        tensorboard=True,
+        weights_dir=str(tmp_path / "w"),
+        batch_groups=1,
+    )
     for g in ("a", "b"):
         _write_group(client, keys, g)
     trainer = Trainer(cfg, client, logs.get("trainer-test"))
@@ -167,4 +186,5 @@ def test_round_groups_sample_k_per_prompt_and_dedupe_chat_prompts():
     assert groups[1].prompt == chat[0]["prompt"]
     train, held = validation.split(chat * 2, 0.3)
     assert held and {validation.prompt_key(r["prompt"]) for r in train}.isdisjoint(
-        validation.prompt_key(r["prompt"]) for r in held)
+        validation.prompt_key(r["prompt"]) for r in held
+    )

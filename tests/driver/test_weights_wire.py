@@ -1,4 +1,4 @@
-"""Weights on the wire in `streamrl status` and the plots (issue 31): pure summaries of the trainer's ``publish``
+"""Weights on the wire in `streamrl status` and the plots: pure summaries of the trainer's ``publish``
 records and the rollout workers' counters."""
 
 from __future__ import annotations
@@ -6,14 +6,31 @@ from __future__ import annotations
 from services.driver.plots import plot_weights_wire
 from services.driver.status import format_line, weights_wire
 
-PUBLISHED = [{"version": 1, "snapshot": True, "full_bytes": 1000, "delta_bytes": 0},
-             {"version": 2, "snapshot": False, "full_bytes": 1000, "delta_bytes": 30, "floor_bytes": 25},
-             {"version": 3, "snapshot": False, "full_bytes": 1000, "delta_bytes": 20, "floor_bytes": 16}]
-ROLLOUT = [{"worker": "a", "fetched_bytes": 1030, "delta_bytes": 30, "delta_full_bytes": 1000, "delta_versions": 1,
-            "delta_chain_max": 1},
-           {"worker": "a", "fetched_bytes": 1050, "delta_bytes": 50, "delta_full_bytes": 2000, "delta_versions": 2,
-            "delta_chain_max": 1},  # a's newest record replaces its first
-           {"worker": "b", "fetched_bytes": 2000, "delta_fallbacks": 1, "delta_chain_max": 0}]
+PUBLISHED = [
+    {"version": 1, "snapshot": True, "full_bytes": 1000, "delta_bytes": 0},
+    {"version": 2, "snapshot": False, "full_bytes": 1000, "delta_bytes": 30, "floor_bytes": 25},
+    {"version": 3, "snapshot": False, "full_bytes": 1000, "delta_bytes": 20, "floor_bytes": 16},
+]
+ROLLOUT = [
+    {
+        "worker": "a",
+        "fetched_bytes": 1030,
+        "delta_bytes": 30,
+        "delta_full_bytes": 1000,
+        "delta_versions": 1,
+        "delta_chain_max": 1,
+    },
+    {
+        "worker": "a",
+        "fetched_bytes": 1050,
+        "delta_bytes": 50,
+        "delta_full_bytes": 2000,
+        "delta_versions": 2,
+        # a's newest record replaces its first
+        "delta_chain_max": 1,
+    },
+    {"worker": "b", "fetched_bytes": 2000, "delta_fallbacks": 1, "delta_chain_max": 0},
+]
 
 
 def test_the_summary_takes_each_workers_newest_record_and_the_newest_delta():
@@ -22,11 +39,20 @@ def test_the_summary_takes_each_workers_newest_record_and_the_newest_delta():
     assert w["last_fraction"] == 0.02 and w["last_over_floor"] == 1.25
     assert (w["fetched_bytes"], w["delta_bytes"], w["delta_full_bytes"]) == (3050, 50, 2000)
     assert (w["delta_versions"], w["delta_fallbacks"], w["delta_chain_max"]) == (2, 1, 1)
-    snap = {"version": 3, "train": {}, "validation": None, "sync": None, "samples_per_s": 0.0, "alive": {},
-            "dead_letters": 0, "weights": w}
+    snap = {
+        "version": 3,
+        "train": {},
+        "validation": None,
+        "sync": None,
+        "samples_per_s": 0.0,
+        "alive": {},
+        "dead_letters": 0,
+        "weights": w,
+    }
     assert "weights as deltas: v3 2.00% of the file, 1.25x the floor" in format_line(snap)
     assert "1 fallbacks" in format_line(snap)
-    assert "deltas" not in format_line({**snap, "weights": weights_wire(PUBLISHED[:1], [])})  # no deltas: not shown
+    # no deltas: not shown
+    assert "deltas" not in format_line({**snap, "weights": weights_wire(PUBLISHED[:1], [])})
 
 
 def test_the_plot_is_written_only_with_deltas(tmp_path):

@@ -13,20 +13,29 @@ from transformers import AutoTokenizer
 
 from services.driver import agents as driver_agents
 from services.gateway.__main__ import build
+from services.gateway.chat import template_messages
+from services.gateway.runner import _append_last
 from services.trainer.batch import build_batch
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.keys import Keys
+from shared.protocol.streams import calls as calls_codec
+from shared.protocol.streams import metrics
+from shared.protocol.streams import samples as samples_codec
 from shared.runtime import faults, logs
 from shared.runtime.config.keys import Config
-from shared.protocol.streams import calls as calls_codec, metrics, samples as samples_codec
-from shared.protocol.keys import Keys
 from tests.support.chat_models import CALC_TOOL, calc_conversation, scripted_chat_model
 from tests.support.gateway_agents import calc_agent
-from tests.support.gateway_stack import (InProcessGateway, env_for, episode, free_port, start_agent_episode, wait_alive,
-                                 wait_http)
+from tests.support.gateway_stack import (
+    InProcessGateway,
+    env_for,
+    episode,
+    free_port,
+    start_agent_episode,
+    wait_alive,
+    wait_http,
+)
 from tests.support.procs import kill9, spawn, stop, wait_until
 from tests.support.rollout_harness import acks, send
-from services.gateway.runner import _append_last
-from services.gateway.chat import template_messages
-from shared.protocol.episode.log import EpisodeLog
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 TASK = {"question": "2+3?", "answer": "5"}
@@ -46,8 +55,15 @@ def stack(chat_dir, redis_server):
     keys = Keys("gw-stack")
     env = env_for(redis_server.url, keys, chat_dir, heartbeat_ttl=2, step_delay_ms=20, temperature=0)
     worker = spawn("services.rollout", "--worker-id", "rw1", env=env)
-    cfg = Config(run=keys.run, model_dir=chat_dir, redis_url=redis_server.url, gateway_timeout=120,
-                 temperature=0.0, max_tokens=96)  # the server's policy: greedy unless a request says otherwise
+    cfg = Config(
+        run=keys.run,
+        model_dir=chat_dir,
+        redis_url=redis_server.url,
+        gateway_timeout=120,
+        # the server's policy: greedy unless a request says otherwise
+        temperature=0.0,
+        max_tokens=96,
+    )
     with InProcessGateway(build(cfg, client, logs.get("gateway-test"))) as gw:
         wait_alive(client, keys, "rollout", "rw1")
         yield {"client": client, "keys": keys, "gw": gw, "env": env, "dir": chat_dir, "url": redis_server.url}
@@ -66,9 +82,11 @@ def in_thread(fn, *args):
 
 
 def describe(ep) -> str:
-    return "\n".join(f"{e.seq} {e.kind} v{e.policy} {e.worker} " + str({k: (len(v) if isinstance(v, list) else v)
-                                                                       for k, v in e.data.items() if k != "messages"})
-                     for e in ep.events)
+    return "\n".join(
+        f"{e.seq} {e.kind} v{e.policy} {e.worker} "
+        + str({k: (len(v) if isinstance(v, list) else v) for k, v in e.data.items() if k != "messages"})
+        for e in ep.events
+    )
 
 
 def call_tokens(client, keys, eid, index):
@@ -100,30 +118,36 @@ def test_multi_turn_tool_episode_survives_a_weight_sync_and_trains_on_exactly_th
     assert [t for t, m in zip(ep.tokens, ep.mask) if m] == generated
     tok = AutoTokenizer.from_pretrained(stack["dir"])
     rendered = tok.apply_chat_template(template_messages(calc_conversation(2, 3)), tools=[CALC_TOOL], tokenize=False)
-    assert tok.decode(ep.prompt_ids + ep.tokens) + "\n" == rendered  # same as a full render, never re-tokenized
+    # same as a full render, never re-tokenized
+    assert tok.decode(ep.prompt_ids + ep.tokens) + "\n" == rendered
     _append_last(EpisodeLog(client, keys, "test"), "sync-0", "finished", {"reason": "stop", "reward": 1.0})
     batch = build_batch([[episode(client, keys, "sync-0")]], pad_id=0)
-    row = batch.input_ids[0][:len(ep.prompt_ids) + len(ep.tokens)].tolist()
+    row = batch.input_ids[0][: len(ep.prompt_ids) + len(ep.tokens)].tolist()
     assert row == ep.prompt_ids + ep.tokens
-    start = len(ep.prompt_ids) - 1  # target index of the first response token
-    targets = batch.targets[0][start:start + len(ep.tokens)].tolist()
-    assert [t for t, m in zip(targets, ep.mask) if m] == generated  # the trained positions: exactly these ids
-    assert batch.greedy_tokens == len(generated)  # (greedy here: kept out of the loss, docs/training.md)
+    # target index of the first response token
+    start = len(ep.prompt_ids) - 1
+    targets = batch.targets[0][start : start + len(ep.tokens)].tolist()
+    # the trained positions: exactly these ids
+    assert [t for t, m in zip(targets, ep.mask) if m] == generated
+    # (greedy here: kept out of the loss, docs/training.md)
+    assert batch.greedy_tokens == len(generated)
 
 
 def test_streaming_deltas_and_a_retry_answered_from_the_stream(stack):
     client, keys, gw = stack["client"], stack["keys"], stack["gw"]
     start_agent_episode(client, keys, "stream-0", TASK)
     api = oai(gw.base_url("stream-0"))
-    body = dict(model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC_TOOL], temperature=0,
-                max_tokens=96)
+    body = dict(
+        model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC_TOOL], temperature=0, max_tokens=96
+    )
     chunks = list(api.chat.completions.create(stream=True, stream_options={"include_usage": True}, **body))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
     assert [c.function.name for c in calls] == ["calc"] and json.loads(calls[0].function.arguments) == {"e": "2+3"}
     assert chunks[-1].usage.completion_tokens > 0
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
-    again = api.chat.completions.create(**body)  # same request: answered from the stream
+    # same request: answered from the stream
+    again = api.chat.completions.create(**body)
     assert again.choices[0].message.tool_calls[0].function.arguments == calls[0].function.arguments
     assert client.hget(keys.call_index("stream-0"), "#n") == b"1"
     assert again.usage.completion_tokens == chunks[-1].usage.completion_tokens
@@ -147,9 +171,11 @@ def test_a_rewritten_history_forks_and_each_chain_trains_as_its_own_row(stack):
     ask = [{"role": "user", "content": "2+3?"}]
     first = api.chat.completions.create(model="policy", messages=ask, tools=[CALC_TOOL]).choices[0].message
     follow = ask + [first.model_dump(exclude_none=True), {"role": "tool", "content": "5"}]
-    api.chat.completions.create(model="policy", messages=follow, tools=[CALC_TOOL])  # extends call 0
+    # extends call 0
+    api.chat.completions.create(model="policy", messages=follow, tools=[CALC_TOOL])
     rewritten = [{"role": "user", "content": "2+3? Use the tool."}, {"role": "tool", "content": "5"}]
-    api.chat.completions.create(model="policy", messages=rewritten, tools=[CALC_TOOL], max_tokens=8)  # a fork
+    # a fork
+    api.chat.completions.create(model="policy", messages=rewritten, tools=[CALC_TOOL], max_tokens=8)
     ep = episode(client, keys, "fork-0")
     assert [ep.calls[i].extends for i in range(3)] == [-1, 0, -1]
     assert len(ep.rows) == 2 and ep.rows[0].tokens == ep.calls[2].tokens
@@ -163,10 +189,15 @@ def test_a_call_that_changes_temperature_starts_a_new_chain(stack):
     start_agent_episode(client, keys, "temp-0", TASK)
     api = oai(gw.base_url("temp-0"))
     messages = [{"role": "user", "content": TASK["question"]}]
-    first = api.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL], temperature=0,
-                                        max_tokens=96).choices[0].message
-    messages += [first.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "5"}]
+    first = (
+        api.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL], temperature=0, max_tokens=96)
+        .choices[0]
+        .message
+    )
+    messages += [
+        first.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "5"},
+    ]
     api.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL], temperature=0.5, max_tokens=8)
     ep = episode(client, keys, "temp-0")
     assert ep.calls[1].extends == -1 and len(ep.branches) == 1
@@ -190,20 +221,34 @@ def test_token_ids_and_logprobs_when_asked_with_vllms_field_names(stack):
     client, keys, gw = stack["client"], stack["keys"], stack["gw"]
     start_agent_episode(client, keys, "ids-0", TASK)
     api = oai(gw.base_url("ids-0"))
-    chat = api.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2+3?"}], max_tokens=8,
-                                       temperature=0, logprobs=True, extra_body={"return_token_ids": True}).model_dump()
+    chat = api.chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": "2+3?"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        extra_body={"return_token_ids": True},
+    ).model_dump()
     call = episode(client, keys, "ids-0").calls[0]
     assert chat["prompt_token_ids"] == call.prompt_ids and chat["choices"][0]["token_ids"] == call.tokens
     assert [c["logprob"] for c in chat["choices"][0]["logprobs"]["content"]] == call.logprobs
-    plain = api.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2+3?"}], max_tokens=8,
-                                        temperature=0).model_dump()  # the same call again, from the stream
+    plain = api.chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": "2+3?"}],
+        max_tokens=8,
+        # the same call again, from the stream
+        temperature=0,
+    ).model_dump()
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
-    cmpl = api.completions.create(model="policy", prompt="2+3", max_tokens=4, temperature=0, logprobs=0,
-                                  extra_body={"return_token_ids": True}).model_dump()
+    cmpl = api.completions.create(
+        model="policy", prompt="2+3", max_tokens=4, temperature=0, logprobs=0, extra_body={"return_token_ids": True}
+    ).model_dump()
     call = episode(client, keys, "ids-0").calls[1]
     choice = cmpl["choices"][0]
     assert choice["prompt_token_ids"] == call.prompt_ids and choice["token_ids"] == call.tokens
-    assert choice["logprobs"]["token_logprobs"] == call.logprobs and len(choice["logprobs"]["tokens"]) == len(call.tokens)
+    assert choice["logprobs"]["token_logprobs"] == call.logprobs and len(choice["logprobs"]["tokens"]) == len(
+        call.tokens
+    )
     with pytest.raises(openai.BadRequestError, match="logprobs: the episode stream keeps the sampled token's"):
         api.completions.create(model="policy", prompt="2+3", max_tokens=4, temperature=0, logprobs=2)
 
@@ -216,8 +261,9 @@ def test_gateway_killed_mid_call_the_clients_retry_is_answered_without_generatin
     wait_http(port)
     start_agent_episode(client, keys, "gwkill-0", TASK)
     api = oai(f"http://127.0.0.1:{port}/ep/gwkill-0/v1", max_retries=8)
-    body = dict(model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC_TOOL], temperature=0,
-                max_tokens=96)
+    body = dict(
+        model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC_TOOL], temperature=0, max_tokens=96
+    )
     t, out = in_thread(lambda: api.chat.completions.create(**body))
     wait_until(lambda: call_tokens(client, keys, "gwkill-0", 0) >= 4, what="call generating")
     kill9(gateway)
@@ -226,7 +272,8 @@ def test_gateway_killed_mid_call_the_clients_retry_is_answered_without_generatin
         t.join(timeout=120)
         reply = out["result"]
         assert reply.choices[0].finish_reason == "tool_calls"
-        assert client.hget(keys.call_index("gwkill-0"), "#n") == b"1"  # one call made, the retry matched it
+        # one call made, the retry matched it
+        assert client.hget(keys.call_index("gwkill-0"), "#n") == b"1"
         ep = episode(client, keys, "gwkill-0")
         assert len([e for e in ep.events if e.kind == "call"]) == 1
         assert reply.usage.completion_tokens == len(ep.calls[0].tokens)
@@ -237,13 +284,24 @@ def test_gateway_killed_mid_call_the_clients_retry_is_answered_without_generatin
 def test_agent_runner_killed_minus_9_reruns_and_no_call_is_generated_twice(stack, chat_dir, tmp_path):
     client, keys, gw = stack["client"], stack["keys"], stack["gw"]
     hold = tmp_path / "go"
-    cfg = Config(run=keys.run, agent="tests.support.gateway_agents:calc_agent", gateway_port=gw.port, temperature=0,
-                 heartbeat_ttl=2, group_size=1)
+    cfg = Config(
+        run=keys.run,
+        agent="tests.support.gateway_agents:calc_agent",
+        gateway_port=gw.port,
+        temperature=0,
+        heartbeat_ttl=2,
+        group_size=1,
+    )
     env = env_for(stack["url"], keys, chat_dir, heartbeat_ttl=2, agent=cfg.agent, gateway_port=gw.port)
     a = spawn("services.gateway.agents_worker", "--worker-id", "ag1", env=env)
     driver_agents.enqueue_group(cfg, client, keys, "dur", {**TASK, "hold": str(hold)}, 1)
-    wait_until(lambda: client.exists(keys.episode("dur-0")) and
-               sum(c.done for c in episode(client, keys, "dur-0").calls.values()) == 2, what="two calls done")
+    wait_until(
+        lambda: (
+            client.exists(keys.episode("dur-0"))
+            and sum(c.done for c in episode(client, keys, "dur-0").calls.values()) == 2
+        ),
+        what="two calls done",
+    )
     kill9(a)
     hold.write_text("go")
     b = spawn("services.gateway.agents_worker", "--worker-id", "ag2", env=env)
@@ -251,10 +309,15 @@ def test_agent_runner_killed_minus_9_reruns_and_no_call_is_generated_twice(stack
         wait_until(lambda: client.xlen(keys.samples) >= 1, timeout=120, what="group published")
         ep = episode(client, keys, "dur-0")
         assert ep.status == "finished" and ep.reward == 1.0
-        assert sorted(e.data["call"] for e in ep.events if e.kind == "call") == [0, 1, 2]  # each call made once
-        requests = [r for r in (calls_codec.decode_request(i, f) for i, f in client.xrange(keys.calls))
-                    if r.episode_id == "dur-0"]
-        assert len(requests) == 3  # the re-run's first two calls were answered from the stream
+        # each call made once
+        assert sorted(e.data["call"] for e in ep.events if e.kind == "call") == [0, 1, 2]
+        requests = [
+            r
+            for r in (calls_codec.decode_request(i, f) for i, f in client.xrange(keys.calls))
+            if r.episode_id == "dur-0"
+        ]
+        # the re-run's first two calls were answered from the stream
+        assert len(requests) == 3
         assert [s.group_id for s in samples_codec.read_all(client, keys.samples)[0]] == ["dur"]
         assert ep.events[-1].worker == "ag2"
         # rq's books: the killed worker's job is not left started (rq would later call it failed, abandoned)
@@ -272,8 +335,14 @@ def test_an_agents_worker_killed_as_it_takes_a_job_is_found_in_rqs_books_and_the
     """A kill between rq's dequeue and the runner's first write (found by `--chaos` on an agent run): the job is
     started in rq's books and nowhere else. Another worker's reaper runs it again; nothing is lost or failed."""
     client, keys, gw = stack["client"], stack["keys"], stack["gw"]
-    cfg = Config(run=keys.run, agent="tests.support.gateway_agents:calc_agent", gateway_port=gw.port, temperature=0,
-                 heartbeat_ttl=2, group_size=1)
+    cfg = Config(
+        run=keys.run,
+        agent="tests.support.gateway_agents:calc_agent",
+        gateway_port=gw.port,
+        temperature=0,
+        heartbeat_ttl=2,
+        group_size=1,
+    )
     env = env_for(stack["url"], keys, chat_dir, heartbeat_ttl=2, agent=cfg.agent, gateway_port=gw.port)
     # the taker's fault fires on the first job it takes, which must be this test's: an episode an earlier test's
     # stopped worker cut short (in agents:running, or a job started in rq's books) would be re-run first, at the
@@ -283,16 +352,23 @@ def test_an_agents_worker_killed_as_it_takes_a_job_is_found_in_rqs_books_and_the
     for job_id in q.started_job_registry.get_job_ids(cleanup=False):
         q.started_job_registry.remove(job_id)
     q.empty()
-    a = spawn("services.gateway.agents_worker", "--worker-id", "taker", env={**env, **faults.spec("agents", "job_started")})
+    a = spawn(
+        "services.gateway.agents_worker", "--worker-id", "taker", env={**env, **faults.spec("agents", "job_started")}
+    )
     driver_agents.enqueue_group(cfg, client, keys, "taken", TASK, 1)
-    assert a.wait(120) == -9  # it killed itself holding the job
+    # it killed itself holding the job
+    assert a.wait(120) == -9
     first = driver_agents.job_id(keys.run, "taken-0")
-    assert first in q.started_job_registry.get_job_ids(cleanup=False) and not client.hexists(keys.agents_running,
-                                                                                              "taken-0")
+    assert first in q.started_job_registry.get_job_ids(cleanup=False) and not client.hexists(
+        keys.agents_running, "taken-0"
+    )
     b = spawn("services.gateway.agents_worker", "--worker-id", "finder", env=env)
     try:
-        wait_until(lambda: "taken" in {s.group_id for s in samples_codec.read_all(client, keys.samples)[0]},
-                   timeout=120, what="group published")
+        wait_until(
+            lambda: "taken" in {s.group_id for s in samples_codec.read_all(client, keys.samples)[0]},
+            timeout=120,
+            what="group published",
+        )
         ep = episode(client, keys, "taken-0")
         assert ep.status == "finished" and ep.reward == 1.0 and ep.events[-1].worker == "finder"
         assert first not in q.started_job_registry.get_job_ids(cleanup=False)
@@ -310,8 +386,11 @@ def test_a_tool_running_across_a_weight_sync_ends_while_paused_and_the_episode_c
     client, keys, gw = stack["client"], stack["keys"], stack["gw"]
     start_agent_episode(client, keys, "slowtool-0", TASK)
     started, release, ended = threading.Event(), threading.Event(), threading.Event()
-    t, out = in_thread(calc_agent, oai(gw.base_url("slowtool-0")),
-                       {**TASK, "tool_started": started, "tool_release": release, "tool_ended": ended})
+    t, out = in_thread(
+        calc_agent,
+        oai(gw.base_url("slowtool-0")),
+        {**TASK, "tool_started": started, "tool_release": release, "tool_ended": ended},
+    )
     assert started.wait(120), "the agent never reached its tool call"
     n_pause, n_load = len(acks(client, keys, "pause")), len(acks(client, keys, "load"))
     send(client, keys, "pause", sync="s-slowtool")
@@ -320,21 +399,28 @@ def test_a_tool_running_across_a_weight_sync_ends_while_paused_and_the_episode_c
     wait_until(lambda: len(acks(client, keys, "load")) > n_load, what="load ack")
     release.set()
     assert ended.wait(30), "the tool did not end while the rollout worker was paused"
-    assert t.is_alive()  # the agent's next call waits for the resume
+    # the agent's next call waits for the resume
+    assert t.is_alive()
     send(client, keys, "resume", sync="s-slowtool")
     t.join(timeout=120)
     assert not t.is_alive(), "the agent did not finish after the resume"
     assert out["result"]["reward"] == 1.0, describe(episode(client, keys, "slowtool-0"))
-    assert 7 in episode(client, keys, "slowtool-0").versions  # the answer was generated under the loaded version
+    # the answer was generated under the loaded version
+    assert 7 in episode(client, keys, "slowtool-0").versions
 
 
 def test_an_agents_worker_runs_agent_concurrency_episodes_at_once(stack, chat_dir, tmp_path):
     client, keys = stack["client"], stack["keys"]
     hold = tmp_path / "go"
-    cfg = Config(run=keys.run, agent="tests.support.gateway_agents:held_agent", gateway_port=stack["gw"].port, group_size=1)
-    w = spawn("services.gateway.agents_worker", "--worker-id", "agc",
-              env=env_for(stack["url"], keys, chat_dir, agent_concurrency=3, agent=cfg.agent,
-                          gateway_port=stack["gw"].port))
+    cfg = Config(
+        run=keys.run, agent="tests.support.gateway_agents:held_agent", gateway_port=stack["gw"].port, group_size=1
+    )
+    w = spawn(
+        "services.gateway.agents_worker",
+        "--worker-id",
+        "agc",
+        env=env_for(stack["url"], keys, chat_dir, agent_concurrency=3, agent=cfg.agent, gateway_port=stack["gw"].port),
+    )
     try:
         for i in range(3):
             driver_agents.enqueue_group(cfg, client, keys, f"conc{i}", {**TASK, "hold": str(hold)}, 1)
@@ -350,13 +436,15 @@ def test_an_agents_worker_runs_agent_concurrency_episodes_at_once(stack, chat_di
         assert len({r["episode"] for r in ended}) == len(ended) == 3 and all(r["status"] == "finished" for r in ended)
     finally:
         stop(w)
-    assert w.returncode == 0  # a warm stop
+    # a warm stop
+    assert w.returncode == 0
 
 
 def test_replay_continue_reruns_an_agent_from_a_chosen_call_and_writes_nothing_to_the_run(stack, tmp_path):
     """`streamrl replay EP --continue --from-call 1`: the agent runs again on a scratch stack; call 0 is answered
     from the copied stream, calls 1 and 2 are generated again with v0 (greedy; the stack's worker holds the same
-    weights under whatever version earlier tests loaded: the same tokens), the reward comes back, and the run's own streams are untouched."""
+    weights under whatever version earlier tests loaded: the same tokens), the reward comes back, and the run's own
+    streams are untouched."""
     import subprocess
     import sys
 
@@ -367,19 +455,44 @@ def test_replay_continue_reruns_an_agent_from_a_chosen_call_and_writes_nothing_t
     before = {k: client.xlen(k) for k in (keys.episode("again-0"), keys.calls)}
     original = episode(client, keys, "again-0")
     env = {**stack["env"], "STREAMRL_RUN_DIR": str(tmp_path / "runs")}
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "replay", "again-0", "--continue", "--from-call",
-                          "1", "--version", "0", "--json"], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.ops.cli.main",
+            "replay",
+            "again-0",
+            "--continue",
+            "--from-call",
+            "1",
+            "--version",
+            "0",
+            "--json",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
     assert r["from_call"] == 1 and r["reward"] == 1.0 and not r["error"]
     assert sorted(map(int, r["calls"])) == [0, 1, 2]
     for i in range(3):
         assert r["calls"][str(i)]["tokens"] == original.calls[i].tokens
-    assert r["generated_by_replay"] == [1, 2]  # call 0 came from the copied stream
-    assert r["calls"]["1"]["extends"] == 0  # generated again as the continuation of call 0 from the stream
-    assert {k: client.xlen(k) for k in before} == before  # nothing written to the run
-    bad = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "replay", "again-0", "--continue", "--from-call",
-                          "9"], env=env, capture_output=True, text=True, timeout=120)
+    # call 0 came from the copied stream
+    assert r["generated_by_replay"] == [1, 2]
+    # generated again as the continuation of call 0 from the stream
+    assert r["calls"]["1"]["extends"] == 0
+    # nothing written to the run
+    assert {k: client.xlen(k) for k in before} == before
+    bad = subprocess.run(
+        [sys.executable, "-m", "services.ops.cli.main", "replay", "again-0", "--continue", "--from-call", "9"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode != 0 and "--from-call 9" in bad.stderr and "calls 0..2" in bad.stderr
 
 
@@ -391,8 +504,13 @@ def test_rollout_worker_killed_minus_9_mid_call_another_takes_the_call_over(chat
     with InProcessGateway(build(cfg, client, logs.get("gateway-test"))) as gw:
         wait_alive(client, keys, "rollout", "rA")
         start_agent_episode(client, keys, "tk-0", TASK)
-        body = dict(model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC_TOOL],
-                    temperature=0, max_tokens=96)
+        body = dict(
+            model="policy",
+            messages=[{"role": "user", "content": "2+3?"}],
+            tools=[CALC_TOOL],
+            temperature=0,
+            max_tokens=96,
+        )
         t, out = in_thread(lambda: oai(gw.base_url("tk-0")).chat.completions.create(**body))
         wait_until(lambda: call_tokens(client, keys, "tk-0", 0) >= 4, what="call generating")
         kill9(first)
@@ -405,13 +523,15 @@ def test_rollout_worker_killed_minus_9_mid_call_another_takes_the_call_over(chat
             assert call.resumes and call.resumes[-1]["takeover_from"] == "rA" and call.resumes[-1]["worker"] == "rB"
             assert reply.choices[0].finish_reason == "tool_calls"
             assert json.loads(reply.choices[0].message.tool_calls[0].function.arguments) == {"e": "2+3"}
-            assert reply.usage.completion_tokens == len(call.tokens)  # greedy: not one token generated twice
+            # greedy: not one token generated twice
+            assert reply.usage.completion_tokens == len(call.tokens)
         finally:
             stop(second)
 
 
-def test_a_stopping_gateway_answers_its_held_calls_503_retry_and_exits_without_a_traceback(redis_url, client, keys,
-                                                                                          chat_dir, tmp_path):
+def test_a_stopping_gateway_answers_its_held_calls_503_retry_and_exits_without_a_traceback(
+    redis_url, client, keys, chat_dir, tmp_path
+):
     """At the end of a run (or a restart) the gateway is told to stop with calls held open: each is answered 503
     with x-should-retry within a second (a gateway that runs answers the retry from the stream), so uvicorn's
     graceful shutdown ends in time instead of cancelling them (a traceback per call)."""
@@ -419,21 +539,27 @@ def test_a_stopping_gateway_answers_its_held_calls_503_retry_and_exits_without_a
     import signal
 
     port = free_port()
-    gateway = spawn("services.gateway", env=env_for(redis_url, keys, chat_dir, gateway_port=port, gateway_timeout=120),
-                    log=tmp_path / "gateway.log")
+    gateway = spawn(
+        "services.gateway",
+        env=env_for(redis_url, keys, chat_dir, gateway_port=port, gateway_timeout=120),
+        log=tmp_path / "gateway.log",
+    )
     wait_http(port)
     start_agent_episode(client, keys, "held-0", TASK)
     api = oai(f"http://127.0.0.1:{port}/ep/held-0/v1", max_retries=0)
 
     def call():
         try:
-            return api.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2+3?"}],
-                                               temperature=0, max_tokens=8)
+            return api.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "2+3?"}], temperature=0, max_tokens=8
+            )
         except openai.APIStatusError as exc:
             return exc
+
     t, out = in_thread(call)
     wait_until(lambda: client.exists(keys.calls) and client.xlen(keys.calls) >= 1, what="the call requested")
-    os.killpg(gateway.pid, signal.SIGTERM)  # no rollout worker serves this run: the call is held
+    # no rollout worker serves this run: the call is held
+    os.killpg(gateway.pid, signal.SIGTERM)
     t.join(15)
     err = out.get("result")
     assert isinstance(err, openai.APIStatusError) and err.status_code == 503, err
@@ -454,12 +580,18 @@ def test_a_stopping_agents_worker_gives_running_episodes_a_grace_then_exits_0(st
     client, keys, gw = stack["client"], stack["keys"], stack["gw"]
     cfg = Config(run=keys.run, agent="tests.support.gateway_agents:held_agent", gateway_port=gw.port, group_size=1)
     log = tmp_path / "agents.log"
-    a = spawn("services.gateway.agents_worker", "--worker-id", "ag-stop", log=log,
-              env=env_for(stack["url"], keys, chat_dir, agent=cfg.agent, gateway_port=gw.port))
+    a = spawn(
+        "services.gateway.agents_worker",
+        "--worker-id",
+        "ag-stop",
+        log=log,
+        env=env_for(stack["url"], keys, chat_dir, agent=cfg.agent, gateway_port=gw.port),
+    )
     driver_agents.enqueue_group(cfg, client, keys, "stopping", {**TASK, "hold": str(tmp_path / "never")}, 1)
     wait_until(lambda: client.hexists(keys.agents_running, "stopping-0"), what="the episode running")
     os.killpg(a.pid, signal.SIGTERM)
     assert a.wait(STOP_GRACE_S + 10) == 0
     text = log.read_text()
     assert "1 agent episode(s) cut short" in text and "stopping-0" in text and "Traceback" not in text
-    assert client.hexists(keys.agents_running, "stopping-0")  # left for a reaper
+    # left for a reaper
+    assert client.hexists(keys.agents_running, "stopping-0")

@@ -29,8 +29,9 @@ def tok(chat_dir):
 def test_hermes_tool_calls_are_parsed_and_bad_ones_stay_text():
     p = toolparse.parse('ok <tool_call>{"name": "calc", "arguments": {"e": "1+2"}}</tool_call>')
     assert p.content == "ok" and p.calls == [{"name": "calc", "arguments": '{"e": "1+2"}'}]
-    two = toolparse.parse('<tool_call>{"name": "a", "arguments": "{}"}</tool_call>'
-                          '<tool_call>{"name": "b", "arguments": {}}</tool_call>')
+    two = toolparse.parse(
+        '<tool_call>{"name": "a", "arguments": "{}"}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    )
     assert [c["name"] for c in two.calls] == ["a", "b"] and two.content == ""
     bad = toolparse.parse('<tool_call>{"name": "calc", "arguments": {"e": </tool_call>')
     assert bad.calls == [] and bad.problems and bad.content.startswith("<tool_call>")
@@ -45,12 +46,15 @@ def test_bridge_appends_exactly_what_a_full_render_would(tok):
     conv = calc_conversation(2, 3)
     tools = [CALC_TOOL]
     first = r.full(conv[:1], tools)
-    completion = tok.encode(tok.apply_chat_template(template_messages(conv[:2]), tools=tools, tokenize=False),
-                            add_special_tokens=False)[len(first):]
-    completion = completion[:completion.index(r.end_id) + 1]  # what the engine returns: up to the stop token
+    completion = tok.encode(
+        tok.apply_chat_template(template_messages(conv[:2]), tools=tools, tokenize=False), add_special_tokens=False
+    )[len(first) :]
+    # what the engine returns: up to the stop token
+    completion = completion[: completion.index(r.end_id) + 1]
     bridge = r.bridge(True, conv[2:3], tools)
     assert first + completion + bridge == r.full(conv[:3], tools)
-    assert r.bridge(False, conv[2:3], tools)[0] == r.end_id  # a turn cut by length gets its end token
+    # a turn cut by length gets its end token
+    assert r.bridge(False, conv[2:3], tools)[0] == r.end_id
     message, problems = r.assistant(completion, 0)
     assert not problems and canonical(message) == canonical(conv[1])
 
@@ -71,28 +75,36 @@ def http(chat_dir, tok, client, keys):
 
 
 def _post(http, body, episode="g-0", raw=None):
-    return http.post(f"/ep/{episode}/v1/chat/completions", content=raw if raw is not None else json.dumps(body),
-                     headers={"content-type": "application/json"})
+    return http.post(
+        f"/ep/{episode}/v1/chat/completions",
+        content=raw if raw is not None else json.dumps(body),
+        headers={"content-type": "application/json"},
+    )
 
 
-@pytest.mark.parametrize("body, status, param", [
-    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["two chars"]}, 400, "stop"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
-    ({"messages": []}, 400, "messages"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools[0].function"),
-    ({"messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),  # over the 160-token context
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["two chars"]}, 400, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+        # over the 160-token context
+        ({"messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
+    ],
+)
 def test_bad_requests_name_the_field(http, client, keys, body, status, param):
     r = _post(http, body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
-    assert not client.exists(keys.calls)  # nothing was handed to the workers
+    # nothing was handed to the workers
+    assert not client.exists(keys.calls)
 
 
 def test_malformed_json_unknown_episode_and_models(http):

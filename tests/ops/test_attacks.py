@@ -1,4 +1,4 @@
-"""A live `streamrl run`, attacked from the same machine without its secrets (issue 34): its Redis refuses
+"""A live `streamrl run`, attacked from the same machine without its secrets: its Redis refuses
 every command (no streams read, no job enqueued, nothing steered), no secret is on any process's command line
 or in its environment, in the run's marker, in Redis or in the logs, and the secrets file and run folder are
 the owner's only. (The parts attacked from inside, with Redis access, have their own tests: a queued os.system is
@@ -55,15 +55,28 @@ def _read(path: Path) -> bytes:
 def test_a_live_run_gives_nothing_to_a_local_attacker_without_its_secrets(tmp_path, tiny_model_dir):
     name = f"atk{uuid.uuid4().hex[:8]}"
     run_path = tmp_path / "runs" / name
-    env = {**base_env(tmp_path / "runs", name, tiny_model_dir), "STREAMRL_MAX_VERSIONS": "100000",
-           "STREAMRL_MAX_MINUTES": "4", "STREAMRL_LOG_LEVEL": "warning"}
+    env = {
+        **base_env(tmp_path / "runs", name, tiny_model_dir),
+        "STREAMRL_MAX_VERSIONS": "100000",
+        "STREAMRL_MAX_MINUTES": "4",
+        "STREAMRL_LOG_LEVEL": "warning",
+    }
     log = tmp_path / "run.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.ops.cli.main", "run"], env=env, cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.ops.cli.main", "run"],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
-        wait_until(lambda: (runstate.read_marker(run_path) or {}).get("id") or proc.poll() is not None,
-                   "the run's marker", timeout=120)
+        wait_until(
+            lambda: (runstate.read_marker(run_path) or {}).get("id") or proc.poll() is not None,
+            "the run's marker",
+            timeout=120,
+        )
         assert proc.poll() is None, log.read_text()[-3000:]
         made = secrets.read(run_path)
         port = int(made["redis_server"].rsplit(":", 1)[1])
@@ -73,11 +86,14 @@ def test_a_live_run_gives_nothing_to_a_local_attacker_without_its_secrets(tmp_pa
 
         # 1. the run's Redis, without the password: nothing read, nothing written, no job enqueued
         attacker = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
-        for attempt in (lambda: attacker.xrange(keys.prompts, count=1),
-                        lambda: attacker.xadd(keys.control, {"type": "cmd", "cmd": "pause", "sync": "x"}),
-                        lambda: Queue(keys.tool_queue, connection=attacker, serializer=JSONSerializer).enqueue_call(
-                            "os.system", args=("id",)),
-                        lambda: attacker.config_set("requirepass", "")):
+        for attempt in (
+            lambda: attacker.xrange(keys.prompts, count=1),
+            lambda: attacker.xadd(keys.control, {"type": "cmd", "cmd": "pause", "sync": "x"}),
+            lambda: Queue(keys.tool_queue, connection=attacker, serializer=JSONSerializer).enqueue_call(
+                "os.system", args=("id",)
+            ),
+            lambda: attacker.config_set("requirepass", ""),
+        ):
             with pytest.raises(redis.exceptions.AuthenticationError):
                 attempt()
         # ... nor with a guess of the URL `streamrl run` printed (redacted) or run.json names
@@ -87,7 +103,8 @@ def test_a_live_run_gives_nothing_to_a_local_attacker_without_its_secrets(tmp_pa
         # 2. no secret on a command line or in an environment of any process of the run
         values = [made[k].encode() for k in secrets.SECRETS]
         pids = _session(proc.pid)
-        assert len(pids) >= 6  # streamrl run, honcho, the services, Redis
+        # streamrl run, honcho, the services, Redis
+        assert len(pids) >= 6
         for pid in pids:
             for what in ("cmdline", "environ"):
                 blob = _read(Path(f"/proc/{pid}/{what}"))
@@ -99,7 +116,8 @@ def test_a_live_run_gives_nothing_to_a_local_attacker_without_its_secrets(tmp_pa
         assert stat.S_IMODE((run_path / "redis").stat().st_mode) == 0o700
         dump = b"".join(_read(p) for p in (run_path / "redis").rglob("*") if p.is_file())
         assert dump and not any(v in dump for v in values)
-        assert proc.poll() is None  # the run went on through all of it
+        # the run went on through all of it
+        assert proc.poll() is None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)

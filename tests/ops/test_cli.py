@@ -5,9 +5,9 @@ import json
 import msgpack
 
 from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.keys import ROLLOUT_GROUP
 from tests.support.helpers import finished, raw, started, tokens
 from tests.support.procs import run_module
-from shared.protocol.keys import ROLLOUT_GROUP
 
 
 def streamrl(env, *args, stdin: bytes | None = None):
@@ -17,13 +17,43 @@ def streamrl(env, *args, stdin: bytes | None = None):
 def test_hand_written_episode_replays(cli_env, keys):
     """docs/events.md's recipe: redis-cli -x with a msgpack payload per event."""
     key = keys.episode("e1")
-    events = [("started", {"episode_id": "e1", "group_id": "g1", "index": 0, "prompt_ids": [20, 21, 22],
-                           "sampling": {"max_tokens": 8}, "task": {}}),
-              ("tokens", {"ids": [30, 31], "logprobs": [-0.5, -1.25]}),
-              ("finished", {"reason": "stop", "reward": 1.0, "details": {}})]
+    events = [
+        (
+            "started",
+            {
+                "episode_id": "e1",
+                "group_id": "g1",
+                "index": 0,
+                "prompt_ids": [20, 21, 22],
+                "sampling": {"max_tokens": 8},
+                "task": {},
+            },
+        ),
+        ("tokens", {"ids": [30, 31], "logprobs": [-0.5, -1.25]}),
+        ("finished", {"reason": "stop", "reward": 1.0, "details": {}}),
+    ]
     for seq, (kind, data) in enumerate(events):
-        out = streamrl(cli_env, "redis-cli", "--", "-x", "XADD", key, "*", "type", kind, "v", "1", "policy", "0",
-                       "worker", "me", "seq", str(seq), "data", stdin=msgpack.packb(data))
+        out = streamrl(
+            cli_env,
+            "redis-cli",
+            "--",
+            "-x",
+            "XADD",
+            key,
+            "*",
+            "type",
+            kind,
+            "v",
+            "1",
+            "policy",
+            "0",
+            "worker",
+            "me",
+            "seq",
+            str(seq),
+            "data",
+            stdin=msgpack.packb(data),
+        )
         assert out.returncode == 0, out.stderr
     out = streamrl(cli_env, "replay", "e1", "--no-text")
     assert out.returncode == 0, out.stderr
@@ -38,8 +68,9 @@ def test_garbage_entry_is_one_line_naming_it(cli_env, client, keys):
     entries = raw([started(), tokens(1, [1, 2]), finished(2)])
     key = keys.episode("e1")
     client.xadd(key, entries[0][1])
-    bad_id = client.xadd(key, {"type": "tokens", "v": "1", "policy": "0", "worker": "x", "seq": "1",
-                               "data": b"\xc1garbage"}).decode()
+    bad_id = client.xadd(
+        key, {"type": "tokens", "v": "1", "policy": "0", "worker": "x", "seq": "1", "data": b"\xc1garbage"}
+    ).decode()
     out = streamrl(cli_env, "replay", "e1")
     err = out.stderr.decode().strip()
     assert out.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err

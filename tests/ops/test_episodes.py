@@ -22,15 +22,30 @@ def _resumed(seq, n, worker, **data):
     return Event("resumed", 2, worker, seq, {"num_tokens": n, **data})
 
 
-STREAMS = {  # episode id -> events
+# episode id -> events
+STREAMS = {
     "g1-0": [started(episode_id="g1-0"), tokens(1, [1, 2], policy=1), finished(2, reward=1.0)],
-    "g1-1": [started(episode_id="g1-1"), tokens(1, [1, 2], policy=1), _aborted(2, 2), _resumed(3, 2, "A"),
-             tokens(4, [3], policy=2), _aborted(5, 3), _resumed(6, 3, "B", takeover_from="A"), tokens(7, [4], policy=3),
-             finished(8, reward=0.0)],
-    "g2-0": [started(episode_id="g2-0"), tokens(1, [5], policy=2),
-             Event("failed", 2, "w", 2, {"error": "tool calc crashed", "where": "tool"})],
-    "g2-1": [started(episode_id="g2-1"), tokens(1, [5, 6, 7], policy=2),
-             Event("finished", 2, "w", 2, {"reason": "length", "reward": 0.0, "details": {}})],
+    "g1-1": [
+        started(episode_id="g1-1"),
+        tokens(1, [1, 2], policy=1),
+        _aborted(2, 2),
+        _resumed(3, 2, "A"),
+        tokens(4, [3], policy=2),
+        _aborted(5, 3),
+        _resumed(6, 3, "B", takeover_from="A"),
+        tokens(7, [4], policy=3),
+        finished(8, reward=0.0),
+    ],
+    "g2-0": [
+        started(episode_id="g2-0"),
+        tokens(1, [5], policy=2),
+        Event("failed", 2, "w", 2, {"error": "tool calc crashed", "where": "tool"}),
+    ],
+    "g2-1": [
+        started(episode_id="g2-1"),
+        tokens(1, [5, 6, 7], policy=2),
+        Event("finished", 2, "w", 2, {"reason": "length", "reward": 0.0, "details": {}}),
+    ],
 }
 
 
@@ -44,7 +59,8 @@ def test_a_summary_counts_what_the_stream_says():
     assert (s["g1-1"].aborts, s["g1-1"].takeovers, s["g1-1"].versions, s["g1-1"].span) == (2, 1, [1, 2, 3], 3)
     assert s["g2-0"].outcome == "failed" and "tool calc crashed" in s["g2-0"].error
     assert s["g2-1"].outcome == "truncated" and s["g2-1"].length == 3
-    bad = summarize("g9-0", raw([tokens(0, [1])]))  # no started event: fold refuses it
+    # no started event: fold refuses it
+    bad = summarize("g9-0", raw([tokens(0, [1])]))
     assert bad.outcome == "unreadable" and bad.error
 
 
@@ -52,7 +68,8 @@ def test_filters_and_sorts_choose_the_rows():
     rows = list(_summaries().values())
     pick = lambda **kw: sorted(s.episode_id for s in rows if Filters(**kw).keep(s))  # noqa: E731
     assert pick(outcomes=("failed", "truncated")) == ["g2-0", "g2-1"]
-    assert pick(reward_below=0.5) == ["g1-1", "g2-1"]  # a failed episode has no reward: not below anything
+    # a failed episode has no reward: not below anything
+    assert pick(reward_below=0.5) == ["g1-1", "g2-1"]
     assert pick(min_aborts=2) == pick(taken_over=True) == pick(min_span=3) == ["g1-1"]
     assert pick(agent=True) == [] and len(pick(agent=False)) == 4
     assert [s.episode_id for s in ordered(rows, "length", descending=True)][:1] == ["g1-1"]
@@ -66,8 +83,13 @@ def test_the_command_prints_the_ids_replay_takes(cli_env, client, keys):
     for eid, evs in STREAMS.items():
         for _, fields in raw(evs):
             client.xadd(keys.episode(eid), fields)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "services.ops.cli.main", "episodes", *a], env=cli_env,  # noqa
-                                    capture_output=True, text=True, timeout=60)
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "services.ops.cli.main", "episodes", *a],
+        env=cli_env,  # noqa
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     out = run("--taken-over", "--ids")
     assert out.returncode == 0 and out.stdout.split() == ["g1-1"], out.stderr
     out = run("--outcome", "failed,truncated", "--json")

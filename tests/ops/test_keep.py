@@ -57,13 +57,21 @@ def _script(tmp_path, body: str) -> list[str]:
 
 
 def _keep(command, **kw):
-    return subprocess.Popen([sys.executable, "-m", "services.ops.launch.keep", "--", *command], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.ops.launch.keep", "--", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **kw,
+    )
 
 
 def test_a_crashing_process_is_started_again_until_it_ends_cleanly(tmp_path):
     count = tmp_path / "count"
-    cmd = _script(tmp_path, f"""
+    cmd = _script(
+        tmp_path,
+        f"""
 import os, sys
 p = {str(count)!r}
 n = int(open(p).read()) if os.path.exists(p) else 0
@@ -72,7 +80,8 @@ print("run", n, flush=True)
 if n == 0:
     os.kill(os.getpid(), 9)   # killed by a signal
 sys.exit(1 if n == 1 else 0)  # then a crash, then a clean end
-""")
+""",
+    )
     out, _ = _keep(cmd).communicate(timeout=60)
     assert count.read_text() == "3"
     assert "keep: " in out and "killed by SIGKILL; restart 1" in out and "exit code 1; restart 2" in out
@@ -84,15 +93,19 @@ def test_exit_2_is_not_retried_and_a_crash_loop_stops_with_the_last_line(tmp_pat
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 2 and out.count("bad value") == 1 and "restart" not in out
     loop = _keep(_script(tmp_path, "import sys; print('boom: the last words', flush=True); sys.exit(3)"))
-    out, _ = loop.communicate(timeout=120)  # 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s of backoff
+    # 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s of backoff
+    out, _ = loop.communicate(timeout=120)
     assert loop.returncode == 3
-    assert out.splitlines().count("boom: the last words") == MAX_RESTARTS + 1  # the first run and 5 restarts
+    # the first run and 5 restarts
+    assert out.splitlines().count("boom: the last words") == MAX_RESTARTS + 1
     assert f"crashed {MAX_RESTARTS + 1} times" in out and "Its last line: boom: the last words" in out
 
 
 def test_sigterm_reaches_the_process_once_and_nothing_restarts(tmp_path):
     marks = tmp_path / "marks"
-    cmd = _script(tmp_path, f"""
+    cmd = _script(
+        tmp_path,
+        f"""
 import signal, sys, time
 def stop(*a):
     open({str(marks)!r}, "a").write("term\\n")
@@ -102,10 +115,12 @@ signal.signal(signal.SIGTERM, stop)
 print("ready", flush=True)
 while True:
     time.sleep(0.2)
-""")
+""",
+    )
     p = _keep(cmd)
     assert p.stdout.readline().strip() == "ready"
-    os.killpg(p.pid, signal.SIGTERM)  # as honcho stops a run: the supervisor's group
+    # as honcho stops a run: the supervisor's group
+    os.killpg(p.pid, signal.SIGTERM)
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 0 and marks.read_text() == "term\n" and "restart" not in out
 
@@ -124,7 +139,9 @@ def test_a_killed_supervisor_takes_its_process_with_it(tmp_path):
             os.kill(child, 0)
         except ProcessLookupError:
             return True
-        return open(f"/proc/{child}/stat").read().split()[2] == "Z"  # a zombie awaiting its reaper is dead too
+        # a zombie awaiting its reaper is dead too
+        return open(f"/proc/{child}/stat").read().split()[2] == "Z"
+
     wait_until(gone, "the orphan killed")
 
 
@@ -134,13 +151,18 @@ def test_the_runs_own_redis_is_started_again_on_its_port_with_its_data(tmp_path)
     try:
         client = connect(server.url)
         client.set("k", "v")
-        time.sleep(1.2)  # appendfsync everysec
+        # appendfsync everysec
+        time.sleep(1.2)
         lines = []
-        watcher = keep.keep_server(server, stop, out=type("W", (), {"write": lambda s, x: lines.append(x),
-                                                                     "flush": lambda s: None})())
+        watcher = keep.keep_server(
+            server, stop, out=type("W", (), {"write": lambda s, x: lines.append(x), "flush": lambda s: None})()
+        )
         os.kill(server.proc.pid, signal.SIGKILL)
-        wait_until(lambda: watcher.restarts == 1 and connect(server.url, wait=5).get("k") == b"v",
-                   "redis back with its data", timeout=30)
+        wait_until(
+            lambda: watcher.restarts == 1 and connect(server.url, wait=5).get("k") == b"v",
+            "redis back with its data",
+            timeout=30,
+        )
         assert any("redis killed by SIGKILL; restart 1" in x for x in lines)
     finally:
         stop.set()
@@ -171,12 +193,15 @@ def test_a_restarted_process_keeps_the_time_it_was_first_started(tmp_path):
 
     assert keep.SINCE_ENV == DRIVER_READS
     seen = tmp_path / "seen"
-    cmd = _script(tmp_path, f"""
+    cmd = _script(
+        tmp_path,
+        f"""
 import os, sys
 with open({str(seen)!r}, "a") as fh:
     fh.write(os.environ[{keep.SINCE_ENV!r}] + "\\n")
 sys.exit(1 if len(open({str(seen)!r}).read().split()) < 2 else 0)
-""")
+""",
+    )
     t0 = time.time()
     _keep(cmd).communicate(timeout=60)
     first, second = seen.read_text().split()

@@ -16,7 +16,8 @@ def imported_modules(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module in ("services", "shared"):  # `from services import rollout`
+            # `from services import rollout`
+            if node.module in ("services", "shared"):
                 names.update(f"{node.module}.{alias.name}" for alias in node.names)
             else:
                 names.add(node.module)
@@ -52,7 +53,9 @@ def test_rule_catches_a_violation(tmp_path):
     (tmp_path / "services" / "trainer").mkdir(parents=True)
     (tmp_path / "services" / "ops").mkdir(parents=True)
     (tmp_path / "shared" / "x.py").write_text("from services.rollout import worker\n")
-    (tmp_path / "services" / "trainer" / "t.py").write_text("import services.syncer.syncer\nfrom services.trainer import loss\n")
+    (tmp_path / "services" / "trainer" / "t.py").write_text(
+        "import services.syncer.syncer\nfrom services.trainer import loss\n"
+    )
     (tmp_path / "services" / "ops" / "cli.py").write_text("from services.trainer import trainer\n")
     found = violations(tmp_path)
     assert len(found) == 2

@@ -23,8 +23,9 @@ def locked(text: str) -> dict[str, Version]:
         if not line or line.startswith("#"):
             continue
         name, sep, version = line.partition("==")
-        assert sep and name and version and not any(c in name for c in " <>=!~;@["), \
+        assert sep and name and version and not any(c in name for c in " <>=!~;@["), (
             f"requirements.lock line {n} is not name==version: {line!r}"
+        )
         assert canonicalize_name(name) not in out, f"requirements.lock names {name} twice"
         out[canonicalize_name(name)] = Version(version)
     return out
@@ -49,14 +50,19 @@ def test_the_lock_names_every_declared_dependency_inside_its_range():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     lock = locked((ROOT / "requirements.lock").read_text())
     assert problems(pyproject, lock) == []
-    assert "streamrl" not in lock  # the project itself is installed editable, never from the lock
+    # the project itself is installed editable, never from the lock
+    assert "streamrl" not in lock
     # no local label (torch==2.13.0+cpu): the package index has none; pip still picks +cpu where it is offered
     assert all(v.local is None for v in lock.values()), {n: str(v) for n, v in lock.items() if v.local}
 
 
 def test_the_check_reports_a_missing_and_an_out_of_range_dependency():
-    pyproject = {"project": {"dependencies": ["transformers>=5.24", "redis[hiredis]>=5.0"],
-                             "optional-dependencies": {"test": ["pytest>=8"]}}}
+    pyproject = {
+        "project": {
+            "dependencies": ["transformers>=5.24", "redis[hiredis]>=5.0"],
+            "optional-dependencies": {"test": ["pytest>=8"]},
+        }
+    }
     lock = locked("# header\ntransformers==5.23.0\nRedis==8.1.0\n")
     assert lock == {"transformers": Version("5.23.0"), "redis": Version("8.1.0")}
     assert problems(pyproject, lock) == [

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from services.ops.launch.keep import PID_DIR_ENV
+from services.ops.launch.keep import processes as keep_processes
+from services.ops.launch.redis_server import free_port
 from shared.protocol.keys import Keys
 from shared.runtime import runstate
 from shared.runtime.config.keys import Config
-from services.ops.launch.keep import PID_DIR_ENV, processes as keep_processes
-from services.ops.launch.redis_server import free_port
 from tests.support.procs import WARM, starter_pid, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,8 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     """Run in its own process group; on timeout, nothing of it survives."""
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -42,11 +44,20 @@ def run(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProces
 
 def base_env(run_dir: Path, run_name: str, model_dir: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_") and k != "REDIS_URL"}
-    env.update({"PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", "OMP_NUM_THREADS": "1",
-                "STREAMRL_RUN": run_name, "STREAMRL_RUN_DIR": str(run_dir), "STREAMRL_MODEL_DIR": model_dir,
-                "STREAMRL_MAX_VERSIONS": "3", "STREAMRL_MAX_MINUTES": "3", "STREAMRL_VAL_EVERY": "0",
-                # honcho starts every Procfile line, the gateway's too: not on the default port another run may hold
-                "STREAMRL_GATEWAY_PORT": str(free_port())})
+    env.update(
+        {
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+            "OMP_NUM_THREADS": "1",
+            "STREAMRL_RUN": run_name,
+            "STREAMRL_RUN_DIR": str(run_dir),
+            "STREAMRL_MODEL_DIR": model_dir,
+            "STREAMRL_MAX_VERSIONS": "3",
+            "STREAMRL_MAX_MINUTES": "3",
+            "STREAMRL_VAL_EVERY": "0",
+            # honcho starts every Procfile line, the gateway's too: not on the default port another run may hold
+            "STREAMRL_GATEWAY_PORT": str(free_port()),
+        }
+    )
     return env
 
 
@@ -60,14 +71,20 @@ def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
         # 1. `streamrl run`: its embedded Redis keeps its data in the run's folder; the check at the end is complete
         first = run([sys.executable, "-m", "services.ops.cli.main", "run"], env, timeout=280)
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-        check = first.stderr[first.stderr.index("streamrl check at the end of the run"):]
-        assert re.search(r"tokens generated again\s+\d+", check), check  # known: every worker wrote its final record
-        assert "unknown" not in check and "workers_without_final_report" not in check and re.search(r"^ok$", check, re.M)
+        check = first.stderr[first.stderr.index("streamrl check at the end of the run") :]
+        # known: every worker wrote its final record
+        assert re.search(r"tokens generated again\s+\d+", check), check
+        assert (
+            "unknown" not in check and "workers_without_final_report" not in check and re.search(r"^ok$", check, re.M)
+        )
         assert (run_path / "redis" / "appendonlydir").is_dir() and (run_path / "ENDED").exists()
-        assert "streamrl run: exported the last version to" in first.stderr  # found in the id-keyed weights folder
+        # found in the id-keyed weights folder
+        assert "streamrl run: exported the last version to" in first.stderr
         first_id = runstate.read_marker(run_path)["id"]
-        assert runstate.read_marker(run_path)["config"]["model_dir"] == tiny_model_dir  # the effective config
-        first_weights = Config(run=name, run_id=first_id).weights_path  # keyed by the run's id
+        # the effective config
+        assert runstate.read_marker(run_path)["config"]["model_dir"] == tiny_model_dir
+        # keyed by the run's id
+        first_weights = Config(run=name, run_id=first_id).weights_path
         assert sorted(first_weights.glob("v*.safetensors"))
 
         # 1b. the ended run read without starting it: its data served from a copy, its recorded config (no
@@ -80,19 +97,31 @@ def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
         port = free_port()
         pids = tmp_path / "procs"
         honcho_env = {**env, "REDIS_URL": f"redis://127.0.0.1:{port}/0", PID_DIR_ENV: str(pids)}
-        honcho = subprocess.Popen([sys.executable, "-m", "honcho", "start", "-f", str(ROOT / "Procfile")],
-                                  env=honcho_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  start_new_session=True)
+        honcho = subprocess.Popen(
+            [sys.executable, "-m", "honcho", "start", "-f", str(ROOT / "Procfile")],
+            env=honcho_env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
-            wait_until(lambda: "rollout" in keep_processes(pids) or honcho.poll() is not None, timeout=120,
-                       what="the rollout worker started under honcho")
+            wait_until(
+                lambda: "rollout" in keep_processes(pids) or honcho.poll() is not None,
+                timeout=120,
+                what="the rollout worker started under honcho",
+            )
             rollout = keep_processes(pids)["rollout"][0]
-            if WARM:  # `streamrl keep` forks it from the starter it was handed: this test worker's
+            # `streamrl keep` forks it from the starter it was handed: this test worker's
+            if WARM:
                 assert int(Path(f"/proc/{rollout}/stat").read_text().rsplit(")", 1)[1].split()[1]) == starter_pid()
             try:
                 os.killpg(rollout, signal.SIGKILL)
             except ProcessLookupError:
-                honcho.kill(); print(honcho.communicate()[0][-6000:]); raise
+                honcho.kill()
+                print(honcho.communicate()[0][-6000:])
+                raise
             out, _ = honcho.communicate(timeout=280)
         finally:
             if honcho.poll() is None:
@@ -101,12 +130,15 @@ def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
         assert re.search(r"keep: rollout killed by SIGKILL; restart 1 in [\d.]+ s", out), out[-4000:]
         assert f"streamrl redis: run {name!r} had ended; its files are now in" in out
         reached = re.search(r"driver: reached version (\d+); ending the run", out)
-        assert reached and int(reached.group(1)) >= 3, out[-4000:]  # a step may publish past 3 before the check
+        # a step may publish past 3 before the check
+        assert reached and int(reached.group(1)) >= 3, out[-4000:]
         archived = [p for p in run_dir.iterdir() if p.name.startswith(f"{name}.")]
         assert len(archived) == 1 and runstate.read_marker(archived[0])["id"] == first_id
         assert (archived[0] / "redis" / "appendonlydir").is_dir()
-        assert sorted((archived[0] / "weights").glob("v*.safetensors")) and not first_weights.exists()  # moved along
-        reads_run(env, archived[0].name, name, archived[0], tmp_path / "export-archived", archived[0] / "weights")  # the archived run, by its folder
+        # moved along
+        assert sorted((archived[0] / "weights").glob("v*.safetensors")) and not first_weights.exists()
+        # the archived run, by its folder
+        reads_run(env, archived[0].name, name, archived[0], tmp_path / "export-archived", archived[0] / "weights")
         listed = run([sys.executable, "-m", "services.ops.cli.main", "runs", "--json"], env, timeout=60)
         states = {r["folder"]: (r["run"], r["state"]) for r in json.loads(listed.stdout)}
         assert states == {archived[0].name: (name, "archived"), name: (name, "ended")}, listed.stdout
@@ -120,8 +152,11 @@ def test_streamrl_run_then_honcho_start_on_one_run(tmp_path, tiny_model_dir):
 
 
 def tree_hash(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def reads_run(env: dict, folder_name: str, run_name: str, run_path: Path, out: Path, weights: Path) -> None:
@@ -139,10 +174,12 @@ def reads_run(env: dict, folder_name: str, run_name: str, run_path: Path, out: P
     assert dbsize.returncode == 0 and int(dbsize.stdout.split()[-1]) > 0, dbsize.stdout + dbsize.stderr
     status = run(cli + ["status", "--run", folder_name], env, timeout=120)
     assert status.returncode == 0 and "reward" in status.stdout, status.stderr
-    assert re.search(r"redis [\d.]+ MB.*, [\d,]+ keys", status.stdout), status.stdout  # the tiers: Redis memory, keys
+    # the tiers: Redis memory, keys
+    assert re.search(r"redis [\d.]+ MB.*, [\d,]+ keys", status.stdout), status.stdout
     check = run(cli + ["check", "--run", folder_name], env, timeout=120)
     assert check.returncode == 0 and re.search(r"^ok$", check.stdout, re.M), check.stdout + check.stderr
-    version = int(min(weights.glob("v*.safetensors")).name[1:7])  # the oldest kept (the newest is exported)
+    # the oldest kept (the newest is exported)
+    version = int(min(weights.glob("v*.safetensors")).name[1:7])
     export = run(cli + ["export", "--run", folder_name, "--version", str(version), "--out", str(out)], env, timeout=120)
     assert export.returncode == 0, export.stderr
     assert json.loads((out / "streamrl.json").read_text())["version"] == version and (out / "config.json").exists()

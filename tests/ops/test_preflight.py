@@ -27,43 +27,91 @@ FILES = {
 CASES = [
     (["--dataset", "missing.jsonl"], ["config key 'dataset': missing.jsonl: no such file"]),
     (["--dataset", "bad.jsonl"], ["config key 'dataset': bad.jsonl: line 2: not JSON (Expecting value)"]),
-    (["--dataset", "noanswer.jsonl"],
-     ["config key 'dataset': noanswer.jsonl: row 0: missing field 'answer' (config key 'answer_key'; columns: prompt)"]),
-    (["--dataset", "ok.jsonl", "--eval-dataset", "noanswer.jsonl"],
-     ["config key 'eval_dataset': noanswer.jsonl: row 0: missing field 'answer' (config key 'answer_key'; columns: "
-      "prompt)"]),
-    (["--dataset", "chat.jsonl", "--prompt-key", "question"],
-     ["config key 'dataset': chat.jsonl: row 0: missing field 'question' (config key 'prompt_key'; columns: "
-      "messages, answer)"]),
-    (["--dataset", "ok.jsonl", "--dataset-split", "validation"],
-     ["config key 'dataset_split': 'validation', but 'ok.jsonl' is a local file with no splits (all its rows are one "
-      "set); leave dataset_split at 'train', and give the held-out rows as eval_dataset"]),
-    (["--dataset", "ok.jsonl", "--eval-dataset", "ok.jsonl", "--eval-split", "validation"],
-     ["config key 'eval_split': 'validation', but 'ok.jsonl' is a local file with no splits (all its rows are one "
-      "set); leave eval_split at 'test'"]),
-    (["--dataset", "chat.jsonl", "--model-dir", "{plain}"],
-     ["config key 'dataset': chat.jsonl: row 0: a chat-message prompt needs a tokenizer with a chat template; this "
-      "one has none (give the model folder a chat_template, or use text prompts) (tokenizer '{plain}')"]),
-    (["--dataset", "long.jsonl"],
-     ["config key 'dataset': long.jsonl: row 0: the prompt is 600 tokens; the context of '{model}' is 512 tokens "
-      "(prompt + completion)"]),
-    (["--lora-rank", "4", "--lora-targets", "q_proj,nope_proj"],
-     ["config key 'lora_targets': 'nope_proj' names no module of '{model}' (its modules: act_fn, down_proj, "
-      "embed_tokens, gate_proj, input_layernorm, k_proj, layers, lm_head, mlp, model, norm, o_proj, "
-      "post_attention_layernorm, q_proj, rotary_emb, self_attn, up_proj, v_proj)"]),
+    (
+        ["--dataset", "noanswer.jsonl"],
+        [
+            "config key 'dataset': noanswer.jsonl: row 0: missing field 'answer' (config key 'answer_key'; "
+            "columns: prompt)"
+        ],
+    ),
+    (
+        ["--dataset", "ok.jsonl", "--eval-dataset", "noanswer.jsonl"],
+        [
+            "config key 'eval_dataset': noanswer.jsonl: row 0: missing field 'answer' (config key 'answer_key'; "
+            "columns: "
+            "prompt)"
+        ],
+    ),
+    (
+        ["--dataset", "chat.jsonl", "--prompt-key", "question"],
+        [
+            "config key 'dataset': chat.jsonl: row 0: missing field 'question' (config key 'prompt_key'; columns: "
+            "messages, answer)"
+        ],
+    ),
+    (
+        ["--dataset", "ok.jsonl", "--dataset-split", "validation"],
+        [
+            "config key 'dataset_split': 'validation', but 'ok.jsonl' is a local file with no splits (all its "
+            "rows are one "
+            "set); leave dataset_split at 'train', and give the held-out rows as eval_dataset"
+        ],
+    ),
+    (
+        ["--dataset", "ok.jsonl", "--eval-dataset", "ok.jsonl", "--eval-split", "validation"],
+        [
+            "config key 'eval_split': 'validation', but 'ok.jsonl' is a local file with no splits (all its rows "
+            "are one "
+            "set); leave eval_split at 'test'"
+        ],
+    ),
+    (
+        ["--dataset", "chat.jsonl", "--model-dir", "{plain}"],
+        [
+            "config key 'dataset': chat.jsonl: row 0: a chat-message prompt needs a tokenizer with a chat "
+            "template; this "
+            "one has none (give the model folder a chat_template, or use text prompts) (tokenizer '{plain}')"
+        ],
+    ),
+    (
+        ["--dataset", "long.jsonl"],
+        [
+            "config key 'dataset': long.jsonl: row 0: the prompt is 600 tokens; the context of '{model}' is 512 tokens "
+            "(prompt + completion)"
+        ],
+    ),
+    (
+        ["--lora-rank", "4", "--lora-targets", "q_proj,nope_proj"],
+        [
+            "config key 'lora_targets': 'nope_proj' names no module of '{model}' (its modules: act_fn, down_proj, "
+            "embed_tokens, gate_proj, input_layernorm, k_proj, layers, lm_head, mlp, model, norm, o_proj, "
+            "post_attention_layernorm, q_proj, rotary_emb, self_attn, up_proj, v_proj)"
+        ],
+    ),
     (["--reward-fn", "nope:f"], ["config key 'reward_fn': 'nope:f': cannot load (No module named 'nope')"]),
-    (["--tools", "examples.calc:nope"],
-     ["config key 'tools': 'examples.calc:nope': cannot load (module 'examples.calc' has no attribute 'nope')"]),
+    (
+        ["--tools", "examples.calc:nope"],
+        ["config key 'tools': 'examples.calc:nope': cannot load (module 'examples.calc' has no attribute 'nope')"],
+    ),
     (["--tools", "nope"], ["config key 'tools': 'nope': not a built-in tool (calc) nor a 'module:function' spec"]),
     (["--agent", "nope:agent"], ["config key 'agent': 'nope:agent': cannot load (No module named 'nope')"]),
-    (["--model-dir", "models/nope"],
-     ["config key 'model_dir': 'models/nope' does not resolve: no folder '{cwd}/models/nope', and hub id 'models/nope' is not "
-      "in the local Hugging Face cache (HF_HUB_OFFLINE is set)"]),
+    (
+        ["--model-dir", "models/nope"],
+        [
+            "config key 'model_dir': 'models/nope' does not resolve: no folder '{cwd}/models/nope', and hub id "
+            "'models/nope' is not "
+            "in the local Hugging Face cache (HF_HUB_OFFLINE is set)"
+        ],
+    ),
     (["--procfile", "Nofile"], ["--procfile Nofile: no such file in {cwd} nor in streamrl's checkout " + str(ROOT)]),
     # several problems: one line each, all of them
-    (["--dataset", "bad.jsonl", "--reward-fn", "nope:f"],
-     ["config key 'dataset': bad.jsonl: line 2: not JSON (Expecting value)",
-      "config key 'reward_fn': 'nope:f': cannot load (No module named 'nope')"]),
+    (
+        ["--dataset", "bad.jsonl", "--reward-fn", "nope:f"],
+        [
+            "config key 'dataset': bad.jsonl: line 2: not JSON (Expecting value)",
+            "config key 'reward_fn': 'nope:f': cannot load (No module named 'nope')",
+        ],
+    ),
 ]
 
 
@@ -80,11 +128,13 @@ def plain_model_dir(tiny_model_dir, tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("flags,lines", CASES, ids=[" ".join(c[0]) for c in CASES])
-def test_bad_input_is_one_line_each_exit_2_and_nothing_under_runs(flags, lines, tiny_model_dir, plain_model_dir,
-                                                                  tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_line_each_exit_2_and_nothing_under_runs(
+    flags, lines, tiny_model_dir, plain_model_dir, tmp_path, monkeypatch, capsys
+):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # `examples` importable, as in the checkout (the checks run in a child)
+    # `examples` importable, as in the checkout (the checks run in a child)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.delenv("REDIS_URL", raising=False)
     for name, text in FILES.items():
         Path(name).write_text(text)
@@ -104,8 +154,17 @@ def test_a_good_input_passes(tiny_model_dir, tmp_path):
 
     (tmp_path / "chat.jsonl").write_text(json.dumps(CHAT) + "\n")
     assert preflight.problems(Config(model_dir=tiny_model_dir)) == []
-    assert preflight.problems(Config(model_dir=tiny_model_dir, dataset=str(tmp_path / "chat.jsonl"),
-                                     lora_rank=2, lora_targets="q_proj,v_proj")) == []
+    assert (
+        preflight.problems(
+            Config(
+                model_dir=tiny_model_dir,
+                dataset=str(tmp_path / "chat.jsonl"),
+                lora_rank=2,
+                lora_targets="q_proj,v_proj",
+            )
+        )
+        == []
+    )
 
 
 def test_lora_targets_match_module_name_endings():
@@ -117,8 +176,10 @@ def test_lora_targets_match_module_name_endings():
 
 def test_splits_of_a_local_file_or_builtin_task_are_refused_unless_the_default():
     assert split_problems("data.jsonl", "train", "dataset_split", "train") == []
-    assert split_problems("someone/hub-set", "validation", "dataset_split", "train") == []  # a hub set has splits
-    assert split_problems("", "validation", "eval_split", "test") == []  # no eval_dataset: no split to name
+    # a hub set has splits
+    assert split_problems("someone/hub-set", "validation", "dataset_split", "train") == []
+    # no eval_dataset: no split to name
+    assert split_problems("", "validation", "eval_split", "test") == []
     assert "built-in task" in split_problems("arithmetic", "x", "dataset_split", "train")[0]
 
 
@@ -131,7 +192,9 @@ def test_specs_import_from_the_working_directory_as_the_services_do():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    code = ("from services.ops.launch.preflight import _specs; from shared.runtime.config.keys import Config; "
-            "print(_specs(Config(agent='examples.calc:agent')))")
+    code = (
+        "from services.ops.launch.preflight import _specs; from shared.runtime.config.keys import Config; "
+        "print(_specs(Config(agent='examples.calc:agent')))"
+    )
     out = subprocess.run([sys.executable, "-I", "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

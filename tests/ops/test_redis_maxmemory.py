@@ -7,8 +7,8 @@ import pytest
 import redis
 
 from services.ops.launch.redis_server import EmbeddedRedis
-from shared.runtime.config.keys import Config, ConfigError
 from shared.runtime.config.checks import validate
+from shared.runtime.config.keys import Config, ConfigError
 from shared.runtime.service import out_of_memory_line
 
 
@@ -19,13 +19,18 @@ def test_a_full_redis_refuses_writes_with_a_named_error(tmp_path):
         with pytest.raises(redis.exceptions.OutOfMemoryError):
             for i in range(10_000):
                 client.xadd("s", {"data": b"x" * 4096})
-        assert client.xlen("s") == i  # nothing evicted: every accepted entry is still there
+        # nothing evicted: every accepted entry is still there
+        assert client.xlen("s") == i
         client.close()
-    line = out_of_memory_line(Config(redis_maxmemory="3mb"))  # the default: retention on
-    assert line.startswith("Redis is out of memory (maxmemory 3mb): raise redis_maxmemory or lower "
-                           "log_retention_versions (now 20")
+    # the default: retention on
+    line = out_of_memory_line(Config(redis_maxmemory="3mb"))
+    assert line.startswith(
+        "Redis is out of memory (maxmemory 3mb): raise redis_maxmemory or lower log_retention_versions (now 20"
+    )
     line = out_of_memory_line(Config(redis_maxmemory="3mb", log_retention_versions=0))
-    assert line.startswith("Redis is out of memory (maxmemory 3mb): raise redis_maxmemory or set log_retention_versions")
+    assert line.startswith(
+        "Redis is out of memory (maxmemory 3mb): raise redis_maxmemory or set log_retention_versions"
+    )
 
 
 def test_redis_maxmemory_is_checked():

@@ -22,9 +22,13 @@ from tests.support.procs import ROOT
 
 
 def _config(*args: str, env: dict | None = None) -> str:
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "config", *args], capture_output=True, text=True,
-                         cwd=ROOT, env={**{k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")},
-                                        **(env or {})})
+    out = subprocess.run(
+        [sys.executable, "-m", "services.ops.cli.main", "config", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}, **(env or {})},
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -36,7 +40,8 @@ def test_streamrl_config_redacts_secrets_unless_asked(tmp_path):
     text = _config("--run", "r", "--run-dir", run_dir, env=env)
     for value in (made["gateway_api_key"], made["redis_password"], "tok-given"):
         assert value not in text
-    assert 'gateway_api_key = "***"' in text and "secrets.json" in text  # where it came from is shown
+    # where it came from is shown
+    assert 'gateway_api_key = "***"' in text and "secrets.json" in text
     assert "redis://:***@127.0.0.1:6390/0" in text
     shown = json.loads(_config("--run", "r", "--run-dir", run_dir, "--json", "--show-secrets", env=env))
     assert shown["gateway_api_key"]["value"] == made["gateway_api_key"]
@@ -51,9 +56,11 @@ def test_run_folder_0700_checkpoint_0600_loaded_without_pickle_code(tmp_path, cl
     assert stat.S_IMODE((run_path / "trainer" / "checkpoint.pt").stat().st_mode) == 0o600
     assert checkpoint.load(run_path / "trainer")["version"] == 1
 
-    class Evil:  # what a pickle-code checkpoint does on load: call anything
+    # what a pickle-code checkpoint does on load: call anything
+    class Evil:
         def __reduce__(self):
             return (os.system, (f"touch {tmp_path / 'pwned'}",))
+
     torch.save({"x": Evil(), "version": 2}, run_path / "trainer" / "checkpoint.pt")
     with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
         checkpoint.load(run_path / "trainer")

@@ -40,8 +40,16 @@ def own_starter():
 def _start(path, tmp_path, *args, env=None, watch_pid=None):
     out = open(tmp_path / "out.txt", "ab")
     try:
-        return starter_client.start(path, "tests.support.probe_main", list(args), env={**os.environ, "PROBE": "p1", **(env or {})},
-                             cwd=str(tmp_path), stdout=out.fileno(), stderr=out.fileno(), watch_pid=watch_pid)
+        return starter_client.start(
+            path,
+            "tests.support.probe_main",
+            list(args),
+            env={**os.environ, "PROBE": "p1", **(env or {})},
+            cwd=str(tmp_path),
+            stdout=out.fileno(),
+            stderr=out.fileno(),
+            watch_pid=watch_pid,
+        )
     finally:
         out.close()
 
@@ -55,18 +63,21 @@ def test_a_forked_process_is_the_module_asked_for_with_its_args_env_folder_and_e
     assert proc.wait(60) == 3
     said = _said(tmp_path)
     assert said["argv"] == ["exit", "3"] and said["probe"] == "p1" and said["cwd"] == str(tmp_path)
-    assert said["torch_preloaded"] and said["sid"] == said["pid"] == proc.pid  # warm, and its own session
+    # warm, and its own session
+    assert said["torch_preloaded"] and said["sid"] == said["pid"] == proc.pid
 
 
 def test_the_process_is_in_its_own_session_when_start_returns_and_a_bad_request_is_refused(warm, tmp_path):
     import socket
 
-    for _ in range(5):  # as Popen(start_new_session=True): its group can be signalled at once
+    # as Popen(start_new_session=True): its group can be signalled at once
+    for _ in range(5):
         proc = _start(warm[1], tmp_path, "sleep", env={"PYTHONPATH": ROOT})
         assert os.getpgid(proc.pid) == proc.pid
         os.killpg(proc.pid, signal.SIGKILL)
         assert proc.wait(30) == -signal.SIGKILL
-    for message in (b"", b"not json", json.dumps({"module": 3}).encode()):  # refused; the starter goes on
+    # refused; the starter goes on
+    for message in (b"", b"not json", json.dumps({"module": 3}).encode()):
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
             conn.connect(warm[1])
             if message:
@@ -95,7 +106,8 @@ def test_a_process_dies_with_its_supervisor_and_with_the_starter(own_starter, tm
     supervisor.kill()
     supervisor.wait()
     assert watched.wait(30) == -signal.SIGKILL and orphan.poll() is None
-    starter_client.close(*warm)  # the starter gone: its children go too
+    # the starter gone: its children go too
+    starter_client.close(*warm)
     wait_until(lambda: not os.path.exists(f"/proc/{orphan.pid}") or _zombie(orphan.pid), "the starter's child gone", 30)
 
 
@@ -117,24 +129,43 @@ def test_call_runs_a_function_in_a_child_and_says_when_it_fails(warm):
 
 def test_keep_restarts_a_killed_process_through_the_starter(warm, tmp_path):
     env = {**os.environ, starter_client.ENV: warm[1], "PYTHONPATH": ROOT, "KEEP_PID_DIR": str(tmp_path / "pids")}
-    keep = subprocess.Popen([sys.executable, "-m", "services.ops.launch.keep", "--", sys.executable, "-m",
-                             "tests.support.probe_main", "sleep"], env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    keep = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.ops.launch.keep",
+            "--",
+            sys.executable,
+            "-m",
+            "tests.support.probe_main",
+            "sleep",
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         from services.ops.launch.keep import processes
+
         first = wait_until(lambda: processes(tmp_path / "pids").get(NAME), "the first start", 60)[0]
-        assert _parent(first) == warm[0].pid  # forked by the starter, not exec'd by keep
+        # forked by the starter, not exec'd by keep
+        assert _parent(first) == warm[0].pid
         os.killpg(first, signal.SIGKILL)
-        again = wait_until(lambda: (p := processes(tmp_path / "pids").get(NAME)) and p[0] != first and p,
-                           "the restart", 60)
+        again = wait_until(
+            lambda: (p := processes(tmp_path / "pids").get(NAME)) and p[0] != first and p, "the restart", 60
+        )
         assert again[1] == 1 and _parent(again[0]) == warm[0].pid
     finally:
         keep.terminate()
         out, _ = keep.communicate(timeout=60)
     assert keep.returncode == 0 and "restart 1" in out, out
-    assert '"torch_preloaded": true' in out  # its output relayed through keep
+    # its output relayed through keep
+    assert '"torch_preloaded": true' in out
 
 
-NAME = "tests.support.probe_main"  # keep's name for a module outside services/
+# keep's name for a module outside services/
+NAME = "tests.support.probe_main"
 
 
 def _parent(pid: int) -> int:

@@ -20,7 +20,8 @@ from shared.protocol.archive.ledger import read_ledger
 from tests.support.procs import starter_pid
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow(seconds=45)  # whole runs
+# whole runs
+pytestmark = pytest.mark.slow(seconds=45)
 
 
 def _env(**extra) -> dict:
@@ -29,10 +30,33 @@ def _env(**extra) -> dict:
 
 
 def _run_args(tmp_path, model_dir, *extra) -> list[str]:
-    return [sys.executable, "-m", "services.ops.cli.main", "run", "--run", "kept", "--model-dir", model_dir,
-            "--run-dir", str(tmp_path / "runs"), "--weights-dir", str(tmp_path / "weights"), "--max-minutes", "4",
-            "--group-size", "4", "--batch-groups", "2", "--max-tokens", "8", "--val-every", "0",
-            "--heartbeat-ttl", "2", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "services.ops.cli.main",
+        "run",
+        "--run",
+        "kept",
+        "--model-dir",
+        model_dir,
+        "--run-dir",
+        str(tmp_path / "runs"),
+        "--weights-dir",
+        str(tmp_path / "weights"),
+        "--max-minutes",
+        "4",
+        "--group-size",
+        "4",
+        "--batch-groups",
+        "2",
+        "--max-tokens",
+        "8",
+        "--val-every",
+        "0",
+        "--heartbeat-ttl",
+        "2",
+        *extra,
+    ]
 
 
 def _child(pid_dir: Path, name: str) -> int | None:
@@ -46,22 +70,29 @@ def _parent(pid: int) -> tuple[int, str]:
 
 
 def test_a_service_killed_mid_run_is_restarted_and_the_run_ends_with_the_check_all_zero(tmp_path, tiny_model_dir):
-    pids = tmp_path / "runs" / "kept" / "procs"  # where each `streamrl keep` writes its process's pid
+    # where each `streamrl keep` writes its process's pid
+    pids = tmp_path / "runs" / "kept" / "procs"
     # and chaos kills the embedded Redis every 4 s (the runner starts it again on its port over its data)
     # 100 versions: long enough for chaos's first kill at 4 s now that the processes start warm (12 could end sooner)
     # with no starter handed to it (the tests share one per worker): the run preloads its own, as a user's does
     env = {k: v for k, v in _env().items() if k != starter_client.ENV}
-    proc = subprocess.Popen(_run_args(tmp_path, tiny_model_dir, "--max-versions", "100", "--chaos", "4",
-                                      "--chaos-only", "redis"), cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        _run_args(tmp_path, tiny_model_dir, "--max-versions", "100", "--chaos", "4", "--chaos-only", "redis"),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         ledger = tmp_path / "runs" / "kept" / "trainer"
-        while not (read_ledger(ledger) and _child(pids, "trainer")):  # a version committed: mid-run
+        # a version committed: mid-run
+        while not (read_ledger(ledger) and _child(pids, "trainer")):
             assert proc.poll() is None and time.monotonic() < deadline, "the run never committed a version"
             time.sleep(0.2)
-        parent, command = _parent(_child(pids, "trainer"))  # forked from the run's own starter
+        # forked from the run's own starter
+        parent, command = _parent(_child(pids, "trainer"))
         assert "-m services.ops.launch.starter" in command and parent != starter_pid(), command
         os.kill(_child(pids, "trainer"), signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
@@ -72,7 +103,8 @@ def test_a_service_killed_mid_run_is_restarted_and_the_run_ends_with_the_check_a
     assert re.search(r"keep: trainer killed by SIGKILL; restart 1 in [\d.]+ s", out), out[-3000:]
     reached = re.search(r"driver: reached version (\d+); ending the run", out)
     assert reached and int(reached.group(1)) >= 100, out[-3000:]
-    assert re.search(r"\n  processes restarted: [^\n]*trainer 1[^\n]*\nok\n", out), out[-3000:]  # the check: all 0
+    # the check: all 0
+    assert re.search(r"\n  processes restarted: [^\n]*trainer 1[^\n]*\nok\n", out), out[-3000:]
     kills = re.search(r"chaos: (\d+) kills in \d+ s \(one every 4 s, seed 0\): redis (\d+)", out)
     assert kills and int(kills.group(1)) == int(kills.group(2)) >= 1, out[-3000:]
     assert re.search(r"keep: redis killed by SIGKILL; restart 1 in [\d.]+ s on port", out), out[-3000:]
@@ -80,11 +112,21 @@ def test_a_service_killed_mid_run_is_restarted_and_the_run_ends_with_the_check_a
 
 def test_a_process_that_keeps_crashing_stops_the_run_with_its_last_line(tmp_path, tiny_model_dir):
     procfile = tmp_path / "Procfile"
-    procfile.write_text((ROOT / "Procfile").read_text() + "crasher: exec streamrl keep -- python -c "
-                        "\"import sys; print('crasher: config key x: expected y', flush=True); sys.exit(1)\"\n")
-    out = subprocess.run(_run_args(tmp_path, tiny_model_dir, "--max-versions", "100000", "--procfile",
-                                   str(procfile)), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    procfile.write_text(
+        (ROOT / "Procfile").read_text() + "crasher: exec streamrl keep -- python -c "
+        "\"import sys; print('crasher: config key x: expected y', flush=True); sys.exit(1)\"\n"
+    )
+    out = subprocess.run(
+        _run_args(tmp_path, tiny_model_dir, "--max-versions", "100000", "--procfile", str(procfile)),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     log = out.stdout + out.stderr
     assert out.returncode != 0, log[-3000:]
-    assert "crashed 6 times within 60 s (exit code 1); stopping the run. Its last line: crasher: config key x: " \
-           "expected y" in log, log[-3000:]
+    assert (
+        "crashed 6 times within 60 s (exit code 1); stopping the run. Its last line: crasher: config key x: "
+        "expected y" in log
+    ), log[-3000:]

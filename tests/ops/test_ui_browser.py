@@ -22,9 +22,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
-ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        "--disable-dev-shm-usage"]
+ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
 
 
 def chromium() -> str:
@@ -47,8 +55,13 @@ def browser(tmp_path):
             raise
         pytest.skip("playwright not installed (pip install -e '.[test]')")
     with sync_playwright() as pw:
-        ctx = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=path, args=ARGS,
-                                                    headless=True, viewport={"width": 1400, "height": 1000})
+        ctx = pw.chromium.launch_persistent_context(
+            str(tmp_path / "profile"),
+            executable_path=path,
+            args=ARGS,
+            headless=True,
+            viewport={"width": 1400, "height": 1000},
+        )
         try:
             yield ctx
         finally:
@@ -86,29 +99,78 @@ def _shot(page, shots: Path, name: str) -> None:
 
 def test_the_pages_of_a_live_then_ended_run(tmp_path, tiny_model_dir, browser):
     runs, shots = tmp_path / "runs", Path(os.environ.get("UI_SCREENSHOTS") or tmp_path / "shots")
-    run = subprocess.Popen([sys.executable, "-m", "services.ops.cli.main", "run", "--run", "live", "--model-dir",
-                            tiny_model_dir, "--run-dir", str(runs), "--weights-dir", str(tmp_path / "weights"),
-                            "--max-minutes", "1", "--max-versions", "0", "--group-size", "4", "--batch-groups", "2",
-                            "--max-tokens", "48", "--val-every", "10"], cwd=ROOT, env=_env(),
-                           stdout=open(tmp_path / "run.log", "w"), stderr=subprocess.STDOUT, text=True)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.ops.cli.main",
+            "run",
+            "--run",
+            "live",
+            "--model-dir",
+            tiny_model_dir,
+            "--run-dir",
+            str(runs),
+            "--weights-dir",
+            str(tmp_path / "weights"),
+            "--max-minutes",
+            "1",
+            "--max-versions",
+            "0",
+            "--group-size",
+            "4",
+            "--batch-groups",
+            "2",
+            "--max-tokens",
+            "48",
+            "--val-every",
+            "10",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        stdout=open(tmp_path / "run.log", "w"),
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     ui = None
     try:
         _wait("the run's first step", lambda: (runs / "live" / "metrics.jsonl").exists(), 120, run)
         port = _port()
-        ui = subprocess.Popen([sys.executable, "-m", "services.ops.cli.main", "ui", "--run", "live", "--run-dir", str(runs),
-                               "--port", str(port)], cwd=ROOT, env=_env(), stdout=open(tmp_path / "ui.log", "w"),
-                              stderr=subprocess.STDOUT, text=True)
+        ui = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.ops.cli.main",
+                "ui",
+                "--run",
+                "live",
+                "--run-dir",
+                str(runs),
+                "--port",
+                str(port),
+            ],
+            cwd=ROOT,
+            env=_env(),
+            stdout=open(tmp_path / "ui.log", "w"),
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         _wait("the ui's address", lambda: "streamrl ui: http" in (tmp_path / "ui.log").read_text(), 60, ui)
         line = next(x for x in (tmp_path / "ui.log").read_text().splitlines() if x.startswith("streamrl ui: http"))
-        url = line.split()[2]  # with its key: once, then a cookie
+        # with its key: once, then a cookie
+        url = line.split()[2]
         _wait("the ui listening", lambda: _listening(port), 30, ui)
         base = url.split("/run/")[0]
         page = browser.new_page()
-        page.goto(url)  # the key once: a cookie from then on
+        # the key once: a cookie from then on
+        page.goto(url)
         page.wait_for_selector("#chart-reward[data-points]")
         before = int(page.get_attribute("#chart-reward", "data-points"))
-        page.wait_for_function(f"Number(document.getElementById('chart-reward').dataset.points) > {before}",
-                               timeout=60_000)  # new steps drawn by the page's own polling: no reload
+        page.wait_for_function(
+            f"Number(document.getElementById('chart-reward').dataset.points) > {before}",
+            # new steps drawn by the page's own polling: no reload
+            timeout=60_000,
+        )
         assert page.evaluate("document.getElementById('chart-reward').data[0].x.length") > before
         assert "(live)" in page.inner_text("#state")
         _shot(page, shots, "run-live")
@@ -120,7 +182,8 @@ def test_the_pages_of_a_live_then_ended_run(tmp_path, tiny_model_dir, browser):
         assert "ended" in page.inner_text("table")
         _shot(page, shots, "runs")
         page.click("text=live")
-        page.wait_for_selector("#check pre", timeout=60_000)  # the ended run's check, read from its folder
+        # the ended run's check, read from its folder
+        page.wait_for_selector("#check pre", timeout=60_000)
         assert "ok" in page.inner_text("#check")
         _shot(page, shots, "run-ended")
 
@@ -138,32 +201,63 @@ def test_the_pages_of_a_live_then_ended_run(tmp_path, tiny_model_dir, browser):
         page.wait_for_selector("#response .tok")
         _shot(page, shots, "episode")
 
-        replay = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "replay", episode, "--json", "--run", "live",
-                                 "--run-dir", str(runs)], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                                timeout=120)
+        replay = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "services.ops.cli.main",
+                "replay",
+                episode,
+                "--json",
+                "--run",
+                "live",
+                "--run-dir",
+                str(runs),
+            ],
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert replay.returncode == 0, replay.stderr[-2000:]
         want = json.loads(replay.stdout)
         shown = page.eval_on_selector_all("#response .tok", "els => els.map(e => Number(e.dataset.version))")
-        assert shown == want["versions"]  # each token coloured by the version the stream says made it
+        # each token coloured by the version the stream says made it
+        assert shown == want["versions"]
         marks = page.eval_on_selector_all(
             "#response .marker[data-kind=aborted], #response .marker[data-kind=resumed], "
             "#response .marker[data-kind=takeover], #response .marker[data-kind=repacked]",
-            "els => els.map(e => [e.dataset.kind, Number(e.dataset.at), e.dataset.worker, Number(e.dataset.version)])")
-        expected = sorted([["aborted", a["num_tokens"], a["worker"], a["version"], a["seq"]] for a in want["aborts"]] +
-                          [["takeover" if r.get("takeover_from") else "repacked" if r.get("repacked") else "resumed",
-                            r["num_tokens"], r["worker"], r["version"], r["seq"]] for r in want["resumes"]],
-                          key=lambda m: (m[1], m[4]))
+            "els => els.map(e => [e.dataset.kind, Number(e.dataset.at), e.dataset.worker, Number(e.dataset.version)])",
+        )
+        expected = sorted(
+            [["aborted", a["num_tokens"], a["worker"], a["version"], a["seq"]] for a in want["aborts"]]
+            + [
+                [
+                    "takeover" if r.get("takeover_from") else "repacked" if r.get("repacked") else "resumed",
+                    r["num_tokens"],
+                    r["worker"],
+                    r["version"],
+                    r["seq"],
+                ]
+                for r in want["resumes"]
+            ],
+            key=lambda m: (m[1], m[4]),
+        )
         assert want["aborts"] and marks == [m[:4] for m in expected]
         colours = page.eval_on_selector_all("#response .tok", "els => els.map(e => e.style.background)")
         by_version = {}
         for v, c in zip(shown, colours):
-            assert by_version.setdefault(v, c) == c  # one colour per version
-        assert len(set(by_version.values())) == len(by_version)  # ... and another for each other version
+            # one colour per version
+            assert by_version.setdefault(v, c) == c
+        # ... and another for each other version
+        assert len(set(by_version.values())) == len(by_version)
         assert page.inner_text("#command") == f"streamrl replay {episode} --run live --continue"
 
         served = [pid for pid in _children(ui.pid) if b"valkey" in _read(f"/proc/{pid}/cmdline")]
         assert served, "the ended run is read from a served copy of its data"
-        ui.terminate()  # as Ctrl-C or honcho stops it: the copy's server stops with it
+        # as Ctrl-C or honcho stops it: the copy's server stops with it
+        ui.terminate()
         assert ui.wait(timeout=30) == 0
         _wait("the served copy's server stopped with the ui", lambda: not any(_alive(p) for p in served), 30, None)
     finally:
@@ -185,8 +279,11 @@ def _read(path: str) -> bytes:
 
 
 def _children(pid: int) -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()
-            and _read(f"/proc/{p}/stat").rsplit(b")", 1)[-1].split()[1:2] == [str(pid).encode()]]
+    return [
+        int(p)
+        for p in os.listdir("/proc")
+        if p.isdigit() and _read(f"/proc/{p}/stat").rsplit(b")", 1)[-1].split()[1:2] == [str(pid).encode()]
+    ]
 
 
 def _alive(pid: int) -> bool:

@@ -1,4 +1,4 @@
-"""Redis Cluster (issue 15): the core protocol tests again on a real 3-master cluster, and what is cluster-only.
+"""Redis Cluster: the core protocol tests again on a real 3-master cluster, and what is cluster-only.
 
 The tests named in ``CORE`` run on the session's single server in their own modules; here each runs once more
 with a client of the session's cluster (tests/support/redis_cluster.py) and the cluster's URL. The rest checks the
@@ -17,9 +17,9 @@ import redis
 from services.ops.check.data import read_run
 from services.ops.inspect.views import run_streams
 from shared.protocol import gate
-from shared.protocol.streams import calls, control, dead_letters, prompts, samples, versions
 from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import PREFIX, ROLLOUT_GROUP, Keys
+from shared.protocol.streams import calls, control, dead_letters, prompts, samples, versions
 from shared.runtime.config import keys as configmod
 from shared.runtime.config import sources as config_sources
 from shared.runtime.connection import connect, is_cluster, is_cluster_client, redact
@@ -28,9 +28,17 @@ from tests.ops import test_checker
 from tests.protocol import test_episode_log, test_gate, test_idempotent_writes, test_protocol_codecs
 from tests.runtime import test_heartbeat, test_runstate
 
-CORE_MODULES = (test_episode_log, test_protocol_codecs, test_idempotent_writes, test_gate, test_heartbeat,
-                test_runstate, test_checker)
-FIXTURES = {"client", "keys", "redis_url", "tmp_path"}  # what a core test may ask for to be run here
+CORE_MODULES = (
+    test_episode_log,
+    test_protocol_codecs,
+    test_idempotent_writes,
+    test_gate,
+    test_heartbeat,
+    test_runstate,
+    test_checker,
+)
+# what a core test may ask for to be run here
+FIXTURES = {"client", "keys", "redis_url", "tmp_path"}
 
 
 def _core_tests():
@@ -48,7 +56,8 @@ CORE = list(_core_tests())
 
 @pytest.mark.parametrize("test", CORE)
 def test_core_protocol_on_a_cluster(test, cluster_client, redis_cluster, redis_url, keys, tmp_path, monkeypatch):
-    monkeypatch.setenv("STREAMRL_RQ_REDIS_URL", redis_url)  # processes a test starts: rq on the single server
+    # processes a test starts: rq on the single server
+    monkeypatch.setenv("STREAMRL_RQ_REDIS_URL", redis_url)
     given = {"client": cluster_client, "keys": keys, "redis_url": redis_cluster.url, "tmp_path": tmp_path}
     test(**{name: given[name] for name in inspect.signature(test).parameters})
 
@@ -56,11 +65,21 @@ def test_core_protocol_on_a_cluster(test, cluster_client, redis_cluster, redis_u
 def test_the_core_list_holds_every_protocol_write():
     """The parametrised list is built by introspection: it must not silently shrink."""
     names = " ".join(p.id for p in CORE)
-    for part in ("second_writer_is_fenced", "replay_equals_what_was_written", "server_forgets_its_scripts",
-                 "prompt_group_enqueued_twice", "version_published_twice", "control_command_and_ack_written_once",
-                 "one_dead_letter_per_stream_entry", "metrics_record_written_twice", "gate_refund_of_a_group",
-                 "sample_round_trip_and_idempotent_publish", "reserve_grants_up_to_the_limit",
-                 "registry_lists_live_workers", "first_process_names_the_run"):
+    for part in (
+        "second_writer_is_fenced",
+        "replay_equals_what_was_written",
+        "server_forgets_its_scripts",
+        "prompt_group_enqueued_twice",
+        "version_published_twice",
+        "control_command_and_ack_written_once",
+        "one_dead_letter_per_stream_entry",
+        "metrics_record_written_twice",
+        "gate_refund_of_a_group",
+        "sample_round_trip_and_idempotent_publish",
+        "reserve_grants_up_to_the_limit",
+        "registry_lists_live_workers",
+        "first_process_names_the_run",
+    ):
         assert part in names, part
     assert len(CORE) >= 25
 
@@ -77,26 +96,53 @@ def test_a_cluster_url_gives_a_cluster_client_with_the_password(redis_cluster, c
 
 
 def test_a_runs_coordination_keys_share_one_slot_and_its_episodes_spread_over_every_shard(cluster_client, keys):
-    coordination = [keys.prompts, keys.samples, keys.val_prompts, keys.val_samples, keys.versions, keys.control,
-                    keys.metrics, keys.gate, keys.gate_started, keys.gate_request("t"), keys.dead_letters,
-                    keys.dead_lettered(keys.prompts, "1-0"), keys.enqueued("g"), keys.sampled("g"),
-                    keys.control_sent("s"), keys.alive("rollout", "w"), keys.alive_registry("rollout"),
-                    keys.calls, keys.call_index("e1"), keys.agents_running, keys.agents_done("g"), keys.meta,
-                    keys.driver_enqueued, keys.val_requested, keys.agent_groups]
+    coordination = [
+        keys.prompts,
+        keys.samples,
+        keys.val_prompts,
+        keys.val_samples,
+        keys.versions,
+        keys.control,
+        keys.metrics,
+        keys.gate,
+        keys.gate_started,
+        keys.gate_request("t"),
+        keys.dead_letters,
+        keys.dead_lettered(keys.prompts, "1-0"),
+        keys.enqueued("g"),
+        keys.sampled("g"),
+        keys.control_sent("s"),
+        keys.alive("rollout", "w"),
+        keys.alive_registry("rollout"),
+        keys.calls,
+        keys.call_index("e1"),
+        keys.agents_running,
+        keys.agents_done("g"),
+        keys.meta,
+        keys.driver_enqueued,
+        keys.val_requested,
+        keys.agent_groups,
+    ]
     assert len({cluster_client.keyslot(k) for k in coordination}) == 1
     log = EpisodeLog(cluster_client, keys, "w1")
     ids = [f"g{i:02d}-{j}" for i in range(20) for j in range(2)]
     for eid in ids:
         log.open(eid)
-        log.append(eid, "started", {"episode_id": eid, "group_id": eid[:3], "index": 0, "prompt_ids": [1],
-                                    "sampling": {}, "task": {}}, 0)
+        log.append(
+            eid,
+            "started",
+            {"episode_id": eid, "group_id": eid[:3], "index": 0, "prompt_ids": [1], "sampling": {}, "task": {}},
+            0,
+        )
         log.append_tokens(eid, [1, 2, 3], [-0.1] * 3, 0)
-    assert log.flush() == {}  # one pipeline over every shard
+    # one pipeline over every shard
+    assert log.flush() == {}
     shards = {cluster_client.get_node_from_key(keys.episode(eid)).name for eid in ids}
     assert len(shards) == 3
     assert [ep.tokens for ep in map(log.replay, ids)] == [[1, 2, 3]] * len(ids)
-    assert cluster_client.keyslot(keys.episode("a")) != cluster_client.keyslot(keys.prompts) or \
-        cluster_client.keyslot(keys.episode("b")) != cluster_client.keyslot(keys.prompts)
+    assert cluster_client.keyslot(keys.episode("a")) != cluster_client.keyslot(keys.prompts) or cluster_client.keyslot(
+        keys.episode("b")
+    ) != cluster_client.keyslot(keys.prompts)
     # the scans of `streamrl inspect` and `streamrl check` walk every primary
     streams = run_streams(cluster_client, keys)
     assert sum(keys.is_episode(s["key"]) for s in streams) == len(ids)
@@ -111,7 +157,7 @@ def test_every_script_runs_on_a_cluster_once_per_write(cluster_client, keys):
     assert prompts.enqueue(c, keys, [prompts.PromptGroup("g1", 2, prompt="1+1=")])[0]
     assert prompts.enqueue(c, keys, [prompts.PromptGroup("g1", 2, prompt="1+1=")]) == [None]
     c.xgroup_create(keys.prompts, ROLLOUT_GROUP, id="0")
-    (_, [(entry, _)]), = c.xreadgroup(ROLLOUT_GROUP, "w1", {keys.prompts: ">"})
+    ((_, [(entry, _)]),) = c.xreadgroup(ROLLOUT_GROUP, "w1", {keys.prompts: ">"})
     pub = samples.Publisher(c, keys)
     for _ in range(2):
         pub.publish(samples.Sample("g1", ["g1-0", "g1-1"], "w1", 2), keys.samples, keys.prompts, entry.decode())
@@ -147,7 +193,8 @@ def test_rq_gets_a_single_server_of_its_own_when_the_run_is_on_a_cluster(redis_c
         config_sources.load(env={"REDIS_URL": redis_cluster.url, "STREAMRL_RQ_REDIS_URL": redis_cluster.url})
     cfg = config_sources.load(env={"REDIS_URL": redis_cluster.url, "STREAMRL_RQ_REDIS_URL": redis_url})
     assert configmod.rq_url(cfg) == redis_url and "cluster-secret" not in str(
-        pytest.raises(configmod.ConfigError, config_sources.load, env={"REDIS_URL": redis_cluster.url}).value)
+        pytest.raises(configmod.ConfigError, config_sources.load, env={"REDIS_URL": redis_cluster.url}).value
+    )
     assert configmod.rq_url(config_sources.load(env={"REDIS_URL": redis_url})) == redis_url
 
 

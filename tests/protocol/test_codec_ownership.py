@@ -1,4 +1,4 @@
-"""One owner per stream and per name (issue 10), checked on the source of services/, shared/, tests/ and bench/:
+"""One owner per stream and per name, checked on the source of services/, shared/, tests/ and bench/:
 
 - no stream entry decoded by hand outside its codec (a field read by its bytes name, ``f[b"version"]``,
   ``fields.get(b"group_id")``, outside ``shared/protocol/``);
@@ -14,8 +14,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("services", "shared", "tests", "bench")
 # (command, position of its consumer-group argument)
-GROUP_ARG = {"xreadgroup": 0, "xpending": 1, "xpending_range": 1, "xgroup_create": 1, "xgroup_setid": 1,
-             "xinfo_consumers": 1, "xack": 1, "xclaim": 1, "xautoclaim": 1, "xgroup_destroy": 1}
+GROUP_ARG = {
+    "xreadgroup": 0,
+    "xpending": 1,
+    "xpending_range": 1,
+    "xgroup_create": 1,
+    "xgroup_setid": 1,
+    "xinfo_consumers": 1,
+    "xack": 1,
+    "xclaim": 1,
+    "xautoclaim": 1,
+    "xgroup_destroy": 1,
+}
 
 
 def _files():
@@ -29,19 +39,32 @@ def _problems(path: Path) -> list[str]:
     out = []
     for node in ast.walk(ast.parse(path.read_text(), filename=rel)):
         if not in_protocol:
-            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and \
-                    isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, bytes):
+            if (
+                isinstance(node, ast.Subscript)
+                and isinstance(node.ctx, ast.Load)
+                and isinstance(node.slice, ast.Constant)
+                and isinstance(node.slice.value, bytes)
+            ):
                 out.append(f"{rel}:{node.lineno}: field {node.slice.value!r} read by hand (use the stream's codec)")
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" and \
-                    node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, bytes):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, bytes)
+            ):
                 out.append(f"{rel}:{node.lineno}: field {node.args[0].value!r} read by hand (use the stream's codec)")
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in GROUP_ARG:
             i = GROUP_ARG[node.func.attr]
             if len(node.args) > i and isinstance(node.args[i], ast.Constant) and isinstance(node.args[i].value, str):
-                out.append(f"{rel}:{node.lineno}: consumer group {node.args[i].value!r} typed as a literal "
-                           f"(use shared.protocol.keys)")
+                out.append(
+                    f"{rel}:{node.lineno}: consumer group {node.args[i].value!r} typed as a literal "
+                    f"(use shared.protocol.keys)"
+                )
         if rel != "shared/protocol/keys.py":
-            text = node.value if isinstance(node, ast.Constant) else None  # (an f-string's text parts included)
+            # (an f-string's text parts included)
+            text = node.value if isinstance(node, ast.Constant) else None
             if isinstance(text, str) and text.startswith("streamrl:") and " " not in text:
                 out.append(f"{rel}:{node.lineno}: key {text!r} built by hand (use shared.protocol.keys.Keys)")
     return out
@@ -54,10 +77,13 @@ def test_entries_decoded_keys_built_and_groups_named_only_by_their_owner():
 
 def test_the_check_sees_what_it_forbids(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text('v = f[b"version"]\ng = fields.get(b"group_id")\nc.xpending(k, "rollout")\nkey = f"streamrl:{r}:x"\n')
+    bad.write_text(
+        'v = f[b"version"]\ng = fields.get(b"group_id")\nc.xpending(k, "rollout")\nkey = f"streamrl:{r}:x"\n'
+    )
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
-        assert len(_problems(bad)) == 4  # and a corrupting write (f[b"type"] = ...) in a test is not a read
+        # and a corrupting write (f[b"type"] = ...) in a test is not a read
+        assert len(_problems(bad)) == 4
     finally:
         ROOT = saved

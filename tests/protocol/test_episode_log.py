@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from shared.protocol.episode.log import EpisodeLog, Fenced
 from shared.protocol.episode.events import Event
+from shared.protocol.episode.log import EpisodeLog, Fenced
 from shared.runtime.connection import is_cluster_client
 from tests.support.helpers import started
 
@@ -43,7 +43,8 @@ def test_replay_equals_what_was_written(client, keys):
     log.flush_or_raise()
     ep = log.replay("e1")
     assert ep.tokens == ids and ep.versions == versions and ep.status == "finished"
-    assert ep.logprobs == pytest.approx(lps, abs=1e-6)  # stored as float32
+    # stored as float32
+    assert ep.logprobs == pytest.approx(lps, abs=1e-6)
     # chunks coalesce: far fewer entries than appends; a version change starts a new entry
     token_events = [e for e in ep.events if e.kind == "tokens"]
     assert len(token_events) < 300 / 4
@@ -92,10 +93,12 @@ def test_second_writer_is_fenced(client, keys):
     a = EpisodeLog(client, keys, "a")
     _start(a)
     b = EpisodeLog(client, keys, "b")
-    b.open("e1", next_seq=1)  # b took the episode over after replaying it
+    # b took the episode over after replaying it
+    b.open("e1", next_seq=1)
     b.append_tokens("e1", [1], [0.0], 1)
     b.flush_or_raise()
-    a.append_tokens("e1", [2], [0.0], 0)  # a wakes up and keeps writing
+    # a wakes up and keeps writing
+    a.append_tokens("e1", [2], [0.0], 0)
     errors = a.flush()
     assert isinstance(errors["e1"], Fenced)
     ep = b.replay("e1")
@@ -158,9 +161,20 @@ def test_fence_refuses_a_writer_behind_and_a_writer_ahead_and_spares_the_batch_s
     log = EpisodeLog(client, keys, "w")
     for e in ("ok", "behind", "ahead"):
         _start(log, e)
-    client.xadd(keys.episode("behind"), {"type": "tokens", "v": "2", "policy": "0", "worker": "other", "seq": "1",
-                                         "data": b"\x80"})  # another writer's entry at seq 1
-    log.open("ahead", next_seq=5)  # this writer believes 5 entries are there; the stream holds 1
+    client.xadd(
+        keys.episode("behind"),
+        {
+            "type": "tokens",
+            "v": "2",
+            "policy": "0",
+            "worker": "other",
+            "seq": "1",
+            # another writer's entry at seq 1
+            "data": b"\x80",
+        },
+    )
+    # this writer believes 5 entries are there; the stream holds 1
+    log.open("ahead", next_seq=5)
     for e in ("ok", "behind", "ahead"):
         log.append_tokens(e, [7, 8], [-0.5, -0.25], 0)
     errors = log.flush()
@@ -185,7 +199,10 @@ def test_entries_keep_their_plain_header_fields(client, keys):
     headers = [{k.decode() if isinstance(k, bytes) else k: v for k, v in f.items()} for _, f in entries]
     assert [list(h) for h in headers] == [["type", "v", "policy", "worker", "seq", "data"]] * 4
     assert [(h["type"], h["v"], h["policy"], h["worker"], h["seq"]) for h in headers[1:]] == [
-        (b"tokens", b"2", b"3", b"w-7", b"1"), (b"aborted", b"2", b"3", b"w-7", b"2"), (b"tokens", b"2", b"4", b"w-7", b"3")]
+        (b"tokens", b"2", b"3", b"w-7", b"1"),
+        (b"aborted", b"2", b"3", b"w-7", b"2"),
+        (b"tokens", b"2", b"4", b"w-7", b"3"),
+    ]
     assert log.entries_written == 4
 
 

@@ -7,14 +7,17 @@ from tests.support.helpers import finished, raw, started, tokens
 
 
 def test_fold_rebuilds_tokens_versions_tools_aborts_and_finish():
-    evs = [started(), tokens(1, [10, 11], policy=0, logprobs=[-0.25, -0.5]),
-           Event("aborted", 0, "w", 2, {"reason": "pause", "num_tokens": 2}),
-           Event("resumed", 1, "w2", 3, {"num_tokens": 2, "takeover_from": "w"}),
-           tokens(4, [12], policy=1, worker="w2", logprobs=[-1.0]),
-           Event("tool_call", 1, "w2", 5, {"call_id": "c1", "name": "calc", "args": "2+2"}),
-           Event("tool_result", 1, "w2", 6, {"call_id": "c1", "ok": True, "output": "4", "ids": [40]}),
-           tokens(7, [13, 2], policy=1, worker="w2", logprobs=[-0.125, -2.0]),
-           finished(8, reward=0.5, policy=1)]
+    evs = [
+        started(),
+        tokens(1, [10, 11], policy=0, logprobs=[-0.25, -0.5]),
+        Event("aborted", 0, "w", 2, {"reason": "pause", "num_tokens": 2}),
+        Event("resumed", 1, "w2", 3, {"num_tokens": 2, "takeover_from": "w"}),
+        tokens(4, [12], policy=1, worker="w2", logprobs=[-1.0]),
+        Event("tool_call", 1, "w2", 5, {"call_id": "c1", "name": "calc", "args": "2+2"}),
+        Event("tool_result", 1, "w2", 6, {"call_id": "c1", "ok": True, "output": "4", "ids": [40]}),
+        tokens(7, [13, 2], policy=1, worker="w2", logprobs=[-0.125, -2.0]),
+        finished(8, reward=0.5, policy=1),
+    ]
     ep = fold(raw(evs))
     assert ep.prompt_ids == [5, 6, 7] and ep.task == {"answer": "42"}
     assert ep.tokens == [10, 11, 12, 40, 13, 2]
@@ -72,7 +75,8 @@ def test_unknown_schema_version_is_refused():
 
 def test_undecodable_payload_is_refused():
     entries = raw([started(), tokens(1, [1])])
-    entries[1][1][b"data"] = b"\x92\x01"  # msgpack array header promising two items, one given
+    # msgpack array header promising two items, one given
+    entries[1][1][b"data"] = b"\x92\x01"
     assert _bad(entries, 1).field == "data"
 
 

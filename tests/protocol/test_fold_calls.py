@@ -9,13 +9,31 @@ from tests.support.helpers import raw
 
 
 def agent_started():
-    return Event("started", 0, "runner", 0, {"episode_id": "e1", "group_id": "g1", "index": 0, "prompt_ids": [],
-                                              "sampling": {"temperature": 1.0}, "task": {}, "agent": "m:f"})
+    return Event(
+        "started",
+        0,
+        "runner",
+        0,
+        {
+            "episode_id": "e1",
+            "group_id": "g1",
+            "index": 0,
+            "prompt_ids": [],
+            "sampling": {"temperature": 1.0},
+            "task": {},
+            "agent": "m:f",
+        },
+    )
 
 
 def call(seq, index, extends, ids, policy=0, worker="w"):
-    return Event("call", policy, worker, seq, {"call": index, "extends": extends, "prompt_ids": ids,
-                                               "digest": f"d{index}", "sampling": {"max_tokens": 8}})
+    return Event(
+        "call",
+        policy,
+        worker,
+        seq,
+        {"call": index, "extends": extends, "prompt_ids": ids, "digest": f"d{index}", "sampling": {"max_tokens": 8}},
+    )
 
 
 def toks(seq, index, ids, policy=0, worker="w"):
@@ -31,13 +49,19 @@ def finished(seq, reward=1.0):
 
 
 def test_linear_chain_is_one_sequence_with_bridges_masked_and_versions_per_token():
-    evs = [agent_started(),
-           call(1, 0, -1, [1, 2, 3]), toks(2, 0, [10, 11]),
-           Event("aborted", 0, "w", 3, {"reason": "pause", "num_tokens": 2, "call": 0}),
-           Event("resumed", 1, "w", 4, {"num_tokens": 2, "call": 0}),
-           toks(5, 0, [12], policy=1), done(6, 0, 3),
-           call(7, 1, 0, [4, 5], policy=1), toks(8, 1, [13, 14], policy=1), done(9, 1, 2),
-           finished(10)]
+    evs = [
+        agent_started(),
+        call(1, 0, -1, [1, 2, 3]),
+        toks(2, 0, [10, 11]),
+        Event("aborted", 0, "w", 3, {"reason": "pause", "num_tokens": 2, "call": 0}),
+        Event("resumed", 1, "w", 4, {"num_tokens": 2, "call": 0}),
+        toks(5, 0, [12], policy=1),
+        done(6, 0, 3),
+        call(7, 1, 0, [4, 5], policy=1),
+        toks(8, 1, [13, 14], policy=1),
+        done(9, 1, 2),
+        finished(10),
+    ]
     ep = fold(raw(evs))
     assert ep.agent == "m:f" and ep.status == "finished" and not ep.branches
     assert ep.calls[1].prompt_ids == [1, 2, 3, 10, 11, 12, 4, 5]
@@ -53,10 +77,17 @@ def test_linear_chain_is_one_sequence_with_bridges_masked_and_versions_per_token
 
 
 def test_a_fork_trains_each_chain_as_its_own_row_with_the_episode_reward():
-    evs = [agent_started(),
-           call(1, 0, -1, [1, 2]), toks(2, 0, [10]), done(3, 0, 1),
-           call(4, 1, -1, [7, 8, 9]), toks(5, 1, [11, 12]), done(6, 1, 2),  # history rewritten: a fork
-           finished(7, reward=0.5)]
+    evs = [
+        agent_started(),
+        call(1, 0, -1, [1, 2]),
+        toks(2, 0, [10]),
+        done(3, 0, 1),
+        # history rewritten: a fork
+        call(4, 1, -1, [7, 8, 9]),
+        toks(5, 1, [11, 12]),
+        done(6, 1, 2),
+        finished(7, reward=0.5),
+    ]
     ep = fold(raw(evs))
     assert [r.prompt_ids for r in ep.rows] == [[7, 8, 9], [1, 2]]
     assert [r.tokens for r in ep.rows] == [[11, 12], [10]]
@@ -75,15 +106,36 @@ def test_call_events_are_checked():
 
 
 def test_version_1_entries_still_fold_and_cannot_hold_calls():
-    (eid, f), = raw([call(1, 0, -1, [1])])
+    ((eid, f),) = raw([call(1, 0, -1, [1])])
     f[b"v"] = b"1"
     with pytest.raises(EventError, match="needs schema version 2"):
         fold([raw([agent_started()])[0], (eid, {**f, b"seq": b"1"})])
-    v1 = [(b"1-0", {b"type": b"started", b"v": b"1", b"policy": b"0", b"worker": b"w", b"seq": b"0",
-                    b"data": msgpack.packb({"episode_id": "e", "group_id": "g", "index": 0, "prompt_ids": [1],
-                                            "sampling": {}})}),
-          (b"2-0", {b"type": b"tokens", b"v": b"1", b"policy": b"0", b"worker": b"w", b"seq": b"1",
-                    b"data": msgpack.packb({"ids": [3], "logprobs": [-1.0]})})]
+    v1 = [
+        (
+            b"1-0",
+            {
+                b"type": b"started",
+                b"v": b"1",
+                b"policy": b"0",
+                b"worker": b"w",
+                b"seq": b"0",
+                b"data": msgpack.packb(
+                    {"episode_id": "e", "group_id": "g", "index": 0, "prompt_ids": [1], "sampling": {}}
+                ),
+            },
+        ),
+        (
+            b"2-0",
+            {
+                b"type": b"tokens",
+                b"v": b"1",
+                b"policy": b"0",
+                b"worker": b"w",
+                b"seq": b"1",
+                b"data": msgpack.packb({"ids": [3], "logprobs": [-1.0]}),
+            },
+        ),
+    ]
     ep = fold(v1)
     assert ep.tokens == [3] and ep.calls == {} and ep.rows == [ep]
 
@@ -91,12 +143,21 @@ def test_version_1_entries_still_fold_and_cannot_hold_calls():
 def test_replay_shows_an_agent_episode_call_by_call():
     from services.ops.inspect.views import format_timeline, timeline_json
 
-    evs = [agent_started(),
-           call(1, 0, -1, [1, 2]), toks(2, 0, [10]),
-           Event("aborted", 0, "w", 3, {"reason": "pause", "num_tokens": 1, "call": 0}),
-           Event("resumed", 1, "w2", 4, {"num_tokens": 1, "call": 0, "takeover_from": "w"}),
-           done(5, 0, 1), call(6, 1, 0, [4]), toks(7, 1, [11]), done(8, 1, 1),
-           call(9, 2, -1, [7]), toks(10, 2, [12]), done(11, 2, 1), finished(12)]
+    evs = [
+        agent_started(),
+        call(1, 0, -1, [1, 2]),
+        toks(2, 0, [10]),
+        Event("aborted", 0, "w", 3, {"reason": "pause", "num_tokens": 1, "call": 0}),
+        Event("resumed", 1, "w2", 4, {"num_tokens": 1, "call": 0, "takeover_from": "w"}),
+        done(5, 0, 1),
+        call(6, 1, 0, [4]),
+        toks(7, 1, [11]),
+        done(8, 1, 1),
+        call(9, 2, -1, [7]),
+        toks(10, 2, [12]),
+        done(11, 2, 1),
+        finished(12),
+    ]
     ep = fold(raw(evs))
     text = format_timeline(ep, decode_text=lambda ids: "".join(chr(97 + i % 26) for i in ids))
     assert "call 0: pause at 1 tokens" in text and "call 0: at 1 tokens, takeover from w" in text
@@ -112,9 +173,18 @@ def test_each_row_trains_under_the_sampling_its_calls_used_not_the_started_event
     first.data["sampling"] = {"max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 0}
     second = call(4, 1, -1, [7, 8, 9])
     second.data["sampling"] = {"max_tokens": 8, "temperature": 0.3, "top_p": 1.0, "top_k": 5}
-    evs = [agent_started(), first, toks(2, 0, [10]), done(3, 0, 1), second, toks(5, 1, [11]), done(6, 1, 1),
-           finished(7)]
+    evs = [
+        agent_started(),
+        first,
+        toks(2, 0, [10]),
+        done(3, 0, 1),
+        second,
+        toks(5, 1, [11]),
+        done(6, 1, 1),
+        finished(7),
+    ]
     ep = fold(raw(evs))
-    assert (ep.sampling["temperature"], ep.sampling["top_k"]) == (0.3, 5)  # the main row: the last chain
+    # the main row: the last chain
+    assert (ep.sampling["temperature"], ep.sampling["top_k"]) == (0.3, 5)
     (branch,) = ep.branches
     assert (branch.sampling["temperature"], branch.sampling["top_p"]) == (0.7, 0.9)

@@ -16,10 +16,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from services.syncer.syncer import Syncer
 from services.trainer.trainer import Trainer
 from shared.protocol import gate
-from shared.protocol.streams import dead_letters, prompts
 from shared.protocol.keys import Keys
-from shared.protocol.streams.prompts import PromptGroup
 from shared.protocol.staleness import group_capacity
+from shared.protocol.streams import dead_letters, prompts
+from shared.protocol.streams.prompts import PromptGroup
 from shared.runtime import logs
 from shared.runtime.config.keys import Config
 from tests.support.rollout_harness import make_worker, samples, tick_until
@@ -35,8 +35,10 @@ def test_syncer_opens_the_gate_at_the_synced_version_with_the_rule_s_limit(clien
 
 def test_reserve_grants_up_to_the_limit_and_reports_no_gate(client, keys):
     g = gate.Gate(client, keys, sync_mode=False)
-    assert g.reserve(5) == gate.Grant(5, False, None)  # no gate yet, async: everything may start
-    assert gate.Gate(client, keys, sync_mode=True).reserve(5) == gate.Grant(0, False, None)  # sync: nothing
+    # no gate yet, async: everything may start
+    assert g.reserve(5) == gate.Grant(5, False, None)
+    # sync: nothing
+    assert gate.Gate(client, keys, sync_mode=True).reserve(5) == gate.Grant(0, False, None)
     gate.open(client, keys, 2, 4, 1)
     assert g.reserve(3) == gate.Grant(3, True, 2) and g.reserve(3) == gate.Grant(1, True, 2)
     assert g.reserve(1).granted == 0 and gate.started(client, keys) == 4
@@ -55,8 +57,10 @@ def test_a_call_s_own_token_lives_as_long_as_a_retry_and_a_named_one_as_long_as_
     g.refund(1)
     g.reserve(1, token="group:g7")
     gate.refund_group(client, keys, "g7")
-    ttls = {k.decode().removeprefix(keys.gate_request("")): client.ttl(k)
-            for k in client.scan_iter(match=keys.gate_request("*"))}
+    ttls = {
+        k.decode().removeprefix(keys.gate_request("")): client.ttl(k)
+        for k in client.scan_iter(match=keys.gate_request("*"))
+    }
     named = {k: t for k, t in ttls.items() if "group:" in k}
     own = {k: t for k, t in ttls.items() if "group:" not in k}
     assert len(own) == 2 and all(0 < t <= once.RETRY_MARKER_TTL_S for t in own.values()), ttls
@@ -72,8 +76,10 @@ def test_a_worker_behind_the_gate_reserves_under_its_own_version_s_limit(client,
     g = gate.Gate(client, keys, sync_mode=False)
     assert gate.complete_version(client, keys) is None
     assert g.reserve(100, version=1).granted == (eta + 1 + 1) * per_version == 12
-    assert g.reserve(100, version=1).granted == 0  # version 1's limit is spent
-    assert g.reserve(5, version=2).granted == 4  # version 2's limit: 16
+    # version 1's limit is spent
+    assert g.reserve(100, version=1).granted == 0
+    # version 2's limit: 16
+    assert g.reserve(5, version=2).granted == 4
     assert g.reserve(100, version=3).granted == (eta + 3 + 1) * per_version - 16 == 4
     assert g.reserve(1).granted == 0 and gate.started(client, keys) == 20
     gate.mark_complete(client, keys, 3)
@@ -83,7 +89,8 @@ def test_a_worker_behind_the_gate_reserves_under_its_own_version_s_limit(client,
 def test_worker_refunds_slots_it_did_not_use_and_a_dead_lettered_entry(client, keys, tiny_model_dir):
     cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=4, tools="", max_groups_in_flight=4)
     gate.open(client, keys, 0, 3, 0)
-    client.xadd(keys.prompts, {"group_id": "bad", "n": "two", "data": b"\x80"})  # dead-lettered: no group starts
+    # dead-lettered: no group starts
+    client.xadd(keys.prompts, {"group_id": "bad", "n": "two", "data": b"\x80"})
     prompts.enqueue(client, keys, [PromptGroup("good", 1, prompt="1+1=")])
     worker = make_worker(cfg, client)
     tick_until(worker, lambda: len(samples(client, keys)) == 1)
@@ -95,19 +102,24 @@ def test_worker_refunds_slots_it_did_not_use_and_a_dead_lettered_entry(client, k
 def test_trainer_refunds_a_group_it_never_trains_once_across_a_restart(client, keys, tiny_model_dir, tmp_path):
     cfg = _cfg(keys, tiny_model_dir, tmp_path, batch_groups=1, max_staleness=1, filter_constant_groups=True)
     gate.open(client, keys, 3, 8, 1)
-    client.set(keys.gate_started, 2)  # "old" and "fresh" started
-    _write_group(client, keys, "old", version=1, rewards=[1.0, 1.0])  # constant rewards: filtered, never trained
+    # "old" and "fresh" started
+    client.set(keys.gate_started, 2)
+    # constant rewards: filtered, never trained
+    _write_group(client, keys, "old", version=1, rewards=[1.0, 1.0])
     _write_group(client, keys, "fresh", version=2)
-    for _ in range(2):  # the second trainer is a restart before the commit: it judges "old" again
+    # the second trainer is a restart before the commit: it judges "old" again
+    for _ in range(2):
         trainer = Trainer(cfg, client, logs.get("trainer-test"))
         trainer.version = 3
         trainer.restore()
         trainer.version = 3
         assert [g for _, g, _ in trainer.collect(lambda: False)] == ["fresh"]
-        assert gate.started(client, keys) == 1  # old's slot back, once
+        # old's slot back, once
+        assert gate.started(client, keys) == 1
 
 
-B, ETA = 2, 1  # groups the trainer consumes per version, max staleness
+# groups the trainer consumes per version, max staleness
+B, ETA = 2, 1
 
 
 class GateRun(RuleBasedStateMachine):
@@ -127,8 +139,10 @@ class GateRun(RuleBasedStateMachine):
         client.delete(self.keys.gate, self.keys.gate_started)
         self.gates = [gate.Gate(client, self.keys, sync_mode=False) for _ in range(2)]
         self.version, self.next_id = 0, 0
-        self.running: list[tuple[str, int]] = []  # (group id, version it started under)
-        self.finished: list[tuple[str, int]] = []  # in finish order
+        # (group id, version it started under)
+        self.running: list[tuple[str, int]] = []
+        # in finish order
+        self.finished: list[tuple[str, int]] = []
         self.started_net = self.trained = self.dropped = 0
         self.trained_staleness: list[int] = []
         self._open()
@@ -141,10 +155,12 @@ class GateRun(RuleBasedStateMachine):
         grant = self.gates[worker].reserve(want)
         assert grant.gated and grant.version == self.version
         read = min(use, grant.granted)
-        self.gates[worker].refund(grant.granted - read)  # fewer groups waiting than reserved
+        # fewer groups waiting than reserved
+        self.gates[worker].refund(grant.granted - read)
         bad = min(bad, read)
         for _ in range(bad):
-            self.gates[worker].refund()  # a dead-lettered entry starts no group
+            # a dead-lettered entry starts no group
+            self.gates[worker].refund()
         for _ in range(read - bad):
             self.running.append((f"g{self.next_id}", grant.version))
             self.next_id += 1
@@ -158,17 +174,20 @@ class GateRun(RuleBasedStateMachine):
     @precondition(lambda self: self.finished)
     @rule()
     def train_next(self):
-        group_id, started_at = self.finished.pop(0)  # finish order
+        # finish order
+        group_id, started_at = self.finished.pop(0)
         staleness = self.version - started_at
         if staleness > ETA:
             assert gate.refund_group(self.client, self.keys, group_id)
-            assert not gate.refund_group(self.client, self.keys, group_id)  # judged again after a restart
+            # judged again after a restart
+            assert not gate.refund_group(self.client, self.keys, group_id)
             self.started_net -= 1
             self.dropped += 1
             return
         self.trained_staleness.append(staleness)
         self.trained += 1
-        if self.trained % B == 0:  # a new version; the syncer opens the gate for it
+        # a new version; the syncer opens the gate for it
+        if self.trained % B == 0:
             self.version += 1
             self._open()
 
@@ -176,9 +195,11 @@ class GateRun(RuleBasedStateMachine):
     def slots_match_and_stay_in_bounds(self):
         started = gate.started(self.client, self.keys)
         _, limit = gate.peek(self.client, self.keys)
-        assert started == self.started_net  # no slot leaked, none given back twice
+        # no slot leaked, none given back twice
+        assert started == self.started_net
         assert 0 <= started <= limit == (ETA + self.version + 1) * B
-        assert started - self.trained <= (ETA + 1) * B  # in flight
+        # in flight
+        assert started - self.trained <= (ETA + 1) * B
 
     @invariant()
     def nothing_trained_past_the_bound(self):
@@ -187,5 +208,9 @@ class GateRun(RuleBasedStateMachine):
 
 @pytest.mark.timeout(600)
 def test_gate_slots_never_leak_and_trained_staleness_stays_bounded_in_finish_order(client):
-    run_state_machine_as_test(lambda: GateRun(client), settings=settings(
-        max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        lambda: GateRun(client),
+        settings=settings(
+            max_examples=40, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+        ),
+    )

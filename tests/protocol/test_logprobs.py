@@ -11,7 +11,8 @@ from services.rollout.engine.base import SamplingParams
 from services.rollout.engine.sampler import sample
 from shared.protocol.episode.logprobs import processed_logprobs, token_logprobs
 
-LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))  # softmax at T = 1 is these probabilities
+# softmax at T = 1 is these probabilities
+LOGITS = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
 
 
 def test_top_k_and_top_p_hand_examples():
@@ -40,16 +41,19 @@ def test_token_logprobs_keeps_the_target_when_newer_weights_cut_it():
     assert token_logprobs(LOGITS, torch.tensor([1]), 1.0, 2).tolist() == pytest.approx([math.log(0.3 / 0.8)])
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 10, 0.9), (0.7, 0, 0.9),
-                                                             (1.3, 10, 1.0), (0.0, 0, 1.0)])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 10, 0.9), (0.7, 0, 0.9), (1.3, 10, 1.0), (0.0, 0, 1.0)]
+)
 def test_the_sampler_records_what_the_trainer_computes(temperature, top_k, top_p):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 50, generator=gen) * 3
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=i) for i in range(64)]
     tokens, chosen = sample(logits, params, list(range(64)))
-    mine = token_logprobs(logits, torch.tensor(tokens), torch.full((64,), temperature),
-                          torch.full((64,), top_k), torch.full((64,), top_p))
-    torch.testing.assert_close(mine, torch.tensor(chosen), rtol=0, atol=2e-6)  # log_softmax vs x − logsumexp
+    mine = token_logprobs(
+        logits, torch.tensor(tokens), torch.full((64,), temperature), torch.full((64,), top_k), torch.full((64,), top_p)
+    )
+    # log_softmax vs x − logsumexp
+    torch.testing.assert_close(mine, torch.tensor(chosen), rtol=0, atol=2e-6)
 
 
 def test_gradient_flows_through_the_kept_tokens_only():

@@ -1,4 +1,4 @@
-"""Markers that guard a retry or a race go as soon as no retry can come (issue 33: one per group or command, they
+"""Markers that guard a retry or a race go as soon as no retry can come (one per group or command, they
 grew with the run): a publish is guarded by its prompt entry's XACK (no marker at all), control markers are one hash
 per sync round that lives ``once.RETRY_MARKER_TTL_S``, which config_checks keeps above any retry. On a real server."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.protocol.streams import control, once, samples
 from shared.protocol.keys import ROLLOUT_GROUP
-from shared.runtime.config.keys import Config, ConfigError
+from shared.protocol.streams import control, once, samples
 from shared.runtime.config.checks import validate
+from shared.runtime.config.keys import Config, ConfigError
 
 
 def _delivered(client, keys, group_id: str, consumer: str = "w1") -> str:
@@ -23,9 +23,11 @@ def test_a_publish_leaves_no_marker_and_is_written_once(client, keys):
     entry = _delivered(client, keys, "g1")
     pub, s = samples.Publisher(client, keys), samples.Sample("g1", ["g1-0", "g1-1"], "w1", 2)
     assert pub.publish(s, keys.samples, keys.prompts, entry) is True
-    assert pub.publish(s, keys.samples, keys.prompts, entry) is False  # the retry of a lost reply: a no-op
+    # the retry of a lost reply: a no-op
+    assert pub.publish(s, keys.samples, keys.prompts, entry) is False
     assert client.xlen(keys.samples) == 1 and client.xpending(keys.prompts, ROLLOUT_GROUP)["pending"] == 0
-    assert list(client.scan_iter(match=keys.sampled("*"))) == []  # nothing left per group
+    # nothing left per group
+    assert list(client.scan_iter(match=keys.sampled("*"))) == []
 
 
 def test_a_zombie_publishing_a_group_taken_over_and_published_writes_nothing(client, keys):
@@ -36,7 +38,8 @@ def test_a_zombie_publishing_a_group_taken_over_and_published_writes_nothing(cli
     w1, w2 = samples.Publisher(client, keys), samples.Publisher(client, keys)
     assert w2.publish(samples.Sample("g1", ["g1-0"], "w2", 1), keys.samples, keys.prompts, entry) is True
     assert w1.publish(samples.Sample("g1", ["g1-0"], "w1", 1), keys.samples, keys.prompts, entry) is False
-    pipe = client.pipeline(transaction=False)  # the pipelined publish (a worker's writer thread) likewise
+    # the pipelined publish (a worker's writer thread) likewise
+    pipe = client.pipeline(transaction=False)
     w1.add(pipe, samples.Sample("g1", ["g1-0"], "w1", 1), keys.samples, keys.prompts, entry)
     assert pipe.execute() == [0]
     assert [(s.group_id, s.worker) for s in samples.read_all(client, keys.samples)[0]] == [("g1", "w2")]
@@ -51,20 +54,22 @@ def test_control_markers_outlive_a_retry_only(client, keys):
 
 
 def test_a_sync_round_s_commands_and_acks_are_marked_in_one_hash_and_each_written_once(client, keys):
-    """Issue 33: a key per command and ack (control:sent:<sync>:<cmd>:<worker>, ~100 B each) piled up at the rate
+    """a key per command and ack (control:sent:<sync>:<cmd>:<worker>, ~100 B each) piled up at the rate
     of syncs x workers; a round is one hash now (a listpack: a few bytes a field), and each write still happens once."""
     workers = [f"w{i}" for i in range(4)]
     for sync in ("v1-abc", "v2-def"):
         for cmd in control.COMMANDS:
             c = control.Command(cmd, sync, 1, "/w.safetensors" if cmd in control.WITH_WEIGHTS else "")
             assert control.send_command(client, keys, c) is not None
-            assert control.send_command(client, keys, c) is None  # a retry: a no-op
+            # a retry: a no-op
+            assert control.send_command(client, keys, c) is None
             for w in workers:
                 assert control.send_ack(client, keys, c, w, True, 1) is not None
                 assert control.send_ack(client, keys, c, w, True, 1) is None
     assert client.xlen(keys.control) == 2 * len(control.COMMANDS) * (1 + len(workers))
     markers = sorted(k.decode() for k in client.scan_iter(match=keys.control_sent("*")))
-    assert markers == [keys.control_sent("v1-abc"), keys.control_sent("v2-def")]  # 40 keys in the old layout
+    # 40 keys in the old layout
+    assert markers == [keys.control_sent("v1-abc"), keys.control_sent("v2-def")]
     assert client.hlen(keys.control_sent("v1-abc")) == len(control.COMMANDS) * (1 + len(workers))
     assert client.object("encoding", keys.control_sent("v1-abc")) == b"listpack"
 

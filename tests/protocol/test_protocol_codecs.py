@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from shared.protocol import gate
-from shared.protocol.streams import samples, versions
 from shared.protocol.episode.events import EventError
 from shared.protocol.keys import ROLLOUT_GROUP
+from shared.protocol.streams import samples, versions
 
 
 def test_version_round_trip_and_errors(client, keys):
@@ -33,7 +33,8 @@ def test_sample_round_trip_and_idempotent_publish(client, keys):
     pub = samples.Publisher(client, keys)
     s = samples.Sample("g1", ["g1-0", "g1-1"], "w1", 2)
     pub.publish(s, keys.samples, keys.prompts, entry)
-    pub.publish(s, keys.samples, keys.prompts, entry)  # a second publish of the same group is a no-op
+    # a second publish of the same group is a no-op
+    pub.publish(s, keys.samples, keys.prompts, entry)
     good, bad = samples.decode_all(client.xrange(keys.samples))
     assert [(g.group_id, g.episodes, g.worker, g.n) for g in good] == [("g1", ["g1-0", "g1-1"], "w1", 2)] and not bad
     assert client.xpending(keys.prompts, ROLLOUT_GROUP)["pending"] == 0
@@ -44,13 +45,18 @@ def test_sample_round_trip_and_idempotent_publish(client, keys):
 def test_gate_reserve_never_passes_the_limit_and_refunds(client, keys):
 
     async_gate, sync_gate = gate.Gate(client, keys, sync_mode=False), gate.Gate(client, keys, sync_mode=True)
-    assert async_gate.reserve(3) == gate.Grant(3, False, None)  # no gate yet: async starts freely
-    assert sync_gate.reserve(3) == gate.Grant(0, False, None)  # ... sync starts nothing
+    # no gate yet: async starts freely
+    assert async_gate.reserve(3) == gate.Grant(3, False, None)
+    # ... sync starts nothing
+    assert sync_gate.reserve(3) == gate.Grant(0, False, None)
     gate.open(client, keys, version=4, limit=5, max_staleness=1)
     assert async_gate.reserve(3) == gate.Grant(3, True, 4)
-    assert async_gate.reserve(3) == gate.Grant(2, True, 4)  # 5 in total
+    # 5 in total
+    assert async_gate.reserve(3) == gate.Grant(2, True, 4)
     assert async_gate.reserve(1).granted == 0 and gate.started(client, keys) == 5
-    async_gate.refund(2)  # two reserved slots not used
-    gate.refund(client, keys)  # a group the trainer will never train
+    # two reserved slots not used
+    async_gate.refund(2)
+    # a group the trainer will never train
+    gate.refund(client, keys)
     assert gate.started(client, keys) == 2 and async_gate.reserve(10).granted == 3
     assert gate.peek(client, keys) == (4, 5) and gate.opened_version(client, keys) == 4

@@ -1,4 +1,4 @@
-"""The schema cannot drift (issue 28): `streamrl schema` lists every key the code builds, as the builders make it;
+"""The schema cannot drift: `streamrl schema` lists every key the code builds, as the builders make it;
 the key catalog names every builder of ``Keys`` and every builder the code calls; the hand-written episode in
 ``events.py``'s docstring runs as written against a real server and replays."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 from services.ops.launch.redis_server import find_binary
 from shared.protocol import schema
 from shared.protocol.episode import events
-from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.episode.fold import fold
+from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import CATALOG, PREFIX, Keys
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +39,8 @@ def test_every_builder_the_code_calls_is_in_the_catalog():
     for folder in ("services", "shared"):
         for path in (ROOT / folder).rglob("*.py"):
             called |= set(re.findall(r"\bkeys\.([a-z_]+)\b", path.read_text()))
-    unknown = called - {row[0] for row in CATALOG} - NOT_KEYS - {"py"}  # "keys.py" in comments
+    # "keys.py" in comments
+    unknown = called - {row[0] for row in CATALOG} - NOT_KEYS - {"py"}
     assert not unknown, f"keys built in the code but missing from keys.CATALOG: {sorted(unknown)}"
 
 
@@ -52,16 +53,24 @@ def test_every_key_of_a_run_matches_the_runs_scan_patterns_with_its_hash_tags():
             continue
         assert any(fnmatch.fnmatchcase(key, p) for p in keys.patterns), key
         assert key.startswith(keys.base) or key.startswith(keys.episode_prefix), key
-    assert keys.base.endswith("{demo}:") and keys.episode("e1").endswith(":ep:{e1}")  # the hash tags
+    # the hash tags
+    assert keys.base.endswith("{demo}:") and keys.episode("e1").endswith(":ep:{e1}")
 
 
 def test_streamrl_schema_prints_every_key_as_built(cli_env):
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "schema"], env=cli_env, capture_output=True,
-                         text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "services.ops.cli.main", "schema"],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     for key, builder, *_ in schema.key_table():
         assert f"| `{key}` | `{builder}` |" in out.stdout
-    assert f"{PREFIX}:<run>:<name>" not in out.stdout  # the old, wrong rule
+    # the old, wrong rule
+    assert f"{PREFIX}:<run>:<name>" not in out.stdout
 
 
 def _docstring_commands() -> list[str]:
@@ -83,15 +92,30 @@ def test_the_hand_written_episode_in_the_docstring_runs_and_replays(redis_server
     server = Path(find_binary())
     cli = next(p for p in (server.with_name("valkey-cli"), server.with_name("redis-cli")) if p.exists())
     for command in commands[:-1]:
-        shell = (command.replace("python -c", f"{sys.executable} -c")
-                 .replace("redis-cli -x", f"{cli} -p {redis_server.port} -x")
-                 .replace(Keys("demo").episode_prefix, keys.episode_prefix))
+        shell = (
+            command.replace("python -c", f"{sys.executable} -c")
+            .replace("redis-cli -x", f"{cli} -p {redis_server.port} -x")
+            .replace(Keys("demo").episode_prefix, keys.episode_prefix)
+        )
         done = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=30)
         assert done.returncode == 0 and "ERR" not in done.stdout, (shell, done.stdout, done.stderr)
-    ep = fold(EpisodeLog(client, keys, "reader").read("e1"))  # read back through the codec
+    # read back through the codec
+    ep = fold(EpisodeLog(client, keys, "reader").read("e1"))
     assert (ep.prompt_ids, ep.tokens, ep.status, ep.reward) == ([20, 21, 22], [30, 31], "finished", 1.0)
-    replay = subprocess.run([sys.executable, "-m", "services.ops.cli.main", *commands[-1].split()[1:-1], keys.run,
-                             "--no-text"],  # no model needed: the default one may not be made on this machine
-                            env={**cli_env, **os.environ, "REDIS_URL": redis_server.url}, capture_output=True,
-                            text=True, timeout=60, cwd=ROOT)
+    replay = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.ops.cli.main",
+            *commands[-1].split()[1:-1],
+            keys.run,
+            # no model needed: the default one may not be made on this machine
+            "--no-text",
+        ],
+        env={**cli_env, **os.environ, "REDIS_URL": redis_server.url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert replay.returncode == 0 and "finished" in replay.stdout, replay.stdout + replay.stderr

@@ -16,6 +16,7 @@ versions_lists = st.lists(st.integers(-1, 20), max_size=12)
 
 # --- staleness of a sample
 
+
 def test_staleness_hand_examples():
     assert staleness(6, [5, -1, 3, 6]) == 3
     assert staleness(6, []) == 0
@@ -56,22 +57,29 @@ def test_histogram_counts_every_generated_token_once(trainer, samples):
 
 # --- capacity
 
+
 def test_capacity_hand_examples():
-    assert group_capacity(0, 1, 4, started_groups=0) == 8  # (1 + 0 + 1)·4
+    # (1 + 0 + 1)·4
+    assert group_capacity(0, 1, 4, started_groups=0) == 8
     assert group_capacity(0, 1, 4, started_groups=8) == 0
-    assert group_capacity(0, 1, 4, started_groups=11) == 0  # never negative
-    assert group_capacity(3, 2, 2, started_groups=7) == 5  # (2 + 3 + 1)·2 − 7
+    # never negative
+    assert group_capacity(0, 1, 4, started_groups=11) == 0
+    # (2 + 3 + 1)·2 − 7
+    assert group_capacity(3, 2, 2, started_groups=7) == 5
     assert group_capacity(3, 2, 2, started_groups=7, max_in_flight=4, running_groups=1) == 3
     assert group_capacity(3, 2, 2, started_groups=7, max_in_flight=4, running_groups=6) == 0
 
 
-@pytest.mark.parametrize(("kwargs", "name", "bound"), [
-    ({"max_staleness": -1}, "max_staleness", ">= 0"),
-    ({"groups_per_version": 0}, "groups_per_version", ">= 1"),
-    ({"started_groups": -1}, "started_groups", ">= 0"),
-    ({"current_version": -2}, "current_version", ">= 0"),
-    ({"max_in_flight": -1}, "max_in_flight", ">= 0"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "name", "bound"),
+    [
+        ({"max_staleness": -1}, "max_staleness", ">= 0"),
+        ({"groups_per_version": 0}, "groups_per_version", ">= 1"),
+        ({"started_groups": -1}, "started_groups", ">= 0"),
+        ({"current_version": -2}, "current_version", ">= 0"),
+        ({"max_in_flight": -1}, "max_in_flight", ">= 0"),
+    ],
+)
 def test_capacity_rejects_bad_arguments(kwargs, name, bound):
     args = {"current_version": 0, "max_staleness": 1, "groups_per_version": 2, "started_groups": 0} | kwargs
     with pytest.raises(ValueError, match=f"{name} must be {bound}"):
@@ -91,8 +99,15 @@ def test_zero_staleness_admits_exactly_b_groups_per_version(b, versions):
         assert group_capacity(v, 0, b, started) == 0
 
 
-def _simulate(eta: int, b: int, max_in_flight: int | None, rng: random.Random, starts_per_tick: int | None,
-              max_delay: int, versions: int = 10) -> tuple[list[int], list[int], int]:
+def _simulate(
+    eta: int,
+    b: int,
+    max_in_flight: int | None,
+    rng: random.Random,
+    starts_per_tick: int | None,
+    max_delay: int,
+    versions: int = 10,
+) -> tuple[list[int], list[int], int]:
     """Rollout starts groups while the gate allows; each finishes after a random delay; the trainer consumes
     groups in start order (FIFO), exactly B per version, as soon as the next B have all finished.
     Returns (start version of each group, staleness of each consumed group, peak running)."""
@@ -109,8 +124,8 @@ def _simulate(eta: int, b: int, max_in_flight: int | None, rng: random.Random, s
             start_version.append(version)
             finish_tick.append(tick + rng.randint(1, max_delay))
             peak = max(peak, running + 1)
-        while len(start_version) - consumed >= b and all(f <= tick for f in finish_tick[consumed:consumed + b]):
-            trained += [version - s for s in start_version[consumed:consumed + b]]
+        while len(start_version) - consumed >= b and all(f <= tick for f in finish_tick[consumed : consumed + b]):
+            trained += [version - s for s in start_version[consumed : consumed + b]]
             consumed += b
             version += 1
             if version == versions:
@@ -119,17 +134,25 @@ def _simulate(eta: int, b: int, max_in_flight: int | None, rng: random.Random, s
 
 
 @settings(max_examples=80, deadline=None)
-@given(eta=st.integers(0, 3), b=st.integers(1, 4), max_in_flight=st.none() | st.integers(1, 8),
-       seed=st.integers(0, 2**32 - 1), starts_per_tick=st.none() | st.integers(1, 6), max_delay=st.integers(1, 6))
-def test_capacity_keeps_every_trained_group_within_max_staleness(eta, b, max_in_flight, seed, starts_per_tick,
-                                                                 max_delay):
+@given(
+    eta=st.integers(0, 3),
+    b=st.integers(1, 4),
+    max_in_flight=st.none() | st.integers(1, 8),
+    seed=st.integers(0, 2**32 - 1),
+    starts_per_tick=st.none() | st.integers(1, 6),
+    max_delay=st.integers(1, 6),
+)
+def test_capacity_keeps_every_trained_group_within_max_staleness(
+    eta, b, max_in_flight, seed, starts_per_tick, max_delay
+):
     rng = random.Random(seed)
     starts, trained, peak = _simulate(eta, b, max_in_flight, rng, starts_per_tick, max_delay)
     assert trained and max(trained) <= eta
     if max_in_flight is not None:
         assert peak <= max_in_flight
-    if eta == 0:  # synchronous: exactly B groups start under each version
-        assert set(Counter(starts[:len(trained)]).values()) == {b}
+    # synchronous: exactly B groups start under each version
+    if eta == 0:
+        assert set(Counter(starts[: len(trained)]).values()) == {b}
 
 
 @given(eta=st.integers(0, 3), b=st.integers(1, 4), seed=st.integers(0, 2**32 - 1), max_delay=st.integers(1, 6))

@@ -44,7 +44,8 @@ def test_float32_files_and_no_change():
     base, target = _pair(dtype=torch.float32)
     assert wd.read_header(wd.encode(base, target, 2, 1))["word"] == 4
     assert wd.apply(base, wd.encode(base, target, 2, 1)) == target
-    same = wd.encode(base, base, 2, 1)  # nothing changed: a delta of a header and empty parts
+    # nothing changed: a delta of a header and empty parts
+    same = wd.encode(base, base, 2, 1)
     assert wd.read_header(same)["changed"] == 0 and wd.apply(base, same) == base and len(same) < 1000
 
 
@@ -53,13 +54,15 @@ def test_sparse_is_small_and_near_the_floor():
     floor = wd.entropy_floor_bits(base, target) / 8
     delta = wd.encode(base, target, 2, 1)
     assert len(delta) < 0.05 * len(target)
-    assert floor < len(delta) < 1.3 * floor + 2048  # the header (tensor table) is not in the floor
+    # the header (tensor table) is not in the floor
+    assert floor < len(delta) < 1.3 * floor + 2048
 
 
 def test_entropy_floor_of_a_known_change():
     a = torch.zeros(1000, dtype=torch.bfloat16)
     b = a.clone()
-    b[[3, 500, 999]] = 1.0  # three elements, one new value: log2 C(1000, 3) bits and nothing for the values
+    # three elements, one new value: log2 C(1000, 3) bits and nothing for the values
+    b[[3, 500, 999]] = 1.0
     bits = wd.entropy_floor_bits(_file({"x": a}, 1), _file({"x": b}, 2))
     assert bits == pytest.approx(math.log2(math.comb(1000, 3)))
 
@@ -67,7 +70,8 @@ def test_entropy_floor_of_a_known_change():
 def test_a_corrupt_delta_is_refused():
     base, target = _pair()
     delta = bytearray(wd.encode(base, target, 2, 1))
-    delta[-7] ^= 0x40  # one bit in the last value plane
+    # one bit in the last value plane
+    delta[-7] ^= 0x40
     with pytest.raises(wd.DeltaError, match=r"v1->v2"):
         wd.apply(base, bytes(delta))
     with pytest.raises(wd.DeltaError, match="not a weight delta"):

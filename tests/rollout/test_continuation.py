@@ -8,15 +8,15 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from services.ops.launch.tiny_model import make_tiny_model
+from services.rollout.engine import make_engine
 from services.rollout.episodes import continuation as cont
 from services.rollout.jobs import rewards
-from services.rollout.engine import make_engine
 from services.trainer.publish import publish, sha256
-from shared.runtime.config.keys import Config
-from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.episode.events import Event
+from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.streams.prompts import PromptGroup, enqueue
-from services.ops.launch.tiny_model import make_tiny_model
+from shared.runtime.config.keys import Config
 from tests.support.helpers import finished, raw, started, tokens
 from tests.support.procs import run_module
 from tests.support.rollout_harness import make_worker, samples, tick_until
@@ -29,10 +29,17 @@ def streamrl(env, *args):
 @pytest.fixture
 def finished_run(client, keys, tiny_model_dir):
     """A real worker rolls out one greedy and one sampled episode to the end, flushing every 4 tokens."""
-    cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=24, tools="", flush_tokens=4, flush_ms=1e6,
-                 temperature=0.0)
-    enqueue(client, keys, [PromptGroup("greedy", 1, prompt="7*6="),
-                           PromptGroup("sampled", 1, prompt="9+3=", sampling={"temperature": 1.0, "top_k": 20})])
+    cfg = Config(
+        run=keys.run, model_dir=tiny_model_dir, max_tokens=24, tools="", flush_tokens=4, flush_ms=1e6, temperature=0.0
+    )
+    enqueue(
+        client,
+        keys,
+        [
+            PromptGroup("greedy", 1, prompt="7*6="),
+            PromptGroup("sampled", 1, prompt="9+3=", sampling={"temperature": 1.0, "top_k": 20}),
+        ],
+    )
     worker = make_worker(cfg, client)
     tick_until(worker, lambda: len(samples(client, keys)) == 2)
     return cfg, EpisodeLog(client, keys, "reader")
@@ -61,7 +68,8 @@ def test_same_version_from_the_middle_reproduces_the_tail(finished_run, tiny_mod
     assert result.logprobs == pytest.approx(original.logprobs[kept:], abs=1e-4)
     assert result.finish_reason == original.finish_reason and result.reward == original.reward
     assert set(result.versions) == {0}
-    assert len(log.read(episode_id)) == len(entries)  # nothing written to the episode's stream
+    # nothing written to the episode's stream
+    assert len(log.read(episode_id)) == len(entries)
 
 
 def test_from_the_start_regenerates_the_whole_response(finished_run, tiny_model_dir):
@@ -72,10 +80,12 @@ def test_from_the_start_regenerates_the_whole_response(finished_run, tiny_model_
     assert result.prefix_tokens == 0 and result.tokens == original.tokens
 
 
-def test_other_version_tags_every_new_token_and_writes_nothing(finished_run, client, keys, cli_env, tiny_model_dir,
-                                                               tmp_path):
+def test_other_version_tags_every_new_token_and_writes_nothing(
+    finished_run, client, keys, cli_env, tiny_model_dir, tmp_path
+):
     cfg, log = finished_run
-    other = make_tiny_model(tmp_path / "other", seed=7)  # same architecture, different weights
+    # same architecture, different weights
+    make_tiny_model(tmp_path / "other", seed=7)
     weights = tmp_path / "v000003.safetensors"
     (tmp_path / "other" / "model.safetensors").rename(weights)
     publish(client, keys, 3, weights, sha256(weights), step=3)
@@ -86,10 +96,14 @@ def test_other_version_tags_every_new_token_and_writes_nothing(finished_run, cli
     data = json.loads(out.stdout)
     original = log.replay("greedy-0")
     kept = data["prefix_tokens"]
-    assert data["from_seq"] == 2 and data["version"] == 3 and kept == len(cont.prefix_at(log.read("greedy-0"),
-                                                                                            2).episode.tokens)
+    assert (
+        data["from_seq"] == 2
+        and data["version"] == 3
+        and kept == len(cont.prefix_at(log.read("greedy-0"), 2).episode.tokens)
+    )
     assert len(data["tokens"]) == 24 - kept and set(data["versions"]) == {3}
-    assert data["tokens"] != original.tokens[kept:]  # other weights, other greedy tail
+    # other weights, other greedy tail
+    assert data["tokens"] != original.tokens[kept:]
     assert data["finish_reason"] == "length" and data["reward"] is not None
     assert {k: client.xlen(k) for k in before} == before
     text = streamrl(env, "replay", "greedy-0", "--continue", "--from-seq", "2", "--no-text")
@@ -97,14 +111,20 @@ def test_other_version_tags_every_new_token_and_writes_nothing(finished_run, cli
     assert "identical" in text.stdout.decode() and "nothing written to Redis" in text.stdout.decode()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["nope", "--continue"], "no episode 'nope'"),
-    (["e1", "--continue", "--from-seq", "9"], "--from-seq 9: out of range; episode e1 holds events 0..2"),
-    (["e1", "--continue", "--from-seq", "2"], "that is the episode's 'finished' event"),
-    (["e1", "--continue", "--version", "4"], "--version 4: unknown policy version; published versions: none yet (0 is model_dir)"),
-    (["e1", "--continue", "--weights", "/no/such.safetensors", "--version", "1"], "no such file"),
-    (["e1", "--from-seq", "1"], "go with --continue"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["nope", "--continue"], "no episode 'nope'"),
+        (["e1", "--continue", "--from-seq", "9"], "--from-seq 9: out of range; episode e1 holds events 0..2"),
+        (["e1", "--continue", "--from-seq", "2"], "that is the episode's 'finished' event"),
+        (
+            ["e1", "--continue", "--version", "4"],
+            "--version 4: unknown policy version; published versions: none yet (0 is model_dir)",
+        ),
+        (["e1", "--continue", "--weights", "/no/such.safetensors", "--version", "1"], "no such file"),
+        (["e1", "--from-seq", "1"], "go with --continue"),
+    ],
+)
 def test_bad_input_is_one_line(client, keys, cli_env, args, message):
     for _, fields in raw([started(), tokens(1, [30, 31]), finished(2)]):
         client.xadd(keys.episode("e1"), fields)
@@ -115,17 +135,23 @@ def test_bad_input_is_one_line(client, keys, cli_env, args, message):
 
 
 def test_prefix_at_defaults_and_pending_tool_call():
-    events = [started(), tokens(1, [30, 31]),
-              Event("tool_call", 0, "w", 2, {"call_id": "c1", "name": "calc", "args": "6*7"}),
-              Event("tool_result", 0, "w", 3, {"call_id": "c1", "ok": True, "output": "42", "ids": [40, 41]}),
-              tokens(4, [32], policy=1), finished(5)]
+    events = [
+        started(),
+        tokens(1, [30, 31]),
+        Event("tool_call", 0, "w", 2, {"call_id": "c1", "name": "calc", "args": "6*7"}),
+        Event("tool_result", 0, "w", 3, {"call_id": "c1", "ok": True, "output": "42", "ids": [40, 41]}),
+        tokens(4, [32], policy=1),
+        finished(5),
+    ]
     entries = raw(events)
-    p = cont.prefix_at(entries)  # default: the last event before the finish
+    # default: the last event before the finish
+    p = cont.prefix_at(entries)
     assert p.from_seq == 4 and p.episode.tokens == [30, 31, 40, 41, 32] and p.turn_start == 4
     assert p.policy == 1 and p.pending_call is None and p.remaining == 32 - 3
     at_call = cont.prefix_at(entries, 2)
     assert at_call.pending_call == {"call_id": "c1", "name": "calc", "args": "6*7", "seq": 2}
-    assert cont.prefix_at(entries[:5]).from_seq == 4  # unfinished: default is the last event
+    # unfinished: default is the last event
+    assert cont.prefix_at(entries[:5]).from_seq == 4
     with pytest.raises(cont.ContinuationError, match="out of range"):
         cont.prefix_at(entries, -1)
 
@@ -135,7 +161,8 @@ def calc_model_dir(tmp_path_factory) -> str:
     from tests.support.models import overfit
 
     out = make_tiny_model(tmp_path_factory.mktemp("calc"), seed=1)
-    return overfit(out, [("C:", "<call>calc: 6*7</call><result>42</result>answer: 42")], steps=100)  # one script
+    # one script
+    return overfit(out, [("C:", "<call>calc: 6*7</call><result>42</result>answer: 42")], steps=100)
 
 
 def test_tool_calls_run_in_process_also_from_a_pending_call(calc_model_dir):
@@ -143,8 +170,20 @@ def test_tool_calls_run_in_process_also_from_a_pending_call(calc_model_dir):
     engine = make_engine("torch", calc_model_dir, max_batch_size=1)
     prompt = tok.encode("C:", add_special_tokens=False)
     sampling = {"temperature": 0.0, "max_tokens": 80, "stop_token_ids": [tok.eos_token_id], "seed": 1}
-    start = Event("started", 0, "w", 0, {"episode_id": "c", "group_id": "c", "index": 0, "prompt_ids": prompt,
-                                         "sampling": sampling, "task": {"answer": "42"}})
+    start = Event(
+        "started",
+        0,
+        "w",
+        0,
+        {
+            "episode_id": "c",
+            "group_id": "c",
+            "index": 0,
+            "prompt_ids": prompt,
+            "sampling": sampling,
+            "task": {"answer": "42"},
+        },
+    )
     reward = rewards.load("services.rollout.jobs.rewards:arithmetic")
     fresh = cont.continue_from(cont.prefix_at(raw([start]), 0), engine, tok, reward, {"calc"})
     assert [(c["name"], c["args"], c["ok"], c["output"]) for c in fresh.tool_calls] == [("calc", "6*7", True, "42")]

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from services.ops.launch.tiny_model import CHARACTERS, CHAT_TOKENS, SPECIAL_TOKENS, load_tokenizer, make_tiny_model
 from services.rollout.engine import Chunk, EngineError, SamplingParams, TorchEngine, make_engine
 from services.rollout.engine.sampler import final_logprobs, sample
-from services.ops.launch.tiny_model import CHARACTERS, CHAT_TOKENS, SPECIAL_TOKENS, load_tokenizer, make_tiny_model
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22]]
 
@@ -76,10 +76,11 @@ def assert_close(a: list[float], b: list[float], tol: float = 1e-4) -> None:
 def reference_logprobs(model, prompt: list[int], response: list[int], p: SamplingParams) -> list[float]:
     """Independent recomputation: one plain forward, then the sampling transform row by row."""
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]
     out = []
     for row, token in zip(logits, response):
-        if p.temperature == 0:  # greedy: the behaviour is one-hot at the argmax (shared/protocol/episode/logprobs.py)
+        # greedy: the behaviour is one-hot at the argmax (shared/protocol/episode/logprobs.py)
+        if p.temperature == 0:
             out.append(0.0 if int(row.argmax()) == token else float("-inf"))
             continue
         x = row / p.temperature
@@ -93,6 +94,7 @@ def reference_logprobs(model, prompt: list[int], response: list[int], p: Samplin
 
 
 # --- tokenizer and model files ---------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir):
@@ -127,6 +129,7 @@ def test_make_tiny_model_is_deterministic(tmp_path):
 
 # --- sampling ---------------------------------------------------------------
 
+
 def test_same_seed_same_output_different_seed_differs(engine):
     a = run_alone(engine, PROMPTS[0], SamplingParams(seed=1), 24)
     b = run_alone(engine, PROMPTS[0], SamplingParams(seed=1), 24)
@@ -136,10 +139,16 @@ def test_same_seed_same_output_different_seed_differs(engine):
     assert a[2] == "length" and len(a[0]) == 24
 
 
-@pytest.mark.parametrize("params", [SamplingParams(seed=3), SamplingParams(temperature=0.7, top_k=10, seed=4),
-                                    SamplingParams(temperature=1.3, top_p=0.8, seed=5),
-                                    SamplingParams(temperature=0.9, top_k=20, top_p=0.6, seed=6),
-                                    SamplingParams(temperature=0, seed=7)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(seed=3),
+        SamplingParams(temperature=0.7, top_k=10, seed=4),
+        SamplingParams(temperature=1.3, top_p=0.8, seed=5),
+        SamplingParams(temperature=0.9, top_k=20, top_p=0.6, seed=6),
+        SamplingParams(temperature=0, seed=7),
+    ],
+)
 def test_logprobs_match_full_forward(engine, model, params):
     tokens, logprobs, _ = run_alone(engine, PROMPTS[2], params, 30)
     assert_close(logprobs, reference_logprobs(model, PROMPTS[2], tokens, params))
@@ -164,7 +173,7 @@ def test_greedy_is_argmax_and_deterministic(engine, model):
     tokens, _, _ = run_alone(engine, PROMPTS[1], greedy, 20)
     assert run_alone(engine, PROMPTS[1], SamplingParams(temperature=0, seed=99), 20)[0] == tokens
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([PROMPTS[1] + tokens])).logits[0, len(PROMPTS[1]) - 1:-1]
+        logits = model(input_ids=torch.tensor([PROMPTS[1] + tokens])).logits[0, len(PROMPTS[1]) - 1 : -1]
     assert logits.argmax(-1).tolist() == tokens
 
 
@@ -180,7 +189,7 @@ def test_stop_token_included_and_budget_is_length(engine):
     stop = free[6]
     tokens, _, reason = run_alone(engine, PROMPTS[3], SamplingParams(seed=21, stop_token_ids=(stop,)), 40)
     assert reason == "stop"
-    assert tokens == free[:free.index(stop) + 1]
+    assert tokens == free[: free.index(stop) + 1]
 
 
 def test_max_model_len_ends_with_length(tiny_model_dir):
@@ -210,11 +219,14 @@ def test_bad_requests_are_rejected(engine):
 
 # --- continuous batching and abort/resume -------------------------------------
 
+
 def requests() -> list[tuple[str, list[int], SamplingParams, int]]:
-    return [("a", PROMPTS[0], SamplingParams(seed=31), 30),
-            ("b", PROMPTS[1], SamplingParams(temperature=0.8, top_k=15, seed=32), 25),
-            ("c", PROMPTS[2], SamplingParams(temperature=1.2, top_p=0.9, seed=33), 35),
-            ("d", PROMPTS[3], SamplingParams(temperature=0), 20)]
+    return [
+        ("a", PROMPTS[0], SamplingParams(seed=31), 30),
+        ("b", PROMPTS[1], SamplingParams(temperature=0.8, top_k=15, seed=32), 25),
+        ("c", PROMPTS[2], SamplingParams(temperature=1.2, top_p=0.9, seed=33), 35),
+        ("d", PROMPTS[3], SamplingParams(temperature=0), 20),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +240,8 @@ def test_continuous_batching_matches_solo_runs(tiny_model_dir, engine, solo_runs
     out = Collector(eng)
     for i, (rid, prompt, p, n) in enumerate(requests()):
         eng.add_request(rid, prompt, p, n)
-        out.step(i + 2)  # later requests join while earlier ones are mid-decode
+        # later requests join while earlier ones are mid-decode
+        out.step(i + 2)
     out.drain()
     for rid, (tokens, logprobs, reason) in solo_runs.items():
         assert out.tokens[rid] == tokens
@@ -291,6 +304,7 @@ def test_abort_waiting_unknown_and_all(tiny_model_dir):
 
 # --- weights ----------------------------------------------------------------
 
+
 def test_load_weights_changes_version_and_outputs(tiny_model_dir, model, tmp_path):
     eng = TorchEngine(tiny_model_dir)
     params = SamplingParams(seed=41)
@@ -346,6 +360,7 @@ def test_cuda_engine_matches_cpu(tiny_model_dir, solo_runs):
 
 
 # --- factory ----------------------------------------------------------------
+
 
 def test_make_engine(tiny_model_dir, monkeypatch):
     assert isinstance(make_engine("torch", tiny_model_dir, max_batch_size=2), TorchEngine)

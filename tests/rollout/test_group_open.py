@@ -14,8 +14,17 @@ from tests.support.rollout_harness import make_worker, samples, tick_until
 
 
 def test_a_new_group_whose_streams_hold_events_resumes_from_them(client, keys, tiny_model_dir):
-    cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=48, tools="", flush_tokens=4, flush_ms=1e6,
-                 heartbeat_ttl=600.0, max_groups_in_flight=1, temperature=1.0)
+    cfg = Config(
+        run=keys.run,
+        model_dir=tiny_model_dir,
+        max_tokens=48,
+        tools="",
+        flush_tokens=4,
+        flush_ms=1e6,
+        heartbeat_ttl=600.0,
+        max_groups_in_flight=1,
+        temperature=1.0,
+    )
     group = PromptGroup("g", 2, prompt="g: 3*4=")
     enqueue(client, keys, [group])
     a = make_worker(cfg, client, "A")
@@ -26,13 +35,15 @@ def test_a_new_group_whose_streams_hold_events_resumes_from_them(client, keys, t
     assert not all(ep.done for ep in before.values())
     run = a.groups["g"]
     with structlog.testing.capture_logs() as logs:
-        a.episodes.open_groups([GroupRun(run.group, list(run.episodes), source=run.source)])  # claimed as new
+        # claimed as new
+        a.episodes.open_groups([GroupRun(run.group, list(run.episodes), source=run.source)])
         tick_until(a, lambda: len(samples(client, keys)) == 1 and not a.groups)
     assert not [e for e in logs if e["event"].startswith("fenced")]
     for episode_id, entries in streams().items():
         ep = fold(entries)
         kinds = [e.kind for e in ep.events]
         assert ep.done and kinds.count("started") == 1 and kinds.count("finished") == 1
-        assert ("resumed" in kinds) is not before[episode_id].done  # an episode that had ended stays as it was
-        assert ep.tokens[:len(before[episode_id].tokens)] == before[episode_id].tokens
+        # an episode that had ended stays as it was
+        assert ("resumed" in kinds) is not before[episode_id].done
+        assert ep.tokens[: len(before[episode_id].tokens)] == before[episode_id].tokens
     assert [s["group_id"] for s in samples(client, keys)] == ["g"]

@@ -19,17 +19,24 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from shared.runtime.weights.checksum import sha256_file
 from services.trainer.batch import build_batch
 from services.trainer.corrections import mismatch
 from services.trainer.step import policy_logprobs
-from shared.runtime.config.keys import Config
 from shared.protocol.keys import Keys
 from shared.protocol.streams.prompts import PromptGroup, enqueue
+from shared.runtime.config.keys import Config
+from shared.runtime.weights.checksum import sha256_file
 from tests.support.rollout_harness import acks, episodes, make_vllm_engine, make_worker, samples, send, tick_until
 
-ENGINES = ["torch", pytest.param("vllm", marks=pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vllm not installed (CI runs it in its own venv)"))]
+ENGINES = [
+    "torch",
+    pytest.param(
+        "vllm",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("vllm") is None, reason="vllm not installed (CI runs it in its own venv)"
+        ),
+    ),
+]
 
 GROUPS = [("ga", 3), ("gb", 2)]
 
@@ -71,8 +78,17 @@ def engine(engine_kind, request, model_dir):
 
 
 def _cfg(keys, model_dir, engine_kind, **kw) -> Config:
-    base = dict(run=keys.run, model_dir=model_dir, engine=engine_kind, max_tokens=40, tools="", temperature=1.0,
-                flush_tokens=4, flush_ms=1000.0, heartbeat_ttl=2.0)
+    base = dict(
+        run=keys.run,
+        model_dir=model_dir,
+        engine=engine_kind,
+        max_tokens=40,
+        tools="",
+        temperature=1.0,
+        flush_tokens=4,
+        flush_ms=1000.0,
+        heartbeat_ttl=2.0,
+    )
     return Config(**{**base, **kw})
 
 
@@ -83,8 +99,9 @@ def _enqueue(client, keys, prompt="{g}: 12+7="):
 def _run(client, keys, cfg, engine=None, on_tick=None, prompt="{g}: 12+7="):
     _enqueue(client, keys, prompt)
     worker = make_worker(cfg, client, engine=engine)
-    tick_until(worker, lambda: len(samples(client, keys)) == len(GROUPS), on_tick=on_tick and
-               (lambda t: on_tick(worker, t)))
+    tick_until(
+        worker, lambda: len(samples(client, keys)) == len(GROUPS), on_tick=on_tick and (lambda t: on_tick(worker, t))
+    )
     return episodes(client, keys, GROUPS), worker
 
 
@@ -145,7 +162,8 @@ def test_versions_are_per_token_across_a_weight_reload(client, keys, model_dir, 
     assert [a["ok"] for a in acks(client, keys, "load")] == ["1"]
     saw_both = False
     for ep in eps.values():
-        assert ep.versions == sorted(ep.versions)  # never an old version after a new one
+        # never an old version after a new one
+        assert ep.versions == sorted(ep.versions)
         assert set(ep.versions) <= {0, 1}
         if ep.aborts:
             cut = ep.aborts[0]["num_tokens"]
@@ -162,18 +180,22 @@ def _recompute(model, eps) -> tuple[torch.Tensor, torch.Tensor]:
         for ep in eps.values():
             logp, _ = policy_logprobs(model, build_batch([[ep]], pad_id=0), "cpu")
             start = len(ep.prompt_ids) - 1
-            mine.append(logp[0, start:start + len(ep.tokens)])
+            mine.append(logp[0, start : start + len(ep.tokens)])
             theirs.append(torch.tensor(ep.logprobs))
     return torch.cat(mine), torch.cat(theirs)
 
 
-SAMPLINGS = {"t0.8": {"temperature": 0.8}, "t0.7-top_p0.9-top_k10": {"temperature": 0.7, "top_p": 0.9, "top_k": 10},
-             "greedy": {"temperature": 0.0}}
+SAMPLINGS = {
+    "t0.8": {"temperature": 0.8},
+    "t0.7-top_p0.9-top_k10": {"temperature": 0.7, "top_p": 0.9, "top_k": 10},
+    "greedy": {"temperature": 0.0},
+}
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
-def test_logprobs_agree_with_the_trainer_under_the_same_weights(client, keys, model_dir, engine_kind, engine,
-                                                                 tmp_path, sampling, record_property):
+def test_logprobs_agree_with_the_trainer_under_the_same_weights(
+    client, keys, model_dir, engine_kind, engine, tmp_path, sampling, record_property
+):
     """Run under version 0, publish version 1 (checksummed), run the same prompts again:
     each run's behaviour log-probs match the trainer's recomputation under its own
     weights, for plain temperature, top-k + top-p, and greedy (one-hot: log-prob 0). The prompt
@@ -191,8 +213,9 @@ def test_logprobs_agree_with_the_trainer_under_the_same_weights(client, keys, mo
     save_file(v1, str(path))
     keys2 = Keys(keys.run + "v1")
     client.xadd(keys2.versions, {"version": "1", "path": str(path), "sha256": sha256_file(path), "step": "1"})
-    v1_eps, worker = _run(client, keys2, _cfg(keys2, model_dir, engine_kind, max_tokens=24, **params),
-                          engine, prompt=prompt)
+    v1_eps, worker = _run(
+        client, keys2, _cfg(keys2, model_dir, engine_kind, max_tokens=24, **params), engine, prompt=prompt
+    )
     assert worker.engine.version == 1
     assert all(set(ep.versions) == {1} for ep in v1_eps.values())
 
@@ -202,18 +225,28 @@ def test_logprobs_agree_with_the_trainer_under_the_same_weights(client, keys, mo
     trainer1, engine1 = _recompute(model, v1_eps)
     stale = (_recompute(AutoModelForCausalLM.from_pretrained(model_dir).eval(), v1_eps)[0] - engine1).abs()
     d0, d1 = (trainer0 - engine0).abs(), (trainer1 - engine1).abs()
-    print(f"\n{engine_kind} {sampling}: behaviour vs trainer log-prob |diff| over {len(d0) + len(d1)} tokens: "
-          f"max {max(d0.max(), d1.max()):.2e}, mean {torch.cat([d0, d1]).mean():.2e} "
-          f"(v1 tokens scored with the v0 weights: max {stale.max():.2e})")
+    print(
+        f"\n{engine_kind} {sampling}: behaviour vs trainer log-prob |diff| over {len(d0) + len(d1)} tokens: "
+        f"max {max(d0.max(), d1.max()):.2e}, mean {torch.cat([d0, d1]).mean():.2e} "
+        f"(v1 tokens scored with the v0 weights: max {stale.max():.2e})"
+    )
     tol = TRAINER_LOGPROB_TOL[engine_kind]
     assert d0.max() < tol and d1.max() < tol
     # the engine mismatch as the trainer reports it every batch (mismatch_kl: tokens of its own current version)
     trainer_lp, engine_lp = torch.cat([trainer0, trainer1]), torch.cat([engine0, engine1])
-    kl = mismatch(trainer_lp, engine_lp, torch.ones_like(trainer_lp, dtype=torch.bool),
-                  torch.zeros_like(trainer_lp, dtype=torch.long), trainer_version=0)["mismatch_kl"]
+    kl = mismatch(
+        trainer_lp,
+        engine_lp,
+        torch.ones_like(trainer_lp, dtype=torch.bool),
+        torch.zeros_like(trainer_lp, dtype=torch.long),
+        trainer_version=0,
+    )["mismatch_kl"]
     record_property("figure", f"mismatch_kl {engine_kind} {sampling}: {kl:.3e} over {len(trainer_lp)} tokens")
-    assert 0.0 <= kl <= tol ** 2  # k3 ≈ d²/2 for small d
+    # k3 ≈ d²/2 for small d
+    assert 0.0 <= kl <= tol**2
     if sampling == "greedy":
-        assert engine0.abs().max() == engine1.abs().max() == 0.0  # the argmax has probability 1
+        # the argmax has probability 1
+        assert engine0.abs().max() == engine1.abs().max() == 0.0
     else:
-        assert stale.max() > 100 * tol  # the comparison can tell the two versions apart
+        # the comparison can tell the two versions apart
+        assert stale.max() > 100 * tol

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from services.rollout.jobs import rewards
-from shared.runtime.config.keys import Config
 from shared.protocol.keys import ROLLOUT_GROUP
 from shared.protocol.streams.prompts import PromptGroup, enqueue
+from shared.runtime.config.keys import Config
 from tests.support.rollout_harness import episodes, make_worker, samples, tick_until, tools_worker  # noqa: F401
 
 
@@ -20,7 +20,8 @@ def order(entry_id: str) -> tuple[int, int]:
 
 def test_built_in_reward_is_inline_user_rewards_are_jobs():
     assert rewards.load("services.rollout.jobs.rewards:arithmetic").inline
-    assert not rewards.load("tests.support.debug_tools:slow_reward").inline  # async: never in the decode loop
+    # async: never in the decode loop
+    assert not rewards.load("tests.support.debug_tools:slow_reward").inline
     assert not rewards.load("tests.support.debug_tools:raising_reward").inline
     assert rewards.run_reward("tests.support.debug_tools:slow_reward", "1+1=", "2", {}) == [1.0, {"prompt": "1+1="}]
     with pytest.raises(ValueError, match="config key 'reward_fn': 'nope:f': cannot load"):
@@ -28,30 +29,59 @@ def test_built_in_reward_is_inline_user_rewards_are_jobs():
 
 
 def test_slow_reward_does_not_delay_other_episodes_tokens(client, keys, tiny_model_dir, tools_worker):
-    cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=48, tools="", flush_tokens=4, flush_ms=20.0,
-                 step_delay_ms=40.0, reward_fn="tests.support.debug_tools:slow_reward", heartbeat_ttl=2.0)
+    cfg = Config(
+        run=keys.run,
+        model_dir=tiny_model_dir,
+        max_tokens=48,
+        tools="",
+        flush_tokens=4,
+        flush_ms=20.0,
+        step_delay_ms=40.0,
+        reward_fn="tests.support.debug_tools:slow_reward",
+        heartbeat_ttl=2.0,
+    )
     tools_worker(cfg)
-    enqueue(client, keys, [PromptGroup("slow", 1, prompt="5+5=", task={"sleep": 3}, sampling={"max_tokens": 2}),
-                           PromptGroup("busy", 3, prompt="7+1=")])
+    enqueue(
+        client,
+        keys,
+        [
+            PromptGroup("slow", 1, prompt="5+5=", task={"sleep": 3}, sampling={"max_tokens": 2}),
+            PromptGroup("busy", 3, prompt="7+1="),
+        ],
+    )
     worker = make_worker(cfg, client)
     tick_until(worker, lambda: len(samples(client, keys)) == 2, timeout=120)
     eps = episodes(client, keys, [("slow", 1), ("busy", 3)])
     slow = eps["slow-0"]
     assert slow.status == "finished" and slow.reward == 1.0 and slow.reward_details == {"prompt": "5+5="}
-    generated_until = slow.events[-2].entry_id  # its last event before 'finished': generation was over here
+    # its last event before 'finished': generation was over here
+    generated_until = slow.events[-2].entry_id
     scored_at = slow.events[-1].entry_id
-    during = [ev for eid, ep in eps.items() if eid != "slow-0" for ev in ep.events
-              if ev.kind == "tokens" and order(generated_until) < order(ev.entry_id) < order(scored_at)]
+    during = [
+        ev
+        for eid, ep in eps.items()
+        if eid != "slow-0"
+        for ev in ep.events
+        if ev.kind == "tokens" and order(generated_until) < order(ev.entry_id) < order(scored_at)
+    ]
     assert during, "no other episode wrote tokens while the slow reward ran"
     assert all(ep.status == "finished" for ep in eps.values())
 
 
 def test_raising_reward_fails_the_episode_and_the_group_is_published(client, keys, tiny_model_dir, tools_worker):
-    cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=8, tools="",
-                 reward_fn="tests.support.debug_tools:raising_reward")
+    cfg = Config(
+        run=keys.run,
+        model_dir=tiny_model_dir,
+        max_tokens=8,
+        tools="",
+        reward_fn="tests.support.debug_tools:raising_reward",
+    )
     tools_worker(cfg)
-    enqueue(client, keys, [PromptGroup("bad", 2, prompt="1+1=", task={"raise": "boom"}),
-                           PromptGroup("good", 1, prompt="1+2=")])
+    enqueue(
+        client,
+        keys,
+        [PromptGroup("bad", 2, prompt="1+1=", task={"raise": "boom"}), PromptGroup("good", 1, prompt="1+2=")],
+    )
     worker = make_worker(cfg, client)
     tick_until(worker, lambda: len(samples(client, keys)) == 2, timeout=60)
     assert sorted(s["group_id"] for s in samples(client, keys)) == ["bad", "good"]
@@ -65,8 +95,14 @@ def test_raising_reward_fails_the_episode_and_the_group_is_published(client, key
 
 
 def test_group_aware_reward_scores_once_the_whole_group_has_generated(client, keys, tiny_model_dir, tools_worker):
-    cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=16, tools="", temperature=1.0,
-                 reward_fn="tests.support.debug_tools:longest_in_group")
+    cfg = Config(
+        run=keys.run,
+        model_dir=tiny_model_dir,
+        max_tokens=16,
+        tools="",
+        temperature=1.0,
+        reward_fn="tests.support.debug_tools:longest_in_group",
+    )
     tools_worker(cfg)
     assert rewards.load(cfg.reward_fn).group_aware and not rewards.load(cfg.reward_fn).inline
     enqueue(client, keys, [PromptGroup("g", 3, prompt="4+4=")])
@@ -79,4 +115,5 @@ def test_group_aware_reward_scores_once_the_whole_group_has_generated(client, ke
     for eid, ep in eps.items():
         assert ep.status == "finished" and ep.reward_details["indices"] == [0, 1, 2]
         assert ep.reward == float(len(texts[eid]) == longest)
-        assert order(ep.events[-1].entry_id) > last_token_event  # scored after the whole group generated
+        # scored after the whole group generated
+        assert order(ep.events[-1].entry_id) > last_token_event

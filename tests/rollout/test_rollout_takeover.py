@@ -4,20 +4,44 @@ from __future__ import annotations
 
 import pytest
 
-from shared.runtime.config.keys import Config
+from shared.protocol.keys import ROLLOUT_GROUP
 from shared.protocol.streams.prompts import PromptGroup, enqueue
+from shared.runtime.config.keys import Config
 from tests.support.procs import kill9, spawn, stop, wait_until
 from tests.support.rollout_harness import episodes, make_worker, samples, snapshot, tick_until, wait_claimable
-from shared.protocol.keys import ROLLOUT_GROUP
 
 GROUPS = [(f"g{i}", 2) for i in range(6)]
 
 
 def _worker_proc(redis_url, keys, model_dir, worker_id, log=None):
-    return spawn("services.rollout", "--worker-id", worker_id, "--run", keys.run, "--redis-url", redis_url,
-                 "--model-dir", model_dir, "--max-tokens", "48", "--tools", "", "--flush-tokens", "4",
-                 "--flush-ms", "20", "--heartbeat-ttl", "1.5", "--step-delay-ms", "15", "--max-groups-in-flight",
-                 "6", "--log-level", "info", log=log)
+    return spawn(
+        "services.rollout",
+        "--worker-id",
+        worker_id,
+        "--run",
+        keys.run,
+        "--redis-url",
+        redis_url,
+        "--model-dir",
+        model_dir,
+        "--max-tokens",
+        "48",
+        "--tools",
+        "",
+        "--flush-tokens",
+        "4",
+        "--flush-ms",
+        "20",
+        "--heartbeat-ttl",
+        "1.5",
+        "--step-delay-ms",
+        "15",
+        "--max-groups-in-flight",
+        "6",
+        "--log-level",
+        "info",
+        log=log,
+    )
 
 
 def _snapshot(client, keys):
@@ -29,8 +53,12 @@ def test_kill_9_mid_episodes_another_worker_finishes_all(client, keys, redis_url
     enqueue(client, keys, [PromptGroup(g, n, prompt=f"{g}: 3*4=") for g, n in GROUPS])
     a = _worker_proc(redis_url, keys, tiny_model_dir, "A")
     try:
-        wait_until(lambda: sum(len(ep.tokens) >= 8 and not ep.done for ep in _snapshot(client, keys).values()) >= 6,
-                   "worker A generating 6 episodes", 60, [a])
+        wait_until(
+            lambda: sum(len(ep.tokens) >= 8 and not ep.done for ep in _snapshot(client, keys).values()) >= 6,
+            "worker A generating 6 episodes",
+            60,
+            [a],
+        )
     finally:
         kill9(a)
     before = _snapshot(client, keys)
@@ -41,17 +69,19 @@ def test_kill_9_mid_episodes_another_worker_finishes_all(client, keys, redis_url
     finally:
         stop(b)
     got = [s["group_id"] for s in samples(client, keys)]
-    assert sorted(got) == sorted(g for g, _ in GROUPS)  # every group exactly once: none lost, none twice
+    # every group exactly once: none lost, none twice
+    assert sorted(got) == sorted(g for g, _ in GROUPS)
     assert client.xpending(keys.prompts, ROLLOUT_GROUP)["pending"] == 0
     after = episodes(client, keys, GROUPS)
     taken_over = 0
     for eid, ep in after.items():
         assert ep.status == "finished"
         assert sum(e.kind == "finished" for e in ep.events) == 1
-        if eid in before:  # every token flushed before the kill is still there, unchanged
+        # every token flushed before the kill is still there, unchanged
+        if eid in before:
             old = before[eid]
-            assert ep.tokens[:len(old.tokens)] == old.tokens
-            assert ep.logprobs[:len(old.logprobs)] == old.logprobs
+            assert ep.tokens[: len(old.tokens)] == old.tokens
+            assert ep.logprobs[: len(old.logprobs)] == old.logprobs
             if not old.done:
                 assert ep.resumes and ep.resumes[0]["takeover_from"] == "A"
                 assert ep.resumes[0]["num_tokens"] >= len(old.tokens)
@@ -61,15 +91,20 @@ def test_kill_9_mid_episodes_another_worker_finishes_all(client, keys, redis_url
 
 @pytest.mark.slow
 def test_after_a_warm_sigterm_another_worker_resumes_each_episode_where_it_stopped_and_generates_nothing_again(
-        client, keys, redis_url, tiny_model_dir, tmp_path):
+    client, keys, redis_url, tiny_model_dir, tmp_path
+):
     """SIGTERM (honcho's stop): A exits 0 after recording, in each unfinished episode, an 'aborted' event at the
     exact number of tokens it had generated (everything flushed). B takes every group over; each of its
     resumes starts at that count, and B generates exactly the tokens that were still missing."""
     enqueue(client, keys, [PromptGroup(g, n, prompt=f"{g}: 3*4=") for g, n in GROUPS])
     a = _worker_proc(redis_url, keys, tiny_model_dir, "A", log=tmp_path / "A.log")
     try:
-        wait_until(lambda: sum(len(ep.tokens) >= 8 and not ep.done for ep in _snapshot(client, keys).values()) >= 6,
-                   "worker A generating 6 episodes", 60, [a])
+        wait_until(
+            lambda: sum(len(ep.tokens) >= 8 and not ep.done for ep in _snapshot(client, keys).values()) >= 6,
+            "worker A generating 6 episodes",
+            60,
+            [a],
+        )
     finally:
         (code,) = stop(a)
     assert code == 0, (tmp_path / "A.log").read_text()
@@ -78,16 +113,25 @@ def test_after_a_warm_sigterm_another_worker_resumes_each_episode_where_it_stopp
     assert len(stopped) >= 6
     for ep in stopped.values():
         assert ep.status == "paused" and ep.aborts[-1]["reason"] == "shutdown"
-        assert ep.aborts[-1]["num_tokens"] == len(ep.tokens)  # nothing generated was left unflushed
-    cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=48, tools="", flush_tokens=4, flush_ms=20,
-                 heartbeat_ttl=1.5, max_groups_in_flight=6)
+        # nothing generated was left unflushed
+        assert ep.aborts[-1]["num_tokens"] == len(ep.tokens)
+    cfg = Config(
+        run=keys.run,
+        model_dir=tiny_model_dir,
+        max_tokens=48,
+        tools="",
+        flush_tokens=4,
+        flush_ms=20,
+        heartbeat_ttl=1.5,
+        max_groups_in_flight=6,
+    )
     b = make_worker(cfg, client, "B")
     tick_until(b, lambda: len(samples(client, keys)) == len(GROUPS), timeout=90)
     assert sorted(s["group_id"] for s in samples(client, keys)) == sorted(g for g, _ in GROUPS)
     after = episodes(client, keys, GROUPS)
     for eid, old in stopped.items():
         ep = after[eid]
-        assert ep.status == "finished" and ep.tokens[:len(old.tokens)] == old.tokens
+        assert ep.status == "finished" and ep.tokens[: len(old.tokens)] == old.tokens
         assert ep.resumes[-1]["takeover_from"] == "A" and ep.resumes[-1]["num_tokens"] == len(old.tokens)
     stored_before = sum(len(ep.tokens) for ep in before.values())
     assert b.stats["tokens"] == sum(len(ep.tokens) for ep in after.values()) - stored_before
@@ -96,17 +140,20 @@ def test_after_a_warm_sigterm_another_worker_resumes_each_episode_where_it_stopp
 def test_only_unflushed_tokens_are_generated_again(client, keys, tiny_model_dir):
     """Crash in-process (the worker object is abandoned without a flush), so the
     number of lost tokens is known exactly and compared with what B regenerates."""
-    cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=48, tools="", flush_tokens=8,
-                 flush_ms=1e6, heartbeat_ttl=0.5)
+    cfg = Config(
+        run=keys.run, model_dir=tiny_model_dir, max_tokens=48, tools="", flush_tokens=8, flush_ms=1e6, heartbeat_ttl=0.5
+    )
     enqueue(client, keys, [PromptGroup(g, n, prompt=f"{g}: 3*4=") for g, n in GROUPS])
     a = make_worker(cfg, client, "A")
     tick_until(a, lambda: a.stats["tokens"] >= 150)
-    if a.episodes.writes.writer.in_flight:  # the step's batch on the writer thread lands (the crash comes after it)
+    # the step's batch on the writer thread lands (the crash comes after it)
+    if a.episodes.writes.writer.in_flight:
         a.episodes.writes.writer.wait()
     in_flight = len(a.live)
     stored = sum(len(ep.tokens) for ep in _snapshot(client, keys).values())
     unflushed = a.stats["tokens"] - stored
-    client.delete(keys.alive("rollout", "A"))  # what the heartbeat TTL does after a kill -9
+    # what the heartbeat TTL does after a kill -9
+    client.delete(keys.alive("rollout", "A"))
     wait_claimable(client, keys, "A", cfg.heartbeat_ttl)
     b = make_worker(cfg, client, "B")
     tick_until(b, lambda: len(samples(client, keys)) == len(GROUPS))
@@ -118,50 +165,63 @@ def test_only_unflushed_tokens_are_generated_again(client, keys, tiny_model_dir)
 
 
 def test_fenced_worker_drops_whole_groups_and_gets_them_back_clean(client, keys, tiny_model_dir):
-    """Issue 16, in-process: A stalls (stops ticking) past its heartbeat, B takes its groups over and writes;
+    """In-process: A stalls (stops ticking) past its heartbeat, B takes its groups over and writes;
     A wakes: every fenced group leaves A whole (no later write reaches a closed log), A logs it once per group
     with the new owner. Then B stalls, A takes the groups back and starts them clean; B wakes, fenced too."""
     import structlog
 
-    cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=48, tools="", flush_tokens=4, flush_ms=1e6,
-                 heartbeat_ttl=0.5, max_groups_in_flight=6)
+    cfg = Config(
+        run=keys.run,
+        model_dir=tiny_model_dir,
+        max_tokens=48,
+        tools="",
+        flush_tokens=4,
+        flush_ms=1e6,
+        heartbeat_ttl=0.5,
+        max_groups_in_flight=6,
+    )
     enqueue(client, keys, [PromptGroup(g, n, prompt=f"{g}: 3*4=") for g, n in GROUPS])
     a = make_worker(cfg, client, "A")
     tick_until(a, lambda: sum(len(ep.tokens) >= 4 for ep in _snapshot(client, keys).values()) >= 6)
     held = set(a.groups)
 
-    def stall(worker, name):  # what a SIGSTOP looks like from outside: the heartbeat lapses, nothing is written
+    # what a SIGSTOP looks like from outside: the heartbeat lapses, nothing is written
+    def stall(worker, name):
         client.delete(keys.alive("rollout", name))
         wait_claimable(client, keys, name, cfg.heartbeat_ttl)
 
     stall(a, "A")
     b = make_worker(cfg, client, "B")
     tick_until(b, lambda: b.stats["takeovers"] >= 1 and set(b.groups) >= held)
-    tick_until(b, lambda: not b.events.due() and b.stats["tokens"] > 0)  # B wrote into A's episodes
+    # B wrote into A's episodes
+    tick_until(b, lambda: not b.events.due() and b.stats["tokens"] > 0)
     with structlog.testing.capture_logs() as logs:
         # A wakes and writes (its next flush): fenced
         tick_until(a, lambda: not (held & set(a.groups)))
         fenced = [e for e in logs if e["event"].startswith("fenced")]
     assert fenced and all(e["log_level"] == "warning" and e["new_owner"] == "B" for e in fenced)
-    assert len({e["group"] for e in fenced}) == len(fenced)  # once per group
+    # once per group
+    assert len({e["group"] for e in fenced}) == len(fenced)
     lost = {e["group"] for e in fenced}
     assert not lost & set(a.groups) and not [eid for eid, live in a.live.items() if live.group_id in lost]
     stall(b, "B")
     tick_until(a, lambda: len(samples(client, keys)) == len(GROUPS) or set(a.groups) >= lost, timeout=60)
-    tick_until(b, lambda: all(g not in b.groups for g in lost))  # B wakes: fenced in turn, drops them
+    # B wakes: fenced in turn, drops them
+    tick_until(b, lambda: all(g not in b.groups for g in lost))
     for _ in range(2000):
         if len(samples(client, keys)) == len(GROUPS):
             break
         a.tick(block_ms=1)
         b.tick(block_ms=1)
     got = sorted(s["group_id"] for s in samples(client, keys))
-    assert got == sorted(g for g, _ in GROUPS)  # every group exactly once
+    # every group exactly once
+    assert got == sorted(g for g, _ in GROUPS)
     after = episodes(client, keys, GROUPS)
     assert all(ep.status == "finished" and sum(e.kind == "finished" for e in ep.events) == 1 for ep in after.values())
 
 
 def test_a_heartbeat_miss_from_an_earlier_stall_does_not_make_a_live_worker_dead_at_once(client, keys, monkeypatch):
-    """Issue 28: B saw X's heartbeat missing once (X stalled); X came back while it had no idle entries, so no
+    """B saw X's heartbeat missing once (X stalled); X came back while it had no idle entries, so no
     look at its entries saw it alive; much later every heartbeat lapsed at once (a Redis restart). X counts as dead
     only a whole heartbeat_ttl after that lapse, never on the first look (its groups were taken over 0.4 s after
     Redis came back): every take-over pass forgets the records of owners alive again, whether B has room or not."""
@@ -172,18 +232,25 @@ def test_a_heartbeat_miss_from_an_earlier_stall_does_not_make_a_live_worker_dead
 
     clock = types.SimpleNamespace(now=100.0)
     monkeypatch.setattr(claims, "time", types.SimpleNamespace(monotonic=lambda: clock.now))
-    groups = claims.Groups(Config(run=keys.run, heartbeat_ttl=2.0, max_groups_in_flight=0), client, keys, "B",
-                           logs.get("takeover-test"))
+    groups = claims.Groups(
+        Config(run=keys.run, heartbeat_ttl=2.0, max_groups_in_flight=0), client, keys, "B", logs.get("takeover-test")
+    )
     groups.create_consumer_groups()
     idle = [{"consumer": b"X", "time_since_delivered": 60_000, "message_id": b"1-0"}]
-    assert groups._dead_owners(idle, 2000) == {}  # X's heartbeat missing: first sighting
-    client.hset(keys.alive("rollout", "X"), "version", 0)  # X alive again, nothing of it idle
+    # X's heartbeat missing: first sighting
+    assert groups._dead_owners(idle, 2000) == {}
+    # X alive again, nothing of it idle
+    client.hset(keys.alive("rollout", "X"), "version", 0)
     clock.now += 1.0
-    assert groups.take_over() == []  # B's timer pass, with no room
-    client.delete(keys.alive("rollout", "X"))  # the mass lapse, long after
+    # B's timer pass, with no room
+    assert groups.take_over() == []
+    # the mass lapse, long after
+    client.delete(keys.alive("rollout", "X"))
     clock.now += 600.0
-    assert groups._dead_owners(idle, 2000) == {}  # a first sighting again: not dead at once
+    # a first sighting again: not dead at once
+    assert groups._dead_owners(idle, 2000) == {}
     clock.now += 1.0
     assert groups._dead_owners(idle, 2000) == {}
     clock.now += 1.0
-    assert groups._dead_owners(idle, 2000) == {"X": [b"1-0"]}  # missing for a whole heartbeat_ttl: dead
+    # missing for a whole heartbeat_ttl: dead
+    assert groups._dead_owners(idle, 2000) == {"X": [b"1-0"]}

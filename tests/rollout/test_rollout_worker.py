@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 
-from shared.runtime.config.keys import Config
 from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.keys import ROLLOUT_GROUP
+from shared.protocol.streams import dead_letters
 from shared.protocol.streams.prompts import PromptGroup, enqueue
+from shared.runtime.config.keys import Config
 from tests.support import debug_tools
 from tests.support.models import scripted_model
-from tests.support.rollout_harness import (acks, episodes, make_worker, samples, send, start_tools_worker, tick_until,  # noqa: F401
-                                   tools_worker, wait_claimable)
 from tests.support.procs import stop
-from shared.protocol.keys import ROLLOUT_GROUP
-from dataclasses import asdict
-from shared.protocol.streams import dead_letters
+from tests.support.rollout_harness import (
+    acks,
+    episodes,
+    make_worker,
+    samples,
+    send,
+    start_tools_worker,
+    tick_until,
+    # a pytest fixture, named as the tests' argument
+    tools_worker,  # noqa: F401
+    wait_claimable,
+)
 
 SCRIPTS = [
     ("S:", "<call>sleep: 2</call><result>2</result>answer: 2"),
@@ -33,8 +44,16 @@ def scripted_dir(tmp_path_factory) -> str:
 
 
 def _cfg(keys, model_dir, **kw) -> Config:
-    base = dict(run=keys.run, model_dir=model_dir, max_tokens=80, temperature=0.0, tools="calc," + debug_tools.SPECS,
-                tool_timeout=1.5, flush_tokens=8, heartbeat_ttl=2.0)
+    base = dict(
+        run=keys.run,
+        model_dir=model_dir,
+        max_tokens=80,
+        temperature=0.0,
+        tools="calc," + debug_tools.SPECS,
+        tool_timeout=1.5,
+        flush_tokens=8,
+        heartbeat_ttl=2.0,
+    )
     return Config(**{**base, **kw})
 
 
@@ -76,7 +95,8 @@ def test_tools_run_as_rq_jobs_and_errors_become_results(client, keys, scripted_d
     assert not ok and "malformed tool call" in out
     ok, out = _tool_outcome(eps["G"])[0]
     assert not ok and "returned dict, expected str" in out
-    for ep in eps.values():  # every episode went on after its tool result, and tool tokens are masked
+    # every episode went on after its tool result, and tool tokens are masked
+    for ep in eps.values():
         assert ep.status == "finished"
         result_tokens = ep.tool_results[0]["num_tokens"]
         assert result_tokens > 0 and ep.mask.count(0) == result_tokens
@@ -91,9 +111,11 @@ def test_tool_job_completes_during_a_pause(client, keys, scripted_dir, tools_wor
     tick_until(worker, lambda: worker.waiting_on_jobs())
     send(client, keys, "pause")
     tick_until(worker, lambda: worker.paused)
-    assert not log.replay("S-0").tool_results  # paused while the 2-s tool still runs
+    # paused while the 2-s tool still runs
+    assert not log.replay("S-0").tool_results
     tick_until(worker, lambda: log.replay("S-0").tool_results, timeout=20)
-    assert worker.paused  # ... and it finished while paused
+    # ... and it finished while paused
+    assert worker.paused
     assert not worker.engine.has_unfinished()
     send(client, keys, "resume")
     tick_until(worker, lambda: len(samples(client, keys)) == 1)
@@ -103,8 +125,9 @@ def test_tool_job_completes_during_a_pause(client, keys, scripted_dir, tools_wor
     assert kinds.index("tool_result") < kinds.index("resumed")
 
 
-def test_a_takeover_with_a_tool_call_pending_reattaches_to_its_job_and_answers_it_once(client, keys, redis_url,
-                                                                                       scripted_dir):
+def test_a_takeover_with_a_tool_call_pending_reattaches_to_its_job_and_answers_it_once(
+    client, keys, redis_url, scripted_dir
+):
     """A dies after its episode's tool call is in the stream and its rq job queued, before any tools worker ran
     it. B takes the group over, re-attaches to that same job (not a second one), writes its one result, and
     finishes the episode."""
@@ -114,11 +137,13 @@ def test_a_takeover_with_a_tool_call_pending_reattaches_to_its_job_and_answers_i
     enqueue(client, keys, [PromptGroup("C", 1, prompt="C:", task={"answer": "42"})])
     log = EpisodeLog(client, keys, "reader")
     a = make_worker(cfg, client, "A")
-    tick_until(a, lambda: client.exists(keys.episode("C-0")) and log.replay("C-0").pending_tool_calls)  # no tools worker yet: the job waits in rq
+    # no tools worker yet: the job waits in rq
+    tick_until(a, lambda: client.exists(keys.episode("C-0")) and log.replay("C-0").pending_tool_calls)
     (call,) = log.replay("C-0").pending_tool_calls
     job_id = a.jobs.pending["C-0"].job_id
     enqueued_at = Job.fetch(job_id, connection=client).enqueued_at
-    client.delete(keys.alive("rollout", "A"))  # A is gone (what its heartbeat's TTL does after a kill -9)
+    # A is gone (what its heartbeat's TTL does after a kill -9)
+    client.delete(keys.alive("rollout", "A"))
     wait_claimable(client, keys, "A", cfg.heartbeat_ttl)
     tools = start_tools_worker(redis_url, keys, cfg)
     try:
@@ -130,7 +155,8 @@ def test_a_takeover_with_a_tool_call_pending_reattaches_to_its_job_and_answers_i
     assert ep.resumes[0]["takeover_from"] == "A"
     assert [(r["call_id"], r["ok"], r["output"]) for r in ep.tool_results] == [(call["call_id"], True, "42")]
     assert ep.status == "finished" and ep.reward == 1.0
-    assert Job.fetch(job_id, connection=client).enqueued_at == enqueued_at  # A's job, run once, not enqueued again
+    # A's job, run once, not enqueued again
+    assert Job.fetch(job_id, connection=client).enqueued_at == enqueued_at
 
 
 def test_prompt_too_long_fails_the_episode_not_the_worker(client, keys, tiny_model_dir):
@@ -157,7 +183,8 @@ def test_malformed_input_goes_to_dead_letters(client, keys, tiny_model_dir):
     assert len(dead) == 4
     assert "field 'n'" in reasons and "field 'data'" in reasons and "field 'cmd'" in reasons
     assert "field 'type'" in reasons
-    assert client.xpending(keys.prompts, ROLLOUT_GROUP)["pending"] == 0  # bad entries are acked, not retried forever
+    # bad entries are acked, not retried forever
+    assert client.xpending(keys.prompts, ROLLOUT_GROUP)["pending"] == 0
 
 
 def test_corrupt_weights_are_refused_and_old_version_kept(client, keys, tiny_model_dir, tmp_path):
@@ -174,9 +201,10 @@ def test_corrupt_weights_are_refused_and_old_version_kept(client, keys, tiny_mod
     assert worker.engine.version == 0 and not worker.paused
 
 
-def test_commands_of_an_older_sync_are_acknowledged_and_never_load_an_older_version(client, keys, tiny_model_dir,
-                                                                                   tmp_path):
-    """Issue 28: a worker that caught up to version 2 (here at start) then reads the queued fetch, pause, load and
+def test_commands_of_an_older_sync_are_acknowledged_and_never_load_an_older_version(
+    client, keys, tiny_model_dir, tmp_path
+):
+    """a worker that caught up to version 2 (here at start) then reads the queued fetch, pause, load and
     resume of version 1's sync (a rolling wave it missed while stalled): each is acked ok and ignored, so it never
     loads version 1 and is never left paused; a pause with no version (a person's) is still obeyed, and a load of
     an older version asked for directly is refused."""
@@ -186,8 +214,9 @@ def test_commands_of_an_older_sync_are_acknowledged_and_never_load_an_older_vers
     old_path, old_sha = nudged_weights(tiny_model_dir, tmp_path / "v1", 1)
     publish(client, keys, 2, *nudged_weights(tiny_model_dir, tmp_path / "v2", 2), step=2)
     enqueue(client, keys, [PromptGroup("g", 2, prompt="1+1=")])
-    worker = make_worker(Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=64, tools="", flush_tokens=4),
-                         client)
+    worker = make_worker(
+        Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=64, tools="", flush_tokens=4), client
+    )
     assert worker.engine.version == 2
     for cmd in ("fetch", "pause", "load", "resume"):
         send(client, keys, cmd, "old-sync", version=1, path=str(old_path), sha256=old_sha)
@@ -196,7 +225,8 @@ def test_commands_of_an_older_sync_are_acknowledged_and_never_load_an_older_vers
         (ack,) = acks(client, keys, cmd)
         assert ack["ok"] == "1" and ack["version"] == "2", (cmd, ack)
     assert worker.engine.version == 2 and not worker.paused
-    tick_until(worker, lambda: len(samples(client, keys)) == 1)  # it went on generating, on version 2
+    # it went on generating, on version 2
+    tick_until(worker, lambda: len(samples(client, keys)) == 1)
     assert {v for ep in episodes(client, keys, [("g", 2)]).values() for v in ep.versions} == {2}
     send(client, keys, "pause", "by-hand")
     tick_until(worker, lambda: worker.paused)

@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from services.rollout.engine import EngineError, SamplingParams, make_engine
 from services.rollout.engine.vllm_engine import parse_vllm_args, request_seed
-from shared.runtime.config.keys import Config, ConfigError
 from shared.runtime.config.checks import validate
+from shared.runtime.config.keys import Config, ConfigError
 from tests.support.rollout_harness import make_vllm_engine
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -21,7 +21,9 @@ needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm not installed (CI ru
 
 @pytest.mark.skipif(HAVE_VLLM, reason="vllm is installed here")
 def test_selecting_vllm_without_vllm_names_the_install(tiny_model_dir):
-    with pytest.raises(EngineError, match=r"engine 'vllm' selected but vllm is not installed: pip install '\.\[vllm\]'"):
+    with pytest.raises(
+        EngineError, match=r"engine 'vllm' selected but vllm is not installed: pip install '\.\[vllm\]'"
+    ):
         make_engine("vllm", tiny_model_dir)
 
 
@@ -88,7 +90,8 @@ def test_a_head_size_the_cpu_build_cannot_serve_is_refused_up_front(tiny_model_d
     if not current_platform.is_cpu():
         pytest.skip("the head-size check is the CPU build's")
     with pytest.raises(EngineError, match=r"attention head size 16; vLLM's CPU attention supports \[32, "):
-        make_engine("vllm", tiny_model_dir)  # the default tiny model: hidden 64, 4 heads
+        # the default tiny model: hidden 64, 4 heads
+        make_engine("vllm", tiny_model_dir)
 
 
 @needs_vllm
@@ -104,13 +107,14 @@ def test_generation_abort_and_continuation(vllm):
         for c in vllm.step():
             got += c.token_ids
     rest = vllm.abort("cut")
-    assert rest.finish_reason == "abort" and rest.token_ids == []  # in-process: every token was returned
+    # in-process: every token was returned
+    assert rest.finish_reason == "abort" and rest.token_ids == []
     assert not vllm.has_unfinished() and vllm.abort("cut") is None
-    assert 0 < len(got) < 12 and got == full[0][:len(got)]
+    assert 0 < len(got) < 12 and got == full[0][: len(got)]
     vllm.add_request("cut", prompt + got, GREEDY, 12 - len(got), start_index=len(got))
     cont = _drain(vllm)["cut"]
     assert got + cont[0] == full[0]
-    assert full[1][len(got):] == pytest.approx(cont[1], abs=2e-4)
+    assert full[1][len(got) :] == pytest.approx(cont[1], abs=2e-4)
 
 
 @needs_vllm
@@ -121,7 +125,8 @@ def test_stop_tokens_and_bad_requests(vllm):
     stop = first[3]
     vllm.add_request("a", prompt, SamplingParams(temperature=0.0, stop_token_ids=(stop,)), 10)
     out = _drain(vllm)["a"]
-    assert out[2] == "stop" and out[0][-1] == stop and stop not in out[0][:-1]  # the stop token is kept
+    # the stop token is kept
+    assert out[2] == "stop" and out[0][-1] == stop and stop not in out[0][:-1]
     vllm.add_request("b", prompt, GREEDY, 5)
     with pytest.raises(EngineError, match="already in the engine"):
         vllm.add_request("b", prompt, GREEDY, 5)
@@ -157,13 +162,18 @@ def test_weight_loads_tag_versions_and_bad_weights_keep_the_old(vllm, tiny_model
     broken["model.embed_tokens.weight"] = broken["model.embed_tokens.weight"][:, :64].contiguous()
     save_file(broken, str(tmp_path / "bad.safetensors"))
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
-    for bad, why in [("bad.safetensors", "do not fit the model: shape of 'model.embed_tokens.weight'"),
-                     ("junk.safetensors", "cannot read weights"), ("nothing-here", "no safetensors weights")]:
+    for bad, why in [
+        ("bad.safetensors", "do not fit the model: shape of 'model.embed_tokens.weight'"),
+        ("junk.safetensors", "cannot read weights"),
+        ("nothing-here", "no safetensors weights"),
+    ]:
         with pytest.raises(EngineError, match=why):
             vllm.load_weights(str(tmp_path / bad), 2)
     assert vllm.version == 1
     vllm.add_request("still-v1", prompt, GREEDY, 10)
-    assert _drain(vllm)["still-v1"][0] == out1[0]  # the refused loads left the weights untouched
-    vllm.load_weights(tiny_model_dir_hd32, 0)  # a model folder works as well as a file
+    # the refused loads left the weights untouched
+    assert _drain(vllm)["still-v1"][0] == out1[0]
+    # a model folder works as well as a file
+    vllm.load_weights(tiny_model_dir_hd32, 0)
     vllm.add_request("v0-again", prompt, GREEDY, 10)
     assert _drain(vllm)["v0-again"][0] == v0[0]

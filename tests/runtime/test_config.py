@@ -5,7 +5,8 @@ from shared.runtime.config.sources import load
 
 
 def test_precedence_file_env_flag(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # no runs/demo/secrets.json of a real run here: loading fills secrets from it
+    # no runs/demo/secrets.json of a real run here: loading fills secrets from it
+    monkeypatch.chdir(tmp_path)
     path = tmp_path / "c.toml"
     path.write_text('run = "fromfile"\nflush_tokens = 8\nflush_ms = 10\n')
     cfg = load(str(path), env={"STREAMRL_FLUSH_TOKENS": "32"}, overrides={"flush_ms": "5.5"})
@@ -18,18 +19,21 @@ def test_redis_url_env_with_password():
     assert cfg.redis_url == "redis://:pw@127.0.0.1:7000/2"
 
 
-@pytest.mark.parametrize("source, words", [
-    ({"file": 'flush_tokenz = 3\n'}, "unknown config key 'flush_tokenz' (from file"),
-    ({"file": 'flush_tokens = "many"\n'}, "'flush_tokens' (from file"),
-    ({"env": {"STREAMRL_FLUSH_MS": "soon"}}, "'flush_ms' (from environment STREAMRL_FLUSH_MS): expected float"),
-    ({"env": {"STREAMRL_NOPE": "1"}}, "unknown config key 'nope'"),
-    ({"flags": {"flush_tokens": "1.5"}}, "'flush_tokens' (from flag --flush-tokens): expected int"),
-    ({"flags": {"flush_tokens": "0"}}, "'flush_tokens': expected an integer >= 1, got 0"),
-    ({"flags": {"rollout_workers": "0"}}, "'rollout_workers': expected an integer >= 1, got 0"),
-    ({"flags": {"longtail_workers": "2"}}, "'longtail_workers': expected 0 to rollout_workers (1), got 2"),
-    ({"flags": {"run": "a b"}}, "config key 'run'"),
-    ({"file": "not toml ===\n"}, "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "source, words",
+    [
+        ({"file": "flush_tokenz = 3\n"}, "unknown config key 'flush_tokenz' (from file"),
+        ({"file": 'flush_tokens = "many"\n'}, "'flush_tokens' (from file"),
+        ({"env": {"STREAMRL_FLUSH_MS": "soon"}}, "'flush_ms' (from environment STREAMRL_FLUSH_MS): expected float"),
+        ({"env": {"STREAMRL_NOPE": "1"}}, "unknown config key 'nope'"),
+        ({"flags": {"flush_tokens": "1.5"}}, "'flush_tokens' (from flag --flush-tokens): expected int"),
+        ({"flags": {"flush_tokens": "0"}}, "'flush_tokens': expected an integer >= 1, got 0"),
+        ({"flags": {"rollout_workers": "0"}}, "'rollout_workers': expected an integer >= 1, got 0"),
+        ({"flags": {"longtail_workers": "2"}}, "'longtail_workers': expected 0 to rollout_workers (1), got 2"),
+        ({"flags": {"run": "a b"}}, "config key 'run'"),
+        ({"file": "not toml ===\n"}, "not valid TOML"),
+    ],
+)
 def test_bad_values_name_the_key_and_source(tmp_path, source, words):
     path = None
     if "file" in source:

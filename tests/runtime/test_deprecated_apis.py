@@ -28,9 +28,11 @@ class Records(logging.Handler):
 
 def test_engine_prefill_and_decode_use_the_current_cache_names(tiny_model_dir):
     runner = ModelRunner(tiny_model_dir)
-    records, root = Records(), logging.getLogger("transformers")  # transformers' loggers do not propagate
+    # transformers' loggers do not propagate
+    records, root = Records(), logging.getLogger("transformers")
     root.addHandler(records)
-    hf_logging.warning_once.cache_clear()  # a deprecation is logged once per process: forget earlier ones
+    # a deprecation is logged once per process: forget earlier ones
+    hf_logging.warning_once.cache_clear()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", DeprecationWarning)

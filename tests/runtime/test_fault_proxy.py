@@ -5,11 +5,10 @@ from __future__ import annotations
 from urllib.parse import urlparse
 
 import pytest
+import redis
 
 from shared.protocol.streams import control, dead_letters, prompts, versions
 from shared.protocol.streams.prompts import PromptGroup
-import redis
-
 from shared.runtime.connection import connect
 from tests.support.fault_proxy import FaultProxy
 
@@ -31,13 +30,18 @@ def _arm(proxy, **faults):
 
 def test_a_dropped_reply_repeats_a_plain_command_but_not_an_idempotent_write(proxy, keys):
     c = connect(proxy.url, retry_for=10)
-    c.ping()  # the connection is open (its handshake is not the command a fault meets)
+    # the connection is open (its handshake is not the command a fault meets)
+    c.ping()
     _arm(proxy, drop_reply=1.0)
-    c.incr(keys.driver_enqueued)  # not idempotent: the proxy works when this ran twice
+    # not idempotent: the proxy works when this ran twice
+    c.incr(keys.driver_enqueued)
     assert int(c.get(keys.driver_enqueued)) == 2 and proxy.faults["reply_dropped"] == 1
-    prompts.enqueue(c, keys, [PromptGroup(prompts.group_id(0, 0), 2, prompt="x")])  # the script is loaded
-    _arm(proxy, drop_reply=1.0, skip=1)  # SCRIPT EXISTS (a pipeline with a script checks it first), then the write
-    assert prompts.enqueue(c, keys, [PromptGroup(prompts.group_id(0, 1), 2, prompt="x")]) == [None]  # the retry
+    # the script is loaded
+    prompts.enqueue(c, keys, [PromptGroup(prompts.group_id(0, 0), 2, prompt="x")])
+    # SCRIPT EXISTS (a pipeline with a script checks it first), then the write
+    _arm(proxy, drop_reply=1.0, skip=1)
+    # the retry
+    assert prompts.enqueue(c, keys, [PromptGroup(prompts.group_id(0, 1), 2, prompt="x")]) == [None]
     _arm(proxy, drop_reply=1.0)
     versions.publish(c, keys, versions.Version(1, "/w/1", "a", 1))
     _arm(proxy, drop_reply=1.0)
@@ -45,14 +49,21 @@ def test_a_dropped_reply_repeats_a_plain_command_but_not_an_idempotent_write(pro
     _arm(proxy, drop_reply=1.0)
     assert not dead_letters.send(c, keys, keys.prompts, "1-0", "bad", "w")
     assert proxy.faults["reply_dropped"] == 5
-    assert (c.xlen(keys.prompts), c.xlen(keys.versions), c.xlen(keys.control), c.xlen(keys.dead_letters)) == (2, 1, 1, 1)
+    assert (c.xlen(keys.prompts), c.xlen(keys.versions), c.xlen(keys.control), c.xlen(keys.dead_letters)) == (
+        2,
+        1,
+        1,
+        1,
+    )
 
 
 def test_a_pipeline_cut_midway_and_retried_enqueues_each_group_once(proxy, keys):
     c = connect(proxy.url, retry_for=10)
     groups = [PromptGroup(prompts.group_id(0, i), 2, prompt="x") for i in range(20)]
-    prompts.enqueue(c, keys, groups[:1])  # the connection is open and the script loaded: the pipeline below is one write
-    _arm(proxy, cut_request=1.0)  # only a pipeline (several commands in one write) is cut
+    # the connection is open and the script loaded: the pipeline below is one write
+    prompts.enqueue(c, keys, groups[:1])
+    # only a pipeline (several commands in one write) is cut
+    _arm(proxy, cut_request=1.0)
     prompts.enqueue(c, keys, groups)
     assert proxy.faults["request_cut"] == 1
     ids = [g.group_id for g in prompts_in(c, keys)]
@@ -67,7 +78,9 @@ def prompts_in(c, keys):
 def test_a_server_really_gone_is_said_in_one_error_within_redis_wait(proxy):
     c = connect(proxy.url, retry_for=1)
     proxy.down()
-    with pytest.raises(redis.exceptions.ConnectionError):  # the service's excepthook makes it one line
+    # the service's excepthook makes it one line
+    with pytest.raises(redis.exceptions.ConnectionError):
         c.ping()
     proxy.up()
-    assert c.ping()  # back: the same client works again
+    # back: the same client works again
+    assert c.ping()

@@ -12,8 +12,11 @@ def test_the_rollout_registry_lists_live_workers_and_forgets_dead_ones(client, k
     for hb, version in ((a, 1), (b, 2), (c, 3)):
         hb.beat(version=version)
     assert {w: f["version"] for w, f in alive_of(client, keys, "rollout").items()} == {"A": "1", "B": "2", "C": "3"}
-    b.stop()  # warm stop
-    client.delete(keys.alive("rollout", "C"))  # what the TTL does after a kill -9
+    # warm stop
+    b.stop()
+    # what the TTL does after a kill -9
+    client.delete(keys.alive("rollout", "C"))
     assert set(alive_of(client, keys, "rollout")) == {"A"}
-    assert client.smembers(keys.alive_registry("rollout")) == {b"A"}  # C's stale member removed
+    # C's stale member removed
+    assert client.smembers(keys.alive_registry("rollout")) == {b"A"}
     assert alive_of(client, keys, "trainer") == {}

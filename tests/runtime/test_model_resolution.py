@@ -22,12 +22,22 @@ def test_a_mistyped_path_fails_in_one_line_naming_the_key(tmp_path, monkeypatch,
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelNotFound, match="config key 'model_dir'.*no folder"):
         resolve_model(str(tmp_path / "models" / "tinyy"))
-    rc = main(["run", "--model-dir", str(tmp_path / "models" / "tinyy"), "--procfile", str(ROOT / "Procfile"),
-               "--run-dir", str(tmp_path / "runs")])
+    rc = main(
+        [
+            "run",
+            "--model-dir",
+            str(tmp_path / "models" / "tinyy"),
+            "--procfile",
+            str(ROOT / "Procfile"),
+            "--run-dir",
+            str(tmp_path / "runs"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert "model_dir" in err and "tinyy" in err
-    assert not (tmp_path / "models" / "tinyy").exists() and not (tmp_path / "runs").exists()  # nothing was created
+    # nothing was created
+    assert not (tmp_path / "models" / "tinyy").exists() and not (tmp_path / "runs").exists()
 
 
 def test_an_uncached_hub_id_offline_fails_naming_the_cache(monkeypatch, tmp_path):
@@ -65,7 +75,8 @@ def test_chat_prompts_use_the_template_and_text_prompts_stay_plain(tiny_model_di
     text = tok.decode(ids)
     assert text == "<|im_start|>user\n3+4=<|im_end|>\n<|im_start|>assistant\n"
     assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
-    assert encode_prompt(tok, "3+4=") == tok.encode("3+4=", add_special_tokens=False)  # the tiny model wants no BOS
+    # the tiny model wants no BOS
+    assert encode_prompt(tok, "3+4=") == tok.encode("3+4=", add_special_tokens=False)
 
 
 def test_bos_is_added_once_for_a_model_that_expects_it(tiny_model_dir):
@@ -74,7 +85,8 @@ def test_bos_is_added_once_for_a_model_that_expects_it(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     tok._tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     assert encode_prompt(tok, "3+4=")[:2] == [1, tok.convert_tokens_to_ids("3")]
-    assert encode_prompt(tok, "<bos>3+4=")[:2] == [1, tok.convert_tokens_to_ids("3")]  # not doubled
+    # not doubled
+    assert encode_prompt(tok, "<bos>3+4=")[:2] == [1, tok.convert_tokens_to_ids("3")]
 
 
 def test_stop_ids_are_eos_generation_config_and_configured(tiny_model_dir):
@@ -83,7 +95,12 @@ def test_stop_ids_are_eos_generation_config_and_configured(tiny_model_dir):
     assert stop_token_ids(tok) == (tok.eos_token_id,)
     assert stop_token_ids(tok, tiny_model_dir) == (tok.eos_token_id, im_end)
     assert stop_token_ids(tok, tiny_model_dir, "<|im_start|>, 7, ;") == (
-        tok.eos_token_id, im_end, tok.convert_tokens_to_ids("<|im_start|>"), 7, tok.convert_tokens_to_ids(";"))
+        tok.eos_token_id,
+        im_end,
+        tok.convert_tokens_to_ids("<|im_start|>"),
+        7,
+        tok.convert_tokens_to_ids(";"),
+    )
     with pytest.raises(PromptError, match="config key 'stop': 'END' is 3 tokens"):
         stop_token_ids(tok, tiny_model_dir, "END")
 

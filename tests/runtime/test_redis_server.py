@@ -3,10 +3,10 @@ import os
 import pytest
 import redis
 
-from shared.runtime.connection import connect, redact
+from services.ops.launch.redis_server import EmbeddedRedis, ServerError
 from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import Keys
-from services.ops.launch.redis_server import EmbeddedRedis, ServerError
+from shared.runtime.connection import connect, redact
 from tests.support.procs import wait_until
 
 
@@ -61,8 +61,7 @@ def test_flushed_events_survive_a_server_kill_9(tmp_path):
     keys = Keys("aof")
     log = EpisodeLog(connect(server.url), keys, "w")
     log.open("e1")
-    log.append("e1", "started", {"episode_id": "e1", "group_id": "g", "index": 0, "prompt_ids": [1],
-                                 "sampling": {}}, 0)
+    log.append("e1", "started", {"episode_id": "e1", "group_id": "g", "index": 0, "prompt_ids": [1], "sampling": {}}, 0)
     log.append_tokens("e1", list(range(100)), [0.0] * 100, 0)
     log.flush_or_raise()
     port = server.port
@@ -75,7 +74,6 @@ def test_flushed_events_survive_a_server_kill_9(tmp_path):
         restarted.stop()
 
 
-
 def test_drain_waits_for_clients_to_leave_then_returns(tmp_path):
     """Under honcho every process gets SIGTERM at once: `streamrl redis` drains before it stops. A client
     still connected at the end of the grace is counted; one that writes its last events while the server
@@ -86,15 +84,19 @@ def test_drain_waits_for_clients_to_leave_then_returns(tmp_path):
 
     with EmbeddedRedis(tmp_path) as server:
         client = connect(server.url)
-        client.ping()  # a connection is open
-        assert server.drain(0.3) == 1  # a client stayed
+        # a connection is open
+        client.ping()
+        # a client stayed
+        assert server.drain(0.3) == 1
 
         result = {}
         drainer = threading.Thread(target=lambda: result.update(left=server.drain(600)), daemon=True)
         drainer.start()
         wait_until(lambda: any(c.get("name") == DRAIN_CLIENT for c in client.client_list()), "the drain under way", 30)
-        client.xadd("last-words", {"k": "v"})  # a service flushing after the SIGTERM
+        # a service flushing after the SIGTERM
+        client.xadd("last-words", {"k": "v"})
         client.close()
         drainer.join(60)
-        assert not drainer.is_alive() and result["left"] == 0  # returned when the client left, not after the grace
+        # returned when the client left, not after the grace
+        assert not drainer.is_alive() and result["left"] == 0
         assert connect(server.url).xlen("last-words") == 1

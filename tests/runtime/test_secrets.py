@@ -26,9 +26,12 @@ def test_fill_gives_the_password_only_to_its_own_server():
     assert got == {"redis_url": "redis://:pw@127.0.0.1:7001/0", "gateway_api_key": "gk", "weights_token": "wt"}
     # another server (your own Redis without a password) gets none; values given stay
     assert secrets.fill({"redis_url": "redis://127.0.0.1:7002/0", "gateway_api_key": "mine"}, data) == {
-        "weights_token": "wt"}
+        "weights_token": "wt"
+    }
     assert secrets.fill({"redis_url": "redis://:own@127.0.0.1:7001/0"}, data) == {
-        "gateway_api_key": "gk", "weights_token": "wt"}
+        "gateway_api_key": "gk",
+        "weights_token": "wt",
+    }
 
 
 def test_secrets_file_is_made_0600_in_a_0700_folder_and_keeps_what_was_given(tmp_path):
@@ -37,7 +40,8 @@ def test_secrets_file_is_made_0600_in_a_0700_folder_and_keeps_what_was_given(tmp
     assert first["gateway_api_key"] == "given" and len(first["redis_password"]) >= 32 and first["weights_token"]
     assert _mode(secrets.path(run_path)) == 0o600 and _mode(run_path) == 0o700
     again = secrets.load_or_create(run_path)
-    assert again == first  # the same secrets on every start
+    # the same secrets on every start
+    assert again == first
     assert secrets.read(tmp_path / "nowhere") == {}
 
 
@@ -53,14 +57,18 @@ def test_the_runs_redis_asks_for_the_runs_password_and_every_process_finds_it(tm
     cfg = Config(run=f"sec{uuid.uuid4().hex[:6]}", run_dir=str(tmp_path / "runs"))
     server = start_for_run(cfg)
     try:
-        with pytest.raises(redis.exceptions.AuthenticationError):  # a local user without the file
+        # a local user without the file
+        with pytest.raises(redis.exceptions.AuthenticationError):
             redis.Redis(host=server.host, port=server.port).ping()
-        argv = subprocess.run(["ps", "-o", "args=", "-p", str(server.proc.pid)], capture_output=True,
-                              text=True).stdout
-        assert server.password not in argv and server.port  # not on the command line
+        argv = subprocess.run(["ps", "-o", "args=", "-p", str(server.proc.pid)], capture_output=True, text=True).stdout
+        # not on the command line
+        assert server.password not in argv and server.port
         # a process of the run: REDIS_URL without a password, run_dir and run: the secrets file fills it in
-        env = {"REDIS_URL": secrets.without_password(server.url), "STREAMRL_RUN": cfg.run,
-               "STREAMRL_RUN_DIR": cfg.run_dir}
+        env = {
+            "REDIS_URL": secrets.without_password(server.url),
+            "STREAMRL_RUN": cfg.run,
+            "STREAMRL_RUN_DIR": cfg.run_dir,
+        }
         loaded, sources = config_sources.load_with_sources(env=env)
         assert redis.Redis.from_url(loaded.redis_url).ping()
         assert loaded.gateway_api_key and loaded.weights_token and "secrets.json" in sources["gateway_api_key"]

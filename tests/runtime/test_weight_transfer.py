@@ -13,13 +13,14 @@ import pytest
 from services.rollout.weights.local import LocalWeights
 from shared.protocol.streams import versions
 from shared.runtime import logs
-from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.config.keys import Config, ConfigError
 from shared.runtime.config.sources import load
+from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.weights.fetch import FetchError, fetch, prune
 from shared.runtime.weights.server import WeightServer, file_name
 
-SIZE = 3 * 1024 * 1024 + 17  # a few chunks, not a round number
+# a few chunks, not a round number
+SIZE = 3 * 1024 * 1024 + 17
 
 
 @pytest.fixture
@@ -53,8 +54,14 @@ def test_server_serves_ranges_head_and_digest_and_nothing_else(server, published
     assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) == SIZE
     # If-Range with another digest: the whole file, not the range
     assert httpx.get(url, headers={"Range": "bytes=10-", "If-Range": '"' + "0" * 64 + '"'}).status_code == 200
-    for other in ("/weights/v000008.safetensors", "/weights/..%2Fsecret.txt", "/weights/../secret.txt",
-                  "/secret.txt", "/weights/secret.txt", "/weights/v7.safetensors"):
+    for other in (
+        "/weights/v000008.safetensors",
+        "/weights/..%2Fsecret.txt",
+        "/weights/../secret.txt",
+        "/secret.txt",
+        "/weights/secret.txt",
+        "/weights/v7.safetensors",
+    ):
         assert httpx.get(server.url + other).status_code == 404, other
     assert httpx.post(url).status_code == 405
 
@@ -113,7 +120,7 @@ class CutOnce:
             if not data:
                 break
             if cut and sent + len(data) >= self.cut_after:
-                client.sendall(data[:self.cut_after - sent])
+                client.sendall(data[: self.cut_after - sent])
                 break
             client.sendall(data)
             sent += len(data)
@@ -135,8 +142,10 @@ def test_a_download_cut_mid_body_is_resumed_with_a_range_request(server, publish
     assert "range" not in relay.requests[0].lower()
     (line,) = [h for h in relay.requests[1].split("\r\n") if h.lower().startswith("range:")]
     resumed_at = int(line.split("=")[1].rstrip("-"))
-    assert 0 < resumed_at < SIZE // 3  # what the cut connection delivered, less the response's head
-    assert got.downloaded == SIZE  # every byte came over the network once: the resume asked for the rest only
+    # what the cut connection delivered, less the response's head
+    assert 0 < resumed_at < SIZE // 3
+    # every byte came over the network once: the resume asked for the rest only
+    assert got.downloaded == SIZE
     assert not list((tmp_path / "mine").glob("*.part"))
 
 
@@ -145,12 +154,13 @@ def test_a_partial_file_left_by_a_dead_fetch_is_resumed_and_a_bad_one_started_ov
     mine = tmp_path / "mine"
     mine.mkdir()
     part = mine / f".{file_name(7)}.{digest[:16]}.part"
-    part.write_bytes(path.read_bytes()[:SIZE // 2])
+    part.write_bytes(path.read_bytes()[: SIZE // 2])
     got = fetch(server.url_of(7), 7, digest, mine)
     assert (got.resumed_from, got.downloaded, got.requests) == (SIZE // 2, SIZE - SIZE // 2, 1)
     assert sha256_file(got.path) == digest
     got.path.unlink()
-    part.write_bytes(b"garbage" * 1000)  # not a prefix of the file: the digest fails, it starts over once
+    # not a prefix of the file: the digest fails, it starts over once
+    part.write_bytes(b"garbage" * 1000)
     got = fetch(server.url_of(7), 7, digest, mine)
     assert got.requests == 2 and got.downloaded == SIZE - 7000 + SIZE and sha256_file(got.path) == digest
 
@@ -179,17 +189,20 @@ def test_prune_keeps_the_loaded_version_newer_ones_and_a_few_older(tmp_path):
 
 
 def _weights(tmp_path, mode: str) -> LocalWeights:
-    cfg = Config(run="t", weights_fetch=mode, rollout_weights_dir=str(tmp_path / "mine"),
-                 weights_dir=str(tmp_path / "trainer"))
+    cfg = Config(
+        run="t", weights_fetch=mode, rollout_weights_dir=str(tmp_path / "mine"), weights_dir=str(tmp_path / "trainer")
+    )
     return LocalWeights(cfg, logs.get("weights-test"))
 
 
 def test_auto_reads_a_readable_published_file_and_downloads_an_unreadable_one(server, published, tmp_path):
     path, digest = published
     auto = _weights(tmp_path, "auto")
-    assert auto.local(7, str(path), digest, server.url_of(7)) == path  # readable here: no download at all
+    # readable here: no download at all
+    assert auto.local(7, str(path), digest, server.url_of(7)) == path
     assert not (tmp_path / "mine").exists() and auto.stats["fetches"] == 0
-    elsewhere = str(tmp_path / "on-the-trainer-host" / file_name(7))  # the path as the trainer wrote it
+    # the path as the trainer wrote it
+    elsewhere = str(tmp_path / "on-the-trainer-host" / file_name(7))
     auto = _weights(tmp_path, "auto")
     got = auto.local(7, elsewhere, digest, server.url_of(7))
     assert got == tmp_path / "mine" / file_name(7) and sha256_file(got) == digest and auto.stats["fetches"] == 1
@@ -207,34 +220,39 @@ def test_a_prefetch_acks_from_its_thread_and_a_failed_one_is_what_the_load_refus
     w = _weights(tmp_path, "always")
     done = threading.Event()
     results = []
-    w.prefetch(7, str(path), "cd" * 32, server.url_of(7), lambda ok, error: (results.append((ok, error)),
-                                                                                done.set()))
+    w.prefetch(7, str(path), "cd" * 32, server.url_of(7), lambda ok, error: (results.append((ok, error)), done.set()))
     assert done.wait(30)
     ((ok, error),) = results
     assert not ok and "cdcdcdcdcdcd" in error
     with pytest.raises(ValueError) as exc:
         w.local(7, str(path), "cd" * 32, server.url_of(7))
-    assert str(exc.value) == error  # the same error, at once: no second download inside the pause
-    assert w.local(7, str(path), digest, server.url_of(7)).parent == tmp_path / "mine"  # a later load tries again
+    # the same error, at once: no second download inside the pause
+    assert str(exc.value) == error
+    # a later load tries again
+    assert w.local(7, str(path), digest, server.url_of(7)).parent == tmp_path / "mine"
 
 
 def test_version_events_carry_the_url_and_old_ones_without_it_decode():
-    old = versions.decode("1-0", {b"version": b"3", b"path": b"/w/v3", b"sha256": b"ab", b"step": b"3",
-                                  b"time": b"1.5"})
+    old = versions.decode(
+        "1-0", {b"version": b"3", b"path": b"/w/v3", b"sha256": b"ab", b"step": b"3", b"time": b"1.5"}
+    )
     assert old.url == "" and old.version == 3
     v = versions.Version(4, "/w/v4", "cd", 4, 2.0, url="http://h:1/weights/v000004.safetensors")
     assert versions.encode(v)["url"] == v.url and "url" not in versions.encode(old)
     assert versions.decode("2-0", versions.encode(v)).url == v.url
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"STREAMRL_WEIGHTS_FETCH": "sometimes"}, "'weights_fetch': expected 'auto', 'always' or 'never'"),
-    ({"STREAMRL_WEIGHTS_PORT": "70000"}, "'weights_port': expected a port"),
-    ({"STREAMRL_WEIGHTS_URL": "ftp://x"}, "'weights_url': expected an http"),
-    ({"STREAMRL_WEIGHTS_PORT": "8322", "STREAMRL_WEIGHTS_HOST": "0.0.0.0"}, "set weights_url"),
-    ({"STREAMRL_WEIGHTS_DIR": "/tmp/w", "STREAMRL_ROLLOUT_WEIGHTS_DIR": "/tmp/w/"}, "is the trainer's weights_dir"),
-    ({"STREAMRL_ROLLOUT_WEIGHTS_KEEP": "0"}, "rollout_weights_keep"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"STREAMRL_WEIGHTS_FETCH": "sometimes"}, "'weights_fetch': expected 'auto', 'always' or 'never'"),
+        ({"STREAMRL_WEIGHTS_PORT": "70000"}, "'weights_port': expected a port"),
+        ({"STREAMRL_WEIGHTS_URL": "ftp://x"}, "'weights_url': expected an http"),
+        ({"STREAMRL_WEIGHTS_PORT": "8322", "STREAMRL_WEIGHTS_HOST": "0.0.0.0"}, "set weights_url"),
+        ({"STREAMRL_WEIGHTS_DIR": "/tmp/w", "STREAMRL_ROLLOUT_WEIGHTS_DIR": "/tmp/w/"}, "is the trainer's weights_dir"),
+        ({"STREAMRL_ROLLOUT_WEIGHTS_KEEP": "0"}, "rollout_weights_keep"),
+    ],
+)
 def test_bad_transport_config_is_one_clear_error(env, message):
     with pytest.raises(ConfigError, match=message):
         load(env=env)
@@ -243,8 +261,13 @@ def test_bad_transport_config_is_one_clear_error(env, message):
 def test_the_advertised_url_defaults_to_host_and_port_and_is_empty_without_a_server():
     assert load(env={}).weights_base_url == ""
     assert load(env={"STREAMRL_WEIGHTS_PORT": "8322"}).weights_base_url == "http://127.0.0.1:8322"
-    cfg = load(env={"STREAMRL_WEIGHTS_PORT": "8322", "STREAMRL_WEIGHTS_HOST": "0.0.0.0",
-                    "STREAMRL_WEIGHTS_URL": "http://trainer.lan:8322/"})
+    cfg = load(
+        env={
+            "STREAMRL_WEIGHTS_PORT": "8322",
+            "STREAMRL_WEIGHTS_HOST": "0.0.0.0",
+            "STREAMRL_WEIGHTS_URL": "http://trainer.lan:8322/",
+        }
+    )
     assert cfg.weights_base_url == "http://trainer.lan:8322"
 
 
@@ -267,6 +290,8 @@ def test_bytes_that_do_not_hash_to_the_published_sha256_are_discarded_after_the_
     finally:
         httpd.shutdown()
         httpd.server_close()
-    assert str(exc.value) == (f"weights v7 from {url}: sha256 {sha256_file(other / file_name(7))[:12]}... does not "
-                              f"match the published {published[1][:12]}... (corrupt or truncated file); discarded")
+    assert str(exc.value) == (
+        f"weights v7 from {url}: sha256 {sha256_file(other / file_name(7))[:12]}... does not "
+        f"match the published {published[1][:12]}... (corrupt or truncated file); discarded"
+    )
     assert not [p.name for p in (tmp_path / "mine").iterdir() if not p.name.endswith(".lock")]

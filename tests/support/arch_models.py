@@ -6,12 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-CHATML = ("{% if bos_token and add_bos %}{{ bos_token }}{% endif %}"
-          "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% if bos_token and add_bos %}{{ bos_token }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>"]
 CORPUS = [f"{a}+{b}={a + b}. The answer is {a + b}." for a in range(10) for b in range(10)] + [
-    "You are a helpful assistant.", "What is the sum? Please think step by step.", "user assistant system"] * 5
+    "You are a helpful assistant.",
+    "What is the sum? Please think step by step.",
+    "user assistant system",
+] * 5
 
 
 def bpe_tokenizer(bos: bool):
@@ -23,15 +28,27 @@ def bpe_tokenizer(bos: bool):
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    core.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
-                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    core.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=320, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     if bos:
         bos_id = core.token_to_id("<|begin_of_text|>")
-        core.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
-                                                            special_tokens=[("<|begin_of_text|>", bos_id)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  bos_token="<|begin_of_text|>" if bos else None,
-                                  additional_special_tokens=["<|im_start|>"], clean_up_tokenization_spaces=False)
+        core.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A",
+            pair="<|begin_of_text|> $A $B",
+            special_tokens=[("<|begin_of_text|>", bos_id)],
+        )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token="<|begin_of_text|>" if bos else None,
+        additional_special_tokens=["<|im_start|>"],
+        clean_up_tokenization_spaces=False,
+    )
     tok.chat_template = CHATML.replace("add_bos", "true" if bos else "false")
     return tok
 
@@ -39,13 +56,20 @@ def bpe_tokenizer(bos: bool):
 def make_arch_model(kind: str, out_dir: str | Path, seed: int = 0) -> str:
     """``kind``: llama | qwen2 | mistral | mistral-sliding (a sliding-window cache the torch engine refuses)."""
     import torch
-    from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Qwen2Config)
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     tok = bpe_tokenizer(bos=kind == "llama")
-    ids = dict(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-               bos_token_id=tok.bos_token_id)
-    dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=128, max_position_embeddings=256)
+    ids = dict(
+        vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id
+    )
+    dims = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=256,
+    )
     if kind == "llama":
         config = LlamaConfig(**dims, **ids, tie_word_embeddings=False)
     elif kind == "qwen2":
@@ -60,7 +84,9 @@ def make_arch_model(kind: str, out_dir: str | Path, seed: int = 0) -> str:
     model = AutoModelForCausalLM.from_config(config).eval()
     model.generation_config = GenerationConfig(
         eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")],
-        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
     tok.save_pretrained(str(out_dir))

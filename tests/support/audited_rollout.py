@@ -1,7 +1,7 @@
-"""`python -m tests.support.audited_rollout DENIED LOG <rollout args>`: a real rollout worker process (services.rollout) in
-which the folder DENIED does not exist for reading: every open, listdir or scandir of a path under it is refused
-(PermissionError) and written to LOG, one line each. The trainer's weights folder, as a worker on another host
-sees it (tests run as root, so permissions cannot stand in for that)."""
+"""`python -m tests.support.audited_rollout DENIED LOG <rollout args>`: a real rollout worker process
+(services.rollout) in which the folder DENIED does not exist for reading: every open, listdir or scandir of a path
+under it is refused (PermissionError) and written to LOG, one line each. The trainer's weights folder, as a worker on
+another host sees it (tests run as root, so permissions cannot stand in for that)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def main() -> None:
             return
         path = os.path.abspath(os.fsdecode(a[0]))
         if path == denied or path.startswith(denied + os.sep):
-            with open(log, "a") as fh:  # an open of LOG, not under DENIED: the hook lets it through
+            # an open of LOG, not under DENIED: the hook lets it through
+            with open(log, "a") as fh:
                 fh.write(f"{event} {path}\n")
             raise PermissionError(f"{path}: denied (tests/support/audited_rollout.py: another host's folder)")
 

@@ -14,15 +14,23 @@ from services.ops.launch.tiny_model import make_tiny_model
 from tests.support.models import fit_rows
 
 CHATML_TOOLS = (
-    "{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='function') | map(attribute='name') | join(',') }}"
+    "{% if tools %}<|im_start|>system\nTools: "
+    "{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}"
     "<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    '{% for c in m.tool_calls or [] %}<tool_call>{"name": "{{ c.function.name }}", "arguments": '
     "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
-CALC_TOOL = {"type": "function", "function": {"name": "calc", "description": "evaluate",
-                                              "parameters": {"type": "object", "properties": {"e": {"type": "string"}}}}}
+CALC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "evaluate",
+        "parameters": {"type": "object", "properties": {"e": {"type": "string"}}},
+    },
+}
 
 
 def make_chat_model(out_dir: str | Path, max_len: int = 1024, hidden_size: int = 64, seed: int = 1) -> str:
@@ -38,16 +46,20 @@ def make_chat_model(out_dir: str | Path, max_len: int = 1024, hidden_size: int =
     return str(out_dir)
 
 
-def overfit_conversations(model_dir: str | Path, conversations: list[tuple[list[dict], list]], steps: int = 400,
-                          lr: float = 3e-3) -> str:
+def overfit_conversations(
+    model_dir: str | Path, conversations: list[tuple[list[dict], list]], steps: int = 400, lr: float = 3e-3
+) -> str:
     """Train on whole rendered conversations (every token a label) until greedy decoding reproduces them."""
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
     from services.gateway.chat import template_messages
 
-    rows = [tok.encode(tok.apply_chat_template(template_messages(msgs), tools=tools, tokenize=False),
-                       add_special_tokens=False)
-            for msgs, tools in conversations]
+    rows = [
+        tok.encode(
+            tok.apply_chat_template(template_messages(msgs), tools=tools, tokenize=False), add_special_tokens=False
+        )
+        for msgs, tools in conversations
+    ]
     return fit_rows(model_dir, model, tok.pad_token_id, [(row, 0) for row in rows], steps, lr)
 
 
@@ -59,8 +71,9 @@ def scripted_chat_model(out_dir: str | Path, conversations: list[tuple[list[dict
     import os
     import shutil
 
-    key = hashlib.sha256(json.dumps([CHATML_TOOLS, conversations, steps, torch.__version__],
-                                    sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps([CHATML_TOOLS, conversations, steps, torch.__version__], sort_keys=True).encode()
+    ).hexdigest()[:16]
     cache = Path(os.environ.get("TESTS_CACHE_DIR_STREAMRL", Path.home() / ".cache" / "streamrl-tests")) / f"chat-{key}"
     if not (cache / "model.safetensors").exists():
         tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
@@ -71,12 +84,22 @@ def scripted_chat_model(out_dir: str | Path, conversations: list[tuple[list[dict
 
 
 def tool_call_message(expr: str, call_id: str = "x") -> dict:
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"id": call_id, "type": "function", "function": {"name": "calc", "arguments": f'{{"e": "{expr}"}}'}}]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "calc", "arguments": f'{{"e": "{expr}"}}'}}
+        ],
+    }
 
 
 def calc_conversation(a: int, b: int) -> list[dict]:
     """user asks, assistant calls calc twice (the second checks), then answers: three assistant turns."""
-    return [{"role": "user", "content": f"{a}+{b}?"}, tool_call_message(f"{a}+{b}"),
-            {"role": "tool", "content": str(a + b)}, tool_call_message(f"{a + b}"),
-            {"role": "tool", "content": str(a + b)}, {"role": "assistant", "content": f"answer: {a + b}"}]
+    return [
+        {"role": "user", "content": f"{a}+{b}?"},
+        tool_call_message(f"{a}+{b}"),
+        {"role": "tool", "content": str(a + b)},
+        tool_call_message(f"{a + b}"),
+        {"role": "tool", "content": str(a + b)},
+        {"role": "assistant", "content": f"answer: {a + b}"},
+    ]

@@ -24,6 +24,7 @@ def garbage(args: str):
 
 # --- debug rewards (config reward_fn = "tests.support.debug_tools:NAME")
 
+
 async def slow_reward(response: str, task: dict, prompt: str = "") -> tuple[float, dict]:
     """Async; sleeps task["sleep"] seconds (default 0), then scores 1.0 and echoes the prompt it was given."""
     import asyncio

@@ -24,7 +24,8 @@ def file_seconds(junit_xml: str | Path) -> dict[str, float]:
         name = case.get("classname") or ""
         if not name:
             continue
-        path = name.replace(".", "/") + ".py"  # pytest writes tests.ops.test_x for tests/ops/test_x.py
+        # pytest writes tests.ops.test_x for tests/ops/test_x.py
+        path = name.replace(".", "/") + ".py"
         seconds[path] = seconds.get(path, 0.0) + float(case.get("time") or 0.0)
     return {path: round(s, 1) for path, s in sorted(seconds.items())}
 

@@ -23,8 +23,16 @@ CHUNK = 64 * 1024
 
 
 class FaultProxy:
-    def __init__(self, upstream_host: str, upstream_port: int, drop_reply: float = 0.0, cut_request: float = 0.0,
-                 seed: int = 0, max_faults: int = 10_000, max_connections: int = 256):
+    def __init__(
+        self,
+        upstream_host: str,
+        upstream_port: int,
+        drop_reply: float = 0.0,
+        cut_request: float = 0.0,
+        seed: int = 0,
+        max_faults: int = 10_000,
+        max_connections: int = 256,
+    ):
         if upstream_host not in LOOPBACK:
             raise ValueError(f"fault proxy upstream {upstream_host!r}: expected a loopback address")
         self.upstream = (upstream_host, upstream_port)
@@ -32,7 +40,8 @@ class FaultProxy:
         self.rng = random.Random(seed)
         self.max_faults, self.max_connections = max_faults, max_connections
         self.faults: Counter = Counter()
-        self.skip = 0  # chances to let pass before the next fault may be injected (to aim at one command)
+        # chances to let pass before the next fault may be injected (to aim at one command)
+        self.skip = 0
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.AbstractServer | None = None
@@ -52,10 +61,12 @@ class FaultProxy:
         async def listen():
             self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
             self.port = self._server.sockets[0].getsockname()[1]
+
         asyncio.run_coroutine_threadsafe(listen(), self._loop).result(10)
 
     def down(self) -> None:
         """Refuse every connection and close the open ones: the server is gone, as far as clients can tell."""
+
         async def close():
             if self._server is not None:
                 self._server.close()
@@ -63,6 +74,7 @@ class FaultProxy:
                 self._server = None
             for w in list(self._writers):
                 w.close()
+
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
 
     def stop(self) -> None:
@@ -73,6 +85,7 @@ class FaultProxy:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
         asyncio.run_coroutine_threadsafe(cancel_all(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
@@ -108,9 +121,11 @@ class FaultProxy:
         async def requests():
             while data := await client_r.read(CHUNK):
                 if data.count(b"\r\n*") >= 1 and self._fault(self.cut_request, "request_cut"):
-                    server_w.write(data[:self.rng.randrange(1, len(data))])  # a prefix of the pipeline
+                    # a prefix of the pipeline
+                    server_w.write(data[: self.rng.randrange(1, len(data))])
                     await server_w.drain()
-                    server_w.write_eof()  # half-close: the server executes what it got, then hangs up
+                    # half-close: the server executes what it got, then hangs up
+                    server_w.write_eof()
                     cut.append(True)
                     break
                 server_w.write(data)
@@ -119,14 +134,16 @@ class FaultProxy:
         async def replies():
             while data := await server_r.read(CHUNK):
                 if self._fault(self.drop_reply, "reply_dropped"):
-                    break  # executed by the server, never seen by the client
+                    # executed by the server, never seen by the client
+                    break
                 client_w.write(data)
                 await client_w.drain()
 
         tasks = [asyncio.ensure_future(requests()), asyncio.ensure_future(replies())]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            if cut:  # the cut request's prefix: closed only once the server has hung up (it ran what it got)
+            # the cut request's prefix: closed only once the server has hung up (it ran what it got)
+            if cut:
                 await asyncio.wait([tasks[1]], timeout=10)
         except (ConnectionError, OSError):
             pass

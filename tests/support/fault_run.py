@@ -16,14 +16,15 @@ import subprocess
 import time
 from pathlib import Path
 
+from services.ops.launch.redis_server import EmbeddedRedis
+from shared.protocol.keys import Keys
+from shared.protocol.streams import metrics, versions
 from shared.runtime.config.keys import FIELDS, Config
 from shared.runtime.connection import connect
-from shared.protocol.keys import Keys
-from services.ops.launch.redis_server import EmbeddedRedis
-from shared.protocol.streams import metrics, versions
 from tests.support.procs import spawn, wait_until
 
-COMMANDS = {  # process kind -> (module, args)
+# process kind -> (module, args)
+COMMANDS = {
     "rollout": ("tests.support.fault_worker", ()),
     "tools": ("services.rollout.jobs.tools_worker", ()),
     "trainer": ("services.trainer", ()),
@@ -36,16 +37,21 @@ class LiveRun:
     def __init__(self, root: Path, **config):
         self.root = Path(root)
         self.server = EmbeddedRedis(self.root / "redis")
-        self.cfg = Config(**{k: v for k, v in config.items() if k in FIELDS},
-                          run_dir=str(self.root / "runs"), weights_dir=str(self.root / "weights"),
-                          redis_url=self.server.url)
+        self.cfg = Config(
+            **{k: v for k, v in config.items() if k in FIELDS},
+            run_dir=str(self.root / "runs"),
+            weights_dir=str(self.root / "weights"),
+            redis_url=self.server.url,
+        )
         self.keys = Keys(self.cfg.run)
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: list[Path] = []
         self.count: dict[str, int] = {}
-        self.expected_dead: set[str] = set()  # killed on purpose
+        # killed on purpose
+        self.expected_dead: set[str] = set()
         self.client = None
-        self.service_url = None  # what the services connect to: the server, or a fault proxy in front of it
+        # what the services connect to: the server, or a fault proxy in front of it
+        self.service_url = None
 
     # --- processes
     def env(self) -> dict:
@@ -101,10 +107,19 @@ class LiveRun:
         cursor = since[0][0] if since else "0-0"
         os.kill(self.procs[name].pid, signal.SIGUSR1)
         try:
-            return self.wait(lambda: next((rec for _, rec in metrics.read(self.client, self.keys, "fault_probe",
-                                                                       since_id=f"({cursor}")
-                                           if rec["worker"] == name), None), f"{name}'s answer to the probe",
-                             timeout, poll=0.02)
+            return self.wait(
+                lambda: next(
+                    (
+                        rec
+                        for _, rec in metrics.read(self.client, self.keys, "fault_probe", since_id=f"({cursor}")
+                        if rec["worker"] == name
+                    ),
+                    None,
+                ),
+                f"{name}'s answer to the probe",
+                timeout,
+                poll=0.02,
+            )
         finally:
             self.kill(name)
 
@@ -132,8 +147,11 @@ class LiveRun:
         self.server.stop()
 
     def check_alive(self) -> None:
-        dead = {n: p.returncode for n, p in self.procs.items() if p.poll() is not None and p.returncode != 0
-                and n not in self.expected_dead}
+        dead = {
+            n: p.returncode
+            for n, p in self.procs.items()
+            if p.poll() is not None and p.returncode != 0 and n not in self.expected_dead
+        }
         if dead:
             raise AssertionError(f"processes died: {dead}\n{self.tail()}")
 
@@ -176,9 +194,11 @@ class LiveRun:
     def wait(self, condition, what: str, timeout: float = 120.0, poll: float = 0.05):
         """``wait_until``, failing also when a process died that was not killed on purpose; the logs' tails
         come with any failure."""
+
         def alive_and(cond=condition):
             self.check_alive()
             return cond()
+
         try:
             return wait_until(alive_and, what, timeout, poll=poll)
         except AssertionError as exc:

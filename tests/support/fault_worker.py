@@ -13,13 +13,13 @@ with the tokens generated again.
 
 from __future__ import annotations
 
-from shared.protocol.streams import metrics
 import os
 import signal
 import time
 
 from services.rollout import __main__ as rollout_main
 from services.rollout.worker import RolloutWorker
+from shared.protocol.streams import metrics
 
 _run = RolloutWorker.run
 
@@ -31,16 +31,30 @@ def _run_with_probe(self: RolloutWorker, should_stop=lambda: False) -> None:
     def probed() -> bool:
         if asked["probe"]:
             asked.setdefault("since", time.monotonic())
-            self.episodes.writes.settle()  # the step's batch in flight lands first: the kill comes after it
-            unflushed = {eid: self.events.pending_tokens(eid) for eid in self.live}  # live episodes: logs open
+            # the step's batch in flight lands first: the kill comes after it
+            self.episodes.writes.settle()
+            # live episodes: logs open
+            unflushed = {eid: self.events.pending_tokens(eid) for eid in self.live}
             if not sum(unflushed.values()) and time.monotonic() - asked["since"] < 10:
-                return should_stop()  # wait (up to 10 s) for a tick with tokens generated but not yet flushed
+                # wait (up to 10 s) for a tick with tokens generated but not yet flushed
+                return should_stop()
             self.report(final=True)
-            metrics.record(self.client, self.keys, "fault_probe", {
-                "worker": self.worker_id, "time": time.time(), "in_flight": len(self.live),
-                "unflushed_tokens": sum(unflushed.values()), "unflushed": unflushed,
-                "tokens": self.stats["tokens"], "flush_tokens": self.cfg.flush_tokens})
-            os.kill(os.getpid(), signal.SIGSTOP)  # the kill -9 arrives while stopped here
+            metrics.record(
+                self.client,
+                self.keys,
+                "fault_probe",
+                {
+                    "worker": self.worker_id,
+                    "time": time.time(),
+                    "in_flight": len(self.live),
+                    "unflushed_tokens": sum(unflushed.values()),
+                    "unflushed": unflushed,
+                    "tokens": self.stats["tokens"],
+                    "flush_tokens": self.cfg.flush_tokens,
+                },
+            )
+            # the kill -9 arrives while stopped here
+            os.kill(os.getpid(), signal.SIGSTOP)
         return should_stop()
 
     return _run(self, should_stop=probed)

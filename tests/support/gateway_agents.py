@@ -17,8 +17,9 @@ def calc_agent(client, task: dict) -> dict:
     messages = [{"role": "user", "content": task["question"]}]
     turns, slow_tool_done = 0, False
     for turn in range(4):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=[CALC_TOOL], temperature=0,
-                                               max_tokens=task.get("max_tokens", 96))
+        reply = client.chat.completions.create(
+            model="policy", messages=messages, tools=[CALC_TOOL], temperature=0, max_tokens=task.get("max_tokens", 96)
+        )
         turns += 1
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
@@ -36,8 +37,10 @@ def calc_agent(client, task: dict) -> dict:
             while not os.path.exists(task["hold"]):
                 time.sleep(0.05)
     answer = message.content or ""
-    return {"reward": 1.0 if answer.strip() == f"answer: {task['answer']}" else 0.0,
-            "details": {"turns": turns, "answer": answer}}
+    return {
+        "reward": 1.0 if answer.strip() == f"answer: {task['answer']}" else 0.0,
+        "details": {"turns": turns, "answer": answer},
+    }
 
 
 def held_agent(client, task: dict) -> float:

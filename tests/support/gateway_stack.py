@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 import tempfile
+import threading
 
 import httpx
 import uvicorn
 
-from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.episode.fold import fold
+from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import Keys
 from tests.support.procs import ROOT, wait_until
 
@@ -24,10 +24,17 @@ def free_port() -> int:
 
 
 def env_for(redis_url: str, keys: Keys, model_dir: str, **cfg) -> dict:
-    env = {**os.environ, "REDIS_URL": redis_url, "STREAMRL_RUN": keys.run, "STREAMRL_MODEL_DIR": model_dir,
-           "STREAMRL_LOG_LEVEL": "warning", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
-           # the run's folder is the test's own: a run name reused by another test session meets no old state
-           "STREAMRL_RUN_DIR": tempfile.mkdtemp(prefix=f"streamrl-{keys.run}-")}
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "STREAMRL_RUN": keys.run,
+        "STREAMRL_MODEL_DIR": model_dir,
+        "STREAMRL_LOG_LEVEL": "warning",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": ROOT,
+        # the run's folder is the test's own: a run name reused by another test session meets no old state
+        "STREAMRL_RUN_DIR": tempfile.mkdtemp(prefix=f"streamrl-{keys.run}-"),
+    }
     for k, v in cfg.items():
         env[f"STREAMRL_{k.upper()}"] = str(v)
     return env
@@ -39,6 +46,7 @@ def wait_http(port: int, timeout: float = 90.0) -> None:
             return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
         except httpx.HTTPError:
             return False
+
     wait_until(up, f"gateway on port {port}", timeout)
 
 
@@ -50,9 +58,20 @@ def start_agent_episode(client, keys: Keys, episode_id: str, task: dict | None =
     """What the agent runner writes first: the episode's 'started' event (prompts come with calls)."""
     log = EpisodeLog(client, keys, "test-runner")
     log.open(episode_id)
-    log.append(episode_id, "started", {"episode_id": episode_id, "group_id": episode_id.rsplit("-", 1)[0],
-                                       "index": 0, "prompt_ids": [], "sampling": {"temperature": 0.0},
-                                       "task": task or {}, "agent": agent}, 0)
+    log.append(
+        episode_id,
+        "started",
+        {
+            "episode_id": episode_id,
+            "group_id": episode_id.rsplit("-", 1)[0],
+            "index": 0,
+            "prompt_ids": [],
+            "sampling": {"temperature": 0.0},
+            "task": task or {},
+            "agent": agent,
+        },
+        0,
+    )
     log.flush_or_raise()
 
 
@@ -67,8 +86,9 @@ class InProcessGateway:
         from services.gateway.app import make_app
 
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(make_app(gw, api_key), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(make_app(gw, api_key), host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):

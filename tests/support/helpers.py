@@ -6,9 +6,20 @@ from shared.protocol.episode.events import Event, encode
 
 
 def started(seq: int = 0, episode_id: str = "e1", prompt=(5, 6, 7), policy: int = 0, worker: str = "w") -> Event:
-    return Event("started", policy, worker, seq, {"episode_id": episode_id, "group_id": "g1", "index": 0,
-                                                  "prompt_ids": list(prompt), "sampling": {"max_tokens": 32},
-                                                  "task": {"answer": "42"}})
+    return Event(
+        "started",
+        policy,
+        worker,
+        seq,
+        {
+            "episode_id": episode_id,
+            "group_id": "g1",
+            "index": 0,
+            "prompt_ids": list(prompt),
+            "sampling": {"max_tokens": 32},
+            "task": {"answer": "42"},
+        },
+    )
 
 
 def tokens(seq: int, ids, policy: int = 0, worker: str = "w", logprobs=None) -> Event:

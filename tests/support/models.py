@@ -11,17 +11,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from services.ops.launch.tiny_model import make_tiny_model
 
 
-def fit_rows(model_dir: str | Path, model, pad_id: int, rows: list[tuple[list[int], int]], steps: int,
-             lr: float) -> str:
+def fit_rows(
+    model_dir: str | Path, model, pad_id: int, rows: list[tuple[list[int], int]], steps: int, lr: float
+) -> str:
     """Train ``model`` on rows of (token ids, index of the first labelled token), save it to ``model_dir``."""
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), pad_id)
     labels = torch.full((len(rows), width), -100)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, (row, start) in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row)
-        labels[i, start:len(row)] = torch.tensor(row[start:])
-        mask[i, :len(row)] = 1
+        ids[i, : len(row)] = torch.tensor(row)
+        labels[i, start : len(row)] = torch.tensor(row[start:])
+        mask[i, : len(row)] = 1
     torch.manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()

@@ -6,8 +6,19 @@ import os
 import sys
 import time
 
-print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
-                  "torch_preloaded": "torch" in sys.modules, "sid": os.getsid(0), "pid": os.getpid()}), flush=True)
+print(
+    json.dumps(
+        {
+            "argv": sys.argv[1:],
+            "cwd": os.getcwd(),
+            "probe": os.environ.get("PROBE"),
+            "torch_preloaded": "torch" in sys.modules,
+            "sid": os.getsid(0),
+            "pid": os.getpid(),
+        }
+    ),
+    flush=True,
+)
 if sys.argv[1:2] == ["exit"]:
     sys.exit(int(sys.argv[2]))
 if sys.argv[1:2] == ["raise"]:

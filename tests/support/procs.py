@@ -25,7 +25,8 @@ from pathlib import Path
 from services.ops.launch import starter_client
 
 ROOT = str(Path(__file__).resolve().parents[2])
-POLL_S = 0.05  # how often a condition is re-read; only the deadline bounds how long a wait may take
+# how often a condition is re-read; only the deadline bounds how long a wait may take
+POLL_S = 0.05
 WARM = os.environ.get("TESTS_COLD_START", "") in ("", "0")
 
 
@@ -65,9 +66,15 @@ def _spawn_warm(module: str, args: list[str], env: dict | None, out_fd: int | No
     if stderr_pipe:
         err_r, err_w = os.pipe()
     try:
-        proc = starter_client.start(_starter_path(), module, args, os.environ if env is None else env, ROOT,
-                             out_fd if out_fd is not None else 1,
-                             out_fd if out_fd is not None else err_w if err_w is not None else 2)
+        proc = starter_client.start(
+            _starter_path(),
+            module,
+            args,
+            os.environ if env is None else env,
+            ROOT,
+            out_fd if out_fd is not None else 1,
+            out_fd if out_fd is not None else err_w if err_w is not None else 2,
+        )
     except BaseException:
         if err_r is not None:
             os.close(err_r)
@@ -80,26 +87,36 @@ def _spawn_warm(module: str, args: list[str], env: dict | None, out_fd: int | No
     return proc
 
 
-def spawn(module: str, *args: str, env: dict | None = None, log: str | Path | None = None,
-          stderr_pipe: bool = False):
+def spawn(module: str, *args: str, env: dict | None = None, log: str | Path | None = None, stderr_pipe: bool = False):
     """``python -m module args`` from the project root, in a new session; its output to ``log`` if given, or its
     stderr to a text pipe (``proc.communicate()``) with ``stderr_pipe``."""
     out = open(log, "ab") if log else None
     try:
-        vllm = "vllm" in (env or os.environ).get("STREAMRL_ENGINE", "") or "vllm" in args  # as streamrl run: cold
+        # as streamrl run: cold
+        vllm = "vllm" in (env or os.environ).get("STREAMRL_ENGINE", "") or "vllm" in args
         if WARM and not module.startswith("torch.") and not vllm:
             return _spawn_warm(module, [str(a) for a in args], env, out.fileno() if out else None, stderr_pipe)
-        return subprocess.Popen([sys.executable, "-m", module, *map(str, args)], env=env, cwd=ROOT,
-                                start_new_session=True, stdout=out,
-                                stderr=subprocess.STDOUT if out else subprocess.PIPE if stderr_pipe else None,
-                                text=stderr_pipe or None)
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *map(str, args)],
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT if out else subprocess.PIPE if stderr_pipe else None,
+            text=stderr_pipe or None,
+        )
     finally:
         if out:
             out.close()
 
 
-def run_module(module: str, *args, env: dict | None = None, input: bytes | None = None, timeout: float = 120,
-               ) -> subprocess.CompletedProcess:
+def run_module(
+    module: str,
+    *args,
+    env: dict | None = None,
+    input: bytes | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess:
     """``python -m module args`` to its end from the project root, its stdout and stderr captured (bytes), as
     ``subprocess.run(..., capture_output=True)`` answers; forked from this worker's starter unless it reads stdin
     (``input``) or ``TESTS_COLD_START=1``. ``subprocess.TimeoutExpired`` past ``timeout`` (the process killed)."""
@@ -108,8 +125,9 @@ def run_module(module: str, *args, env: dict | None = None, input: bytes | None 
         return subprocess.run(argv, env=env, cwd=ROOT, input=input, capture_output=True, timeout=timeout)
     pipes = [os.pipe(), os.pipe()]
     try:
-        proc = starter_client.start(_starter_path(), module, argv[3:], os.environ if env is None else env, ROOT,
-                             pipes[0][1], pipes[1][1])
+        proc = starter_client.start(
+            _starter_path(), module, argv[3:], os.environ if env is None else env, ROOT, pipes[0][1], pipes[1][1]
+        )
     except BaseException:
         for r, _ in pipes:
             os.close(r)
@@ -173,8 +191,10 @@ def wait_until(cond, what: str, timeout: float = 90.0, procs=(), poll: float = P
             return value
         for proc in procs:
             if proc.poll() is not None:
-                raise AssertionError(f"a process ({proc.args[2] if len(proc.args) > 2 else proc.args}) exited "
-                                     f"with {proc.returncode} while waiting for {what}")
+                raise AssertionError(
+                    f"a process ({proc.args[2] if len(proc.args) > 2 else proc.args}) exited "
+                    f"with {proc.returncode} while waiting for {what}"
+                )
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(poll)

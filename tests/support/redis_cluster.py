@@ -39,8 +39,16 @@ class ClusterNode(EmbeddedRedis):
         self.bus_port = bus_port
 
     def command(self) -> list[str]:
-        cmd = super().command() + ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                                   "--cluster-node-timeout", "2000", "--cluster-port", str(self.bus_port)]
+        cmd = super().command() + [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "2000",
+            "--cluster-port",
+            str(self.bus_port),
+        ]
         if self.password:
             cmd += ["--masterauth", self.password]
         return cmd
@@ -52,8 +60,10 @@ class LocalCluster:
             raise ValueError(f"a cluster needs at least 1 master, got masters={masters}")
         self.data_dir, self.password, self.host = Path(data_dir), password, host
         ports = _free_ports(host, 2 * masters)
-        self.nodes = [ClusterNode(self.data_dir / f"node{i}", ports[2 * i], ports[2 * i + 1], host=host,
-                                  password=password) for i in range(masters)]
+        self.nodes = [
+            ClusterNode(self.data_dir / f"node{i}", ports[2 * i], ports[2 * i + 1], host=host, password=password)
+            for i in range(masters)
+        ]
 
     @property
     def url(self) -> str:
@@ -80,8 +90,10 @@ class LocalCluster:
             deadline = time.monotonic() + timeout
             while not all(self._ready(c) for c in clients):
                 if time.monotonic() > deadline:
-                    raise ServerError(f"the {len(self.nodes)}-node cluster in {self.data_dir} did not reach "
-                                      f"cluster_state:ok within {timeout:g} s")
+                    raise ServerError(
+                        f"the {len(self.nodes)}-node cluster in {self.data_dir} did not reach "
+                        f"cluster_state:ok within {timeout:g} s"
+                    )
                 time.sleep(0.05)
             for c in clients:
                 c.close()

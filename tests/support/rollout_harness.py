@@ -9,13 +9,13 @@ from transformers import AutoTokenizer
 
 from services.rollout.engine import make_engine
 from services.rollout.worker import RolloutWorker
+from shared.protocol.episode.fold import fold
+from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.keys import ROLLOUT_GROUP
 from shared.protocol.streams import control
+from shared.protocol.streams import samples as psamples
 from shared.runtime import logs
 from shared.runtime.config.keys import Config
-from shared.protocol.episode.log import EpisodeLog
-from shared.protocol.episode.fold import fold
-from shared.protocol.streams import samples as psamples
-from shared.protocol.keys import ROLLOUT_GROUP
 from tests.support.procs import spawn, stop, wait_until
 
 
@@ -23,8 +23,19 @@ def start_tools_worker(redis_url, keys, cfg: Config | None = None):
     """A real rq worker process serving the run's tool queue (tool calls and reward jobs): it runs only the tools
     and the reward ``cfg`` names (the run's config), as a run's tools worker does."""
     cfg = cfg or Config(run=keys.run)
-    return spawn("services.rollout.jobs.tools_worker", "--run", keys.run, "--redis-url", redis_url, "--log-level",
-                 "warning", "--tools", cfg.tools, "--reward-fn", cfg.reward_fn)
+    return spawn(
+        "services.rollout.jobs.tools_worker",
+        "--run",
+        keys.run,
+        "--redis-url",
+        redis_url,
+        "--log-level",
+        "warning",
+        "--tools",
+        cfg.tools,
+        "--reward-fn",
+        cfg.reward_fn,
+    )
 
 
 @pytest.fixture
@@ -37,8 +48,13 @@ def tools_worker(redis_url, keys):
 
 
 def make_worker(cfg: Config, client, worker_id: str = "w1", engine=None) -> RolloutWorker:
-    engine = engine or make_engine(cfg.engine, cfg.model_dir, max_batch_size=cfg.max_batch_size,
-                                   vllm_args=cfg.vllm_args, step_delay_ms=cfg.step_delay_ms)
+    engine = engine or make_engine(
+        cfg.engine,
+        cfg.model_dir,
+        max_batch_size=cfg.max_batch_size,
+        vllm_args=cfg.vllm_args,
+        step_delay_ms=cfg.step_delay_ms,
+    )
     tok = AutoTokenizer.from_pretrained(cfg.model_dir)
     worker = RolloutWorker(cfg, client, worker_id, engine, tok, logs.get("rollout-test"))
     worker.start()
@@ -68,9 +84,11 @@ def samples(client, keys) -> list[dict]:
 def wait_claimable(client, keys, owner: str, heartbeat_ttl: float, timeout: float = 30.0) -> None:
     """Until every prompt group ``owner`` holds has been idle for ``heartbeat_ttl`` (the takeover rule: a group
     pending that long with a dead owner may be claimed)."""
+
     def idle():
         held = client.xpending_range(keys.prompts, ROLLOUT_GROUP, "-", "+", 10_000, consumername=owner)
         return all(p["time_since_delivered"] >= heartbeat_ttl * 1000 for p in held)
+
     wait_until(idle, f"{owner}'s groups idle for {heartbeat_ttl}s", timeout)
 
 

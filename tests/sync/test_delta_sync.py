@@ -1,4 +1,4 @@
-"""Versions as deltas over the wire (issue 31), with the real parts: the trainer's delta writer (its thread, its
+"""Versions as deltas over the wire, with the real parts: the trainer's delta writer (its thread, its
 ``publish`` metrics records in real Redis), the real weight server over loopback HTTP with the writer's lookup, and a
 rollout worker's ``LocalWeights`` (its own folder, weights_fetch always). Each version is a real model's bf16 file
 after an AdamW step at a low learning rate (most bf16 elements keep their bits)."""
@@ -18,8 +18,8 @@ from services.trainer.deltas import DeltaWriter
 from services.trainer.publish import write_weights
 from shared.protocol.streams import metrics
 from shared.runtime import logs
-from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.config.keys import Config
+from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.weights.server import WeightServer, delta_name, file_name
 
 
@@ -51,8 +51,9 @@ def published(client, keys, tiny_model_dir, tmp_path):
 
 
 def _worker(tmp_path, keys, max_chain=4) -> LocalWeights:
-    cfg = Config(run=keys.run, weights_fetch="always", rollout_weights_dir=str(tmp_path / "mine"),
-                 delta_max_chain=max_chain)
+    cfg = Config(
+        run=keys.run, weights_fetch="always", rollout_weights_dir=str(tmp_path / "mine"), delta_max_chain=max_chain
+    )
     return LocalWeights(cfg, logs.get("weights-test"))
 
 
@@ -77,9 +78,11 @@ def test_versions_come_as_deltas_bit_identical_and_too_far_behind_as_the_file(pu
     assert sha256_file(_get(w, files, server, 3)) == files[3][1]
     w.loaded(3)
     assert w.stats["delta_versions"] == 2 and w.stats["fetched_bytes"] - w.stats["delta_bytes"] == full_bytes
-    assert sha256_file(_get(w, files, server, 5)) == files[5][1]  # 3 -> 5 is longer than delta_max_chain 1: the file
+    # 3 -> 5 is longer than delta_max_chain 1: the file
+    assert sha256_file(_get(w, files, server, 5)) == files[5][1]
     assert w.stats["delta_versions"] == 2 and w.stats["fetched_bytes"] - w.stats["delta_bytes"] > full_bytes
-    assert w.stats["delta_fallbacks"] == 0 and w.served(delta_name(3)) is not None  # a relay serves its deltas
+    # a relay serves its deltas
+    assert w.stats["delta_fallbacks"] == 0 and w.served(delta_name(3)) is not None
 
 
 def test_a_corrupt_delta_is_caught_never_loaded_and_the_file_downloaded(published, tmp_path, keys, capsys):
@@ -88,14 +91,17 @@ def test_a_corrupt_delta_is_caught_never_loaded_and_the_file_downloaded(publishe
     _get(w, files, server, 1)
     delta = server.directory / delta_name(2)
     data = bytearray(delta.read_bytes())
-    data[-5] ^= 0x01  # one bit of one changed element's new value
+    # one bit of one changed element's new value
+    data[-5] ^= 0x01
     delta.write_bytes(bytes(data))
     got = _get(w, files, server, 2)
     assert sha256_file(got) == files[2][1] and got.read_bytes() == files[2][0].read_bytes()
     assert w.stats["delta_fallbacks"] == 1 and w.stats["delta_versions"] == 0
-    logged = capsys.readouterr()  # console lines on stdout, or JSON on stderr when an earlier test set that up
+    # console lines on stdout, or JSON on stderr when an earlier test set that up
+    logged = capsys.readouterr()
     assert "weights delta chain refused; downloading the full file" in logged.out + logged.err
-    assert not (tmp_path / "mine" / delta_name(2)).exists()  # a refused delta is not kept for relaying
+    # a refused delta is not kept for relaying
+    assert not (tmp_path / "mine" / delta_name(2)).exists()
 
 
 KILLED_MID_CHAIN = """
@@ -117,12 +123,20 @@ def test_a_worker_killed_mid_chain_resumes_from_its_last_loaded_version(publishe
     _get(w, files, server, 1)
     w.loaded(1)
     mine = tmp_path / "mine"
-    env = {"FAULT_INJECT_STREAMRL_CRASH": "rollout:delta_fetched"}  # SIGKILL with the chain fetched, not applied
-    proc = subprocess.run([sys.executable, "-c", KILLED_MID_CHAIN, str(mine), str(files[3][0]), files[3][1],
-                           server.url_of(3)], env={**_env(), **env}, capture_output=True, text=True, timeout=120)
+    # SIGKILL with the chain fetched, not applied
+    env = {"FAULT_INJECT_STREAMRL_CRASH": "rollout:delta_fetched"}
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_CHAIN, str(mine), str(files[3][0]), files[3][1], server.url_of(3)],
+        env={**_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -9, proc.stdout + proc.stderr
-    assert sorted(p.name for p in mine.glob("v*")) == [file_name(1)]  # nothing of the chain written
-    again = _worker(tmp_path, keys)  # the worker restarted: a new process knows only its folder
+    # nothing of the chain written
+    assert sorted(p.name for p in mine.glob("v*")) == [file_name(1)]
+    # the worker restarted: a new process knows only its folder
+    again = _worker(tmp_path, keys)
     assert sha256_file(_get(again, files, server, 3)) == files[3][1]
     assert again.stats["delta_versions"] == 1 and again.stats["delta_steps"] == 2
     assert again.stats["delta_chain_max"] == 2 and again.stats["delta_fallbacks"] == 0
@@ -138,10 +152,13 @@ def test_two_workers_on_one_folder_take_turns_on_a_chain(published, tmp_path, ke
     files, server = published
     first, second = _worker(tmp_path, keys), _worker(tmp_path, keys)
     _get(first, files, server, 1)
-    _get(second, files, server, 1)  # found in the shared folder
+    # found in the shared folder
+    _get(second, files, server, 1)
     results = []
-    threads = [threading.Thread(target=lambda w=w: results.append(sha256_file(_get(w, files, server, 3))))
-               for w in (first, second)]
+    threads = [
+        threading.Thread(target=lambda w=w: results.append(sha256_file(_get(w, files, server, 3))))
+        for w in (first, second)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -149,7 +166,8 @@ def test_two_workers_on_one_folder_take_turns_on_a_chain(published, tmp_path, ke
     assert results == [files[3][1]] * 2
     assert first.stats["delta_fallbacks"] == second.stats["delta_fallbacks"] == 0
     assert first.stats["delta_bytes"] + second.stats["delta_bytes"] > 0
-    assert min(first.stats["delta_bytes"], second.stats["delta_bytes"]) == 0  # one chain fetched, for both
+    # one chain fetched, for both
+    assert min(first.stats["delta_bytes"], second.stats["delta_bytes"]) == 0
 
 
 def test_a_relay_forwards_the_deltas_it_applied(published, tmp_path, keys):
@@ -164,10 +182,12 @@ def test_a_relay_forwards_the_deltas_it_applied(published, tmp_path, keys):
         path, digest = files[3]
         done = threading.Event()
         child.prefetch(3, str(path), digest, server.url_of(3), lambda ok, error: done.set(), relay=relay.url_of(3))
-        assert done.wait(60)  # the relay first, as a sync or a pull names it
+        # the relay first, as a sync or a pull names it
+        assert done.wait(60)
         got = child.local(3, str(path), digest, server.url_of(3))
         assert sha256_file(got) == digest and child.sources[3] == "relay"
         assert child.stats["delta_steps"] == 2 and child.stats["delta_fallbacks"] == 0
-        assert 0 < relay.sent_bytes == child.stats["delta_bytes"] < path.stat().st_size / 2  # deltas, from the relay
+        # deltas, from the relay
+        assert 0 < relay.sent_bytes == child.stats["delta_bytes"] < path.stat().st_size / 2
     finally:
         relay.stop()

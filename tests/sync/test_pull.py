@@ -24,15 +24,19 @@ from tests.support.procs import wait_until
 TOKEN = "pull-s3cret"
 
 
-@pytest.mark.parametrize("state, reason", [
-    (State(gated=True, busy_slots=4, slots=4, waited_s=0), "gated"),
-    (State(gated=False, busy_slots=0, slots=4, waited_s=0), "idle"),
-    (State(gated=False, busy_slots=1, slots=4, waited_s=0), "quiet"),
-    (State(gated=False, busy_slots=2, slots=4, waited_s=0), None),  # half busy: not below 0.5
-    (State(gated=False, busy_slots=4, slots=4, waited_s=9.9), None),
-    (State(gated=False, busy_slots=4, slots=4, waited_s=10.0), "overdue"),
-    (State(gated=False, busy_slots=4, slots=4, waited_s=0, behind=True), "behind"),
-])
+@pytest.mark.parametrize(
+    "state, reason",
+    [
+        (State(gated=True, busy_slots=4, slots=4, waited_s=0), "gated"),
+        (State(gated=False, busy_slots=0, slots=4, waited_s=0), "idle"),
+        (State(gated=False, busy_slots=1, slots=4, waited_s=0), "quiet"),
+        # half busy: not below 0.5
+        (State(gated=False, busy_slots=2, slots=4, waited_s=0), None),
+        (State(gated=False, busy_slots=4, slots=4, waited_s=9.9), None),
+        (State(gated=False, busy_slots=4, slots=4, waited_s=10.0), "overdue"),
+        (State(gated=False, busy_slots=4, slots=4, waited_s=0, behind=True), "behind"),
+    ],
+)
 def test_the_load_policy_loads_at_a_cheap_point_or_when_overdue(state, reason):
     assert decide(state, below=0.5, max_wait_s=10.0) == reason
 
@@ -57,17 +61,21 @@ def test_workers_sharing_a_download_folder_are_one_node_and_never_fetch_from_eac
     """Workers on one host downloading into one folder share each download under the folder's lock: a worker holding
     it while it asks a sibling would wait for a copy that waits for the lock (stalls of the relay's whole wait)."""
     one_host = relay_tree.parents(list("ABCDEFGH"), list("ABCDEFGH"), 2, {w: "h1:/dev/shm/x" for w in "ABCDEFGH"})
-    assert set(one_host.values()) == {None}  # one node under the trainer: one download, taken by the first to lock
-    hosts = {"A": "h1", "B": "h1", "C": "h2", "D": "h2", "E": "h3", "F": ""}  # F: no folder given, a node of its own
+    # one node under the trainer: one download, taken by the first to lock
+    assert set(one_host.values()) == {None}
+    # F: no folder given, a node of its own
+    hosts = {"A": "h1", "B": "h1", "C": "h2", "D": "h2", "E": "h3", "F": ""}
     tree = relay_tree.parents(list("ABCDEF"), list("BCDEF"), 1, hosts)
-    assert tree == {"A": None, "B": None, "C": "B", "D": "B", "E": "C", "F": "E"}  # h1 serves through B, h2 through C
+    # h1 serves through B, h2 through C
+    assert tree == {"A": None, "B": None, "C": "B", "D": "B", "E": "C", "F": "E"}
     assert all(hosts[w] != hosts[p] for w, p in tree.items() if p is not None and hosts[w])
 
 
 def test_the_load_lease_grants_max_loading_records_each_holder_and_expires_a_dead_ones(client, keys):
     first = pulls.acquire(client, keys, "A", 1, max_loading=2, lease_s=60, reason="idle")
     assert first.granted and first.holders == 1
-    assert pulls.acquire(client, keys, "A", 1, max_loading=2, lease_s=60).granted  # asked again: renewed
+    # asked again: renewed
+    assert pulls.acquire(client, keys, "A", 1, max_loading=2, lease_s=60).granted
     assert pulls.acquire(client, keys, "B", 1, max_loading=2, lease_s=60).holders == 2
     refused = pulls.acquire(client, keys, "C", 1, max_loading=2, lease_s=60)
     assert not refused.granted and refused.holders == 2 and 0 < refused.retry_s <= 60
@@ -77,12 +85,19 @@ def test_the_load_lease_grants_max_loading_records_each_holder_and_expires_a_dea
     # B dies holding its lease: a short one runs out, and the next acquire drops it
     pulls.release(client, keys, "C", 1)
     pulls.acquire(client, keys, "B", 2, max_loading=1, lease_s=60)
-    client.zadd(keys.load_lease, {"B": 0})  # its expiry time has passed (what a dead worker's lease comes to)
+    # its expiry time has passed (what a dead worker's lease comes to)
+    client.zadd(keys.load_lease, {"B": 0})
     assert pulls.acquire(client, keys, "D", 2, max_loading=1, lease_s=60).granted
     records = pulls.read_all(client, keys)
     assert [(p.event, p.worker) for p in records] == [
-        ("acquired", "A"), ("acquired", "B"), ("released", "A"), ("acquired", "C"), ("released", "C"),
-        ("expired", "B"), ("acquired", "D")]
+        ("acquired", "A"),
+        ("acquired", "B"),
+        ("released", "A"),
+        ("acquired", "C"),
+        ("released", "C"),
+        ("expired", "B"),
+        ("acquired", "D"),
+    ]
     assert records[0].extra == {"reason": "idle"} and records[2].extra == {"paused_s": "0.1"}
     assert pulls.most_holders(records) == 2
 
@@ -94,13 +109,13 @@ def _weights(keys, folder) -> LocalWeights:
 
 def _fetch_in_thread(weights: LocalWeights, version, path, digest, url, relay=""):
     done, out = threading.Event(), []
-    weights.prefetch(version, str(path), digest, url, lambda ok, error: (out.append((ok, error)), done.set()),
-                     relay=relay)
+    weights.prefetch(
+        version, str(path), digest, url, lambda ok, error: (out.append((ok, error)), done.set()), relay=relay
+    )
     return done, out
 
 
-def test_a_relay_asked_for_a_version_it_has_not_fetched_yet_waits_for_its_verified_copy(keys, tmp_path,
-                                                                                       tiny_model_dir):
+def test_a_relay_asked_for_a_version_it_has_not_fetched_yet_waits_for_its_verified_copy(keys, tmp_path, tiny_model_dir):
     """B asks A's relay for version 1 before A has even started fetching it (A has just been told of it): the
     relay holds the request (on a condition, no polling) until A's copy is verified, and B's copy comes from A, so
     the trainer sends one. A version older than A's newest that A does not hold is a 404 at once."""
@@ -130,7 +145,8 @@ def test_a_relay_asked_for_a_version_it_has_not_fetched_yet_waits_for_its_verifi
 
 
 def test_a_relay_that_never_gets_the_version_answers_404_after_its_bound_and_the_child_takes_the_trainers(
-        keys, tmp_path, tiny_model_dir):
+    keys, tmp_path, tiny_model_dir
+):
     trainer_dir = tmp_path / "trainer"
     trainer_dir.mkdir()
     trainer = WeightServer(trainer_dir, token=TOKEN).start()
@@ -147,12 +163,15 @@ def test_a_relay_that_never_gets_the_version_answers_404_after_its_bound_and_the
         trainer.stop()
 
 
-@pytest.mark.parametrize("flags, words", [
-    ({"sync_mode": "push"}, "config key 'sync_mode': expected 'global', 'rolling' or 'pull', got 'push'"),
-    ({"pull_load_below": "1.5"}, "config key 'pull_load_below': expected a fraction 0-1"),
-    ({"pull_max_wait_s": "0"}, "config key 'pull_max_wait_s': expected seconds > 0, got 0.0"),
-    ({"load_lease_s": "-1"}, "config key 'load_lease_s': expected seconds > 0, got -1.0"),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        ({"sync_mode": "push"}, "config key 'sync_mode': expected 'global', 'rolling' or 'pull', got 'push'"),
+        ({"pull_load_below": "1.5"}, "config key 'pull_load_below': expected a fraction 0-1"),
+        ({"pull_max_wait_s": "0"}, "config key 'pull_max_wait_s': expected seconds > 0, got 0.0"),
+        ({"load_lease_s": "-1"}, "config key 'load_lease_s': expected seconds > 0, got -1.0"),
+    ],
+)
 def test_bad_pull_keys_name_the_key(flags, words):
     with pytest.raises(ConfigError) as err:
         load(env={}, overrides=flags)

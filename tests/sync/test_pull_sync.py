@@ -24,16 +24,37 @@ from tests.support.procs import kill9, wait_until
 from tests.support.rollout_harness import samples, worker_info
 from tests.sync.test_rolling_sync import WORKERS, _generating, _syncs, _worker
 
-pytestmark = pytest.mark.slow  # real rollout worker processes
+# real rollout worker processes
+pytestmark = pytest.mark.slow
 
 HEARTBEAT_TTL = 3.0
-PULL_MAX_WAIT_S = 2.0  # busy workers load a version this long after it was announced (the default, 10 s, only waits)
+# busy workers load a version this long after it was announced (the default, 10 s, only waits)
+PULL_MAX_WAIT_S = 2.0
 
 
 def _puller(redis_url, keys, model_dir, worker_id, tmp_path, *extra, env=None):
-    return _worker(redis_url, keys, model_dir, worker_id, "--sync-mode", "pull", "--max-loading", "1",
-                   "--weights-fetch", "always", "--rollout-weights-dir", tmp_path / f"own-{worker_id}",
-                   "--relay-port", "-1", "--relay-fanout", "1", "--pull-max-wait-s", PULL_MAX_WAIT_S, *extra, env=env)
+    return _worker(
+        redis_url,
+        keys,
+        model_dir,
+        worker_id,
+        "--sync-mode",
+        "pull",
+        "--max-loading",
+        "1",
+        "--weights-fetch",
+        "always",
+        "--rollout-weights-dir",
+        tmp_path / f"own-{worker_id}",
+        "--relay-port",
+        "-1",
+        "--relay-fanout",
+        "1",
+        "--pull-max-wait-s",
+        PULL_MAX_WAIT_S,
+        *extra,
+        env=env,
+    )
 
 
 def _versions(client, keys, workers) -> dict[str, int]:
@@ -46,7 +67,8 @@ def _last_report(client, keys, worker) -> dict:
 
 
 def test_workers_pull_each_version_through_the_relay_chain_and_load_one_at_a_time_with_no_command(
-        client, keys, redis_url, tiny_model_dir, tmp_path, start_syncer):
+    client, keys, redis_url, tiny_model_dir, tmp_path, start_syncer
+):
     """Three relaying workers, fan-out 1 (a chain trainer -> A -> B -> C), busy with 40 groups. Two versions,
     announced one after the other: each worker asks its parent at once (the parent's relay waits for its own copy),
     loads when its policy says, under a lease of one; every worker ends generating with version 2; the trainer's
@@ -64,16 +86,20 @@ def test_workers_pull_each_version_through_the_relay_chain_and_load_one_at_a_tim
             path, digest = nudged_weights(tiny_model_dir, trainer_dir, v)
             sizes += path.stat().st_size
             publish(client, keys, v, path, digest, step=v, url_base=server.url)
-            wait_until(lambda: len(_syncs(client, keys)) == v, f"every worker running version {v}", 90,
-                       procs.values())
+            wait_until(lambda: len(_syncs(client, keys)) == v, f"every worker running version {v}", 90, procs.values())
             rec = _syncs(client, keys)[-1]
             assert rec["version"] == v and rec["sync_mode"] == "pull" and rec["workers"] == 3, rec
             assert set(_versions(client, keys, WORKERS).values()) == {v}
             assert gate.complete_version(client, keys) == v == gate.opened_version(client, keys)
-            assert server.sent_bytes == sizes  # one copy per version left the trainer: B and C got theirs from A, B
+            # one copy per version left the trainer: B and C got theirs from A, B
+            assert server.sent_bytes == sizes
         wait_until(_generating(client, keys, WORKERS, 2), "all three generating with version 2", 60, procs.values())
-        wait_until(lambda: all(_last_report(client, keys, w).get("pulled") == 2 for w in WORKERS),
-                   "every worker's metrics counting two pulled versions", 30, procs.values())
+        wait_until(
+            lambda: all(_last_report(client, keys, w).get("pulled") == 2 for w in WORKERS),
+            "every worker's metrics counting two pulled versions",
+            30,
+            procs.values(),
+        )
     finally:
         kill9(*procs.values())
         server.stop()
@@ -87,13 +113,15 @@ def test_workers_pull_each_version_through_the_relay_chain_and_load_one_at_a_tim
     for w in WORKERS:
         report = _last_report(client, keys, w)
         assert report["pulled_from_relay"] == (0 if w == "A" else 2) and report["relay_fetches"] == (
-            0 if w == "A" else 2), report
+            0 if w == "A" else 2
+        ), report
         assert report["pulled_from_trainer"] == (2 if w == "A" else 0)
         assert 0 < report["pull_paused_s"] and 0 < report["pull_announced_max_s"] <= report["pull_announced_s"]
 
 
 def test_a_worker_killed_holding_the_load_lease_blocks_the_others_only_until_it_expires_nothing_lost(
-        client, keys, redis_url, tiny_model_dir, tmp_path, start_syncer, cli_env):
+    client, keys, redis_url, tiny_model_dir, tmp_path, start_syncer, cli_env
+):
     """B kills itself (kill -9, a crash point) right after it got the load lease of version 1; the lease (3 s)
     runs out, A and C load versions 1 and 2 with it one at a time, the gate is complete once B's heartbeat lapsed,
     A and C take over B's groups; `streamrl check` counts nothing lost and nothing twice."""
@@ -104,8 +132,10 @@ def test_a_worker_killed_holding_the_load_lease_blocks_the_others_only_until_it_
     groups = [PromptGroup(f"g{i}", 2, prompt=f"{i}*2=") for i in range(12)]
     enqueue(client, keys, groups)
     crash = {**os.environ, **faults.spec("rollout", "pull_leased")}
-    procs = {w: _puller(redis_url, keys, tiny_model_dir, w, tmp_path, "--load-lease-s", "3",
-                        env=crash if w == "B" else None) for w in WORKERS}
+    procs = {
+        w: _puller(redis_url, keys, tiny_model_dir, w, tmp_path, "--load-lease-s", "3", env=crash if w == "B" else None)
+        for w in WORKERS
+    }
     alive = [procs["A"], procs["C"]]
     try:
         wait_until(_generating(client, keys, WORKERS, 0), "all three generating", 90, procs.values())
@@ -125,10 +155,18 @@ def test_a_worker_killed_holding_the_load_lease_blocks_the_others_only_until_it_
     held = [(p.event, p.worker) for p in records if p.event != "fetched"]
     assert ("acquired", "B") in held and ("expired", "B") in held and ("released", "B") not in held
     assert sorted((p.worker, p.version) for p in records if p.event == "released") == [
-        ("A", 1), ("A", 2), ("C", 1), ("C", 2)]
+        ("A", 1),
+        ("A", 2),
+        ("C", 1),
+        ("C", 2),
+    ]
     assert sorted(s["group_id"] for s in samples(client, keys)) == sorted(g.group_id for g in groups)
-    out = subprocess.run([sys.executable, "-m", "services.ops.cli.main", "check", "--json"], env=cli_env,
-                         capture_output=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "services.ops.cli.main", "check", "--json"],
+        env=cli_env,
+        capture_output=True,
+        timeout=120,
+    )
     report = json.loads(out.stdout)
     assert report["groups_lost"] == 0 and report["episodes_finished_twice"] == 0, report
     assert report["groups_enqueued_twice"] == 0 and report["samples_trained_twice"] == 0, report

@@ -10,27 +10,51 @@ import signal
 import pytest
 
 from services.trainer.publish import publish
-from shared.protocol.episode.log import EpisodeLog
-from shared.protocol.episode.fold import fold
-from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.protocol import gate
+from shared.protocol.episode.fold import fold
+from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.streams import control, metrics
 from shared.protocol.streams import versions as pversions
+from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.runtime.heartbeat import alive_of
 from tests.support.models import nudged_weights
 from tests.support.procs import kill9, spawn, wait_until
 from tests.support.rollout_harness import worker_info
 
-pytestmark = pytest.mark.slow  # real rollout worker processes
+# real rollout worker processes
+pytestmark = pytest.mark.slow
 
 HEARTBEAT_TTL = 3.0
 
 
 def _worker(redis_url, keys, model_dir, worker_id, heartbeat_ttl=HEARTBEAT_TTL, step_delay_ms=10):
-    return spawn("services.rollout", "--worker-id", worker_id, "--run", keys.run, "--redis-url", redis_url,
-                 "--model-dir", model_dir, "--max-tokens", "400", "--tools", "", "--flush-tokens", "4",
-                 "--flush-ms", "20", "--heartbeat-ttl", heartbeat_ttl, "--step-delay-ms", step_delay_ms,
-                 "--max-groups-in-flight", "2", "--log-level", "warning")
+    return spawn(
+        "services.rollout",
+        "--worker-id",
+        worker_id,
+        "--run",
+        keys.run,
+        "--redis-url",
+        redis_url,
+        "--model-dir",
+        model_dir,
+        "--max-tokens",
+        "400",
+        "--tools",
+        "",
+        "--flush-tokens",
+        "4",
+        "--flush-ms",
+        "20",
+        "--heartbeat-ttl",
+        heartbeat_ttl,
+        "--step-delay-ms",
+        step_delay_ms,
+        "--max-groups-in-flight",
+        "2",
+        "--log-level",
+        "warning",
+    )
 
 
 def _token_events(client, keys) -> list:
@@ -60,8 +84,9 @@ def _generating(client, keys, workers: set[str], version: int):
     return lambda: {w for _, w, v in _token_events(client, keys) if v == version} >= workers
 
 
-def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, redis_url, tiny_model_dir, tmp_path,
-                                                                 start_syncer):
+def test_worker_killed_mid_sync_others_resume_and_versions_order(
+    client, keys, redis_url, tiny_model_dir, tmp_path, start_syncer
+):
     start_syncer()
     # workers go on generating while a sync's fetch phase waits (for C here): groups enough to outlast the syncs
     enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}+{i}=") for i in range(16)])
@@ -82,12 +107,14 @@ def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, r
         assert rec["version"] == 1 and rec["workers"] == 3 and rec["missing"] == ["C"] and rec["refused"] == {}
         # C was let go when its heartbeat lapsed, not at sync_timeout
         assert rec["missing_why"] == {"C": "fetch: heartbeat lapsed"}
-        acked = {(a["cmd"], a["worker"]) for _, a in control.read_after(client, keys, "0-0", 1000)
-                 if isinstance(a, dict)}
+        acked = {
+            (a["cmd"], a["worker"]) for _, a in control.read_after(client, keys, "0-0", 1000) if isinstance(a, dict)
+        }
         assert acked == {(c, w) for c in ("fetch", "pause", "load", "resume") for w in ("A", "B")}
         # the others resumed: they generate again, with version 1, and say so in their heartbeats
-        wait_until(_generating(client, keys, {"A", "B"}, 1), "A and B generating with version 1", 30,
-                   [procs["A"], procs["B"]])
+        wait_until(
+            _generating(client, keys, {"A", "B"}, 1), "A and B generating with version 1", 30, [procs["A"], procs["B"]]
+        )
         alive = alive_of(client, keys, "rollout")
         assert set(alive) == {"A", "B"}
         assert all(info["version"] == "1" and info["paused"] == "0" for info in alive.values())
@@ -97,8 +124,9 @@ def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, r
         wait_until(lambda: len(_sync_records(client, keys)) == 2, "the second sync", 30)
         rec2 = _sync_records(client, keys)[1]
         assert rec2["version"] == 2 and rec2["workers"] == 2 and rec2["missing"] == [] and rec2["missing_why"] == {}
-        wait_until(_generating(client, keys, {"A", "B"}, 2), "A and B generating with version 2", 30,
-                   [procs["A"], procs["B"]])
+        wait_until(
+            _generating(client, keys, {"A", "B"}, 2), "A and B generating with version 2", 30, [procs["A"], procs["B"]]
+        )
     finally:
         kill9(*procs.values())
     # versions strictly increase, and no token is from a version the trainer had not published when it was written
@@ -111,14 +139,17 @@ def test_worker_killed_mid_sync_others_resume_and_versions_order(client, keys, r
     for key in client.scan_iter(match=keys.episode("*")):
         ep = log.replay(keys.episode_id(key))
         generated = [v for v, m in zip(ep.versions, ep.mask) if m]
-        assert generated == sorted(generated)  # within an episode, versions never go back
+        # within an episode, versions never go back
+        assert generated == sorted(generated)
 
 
 def test_a_silent_worker_is_left_out_after_sync_timeout_versions_published_meanwhile_sync_once_and_it_catches_up(
-        client, keys, redis_url, tiny_model_dir, tmp_path, start_syncer):
+    client, keys, redis_url, tiny_model_dir, tmp_path, start_syncer
+):
     """B is frozen (SIGSTOP) but its heartbeat key outlives the syncs: the syncer waits fetch_timeout for it (the
-    sync's first phase), then goes on without it and says why. Versions 2 and 3 are published while it waits: the next sync goes straight
-    to 3 (one sync, one load). Woken, B reads the commands it missed and ends at version 3, generating again."""
+    sync's first phase), then goes on without it and says why. Versions 2 and 3 are published while it waits: the
+    next sync goes straight to 3 (one sync, one load). Woken, B reads the commands it missed and ends at version 3,
+    generating again."""
     start_syncer(sync_timeout=2.0, fetch_timeout=2.0)
     enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}*2=") for i in range(16)])
     procs = {w: _worker(redis_url, keys, tiny_model_dir, w, heartbeat_ttl=120) for w in ("A", "B")}
@@ -138,11 +169,16 @@ def test_a_silent_worker_is_left_out_after_sync_timeout_versions_published_meanw
         for rec in (first, second):
             assert rec["missing"] == ["B"] and rec["missing_why"] == {"B": "fetch: silent past fetch_timeout"}
         assert [c.version for c in _commands(client, keys, "load")] == [1, 3] and gate.opened_version(client, keys) == 3
-        assert worker_info(client, keys, "B")["version"] == "0"  # still alive by its key, still on the old weights
+        # still alive by its key, still on the old weights
+        assert worker_info(client, keys, "B")["version"] == "0"
         wait_until(_generating(client, keys, {"A"}, 3), "A generating with version 3", 30, [procs["A"]])
         os.kill(procs["B"].pid, signal.SIGCONT)
-        wait_until(lambda: worker_info(client, keys, "B").items() >= {"version": "3", "paused": "0"}.items(),
-                   "B at version 3 and resumed", 60, procs.values())
+        wait_until(
+            lambda: worker_info(client, keys, "B").items() >= {"version": "3", "paused": "0"}.items(),
+            "B at version 3 and resumed",
+            60,
+            procs.values(),
+        )
         wait_until(_generating(client, keys, {"B"}, 3), "B generating with version 3", 30, procs.values())
     finally:
         for p in procs.values():
@@ -152,7 +188,8 @@ def test_a_silent_worker_is_left_out_after_sync_timeout_versions_published_meanw
 
 
 def test_a_worker_left_paused_by_a_lost_resume_is_synced_again_and_a_lost_gate_is_set_again(
-        client, keys, redis_url, tiny_model_dir, tmp_path, start_syncer):
+    client, keys, redis_url, tiny_model_dir, tmp_path, start_syncer
+):
     """What a Redis restart that lost its last second can leave: a pause obeyed whose resume never came, and
     the gate's update gone. The idle syncer notices both (a worker paused twice in a row between syncs, a gate
     behind the synced version) and repairs them."""
@@ -175,15 +212,17 @@ def test_a_worker_left_paused_by_a_lost_resume_is_synced_again_and_a_lost_gate_i
         kill9(*procs)
 
 
-def test_corrupt_weights_refused_sync_records_it_and_goes_on(client, keys, redis_url, tiny_model_dir, tmp_path,
-                                                             start_syncer):
+def test_corrupt_weights_refused_sync_records_it_and_goes_on(
+    client, keys, redis_url, tiny_model_dir, tmp_path, start_syncer
+):
     start_syncer()
     enqueue(client, keys, [PromptGroup(f"g{i}", 2, prompt=f"{i}*3=") for i in range(8)])
     procs = [_worker(redis_url, keys, tiny_model_dir, "A")]
     try:
         wait_until(lambda: _token_events(client, keys), "A generating", 90, procs)
         path, digest = nudged_weights(tiny_model_dir, tmp_path, 1)
-        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated after the checksum
+        # truncated after the checksum
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
         publish(client, keys, 1, path, digest, step=1)
         wait_until(lambda: _sync_records(client, keys), "the sync record", 30, procs)
         (rec,) = _sync_records(client, keys)
@@ -193,7 +232,8 @@ def test_corrupt_weights_refused_sync_records_it_and_goes_on(client, keys, redis
         n_before = len(_token_events(client, keys))
         wait_until(lambda: len(_token_events(client, keys)) > n_before + 2, "A generating after the refusal", 30, procs)
         info = worker_info(client, keys, "A")
-        assert info["version"] == "0" and info["paused"] == "0"  # kept its old weights, and resumed
+        # kept its old weights, and resumed
+        assert info["version"] == "0" and info["paused"] == "0"
         assert {v for _, _, v in _token_events(client, keys)} == {0}
         # the next good version is loaded as usual
         path2, digest2 = nudged_weights(tiny_model_dir, tmp_path, 2)

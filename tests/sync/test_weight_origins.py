@@ -37,17 +37,32 @@ def test_a_forged_fetch_command_sends_no_token_to_its_url(client, keys, tiny_mod
     threading.Thread(target=server.serve_forever, daemon=True).start()
     _Listener.seen = []
     try:
-        cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=4, weights_token="the-token",
-                     weights_fetch="always", rollout_weights_dir=str(tmp_path / "fetched"))
+        cfg = Config(
+            run=keys.run,
+            model_dir=tiny_model_dir,
+            max_tokens=4,
+            weights_token="the-token",
+            weights_fetch="always",
+            rollout_weights_dir=str(tmp_path / "fetched"),
+        )
         worker = make_worker(cfg, client)
         url = f"http://127.0.0.1:{server.server_address[1]}/weights/v000005.safetensors"
-        send(client, keys, "fetch", sync="forged", version=5, path="/nowhere/v000005.safetensors", sha256="ab" * 32,
-             url=url)
+        send(
+            client,
+            keys,
+            "fetch",
+            sync="forged",
+            version=5,
+            path="/nowhere/v000005.safetensors",
+            sha256="ab" * 32,
+            url=url,
+        )
         tick_until(worker, lambda: acks(client, keys, "fetch"))
         (ack,) = acks(client, keys, "fetch")
         assert ack["ok"] == "0" and "not an origin the run announced" in ack["error"]
         assert all("the-token" not in str(h) for h in _Listener.seen)
-        assert _Listener.seen == []  # not even a request without it
+        # not even a request without it
+        assert _Listener.seen == []
         worker.shutdown()
     finally:
         server.shutdown()

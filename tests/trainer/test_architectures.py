@@ -29,8 +29,12 @@ def arch(request, tmp_path_factory):
 
 def _rollout(engine: TorchEngine, prompt_ids: list[int], stops: tuple[int, ...], n: int = 3, max_tokens: int = 8):
     for i in range(n):
-        engine.add_request(f"r{i}", prompt_ids, SamplingParams(temperature=1.0, seed=i, stop_token_ids=stops,
-                                                               max_tokens=max_tokens), max_tokens)
+        engine.add_request(
+            f"r{i}",
+            prompt_ids,
+            SamplingParams(temperature=1.0, seed=i, stop_token_ids=stops, max_tokens=max_tokens),
+            max_tokens,
+        )
     out: dict[str, tuple[list[int], list[float]]] = {f"r{i}": ([], []) for i in range(n)}
     while engine.has_unfinished():
         for chunk in engine.step():
@@ -46,18 +50,36 @@ def _write_group(client, keys, group_id, prompt_ids, results, version=0):
         eid = f"{group_id}-{i}"
         eids.append(eid)
         log.open(eid)
-        log.append(eid, "started", {"episode_id": eid, "group_id": group_id, "index": i, "prompt_ids": prompt_ids,
-                                    "sampling": {"temperature": 1.0}, "task": {}}, version)
+        log.append(
+            eid,
+            "started",
+            {
+                "episode_id": eid,
+                "group_id": group_id,
+                "index": i,
+                "prompt_ids": prompt_ids,
+                "sampling": {"temperature": 1.0},
+                "task": {},
+            },
+            version,
+        )
         log.append_tokens(eid, toks, lps, version)
         log.append(eid, "finished", {"reason": "stop", "reward": float(i == 0)}, version)
     log.flush_or_raise()
-    client.xadd(keys.samples, {"group_id": group_id, "episodes": ",".join(eids), "worker": "writer",
-                               "n": str(len(eids))})
+    client.xadd(
+        keys.samples, {"group_id": group_id, "episodes": ",".join(eids), "worker": "writer", "n": str(len(eids))}
+    )
 
 
-@pytest.mark.parametrize("variant", [{}, {"lora_rank": 4, "lora_alpha": 8.0, "lr": 1e-2},
-                                     {"dtype": "bfloat16", "grad_checkpointing": True, "kl_coef": 0.1}],
-                         ids=["full", "lora", "bf16-ckpt-kl"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"lora_rank": 4, "lora_alpha": 8.0, "lr": 1e-2},
+        {"dtype": "bfloat16", "grad_checkpointing": True, "kl_coef": 0.1},
+    ],
+    ids=["full", "lora", "bf16-ckpt-kl"],
+)
 def test_rollout_train_publish_export_reload(arch, variant, client, keys, tmp_path):
     kind, model_dir = arch
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -68,11 +90,17 @@ def test_rollout_train_publish_export_reload(arch, variant, client, keys, tmp_pa
     engine = TorchEngine(model_dir, max_batch_size=4)
     results = _rollout(engine, prompt_ids, stops)
     assert all(0 < len(t) <= 8 for t, _ in results.values())
-    for toks, _ in results.values():  # each ends at a stop id or at the budget
+    # each ends at a stop id or at the budget
+    for toks, _ in results.values():
         assert len(toks) == 8 or toks[-1] in stops
 
-    cfg = Config(run=keys.run, model_dir=model_dir, run_dir=str(tmp_path / "runs"), weights_dir=str(tmp_path / "w"),
-                 **{"batch_groups": 2, "lr": 1e-3, **variant})
+    cfg = Config(
+        run=keys.run,
+        model_dir=model_dir,
+        run_dir=str(tmp_path / "runs"),
+        weights_dir=str(tmp_path / "w"),
+        **{"batch_groups": 2, "lr": 1e-3, **variant},
+    )
     _write_group(client, keys, "a", prompt_ids, results)
     _write_group(client, keys, "b", prompt_ids, _rollout(engine, prompt_ids, stops))
     trainer = Trainer(cfg, client, logs.get("arch-test"))
@@ -83,17 +111,20 @@ def test_rollout_train_publish_export_reload(arch, variant, client, keys, tmp_pa
     published = load_file(str(cfg.weights_path / "v000001.safetensors"))
     initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert set(published) <= set(initial) and all(published[k].shape == initial[k].shape for k in published)
-    assert any(not torch.equal(published[k], initial[k]) for k in published)  # the step changed the weights
+    # the step changed the weights
+    assert any(not torch.equal(published[k], initial[k]) for k in published)
     if variant.get("kl_coef"):
         import json
 
         assert "kl" in json.loads((cfg.run_path / "metrics.jsonl").read_text().splitlines()[0])
-    engine.load_weights(str(cfg.weights_path / "v000001.safetensors"), 1)  # merged LoRA / tied: loads as-is
+    # merged LoRA / tied: loads as-is
+    engine.load_weights(str(cfg.weights_path / "v000001.safetensors"), 1)
     assert all(len(t) > 0 for t, _ in _rollout(engine, prompt_ids, stops, n=2).values())
 
     out = export_version(cfg, 1)
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
-        p.name for p in out.iterdir()}
+        p.name for p in out.iterdir()
+    }
     reloaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     state = reloaded.state_dict()
     assert all(torch.equal(state[k], v) for k, v in published.items())
@@ -119,11 +150,21 @@ def test_gemma_sliding_windows_are_one_line_naming_the_config_values_that_work(k
     from services.rollout.engine.model_runner import ModelRunner
 
     make = {"gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}[kind]
-    dims = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, max_position_embeddings=128, sliding_window=64)
+    dims = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=128,
+        sliding_window=64,
+    )
     for config in (make(**dims), make(**{**dims, "sliding_window": None})):
         with pytest.raises(EngineError) as err:
             ModelRunner._check_servable(config, "m")
         assert len(str(err.value).splitlines()) == 1
         assert '"layer_types" to "full_attention" for every layer' in str(err.value) and "vllm" in str(err.value)
-    ModelRunner._check_servable(make(**dims, layer_types=["full_attention"] * 2), "m")  # what it names: served
+    # what it names: served
+    ModelRunner._check_servable(make(**dims, layer_types=["full_attention"] * 2), "m")

@@ -17,9 +17,9 @@ from services.ops.check.checker import check, read_run
 from services.trainer import distributed, sharded_checkpoint
 from services.trainer.batch import build_batch
 from services.trainer.step import StepConfig, plan
-from shared.protocol.streams import versions as pversions
-from shared.protocol.keys import TRAINER_GROUP
 from shared.protocol.archive.ledger import read_ledger
+from shared.protocol.keys import TRAINER_GROUP
+from shared.protocol.streams import versions as pversions
 from shared.runtime import faults
 from tests.support import dist_step
 from tests.support.dist_step import RUNS, make_groups
@@ -61,9 +61,12 @@ def test_every_rank_trains_a_share_of_each_minibatch_with_as_many_forwards():
     for k, (rows, micros) in enumerate(one):
         assert sorted(i for m in micros for i in m) == rows
         shares = [sorted(i for m in p[k][1] for i in m) for p in two]
-        assert shares[0] and shares[1] and sorted(shares[0] + shares[1]) == rows  # a partition of the minibatch
-        assert len(two[0][k][1]) == len(two[1][k][1])  # FSDP2 gathers weights in each forward: counts must match
-        assert two[0][k][0] == two[1][k][0] == rows  # the same minibatch (and denominator) on every rank
+        # a partition of the minibatch
+        assert shares[0] and shares[1] and sorted(shares[0] + shares[1]) == rows
+        # FSDP2 gathers weights in each forward: counts must match
+        assert len(two[0][k][1]) == len(two[1][k][1])
+        # the same minibatch (and denominator) on every rank
+        assert two[0][k][0] == two[1][k][0] == rows
 
 
 def _torchrun(module_args: list[str], out: Path) -> None:
@@ -76,7 +79,8 @@ def _torchrun(module_args: list[str], out: Path) -> None:
 def test_the_same_batch_gives_the_same_weights_on_one_rank_and_on_two(tiny_model_dir, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
-    dist_step.main(tiny_model_dir, str(one))  # one process: this one
+    # one process: this one
+    dist_step.main(tiny_model_dir, str(one))
     _torchrun(["tests.support.dist_step", tiny_model_dir, str(two)], two)
     initial = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
     # measured on a 2-core CPU box: SGD max |difference| 4e-9, AdamW 2e-6 (its first step, g/|g|, amplifies
@@ -84,23 +88,51 @@ def test_the_same_batch_gives_the_same_weights_on_one_rank_and_on_two(tiny_model
     for name, atol in (("sgd", 1e-7), ("adamw", 2e-5)):
         a, b = load_file(str(one / f"{name}.safetensors")), load_file(str(two / f"{name}.safetensors"))
         assert a.keys() == b.keys()
-        assert max(float((a[k] - initial[k]).abs().max()) for k in a) > 100 * atol  # the step did move them
+        # the step did move them
+        assert max(float((a[k] - initial[k]).abs().max()) for k in a) > 100 * atol
         for k in a:
             torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=atol, msg=f"{name}: {k}")
         sa, sb = (json.loads((d / f"{name}.json").read_text()) for d in (one, two))
         assert sb["micro_batches"] >= sa["micro_batches"] and sa["ppo_steps"] == sb["ppo_steps"] == 2
         assert sb["loss"] == pytest.approx(sa["loss"], rel=1e-4) and sb["entropy"] == pytest.approx(sa["entropy"])
-    assert RUNS["adamw"]["micro_batch_tokens"] > 0  # one of the two runs splits micro-batches
+    # one of the two runs splits micro-batches
+    assert RUNS["adamw"]["micro_batch_tokens"] > 0
 
 
 def _torchrun_trainer(redis_url, cfg, log: Path, crash: dict | None = None):
     """The trainer as docs/training.md runs it; ``--`` ends torchrun's options (it reads ``--run`` as its own
     ``--run-path``). ``crash``: a crash point every rank gets (shared/runtime/faults.py)."""
     env = {**{k: v for k, v in os.environ.items() if k != faults.ENV}, "OMP_NUM_THREADS": "1", **(crash or {})}
-    return spawn("torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0", "-m", "services.trainer",
-                 "--", "--run", cfg.run, "--redis-url", redis_url, "--model-dir", cfg.model_dir,
-                 "--run-dir", cfg.run_dir, "--weights-dir", cfg.weights_dir, "--batch-groups", "2", "--steps-per-version", "2",
-                 "--max-staleness", "100", "--log-level", "info", env=env, log=log)
+    return spawn(
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        "-m",
+        "services.trainer",
+        "--",
+        "--run",
+        cfg.run,
+        "--redis-url",
+        redis_url,
+        "--model-dir",
+        cfg.model_dir,
+        "--run-dir",
+        cfg.run_dir,
+        "--weights-dir",
+        cfg.weights_dir,
+        "--batch-groups",
+        "2",
+        "--steps-per-version",
+        "2",
+        "--max-staleness",
+        "100",
+        "--log-level",
+        "info",
+        env=env,
+        log=log,
+    )
 
 
 def _ranks(agent_pid: int) -> dict[int, int]:
@@ -138,14 +170,16 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow(seconds=60)
 def test_a_rank_killed_9_takes_the_job_down_and_the_restart_trains_nothing_twice(
-        client, keys, redis_url, tiny_model_dir, tmp_path):
+    client, keys, redis_url, tiny_model_dir, tmp_path
+):
     """Three jobs of 2 ranks on one run: the first dies at a crash point (every rank kills itself after the
     sharded checkpoint, before the ledger line), in the second rank 1 is killed -9 after a commit while rank 0
     holds delivered groups it has not committed, the third finishes; every group is trained exactly once."""
     cfg = _cfg(keys, tiny_model_dir, tmp_path)
     ledger_dir, logs = cfg.run_path / "trainer", tmp_path / "logs"
     logs.mkdir()
-    groups = [f"g{i:02d}" for i in range(16)]  # 4 groups a commit (2 steps x 2 groups)
+    # 4 groups a commit (2 steps x 2 groups)
+    groups = [f"g{i:02d}" for i in range(16)]
     for g in groups[:8]:
         _write_group(client, keys, g, length=16)
     job = _torchrun_trainer(redis_url, cfg, logs / "first.log", faults.spec("trainer", "after_checkpoint"))
@@ -157,23 +191,30 @@ def test_a_rank_killed_9_takes_the_job_down_and_the_restart_trains_nothing_twice
         _stop(job, ranks)
     meta = json.loads((sharded_checkpoint.latest(ledger_dir) / "meta.json").read_text())
     assert read_ledger(ledger_dir) == [] and meta["version"] == 1 and meta["world_size"] == 2
-    assert not (ledger_dir / "checkpoint.pt").exists()  # the sharded checkpoint, not the single-process one
+    # the sharded checkpoint, not the single-process one
+    assert not (ledger_dir / "checkpoint.pt").exists()
     for g in groups[8:12]:
         _write_group(client, keys, g, length=16)
     job = _torchrun_trainer(redis_url, cfg, logs / "second.log")
     ranks = {}
     try:
         ranks.update(wait_until(lambda: len(r := _ranks(job.pid)) == 2 and r, "two ranks started", 60, [job]))
-        wait_until(lambda: len(read_ledger(ledger_dir)) >= 2 and
-                   client.xpending(keys.samples, TRAINER_GROUP)["pending"] > 0,
-                   "a commit and groups delivered but uncommitted", 180, [job])
+        wait_until(
+            lambda: len(read_ledger(ledger_dir)) >= 2 and client.xpending(keys.samples, TRAINER_GROUP)["pending"] > 0,
+            "a commit and groups delivered but uncommitted",
+            180,
+            [job],
+        )
         os.kill(ranks[1], signal.SIGKILL)
-        assert job.wait(120) != 0  # torchrun's agent stops the job (--max-restarts 0) and fails
-        assert not _alive(ranks[0])  # rank 0 went down with it
+        # torchrun's agent stops the job (--max-restarts 0) and fails
+        assert job.wait(120) != 0
+        # rank 0 went down with it
+        assert not _alive(ranks[0])
     finally:
         _stop(job, ranks)
     second = read_ledger(ledger_dir)
-    assert second[0] == meta["ledger_record"]  # the restart appended the line the checkpoint held
+    # the restart appended the line the checkpoint held
+    assert second[0] == meta["ledger_record"]
     assert 4 < len(_committed(ledger_dir)) < 12
     trained = [g for rec in second for g in rec["groups"]]
     assert len(trained) == len(set(trained))
@@ -183,17 +224,25 @@ def test_a_rank_killed_9_takes_the_job_down_and_the_restart_trains_nothing_twice
     ranks = {}
     try:
         ranks.update(wait_until(lambda: len(r := _ranks(job.pid)) == 2 and r, "two ranks started", 60, [job]))
-        wait_until(lambda: _committed(ledger_dir) == set(groups) and
-                   client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0, "every group committed", 240, [job])
+        wait_until(
+            lambda: (
+                _committed(ledger_dir) == set(groups) and client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0
+            ),
+            "every group committed",
+            240,
+            [job],
+        )
     finally:
         left = _stop(job, ranks)
     log = (logs / "third.log").read_text()
     # a warm stop (SIGTERM to torchrun, passed on to the ranks): rank 0 told rank 1 to stop, neither was left running
     assert not left and "this rank stops with it" in log and "services/trainer" not in log, log[-3000:]
     records = read_ledger(ledger_dir)
-    assert sorted(g for rec in records for g in rec["groups"]) == groups  # every group trained, none twice
+    # every group trained, none twice
+    assert sorted(g for rec in records for g in rec["groups"]) == groups
     commits = [rec["commit"] for rec in records]
-    assert commits == list(range(1, len(commits) + 1))  # each restart went on from the last commit
+    # each restart went on from the last commit
+    assert commits == list(range(1, len(commits) + 1))
     published = [v.version for v in pversions.read_all(client, keys)]
     assert published == sorted(set(published)) and published[-1] == len(groups) // 4
     report = check(read_run(client, keys, cfg.run_path))

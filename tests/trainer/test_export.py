@@ -16,14 +16,23 @@ from tests.trainer.test_trainer import _write_group
 
 
 def test_periodic_export_cli_export_and_archiving(client, keys, tiny_model_dir, tmp_path, capsys):
-    cfg = Config(run=keys.run, model_dir=tiny_model_dir, run_dir=str(tmp_path / "runs"),
-                 weights_dir=str(tmp_path / "weights"), batch_groups=1, lr=1e-2, export_every=2, max_staleness=100)
+    cfg = Config(
+        run=keys.run,
+        model_dir=tiny_model_dir,
+        run_dir=str(tmp_path / "runs"),
+        weights_dir=str(tmp_path / "weights"),
+        batch_groups=1,
+        lr=1e-2,
+        export_every=2,
+        max_staleness=100,
+    )
     for g in ("a", "b", "c"):
         _write_group(client, keys, g)
     trainer = Trainer(cfg, client, logs.get("export-test"))
     trainer.run(should_stop=lambda: trainer.version >= 3)
     exports = cfg.run_path / "export"
-    assert sorted(p.name for p in exports.iterdir()) == ["v2"]  # every 2 versions
+    # every 2 versions
+    assert sorted(p.name for p in exports.iterdir()) == ["v2"]
     v2 = AutoModelForCausalLM.from_pretrained(str(exports / "v2"))
     base = ["--run", cfg.run, "--run-dir", cfg.run_dir, "--weights-dir", cfg.weights_dir, "--model-dir", tiny_model_dir]
     capsys.readouterr()
@@ -36,4 +45,5 @@ def test_periodic_export_cli_export_and_archiving(client, keys, tiny_model_dir, 
     assert len(err) == 1 and "version 99" in err[0] and "kept: " in err[0]
     (cfg.run_path / ENDED).write_text("{}")
     dest = archive_ended_run(cfg)
-    assert (dest / "export" / "v3" / "model.safetensors").exists()  # archiving moves it, never deletes it
+    # archiving moves it, never deletes it
+    assert (dest / "export" / "v3" / "model.safetensors").exists()

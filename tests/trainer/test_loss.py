@@ -9,8 +9,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.trainer.loss import (AGGREGATIONS, decoupled_ppo_loss, entropy_from_logits, grpo_advantages,
-                                   ppo_clip_loss, token_logprobs)
+from services.trainer.loss import (
+    AGGREGATIONS,
+    decoupled_ppo_loss,
+    entropy_from_logits,
+    grpo_advantages,
+    ppo_clip_loss,
+    token_logprobs,
+)
 
 SETTINGS = settings(max_examples=60, deadline=None)
 aggs = st.sampled_from(AGGREGATIONS)
@@ -25,7 +31,8 @@ def _case(seed: int, b: int, t: int, per_token_adv: bool, spread: float = 0.5) -
     behav = prox + (torch.rand(b, t, generator=g, dtype=torch.float64) - 0.5) * 4 * spread
     adv = torch.randn((b, t) if per_token_adv else (b,), generator=g, dtype=torch.float64)
     mask = (torch.rand(b, t, generator=g) < 0.7).double()
-    mask[0, 0] = 1.0  # at least one unmasked token
+    # at least one unmasked token
+    mask[0, 0] = 1.0
     return {"logp": logp.requires_grad_(), "prox": prox, "behav": behav, "adv": adv, "mask": mask}
 
 
@@ -38,6 +45,7 @@ cases = st.builds(_case, st.integers(0, 2**31 - 1), st.integers(1, 4), st.intege
 
 
 # --- decoupled PPO vs PPO-clip
+
 
 @SETTINGS
 @given(c=cases, agg=aggs, lo=clips, hi=clips, cap=st.sampled_from([None, 1.0, 5.0]))
@@ -73,8 +81,11 @@ def test_truncated_loss_equals_loss_with_manually_clamped_weights(c, agg, lo, hi
 @given(c=cases, cap=st.sampled_from([1.0, 1.2, 2.0, 5.0]))
 def test_truncation_caps_the_weight_and_counts_truncated_tokens(c, cap):
     _, stats = decoupled_ppo_loss(c["logp"], c["prox"], c["behav"], c["adv"], c["mask"], is_cap=cap)
-    raw = [math.exp(p - b) for p, b, m in zip(c["prox"].flatten().tolist(), c["behav"].flatten().tolist(),
-                                                c["mask"].flatten().tolist()) if m]
+    raw = [
+        math.exp(p - b)
+        for p, b, m in zip(c["prox"].flatten().tolist(), c["behav"].flatten().tolist(), c["mask"].flatten().tolist())
+        if m
+    ]
     clamped = [min(w, cap) for w in raw]
     assert stats["is_weight_max"] <= cap
     assert stats["is_weight_max"] == pytest.approx(max(clamped), rel=1e-12)
@@ -87,14 +98,16 @@ def test_truncation_caps_the_weight_and_counts_truncated_tokens(c, cap):
 
 def test_truncation_hand_example():
     prox = torch.zeros(1, 4, dtype=torch.float64)
-    behav = -torch.log(torch.tensor([[0.5, 2.0, 8.0, 100.0]], dtype=torch.float64))  # weights 0.5, 2, 8, 100
+    # weights 0.5, 2, 8, 100
+    behav = -torch.log(torch.tensor([[0.5, 2.0, 8.0, 100.0]], dtype=torch.float64))
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
     logp = prox.clone().requires_grad_()
     loss, stats = decoupled_ppo_loss(logp, prox, behav, torch.tensor([1.0], dtype=torch.float64), mask, is_cap=5.0)
     assert stats["is_weight_max"] == pytest.approx(5.0)
     assert stats["is_truncated_fraction"] == pytest.approx(1 / 3)
     assert stats["is_weight_mean"] == pytest.approx((0.5 + 2 + 5) / 3)
-    assert loss.item() == pytest.approx(-(0.5 + 2 + 5) / 3)  # ratio 1, A = 1: objective = weight
+    # ratio 1, A = 1: objective = weight
+    assert loss.item() == pytest.approx(-(0.5 + 2 + 5) / 3)
     assert _grad(loss, logp)[0].tolist() == pytest.approx([-0.5 / 3, -2 / 3, -5 / 3, 0.0])
 
 
@@ -153,9 +166,16 @@ def test_all_masked_batch_gives_zero_loss_and_zero_gradient():
         loss, stats = decoupled_ppo_loss(logp, logp.detach(), torch.zeros(2, 3), torch.ones(2), mask, agg=agg)
         assert loss.item() == 0.0
         assert torch.equal(_grad(loss, logp), torch.zeros(2, 3))
-        assert stats == {"clip_fraction": 0.0, "approx_kl": 0.0, "is_weight_mean": 0.0, "is_weight_max": 0.0,
-                         "is_truncated_fraction": 0.0, "is_masked_fraction": 0.0, "icepop_masked_fraction": 0.0,
-                         "m2po_masked_fraction": 0.0}
+        assert stats == {
+            "clip_fraction": 0.0,
+            "approx_kl": 0.0,
+            "is_weight_mean": 0.0,
+            "is_weight_max": 0.0,
+            "is_truncated_fraction": 0.0,
+            "is_masked_fraction": 0.0,
+            "icepop_masked_fraction": 0.0,
+            "m2po_masked_fraction": 0.0,
+        }
 
 
 # --- clipping
@@ -165,16 +185,22 @@ nonzero_adv = st.sampled_from([-2.0, -0.7, -0.1, 0.1, 0.7, 2.0])
 
 
 @SETTINGS
-@given(rows=st.lists(st.lists(st.tuples(ratios, nonzero_adv), min_size=1, max_size=6), min_size=1, max_size=3)
-       .filter(lambda rows: len({len(r) for r in rows}) == 1),
-       lo=clips, hi=clips, decoupled=st.booleans())
+@given(
+    rows=st.lists(st.lists(st.tuples(ratios, nonzero_adv), min_size=1, max_size=6), min_size=1, max_size=3).filter(
+        lambda rows: len({len(r) for r in rows}) == 1
+    ),
+    lo=clips,
+    hi=clips,
+    decoupled=st.booleans(),
+)
 def test_gradient_is_zero_exactly_where_the_clip_is_active(rows, lo, hi, decoupled):
     r = torch.tensor([[x for x, _ in row] for row in rows], dtype=torch.float64)
     a = torch.tensor([[y for _, y in row] for row in rows], dtype=torch.float64)
     old = -torch.ones_like(r)
     logp = (old + torch.log(r)).requires_grad_()
     mask = torch.ones_like(r)
-    if decoupled:  # far-off behaviour policy: the clip must still be centred on the proximal policy
+    # far-off behaviour policy: the clip must still be centred on the proximal policy
+    if decoupled:
         loss, stats = decoupled_ppo_loss(logp, old, old - 0.5, a, mask, lo, hi, is_cap=None)
     else:
         loss, stats = ppo_clip_loss(logp, old, a, mask, lo, hi)
@@ -190,6 +216,7 @@ def test_gradient_is_zero_exactly_where_the_clip_is_active(rows, lo, hi, decoupl
 
 # --- aggregation
 
+
 def _agg_example():
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     adv = torch.tensor([[1.0, 2.0, 9.0, 9.0], [4.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]])
@@ -197,16 +224,21 @@ def _agg_example():
     return logp, adv, mask
 
 
-@pytest.mark.parametrize(("agg", "value", "grad_rows"), [
-    # ratio 1, so the objective is A per token; the third sequence is fully masked
-    ("token-mean", -(1 + 2 + 4) / 3, [[-1 / 3, -2 / 3], [-4 / 3]]),
-    ("seq-mean-token-mean", -((1 + 2) / 2 + 4) / 2, [[-1 / 4, -2 / 4], [-4 / 2]]),
-    ("seq-mean-token-sum", -((1 + 2) + 4) / 2, [[-1 / 2, -2 / 2], [-4 / 2]]),
-])
+@pytest.mark.parametrize(
+    ("agg", "value", "grad_rows"),
+    [
+        # ratio 1, so the objective is A per token; the third sequence is fully masked
+        ("token-mean", -(1 + 2 + 4) / 3, [[-1 / 3, -2 / 3], [-4 / 3]]),
+        ("seq-mean-token-mean", -((1 + 2) / 2 + 4) / 2, [[-1 / 4, -2 / 4], [-4 / 2]]),
+        ("seq-mean-token-sum", -((1 + 2) + 4) / 2, [[-1 / 2, -2 / 2], [-4 / 2]]),
+    ],
+)
 def test_aggregation_hand_examples(agg, value, grad_rows):
     logp, adv, mask = _agg_example()
-    for loss, _ in (ppo_clip_loss(logp, logp.detach(), adv, mask, agg=agg),
-                    decoupled_ppo_loss(logp, logp.detach(), logp.detach(), adv, mask, agg=agg)):
+    for loss, _ in (
+        ppo_clip_loss(logp, logp.detach(), adv, mask, agg=agg),
+        decoupled_ppo_loss(logp, logp.detach(), logp.detach(), adv, mask, agg=agg),
+    ):
         assert loss.item() == pytest.approx(value)
         grad = _grad(loss, logp)
         assert grad[0, :2].tolist() == pytest.approx(grad_rows[0])
@@ -236,11 +268,13 @@ def test_unknown_agg_and_bad_shapes_are_value_errors():
 
 # --- stats
 
+
 def test_approx_kl_is_k3_to_behaviour():
     logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
     behav = torch.tensor([[-1.5, -1.0, 7.0]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)
-    d = [0.5, -1.0]  # logp - behav on unmasked tokens
+    # logp - behav on unmasked tokens
+    d = [0.5, -1.0]
     k3 = sum(math.exp(x) - 1 - x for x in d) / 2
     _, stats = ppo_clip_loss(logp, behav, torch.ones(1, dtype=torch.float64), mask)
     assert stats["approx_kl"] == pytest.approx(k3)
@@ -251,8 +285,9 @@ def test_approx_kl_is_k3_to_behaviour():
 
 # --- GRPO advantages
 
-reward_groups = st.lists(st.lists(st.sampled_from([0.0, 0.1, 0.7, 1.0, -1.0, 3.0]), min_size=1, max_size=8),
-                         min_size=1, max_size=5)
+reward_groups = st.lists(
+    st.lists(st.sampled_from([0.0, 0.1, 0.7, 1.0, -1.0, 3.0]), min_size=1, max_size=8), min_size=1, max_size=5
+)
 
 
 @SETTINGS
@@ -286,11 +321,13 @@ def test_grpo_hand_example():
     adv = grpo_advantages(torch.tensor([[0.0, 1.0], [1.0, 1.0], [0.0, 0.0]]), eps=0.0)
     assert adv.tolist() == [[-1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
     assert grpo_advantages([[1.0, 0.0, 0.0, 0.0]], eps=0.0).tolist() == pytest.approx(
-        [0.75 / math.sqrt(0.1875), -0.25 / math.sqrt(0.1875), -0.25 / math.sqrt(0.1875), -0.25 / math.sqrt(0.1875)])
+        [0.75 / math.sqrt(0.1875), -0.25 / math.sqrt(0.1875), -0.25 / math.sqrt(0.1875), -0.25 / math.sqrt(0.1875)]
+    )
     assert grpo_advantages([[7.0]]).tolist() == [0.0]
 
 
 # --- log-probs and entropy
+
 
 def test_token_logprobs_hand_example_and_temperature():
     logits = torch.tensor([[[0.0, math.log(3.0)], [2.0, 2.0]]])
@@ -314,8 +351,10 @@ def test_token_logprobs_matches_log_softmax_gather(seed, temp):
 
 def test_entropy_from_logits_is_masked_mean():
     logits = torch.zeros(1, 3, 4)
-    logits[0, 1] = torch.tensor([100.0, 0.0, 0.0, 0.0])  # nearly deterministic: entropy ~ 0
-    logits[0, 2] = float("nan")  # masked garbage
+    # nearly deterministic: entropy ~ 0
+    logits[0, 1] = torch.tensor([100.0, 0.0, 0.0, 0.0])
+    # masked garbage
+    logits[0, 2] = float("nan")
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     assert float(entropy_from_logits(logits, mask)) == pytest.approx(math.log(4) / 2, abs=1e-6)
     assert float(entropy_from_logits(logits, torch.zeros(1, 3))) == 0.0
@@ -323,16 +362,20 @@ def test_entropy_from_logits_is_masked_mean():
 
 # --- importance-weight cap: mask vs truncate; dual clip; micro-batch denominators
 
+
 def test_mask_mode_drops_tokens_over_the_cap_hand_example():
     prox = torch.zeros(1, 4, dtype=torch.float64)
-    behav = -torch.log(torch.tensor([[0.5, 2.0, 8.0, 100.0]], dtype=torch.float64))  # weights 0.5, 2, 8, 100
+    # weights 0.5, 2, 8, 100
+    behav = -torch.log(torch.tensor([[0.5, 2.0, 8.0, 100.0]], dtype=torch.float64))
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
     logp = prox.clone().requires_grad_()
-    loss, stats = decoupled_ppo_loss(logp, prox, behav, torch.tensor([1.0], dtype=torch.float64), mask, is_cap=5.0,
-                                     is_mode="mask")
+    loss, stats = decoupled_ppo_loss(
+        logp, prox, behav, torch.tensor([1.0], dtype=torch.float64), mask, is_cap=5.0, is_mode="mask"
+    )
     assert stats["is_masked_fraction"] == pytest.approx(1 / 3) and stats["is_truncated_fraction"] == 0.0
     assert stats["is_weight_max"] == pytest.approx(2.0)
-    assert loss.item() == pytest.approx(-(0.5 + 2 + 0) / 3)  # the token stays in the denominator
+    # the token stays in the denominator
+    assert loss.item() == pytest.approx(-(0.5 + 2 + 0) / 3)
     assert _grad(loss, logp)[0].tolist() == pytest.approx([-0.5 / 3, -2 / 3, 0.0, 0.0])
     with pytest.raises(ValueError, match="is_mode"):
         decoupled_ppo_loss(logp, prox, behav, torch.ones(1, dtype=torch.float64), mask, is_mode="clip")
@@ -341,7 +384,8 @@ def test_mask_mode_drops_tokens_over_the_cap_hand_example():
 @pytest.mark.parametrize("decoupled", [False, True])
 def test_dual_clip_bounds_a_runaway_ratio_with_negative_advantage(decoupled):
     old = torch.zeros(1, 2, dtype=torch.float64)
-    logp = torch.tensor([[5.0, 0.05]], dtype=torch.float64, requires_grad=True)  # ratios e^5 and e^0.05
+    # ratios e^5 and e^0.05
+    logp = torch.tensor([[5.0, 0.05]], dtype=torch.float64, requires_grad=True)
     adv, mask = torch.tensor([-1.0], dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
 
     def run(c):
@@ -351,11 +395,13 @@ def test_dual_clip_bounds_a_runaway_ratio_with_negative_advantage(decoupled):
 
     loss, stats = run(3.0)
     grad = _grad(loss, logp)
-    assert grad[0, 0] == 0.0 and grad[0, 1] != 0.0  # the dual clip holds the runaway token
+    # the dual clip holds the runaway token
+    assert grad[0, 0] == 0.0 and grad[0, 1] != 0.0
     assert loss.item() == pytest.approx(-(-3.0 - math.exp(0.05)) / 2)
     assert stats["clip_fraction"] == 0.5
     free, _ = run(None)
-    assert _grad(free, logp)[0, 0] == pytest.approx(math.exp(5.0) / 2)  # unbounded without it
+    # unbounded without it
+    assert _grad(free, logp)[0, 0] == pytest.approx(math.exp(5.0) / 2)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         run(0.5)
 
@@ -364,6 +410,7 @@ def test_dual_clip_bounds_a_runaway_ratio_with_negative_advantage(decoupled):
 @given(c=cases, agg=aggs, decoupled=st.booleans(), cut=st.integers(1, 3))
 def test_micro_batches_with_the_batch_denominator_sum_to_the_batch_loss(c, agg, decoupled, cut):
     from services.trainer.loss import aggregate_denominator
+
     b = c["logp"].shape[0]
     cut = min(cut, b)
 

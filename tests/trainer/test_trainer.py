@@ -11,27 +11,26 @@ import threading
 import pytest
 import torch
 
-from services.trainer import checkpoint
-from shared.protocol.archive.ledger import read_ledger
-from services.trainer.batch import build_batch
-from shared.runtime import faults
 from services.ops.check.checker import check, read_run
+from services.trainer import checkpoint
+from services.trainer.batch import build_batch
 from services.trainer.publish import sha256
 from services.trainer.trainer import Trainer
-from shared.runtime import logs
-from shared.runtime.config.keys import Config
-from shared.protocol.episode.log import EpisodeLog
+from shared.protocol.archive.ledger import read_ledger
 from shared.protocol.episode.fold import fold
-from tests.support.helpers import finished, raw, started, tokens
+from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import TRAINER_GROUP
-from shared.protocol.streams import samples
-from shared.protocol.streams import dead_letters
+from shared.protocol.streams import dead_letters, samples
 from shared.protocol.streams import versions as pversions
+from shared.runtime import faults, logs
+from shared.runtime.config.keys import Config
+from tests.support.helpers import finished, raw, started, tokens
 from tests.support.procs import kill9, spawn, stop, wait_until
 
 
-def _write_group(client, keys, group_id: str, n: int = 2, version: int = 0, rng=None, length: int = 6,
-                 rewards=None, logprob=None) -> None:
+def _write_group(
+    client, keys, group_id: str, n: int = 2, version: int = 0, rng=None, length: int = 6, rewards=None, logprob=None
+) -> None:
     rng = rng or random.Random(group_id)
     log = EpisodeLog(client, keys, "writer")
     eids = []
@@ -39,9 +38,19 @@ def _write_group(client, keys, group_id: str, n: int = 2, version: int = 0, rng=
         eid = f"{group_id}-{i}"
         eids.append(eid)
         log.open(eid)
-        log.append(eid, "started", {"episode_id": eid, "group_id": group_id, "index": i,
-                                    "prompt_ids": [rng.randrange(3, 90) for _ in range(4)],
-                                    "sampling": {"temperature": 1.0}, "task": {}}, version)
+        log.append(
+            eid,
+            "started",
+            {
+                "episode_id": eid,
+                "group_id": group_id,
+                "index": i,
+                "prompt_ids": [rng.randrange(3, 90) for _ in range(4)],
+                "sampling": {"temperature": 1.0},
+                "task": {},
+            },
+            version,
+        )
         ids = [rng.randrange(3, 90) for _ in range(length)]
         log.append_tokens(eid, ids, [-rng.random() * 4 if logprob is None else logprob for _ in ids], version)
         reward = float(i == 0) if rewards is None else rewards[i]
@@ -51,16 +60,23 @@ def _write_group(client, keys, group_id: str, n: int = 2, version: int = 0, rng=
 
 
 def _cfg(keys, model_dir, tmp_path, **kw) -> Config:
-    base = dict(run=keys.run, model_dir=model_dir, run_dir=str(tmp_path / "runs"),
-                weights_dir=str(tmp_path / "weights"), batch_groups=2, steps_per_version=1, lr=1e-3)
+    base = dict(
+        run=keys.run,
+        model_dir=model_dir,
+        run_dir=str(tmp_path / "runs"),
+        weights_dir=str(tmp_path / "weights"),
+        batch_groups=2,
+        steps_per_version=1,
+        lr=1e-3,
+    )
     return Config(**{**base, **kw})
 
 
 def test_batch_positions_match_the_stream():
-    evs = [started(prompt=(5, 6, 7)), tokens(1, [10, 11], logprobs=[-0.5, -1.5]),
-           finished(2)]
+    evs = [started(prompt=(5, 6, 7)), tokens(1, [10, 11], logprobs=[-0.5, -1.5]), finished(2)]
     ep = fold(raw(evs))
-    ep.mask[1] = 0  # pretend the second token came from a tool
+    # pretend the second token came from a tool
+    ep.mask[1] = 0
     b = build_batch([[ep]], pad_id=0)
     assert b.input_ids.tolist() == [[5, 6, 7, 10, 11]]
     # logits at position t predict input t+1: response tokens are targets 2 and 3
@@ -90,18 +106,24 @@ def test_trains_publishes_and_acks(client, keys, tiny_model_dir, tmp_path):
     assert len(lines) == 2 and {"reward_mean", "clip_fraction", "entropy", "staleness"} <= set(lines[0])
 
 
-def test_a_stale_group_trains_and_tokens_past_the_hard_limit_are_masked_and_counted(client, keys, tiny_model_dir,
-                                                                                     tmp_path):
+def test_a_stale_group_trains_and_tokens_past_the_hard_limit_are_masked_and_counted(
+    client, keys, tiny_model_dir, tmp_path
+):
     cfg = _cfg(keys, tiny_model_dir, tmp_path, batch_groups=2, max_staleness=1, hard_max_staleness=2)
     trainer = Trainer(cfg, client, logs.get("trainer-test"))
-    trainer.version = 4  # as if four versions had been published
-    _write_group(client, keys, "old", version=1)  # 3 behind: past the hard limit
-    _write_group(client, keys, "stale", version=2)  # 2 behind: past max_staleness, trained with its IS weight
+    # as if four versions had been published
+    trainer.version = 4
+    # 3 behind: past the hard limit
+    _write_group(client, keys, "old", version=1)
+    # 2 behind: past max_staleness, trained with its IS weight
+    _write_group(client, keys, "stale", version=2)
     trainer.restore()
     groups = trainer.collect(lambda: False)
-    assert [g for _, g, _ in groups] == ["old", "stale"]  # finished groups are not thrown away
+    # finished groups are not thrown away
+    assert [g for _, g, _ in groups] == ["old", "stale"]
     metrics = trainer.train_step(groups)
-    assert metrics["stale_tokens_masked"] == 12 and metrics["tokens"] == 12  # 2 episodes x 6 tokens of "old"
+    # 2 episodes x 6 tokens of "old"
+    assert metrics["stale_tokens_masked"] == 12 and metrics["tokens"] == 12
     assert metrics["tokens_wasted"] == 12 and metrics["groups_dropped"] == 0
 
 
@@ -117,7 +139,8 @@ def test_untrainable_groups_are_acknowledged_without_a_training_step(client, key
     ledger = read_ledger(cfg.run_path / "trainer")
     assert [rec["skipped"] for rec in ledger] == [["same1", "same2"]] and ledger[0]["groups"] == []
     assert trainer.step == 0 and trainer.counts["constant_groups_filtered"] == 2
-    assert int(client.get(keys.gate_started) or 0) == -2  # both gave their gate slot back
+    # both gave their gate slot back
+    assert int(client.get(keys.gate_started) or 0) == -2
 
 
 def test_pending_entries_past_one_page_are_all_reread_after_a_restart(client, keys, tiny_model_dir, tmp_path):
@@ -126,7 +149,8 @@ def test_pending_entries_past_one_page_are_all_reread_after_a_restart(client, ke
         client.xadd(keys.samples, {"group_id": f"p{i:03d}", "episodes": f"p{i:03d}-0"})
     first = Trainer(cfg, client, logs.get("trainer-test"))
     first.restore()
-    while first.intake.read() is not None:  # delivered to the trainer, never acknowledged: a crash here
+    # delivered to the trainer, never acknowledged: a crash here
+    while first.intake.read() is not None:
         pass
     assert client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 150
     again = Trainer(cfg, client, logs.get("trainer-test"))
@@ -142,18 +166,40 @@ def test_a_non_finite_step_is_skipped_counted_and_never_published(client, keys, 
     trainer.run(should_stop=lambda: trainer.version >= 1)
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     line = json.loads((cfg.run_path / "metrics.jsonl").read_text().splitlines()[0])
-    assert line["nonfinite_skipped"] == 2 and line["ppo_steps"] == 0  # both minibatches (ppo_minibatches = 2)
-    assert read_ledger(cfg.run_path / "trainer") == [{"commit": 1, "version": 1, "step": 1, "groups": [],
-                                                      "skipped": ["nan"]}]
+    # both minibatches (ppo_minibatches = 2)
+    assert line["nonfinite_skipped"] == 2 and line["ppo_steps"] == 0
+    assert read_ledger(cfg.run_path / "trainer") == [
+        {"commit": 1, "version": 1, "step": 1, "groups": [], "skipped": ["nan"]}
+    ]
 
 
 def _trainer_proc(redis_url, cfg: Config, crash_at: str | None = None):
     env = {k: v for k, v in os.environ.items() if k != faults.ENV}
     if crash_at:
-        env.update(faults.spec("trainer", crash_at))  # the trainer kills itself there (shared/runtime/faults.py)
-    return spawn("services.trainer", "--run", cfg.run, "--redis-url", redis_url, "--model-dir", cfg.model_dir,
-                 "--run-dir", cfg.run_dir, "--weights-dir", cfg.weights_dir, "--batch-groups", "2",
-                 "--steps-per-version", "2", "--max-staleness", "100", "--log-level", "warning", env=env)
+        # the trainer kills itself there (shared/runtime/faults.py)
+        env.update(faults.spec("trainer", crash_at))
+    return spawn(
+        "services.trainer",
+        "--run",
+        cfg.run,
+        "--redis-url",
+        redis_url,
+        "--model-dir",
+        cfg.model_dir,
+        "--run-dir",
+        cfg.run_dir,
+        "--weights-dir",
+        cfg.weights_dir,
+        "--batch-groups",
+        "2",
+        "--steps-per-version",
+        "2",
+        "--max-staleness",
+        "100",
+        "--log-level",
+        "warning",
+        env=env,
+    )
 
 
 def _committed(ledger_dir) -> set[str]:
@@ -170,12 +216,16 @@ def test_kill_9_trains_every_sample_exactly_once(client, keys, redis_url, tiny_m
     ledger_dir = cfg.run_path / "trainer"
     try:
         # killed while it holds delivered groups it has not committed (mid-step): they must come back to it
-        wait_until(lambda: len(read_ledger(ledger_dir)) >= 2 and
-                   client.xpending(keys.samples, TRAINER_GROUP)["pending"] > 0,
-                   "two commits and groups delivered but uncommitted", 120, [proc])
+        wait_until(
+            lambda: len(read_ledger(ledger_dir)) >= 2 and client.xpending(keys.samples, TRAINER_GROUP)["pending"] > 0,
+            "two commits and groups delivered but uncommitted",
+            120,
+            [proc],
+        )
     finally:
         kill9(proc)
-    assert len(_committed(ledger_dir)) < 12  # the kill landed before every written group was committed
+    # the kill landed before every written group was committed
+    assert len(_committed(ledger_dir)) < 12
     for g in groups[12:]:
         _write_group(client, keys, g, length=40)
     proc = _trainer_proc(redis_url, cfg)
@@ -184,7 +234,8 @@ def test_kill_9_trains_every_sample_exactly_once(client, keys, redis_url, tiny_m
     finally:
         stop(proc)
     trained = [g for rec in read_ledger(ledger_dir) for g in rec["groups"]]
-    assert sorted(trained) == groups  # every group trained, none twice
+    # every group trained, none twice
+    assert sorted(trained) == groups
     versions = [v.version for v in pversions.read_all(client, keys)]
     assert versions == sorted(set(versions)) and versions[-1] == len(groups) // 4
 
@@ -199,12 +250,15 @@ def _trainer_thread(cfg: Config, client):
     def stop_it():
         done.set()
         thread.join(60)
+
     return trainer, stop_it
 
 
 def test_an_idle_trainer_publishes_again_a_version_redis_lost_and_keeps_only_weights_a_worker_may_load(
-        client, keys, tiny_model_dir, tmp_path):
-    cfg = _cfg(keys, tiny_model_dir, tmp_path, max_staleness=0)  # a worker may still load the last 3 versions
+    client, keys, tiny_model_dir, tmp_path
+):
+    # a worker may still load the last 3 versions
+    cfg = _cfg(keys, tiny_model_dir, tmp_path, max_staleness=0)
     for i in range(8):
         _write_group(client, keys, f"w{i}")
     trainer, stop_it = _trainer_thread(cfg, client)
@@ -215,27 +269,34 @@ def test_an_idle_trainer_publishes_again_a_version_redis_lost_and_keeps_only_wei
         wait_until(lambda: "v000001.safetensors" not in files(), "version 1's weights pruned", 30)
         assert files() == ["v000002.safetensors", "v000003.safetensors", "v000004.safetensors"]
         newest = pversions.latest(client, keys)
-        client.xdel(keys.versions, newest.entry_id)  # a Redis restart lost its last second: the event is gone
+        # a Redis restart lost its last second: the event is gone
+        client.xdel(keys.versions, newest.entry_id)
         assert pversions.latest_number(client, keys) == 3
         wait_until(lambda: pversions.latest_number(client, keys) == 4, "version 4 published again", 30)
         again = pversions.latest(client, keys)
         assert (again.path, again.sha256, again.step) == (newest.path, newest.sha256, newest.step)
-        assert trainer.version == 4  # the same file, not a new version
+        # the same file, not a new version
+        assert trainer.version == 4
     finally:
         stop_it()
 
 
 def test_an_unreadable_episode_stream_is_dead_lettered_and_its_group_trains_without_it(
-        client, keys, tiny_model_dir, tmp_path):
+    client, keys, tiny_model_dir, tmp_path
+):
     cfg = _cfg(keys, tiny_model_dir, tmp_path)
     for g in ("u1", "u2", "u3", "u4", "u5"):
         _write_group(client, keys, g)
-    bad = {eid: client.xadd(keys.episode(eid), {"type": "tokens", "v": "2", "seq": "x"}).decode()
-           for eid in ("u1-1", "u3-0", "u3-1")}  # u1 keeps one readable episode; u3 has none
+    bad = {
+        eid: client.xadd(keys.episode(eid), {"type": "tokens", "v": "2", "seq": "x"}).decode()
+        # u1 keeps one readable episode; u3 has none
+        for eid in ("u1-1", "u3-0", "u3-1")
+    }
     trainer, stop_it = _trainer_thread(cfg, client)
     try:
-        wait_until(lambda: _committed(cfg.run_path / "trainer") == {"u1", "u2", "u3", "u4", "u5"},
-                   "every group committed", 120)
+        wait_until(
+            lambda: _committed(cfg.run_path / "trainer") == {"u1", "u2", "u3", "u4", "u5"}, "every group committed", 120
+        )
     finally:
         stop_it()
     records = read_ledger(cfg.run_path / "trainer")
@@ -244,10 +305,12 @@ def test_an_unreadable_episode_stream_is_dead_lettered_and_its_group_trains_with
     letters = {(d.stream, d.entry) for d in dead_letters.read_all(client, keys)}
     assert letters == {(keys.episode(eid), entry) for eid, entry in bad.items()}
     assert trainer.counts["episodes_failed"] == 3 and trainer.counts["groups_dropped"] == 1
-    assert int(client.get(keys.gate_started) or 0) == -1  # u3 gave its gate slot back
+    # u3 gave its gate slot back
+    assert int(client.get(keys.gate_started) or 0) == -1
 
 
 # --- the step: micro-batches, minibatches, direction
+
 
 def _episodes(client, keys, groups: list[str]) -> list[list]:
     log = EpisodeLog(client, keys, "r")
@@ -256,6 +319,7 @@ def _episodes(client, keys, groups: list[str]) -> list[list]:
 
 def _model_and_opt(model_dir, lr=1e-3, sgd=False):
     from transformers import AutoModelForCausalLM
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if sgd:
@@ -265,11 +329,14 @@ def _model_and_opt(model_dir, lr=1e-3, sgd=False):
 
 def test_micro_batches_train_exactly_as_one_big_batch(client, keys, tiny_model_dir):
     from services.trainer.step import StepConfig, train_on_batch
+
     for i, g in enumerate(("m1", "m2", "m3")):
-        _write_group(client, keys, g, length=4 + 5 * i)  # rows of different lengths: padding differs per micro
+        # rows of different lengths: padding differs per micro
+        _write_group(client, keys, g, length=4 + 5 * i)
     batch = build_batch(_episodes(client, keys, ["m1", "m2", "m3"]), pad_id=0)
     results = []
-    for budget in (0, 30):  # no limit; about one row per micro-batch
+    # no limit; about one row per micro-batch
+    for budget in (0, 30):
         # SGD: the update is the accumulated gradient itself (Adam's first step, g/|g|, would amplify float
         # noise on parameters whose gradient is about 0 into a sign)
         model, opt = _model_and_opt(tiny_model_dir, lr=0.1, sgd=True)
@@ -285,19 +352,23 @@ def test_micro_batches_train_exactly_as_one_big_batch(client, keys, tiny_model_d
 
 def test_the_second_minibatch_is_clipped_against_the_proximal_policy(client, keys, tiny_model_dir):
     from services.trainer.step import StepConfig, train_on_batch
+
     for g in ("c1", "c2", "c3", "c4"):
         _write_group(client, keys, g, length=12)
     batch = build_batch(_episodes(client, keys, ["c1", "c2", "c3", "c4"]), pad_id=0)
     model, opt = _model_and_opt(tiny_model_dir, lr=3e-2)
     one = train_on_batch(model, opt, batch, StepConfig(ppo_minibatches=1))
-    assert one["clip_fraction"] == 0.0 and one["ppo_steps"] == 1  # one step: the ratio to the proximal policy is 1
+    # one step: the ratio to the proximal policy is 1
+    assert one["clip_fraction"] == 0.0 and one["ppo_steps"] == 1
     model, opt = _model_and_opt(tiny_model_dir, lr=3e-2)
     two = train_on_batch(model, opt, batch, StepConfig(ppo_minibatches=2))
-    assert two["ppo_steps"] == 2 and two["clip_fraction"] > 0.0  # after the first step the clip binds
+    # after the first step the clip binds
+    assert two["ppo_steps"] == 2 and two["clip_fraction"] > 0.0
 
 
 def test_one_step_raises_the_rewarded_episode_and_lowers_the_other(client, keys, tiny_model_dir):
     from services.trainer.step import StepConfig, policy_logprobs, train_on_batch
+
     _write_group(client, keys, "dir", rewards=[1.0, 0.0], length=8)
     batch = build_batch(_episodes(client, keys, ["dir"]), pad_id=0)
     model, opt = _model_and_opt(tiny_model_dir, lr=1e-2)
@@ -316,7 +387,8 @@ def test_policy_failures_train_with_reward_zero_and_greedy_episodes_are_not_trai
     evs = [started(prompt=(5, 6)), tokens(1, [10, 11]), finished(2, reward=1.0)]
     good = fold(raw(evs))
     cut = fold(raw(evs))
-    cut.finish_reason = "length"  # the budget ran out: the policy's doing
+    # the budget ran out: the policy's doing
+    cut.finish_reason = "length"
     greedy = fold(raw(evs))
     greedy.sampling = {"temperature": 0.0}
     b = build_batch([[good, cut], [greedy, good]], pad_id=0)
@@ -327,9 +399,11 @@ def test_policy_failures_train_with_reward_zero_and_greedy_episodes_are_not_trai
 
 def test_a_torn_last_ledger_line_is_ignored_and_repaired(tmp_path):
     from shared.protocol.archive.ledger import append_ledger, repair_ledger
+
     append_ledger(tmp_path, {"commit": 1, "groups": ["a"], "skipped": []})
     with open(tmp_path / "trained.jsonl", "a") as fh:
-        fh.write('{"commit": 2, "groups": ["b"')  # killed mid-append
+        # killed mid-append
+        fh.write('{"commit": 2, "groups": ["b"')
     assert [r["groups"] for r in read_ledger(tmp_path)] == [["a"]]
     assert repair_ledger(tmp_path) > 0 and repair_ledger(tmp_path) == 0
     append_ledger(tmp_path, {"commit": 2, "groups": ["b"], "skipped": []})
@@ -338,7 +412,8 @@ def test_a_torn_last_ledger_line_is_ignored_and_repaired(tmp_path):
 
 @pytest.mark.slow
 def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothing_twice(
-        client, keys, redis_url, tiny_model_dir, tmp_path):
+    client, keys, redis_url, tiny_model_dir, tmp_path
+):
     """One trainer after another on the same run, each killed (SIGKILL, by the test-only hook) at the next point
     of its first commit; after each kill the ledger has no group twice; a last trainer finishes the run, then
     the checker and the checkpoint count every group trained exactly once."""
@@ -346,13 +421,15 @@ def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothi
     ledger_dir = cfg.run_path / "trainer"
     groups = []
     for n, point in enumerate(faults.POINTS["trainer"]):
-        new = [f"g{n}{i}" for i in range(4)]  # one commit: 2 steps x 2 groups
+        # one commit: 2 steps x 2 groups
+        new = [f"g{n}{i}" for i in range(4)]
         for g in new:
             _write_group(client, keys, g)
         groups += new
         proc = _trainer_proc(redis_url, cfg, crash_at=point)
         try:
-            assert proc.wait(180) == -signal.SIGKILL, point  # killed itself at this point of its first commit
+            # killed itself at this point of its first commit
+            assert proc.wait(180) == -signal.SIGKILL, point
         finally:
             if proc.poll() is None:
                 kill9(proc)
@@ -360,23 +437,33 @@ def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothi
         assert len(trained) == len(set(trained)), point
     proc = _trainer_proc(redis_url, cfg)
     try:
-        wait_until(lambda: _committed(ledger_dir) == set(groups) and
-                   client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0, "every group committed", 180, [proc])
+        wait_until(
+            lambda: (
+                _committed(ledger_dir) == set(groups) and client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0
+            ),
+            "every group committed",
+            180,
+            [proc],
+        )
         state = checkpoint.load(ledger_dir)
-        wait_until(lambda: pversions.latest_number(client, keys) >= state["version"], "the last version published",
-                   60, [proc])
+        wait_until(
+            lambda: pversions.latest_number(client, keys) >= state["version"], "the last version published", 60, [proc]
+        )
     finally:
         stop(proc)
     records = read_ledger(ledger_dir)
-    assert sorted(g for rec in records for g in rec["groups"]) == sorted(groups)  # every group trained, none twice
+    # every group trained, none twice
+    assert sorted(g for rec in records for g in rec["groups"]) == sorted(groups)
     # the ledger agrees with the checkpoint: one line per commit, nothing behind, nothing beyond
     commits = [rec["commit"] for rec in records if "commit" in rec]
     assert commits == list(range(1, state["version"] + 1)) and records[-1] == state["ledger_record"]
     again = Trainer(cfg, client, logs.get("trainer-test"))
-    again.restore()  # the set of consumed groups a restart rebuilds (from the ledger) is every group, once
+    # the set of consumed groups a restart rebuilds (from the ledger) is every group, once
+    again.restore()
     assert sorted(again.intake.consumed) == sorted(groups) and not again.intake.buffer
     published = [v.version for v in pversions.read_all(client, keys)]
-    assert sorted(set(published)) == list(range(1, state["version"] + 1))  # every version published
+    # every version published
+    assert sorted(set(published)) == list(range(1, state["version"] + 1))
     report = check(read_run(client, keys, cfg.run_path))
     assert report.groups_lost == 0 and report.samples_trained_twice == 0 and report.groups_trained == len(groups)
 
@@ -395,8 +482,10 @@ def test_the_optimizer_state_is_written_in_the_background_and_an_older_one_is_re
     assert state["optimizer_version"] == 1
     assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
     opt.step()
-    checkpoint.save(tmp_path, {"model": model.state_dict(), "version": 2})  # the next optimizer write never lands
+    # the next optimizer write never lands
+    checkpoint.save(tmp_path, {"model": model.state_dict(), "version": 2})
     state = checkpoint.load(tmp_path)
     assert (state["version"], state["optimizer_version"]) == (2, 1)
     fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
-    fresh.load_state_dict(state["optimizer"])  # loads: the moments are one version old, the groups exact
+    # loads: the moments are one version old, the groups exact
+    fresh.load_state_dict(state["optimizer"])

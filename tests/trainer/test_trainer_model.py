@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from services.trainer import kl
-from shared.protocol.episode.logprobs import token_logprobs
 from services.trainer.model import load_policy
+from shared.protocol.episode.logprobs import token_logprobs
 from shared.runtime.config.keys import Config
 
 
@@ -34,7 +34,8 @@ def test_k1_and_k3():
 
 def test_lora_publishes_merged_weights_under_base_names(tiny_model_dir):
     policy = load_policy(Config(model_dir=tiny_model_dir, lora_rank=4, lora_alpha=8.0))
-    with torch.no_grad():  # adapters start as a no-op (B = 0): give them a value
+    # adapters start as a no-op (B = 0): give them a value
+    with torch.no_grad():
         for name, p in policy.model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
@@ -49,9 +50,10 @@ def test_lora_publishes_merged_weights_under_base_names(tiny_model_dir):
         base.load_state_dict(state)
         got = base(input_ids=ids, attention_mask=attn).logits
     assert torch.allclose(want, got, atol=1e-5)
-    assert not torch.equal(state["model.layers.0.self_attn.q_proj.weight"],
-                           AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()[
-                               "model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        state["model.layers.0.self_attn.q_proj.weight"],
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()["model.layers.0.self_attn.q_proj.weight"],
+    )
 
 
 @pytest.mark.parametrize("lora", [0, 4])
@@ -64,15 +66,25 @@ def test_kl_reference_stays_frozen_and_starts_at_zero(tiny_model_dir, lora):
     mask = torch.ones_like(targets)
     opt = torch.optim.SGD(policy.trainable_parameters(), lr=0.5)
     ref_before = policy.reference_logprobs(ids, attn, targets, temp, top_k, top_p)
-    mb = SimpleNamespace(input_ids=ids, attention_mask=attn, targets=targets, temperature=temp, top_k=top_k,
-                         top_p=top_p, loss_mask=mask)  # the fields of a trainer Batch the penalty reads
+    mb = SimpleNamespace(
+        input_ids=ids,
+        attention_mask=attn,
+        targets=targets,
+        temperature=temp,
+        top_k=top_k,
+        # the fields of a trainer Batch the penalty reads
+        top_p=top_p,
+        loss_mask=mask,
+    )
     for step in range(2):
         logits = policy.model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         logp = token_logprobs(logits, targets, temp, top_k, top_p)
-        penalty = policy.kl_penalty()(mb, logp, "cpu")  # kl_coef x token-mean KL over the rows
+        # kl_coef x token-mean KL over the rows
+        penalty = policy.kl_penalty()(mb, logp, "cpu")
         loss, stats = -logp.mean() + penalty, {"kl": float(penalty.detach()) / 0.5}
         if step == 0:
-            assert stats["kl"] == pytest.approx(0.0, abs=1e-6)  # policy = reference at the start
+            # policy = reference at the start
+            assert stats["kl"] == pytest.approx(0.0, abs=1e-6)
         opt.zero_grad()
         loss.backward()
         opt.step()

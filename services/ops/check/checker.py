@@ -77,16 +77,49 @@ letters, groups trained / skipped, groups pending at the end.
 
 from __future__ import annotations
 
-from services.ops.check.counts import (EpisodeStats, count_bad_input, count_lost, dead_lettered, enqueued_twice,
-                                       episode_stats, ledger_counts, loads_backwards, sample_groups, token_writers,
-                                       tokens_generated_again, trained_past_bound, valid_groups, version_sequence)
+from services.ops.check.counts import (
+    EpisodeStats,
+    count_bad_input,
+    count_lost,
+    dead_lettered,
+    enqueued_twice,
+    episode_stats,
+    ledger_counts,
+    loads_backwards,
+    sample_groups,
+    token_writers,
+    tokens_generated_again,
+    trained_past_bound,
+    valid_groups,
+    version_sequence,
+)
 from services.ops.check.data import ConsumerGroup, RunData, _entries, id_key, read_run
 from services.ops.check.report import MUST_BE_ZERO, Report, format_report
 
-__all__ = ["ConsumerGroup", "EpisodeStats", "MUST_BE_ZERO", "Report", "RunData", "_entries", "check", "count_bad_input",
-           "count_lost", "dead_lettered", "enqueued_twice", "episode_stats", "format_report", "id_key",
-           "ledger_counts", "loads_backwards", "read_run", "sample_groups", "token_writers", "tokens_generated_again", "valid_groups",
-           "version_sequence"]
+__all__ = [
+    "ConsumerGroup",
+    "EpisodeStats",
+    "MUST_BE_ZERO",
+    "Report",
+    "RunData",
+    "_entries",
+    "check",
+    "count_bad_input",
+    "count_lost",
+    "dead_lettered",
+    "enqueued_twice",
+    "episode_stats",
+    "format_report",
+    "id_key",
+    "ledger_counts",
+    "loads_backwards",
+    "read_run",
+    "sample_groups",
+    "token_writers",
+    "tokens_generated_again",
+    "valid_groups",
+    "version_sequence",
+]
 
 
 def check(data: RunData) -> Report:
@@ -100,8 +133,13 @@ def check(data: RunData) -> Report:
     twice_published = sorted(g for g, entries in published.items() if len(entries) > 1)
     twice_trained = sorted(g for g, n in trained.items() if n > 1)
     regen, no_report = tokens_generated_again(data.reports, stats, token_writers(data.episodes))
-    unfinished = sorted(g for g in trained if g in published
-                        for eid in published[g][-1][1] if stats.get(eid) and stats[eid].status in ("running", "paused"))
+    unfinished = sorted(
+        g
+        for g in trained
+        if g in published
+        for eid in published[g][-1][1]
+        if stats.get(eid) and stats[eid].status in ("running", "paused")
+    )
     bad_missing, bad_found = count_bad_input(data, stats)
     r.groups_enqueued, r.groups_published = len(groups), len(published)
     r.groups_trained, r.groups_skipped = len(trained), len(skipped - set(trained))
@@ -109,8 +147,9 @@ def check(data: RunData) -> Report:
     r.episodes = len(stats)
     r.groups_lost = len(lost_rollout) + len(lost_training)
     r.episodes_finished_twice = len(twice_done) + len(twice_published)
-    twice_enqueued = enqueued_twice(data.prompts + data.agent_groups) + [f"val:{g}" for g in
-                                                                         enqueued_twice(data.val_prompts)]
+    twice_enqueued = enqueued_twice(data.prompts + data.agent_groups) + [
+        f"val:{g}" for g in enqueued_twice(data.val_prompts)
+    ]
     r.groups_enqueued_twice = len(twice_enqueued)
     repeated, gaps = version_sequence(data.versions)
     r.versions_repeated, r.versions_missing = len(repeated), len(gaps)
@@ -128,13 +167,21 @@ def check(data: RunData) -> Report:
     r.takeovers = sum(s.takeovers for s in stats.values())
     r.tail_resumes = sum(s.tail_resumes for s in stats.values())
     r.tokens_in_streams = sum(s.policy_tokens for s in stats.values())
-    r.details = {"groups_lost_in_rollout": lost_rollout[:50], "groups_lost_in_training": lost_training[:50],
-                 "episodes_finished_twice": twice_done[:50], "groups_published_twice": twice_published[:50],
-                 "groups_trained_twice": twice_trained[:50],
-                 "groups_enqueued_twice": twice_enqueued[:50], "versions_repeated": repeated[:50],
-                 "versions_missing": gaps[:50], "trained_unfinished": sorted(set(unfinished))[:50],
-                 "bad_input_not_dead_lettered": bad_missing[:50], "loads_backwards": backwards[:50],
-                 "tokens_past_staleness_bound": past[:50], "repacks_unmarked": unmarked[:50],
-                 "workers_without_final_report": no_report,
-                 "tokens_generated": {w: int(rep.get("tokens", 0)) for w, rep in sorted(data.reports.items())}}
+    r.details = {
+        "groups_lost_in_rollout": lost_rollout[:50],
+        "groups_lost_in_training": lost_training[:50],
+        "episodes_finished_twice": twice_done[:50],
+        "groups_published_twice": twice_published[:50],
+        "groups_trained_twice": twice_trained[:50],
+        "groups_enqueued_twice": twice_enqueued[:50],
+        "versions_repeated": repeated[:50],
+        "versions_missing": gaps[:50],
+        "trained_unfinished": sorted(set(unfinished))[:50],
+        "bad_input_not_dead_lettered": bad_missing[:50],
+        "loads_backwards": backwards[:50],
+        "tokens_past_staleness_bound": past[:50],
+        "repacks_unmarked": unmarked[:50],
+        "workers_without_final_report": no_report,
+        "tokens_generated": {w: int(rep.get("tokens", 0)) for w, rep in sorted(data.reports.items())},
+    }
     return r

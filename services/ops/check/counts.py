@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from shared.protocol.streams import control, samples
+from services.ops.check.data import ConsumerGroup, RunData
 from shared.protocol.episode.events import TERMINAL_KINDS, EventError, decode
 from shared.protocol.episode.fold import fold
+from shared.protocol.streams import control, samples
 from shared.protocol.streams.prompts import decode_group
-from services.ops.check.data import ConsumerGroup, RunData
 
 
 def valid_groups(prompts: list[tuple[str, dict]]) -> tuple[dict[str, list[str]], list[str]]:
@@ -50,7 +50,8 @@ def _lost_in_rollout(prompts, rollout: ConsumerGroup, samples, prefix: str = "")
         if group_id in published:
             continue
         if any(e in rollout.pending or not rollout.delivered(e) for e in entry_ids):
-            continue  # still in flight, or still waiting for a worker: not lost
+            # still in flight, or still waiting for a worker: not lost
+            continue
         lost.append(prefix + group_id)
     return lost
 
@@ -65,7 +66,8 @@ def _lost_agent_groups(data: RunData) -> list[str]:
             continue
         g = decode_group(entry_ids[0], dict(data.agent_groups)[entry_ids[0]])
         if any(eid in data.agents_busy for eid in g.episode_ids()):
-            continue  # still in hand
+            # still in hand
+            continue
         lost.append(group_id)
     return lost
 
@@ -83,7 +85,8 @@ def count_lost(data: RunData) -> tuple[list[str], list[str]]:
         if group_id in trained or group_id in skipped:
             continue
         if any(e in data.trainer.pending or not data.trainer.delivered(e) for e, _ in entries):
-            continue  # the trainer has it in hand (uncommitted) or has not read it yet
+            # the trainer has it in hand (uncommitted) or has not read it yet
+            continue
         lost_in_training.append(group_id)
     return sorted(lost_in_rollout), sorted(lost_in_training)
 
@@ -95,9 +98,12 @@ class EpisodeStats:
     takeovers: int = 0
     tail_resumes: int = 0
     bad_entries: int = 0
-    repack_unmarked: int = 0  # hand-overs of a repack whose 'resumed' does not name the source in 'repacked'
-    trained_versions: Counter = field(default_factory=Counter)  # policy version -> tokens the loss would train
-    status: str = "unreadable"  # fold's status, or 'unreadable' when fold refuses the stream
+    # hand-overs of a repack whose 'resumed' does not name the source in 'repacked'
+    repack_unmarked: int = 0
+    # policy version -> tokens the loss would train
+    trained_versions: Counter = field(default_factory=Counter)
+    # fold's status, or 'unreadable' when fold refuses the stream
+    status: str = "unreadable"
     error: str = ""
 
 
@@ -117,7 +123,8 @@ def episode_stats(entries: list[tuple[str, dict]]) -> EpisodeStats:
             st.policy_tokens += len(ev.data["ids"])
         elif ev.kind == "resumed":
             if previous is not None and previous.kind == "aborted" and previous.data.get("reason") == "repack":
-                source = previous.worker  # the target names it; a takeover of a dead target names the target
+                # the target names it; a takeover of a dead target names the target
+                source = previous.worker
                 if ev.data.get("repacked") != source and ev.data.get("takeover_from") in (None, source):
                     st.repack_unmarked += 1
             if ev.data.get("takeover_from"):
@@ -133,14 +140,16 @@ def episode_stats(entries: list[tuple[str, dict]]) -> EpisodeStats:
         st.error = str(exc)
         return st
     st.status = ep.status
-    for row in ep.rows:  # what the trainer's loss would take: policy tokens of sampled (not greedy) rows
+    # what the trainer's loss would take: policy tokens of sampled (not greedy) rows
+    for row in ep.rows:
         if float(row.sampling.get("temperature", 1.0)) > 0:
             st.trained_versions.update(v for v, m in zip(row.versions, row.mask) if m and v >= 0)
     return st
 
 
-def tokens_generated_again(reports: dict[str, dict], stats: dict[str, EpisodeStats],
-                           writers: set[str]) -> tuple[int | None, list[str]]:
+def tokens_generated_again(
+    reports: dict[str, dict], stats: dict[str, EpisodeStats], writers: set[str]
+) -> tuple[int | None, list[str]]:
     """Σ tokens each worker generated − Σ policy tokens in the streams; None (and who) when a
     worker that wrote tokens, or reported any, has no final report (its counter is not complete)."""
     missing = sorted(w for w in writers | set(reports) if not reports.get(w, {}).get("final"))
@@ -227,7 +236,8 @@ def loads_backwards(control_entries: list[tuple[str, dict]], pull_loads: list[tu
         try:
             entry = control.decode_entry(entry_id, fields)
         except EventError:
-            continue  # counted as bad input
+            # counted as bad input
+            continue
         if isinstance(entry, dict) and entry.get("version", "").lstrip("-").isdigit():
             acks.append((entry["worker"], int(entry["version"]), f"{entry['cmd']} ack {entry_id}"))
     for worker, version, what in [*acks, *((w, v, f"pulled load of {v}") for w, v in pull_loads)]:
@@ -249,11 +259,12 @@ def trained_past_bound(data: RunData, stats: dict[str, EpisodeStats]) -> tuple[i
     past, oldest, groups = 0, 0, []
     for rec in data.ledger:
         if "commit" not in rec:
-            continue  # a line of groups judged untrainable: nothing trained
+            # a line of groups judged untrainable: nothing trained
+            continue
         at = int(rec["version"]) - 1
         for g in rec.get("groups", []):
             n = 0
-            for eid in (published[g][-1][1] if g in published else []):
+            for eid in published[g][-1][1] if g in published else []:
                 for v, count in stats[eid].trained_versions.items() if eid in stats else ():
                     oldest = max(oldest, at - v)
                     if data.staleness_bound is not None and at - v > data.staleness_bound:

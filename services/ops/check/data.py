@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from shared.protocol.streams import dead_letters, metrics, pulls, stream_head, versions
-from shared.protocol.episode.events import EventError
-from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from shared.protocol.archive.ledger import read_ledger
 from shared.protocol.archive.segments import SegmentStore, folder_of
+from shared.protocol.episode.events import EventError
+from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
+from shared.protocol.streams import dead_letters, metrics, pulls, stream_head, versions
 
 
 def _s(v) -> str:
@@ -39,29 +39,41 @@ class ConsumerGroup:
 @dataclass
 class RunData:
     """Everything the checker reads, as plain data (hand-built in unit tests)."""
+
     prompts: list[tuple[str, dict]] = field(default_factory=list)
     rollout: ConsumerGroup = field(default_factory=ConsumerGroup)
     samples: list[tuple[str, dict]] = field(default_factory=list)
     trainer: ConsumerGroup = field(default_factory=ConsumerGroup)
     control: list[tuple[str, dict]] = field(default_factory=list)
-    episodes: dict[str, list[tuple[str, dict]]] = field(default_factory=dict)  # episode id -> entries
+    # episode id -> entries
+    episodes: dict[str, list[tuple[str, dict]]] = field(default_factory=dict)
     ledger: list[dict] = field(default_factory=list)
-    dead: list[dict] = field(default_factory=list)  # {stream, entry, reason, by}
-    reports: dict[str, dict] = field(default_factory=dict)  # worker -> its last rollout metrics record
-    val_prompts: list[tuple[str, dict]] = field(default_factory=list)  # validation rounds (never trained)
+    # {stream, entry, reason, by}
+    dead: list[dict] = field(default_factory=list)
+    # worker -> its last rollout metrics record
+    reports: dict[str, dict] = field(default_factory=dict)
+    # validation rounds (never trained)
+    val_prompts: list[tuple[str, dict]] = field(default_factory=list)
     val_rollout: ConsumerGroup = field(default_factory=ConsumerGroup)
     val_samples: list[tuple[str, dict]] = field(default_factory=list)
     prompts_key: str = "prompts"
     samples_key: str = "samples"
     control_key: str = "control"
     episode_key_prefix: str = "ep:"
-    episode_key_suffix: str = ""  # an episode's key is prefix + id + suffix (the suffix closes its hash tag)
-    versions: list[int] = field(default_factory=list)  # version numbers in the versions stream, in stream order
-    agent_groups: list[tuple[str, dict]] = field(default_factory=list)  # agent runs: groups handed to agent jobs
-    agents_busy: set[str] = field(default_factory=set)  # agent episodes whose job waits in the queue or runs
-    pull_loads: list[tuple[str, int]] = field(default_factory=list)  # sync_mode pull: (worker, version) loaded, in order
-    staleness_bound: int | None = None  # versions a trained token may lag (staleness_bound(cfg)); None: no bound
-    stale_tokens_masked: int = 0  # the trainer's count of tokens it masked out as past hard_max_staleness
+    # an episode's key is prefix + id + suffix (the suffix closes its hash tag)
+    episode_key_suffix: str = ""
+    # version numbers in the versions stream, in stream order
+    versions: list[int] = field(default_factory=list)
+    # agent runs: groups handed to agent jobs
+    agent_groups: list[tuple[str, dict]] = field(default_factory=list)
+    # agent episodes whose job waits in the queue or runs
+    agents_busy: set[str] = field(default_factory=set)
+    # sync_mode pull: (worker, version) loaded, in order
+    pull_loads: list[tuple[str, int]] = field(default_factory=list)
+    # versions a trained token may lag (staleness_bound(cfg)); None: no bound
+    staleness_bound: int | None = None
+    # the trainer's count of tokens it masked out as past hard_max_staleness
+    stale_tokens_masked: int = 0
 
 
 def staleness_bound(cfg) -> int | None:
@@ -103,7 +115,7 @@ def _agents_busy(client, keys: Keys, rq_client=None) -> set[str]:
     prefix = f"{keys.run}-"
     for job_id in Queue(keys.agent_queue, connection=rq_client or client).get_job_ids():
         if job_id.startswith(prefix):
-            busy.add(re.sub(r"-r\d+$", "", job_id[len(prefix):]))
+            busy.add(re.sub(r"-r\d+$", "", job_id[len(prefix) :]))
     return busy
 
 
@@ -114,10 +126,14 @@ def _head(run_path: Path, stream: str) -> Path:
 def read_run(client, keys: Keys, run_path: Path, rq_client=None, cfg=None) -> RunData:
     """Everything the checker counts. ``rq_client``: the rq queues' server when it is not ``client``'s; ``cfg``:
     the run's config (its staleness bound; without it, trained tokens are not checked against one)."""
-    data = RunData(prompts_key=keys.prompts, samples_key=keys.samples, control_key=keys.control,
-                   episode_key_prefix=keys.episode_prefix,
-                   episode_key_suffix=keys.episode("").removeprefix(keys.episode_prefix),
-                   staleness_bound=staleness_bound(cfg))
+    data = RunData(
+        prompts_key=keys.prompts,
+        samples_key=keys.samples,
+        control_key=keys.control,
+        episode_key_prefix=keys.episode_prefix,
+        episode_key_suffix=keys.episode("").removeprefix(keys.episode_prefix),
+        staleness_bound=staleness_bound(cfg),
+    )
     data.prompts = _entries(stream_head.read_all(client, keys.prompts, stream_head.path_of(run_path, "prompts")))
     data.rollout = _consumer_group(client, keys.prompts, ROLLOUT_GROUP)
     data.samples = _entries(stream_head.read_all(client, keys.samples, stream_head.path_of(run_path, "samples")))
@@ -132,21 +148,29 @@ def read_run(client, keys: Keys, run_path: Path, rq_client=None, cfg=None) -> Ru
         data.agents_busy = _agents_busy(client, keys, rq_client)
     for key in client.scan_iter(match=keys.episode("*"), count=1000, _type="stream"):
         data.episodes[keys.episode_id(key)] = _entries(client.xrange(key))
-    for episode_id, entries in SegmentStore(folder_of(run_path)).iter_all():  # the episodes moved out of Redis
-        if episode_id not in data.episodes:  # in both tiers only for a moment mid-move (Redis is deleted last)
+    # the episodes moved out of Redis
+    for episode_id, entries in SegmentStore(folder_of(run_path)).iter_all():
+        # in both tiers only for a moment mid-move (Redis is deleted last)
+        if episode_id not in data.episodes:
             data.episodes[episode_id] = _entries(entries)
     data.ledger = read_ledger(Path(run_path) / "trainer")
     data.dead = [asdict(d) for d in dead_letters.read_all(client, keys)]
-    records = metrics.history(client, keys, run_path, ("rollout", "train"))  # the run folder's files, then Redis
+    # the run folder's files, then Redis
+    records = metrics.history(client, keys, run_path, ("rollout", "train"))
     for rec in records["rollout"]:
         data.reports[rec.get("worker", "")] = rec
-    for rec in records["train"]:  # cumulative: the last record has the total
+    # cumulative: the last record has the total
+    for rec in records["train"]:
         data.stale_tokens_masked = int(rec.get("stale_tokens_masked", 0))
-    data.pull_loads = [(p.worker, p.version) for p in pulls.read_all(client, keys) if p.event == "released"
-                       and not p.extra.get("error")]
+    data.pull_loads = [
+        (p.worker, p.version)
+        for p in pulls.read_all(client, keys)
+        if p.event == "released" and not p.extra.get("error")
+    ]
     for entry_id, fields in stream_head.read_all(client, keys.versions, versions.head_path(run_path)):
         try:
             data.versions.append(versions.decode(entry_id, fields).version)
         except EventError:
-            continue  # the trainer writes every entry through the codec: a malformed one is not a version
+            # the trainer writes every entry through the codec: a malformed one is not a version
+            continue
     return data

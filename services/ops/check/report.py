@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-MUST_BE_ZERO = ("groups_lost", "groups_enqueued_twice", "episodes_finished_twice", "samples_trained_twice",
-                "versions_repeated", "bad_input_not_dead_lettered", "loads_backwards", "tokens_past_staleness_bound",
-                "repacks_unmarked")
+MUST_BE_ZERO = (
+    "groups_lost",
+    "groups_enqueued_twice",
+    "episodes_finished_twice",
+    "samples_trained_twice",
+    "versions_repeated",
+    "bad_input_not_dead_lettered",
+    "loads_backwards",
+    "tokens_past_staleness_bound",
+    "repacks_unmarked",
+)
 
 
 @dataclass
@@ -15,7 +23,8 @@ class Report:
     groups_published: int = 0
     groups_trained: int = 0
     groups_skipped: int = 0
-    groups_in_flight: int = 0  # pending or undelivered at the end, not lost
+    # pending or undelivered at the end, not lost
+    groups_in_flight: int = 0
     episodes: int = 0
     groups_lost: int = 0
     groups_enqueued_twice: int = 0
@@ -28,9 +37,11 @@ class Report:
     bad_input_not_dead_lettered: int = 0
     bad_input_found: int = 0
     loads_backwards: int = 0
-    tokens_past_staleness_bound: int | None = 0  # None: the run has no bound (mode async, hard_max_staleness 0)
+    # None: the run has no bound (mode async, hard_max_staleness 0)
+    tokens_past_staleness_bound: int | None = 0
     staleness_bound: int | None = None
-    oldest_trained: int = 0  # versions behind, the stalest token trained
+    # versions behind, the stalest token trained
+    oldest_trained: int = 0
     repacks_unmarked: int = 0
     dead_letters: int = 0
     takeovers: int = 0
@@ -40,29 +51,39 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return all(getattr(self, k) in (0, None) for k in MUST_BE_ZERO)  # None: not measurable on this run
+        # None: not measurable on this run
+        return all(getattr(self, k) in (0, None) for k in MUST_BE_ZERO)
 
     def to_json(self) -> dict:
         return {**asdict(self), "ok": self.ok, "must_be_zero": list(MUST_BE_ZERO)}
 
 
 def format_report(r: Report, run: str) -> str:
-    rows = [("prompt groups lost", r.groups_lost, True), ("prompt groups enqueued twice", r.groups_enqueued_twice, True),
-            ("versions published twice", r.versions_repeated, True), ("versions missing", r.versions_missing, False),
-            ("episodes finished twice", r.episodes_finished_twice, True),
-            ("samples trained twice", r.samples_trained_twice, True),
-            ("tokens generated again", "unknown" if r.tokens_generated_again is None else r.tokens_generated_again,
-             False),
-            ("trained, then lost by Redis", r.trained_unfinished, False),
-            ("bad input not dead-lettered", r.bad_input_not_dead_lettered, True),
-            ("weight loads going backwards", r.loads_backwards, True),
-            (f"tokens trained > {r.staleness_bound} versions stale" if r.staleness_bound is not None else
-             "tokens trained past a bound", "no bound" if r.tokens_past_staleness_bound is None
-             else r.tokens_past_staleness_bound, r.tokens_past_staleness_bound is not None),
-            ("repack hand-overs not marked", r.repacks_unmarked, True)]
-    lines = [f"run {run!r}: {r.groups_enqueued} groups enqueued, {r.groups_published} finished, "
-             f"{r.groups_trained} trained, {r.groups_skipped} judged untrainable, {r.groups_in_flight} in flight; "
-             f"{r.episodes} episodes, {r.tokens_in_streams} policy tokens in streams"]
+    rows = [
+        ("prompt groups lost", r.groups_lost, True),
+        ("prompt groups enqueued twice", r.groups_enqueued_twice, True),
+        ("versions published twice", r.versions_repeated, True),
+        ("versions missing", r.versions_missing, False),
+        ("episodes finished twice", r.episodes_finished_twice, True),
+        ("samples trained twice", r.samples_trained_twice, True),
+        ("tokens generated again", "unknown" if r.tokens_generated_again is None else r.tokens_generated_again, False),
+        ("trained, then lost by Redis", r.trained_unfinished, False),
+        ("bad input not dead-lettered", r.bad_input_not_dead_lettered, True),
+        ("weight loads going backwards", r.loads_backwards, True),
+        (
+            f"tokens trained > {r.staleness_bound} versions stale"
+            if r.staleness_bound is not None
+            else "tokens trained past a bound",
+            "no bound" if r.tokens_past_staleness_bound is None else r.tokens_past_staleness_bound,
+            r.tokens_past_staleness_bound is not None,
+        ),
+        ("repack hand-overs not marked", r.repacks_unmarked, True),
+    ]
+    lines = [
+        f"run {run!r}: {r.groups_enqueued} groups enqueued, {r.groups_published} finished, "
+        f"{r.groups_trained} trained, {r.groups_skipped} judged untrainable, {r.groups_in_flight} in flight; "
+        f"{r.episodes} episodes, {r.tokens_in_streams} policy tokens in streams"
+    ]
     for name, value, must in rows:
         flag = ("ok" if value == 0 else "FAIL") if must else ""
         lines.append(f"  {name:<32} {value!s:>8}  {flag}")
@@ -75,5 +96,3 @@ def format_report(r: Report, run: str) -> str:
             lines.append(f"  {name}: {', '.join(map(str, items))}")
     lines.append("ok" if r.ok else "FAILED: a count that must be 0 is not")
     return "\n".join(lines)
-
-

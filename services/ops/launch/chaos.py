@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Kill:
-    at: float  # unix seconds
+    # unix seconds
+    at: float
     target: str
 
 
@@ -36,7 +37,8 @@ class Kill:
 class Chaos:
     every_s: float
     seed: int = 0
-    only: frozenset[str] = frozenset()  # process kinds (the name before '.'); empty: every process
+    # process kinds (the name before '.'); empty: every process
+    only: frozenset[str] = frozenset()
     kills: list[Kill] = field(default_factory=list)
 
     def choose(self, rng: random.Random, candidates: list[str]) -> str | None:
@@ -62,7 +64,8 @@ class Chaos:
                     else:
                         os.killpg(procs[victim], signal.SIGKILL)
                 except ProcessLookupError:
-                    continue  # it was between restarts: pick again next time
+                    # it was between restarts: pick again next time
+                    continue
                 self.kills.append(Kill(time.time(), victim))
                 if out is not None:
                     print(f"chaos: kill -9 {victim}", file=out, flush=True)
@@ -77,21 +80,31 @@ def summary(chaos: Chaos, version_times: list[float], restarts: dict[str, int], 
     per: dict[str, int] = {}
     for k in chaos.kills:
         per[k.target] = per.get(k.target, 0) + 1
-    lines = [f"chaos: {len(chaos.kills)} kills in {seconds:.0f} s (one every {chaos.every_s:g} s, seed {chaos.seed})"
-             + (": " + ", ".join(f"{n} {c}" for n, c in sorted(per.items())) if per else "")]
+    lines = [
+        f"chaos: {len(chaos.kills)} kills in {seconds:.0f} s (one every {chaos.every_s:g} s, seed {chaos.seed})"
+        + (": " + ", ".join(f"{n} {c}" for n, c in sorted(per.items())) if per else "")
+    ]
     restarted = {n: r for n, r in sorted(restarts.items()) if r}
     lines.append("  restarts: " + (", ".join(f"{n} {r}" for n, r in restarted.items()) or "none"))
-    waits: dict[str, list[float]] = {}  # process kind -> seconds from each of its kills to the next version
+    # process kind -> seconds from each of its kills to the next version
+    waits: dict[str, list[float]] = {}
     for k in chaos.kills:
         after = next((t for t in version_times if t > k.at), None)
         if after is not None:
             waits.setdefault(k.target.split(".")[0], []).append(after - k.at)
     every = [w for ws in waits.values() for w in ws]
     if every:
-        lines.append(f"  kill to the next version: median {statistics.median(every):.1f} s, max {max(every):.1f} s "
-                     f"({len(every)} of {len(chaos.kills)} kills were followed by a version)")
-        lines.append("  by process: " + ", ".join(f"{kind} median {statistics.median(ws):.1f} s, max {max(ws):.1f} s"
-                                                  for kind, ws in sorted(waits.items())))
+        lines.append(
+            f"  kill to the next version: median {statistics.median(every):.1f} s, max {max(every):.1f} s "
+            f"({len(every)} of {len(chaos.kills)} kills were followed by a version)"
+        )
+        lines.append(
+            "  by process: "
+            + ", ".join(
+                f"{kind} median {statistics.median(ws):.1f} s, max {max(ws):.1f} s"
+                for kind, ws in sorted(waits.items())
+            )
+        )
     return lines
 
 
@@ -99,12 +112,23 @@ KINDS = ("rollout", "tools", "trainer", "syncer", "driver", "redis", "gateway", 
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--chaos", type=float, nargs="?", const=5.0, default=None, metavar="SECONDS",
-                   help="kill -9 a random process of the run (Redis included) every SECONDS (default 5) while it "
-                        "goes; a chaos summary follows the end-of-run check (services/ops/launch/chaos.py)")
+    p.add_argument(
+        "--chaos",
+        type=float,
+        nargs="?",
+        const=5.0,
+        default=None,
+        metavar="SECONDS",
+        help="kill -9 a random process of the run (Redis included) every SECONDS (default 5) while it "
+        "goes; a chaos summary follows the end-of-run check (services/ops/launch/chaos.py)",
+    )
     p.add_argument("--chaos-seed", type=int, default=0, metavar="N", help="seed of --chaos's choices (default 0)")
-    p.add_argument("--chaos-only", default="", metavar="KINDS",
-                   help=f"--chaos kills only these, comma-separated: {','.join(KINDS)} (default: all)")
+    p.add_argument(
+        "--chaos-only",
+        default="",
+        metavar="KINDS",
+        help=f"--chaos kills only these, comma-separated: {','.join(KINDS)} (default: all)",
+    )
 
 
 def from_args(args) -> Chaos | None:
@@ -115,6 +139,7 @@ def from_args(args) -> Chaos | None:
         raise ValueError(f"--chaos: expected seconds > 0 between kills, got {args.chaos:g}")
     only = frozenset(k for k in args.chaos_only.split(",") if k)
     if only - set(KINDS):
-        raise ValueError(f"--chaos-only: unknown kinds {', '.join(sorted(only - set(KINDS)))}; expected some of "
-                         f"{', '.join(KINDS)}")
+        raise ValueError(
+            f"--chaos-only: unknown kinds {', '.join(sorted(only - set(KINDS)))}; expected some of {', '.join(KINDS)}"
+        )
     return Chaos(args.chaos, args.chaos_seed, only)

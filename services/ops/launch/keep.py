@@ -35,22 +35,30 @@ from services.ops.launch import starter_client
 
 WINDOW_S = 60.0
 MAX_RESTARTS = 5
-STABLE_S = 10.0  # a process that ran this long had come up: its crash is not part of a loop
-BACKOFF_S, BACKOFF_MAX_S = 0.1, 10.0  # systemd's RestartSec default; measured: 0.5 cost --chaos 5 about 9 s a run
-FATAL_CODES = (2,)  # the process refused its config or its run: the same again would fail the same way
-SINCE_ENV = "KEEP_SINCE"  # given to the process: when keep first started it (the driver's max_minutes clock)
-NAME_ENV = "KEEP_NAME"  # the process's name in the run (honcho's: rollout.2), for its lines and its pid file
-PID_DIR_ENV = "KEEP_PID_DIR"  # where each kept child's pid is written (not STREAMRL_*: those are config keys)
+# a process that ran this long had come up: its crash is not part of a loop
+STABLE_S = 10.0
+# systemd's RestartSec default; measured: 0.5 cost --chaos 5 about 9 s a run
+BACKOFF_S, BACKOFF_MAX_S = 0.1, 10.0
+# the process refused its config or its run: the same again would fail the same way
+FATAL_CODES = (2,)
+# given to the process: when keep first started it (the driver's max_minutes clock)
+SINCE_ENV = "KEEP_SINCE"
+# the process's name in the run (honcho's: rollout.2), for its lines and its pid file
+NAME_ENV = "KEEP_NAME"
+# where each kept child's pid is written (not STREAMRL_*: those are config keys)
+PID_DIR_ENV = "KEEP_PID_DIR"
 
 
 @dataclass
 class History:
-    crashes: list[float] = field(default_factory=list)  # monotonic times of crashes within the window
+    # monotonic times of crashes within the window
+    crashes: list[float] = field(default_factory=list)
     restarts: int = 0
 
 
-def decide(code: int, stopping: bool, crashes: list[float], now: float,
-           ran_s: float = 0.0) -> tuple[str, float, list[float]]:
+def decide(
+    code: int, stopping: bool, crashes: list[float], now: float, ran_s: float = 0.0
+) -> tuple[str, float, list[float]]:
     """What to do when the process exited with ``code`` (negative: killed by that signal) after running ``ran_s``
     seconds: ("end", 0) exit as it did, ("fatal", 0) exit 2 at once, ("loop", 0) a crash loop, ("restart", delay
     seconds), each with the crash times (``crashes``, the earlier ones) the caller keeps for next time. A process
@@ -80,7 +88,8 @@ def _die_with_parent() -> None:
     """In the child before exec: its own process group, and SIGKILL when this supervisor dies (Linux)."""
     os.setpgrp()
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
 
@@ -102,7 +111,8 @@ class Keeper:
         self.child: subprocess.Popen | starter_client.Started | None = None
         self.last_line = ""
         self.history = History()
-        self.since = time.time()  # the driver's max_minutes runs from here, across its restarts
+        # the driver's max_minutes runs from here, across its restarts
+        self.since = time.time()
 
     def _signal(self, signum, frame) -> None:
         if self.stopping:
@@ -117,9 +127,11 @@ class Keeper:
     def _start(self) -> None:
         env = {**os.environ, SINCE_ENV: os.environ.get(SINCE_ENV, str(self.since))}
         self.child = self._start_warm(env) or subprocess.Popen(
-            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env=env)
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, env=env
+        )
         pid_dir = os.environ.get(PID_DIR_ENV)
-        if pid_dir:  # `streamrl run`: --chaos picks its victims here, the end-of-run check counts the restarts
+        # `streamrl run`: --chaos picks its victims here, the end-of-run check counts the restarts
+        if pid_dir:
             os.makedirs(pid_dir, exist_ok=True)
             tmp = os.path.join(pid_dir, f".{os.getpid()}.tmp")
             with open(tmp, "w") as fh:
@@ -134,8 +146,9 @@ class Keeper:
             return None
         read, write = os.pipe()
         try:
-            child = starter_client.start(path, *target, env=env, cwd=os.getcwd(), stdout=write, stderr=write,
-                                  watch_pid=os.getpid())
+            child = starter_client.start(
+                path, *target, env=env, cwd=os.getcwd(), stdout=write, stderr=write, watch_pid=os.getpid()
+            )
         except OSError:
             os.close(read)
             return None
@@ -160,22 +173,28 @@ class Keeper:
         while True:
             self._start()
             began = time.monotonic()
-            if self.stopping and self.child.poll() is None:  # the signal came while it was starting
+            # the signal came while it was starting
+            if self.stopping and self.child.poll() is None:
                 os.kill(self.child.pid, signal.SIGTERM)
             code = self._relay()
             now = time.monotonic()
             action, delay, self.history.crashes = decide(code, self.stopping, self.history.crashes, now, now - began)
-            if action == "end":  # a clean exit, or the run stopping: a signal's own exit is clean too
+            # a clean exit, or the run stopping: a signal's own exit is clean too
+            if action == "end":
                 return 0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else (code if code > 0 else 1)
             if action == "fatal":
                 return code
             if action == "loop":
-                self.say(f"crashed {len(self.history.crashes)} times within {WINDOW_S:g} s ({describe(code)}); "
-                         f"stopping the run. Its last line: {self.last_line or '(none)'}")
+                self.say(
+                    f"crashed {len(self.history.crashes)} times within {WINDOW_S:g} s ({describe(code)}); "
+                    f"stopping the run. Its last line: {self.last_line or '(none)'}"
+                )
                 return code if code > 0 else 1
             self.history.restarts += 1
-            self.say(f"{describe(code)}; restart {self.history.restarts} in {delay:g} s "
-                     f"({len(self.history.crashes)} in a row within {WINDOW_S:g} s)")
+            self.say(
+                f"{describe(code)}; restart {self.history.restarts} in {delay:g} s "
+                f"({len(self.history.crashes)} in a row within {WINDOW_S:g} s)"
+            )
             deadline = time.monotonic() + delay
             while time.monotonic() < deadline and not self.stopping:
                 time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
@@ -190,7 +209,8 @@ def processes(pid_dir) -> dict[str, tuple[int, int]]:
         try:
             pid, name, restarts = path.read_text().split()
         except (OSError, ValueError):
-            continue  # being replaced, or not ours
+            # being replaced, or not ours
+            continue
         out[name] = (int(pid), int(restarts))
     return out
 
@@ -206,25 +226,31 @@ def keep_server(server, stop, out=None, log_every_s: float = 0.1):
     out = out or sys.stderr
 
     def watch() -> None:
-        while not stop.wait(log_every_s):  # a process watch (no Redis round trip): is the server's process alive
+        # a process watch (no Redis round trip): is the server's process alive
+        while not stop.wait(log_every_s):
             code = server.proc.poll() if server.proc is not None else None
             if code is None:
                 continue
             # a server that start() returned is up (it answered); a Redis that cannot come up fails start() instead
-            action, delay, history.crashes = decide(code if code else 1, False, history.crashes, time.monotonic(),
-                                                    STABLE_S)
+            action, delay, history.crashes = decide(
+                code if code else 1, False, history.crashes, time.monotonic(), STABLE_S
+            )
             if action != "restart":
                 thread.failed = f"the embedded Redis crashed {len(history.crashes)} times within {WINDOW_S:g} s"
                 print(f"keep: {thread.failed}; not starting it again", file=out, flush=True)
                 return
             thread.restarts += 1
-            print(f"keep: redis {describe(code)}; restart {thread.restarts} in {delay:g} s on port {server.port}",
-                  file=out, flush=True)
+            print(
+                f"keep: redis {describe(code)}; restart {thread.restarts} in {delay:g} s on port {server.port}",
+                file=out,
+                flush=True,
+            )
             if stop.wait(delay):
                 return
             try:
                 server.start()
-            except Exception as exc:  # the port taken meanwhile, the data folder gone: say so, stop watching
+            # the port taken meanwhile, the data folder gone: say so, stop watching
+            except Exception as exc:
                 thread.failed = f"the embedded Redis did not start again: {exc}"
                 print(f"keep: {thread.failed}", file=out, flush=True)
                 return
@@ -239,8 +265,10 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("streamrl keep: expected a command after '--' (e.g. streamrl keep -- python -m services.trainer)",
-              file=sys.stderr)
+        print(
+            "streamrl keep: expected a command after '--' (e.g. streamrl keep -- python -m services.trainer)",
+            file=sys.stderr,
+        )
         return 2
     return Keeper(argv).run()
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import sys
 
-from shared.runtime.config.keys import Config, ConfigError, FIELDS
+from shared.runtime.config.keys import FIELDS, Config, ConfigError
 
-ROWS_ENCODED = 64  # prompts of each set encoded to check the chat template and the context (the first ones)
+# prompts of each set encoded to check the chat template and the context (the first ones)
+ROWS_ENCODED = 64
 
 
 class PreflightError(ConfigError):
@@ -62,7 +63,8 @@ def problems(cfg: Config) -> list[str]:
         tokenizer, config, names = model
         if cfg.lora_rank > 0:
             out += lora_problems(cfg.lora_targets, names, cfg.model_dir)
-        if sets and not cfg.agent:  # an agent writes its own messages from the task
+        # an agent writes its own messages from the task
+        if sets and not cfg.agent:
             context = getattr(config.get_text_config(), "max_position_embeddings", None)
             out += _prompts(cfg, tokenizer, context, sets)
     return out
@@ -116,26 +118,33 @@ def lora_problems(targets: str, module_names: list[str], model_dir: str) -> list
     if not missing:
         return []
     leaves = sorted({n.rsplit(".", 1)[-1] for n in module_names if n and not n.rsplit(".", 1)[-1].isdigit()})
-    return [f"config key 'lora_targets': {', '.join(map(repr, missing))} names no module of {model_dir!r} "
-            f"(its modules: {', '.join(leaves)})"]
+    return [
+        f"config key 'lora_targets': {', '.join(map(repr, missing))} names no module of {model_dir!r} "
+        f"(its modules: {', '.join(leaves)})"
+    ]
 
 
 def split_problems(dataset: str, split: str, key: str, default: str) -> list[str]:
     """A local file has one split (all its rows): a split other than the key's default names nothing there."""
-    from services.driver.tasks import BUILTIN, FILE_KINDS
     from pathlib import Path
+
+    from services.driver.tasks import BUILTIN, FILE_KINDS
 
     local = dataset in BUILTIN or Path(dataset).suffix.lower() in FILE_KINDS
     if not dataset or not local or split == default:
         return []
-    return [f"config key {key!r}: {split!r}, but {dataset!r} is a {'built-in task' if dataset in BUILTIN else 'local file'} "
-            f"with no splits (all its rows are one set); leave {key} at {default!r}"
-            + (", and give the held-out rows as eval_dataset" if key == "dataset_split" else "")]
+    return [
+        f"config key {key!r}: {split!r}, but {dataset!r} is a "
+        f"{'built-in task' if dataset in BUILTIN else 'local file'} "
+        f"with no splits (all its rows are one set); leave {key} at {default!r}"
+        + (", and give the held-out rows as eval_dataset" if key == "dataset_split" else "")
+    ]
 
 
 def _splits(cfg: Config) -> list[str]:
-    return (split_problems(cfg.dataset, cfg.dataset_split, "dataset_split", FIELDS["dataset_split"].default)
-            + split_problems(cfg.eval_dataset, cfg.eval_split, "eval_split", FIELDS["eval_split"].default))
+    return split_problems(
+        cfg.dataset, cfg.dataset_split, "dataset_split", FIELDS["dataset_split"].default
+    ) + split_problems(cfg.eval_dataset, cfg.eval_split, "eval_split", FIELDS["eval_split"].default)
 
 
 def _data(cfg: Config, out: list[str]) -> list[tuple[str, list[dict]]]:
@@ -182,12 +191,16 @@ def _prompts(cfg: Config, tokenizer, context: int | None, sets: list[tuple[str, 
             try:
                 ids = encode_prompt(tokenizer, row["prompt"])
             except PromptError as exc:
-                out.append(f"config key {key!r}: {getattr(cfg, key)}: row {i}: {exc} "
-                           f"(tokenizer {cfg.tokenizer or cfg.model_dir!r})")
+                out.append(
+                    f"config key {key!r}: {getattr(cfg, key)}: row {i}: {exc} "
+                    f"(tokenizer {cfg.tokenizer or cfg.model_dir!r})"
+                )
                 break
             if context is not None and len(ids) + 1 > context:
-                out.append(f"config key {key!r}: {getattr(cfg, key)}: row {i}: the prompt is {len(ids)} tokens; "
-                           f"the context of {cfg.model_dir!r} is {context} tokens (prompt + completion)")
+                out.append(
+                    f"config key {key!r}: {getattr(cfg, key)}: row {i}: the prompt is {len(ids)} tokens; "
+                    f"the context of {cfg.model_dir!r} is {context} tokens (prompt + completion)"
+                )
                 break
     return out
 

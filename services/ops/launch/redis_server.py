@@ -20,7 +20,8 @@ import redis
 from shared.runtime import secrets
 from shared.runtime.secrets import private_dir
 
-DRAIN_CLIENT = "streamrl-drain"  # the name of drain's own connection (`redis-cli client list` shows it)
+# the name of drain's own connection (`redis-cli client list` shows it)
+DRAIN_CLIENT = "streamrl-drain"
 
 
 class ServerError(RuntimeError):
@@ -48,10 +49,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EmbeddedRedis:
-    def __init__(self, data_dir: str | Path, port: int = 0, host: str = "127.0.0.1", password: str | None = None,
-                 maxmemory: str = "0"):
+    def __init__(
+        self,
+        data_dir: str | Path,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        password: str | None = None,
+        maxmemory: str = "0",
+    ):
         self.data_dir = Path(data_dir)
-        self.maxmemory = maxmemory  # 0: none; else a full server refuses writes (noeviction) instead of evicting
+        # 0: none; else a full server refuses writes (noeviction) instead of evicting
+        self.maxmemory = maxmemory
         self.host, self.port = host, port or free_port(host)
         self.password = password
         self.proc: subprocess.Popen | None = None
@@ -64,18 +72,50 @@ class EmbeddedRedis:
     def command(self) -> list[str]:
         """The server's argv: no secret in it (``ps`` shows argv to every user); the password goes in on stdin
         (``-``: the server reads config lines from stdin first)."""
-        cmd = [find_binary(), *(["-"] if self.password else []), "--port", str(self.port), "--bind", self.host, "--dir", str(self.data_dir.resolve()),
-               "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no",
-               "--logfile", "", "--loglevel", "warning", "--protected-mode", "yes",
-               # blocking timeouts fire within ~10 ms instead of ~100 (bench/redis_hz.py: 0.3% of a core idle)
-               "--hz", "100", "--maxmemory", str(self.maxmemory), "--maxmemory-policy", "noeviction"]
+        cmd = [
+            find_binary(),
+            *(["-"] if self.password else []),
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--dir",
+            str(self.data_dir.resolve()),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--logfile",
+            "",
+            "--loglevel",
+            "warning",
+            "--protected-mode",
+            "yes",
+            # blocking timeouts fire within ~10 ms instead of ~100 (bench/redis_hz.py: 0.3% of a core idle)
+            "--hz",
+            "100",
+            "--maxmemory",
+            str(self.maxmemory),
+            "--maxmemory-policy",
+            "noeviction",
+        ]
         return cmd
 
     def start(self, timeout: float = 10.0, quiet: bool = True) -> "EmbeddedRedis":
-        private_dir(self.data_dir)  # its append-only files hold every stream: the owner's only
+        # its append-only files hold every stream: the owner's only
+        private_dir(self.data_dir)
         out = subprocess.DEVNULL if quiet else None
-        self.proc = subprocess.Popen(self.command(), stdout=out, stderr=out, start_new_session=True,
-                                     stdin=subprocess.PIPE if self.password else subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            stdin=subprocess.PIPE if self.password else subprocess.DEVNULL,
+        )
         if self.password:
             self.proc.stdin.write(f'requirepass "{self.password}"\n'.encode())
             self.proc.stdin.close()
@@ -89,8 +129,11 @@ class EmbeddedRedis:
                 # ... and one still loading its append-only file answers INFO but refuses commands (LOADING)
                 if client.info("server")["process_id"] == self.proc.pid and not client.info("persistence")["loading"]:
                     break
-            except (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError,
-                    redis.exceptions.AuthenticationError):
+            except (
+                redis.exceptions.ConnectionError,
+                redis.exceptions.BusyLoadingError,
+                redis.exceptions.AuthenticationError,
+            ):
                 pass
             if time.monotonic() > deadline:
                 self.kill()
@@ -138,8 +181,14 @@ class EmbeddedRedis:
         self.stop()
 
 
-def start_for_run(cfg, port: int = 0, host: str = "127.0.0.1", data_dir: str | Path | None = None,
-                  quiet: bool = True, timeout: float = 10.0) -> EmbeddedRedis:
+def start_for_run(
+    cfg,
+    port: int = 0,
+    host: str = "127.0.0.1",
+    data_dir: str | Path | None = None,
+    quiet: bool = True,
+    timeout: float = 10.0,
+) -> EmbeddedRedis:
     """The run's embedded server, with the run's password: the one in ``cfg.redis_url`` when it has one, else the
     run's secrets file's (made now when missing, with the gateway key and the weights token: secrets.py). The file
     records which server (``host:port``) the password is for, so every process of the run that connects there
@@ -148,7 +197,11 @@ def start_for_run(cfg, port: int = 0, host: str = "127.0.0.1", data_dir: str | P
     from urllib.parse import urlsplit
 
     server = EmbeddedRedis(data_dir or cfg.run_path / "redis", port=port, host=host, maxmemory=cfg.redis_maxmemory)
-    given = {"redis_password": urlsplit(cfg.redis_url).password or "", "gateway_api_key": cfg.gateway_api_key,
-             "weights_token": cfg.weights_token, "redis_server": f"{server.host}:{server.port}"}
+    given = {
+        "redis_password": urlsplit(cfg.redis_url).password or "",
+        "gateway_api_key": cfg.gateway_api_key,
+        "weights_token": cfg.weights_token,
+        "redis_server": f"{server.host}:{server.port}",
+    }
     server.password = secrets.load_or_create(cfg.run_path, given)["redis_password"]
     return server.start(timeout=timeout, quiet=quiet)

@@ -19,26 +19,25 @@ from honcho.environ import parse_procfile
 from honcho.manager import Manager
 from honcho.printer import Printer
 
-from shared.runtime.config.keys import Config, ConfigError
-
-from shared.runtime import runstate
-from shared.runtime.connection import redact
 from services.driver.driver import ENDED
+from services.ops.launch import starter_client
 from services.ops.launch.keep import NAME_ENV, PID_DIR_ENV, keep_server
 from services.ops.launch.keep import processes as keep_processes
-from services.ops.launch import starter_client
 from services.ops.launch.redis_server import start_for_run
-from shared.runtime import secrets
+from shared.runtime import runstate, secrets
+from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.connection import redact
 
-
-AGENT_PROCESSES = ("gateway", "agents")  # Procfile lines started only when config 'agent' is set
+# Procfile lines started only when config 'agent' is set
+AGENT_PROCESSES = ("gateway", "agents")
 
 
 def archive_ended_run(cfg: Config, who: str = "streamrl run") -> Path | None:
     """A run the driver ended is done: move its folder aside (runs/<run>.<time>), its Redis data with it, and its
-    weights folder (the default one, keyed by its id) into it as ``weights/``, so this one starts afresh and
-    nothing of the ended run is lost; nothing of another run (another id) is touched. A run that was interrupted (no ENDED file) is continued from its streams and
-    checkpoint instead. The one rule for `streamrl run` and `honcho start` (whose `streamrl redis` calls it)."""
+    weights folder (the default one, keyed by its id) into it as ``weights/``, so this one starts afresh and nothing
+    of the ended run is lost; nothing of another run (another id) is touched. A run that was interrupted (no ENDED
+    file) is continued from its streams and checkpoint instead. The one rule for `streamrl run` and `honcho start`
+    (whose `streamrl redis` calls it)."""
     if not (cfg.run_path / ENDED).exists():
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime((cfg.run_path / ENDED).stat().st_mtime))
@@ -46,19 +45,25 @@ def archive_ended_run(cfg: Config, who: str = "streamrl run") -> Path | None:
     marker = runstate.read_marker(cfg.run_path) or {}
     cfg.run_path.rename(dest)
     kept = ""
-    if not cfg.weights_dir and marker.get("id"):  # the ended run's own weights folder (keyed by its id): with it
+    # the ended run's own weights folder (keyed by its id): with it
+    if not cfg.weights_dir and marker.get("id"):
         ended = cfg.replace(run_id=marker["id"])
         if ended.weights_path.is_dir() and not (dest / "weights").exists():
             shutil.move(str(ended.weights_path), str(dest / "weights"))
             kept = ", its kept weights in weights/"
-        if not cfg.rollout_weights_dir:  # a rollout worker's downloads: copies of those, made by the run
+        # a rollout worker's downloads: copies of those, made by the run
+        if not cfg.rollout_weights_dir:
             shutil.rmtree(ended.rollout_weights_path, ignore_errors=True)
-    print(f"{who}: run {cfg.run!r} had ended; its files are now in {dest}{kept}; starting it afresh",
-          file=sys.stderr, flush=True)
+    print(
+        f"{who}: run {cfg.run!r} had ended; its files are now in {dest}{kept}; starting it afresh",
+        file=sys.stderr,
+        flush=True,
+    )
     return dest
 
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # the checkout streamrl runs from: its Procfile
+# the checkout streamrl runs from: its Procfile
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]
 
 
 def find_procfile(procfile: str) -> Path:
@@ -68,33 +73,43 @@ def find_procfile(procfile: str) -> Path:
         return path
     if not path.is_absolute() and (PACKAGE_ROOT / path).exists():
         return PACKAGE_ROOT / path
-    raise ConfigError(f"--procfile {procfile}: no such file in {Path.cwd()}"
-                      + ("" if path.is_absolute() else f" nor in streamrl's checkout {PACKAGE_ROOT}"))
+    raise ConfigError(
+        f"--procfile {procfile}: no such file in {Path.cwd()}"
+        + ("" if path.is_absolute() else f" nor in streamrl's checkout {PACKAGE_ROOT}")
+    )
 
 
-MODEL_KEYS = ("model_dir", "tokenizer", "lora_rank", "lora_targets")  # what an interrupted run's checkpoint is of
+# what an interrupted run's checkpoint is of
+MODEL_KEYS = ("model_dir", "tokenizer", "lora_rank", "lora_targets")
 
 
 def check_continuation(cfg: Config) -> None:
     """An interrupted run continues with the model it was made with (its checkpoint is of that model): another
     one is a ConfigError, one line per key, before anything starts."""
     if (cfg.run_path / ENDED).exists():
-        return  # an ended run is moved aside: this one starts afresh with whatever model it names
+        # an ended run is moved aside: this one starts afresh with whatever model it names
+        return
     made = runstate.recorded_config(runstate.read_marker(cfg.run_path))
-    lines = [f"config key {key!r}: run {cfg.run!r} was interrupted; it was made with {key} {made[key]!r} "
-             f"({cfg.run_path / runstate.MARKER}), not {getattr(cfg, key)!r}: continue it with --{key.replace('_', '-')} "
-             f"{made[key]}, or start another with --run NAME"
-             for key in MODEL_KEYS if key in made and made[key] != getattr(cfg, key)]
+    lines = [
+        f"config key {key!r}: run {cfg.run!r} was interrupted; it was made with {key} {made[key]!r} "
+        f"({cfg.run_path / runstate.MARKER}), not {getattr(cfg, key)!r}: continue it with --{key.replace('_', '-')} "
+        f"{made[key]}, or start another with --run NAME"
+        for key in MODEL_KEYS
+        if key in made and made[key] != getattr(cfg, key)
+    ]
     from services.ops.launch.tiny_model import default_recipe
     from shared.runtime.models import is_default
 
-    if made and not lines and is_default(cfg.model_dir):  # the default model is remade for another recipe: not here
+    # the default model is remade for another recipe: not here
+    if made and not lines and is_default(cfg.model_dir):
         was = default_recipe(cfg.replace(**{k: made[k] for k in ("agent", "tools", "dataset", "seed") if k in made}))
         if {**was, "warm_steps": None} != {**default_recipe(cfg), "warm_steps": None}:
-            lines.append(f"config key 'model_dir': run {cfg.run!r} was interrupted; it was made on the default model "
-                         f"for {was}, and this run wants {default_recipe(cfg)}, which would remake {cfg.model_dir} "
-                         f"under its checkpoint: continue it with the settings it was made with "
-                         f"({cfg.run_path / runstate.MARKER}), or start another with --run NAME")
+            lines.append(
+                f"config key 'model_dir': run {cfg.run!r} was interrupted; it was made on the default model "
+                f"for {was}, and this run wants {default_recipe(cfg)}, which would remake {cfg.model_dir} "
+                f"under its checkpoint: continue it with the settings it was made with "
+                f"({cfg.run_path / runstate.MARKER}), or start another with --run NAME"
+            )
     if lines:
         raise ConfigError("\n".join(lines))
 
@@ -109,7 +124,8 @@ class LinePrinter(Printer):
             super().write(message)
         except BrokenPipeError:
             devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self.output.fileno())  # what Python's docs advise on SIGPIPE: later writes go nowhere
+            # what Python's docs advise on SIGPIPE: later writes go nowhere
+            os.dup2(devnull, self.output.fileno())
             os.close(devnull)
 
 
@@ -130,8 +146,10 @@ def reachable(url: str, wait: float = 10.0) -> None:
     try:
         connect(url, wait=wait).ping()
     except Exception as exc:  # noqa: BLE001 - refused, timed out, a wrong password: the reason goes in the line
-        raise ConfigError(f"config key 'redis_url': {type(exc).__name__}: {exc}; start that server, or "
-                          f"leave redis_url (and REDIS_URL) unset for the run's own embedded server") from None
+        raise ConfigError(
+            f"config key 'redis_url': {type(exc).__name__}: {exc}; start that server, or "
+            f"leave redis_url (and REDIS_URL) unset for the run's own embedded server"
+        ) from None
 
 
 def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str, dict]]:
@@ -142,8 +160,11 @@ def processes(cfg: Config, entries: dict[str, str]) -> list[tuple[str, str, dict
     last ``longtail_workers`` rollout copies as long-tail workers."""
     out = []
     for name, cmd in entries.items():
-        if name == "redis" or (name in AGENT_PROCESSES and not cfg.agent) or \
-                (name == "archiver" and not cfg.log_retention_versions):
+        if (
+            name == "redis"
+            or (name in AGENT_PROCESSES and not cfg.agent)
+            or (name == "archiver" and not cfg.log_retention_versions)
+        ):
             continue
         # agents workers each run agent_concurrency episodes at once; rollout workers each drive one engine
         copies = {"agents": cfg.agent_workers, "rollout": cfg.rollout_workers}.get(name, 1)
@@ -168,7 +189,8 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None, 
     if sock is None and "torch" not in sys.modules:
         warm, sock = _launch_starter(wait=False)
     try:
-        ensure_model(cfg)  # before anything starts: a model_dir that does not resolve is one line, nothing to clean up
+        # before anything starts: a model_dir that does not resolve is one line, nothing to clean up
+        ensure_model(cfg)
         if warm is not None and not _ready(warm):
             starter_client.close(warm, sock)
             warm, sock = None, None
@@ -199,7 +221,8 @@ def _ready(warm) -> bool:
     try:
         starter_client.ready(warm)
         return True
-    except RuntimeError as exc:  # the run goes on: each process starts the ordinary way
+    # the run goes on: each process starts the ordinary way
+    except RuntimeError as exc:
         print(f"streamrl run: {exc}; its processes start without it", file=sys.stderr, flush=True)
         return False
 
@@ -211,40 +234,58 @@ def _run(cfg: Config, entries: dict, warm_path: str | None, extra_env: dict | No
     env.pop("STREAMRL_CONFIG", None)
     # the Procfile's lines call `streamrl` and `python`: this interpreter's, even when its venv is not activated
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    if cfg.device == "cpu":  # several torch processes share the cores: one thread each, not N fighting over N
-        env.setdefault("OMP_NUM_THREADS", "1")  # (measured: a tiny model's decode step 4 ms vs 42 ms on 2 cores)
+    # several torch processes share the cores: one thread each, not N fighting over N
+    if cfg.device == "cpu":
+        # (measured: a tiny model's decode step 4 ms vs 42 ms on 2 cores)
+        env.setdefault("OMP_NUM_THREADS", "1")
     for f in fields(Config):
         env[f"STREAMRL_{f.name.upper()}"] = str(getattr(cfg, f.name))
     if not own_server(cfg):
         archive_ended_run(cfg)
         server = start_for_run(cfg)
         env["REDIS_URL"] = env["STREAMRL_REDIS_URL"] = secrets.without_password(server.url)
-    else:  # your own server: its secrets (the password in REDIS_URL included) stay where you put them
+    # your own server: its secrets (the password in REDIS_URL included) stay where you put them
+    else:
         reachable(cfg.redis_url)
         env.setdefault("REDIS_URL", cfg.redis_url)
-        secrets.load_or_create(cfg.run_path, {"gateway_api_key": cfg.gateway_api_key,
-                                              "weights_token": cfg.weights_token})
-    for key in secrets.CONFIG_KEYS:  # every process reads them from the run's secrets file (0600), not from here
+        secrets.load_or_create(
+            cfg.run_path, {"gateway_api_key": cfg.gateway_api_key, "weights_token": cfg.weights_token}
+        )
+    # every process reads them from the run's secrets file (0600), not from here
+    for key in secrets.CONFIG_KEYS:
         env[f"STREAMRL_{key.upper()}"] = ""
-    print(f"streamrl run: run {cfg.run!r} on {redact(env['REDIS_URL'])}"
-          f"{' (embedded, append-only)' if server else ''}", file=sys.stderr, flush=True)
-    pid_dir = cfg.run_path / "procs"  # each `streamrl keep` writes its process's pid and restarts here
+    print(
+        f"streamrl run: run {cfg.run!r} on {redact(env['REDIS_URL'])}{' (embedded, append-only)' if server else ''}",
+        file=sys.stderr,
+        flush=True,
+    )
+    # each `streamrl keep` writes its process's pid and restarts here
+    pid_dir = cfg.run_path / "procs"
     for old in pid_dir.glob("*.pid") if pid_dir.is_dir() else []:
         old.unlink()
     env[PID_DIR_ENV] = str(pid_dir)
     env.pop(starter_client.ENV, None)
-    if warm_path and cfg.engine == "torch":  # vLLM starts its own engine processes: its workers start cold, as tested
+    # vLLM starts its own engine processes: its workers start cold, as tested
+    if warm_path and cfg.engine == "torch":
         env[starter_client.ENV] = warm_path
     manager = Manager(printer=LinePrinter(sys.stdout))
     # the driver's progress lines are the view; the services' per-step info lines would bury them
     quiet = {**env, "STREAMRL_LOG_LEVEL": "warning"} if cfg.log_level == "info" else env
     for name, cmd, own in processes(cfg, entries):
-        manager.add_process(name, cmd, env={**(env if name == "driver" else quiet), NAME_ENV: name,
-                                            **{f"STREAMRL_{k.upper()}": str(v) for k, v in own.items()}})
+        manager.add_process(
+            name,
+            cmd,
+            env={
+                **(env if name == "driver" else quiet),
+                NAME_ENV: name,
+                **{f"STREAMRL_{k.upper()}": str(v) for k, v in own.items()},
+            },
+        )
     started = time.time()
     stop_watch = threading.Event()
     watcher = None
-    if server:  # the services survive a Redis crash: start it again, as `streamrl keep` does every Procfile line
+    # the services survive a Redis crash: start it again, as `streamrl keep` does every Procfile line
+    if server:
         watcher = keep_server(server, stop_watch)
     ended = lambda: (cfg.run_path / ENDED).exists() and (cfg.run_path / ENDED).stat().st_mtime >= started  # noqa: E731
     if chaos is not None:
@@ -256,8 +297,10 @@ def _run(cfg: Config, entries: dict, warm_path: str | None, extra_env: dict | No
             restarts = {name: r for name, (_, r) in keep_processes(pid_dir).items()}
             if watcher is not None:
                 restarts["redis"] = watcher.restarts
-            own_url = server.url if server else env["REDIS_URL"]  # the runner's own: with the run's password
-            end_of_run_check(cfg, own_url, restarts)  # last: the lines a person reads when the run is over
+            # the runner's own: with the run's password
+            own_url = server.url if server else env["REDIS_URL"]
+            # last: the lines a person reads when the run is over
+            end_of_run_check(cfg, own_url, restarts)
             if chaos is not None:
                 print_chaos(cfg, own_url, chaos, restarts, time.time() - started)
     finally:
@@ -288,8 +331,12 @@ def end_of_run_check(cfg: Config, redis_url: str, restarts: dict[str, int] | Non
     report = check(read_run(client, Keys(cfg.run), cfg.run_path, rq_client, cfg))
     restarted = ", ".join(f"{name} {n}" for name, n in sorted((restarts or {}).items()) if n) or "none"
     *rows, verdict = format_report(report, cfg.run).split("\n")
-    print("streamrl run: streamrl check at the end of the run (groups still in flight are not lost):\n"
-          + "\n".join([*rows, f"  processes restarted: {restarted}", verdict]), file=sys.stderr, flush=True)
+    print(
+        "streamrl run: streamrl check at the end of the run (groups still in flight are not lost):\n"
+        + "\n".join([*rows, f"  processes restarted: {restarted}", verdict]),
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def export_at_end(cfg: Config, warm_path: str | None = None) -> None:
@@ -298,10 +345,12 @@ def export_at_end(cfg: Config, warm_path: str | None = None) -> None:
     from dataclasses import asdict
 
     marker = runstate.read_marker(cfg.run_path) or {}
-    cfg = cfg.replace(run_id=marker.get("id", cfg.run_id))  # its weights folder is keyed by the id
+    # its weights folder is keyed by the id
+    cfg = cfg.replace(run_id=marker.get("id", cfg.run_id))
     try:
         out = starter_client.call(warm_path, "services.trainer.export:export_last_of", {"config": asdict(cfg)})
-    except starter_client.ChildFailed as exc:  # it said why above: the same again here would only say it twice
+    # it said why above: the same again here would only say it twice
+    except starter_client.ChildFailed as exc:
         print(f"streamrl run: the export at the end failed ({exc})", file=sys.stderr, flush=True)
         out = None
     except starter_client.CallFailed:
@@ -309,5 +358,8 @@ def export_at_end(cfg: Config, warm_path: str | None = None) -> None:
 
         out = export_last(cfg)
     if out:
-        print(f"streamrl run: exported the last version to {out} (AutoModelForCausalLM.from_pretrained loads it)",
-              file=sys.stderr, flush=True)
+        print(
+            f"streamrl run: exported the last version to {out} (AutoModelForCausalLM.from_pretrained loads it)",
+            file=sys.stderr,
+            flush=True,
+        )

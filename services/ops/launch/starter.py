@@ -11,12 +11,12 @@ interpreter would. This is how gunicorn's ``--preload`` starts workers, and how 
 DataLoader workers start (torch registers fork handlers for its thread pools); nothing in the starter runs a
 torch operation or starts a thread before it forks. pyarrow is left out (its allocator starts a thread).
 
-The starter reaps its children and reports each exit status on the connection that asked for it, so the
-asking side's handle (``Started``, services/ops/launch/starter_client.py: how a process asks for one) answers ``poll``/``wait``/``returncode`` like ``subprocess.Popen``. A child
-dies with the starter (the parent-death signal) and, given ``watch_pid``, with the process that asked for it
-(`streamrl keep`), so no kill leaves an orphan. The starter exits when its stdin closes (its runner is gone).
-Whoever cannot reach a starter starts the process the ordinary way (``streamrl keep`` under a plain
-``honcho start`` always does).
+The starter reaps its children and reports each exit status on the connection that asked for it, so the asking side's
+handle (``Started``, services/ops/launch/starter_client.py: how a process asks for one) answers
+``poll``/``wait``/``returncode`` like ``subprocess.Popen``. A child dies with the starter (the parent-death signal) and,
+given ``watch_pid``, with the process that asked for it (`streamrl keep`), so no kill leaves an orphan. The starter
+exits when its stdin closes (its runner is gone). Whoever cannot reach a starter starts the process the ordinary way
+(``streamrl keep`` under a plain ``honcho start`` always does).
 
 Protocol (SOCK_SEQPACKET, one message each way per step): the request is JSON ``{"module", "args", "env",
 "cwd", "watch_pid"}`` with two file descriptors (stdout, stderr) attached; the answer ``{"pid": N}``, then, when
@@ -33,14 +33,28 @@ import socket
 import sys
 import threading
 
-PRELOAD = ("torch", "numpy", "redis", "rq", "msgpack", "structlog", "safetensors", "zstandard", "transformers",
-           "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2", "uvicorn",
-           "fastapi", "httpx")
+PRELOAD = (
+    "torch",
+    "numpy",
+    "redis",
+    "rq",
+    "msgpack",
+    "structlog",
+    "safetensors",
+    "zstandard",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen2.modeling_qwen2",
+    "uvicorn",
+    "fastapi",
+    "httpx",
+)
 MAX_MESSAGE = 1 << 20
 
 
 def preload() -> None:
     import importlib
+
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -52,6 +66,7 @@ def preload() -> None:
 def _prctl(option: int, arg) -> None:
     try:
         import ctypes
+
         ctypes.CDLL(None).prctl(option, arg, 0, 0, 0)
     except (OSError, AttributeError):
         pass
@@ -61,7 +76,8 @@ def _die_with(pid: int) -> None:
     """A daemon thread in the child: SIGKILL itself when process ``pid`` (its supervisor) is gone."""
     try:
         fd = os.pidfd_open(pid)
-    except ProcessLookupError:  # gone before we looked
+    # gone before we looked
+    except ProcessLookupError:
         os.kill(os.getpid(), signal.SIGKILL)
     except (OSError, AttributeError):
         return
@@ -79,7 +95,8 @@ def _child(request: dict, fds: list[int], started: int) -> None:
     code = 1
     try:
         os.setsid()
-        _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the starter
+        # PR_SET_PDEATHSIG: die with the starter
+        _prctl(1, signal.SIGKILL)
         if request.get("watch_pid"):
             _die_with(int(request["watch_pid"]))
         os.close(started)
@@ -89,7 +106,8 @@ def _child(request: dict, fds: list[int], started: int) -> None:
         os.dup2(fds[1], 2)
         for fd in (devnull, *fds):
             os.close(fd)
-        for sig in (signal.SIGCHLD, signal.SIGTERM):  # SIGPIPE stays ignored, as Python sets it
+        # SIGPIPE stays ignored, as Python sets it
+        for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.set_wakeup_fd(-1)
@@ -102,10 +120,13 @@ def _child(request: dict, fds: list[int], started: int) -> None:
         sys.path[:] = [request["cwd"], *extra, *[p for p in sys.path[1:] if p not in extra]]
         if "OMP_NUM_THREADS" in os.environ:
             import torch
+
             torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         sys.argv = [request["module"], *request["args"]]
-        _prctl(15, request["module"].rsplit(".", 1)[-1][:15].encode())  # PR_SET_NAME: ps/top show the module
+        # PR_SET_NAME: ps/top show the module
+        _prctl(15, request["module"].rsplit(".", 1)[-1][:15].encode())
         import runpy
+
         try:
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
             code = 0
@@ -118,10 +139,13 @@ def _child(request: dict, fds: list[int], started: int) -> None:
                 print(e.code, file=sys.stderr)
                 code = 1
         except BaseException:
-            sys.excepthook(*sys.exc_info())  # a service's own hook, as the interpreter would call it
+            # a service's own hook, as the interpreter would call it
+            sys.excepthook(*sys.exc_info())
             code = 1
-        threading._shutdown()  # as the interpreter does at exit: wait for non-daemon threads
+        # as the interpreter does at exit: wait for non-daemon threads
+        threading._shutdown()
         import atexit
+
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -159,17 +183,20 @@ def serve(path: str) -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group: the runner ends it
+    # a Ctrl-C reaches the whole group: the runner ends it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     print("ready", flush=True)
     waiting: dict[int, socket.socket] = {}
     while True:
         readable, _, _ = select.select([server, wake_r, sys.stdin], [], [])
         if sys.stdin in readable and not sys.stdin.buffer.read1(1):
-            return  # whoever started us is gone
+            # whoever started us is gone
+            return
         if server in readable:
             conn, _ = server.accept()
             request, fds = _request(conn)
-            if request is None:  # a connection that said nothing usable: it gets nothing, the starter goes on
+            # a connection that said nothing usable: it gets nothing, the starter goes on
+            if request is None:
                 conn.close()
                 continue
             started_r, started_w = os.pipe()
@@ -185,7 +212,8 @@ def serve(path: str) -> None:
                 _child(request, fds, started_w)
             for fd in (*fds, started_w):
                 os.close(fd)
-            os.read(started_r, 1)  # end of file: the child is in its own session (or already dead)
+            # end of file: the child is in its own session (or already dead)
+            os.read(started_r, 1)
             os.close(started_r)
             conn.send(json.dumps({"pid": pid}).encode())
             waiting[pid] = conn

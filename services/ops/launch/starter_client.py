@@ -1,8 +1,7 @@
-"""Asking a run's warm starter (services/ops/launch/starter.py) for a process: ``start`` (``python -m MODULE ARGS`` forked
-from it, answered by a ``Started``, the part of ``subprocess.Popen``'s interface supervisors use), ``popen``
-(forked when a starter was handed down, else an ordinary process), ``call`` (one function run in a forked child,
-its JSON result), and a starter's own life from the outside: ``launch``, ``ready``, ``close``, ``inherited``.
-"""
+"""Asking a run's warm starter (services/ops/launch/starter.py) for a process: ``start`` (``python -m MODULE ARGS``
+forked from it, answered by a ``Started``, the part of ``subprocess.Popen``'s interface supervisors use), ``popen``
+(forked when a starter was handed down, else an ordinary process), ``call`` (one function run in a forked child, its
+JSON result), and a starter's own life from the outside: ``launch``, ``ready``, ``close``, ``inherited``."""
 
 from __future__ import annotations
 
@@ -17,8 +16,10 @@ import sys
 import tempfile
 import threading
 
-ENV = "STARTER_SOCKET"  # where `streamrl keep` finds its run's starter (not STREAMRL_*: those are config keys)
-CALL_ENV = "STARTER_CALL"  # a ``call``'s function and arguments, for the child that runs it
+# where `streamrl keep` finds its run's starter (not STREAMRL_*: those are config keys)
+ENV = "STARTER_SOCKET"
+# a ``call``'s function and arguments, for the child that runs it
+CALL_ENV = "STARTER_CALL"
 
 
 class Started:
@@ -31,7 +32,8 @@ class Started:
     def _read_exit(self, timeout: float | None) -> bool:
         if self.returncode is None and select.select([self._conn], [], [], timeout)[0]:
             message = self._conn.recv(4096)
-            self.returncode = json.loads(message)["code"] if message else -signal.SIGKILL  # the starter is gone
+            # the starter is gone
+            self.returncode = json.loads(message)["code"] if message else -signal.SIGKILL
             self._conn.close()
         return self.returncode is not None
 
@@ -79,8 +81,9 @@ def python_module(command: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
-def start(path: str, module: str, args: list[str], env: dict, cwd: str, stdout: int, stderr: int,
-          watch_pid: int | None = None) -> Started:
+def start(
+    path: str, module: str, args: list[str], env: dict, cwd: str, stdout: int, stderr: int, watch_pid: int | None = None
+) -> Started:
     """Ask the starter at ``path`` for ``python -m module args`` with those file descriptors as its stdout and
     stderr (they stay open here; close them after); ``OSError`` when no starter answers."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -125,8 +128,9 @@ def call(path: str | None, target: str, payload: dict, env: dict | None = None, 
     read, write = os.pipe()
     env = {**(os.environ if env is None else env), CALL_ENV: json.dumps({"target": target, "payload": payload})}
     try:
-        proc = start(path, "services.ops.launch.starter", ["--call"], env=env, cwd=cwd or os.getcwd(), stdout=write,
-                     stderr=2)
+        proc = start(
+            path, "services.ops.launch.starter", ["--call"], env=env, cwd=cwd or os.getcwd(), stdout=write, stderr=2
+        )
     except OSError as exc:
         os.close(read)
         raise CallFailed(str(exc)) from None
@@ -158,10 +162,16 @@ def inherited() -> str | None:
 def launch(env: dict | None = None, cwd: str | None = None, wait: bool = True) -> tuple[subprocess.Popen, str]:
     """Start a starter: (its process, its socket's path), once it has preloaded unless ``wait`` is False (then
     call ``ready``). It exits when its stdin (held by the returned process object) is closed, or with the caller."""
-    folder = tempfile.mkdtemp(prefix="streamrl-starter-")  # 0700: only this user can ask it for a process
+    # 0700: only this user can ask it for a process
+    folder = tempfile.mkdtemp(prefix="streamrl-starter-")
     path = os.path.join(folder, "sock")
-    proc = subprocess.Popen([sys.executable, "-m", "services.ops.launch.starter", path], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, env=env, cwd=cwd)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.ops.launch.starter", path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=cwd,
+    )
     if wait:
         ready(proc)
     return proc, path

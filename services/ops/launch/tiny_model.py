@@ -7,7 +7,8 @@ import string
 from pathlib import Path
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
-CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")  # ChatML turn markers: ids 101 and 102, after the characters
+# ChatML turn markers: ids 101 and 102, after the characters
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
 CHARACTERS = [c for c in string.printable if c not in "\x0b\x0c"]
 # ChatML with tools (Qwen2.5 style): a system turn lists the tools as JSON, an assistant's tool calls are written
 # <tool_call>{"name": ..., "arguments": ...}</tool_call>, a tool's result comes back in a `tool` turn.
@@ -15,7 +16,7 @@ CHAT_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n"
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
     "You may call these tools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
-    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n"
+    'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\n'
     "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
     "{% for m in messages %}"
     "{% if m.role == 'system' and loop.first %}"
@@ -25,7 +26,8 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n"
     "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def build_tokenizer():
@@ -39,8 +41,13 @@ def build_tokenizer():
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                  clean_up_tokenization_spaces=False)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        clean_up_tokenization_spaces=False,
+    )
     tok.add_special_tokens({"additional_special_tokens": list(CHAT_TOKENS)})
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -52,23 +59,41 @@ def load_tokenizer(model_dir: str | Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def make_tiny_model(out_dir: str | Path, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                    intermediate_size: int = 256, max_position_embeddings: int = 512, seed: int = 0) -> str:
+def make_tiny_model(
+    out_dir: str | Path,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> str:
     """Save a random-init LlamaForCausalLM (safetensors) and its tokenizer into ``out_dir``."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tok = build_tokenizer()
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=num_layers,
-                         num_attention_heads=num_heads, num_key_value_heads=num_heads,
-                         intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     # generation ends at <eos> (plain-text prompts) or at the end of the assistant's turn (chat prompts)
-    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
-                                               eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")])
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")],
+    )
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir))
     tok.save_pretrained(str(out_dir))
@@ -83,12 +108,20 @@ DEFAULT_WARM_STEPS = 150
 # ~330-token prompt. Measured on the 2-core box (seed 0): 0% exact tool calls at 200 steps, ~36% at 400, 100% at
 # 600; 400 leaves RL room to lift it (and takes ~2.5 min, once).
 AGENT_WARM_STEPS = 400
-AGENT_CONTEXT = 1024  # agent runs: the chat template's tools prompt alone is ~300 characters (= tokens)
-RECIPE_FILE = "streamrl-default.json"  # what the default model was made for; a run wanting another remakes it
+# agent runs: the chat template's tools prompt alone is ~300 characters (= tokens)
+AGENT_CONTEXT = 1024
+# what the default model was made for; a run wanting another remakes it
+RECIPE_FILE = "streamrl-default.json"
 # The calculator tool of ``examples/calc.py`` (a test keeps the two equal): the agent-format warm start
 # renders it into every system turn, as the gateway will.
-CALC_TOOL = {"type": "function", "function": {"name": "calc", "description": "Evaluate + - * on integers",
-             "parameters": {"type": "object", "properties": {"e": {"type": "string"}}, "required": ["e"]}}}
+CALC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "Evaluate + - * on integers",
+        "parameters": {"type": "object", "properties": {"e": {"type": "string"}}, "required": ["e"]},
+    },
+}
 
 
 def sft_examples(rows: list[dict], tokenizer, tools: bool = False) -> list[tuple[list[int], list[int]]]:
@@ -124,7 +157,7 @@ def agent_sft_examples(rows: list[dict], tokenizer) -> list[tuple[list[int], lis
     out = []
     for row in rows:
         expr = row["prompt"].removesuffix("=")
-        call = f'<tool_call>{json.dumps({"name": "calc", "arguments": {"e": expr}})}</tool_call>'
+        call = f"<tool_call>{json.dumps({'name': 'calc', 'arguments': {'e': expr}})}</tool_call>"
         prompt = r.full([{"role": "user", "content": row["prompt"]}], tools)
         first = r.encode(call) + [r.end_id]
         bridge = r.bridge(True, [{"role": "tool", "tool_call_id": "call_0_0", "content": row["answer"]}], tools)
@@ -135,14 +168,21 @@ def agent_sft_examples(rows: list[dict], tokenizer) -> list[tuple[list[int], lis
     return out
 
 
-def warm_start(model_dir: str | Path, examples: list[tuple[list[int], list[int]]], steps: int,
-               batch_size: int = 32, lr: float = 3e-3, seed: int = 0, log=None, threads: int = 1) -> float:
+def warm_start(
+    model_dir: str | Path,
+    examples: list[tuple[list[int], list[int]]],
+    steps: int,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    seed: int = 0,
+    log=None,
+    threads: int = 1,
+) -> float:
     """Supervised steps on ``examples`` (sampled with replacement); saves the model in place.
     Returns the last step's loss. ``threads``: torch threads meanwhile (0: torch's default)."""
     import random
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -170,7 +210,7 @@ def _warm_start(model_dir, examples, steps, batch_size, lr, rng, log) -> float:
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for i, (x, y) in enumerate(batch):
-            ids[i, :len(x)], labels[i, :len(y)], mask[i, :len(x)] = torch.tensor(x), torch.tensor(y), 1
+            ids[i, : len(x)], labels[i, : len(y)], mask[i, : len(x)] = torch.tensor(x), torch.tensor(y), 1
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -195,15 +235,28 @@ def greedy_accuracy(model_dir: str | Path, rows: list[dict], max_tokens: int = 1
     with torch.inference_mode():
         for row in rows:
             ids = torch.tensor([tok.encode(row["prompt"], add_special_tokens=False)])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                 do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-            text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+            text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
             right += arithmetic(text, row)[0] == 1.0
     return right / max(len(rows), 1)
 
 
-def make_default_model(out_dir: str | Path, dataset: str = "arithmetic", tools: bool = False,
-                       warm_steps: int = 100, seed: int = 0, log=None, agent: bool = False) -> str:
+def make_default_model(
+    out_dir: str | Path,
+    dataset: str = "arithmetic",
+    tools: bool = False,
+    warm_steps: int = 100,
+    seed: int = 0,
+    log=None,
+    agent: bool = False,
+) -> str:
     """The default model of ``streamrl run``: :func:`make_tiny_model` plus a short supervised warm
     start (``warm_steps`` steps of 32) on the built-in task's response format. Brief on purpose: the
     model writes answers in the right shape but gets most of them wrong, so the reward has room to
@@ -215,7 +268,8 @@ def make_default_model(out_dir: str | Path, dataset: str = "arithmetic", tools: 
     shape = dict(DEFAULT_MODEL, max_position_embeddings=AGENT_CONTEXT) if agent else DEFAULT_MODEL
     make_tiny_model(out_dir, **shape, seed=seed)
     if warm_steps > 0:
-        rows = builtin(dataset, 4096, seed=seed + 12345)  # another draw than the run's prompts (seeded by cfg.seed)
+        # another draw than the run's prompts (seeded by cfg.seed)
+        rows = builtin(dataset, 4096, seed=seed + 12345)
         tok = load_tokenizer(out_dir)
         examples = agent_sft_examples(rows, tok) if agent else sft_examples(rows, tok, tools=tools)
         warm_start(out_dir, examples, warm_steps, seed=seed, log=log, threads=0 if agent else 1)
@@ -228,9 +282,12 @@ def default_recipe(cfg, warm_steps: int | None = None) -> dict:
     from services.driver.tasks import BUILTIN
 
     tools = "calc" in {t.strip() for t in cfg.tools.split(",")}
-    return {"dataset": cfg.dataset if cfg.dataset in BUILTIN else "arithmetic",
-            "format": "agent" if cfg.agent else "tools" if tools else "plain", "seed": cfg.seed,
-            "warm_steps": warm_steps if warm_steps is not None else AGENT_WARM_STEPS if cfg.agent else DEFAULT_WARM_STEPS}
+    return {
+        "dataset": cfg.dataset if cfg.dataset in BUILTIN else "arithmetic",
+        "format": "agent" if cfg.agent else "tools" if tools else "plain",
+        "seed": cfg.seed,
+        "warm_steps": warm_steps if warm_steps is not None else AGENT_WARM_STEPS if cfg.agent else DEFAULT_WARM_STEPS,
+    }
 
 
 def ensure_default_model(cfg, warm_steps: int | None = None, force: bool = False) -> bool:
@@ -251,21 +308,41 @@ def ensure_default_model(cfg, warm_steps: int | None = None, force: bool = False
             made = json.loads(marker.read_text())
         except (OSError, ValueError):
             made = None
-        if made == recipe or warm_steps is None and isinstance(made, dict) and \
-                {**made, "warm_steps": None} == {**recipe, "warm_steps": None}:
-            return False  # the same recipe (a run takes whatever warm start make-model was given)
-        print(f"streamrl: the default model at {cfg.model_dir} was made for {made}; this run wants {recipe}: "
-              f"remaking it", file=sys.stderr, flush=True)
+        if (
+            made == recipe
+            or warm_steps is None
+            and isinstance(made, dict)
+            and {**made, "warm_steps": None} == {**recipe, "warm_steps": None}
+        ):
+            # the same recipe (a run takes whatever warm start make-model was given)
+            return False
+        print(
+            f"streamrl: the default model at {cfg.model_dir} was made for {made}; this run wants {recipe}: remaking it",
+            file=sys.stderr,
+            flush=True,
+        )
         shutil.rmtree(cfg.model_dir)
-    fmt = {"agent": " as chat episodes with the calc tool (1,024-token context)", "tools": " with the calc tool",
-           "plain": ""}[recipe["format"]]
-    print(f"streamrl: creating the default model at {cfg.model_dir}: random-init {DEFAULT_MODEL['num_layers']}-layer "
-          f"Llama + {recipe['warm_steps']} supervised warm-start steps on {recipe['dataset']}{fmt}",
-          file=sys.stderr, flush=True)
+    fmt = {
+        "agent": " as chat episodes with the calc tool (1,024-token context)",
+        "tools": " with the calc tool",
+        "plain": "",
+    }[recipe["format"]]
+    print(
+        f"streamrl: creating the default model at {cfg.model_dir}: random-init {DEFAULT_MODEL['num_layers']}-layer "
+        f"Llama + {recipe['warm_steps']} supervised warm-start steps on {recipe['dataset']}{fmt}",
+        file=sys.stderr,
+        flush=True,
+    )
     t0 = time.monotonic()
-    make_default_model(cfg.model_dir, dataset=recipe["dataset"], tools=recipe["format"] == "tools",
-                       warm_steps=recipe["warm_steps"], seed=cfg.seed, agent=recipe["format"] == "agent",
-                       log=lambda line: print(f"streamrl: {line}", file=sys.stderr, flush=True))
+    make_default_model(
+        cfg.model_dir,
+        dataset=recipe["dataset"],
+        tools=recipe["format"] == "tools",
+        warm_steps=recipe["warm_steps"],
+        seed=cfg.seed,
+        agent=recipe["format"] == "agent",
+        log=lambda line: print(f"streamrl: {line}", file=sys.stderr, flush=True),
+    )
     marker.write_text(json.dumps(recipe, sort_keys=True) + "\n")
     print(f"streamrl: model ready in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
     return True

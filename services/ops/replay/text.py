@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 
-
 class ReplayError(ValueError):
     """A replay that cannot go on: one line for the person who asked for it."""
 
@@ -25,8 +24,10 @@ def decoder(cfg):
         if cfg.tokenizer:
             raise ReplayError(f"tokenizer {cfg.tokenizer!r}: no tokenizer.json there")
         return None
-    from tokenizers import Tokenizer  # the fast tokenizer's own library: what transformers' decode calls, without
-                                      # importing transformers (seconds of CPU for a command that only reads)
+    # the fast tokenizer's own library: what transformers' decode calls, without importing transformers (seconds of CPU
+    # for a command that only reads)
+    from tokenizers import Tokenizer
+
     tok = Tokenizer.from_file(str(Path(path, "tokenizer.json")))
     return lambda ids: tok.decode(list(ids), skip_special_tokens=False)
 
@@ -56,20 +57,42 @@ def continue_agent(cfg, args, log, entries, ep, decode_text) -> int:
         raise ReplayError(f"--from-seq: episode {args.episode} is an agent episode; use --from-call K")
     try:
         agent_replay.from_call_of(ep, args.from_call)
-        version = args.version if args.version is not None else max(
-            (v for c in ep.calls.values() for v in c.versions), default=0)
+        version = (
+            args.version
+            if args.version is not None
+            else max((v for c in ep.calls.values() for v in c.versions), default=0)
+        )
         path, sha, _ = _replay_version(cfg, args, log, version)
-        result = agent_replay.continue_agent(cfg, entries, args.from_call, version, (path, sha), model_dir(cfg),
-                                             log=lambda line: print(line, file=sys.stderr, flush=True))
+        result = agent_replay.continue_agent(
+            cfg,
+            entries,
+            args.from_call,
+            version,
+            (path, sha),
+            model_dir(cfg),
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )
     except (cont.ContinuationError, agent_replay.AgentReplayError) as exc:
         raise ReplayError(f"episode {args.episode}: {exc}") from None
     if args.json:
-        print(json.dumps({"from_call": result.from_call, "version": result.version, "reward": result.reward,
-                          "original_reward": ep.reward, "error": result.error,
-                          "generated_by_replay": sorted({e.data.get("call") for e in result.rerun.events
-                                                         if e.kind == "tokens" and e.worker == "replay"}),
-                          "calls": {i: {"tokens": c.tokens, "versions": sorted(set(c.versions)), "extends": c.extends}
-                                    for i, c in result.rerun.calls.items()}}))
+        print(
+            json.dumps(
+                {
+                    "from_call": result.from_call,
+                    "version": result.version,
+                    "reward": result.reward,
+                    "original_reward": ep.reward,
+                    "error": result.error,
+                    "generated_by_replay": sorted(
+                        {e.data.get("call") for e in result.rerun.events if e.kind == "tokens" and e.worker == "replay"}
+                    ),
+                    "calls": {
+                        i: {"tokens": c.tokens, "versions": sorted(set(c.versions)), "extends": c.extends}
+                        for i, c in result.rerun.calls.items()
+                    },
+                }
+            )
+        )
     else:
         print(agent_replay.format_replay(result, decode_text))
     return 0
@@ -77,9 +100,9 @@ def continue_agent(cfg, args, log, entries, ep, decode_text) -> int:
 
 def continue_text(cfg, args, log, entries, ep, decode_text) -> int:
     """`replay --continue`: generate the episode's continuation in-process; writes nothing to Redis."""
+    from services.rollout.engine import EngineError, make_engine
     from services.rollout.episodes import continuation as cont
     from services.rollout.jobs import rewards
-    from services.rollout.engine import EngineError, make_engine
 
     try:
         prefix = cont.prefix_at(entries, args.from_seq)
@@ -87,8 +110,9 @@ def continue_text(cfg, args, log, entries, ep, decode_text) -> int:
         path, sha, label = _replay_version(cfg, args, log, version)
         reward_fn = rewards.load(cfg.reward_fn)
         try:
-            engine = make_engine(cfg.engine, model_dir(cfg), device=cfg.device_of("rollout"), max_batch_size=1,
-                                 vllm_args=cfg.vllm_args)
+            engine = make_engine(
+                cfg.engine, model_dir(cfg), device=cfg.device_of("rollout"), max_batch_size=1, vllm_args=cfg.vllm_args
+            )
         except EngineError as exc:
             raise cont.ContinuationError(f"model_dir {cfg.model_dir}: {exc}") from None
         cont.load_version(engine, version, path, sha)
@@ -103,5 +127,3 @@ def continue_text(cfg, args, log, entries, ep, decode_text) -> int:
     else:
         print(cont.format_result(prefix, result, label, ep, decode_text))
     return 0
-
-

@@ -30,9 +30,9 @@ from services.ops.ui.episode_view import episode_view
 from services.ops.ui.index import row_json
 from services.ops.ui.run_view import read_run_view
 from services.ops.ui.sources import NoRun, Sources
-from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.episode.events import EventError
 from shared.protocol.episode.fold import fold
+from shared.protocol.episode.log import EpisodeLog
 from shared.runtime import secrets
 
 STATIC = Path(__file__).parent / "static"
@@ -69,11 +69,18 @@ def make_app(sources: Sources, api_key: str = "", is_live=None) -> FastAPI:
             if not secrets.same(given, api_key):
                 log.warning("request refused: wrong key", path=request.url.path[:200])
                 if request.url.path.startswith("/api/"):
-                    return _error(401, "authorization: missing or wrong key (Bearer token, or ?key= once in the "
-                                       "browser; the key is the run's gateway_api_key: docs/security.md)")
-                return HTMLResponse("<h1>401</h1><p>streamrl ui wants its key: open the URL `streamrl ui` printed "
-                                    "(…?key=…), or send <code>Authorization: Bearer KEY</code>.</p>", 401)
-            if "key" in request.query_params:  # once: a cookie from now on, and the key out of the address bar
+                    return _error(
+                        401,
+                        "authorization: missing or wrong key (Bearer token, or ?key= once in the "
+                        "browser; the key is the run's gateway_api_key: docs/security.md)",
+                    )
+                return HTMLResponse(
+                    "<h1>401</h1><p>streamrl ui wants its key: open the URL `streamrl ui` printed "
+                    "(…?key=…), or send <code>Authorization: Bearer KEY</code>.</p>",
+                    401,
+                )
+            # once: a cookie from now on, and the key out of the address bar
+            if "key" in request.query_params:
                 rest = [(k, v) for k, v in request.query_params.multi_items() if k != "key"]
                 target = request.url.path + ("?" + urlencode(rest) if rest else "")
                 out = RedirectResponse(target, 303)
@@ -87,8 +94,9 @@ def make_app(sources: Sources, api_key: str = "", is_live=None) -> FastAPI:
             folder = request.path_params.get("run") if hasattr(request, "path_params") else None
             parts = request.url.path.split("/")
             sources.forget(folder or (parts[3] if len(parts) > 3 and parts[1] == "api" else ""))
-            return _error(503, f"Redis: {exc} (the run's server went away? reload: an ended run is read from "
-                               f"its folder)")
+            return _error(
+                503, f"Redis: {exc} (the run's server went away? reload: an ended run is read from its folder)"
+            )
 
     def page(kind: str, title: str) -> HTMLResponse:
         return HTMLResponse(shell.replace("{{PAGE}}", kind).replace("{{TITLE}}", html.escape(title)))
@@ -137,9 +145,17 @@ def make_app(sources: Sources, api_key: str = "", is_live=None) -> FastAPI:
         src = sources.get(run)
         src.refresh_soon()
         view = read_run_view(src.client, src.keys, src.path, since)
-        view.update(run=run, served=src.served, ended=src.ended, episodes=len(src.index.table),
-                    policy_tokens=src.index.policy_tokens(), outcomes=src.index.counts(),
-                    index_built=src.ready, index_error=src.error, has_data=src.client is not None)
+        view.update(
+            run=run,
+            served=src.served,
+            ended=src.ended,
+            episodes=len(src.index.table),
+            policy_tokens=src.index.policy_tokens(),
+            outcomes=src.index.counts(),
+            index_built=src.ready,
+            index_error=src.error,
+            has_data=src.client is not None,
+        )
         return view
 
     @app.get("/api/run/{run}/check")
@@ -165,9 +181,17 @@ def make_app(sources: Sources, api_key: str = "", is_live=None) -> FastAPI:
         src.refresh_soon()
         t0 = time.perf_counter()
         total, rows = src.index.query(q.filters, q.sort, q.desc, q.offset, q.limit)
-        return {"total": total, "offset": q.offset, "limit": q.limit, "rows": [row_json(s) for s in rows],
-                "indexed": len(src.index.table), "built": src.ready, "progress": src.index.progress,
-                "query_ms": round((time.perf_counter() - t0) * 1000, 2), "error": src.error}
+        return {
+            "total": total,
+            "offset": q.offset,
+            "limit": q.limit,
+            "rows": [row_json(s) for s in rows],
+            "indexed": len(src.index.table),
+            "built": src.ready,
+            "progress": src.index.progress,
+            "query_ms": round((time.perf_counter() - t0) * 1000, 2),
+            "error": src.error,
+        }
 
     @app.get("/api/run/{run}/ep/{episode}")
     def api_episode(run: str, episode: str):

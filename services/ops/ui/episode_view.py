@@ -20,10 +20,28 @@ def resume_kind(r: dict) -> str:
 
 def markers(aborts: list[dict], resumes: list[dict]) -> list[dict]:
     """The abort and resume markers of an episode (or of one agent call), in stream order."""
-    out = [{"kind": "aborted", "at": a["num_tokens"], "seq": a["seq"], "worker": a["worker"],
-            "version": a["version"], "why": a["reason"]} for a in aborts]
-    out += [{"kind": resume_kind(r), "at": r["num_tokens"], "seq": r["seq"], "worker": r["worker"],
-             "version": r["version"], "why": r.get("takeover_from") or r.get("repacked") or ""} for r in resumes]
+    out = [
+        {
+            "kind": "aborted",
+            "at": a["num_tokens"],
+            "seq": a["seq"],
+            "worker": a["worker"],
+            "version": a["version"],
+            "why": a["reason"],
+        }
+        for a in aborts
+    ]
+    out += [
+        {
+            "kind": resume_kind(r),
+            "at": r["num_tokens"],
+            "seq": r["seq"],
+            "worker": r["worker"],
+            "version": r["version"],
+            "why": r.get("takeover_from") or r.get("repacked") or "",
+        }
+        for r in resumes
+    ]
     return sorted(out, key=lambda m: m["seq"])
 
 
@@ -35,12 +53,28 @@ def tool_markers(events: list[dict]) -> list[dict]:
         if ev["kind"] == "tokens" and "call" not in d:
             at += len(d["ids"])
         elif ev["kind"] == "tool_call":
-            out.append({"kind": "tool_call", "at": at, "seq": ev["seq"], "worker": ev["worker"],
-                        "version": ev["policy"], "why": f"{d['name']}({d['args']})"})
+            out.append(
+                {
+                    "kind": "tool_call",
+                    "at": at,
+                    "seq": ev["seq"],
+                    "worker": ev["worker"],
+                    "version": ev["policy"],
+                    "why": f"{d['name']}({d['args']})",
+                }
+            )
         elif ev["kind"] == "tool_result":
-            out.append({"kind": "tool_result", "at": at, "seq": ev["seq"], "worker": ev["worker"],
-                        "version": ev["policy"], "why": ("ok: " if d["ok"] else "ERROR: ") + str(d["output"]),
-                        "length": len(d["ids"])})
+            out.append(
+                {
+                    "kind": "tool_result",
+                    "at": at,
+                    "seq": ev["seq"],
+                    "worker": ev["worker"],
+                    "version": ev["policy"],
+                    "why": ("ok: " if d["ok"] else "ERROR: ") + str(d["output"]),
+                    "length": len(d["ids"]),
+                }
+            )
             at += len(d["ids"])
     return out
 
@@ -61,21 +95,42 @@ def episode_view(ep: Episode, run: str, decode_text=None) -> dict:
     one = (lambda i: decode_text([i])) if decode_text else None
     replay = timeline_json(ep, decode_text)
     agent = ep.agent is not None
-    view = {"replay": replay, "run": run, "agent": agent,
-            "prompt_pieces": pieces(ep.prompt_ids, one), "pieces": pieces(ep.tokens, one),
-            "markers": sorted(markers(ep.aborts, ep.resumes) + tool_markers(replay["events"]),
-                              key=lambda m: (m["at"], m["seq"])),
-            "command": replay_command(run, ep.episode_id, agent),
-            "commands": {}}
+    view = {
+        "replay": replay,
+        "run": run,
+        "agent": agent,
+        "prompt_pieces": pieces(ep.prompt_ids, one),
+        "pieces": pieces(ep.tokens, one),
+        "markers": sorted(
+            markers(ep.aborts, ep.resumes) + tool_markers(replay["events"]), key=lambda m: (m["at"], m["seq"])
+        ),
+        "command": replay_command(run, ep.episode_id, agent),
+        "commands": {},
+    }
     if agent:
-        view["calls"] = [{"index": c.index, "extends": c.extends, "fork": c.extends < 0 and c.index > 0,
-                          "prompt_pieces": pieces(c.prompt_ids, one), "new_from": len(c.prompt_ids) - len(c.new_ids)
-                          if c.extends >= 0 else 0, "pieces": pieces(c.tokens, one), "tokens": c.tokens,
-                          "versions": c.versions, "logprobs": c.logprobs, "markers": markers(c.aborts, c.resumes),
-                          "done": c.done, "reason": c.reason, "worker": c.worker,
-                          "command": replay_command(run, ep.episode_id, True, c.index)}
-                         for c in (ep.calls[i] for i in sorted(ep.calls))]
+        view["calls"] = [
+            {
+                "index": c.index,
+                "extends": c.extends,
+                "fork": c.extends < 0 and c.index > 0,
+                "prompt_pieces": pieces(c.prompt_ids, one),
+                "new_from": len(c.prompt_ids) - len(c.new_ids) if c.extends >= 0 else 0,
+                "pieces": pieces(c.tokens, one),
+                "tokens": c.tokens,
+                "versions": c.versions,
+                "logprobs": c.logprobs,
+                "markers": markers(c.aborts, c.resumes),
+                "done": c.done,
+                "reason": c.reason,
+                "worker": c.worker,
+                "command": replay_command(run, ep.episode_id, True, c.index),
+            }
+            for c in (ep.calls[i] for i in sorted(ep.calls))
+        ]
     else:
-        view["commands"] = {str(ev.seq): replay_command(run, ep.episode_id, False, ev.seq) for ev in ep.events
-                            if ev.kind not in ("finished", "failed")}
+        view["commands"] = {
+            str(ev.seq): replay_command(run, ep.episode_id, False, ev.seq)
+            for ev in ep.events
+            if ev.kind not in ("finished", "failed")
+        }
     return view

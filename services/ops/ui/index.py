@@ -21,22 +21,26 @@ import msgpack
 from services.ops.inspect.episodes import Filters, Summary, ordered, read_summaries, summarize
 from shared.protocol.episode.log import EpisodeLog
 
-ENDED = ("finished", "failed", "truncated")  # outcomes whose summary cannot change any more
-CACHE = Path("ui") / "episodes.msgpack"  # under the run's folder
+# outcomes whose summary cannot change any more
+ENDED = ("finished", "failed", "truncated")
+# under the run's folder
+CACHE = Path("ui") / "episodes.msgpack"
 CACHE_FORMAT = 1
 _FIELDS = [f.name for f in fields(Summary)]
 
 
 def encode_rows(run_id: str, rows: list[Summary]) -> bytes:
-    return msgpack.packb({"format": CACHE_FORMAT, "run_id": run_id,
-                          "rows": [[getattr(s, f) for f in _FIELDS] for s in rows]})
+    return msgpack.packb(
+        {"format": CACHE_FORMAT, "run_id": run_id, "rows": [[getattr(s, f) for f in _FIELDS] for s in rows]}
+    )
 
 
 def decode_rows(run_id: str, blob: bytes) -> list[Summary]:
     """The cached rows of run ``run_id``; [] for a cache of another run (same name, made again) or format."""
     try:
         data = msgpack.unpackb(blob)
-    except (ValueError, msgpack.ExtraData) as exc:  # a torn write: built again
+    # a torn write: built again
+    except (ValueError, msgpack.ExtraData) as exc:
         del exc
         return []
     if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or data.get("run_id") != run_id:
@@ -48,16 +52,21 @@ class EpisodeIndex:
     """``refresh()`` brings the rows up to date (call it from one thread at a time); ``query`` reads them."""
 
     def __init__(self, client, keys, run_path: Path | None, run_id: str = "", batch: int = 500, archive=None):
-        self.client, self.keys, self.batch, self.archive = client, keys, batch, archive  # archive: SegmentStore
+        # archive: SegmentStore
+        self.client, self.keys, self.batch, self.archive = client, keys, batch, archive
         self.cache = Path(run_path) / CACHE if run_path is not None else None
         self.run_id = run_id
         self.rows: dict[str, Summary] = {}
-        self.table: list[Summary] = []  # the rows as one list, replaced whole after each refresh (readers' view)
+        # the rows as one list, replaced whole after each refresh (readers' view)
+        self.table: list[Summary] = []
         self.built = False
-        self.saved = 0  # ended rows in the cache file
+        # ended rows in the cache file
+        self.saved = 0
         self.last_refresh_s = 0.0
-        self.progress = 0  # episodes read so far by the first build
-        self._segments_seen = 0  # listed segments when the last refresh looked
+        # episodes read so far by the first build
+        self.progress = 0
+        # listed segments when the last refresh looked
+        self._segments_seen = 0
         self._lock = threading.Lock()
 
     def load(self) -> int:
@@ -75,7 +84,8 @@ class EpisodeIndex:
         t0 = time.monotonic()
         if not self.built:
             fresh = []
-            if self.archive is not None:  # what a first build reads; later refreshes look only past it
+            # what a first build reads; later refreshes look only past it
+            if self.archive is not None:
                 self._segments_seen = len(self.archive.segments())
             for s in read_summaries(self.client, self.keys, self.batch, archive=self.archive):
                 fresh.append(s)
@@ -106,7 +116,7 @@ class EpisodeIndex:
     def _summarize(self, ids: list[str]) -> list[Summary]:
         log, out = EpisodeLog(self.client, self.keys, worker="ui", archive=self.archive), []
         for i in range(0, len(ids), self.batch):
-            chunk = ids[i:i + self.batch]
+            chunk = ids[i : i + self.batch]
             out += [summarize(eid, entries) for eid, entries in zip(chunk, log.read_many(chunk)) if entries]
         return out
 
@@ -120,14 +130,16 @@ class EpisodeIndex:
             tmp.write_bytes(encode_rows(self.run_id, ended))
             os.replace(tmp, self.cache)
             self.saved = len(ended)
-        except OSError:  # a read-only run folder: the index stays in memory
+        # a read-only run folder: the index stays in memory
+        except OSError:
             pass
 
-    def query(self, filters: Filters, sort: str = "id", descending: bool = False, offset: int = 0,
-              limit: int = 50) -> tuple[int, list[Summary]]:
+    def query(
+        self, filters: Filters, sort: str = "id", descending: bool = False, offset: int = 0, limit: int = 50
+    ) -> tuple[int, list[Summary]]:
         """(how many rows match, the page of them from ``offset``)."""
         rows = [s for s in self.table if filters.keep(s)]
-        return len(rows), ordered(rows, sort, descending)[offset:offset + limit]
+        return len(rows), ordered(rows, sort, descending)[offset : offset + limit]
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}

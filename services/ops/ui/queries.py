@@ -56,10 +56,17 @@ def parse(params) -> Query:
     sort = params.get("sort", "") or "id"
     if sort not in SORTS:
         raise QueryError(f"sort: expected one of {', '.join(SORTS)}, got {sort[:40]!r}")
-    filters = Filters(outcomes, _num(params, "reward_below", float), _num(params, "reward_above", float),
-                      _num(params, "min_aborts", int, 0, 0), _num(params, "min_span", int, 0, 0),
-                      _flag(params, "taken_over"), _flag(params, "repacked"),
-                      None if not kind else kind == "agent", params.get("group", ""))
+    filters = Filters(
+        outcomes,
+        _num(params, "reward_below", float),
+        _num(params, "reward_above", float),
+        _num(params, "min_aborts", int, 0, 0),
+        _num(params, "min_span", int, 0, 0),
+        _flag(params, "taken_over"),
+        _flag(params, "repacked"),
+        None if not kind else kind == "agent",
+        params.get("group", ""),
+    )
     limit = _num(params, "limit", int, 50, 1)
     if limit > MAX_PAGE:
         raise QueryError(f"limit: expected at most {MAX_PAGE}, got {limit}")

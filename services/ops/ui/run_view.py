@@ -14,16 +14,27 @@ from services.ops.launch.keep import processes
 from shared.protocol.streams import dead_letters, metrics, versions
 from shared.runtime.heartbeat import alive
 
-STAT_KEYS = ("clip_fraction", "is_masked_fraction", "is_truncated_fraction", "approx_kl", "tokens_per_s",
-             "response_len", "staleness_max")
+STAT_KEYS = (
+    "clip_fraction",
+    "is_masked_fraction",
+    "is_truncated_fraction",
+    "approx_kl",
+    "tokens_per_s",
+    "response_len",
+    "staleness_max",
+)
 
 
 def train_series(train: list[dict], since: int = -1) -> dict:
     """Per train step after ``since``: time, version, reward, samples, clip and IS-mask fractions, ..."""
     rows = [m for m in train if m.get("step", -1) > since]
-    out = {"step": [m.get("step") for m in rows], "time": [m.get("time") for m in rows],
-           "version": [m.get("version") for m in rows], "reward": [m.get("reward_mean") for m in rows],
-           "samples": [m.get("samples", 0) for m in rows]}
+    out = {
+        "step": [m.get("step") for m in rows],
+        "time": [m.get("time") for m in rows],
+        "version": [m.get("version") for m in rows],
+        "reward": [m.get("reward_mean") for m in rows],
+        "samples": [m.get("samples", 0) for m in rows],
+    }
     for key in STAT_KEYS:
         out[key] = [m.get(key) for m in rows]
     return out
@@ -45,8 +56,11 @@ def busy(rollout: list[dict], train: list[dict]) -> dict:
     for r in rollout:
         newest[str(r.get("worker", "?"))] = r
     names = sorted(newest)
-    out = {"process": names, "busy_s": [float(newest[n].get("busy_s", 0)) for n in names],
-           "waiting_s": [float(newest[n].get("idle_s", 0)) for n in names]}
+    out = {
+        "process": names,
+        "busy_s": [float(newest[n].get("busy_s", 0)) for n in names],
+        "waiting_s": [float(newest[n].get("idle_s", 0)) for n in names],
+    }
     if train:
         out["process"].append("trainer")
         out["busy_s"].append(sum(float(m.get("train_s", 0)) + float(m.get("commit_s", 0)) for m in train))
@@ -60,8 +74,10 @@ def generated(rollout: list[dict]) -> dict:
     newest: dict[str, dict] = {}
     for r in rollout:
         newest[str(r.get("worker", "?"))] = r
-    return {"tokens": sum(int(r.get("tokens", 0)) + int(r.get("call_tokens", 0)) for r in newest.values()),
-            "final": bool(newest) and all(r.get("final") for r in newest.values())}
+    return {
+        "tokens": sum(int(r.get("tokens", 0)) + int(r.get("call_tokens", 0)) for r in newest.values()),
+        "final": bool(newest) and all(r.get("final") for r in newest.values()),
+    }
 
 
 def samples_per_s(train: list[dict]) -> list[float]:
@@ -83,17 +99,27 @@ def read_run_view(client, keys, run_path: Path, since: int = -1) -> dict:
     workers, dead, version = {}, [], None
     if client is not None:
         workers = alive(client, keys)
-        dead = [{"stream": d.stream, "entry": d.entry, "reason": d.reason, "by": d.by}
-                for d in dead_letters.read_all(client, keys)]
+        dead = [
+            {"stream": d.stream, "entry": d.entry, "reason": d.reason, "by": d.by}
+            for d in dead_letters.read_all(client, keys)
+        ]
         version = versions.latest_number(client, keys)
     series = train_series(train, since)
-    series["samples_per_s"] = samples_per_s(train)[len(train) - len(series["step"]):]
-    return {"now": time.time(), "version": version, "train": series, "staleness": staleness(train),
-            "validation": {"version": [v.get("version") for v in validation],
-                           "time": [v.get("time") for v in validation],
-                           "reward": [v.get("reward_mean") for v in validation],
-                           "greedy": [v.get("reward_greedy") for v in validation]},
-            "busy": busy(rollout, train), "generated": generated(rollout),
-            "restarts": {name: n for name, (_, n) in processes(Path(run_path) / "procs").items()},
-            "workers": [{"name": name, **fields} for name, fields in sorted(workers.items())],
-            "dead_letters": dead}
+    series["samples_per_s"] = samples_per_s(train)[len(train) - len(series["step"]) :]
+    return {
+        "now": time.time(),
+        "version": version,
+        "train": series,
+        "staleness": staleness(train),
+        "validation": {
+            "version": [v.get("version") for v in validation],
+            "time": [v.get("time") for v in validation],
+            "reward": [v.get("reward_mean") for v in validation],
+            "greedy": [v.get("reward_greedy") for v in validation],
+        },
+        "busy": busy(rollout, train),
+        "generated": generated(rollout),
+        "restarts": {name: n for name, (_, n) in processes(Path(run_path) / "procs").items()},
+        "workers": [{"name": name, **fields} for name, fields in sorted(workers.items())],
+        "dead_letters": dead,
+    }

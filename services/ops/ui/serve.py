@@ -18,8 +18,12 @@ def serve(cfg, sources: dict) -> int:
     app = make_app(runs, cfg.gateway_api_key, runs.is_live)
     start = f"/run/{cfg.run}" if "run" in sources else "/"
     key = f"?key={cfg.gateway_api_key}" if cfg.gateway_api_key else ""
-    print(f"streamrl ui: http://{cfg.ui_host}:{cfg.ui_port}{start}{key}  (runs under {cfg.run_dir}; read-only; "
-          f"Ctrl-C stops it)", file=sys.stderr, flush=True)
+    print(
+        f"streamrl ui: http://{cfg.ui_host}:{cfg.ui_port}{start}{key}  (runs under {cfg.run_dir}; read-only; "
+        f"Ctrl-C stops it)",
+        file=sys.stderr,
+        flush=True,
+    )
     structlog.get_logger("ui").info("listening", host=cfg.ui_host, port=cfg.ui_port, keyed=bool(key))
     # uvicorn stops on SIGTERM, then raises it again through the handler it found: a handler that raises (rather
     # than the default, which ends the process at once) lets the served copies below be stopped

@@ -1,5 +1,5 @@
-"""Where the ui reads each run: a client on the server that serves it (live), or on a copy of its data served for
-the ui (ended, interrupted, archived: services/ops/inspect/serve_ended.py), opened on first use and kept; and its episode
+"""Where the ui reads each run: a client on the server that serves it (live), or on a copy of its data served for the
+ui (ended, interrupted, archived: services/ops/inspect/serve_ended.py), opened on first use and kept; and its episode
 index, brought up to date in a background thread (never inside a request)."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from shared.protocol.keys import Keys
 from shared.runtime import secrets
 from shared.runtime.connection import connect
 
-REFRESH_S = 2.0  # a live run's index is brought up to date at most this often
+# a live run's index is brought up to date at most this often
+REFRESH_S = 2.0
 
 
 def _answers(client) -> bool:
@@ -40,18 +41,21 @@ class RunSource:
         self.log = structlog.get_logger("ui").bind(run=folder, served=served)
         # the run's segments (episodes the archiver moved out of Redis): the index and the episode page read both tiers
         self.archive = segments.SegmentStore(segments.folder_of(self.path)) if self.path is not None else None
-        self.index = EpisodeIndex(client, self.keys, self.path, (target.marker or {}).get("id", ""),
-                                  archive=self.archive)
+        self.index = EpisodeIndex(
+            client, self.keys, self.path, (target.marker or {}).get("id", ""), archive=self.archive
+        )
         self.loaded = self.index.load()
         self._refreshing = threading.Lock()
         self._last = 0.0
         self.error = ""
         self.check: dict | None = None
-        self.ready = False  # refreshed once since opened (a kept index may miss what ended after it was saved)
+        # refreshed once since opened (a kept index may miss what ended after it was saved)
+        self.ready = False
 
     @property
     def ended(self) -> bool:
-        return self.served  # nothing writes to a copy: its index, once built, is complete
+        # nothing writes to a copy: its index, once built, is complete
+        return self.served
 
     def refresh_soon(self) -> None:
         """Start a refresh in the background when one is due and none runs."""
@@ -67,8 +71,13 @@ class RunSource:
             n = self.index.refresh()
             self.ready, self.error = True, ""
             if first or n:
-                self.log.info("episode index", read=n, rows=len(self.index.table),
-                              seconds=round(self.index.last_refresh_s, 3), cached=self.loaded)
+                self.log.info(
+                    "episode index",
+                    read=n,
+                    rows=len(self.index.table),
+                    seconds=round(self.index.last_refresh_s, 3),
+                    cached=self.loaded,
+                )
         except redis.exceptions.RedisError as exc:
             self.error = f"Redis: {exc}"
             self.log.warning("episode index refresh failed", error=str(exc))
@@ -98,7 +107,8 @@ class Sources:
         with self._lock:
             src = self.runs.get(folder)
             if src is not None and not src.served and src.client is not None and not _answers(src.client):
-                src = None  # a live run's server went away (the run ended): read it from its folder now
+                # a live run's server went away (the run ended): read it from its folder now
+                src = None
             if src is None:
                 src = self.runs[folder] = self._open(folder)
         return src

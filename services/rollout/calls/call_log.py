@@ -11,15 +11,16 @@ it over, it is not complete), appends them again after the new tail.
 
 from __future__ import annotations
 
-from shared.protocol.episode.log import EpisodeLog, Fenced
 from shared.protocol.episode.fold import fold
+from shared.protocol.episode.log import EpisodeLog, Fenced
 
 MAX_REBASES = 8
 
 
 class CallLog(EpisodeLog):
-    def append_tokens(self, episode_id: str, ids: list[int], logprobs: list[float], policy: int,
-                      call: int | None = None) -> None:
+    def append_tokens(
+        self, episode_id: str, ids: list[int], logprobs: list[float], policy: int, call: int | None = None
+    ) -> None:
         if not ids:
             return
         p = self._pending[episode_id]
@@ -33,8 +34,11 @@ class CallLog(EpisodeLog):
         p.num_tokens += len(ids)
 
     def flush(self, episode_ids: list[str] | None = None) -> dict[str, Exception]:
-        held = {e: list(p.events) for e, p in self._pending.items()
-                if p.events and (episode_ids is None or e in episode_ids)}
+        held = {
+            e: list(p.events)
+            for e, p in self._pending.items()
+            if p.events and (episode_ids is None or e in episode_ids)
+        }
         errors = super().flush(episode_ids)
         for episode_id, exc in list(errors.items()):
             if isinstance(exc, Fenced) and self._rebase(episode_id, held.get(episode_id, [])):
@@ -48,9 +52,11 @@ class CallLog(EpisodeLog):
                 call = ep.calls.get(ev.data.get("call", -1))
                 if ev.kind == "call":
                     if call is not None:
-                        return False  # another worker opened this call
+                        # another worker opened this call
+                        return False
                 elif call is None or call.done or call.worker != self.worker or ep.done:
-                    return False  # taken over, complete, or the episode ended
+                    # taken over, complete, or the episode ended
+                    return False
             self.open(episode_id, ep.last_seq + 1)
             for ev in events:
                 self.append(episode_id, ev.kind, ev.data, ev.policy)

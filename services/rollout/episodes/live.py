@@ -11,11 +11,16 @@ from shared.protocol.episode.sampling import episode_seed, stable_seed  # noqa: 
 
 
 class State(Enum):
-    GENERATING = "generating"  # a request is in the engine
-    TOOL = "tool"  # waiting for a tool job
-    SCORING = "scoring"  # generation over, waiting for the reward job
-    PAUSED = "paused"  # needs a generation request on resume
-    DONE = "done"  # finished or failed, in the stream
+    # a request is in the engine
+    GENERATING = "generating"
+    # waiting for a tool job
+    TOOL = "tool"
+    # generation over, waiting for the reward job
+    SCORING = "scoring"
+    # needs a generation request on resume
+    PAUSED = "paused"
+    # finished or failed, in the stream
+    DONE = "done"
 
 
 @dataclass
@@ -26,18 +31,31 @@ class LiveEpisode:
     prompt_ids: list[int]
     params: SamplingParams
     task: dict
-    tokens: list[int] = field(default_factory=list)  # response so far, tool output included
+    # response so far, tool output included
+    tokens: list[int] = field(default_factory=list)
     num_generated: int = 0
-    turn_start: int = 0  # index in tokens where the current generation turn began
+    # index in tokens where the current generation turn began
+    turn_start: int = 0
     num_tool_calls: int = 0
     state: State = State.PAUSED
-    finish_reason: str | None = None  # while SCORING: the reason its ``finished`` event will carry
+    # while SCORING: the reason its ``finished`` event will carry
+    finish_reason: str | None = None
 
     @classmethod
     def from_fold(cls, ep: Episode, params: SamplingParams) -> "LiveEpisode":
-        live = cls(ep.episode_id, ep.group_id, ep.index, ep.prompt_ids, params, ep.task, list(ep.tokens),
-                   ep.num_generated, num_tool_calls=len(ep.tool_calls))
-        if ep.tool_results:  # the current turn starts after the last tool result's tokens
+        live = cls(
+            ep.episode_id,
+            ep.group_id,
+            ep.index,
+            ep.prompt_ids,
+            params,
+            ep.task,
+            list(ep.tokens),
+            ep.num_generated,
+            num_tool_calls=len(ep.tool_calls),
+        )
+        # the current turn starts after the last tool result's tokens
+        if ep.tool_results:
             live.turn_start = index_after_seq(ep, ep.tool_results[-1]["seq"])
         return live
 

@@ -17,22 +17,33 @@ from contextlib import contextmanager
 from typing import Callable
 
 from services.rollout.episodes.live import LiveEpisode, State
-from services.rollout.groups.claims import Groups
 from services.rollout.episodes.step_writer import StepWriter
+from services.rollout.groups.claims import Groups
 from shared.protocol.episode.log import Batch, EpisodeLog, Fenced
 from shared.runtime.faults import crash_point
 
 
 class Writes:
-    def __init__(self, events: EpisodeLog, groups: Groups, closed: Callable[[LiveEpisode, bool], None],
-                 fenced: Callable[[list[str]], None]):
+    def __init__(
+        self,
+        events: EpisodeLog,
+        groups: Groups,
+        closed: Callable[[LiveEpisode, bool], None],
+        fenced: Callable[[list[str]], None],
+    ):
         self.events, self.groups = events, groups
-        self._closed, self._fenced = closed, fenced  # closed(live, publish_later); fenced(episode ids)
-        self._closing: list[LiveEpisode] | None = None  # inside one_flush(): episodes ended in this step
-        self.ending: list[LiveEpisode] = []  # ended in a step; closed once their last events are in Redis
-        self.writer = StepWriter(f"step-writer-{events.worker}")  # the step's round trip, beside the next step
-        self.replies: list = []  # what the worker's wake read sent with a batch returned (``send_step``)
-        self._sent: set[str] = set()  # episodes with events in the batch in flight
+        # closed(live, publish_later); fenced(episode ids)
+        self._closed, self._fenced = closed, fenced
+        # inside one_flush(): episodes ended in this step
+        self._closing: list[LiveEpisode] | None = None
+        # ended in a step; closed once their last events are in Redis
+        self.ending: list[LiveEpisode] = []
+        # the step's round trip, beside the next step
+        self.writer = StepWriter(f"step-writer-{events.worker}")
+        # what the worker's wake read sent with a batch returned (``send_step``)
+        self.replies: list = []
+        # episodes with events in the batch in flight
+        self._sent: set[str] = set()
 
     def close(self, live: LiveEpisode) -> None:
         """The episode has its last event (buffered): closed once that is written, now or with the step's batch."""
@@ -69,7 +80,8 @@ class Writes:
         batch = self.events.take(None if self.events.due() else [live.episode_id for live in ending])
         publishing = self.groups.take_queued()
         if not batch and wake_read is None and not publishing:
-            for live in ending:  # nothing of theirs is buffered or in flight: their end is in Redis already
+            # nothing of theirs is buffered or in flight: their end is in Redis already
+            for live in ending:
                 self._closed(live, False)
             return
 
@@ -77,6 +89,7 @@ class Writes:
             self.groups.add(pipe, publishing)
             if wake_read is not None:
                 wake_read(pipe)
+
         self._sent = {episode_id for episode_id, _ in batch.targets}
         self.writer.submit(lambda: self.events.send(batch, also), (batch, ending, publishing))
 
@@ -90,8 +103,8 @@ class Writes:
         (results, extra), (batch, ending, publishing) = self.writer.wait()
         written = self.events.entries_written
         errors = self.events.settle(batch, results)
-        self.groups.settle(publishing, extra[:len(publishing)])
-        for reply in extra[len(publishing):]:
+        self.groups.settle(publishing, extra[: len(publishing)])
+        for reply in extra[len(publishing) :]:
             if isinstance(reply, Exception):
                 raise reply
             self.replies.append(reply)
@@ -143,7 +156,8 @@ class Writes:
 
     def _written(self, entries_before: int, errors: dict[str, Exception]) -> None:
         if self.events.entries_written > entries_before:
-            crash_point("rollout", "flushed")  # tests only (shared/runtime/faults.py)
+            # tests only (shared/runtime/faults.py)
+            crash_point("rollout", "flushed")
         for exc in errors.values():
             if not isinstance(exc, Fenced):
                 raise exc

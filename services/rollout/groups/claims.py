@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 import redis
 
 from shared.protocol import gate
-from shared.protocol.streams import dead_letters
 from shared.protocol.episode.events import EventError
 from shared.protocol.gate import Gate
-from shared.protocol.keys import ROLLOUT_GROUP as GROUP, Keys
+from shared.protocol.keys import ROLLOUT_GROUP as GROUP
+from shared.protocol.keys import Keys
+from shared.protocol.streams import dead_letters
 from shared.protocol.streams.prompts import PromptGroup, decode_group
 from shared.protocol.streams.samples import Publisher, Sample
 from shared.runtime.faults import crash_point
@@ -27,16 +28,21 @@ class GroupRun:
     group: PromptGroup
     episodes: list[str] = field(default_factory=list)
     done: set[str] = field(default_factory=set)
-    ended: set[str] = field(default_factory=set)  # their end recorded, its write maybe still in flight
+    # their end recorded, its write maybe still in flight
+    ended: set[str] = field(default_factory=set)
 
     @property
     def generating(self) -> bool:
         """Some episode of it may still use the engine (a group whose every episode ended frees its slot while its
         last writes and its publish are in flight)."""
         return len(self.done | self.ended) < len(self.episodes)
-    source: str = ""  # the prompts stream the group came from (training or validation)
-    takeover_from: str | None = None  # the dead worker it was claimed from
-    repack: object | None = None  # the notice (shared/protocol/repacks.Repack) when another worker handed it here
+
+    # the prompts stream the group came from (training or validation)
+    source: str = ""
+    # the dead worker it was claimed from
+    takeover_from: str | None = None
+    # the notice (shared/protocol/repacks.Repack) when another worker handed it here
+    repack: object | None = None
 
     @property
     def complete(self) -> bool:
@@ -50,13 +56,20 @@ class Groups:
         self.publisher = Publisher(client, keys)
         self.held: dict[str, GroupRun] = {}
         self.published = 0
-        self.queued: list[GroupRun] = []  # complete, to publish with the next step's writes (maybe_publish)
-        self.publishing: set[str] = set()  # prompt entries of groups queued or in flight: not orphans
-        self._missing_since: dict[str, float] = {}  # worker -> when its heartbeat key was first seen missing
-        self.claim_cap = cfg.max_groups_in_flight  # slots new claims may fill (a long-tail worker's share: repacker)
-        self.repacked: dict[str, object] = {}  # entry id -> repack notice: handed here, not re-opened yet
-        self.read_notices = None  # a long-tail worker's: reads the repack notices written so far (repacker.py)
-        self.gated = False  # the last claim got nothing: the gate's limit for the worker's version is spent
+        # complete, to publish with the next step's writes (maybe_publish)
+        self.queued: list[GroupRun] = []
+        # prompt entries of groups queued or in flight: not orphans
+        self.publishing: set[str] = set()
+        # worker -> when its heartbeat key was first seen missing
+        self._missing_since: dict[str, float] = {}
+        # slots new claims may fill (a long-tail worker's share: repacker)
+        self.claim_cap = cfg.max_groups_in_flight
+        # entry id -> repack notice: handed here, not re-opened yet
+        self.repacked: dict[str, object] = {}
+        # a long-tail worker's: reads the repack notices written so far (repacker.py)
+        self.read_notices = None
+        # the last claim got nothing: the gate's limit for the worker's version is spent
+        self.gated = False
 
     def create_consumer_groups(self) -> None:
         for stream in (self.keys.val_prompts, self.keys.prompts):
@@ -70,8 +83,11 @@ class Groups:
         """In-flight capacity is ``max_groups_in_flight`` training groups; a validation group (one or ``val_k``
         episodes) takes its episodes' share of a slot, not a whole one, so a round is claimed at once."""
         val = self.keys.val_prompts
-        return sum(run.group.n / self.cfg.group_size if run.source == val else 1
-                   for run in (*self.held.values(), *also) if run.generating)
+        return sum(
+            run.group.n / self.cfg.group_size if run.source == val else 1
+            for run in (*self.held.values(), *also)
+            if run.generating
+        )
 
     def room(self, also=(), cap: int | None = None) -> int:
         """Training groups that may still start (beside ``also``: claimed, not held yet), of ``cap`` slots
@@ -93,33 +109,41 @@ class Groups:
         allows for a worker at ``version``. Not yet held: the caller opens each (``hold``)."""
         runs = self._read(self.keys.val_prompts, self.val_room())
         slots = self._reserve(self.room(also=runs, cap=self.claim_cap), version)
-        self.gated = slots.gated and slots.granted == 0  # the gate's limit for this version is spent (pull policy)
+        # the gate's limit for this version is spent (pull policy)
+        self.gated = slots.gated and slots.granted == 0
         if slots.granted > 0:
             entries = self._read(self.keys.prompts, slots.granted)
             if slots.gated:
-                self.gate.refund(slots.granted - len(entries))  # fewer waiting, or dead-lettered: slots back
+                # fewer waiting, or dead-lettered: slots back
+                self.gate.refund(slots.granted - len(entries))
             runs += entries
         return runs
 
     def _reserve(self, want: int, version: int) -> gate.Grant:
         if want <= 0:
             return gate.Grant(0, False, None)
-        if self.cfg.mode == "sync":  # a group starts only under the very version the gate admits it for
+        # a group starts only under the very version the gate admits it for
+        if self.cfg.mode == "sync":
             if gate.peek(self.client, self.keys)[0] != version:
                 return gate.Grant(0, False, None)
             grant = self.gate.reserve(want)
-            if grant.gated and grant.version != version:  # the gate moved on between the look and the reservation
+            # the gate moved on between the look and the reservation
+            if grant.gated and grant.version != version:
                 self.gate.refund(grant.granted)
                 return gate.Grant(0, False, None)
             return grant
-        return self.gate.reserve(want, version=version)  # behind the gate (rolling): its own version's limit
+        # behind the gate (rolling): its own version's limit
+        return self.gate.reserve(want, version=version)
 
     def _read(self, stream: str, count: int) -> list[GroupRun]:
         if count <= 0:
             return []
         reply = self.client.xreadgroup(GROUP, self.worker_id, {stream: ">"}, count=count)
-        return [run for entry_id, fields in (e for _, es in reply or [] for e in es)
-                if (run := self.decode(stream, entry_id, fields)) is not None]
+        return [
+            run
+            for entry_id, fields in (e for _, es in reply or [] for e in es)
+            if (run := self.decode(stream, entry_id, fields)) is not None
+        ]
 
     def decode(self, stream: str, entry_id, fields, takeover_from: str | None = None) -> GroupRun | None:
         """The entry as a group to open; None (dead-lettered and acknowledged) when malformed."""
@@ -154,17 +178,25 @@ class Groups:
             pending = self.client.xpending_range(stream, GROUP, min="-", max="+", count=100)
             held = {run.group.entry_id for run in self.held.values()} | self.publishing
             mine = pending
-            if any(n.stream == stream for n in self.repacked.values()):  # all of this worker's, not the first 100
-                mine = self.client.xpending_range(stream, GROUP, min="-", max="+", count=10_000,
-                                                  consumername=self.worker_id)
-            orphans = [p["message_id"] for p in mine
-                       if p["consumer"].decode() == self.worker_id and p["message_id"].decode() not in held]
+            # all of this worker's, not the first 100
+            if any(n.stream == stream for n in self.repacked.values()):
+                mine = self.client.xpending_range(
+                    stream, GROUP, min="-", max="+", count=10_000, consumername=self.worker_id
+                )
+            orphans = [
+                p["message_id"]
+                for p in mine
+                if p["consumer"].decode() == self.worker_id and p["message_id"].decode() not in held
+            ]
             if self.read_notices and any(o.decode() not in self.repacked for o in orphans):
-                self.read_notices()  # a hand-over moves the entry and writes its notice at once: read it first
-            self._forget_stale_repacks(stream, {p["message_id"].decode() for p in mine
-                                                if p["consumer"].decode() == self.worker_id})
-            for entry_id, fields in self.client.xclaim(stream, GROUP, self.worker_id, 0, orphans[:free]) \
-                    if orphans else []:
+                # a hand-over moves the entry and writes its notice at once: read it first
+                self.read_notices()
+            self._forget_stale_repacks(
+                stream, {p["message_id"].decode() for p in mine if p["consumer"].decode() == self.worker_id}
+            )
+            for entry_id, fields in (
+                self.client.xclaim(stream, GROUP, self.worker_id, 0, orphans[:free]) if orphans else []
+            ):
                 if fields and (run := self.decode(stream, entry_id, fields)) is not None:
                     run.repack = self.repacked.pop(entry_id.decode(), None)
                     if run.repack is None:
@@ -221,7 +253,8 @@ class Groups:
         if not run.complete or not self.holds(run):
             return False
         g = run.group
-        crash_point("rollout", "finished")  # tests only (shared/runtime/faults.py)
+        # tests only (shared/runtime/faults.py)
+        crash_point("rollout", "finished")
         if later:
             self.queued.append(run)
             self.publishing.add(g.entry_id)

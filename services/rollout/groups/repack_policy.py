@@ -14,9 +14,12 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class GroupTail:
     """One group a worker holds, as the policy sees it."""
+
     group_id: str
-    generating: tuple[int, ...]  # tokens generated so far by each of its episodes generating here
-    waiting: int = 0  # its episodes waiting on a tool or reward job (a group with any stays: its job is running)
+    # tokens generated so far by each of its episodes generating here
+    generating: tuple[int, ...]
+    # its episodes waiting on a tool or reward job (a group with any stays: its job is running)
+    waiting: int = 0
 
 
 def capacity(max_batch_size: int, max_groups_in_flight: int, group_size: int) -> int:

@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import time
 
-from services.rollout.groups import repack_policy as repack
 from services.rollout.episodes.live import State
-from shared.protocol.streams import repacks
+from services.rollout.groups import repack_policy as repack
 from shared.protocol.episode.events import EventError
 from shared.protocol.episode.fold import fold
+from shared.protocol.streams import repacks
 from shared.runtime.faults import crash_point
 from shared.runtime.heartbeat import alive_of
 
-STEP_EMA = 0.2  # weight of the newest engine step in the source's step-time average
+# weight of the newest engine step in the source's step-time average
+STEP_EMA = 0.2
 
 
 class Repacker:
@@ -40,12 +41,20 @@ class Repacker:
         self.capacity = repack.capacity(cfg.max_batch_size, cfg.max_groups_in_flight, cfg.group_size)
         claims.claim_cap = repack.claim_cap(cfg.rollout_role, cfg.max_groups_in_flight, cfg.longtail_claim_share)
         self.cursor = "$"
-        self.stats = {"repacks": 0, "repacked_groups": 0, "repacked_episodes": 0, "repacked_tokens": 0,
-                      "repacked_in": 0, "repack_saved_steps": 0, "repack_saved_s": 0.0}
+        self.stats = {
+            "repacks": 0,
+            "repacked_groups": 0,
+            "repacked_episodes": 0,
+            "repacked_tokens": 0,
+            "repacked_in": 0,
+            "repack_saved_steps": 0,
+            "repack_saved_s": 0.0,
+        }
         self._step_s, self._busy_s = 0.0, 0.0
         self._targets: dict[str, dict[str, str]] = {}
         self._targets_until = 0.0
-        self._incoming: dict[str, tuple] = {}  # group id -> (notice, episode ids): repacked groups held here
+        # group id -> (notice, episode ids): repacked groups held here
+        self._incoming: dict[str, tuple] = {}
 
     # --- target side
     def start(self) -> None:
@@ -104,7 +113,7 @@ class Repacker:
                     continue
                 at = [r["num_tokens"] for r in ep.resumes if r.get("repacked") == notice.source]
                 if at:
-                    steps = max(steps, sum(ep.mask[at[-1]:]))
+                    steps = max(steps, sum(ep.mask[at[-1] :]))
             self.stats["repack_saved_steps"] += steps
             self.stats["repack_saved_s"] += steps * notice.step_ms / 1000
 
@@ -131,7 +140,8 @@ class Repacker:
         chosen = repack.choose(tails, self.capacity, self.cfg.repack_below, self.cfg.repack_min_tokens, room)
         moved = [gid for gid in chosen if self._move(gid, name)]
         if moved:
-            self._targets[name]["room"] = str(room - len(moved))  # until its next heartbeat says otherwise
+            # until its next heartbeat says otherwise
+            self._targets[name]["room"] = str(room - len(moved))
             self.stats["repacks"] += 1
 
     def _tails(self) -> list[repack.GroupTail]:
@@ -139,13 +149,19 @@ class Repacker:
         for live in self.episodes.live.values():
             if live.group_id in by_group:
                 by_group[live.group_id].append(live)
-        return [repack.GroupTail(gid, tuple(l.num_generated for l in lives if l.state is State.GENERATING),
-                                 sum(l.state in (State.TOOL, State.SCORING) for l in lives))
-                for gid, lives in by_group.items()]
+        return [
+            repack.GroupTail(
+                gid,
+                tuple(l.num_generated for l in lives if l.state is State.GENERATING),
+                sum(l.state in (State.TOOL, State.SCORING) for l in lives),
+            )
+            for gid, lives in by_group.items()
+        ]
 
     def _target(self) -> tuple[str, int] | None:
         now = time.monotonic()
-        if now >= self._targets_until:  # the heartbeats, read at most every heartbeat_ttl / 3
+        # the heartbeats, read at most every heartbeat_ttl / 3
+        if now >= self._targets_until:
             self._targets = alive_of(self.client, self.keys, "rollout")
             self._targets_until = now + self.cfg.heartbeat_ttl / 3
         return repack.pick_target(self._targets, self.worker_id)
@@ -154,10 +170,20 @@ class Repacker:
         run = self.claims.get(group_id)
         stopped = self.episodes.stop_group(group_id, "repack")
         if run is None or stopped is None:
-            return False  # fenced while flushing: another worker owns the group (flush dropped it)
-        crash_point("rollout", "repack_stopped")  # tests only (shared/runtime/faults.py)
-        notice = repacks.Repack(run.source, run.group.entry_id, group_id, self.worker_id, target, len(stopped),
-                                sum(l.num_generated for l in stopped), self._step_s * 1000)
+            # fenced while flushing: another worker owns the group (flush dropped it)
+            return False
+        # tests only (shared/runtime/faults.py)
+        crash_point("rollout", "repack_stopped")
+        notice = repacks.Repack(
+            run.source,
+            run.group.entry_id,
+            group_id,
+            self.worker_id,
+            target,
+            len(stopped),
+            sum(l.num_generated for l in stopped),
+            self._step_s * 1000,
+        )
         handed = repacks.handoff(self.client, self.keys, notice)
         crash_point("rollout", "repack_handed")
         self.episodes.forget_group(group_id)

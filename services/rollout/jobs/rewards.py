@@ -5,11 +5,11 @@ A reward function is ``fn(response, task, *, prompt=..., group=...) -> float | (
 prompt group's task row (e.g. its ground truth), ``prompt`` (passed only when the function declares it, or
 ``**kwargs``) the prompt text.
 
-Group-aware rewards declare a ``group`` parameter: the worker then scores a group's episodes only once all
-of them have finished generating, each call getting ``group = [{"index": i, "response": text}, ...]`` (index
-order) of the group's episodes scored together: all of them, less any that failed (or, after a takeover,
-were already scored by the previous worker). It runs as an rq job (``run_reward``, JSON serializer) on the run's tools queue, so a slow
-or crashing reward never blocks decoding or heartbeats; an error becomes the episode's ``failed`` event.
+Group-aware rewards declare a ``group`` parameter: the worker then scores a group's episodes only once all of them have
+finished generating, each call getting ``group = [{"index": i, "response": text}, ...]`` (index order) of the group's
+episodes scored together: all of them, less any that failed (or, after a takeover, were already scored by the previous
+worker). It runs as an rq job (``run_reward``, JSON serializer) on the run's tools queue, so a slow or crashing reward
+never blocks decoding or heartbeats; an error becomes the episode's ``failed`` event.
 
 A function marked ``@inline`` (the built-in ``arithmetic``: a regex, microseconds) is called in the rollout
 worker instead: an rq round trip costs milliseconds (bench/rewards.py).
@@ -55,8 +55,11 @@ class Reward:
 
     @property
     def inline(self) -> bool:
-        return bool(getattr(self.fn, "streamrl_inline", False)) and not inspect.iscoroutinefunction(self.fn) \
+        return (
+            bool(getattr(self.fn, "streamrl_inline", False))
+            and not inspect.iscoroutinefunction(self.fn)
             and not self.group_aware
+        )
 
     @property
     def group_aware(self) -> bool:
@@ -88,7 +91,7 @@ def score(fn: Callable, response: str, task: dict, prompt: str = "", group: list
     out = fn(response, task, **{k: v for k, v in extra.items() if k in _params(fn)})
     if inspect.isawaitable(out):
         out = asyncio.run(_awaited(out))
-    reward, details = (out if isinstance(out, tuple) else (out, {}))
+    reward, details = out if isinstance(out, tuple) else (out, {})
     if isinstance(reward, bool) or not isinstance(reward, (int, float)):
         raise ValueError(f"reward function returned {type(reward).__name__}, expected a number")
     return float(reward), dict(details or {})

@@ -23,15 +23,19 @@ from rq.serializers import JSONSerializer
 
 from services.rollout.jobs import rewards, tools
 
-CHECK_S = 0.1  # queues on another server: how often a worker waiting on jobs looks at them
+# queues on another server: how often a worker waiting on jobs looks at them
+CHECK_S = 0.1
 
 
 @dataclass
 class Pending:
     job_id: str
-    kind: str  # "tool" | "reward"
-    call_id: str  # tool: the call it answers; reward: ""
-    deadline: float  # monotonic; past it the job counts as failed
+    # "tool" | "reward"
+    kind: str
+    # tool: the call it answers; reward: ""
+    call_id: str
+    # monotonic; past it the job counts as failed
+    deadline: float
     timeout: float
 
 
@@ -41,46 +45,68 @@ class Outcome:
     kind: str
     call_id: str
     ok: bool
-    value: object  # tool: output text; reward: [reward, details]; when not ok: the error message
+    # tool: output text; reward: [reward, details]; when not ok: the error message
+    value: object
 
 
 class ToolJobs:
-    def __init__(self, client, queue_name: str, run: str, tools_config: str, reward_spec: str,
-                 tool_timeout: float, reward_timeout: float, wake_on_results: bool = True):
+    def __init__(
+        self,
+        client,
+        queue_name: str,
+        run: str,
+        tools_config: str,
+        reward_spec: str,
+        tool_timeout: float,
+        reward_timeout: float,
+        wake_on_results: bool = True,
+    ):
         """``client``: the rq queues' server; ``wake_on_results``: it is the server of the worker's blocking read
         (which then includes ``result_streams``)."""
         self.client, self.run, self.wake_on_results = client, run, wake_on_results
         self.queue = Queue(queue_name, connection=client, serializer=JSONSerializer)
         self.tools_config, self.reward_spec = tools_config, reward_spec
         self.tool_timeout, self.reward_timeout = tool_timeout, reward_timeout
-        self.pending: dict[str, Pending] = {}  # episode id -> its one job in flight
+        # episode id -> its one job in flight
+        self.pending: dict[str, Pending] = {}
 
     def _job_id(self, *parts: str) -> str:
         return re.sub(r"[^A-Za-z0-9_-]", "_", "-".join((self.run, *parts)))
 
-    def _submit(self, episode_id: str, kind: str, call_id: str, func, args: tuple, timeout: float,
-                attach: bool) -> None:
+    def _submit(
+        self, episode_id: str, kind: str, call_id: str, func, args: tuple, timeout: float, attach: bool
+    ) -> None:
         job_id = self._job_id(episode_id, call_id or kind)
         if not attach or not Job.exists(job_id, connection=self.client):
-            self.queue.enqueue_call(func, args=args, job_id=job_id, timeout=max(1, int(timeout)), result_ttl=3600,
-                                    failure_ttl=3600)
+            self.queue.enqueue_call(
+                func, args=args, job_id=job_id, timeout=max(1, int(timeout)), result_ttl=3600, failure_ttl=3600
+            )
         self.pending[episode_id] = Pending(job_id, kind, call_id, time.monotonic() + 3 * timeout + 5, timeout)
 
     def tool(self, episode_id: str, call_id: str, name: str, args: str, attach: bool = False) -> None:
         """Run a tool call; ``attach``: the call is already in the stream, its job may exist already."""
-        self._submit(episode_id, "tool", call_id, tools.run_tool, (self.tools_config, name, args),
-                     self.tool_timeout, attach)
+        self._submit(
+            episode_id, "tool", call_id, tools.run_tool, (self.tools_config, name, args), self.tool_timeout, attach
+        )
 
     def reward(self, episode_id: str, prompt: str, response: str, task: dict, group: list | None = None) -> None:
-        self._submit(episode_id, "reward", "", rewards.run_reward, (self.reward_spec, prompt, response, task, group),
-                     self.reward_timeout, attach=True)
+        self._submit(
+            episode_id,
+            "reward",
+            "",
+            rewards.run_reward,
+            (self.reward_spec, prompt, response, task, group),
+            self.reward_timeout,
+            attach=True,
+        )
 
     def waiting(self) -> bool:
         return bool(self.pending)
 
     def result_streams(self) -> dict[str, str]:
-        """rq's result stream of each job in flight, from its start: a blocking read of these returns as soon as
-        a job finishes or fails (rq appends its result there), so a worker waiting on jobs needs no polling. None when the queues are on another server."""
+        """rq's result stream of each job in flight, from its start: a blocking read of these returns as soon as a
+        job finishes or fails (rq appends its result there), so a worker waiting on jobs needs no polling. None when
+        the queues are on another server."""
         if not self.wake_on_results:
             return {}
         return {Result.get_key(p.job_id): "0-0" for p in self.pending.values()}
@@ -118,8 +144,11 @@ class ToolJobs:
             elif job is None or time.monotonic() > p.deadline:
                 if job is not None:
                     job.cancel()
-                out.append(Outcome(episode_id, p.kind, p.call_id, False,
-                                   f"{p.kind} did not complete within {3 * p.timeout + 5:g}s"))
+                out.append(
+                    Outcome(
+                        episode_id, p.kind, p.call_id, False, f"{p.kind} did not complete within {3 * p.timeout + 5:g}s"
+                    )
+                )
             else:
                 continue
             del self.pending[episode_id]

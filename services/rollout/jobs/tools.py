@@ -29,7 +29,8 @@ CALL_OPEN, CALL_CLOSE = "<call>", "</call>"
 CALL_RE = re.compile(r"<call>(.*?)</call>\s*$", re.S)
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MAX_OUTPUT_CHARS = 256
-BUILTIN = {"calc": "services.rollout.jobs.tools:calc"}  # built-in name -> spec
+# built-in name -> spec
+BUILTIN = {"calc": "services.rollout.jobs.tools:calc"}
 
 
 class ToolError(Exception):
@@ -64,8 +65,9 @@ def registry(config: str) -> dict[str, Callable]:
             continue
         spec = BUILTIN.get(item, item)
         if ":" not in spec:
-            raise ValueError(f"config key 'tools': {item!r}: not a built-in tool ({', '.join(BUILTIN)}) nor a 'module:function' "
-                             f"spec")
+            raise ValueError(
+                f"config key 'tools': {item!r}: not a built-in tool ({', '.join(BUILTIN)}) nor a 'module:function' spec"
+            )
         name = spec.rsplit(":", 1)[1]
         if name in out:
             raise ValueError(f"config key 'tools': {config!r}: two tools named {name!r}")
@@ -88,8 +90,15 @@ def run_tool(config: str, name: str, args: str) -> str:
 
 # --- the built-in tools ---------------------------------------------------
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-        ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 
 
 def _eval(node):

@@ -10,11 +10,11 @@ from rq import Queue
 from rq.serializers import JSONSerializer
 from rq.worker import SimpleWorker, Worker
 
-
 from shared.runtime.job_guard import Check, guarded_job_class, spec_arg
 from shared.runtime.service import Service
 
-RUN_TOOL = "services.rollout.jobs.tools.run_tool"  # the job functions of services/rollout/jobs/tool_jobs.py
+# the job functions of services/rollout/jobs/tool_jobs.py
+RUN_TOOL = "services.rollout.jobs.tools.run_tool"
 RUN_REWARD = "services.rollout.jobs.rewards.run_reward"
 
 
@@ -24,13 +24,17 @@ def allowed(cfg) -> dict[str, Check]:
 
 
 def main(argv=None) -> None:
-    svc = Service("tools", argv, extra_args=lambda p: p.add_argument(
-        "--fork", action="store_true", help="fork a work horse per job (default: run jobs in-process)"))
+    svc = Service(
+        "tools",
+        argv,
+        extra_args=lambda p: p.add_argument(
+            "--fork", action="store_true", help="fork a work horse per job (default: run jobs in-process)"
+        ),
+    )
     job_class = guarded_job_class(allowed(svc.cfg), svc.log)
     queue = Queue(svc.keys.tool_queue, connection=svc.rq_client, serializer=JSONSerializer, job_class=job_class)
     cls = Worker if svc.args.fork else SimpleWorker
-    worker = cls([queue], connection=svc.rq_client, serializer=JSONSerializer, name=svc.worker_id,
-                 job_class=job_class)
+    worker = cls([queue], connection=svc.rq_client, serializer=JSONSerializer, name=svc.worker_id, job_class=job_class)
     svc.log.info("ready", queue=queue.name, worker_class=cls.__name__)
     worker.work(logging_level="WARNING", with_scheduler=False)
 

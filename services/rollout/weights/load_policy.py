@@ -22,11 +22,17 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class State:
     """What the policy sees of a worker with a verified download of a newer version than it runs."""
-    gated: bool  # its last claim was refused by the gate under its own version
-    busy_slots: float  # slots held by groups still generating
-    slots: int  # max_groups_in_flight
-    waited_s: float  # since the version was announced (published)
-    behind: bool = False  # the gate is complete for a version newer than the one it runs
+
+    # its last claim was refused by the gate under its own version
+    gated: bool
+    # slots held by groups still generating
+    busy_slots: float
+    # max_groups_in_flight
+    slots: int
+    # since the version was announced (published)
+    waited_s: float
+    # the gate is complete for a version newer than the one it runs
+    behind: bool = False
 
 
 def decide(s: State, below: float, max_wait_s: float) -> str | None:
@@ -42,4 +48,3 @@ def decide(s: State, below: float, max_wait_s: float) -> str | None:
     if s.waited_s >= max_wait_s:
         return "overdue"
     return None
-

@@ -6,10 +6,9 @@ goes on generating; the thread acks the fetch once a verified copy is here. The 
 reads that copy (``local``): no download and no hashing in the pause. A load that no fetch preceded (by hand, or a
 worker catching up at start) gets its copy right then.
 
-A download is first tried as deltas (``delta_max_chain`` > 0): from the newest verified copy here, at most
-that many versions older, and the deltas since (``shared/runtime/weights/delta_fetch.py``), checked against the published
-sha256; a bad chain is refused with one warning and the file downloaded instead.
-"""
+A download is first tried as deltas (``delta_max_chain`` > 0): from the newest verified copy here, at most that many
+versions older, and the deltas since (``shared/runtime/weights/delta_fetch.py``), checked against the published
+sha256; a bad chain is refused with one warning and the file downloaded instead."""
 
 from __future__ import annotations
 
@@ -20,10 +19,11 @@ import time
 from pathlib import Path
 
 from shared.protocol.weights.delta import DeltaError
-from shared.runtime.weights import delta_fetch, fetch as weight_fetch
-from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.config.keys import Config
 from shared.runtime.folders import private_folder
+from shared.runtime.weights import delta_fetch
+from shared.runtime.weights import fetch as weight_fetch
+from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.weights.server import DELTA, file_name
 
 
@@ -34,31 +34,56 @@ def _stat_key(path: Path) -> tuple:
 
 class LocalWeights:
     def __init__(self, cfg: Config, log):
-        self.mode, self.folder, self.keep, self.token = (cfg.weights_fetch, cfg.rollout_weights_path,
-                                                         cfg.rollout_weights_keep, cfg.weights_token)
-        self.max_chain = cfg.delta_max_chain  # > 0: a download is a chain of at most this many deltas when one can be
+        self.mode, self.folder, self.keep, self.token = (
+            cfg.weights_fetch,
+            cfg.rollout_weights_path,
+            cfg.rollout_weights_keep,
+            cfg.weights_token,
+        )
+        # > 0: a download is a chain of at most this many deltas when one can be
+        self.max_chain = cfg.delta_max_chain
         if self.mode != "never":
-            private_folder(self.folder, "rollout_weights_dir", create=False)  # per user and run id, 0700
+            # per user and run id, 0700
+            private_folder(self.folder, "rollout_weights_dir", create=False)
         self.log = log
-        self.announced = None  # () -> the origins the token may go to (weight_origins.announced); set by the worker
+        # () -> the origins the token may go to (weight_origins.announced); set by the worker
+        self.announced = None
         # which folder this worker downloads into, as the relay tree tells folders apart: host and path (workers on
         # one host with the same folder share each download: shared/protocol/weights/relay_tree.py); in every heartbeat
         self.folder_id = f"{socket.gethostname()}:{self.folder.absolute()}"
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)  # notified when a version's fetch ends (a relay waits on it)
-        self._newest = -1  # the newest version fetched, being fetched or loaded here (a relay waits for newer ones)
-        self.sources: dict[int, str] = {}  # version -> where its verified copy came from: trainer | relay | local
-        self._ready: dict[int, tuple[Path, str, tuple]] = {}  # version -> (verified file, sha256, its stat then)
-        self._failed: dict[int, str] = {}  # version -> why its last fetch failed (a load refuses with it)
+        # notified when a version's fetch ends (a relay waits on it)
+        self._changed = threading.Condition(self._lock)
+        # the newest version fetched, being fetched or loaded here (a relay waits for newer ones)
+        self._newest = -1
+        # version -> where its verified copy came from: trainer | relay | local
+        self.sources: dict[int, str] = {}
+        # version -> (verified file, sha256, its stat then)
+        self._ready: dict[int, tuple[Path, str, tuple]] = {}
+        # version -> why its last fetch failed (a load refuses with it)
+        self._failed: dict[int, str] = {}
         self._running: dict[int, threading.Thread] = {}
-        self.stats = {"fetched_bytes": 0, "fetches": 0, "fetch_failures": 0, "trainer_fetches": 0, "relay_fetches": 0,
-                      "relay_failures": 0, "relay_waits": 0,
-                      # versions made from deltas (docs/operations.md section 8): the delta bytes downloaded, the
-                      # full files' bytes they stood for, deltas applied, the longest chain, seconds fetching and
-                      # applying, chains refused (a bad delta: the file downloaded instead, one warning) and missing
-                      "delta_versions": 0, "delta_bytes": 0, "delta_full_bytes": 0, "delta_steps": 0,
-                      "delta_chain_max": 0, "delta_fetch_s": 0.0, "delta_apply_s": 0.0, "delta_fallbacks": 0,
-                      "delta_missing": 0}
+        self.stats = {
+            "fetched_bytes": 0,
+            "fetches": 0,
+            "fetch_failures": 0,
+            "trainer_fetches": 0,
+            "relay_fetches": 0,
+            "relay_failures": 0,
+            "relay_waits": 0,
+            # versions made from deltas (docs/operations.md section 8): the delta bytes downloaded, the
+            # full files' bytes they stood for, deltas applied, the longest chain, seconds fetching and
+            # applying, chains refused (a bad delta: the file downloaded instead, one warning) and missing
+            "delta_versions": 0,
+            "delta_bytes": 0,
+            "delta_full_bytes": 0,
+            "delta_steps": 0,
+            "delta_chain_max": 0,
+            "delta_fetch_s": 0.0,
+            "delta_apply_s": 0.0,
+            "delta_fallbacks": 0,
+            "delta_missing": 0,
+        }
 
     def prefetch(self, version: int, path: str, sha256: str, url: str, done, relay: str = "") -> None:
         """Get a verified copy of ``version`` in a thread, then ``done(ok, error)`` (from that thread). ``relay``:
@@ -71,7 +96,8 @@ class LocalWeights:
         ``wait_s`` > 0 (sync_mode pull: a child asks as soon as the version is announced): a version this worker is
         fetching, or newer than any it has seen (announced, its fetch not started yet), is waited for, up to
         ``wait_s``, on the condition its fetch notifies when it ends; not polled."""
-        if DELTA.fullmatch(name):  # a delta this worker applied (kept beside the file it made): hashed when served
+        # a delta this worker applied (kept beside the file it made): hashed when served
+        if DELTA.fullmatch(name):
             path = self.folder / name
             return (path, None) if path.is_file() else None
         try:
@@ -117,11 +143,13 @@ class LocalWeights:
 
     def _start(self, version: int, path: str, sha256: str, url: str, done, relay: str = "") -> threading.Thread:
         def work() -> None:
-            if earlier is not None:  # the same version asked for again (a repeated sync): after the first, cheap
+            # the same version asked for again (a repeated sync): after the first, cheap
+            if earlier is not None:
                 earlier.join()
             try:
                 self._get(version, path, sha256, url, relay)
-            except Exception as exc:  # any failure is an error ack: the syncer must hear from this worker
+            # any failure is an error ack: the syncer must hear from this worker
+            except Exception as exc:
                 error = str(exc) or type(exc).__name__
                 with self._lock:
                     self._failed[version] = error
@@ -149,7 +177,8 @@ class LocalWeights:
     @staticmethod
     def _unchanged(ready: tuple) -> bool:
         try:
-            return _stat_key(ready[0]) == ready[2]  # the file verified then, unchanged since
+            # the file verified then, unchanged since
+            return _stat_key(ready[0]) == ready[2]
         except OSError:
             return False
 
@@ -167,10 +196,12 @@ class LocalWeights:
     def _get(self, version: int, path: str, sha256: str, url: str, relay: str = "") -> Path:
         with self._lock:
             ready = self._ready.get(version)
-        if ready and ready[1] == sha256 and self._unchanged(ready):  # verified before (a sync repeated)
+        # verified before (a sync repeated)
+        if ready and ready[1] == sha256 and self._unchanged(ready):
             return ready[0]
         published = Path(path)
-        unusable = None  # why the published file, readable here, is not the published version
+        # why the published file, readable here, is not the published version
+        unusable = None
         if self.mode != "always" and published.is_file() and os.access(published, os.R_OK):
             try:
                 return self._verified(version, published, sha256)
@@ -178,13 +209,16 @@ class LocalWeights:
                 if self.mode == "never" or not url:
                     raise
                 unusable = exc
-                self.log.warning("published weights file unusable here; downloading it", version=version,
-                                 error=str(exc))
+                self.log.warning(
+                    "published weights file unusable here; downloading it", version=version, error=str(exc)
+                )
         elif self.mode == "never":
             raise ValueError(f"weights v{version}: {path} is not readable on this host (weights_fetch = never)")
         elif not url and not relay:
-            raise ValueError(f"weights v{version}: {path} is not readable on this host and the version event has no "
-                             f"url to download it from (the trainer serves weights only with weights_port > 0)")
+            raise ValueError(
+                f"weights v{version}: {path} is not readable on this host and the version event has no "
+                f"url to download it from (the trainer serves weights only with weights_port > 0)"
+            )
         try:
             got = self._download(version, sha256, url, relay)
         except weight_fetch.FetchError as exc:
@@ -197,9 +231,15 @@ class LocalWeights:
             self.stats["fetched_bytes"] += got.downloaded
             self.stats["relay_fetches" if got.relayed else "trainer_fetches"] += 1
             self.sources[version] = "relay" if got.relayed else "trainer"
-        self.log.info("weights fetched", version=version, url=relay if got.relayed else url,
-                      mb=round(got.bytes / 1e6, 1), downloaded_mb=round(got.downloaded / 1e6, 1),
-                      resumed_from=got.resumed_from, seconds=round(got.seconds, 3))
+        self.log.info(
+            "weights fetched",
+            version=version,
+            url=relay if got.relayed else url,
+            mb=round(got.bytes / 1e6, 1),
+            downloaded_mb=round(got.downloaded / 1e6, 1),
+            resumed_from=got.resumed_from,
+            seconds=round(got.seconds, 3),
+        )
         return got.path
 
     def _download(self, version: int, sha256: str, url: str, relay: str) -> weight_fetch.Fetched:
@@ -211,15 +251,17 @@ class LocalWeights:
             return chained
         if relay:
             try:
-                return weight_fetch.fetch(relay, version, sha256, self.folder, self.token, log=self.log, relayed=True,
-                                          trusted=trusted)
+                return weight_fetch.fetch(
+                    relay, version, sha256, self.folder, self.token, log=self.log, relayed=True, trusted=trusted
+                )
             except weight_fetch.FetchError as exc:
                 with self._lock:
                     self.stats["relay_failures"] += 1
                 if not url:
                     raise
-                self.log.warning("relay fetch failed; fetching from the trainer", version=version, relay=relay,
-                                 error=str(exc))
+                self.log.warning(
+                    "relay fetch failed; fetching from the trainer", version=version, relay=relay, error=str(exc)
+                )
         return weight_fetch.fetch(url, version, sha256, self.folder, self.token, log=self.log, trusted=trusted)
 
     def _base(self, version: int) -> tuple[int, Path, str] | None:
@@ -242,12 +284,21 @@ class LocalWeights:
         versions behind, a delta missing or bad: then the file is downloaded; a bad one is warned about once)."""
         base = self._base(version) if self.max_chain > 0 and sha256 else None
         if base is None or version - base[0] > self.max_chain:
-            return None  # nothing to start from, or too far behind: the file itself (the snapshot)
+            # nothing to start from, or too far behind: the file itself (the snapshot)
+            return None
         t0 = time.monotonic()
         for source in [s for s in (relay, url) if s]:
             try:
-                got = delta_fetch.chain(source, *base, version, sha256, self.folder, self.token,
-                                        trusted=trusted, max_bytes=base[1].stat().st_size)
+                got = delta_fetch.chain(
+                    source,
+                    *base,
+                    version,
+                    sha256,
+                    self.folder,
+                    self.token,
+                    trusted=trusted,
+                    max_bytes=base[1].stat().st_size,
+                )
             except delta_fetch.DeltaMissing as exc:
                 self.log.debug("no weights delta; trying the next source or the file", version=version, error=str(exc))
                 with self._lock:
@@ -256,8 +307,13 @@ class LocalWeights:
             except (DeltaError, weight_fetch.FetchError, OSError) as exc:
                 with self._lock:
                     self.stats["delta_fallbacks"] += 1
-                self.log.warning("weights delta chain refused; downloading the full file", version=version,
-                                 base=base[0], source=source, error=str(exc))
+                self.log.warning(
+                    "weights delta chain refused; downloading the full file",
+                    version=version,
+                    base=base[0],
+                    source=source,
+                    error=str(exc),
+                )
                 return None
             with self._lock:
                 st = self.stats
@@ -268,20 +324,31 @@ class LocalWeights:
                 st["delta_chain_max"] = max(st["delta_chain_max"], got.steps)
                 st["delta_fetch_s"] += got.fetch_s
                 st["delta_apply_s"] += got.apply_s
-            self.log.info("weights made from deltas", version=version, base=base[0], steps=got.steps,
-                          delta_kb=round(got.downloaded / 1e3, 1), full_mb=round(got.bytes / 1e6, 1),
-                          fetch_s=round(got.fetch_s, 3), apply_s=round(got.apply_s, 3))
-            return weight_fetch.Fetched(got.path, got.bytes, got.downloaded, 0, got.steps, time.monotonic() - t0,
-                                        relayed=source == relay)
+            self.log.info(
+                "weights made from deltas",
+                version=version,
+                base=base[0],
+                steps=got.steps,
+                delta_kb=round(got.downloaded / 1e3, 1),
+                full_mb=round(got.bytes / 1e6, 1),
+                fetch_s=round(got.fetch_s, 3),
+                apply_s=round(got.apply_s, 3),
+            )
+            return weight_fetch.Fetched(
+                got.path, got.bytes, got.downloaded, 0, got.steps, time.monotonic() - t0, relayed=source == relay
+            )
         return None
 
     def _verified(self, version: int, path: Path, sha256: str) -> Path:
         key = _stat_key(path)
-        if sha256:  # an event without one (hand-written) is taken as it is
+        # an event without one (hand-written) is taken as it is
+        if sha256:
             actual = sha256_file(path)
             if actual != sha256:
-                raise ValueError(f"weights {path}: sha256 {actual[:12]}... does not match the published "
-                                 f"{sha256[:12]}... (corrupt or truncated file)")
+                raise ValueError(
+                    f"weights {path}: sha256 {actual[:12]}... does not match the published "
+                    f"{sha256[:12]}... (corrupt or truncated file)"
+                )
         with self._lock:
             self._ready[version] = (path, sha256, key)
             self.sources[version] = "local"

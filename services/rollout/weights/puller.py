@@ -23,14 +23,15 @@ from __future__ import annotations
 import time
 
 from services.rollout.weights import load_policy
+from shared.protocol.episode.events import EventError
 from shared.protocol.streams import pulls, versions
 from shared.protocol.weights import relay_tree
-from shared.protocol.episode.events import EventError
 from shared.runtime import heartbeat
 from shared.runtime.faults import crash_point
 from shared.runtime.weights.server import PREFIX, file_name
 
-RELAY_WAIT_S = 30.0  # a relay asked for a version it is still fetching waits this long at most (and fetch_timeout)
+# a relay asked for a version it is still fetching waits this long at most (and fetch_timeout)
+RELAY_WAIT_S = 30.0
 
 
 class Puller:
@@ -38,14 +39,27 @@ class Puller:
         self.cfg, self.client, self.keys, self.worker_id, self.weights = cfg, client, keys, worker_id, weights
         self.log = log
         self.cursor = self.pulls_cursor = "0-0"
-        self.target: versions.Version | None = None  # the newest announced version newer than the engine's
-        self.seen_at = 0.0  # time.time() when the target was seen (its publish time is used when it has one)
-        self.done: dict[int, tuple[bool, str]] = {}  # version -> (ok, error) once its download ended
-        self._lease_retry = 0.0  # time.monotonic(): a refused lease is asked for again then, or on a release
+        # the newest announced version newer than the engine's
+        self.target: versions.Version | None = None
+        # time.time() when the target was seen (its publish time is used when it has one)
+        self.seen_at = 0.0
+        # version -> (ok, error) once its download ended
+        self.done: dict[int, tuple[bool, str]] = {}
+        # time.monotonic(): a refused lease is asked for again then, or on a release
+        self._lease_retry = 0.0
         self._lease_wanted = True
-        self.behind = False  # the gate is complete for a newer version than the engine's (load_policy: behind)
-        self.stats = {"pulled": 0, "pulled_from_trainer": 0, "pulled_from_relay": 0, "pulled_local": 0, "pull_announced_s": 0.0,
-                      "pull_announced_max_s": 0.0, "pull_paused_s": 0.0, "pull_lease_refused": 0}
+        # the gate is complete for a newer version than the engine's (load_policy: behind)
+        self.behind = False
+        self.stats = {
+            "pulled": 0,
+            "pulled_from_trainer": 0,
+            "pulled_from_relay": 0,
+            "pulled_local": 0,
+            "pull_announced_s": 0.0,
+            "pull_announced_max_s": 0.0,
+            "pull_paused_s": 0.0,
+            "pull_lease_refused": 0,
+        }
 
     def relay_wait_s(self) -> float:
         """How long this worker's relay waits for a copy it is fetching (a child may ask before the copy is here)."""
@@ -70,13 +84,15 @@ class Puller:
         if name == self.keys.pulls:
             self.pulls_cursor = entries[-1][0].decode()
             if any(p.event in ("released", "expired") for p in pulls.decode_entries(entries)):
-                self._lease_wanted = True  # a lease came free
+                # a lease came free
+                self._lease_wanted = True
             return True
         if name != self.keys.versions:
             return False
         self.cursor = entries[-1][0].decode()
         try:
-            newest = versions.decode(*entries[-1])  # only the newest matters
+            # only the newest matters
+            newest = versions.decode(*entries[-1])
         except EventError as exc:
             self.log.error("versions entry unreadable; skipped", error=str(exc))
             return True
@@ -90,11 +106,20 @@ class Puller:
         relay = self._parent_url(v.version)
         t0 = time.monotonic()
 
-        def done(ok: bool, error: str) -> None:  # in the fetch thread
+        # in the fetch thread
+        def done(ok: bool, error: str) -> None:
             self.done[v.version] = (ok, error)
-            if ok:  # the record of the source, and the wake-up of this worker when it idles
-                pulls.fetched(self.client, self.keys, self.worker_id, v.version,
-                              self.weights.sources.get(v.version, "trainer"), time.monotonic() - t0)
+            # the record of the source, and the wake-up of this worker when it idles
+            if ok:
+                pulls.fetched(
+                    self.client,
+                    self.keys,
+                    self.worker_id,
+                    v.version,
+                    self.weights.sources.get(v.version, "trainer"),
+                    time.monotonic() - t0,
+                )
+
         self.log.info("version announced; fetching it while generating", version=v.version, relay=relay or None)
         self.weights.prefetch(v.version, v.path, v.sha256, v.url, done, relay=relay)
 
@@ -112,8 +137,9 @@ class Puller:
         live = heartbeat.alive_of(self.client, self.keys, "rollout")
         relays = {w: info["relay"] for w, info in live.items() if info.get("relay")}
         folders = {**{w: info.get("fetch_dir", "") for w, info in live.items()}, self.worker_id: self.weights.folder_id}
-        parent = relay_tree.parents(set(live) | {self.worker_id}, relays, self.cfg.relay_fanout,
-                                    folders).get(self.worker_id)
+        parent = relay_tree.parents(set(live) | {self.worker_id}, relays, self.cfg.relay_fanout, folders).get(
+            self.worker_id
+        )
         return f"{relays[parent].rstrip('/')}{PREFIX}{file_name(version)}" if parent else ""
 
     def tick(self, engine_version: int, busy_slots: float, gated: bool, load) -> None:
@@ -127,25 +153,40 @@ class Puller:
             self.done = {n: d for n, d in self.done.items() if n > engine_version}
             return
         if v.version not in self.done:
-            return  # still downloading
+            # still downloading
+            return
         ok, error = self.done[v.version]
-        if not ok:  # logged by the fetch; the next announcement tries again
+        # logged by the fetch; the next announcement tries again
+        if not ok:
             self.target = None
             return
         announced = v.time or self.seen_at
-        state = load_policy.State(gated=gated, busy_slots=busy_slots, slots=self.cfg.max_groups_in_flight,
-                                  waited_s=max(0.0, time.time() - announced), behind=self.behind)
+        state = load_policy.State(
+            gated=gated,
+            busy_slots=busy_slots,
+            slots=self.cfg.max_groups_in_flight,
+            waited_s=max(0.0, time.time() - announced),
+            behind=self.behind,
+        )
         reason = load_policy.decide(state, self.cfg.pull_load_below, self.cfg.pull_max_wait_s)
         now = time.monotonic()
         if reason is None or not (self._lease_wanted or now >= self._lease_retry):
             return
-        lease = pulls.acquire(self.client, self.keys, self.worker_id, v.version, self.cfg.max_loading,
-                              self.cfg.load_lease_s, reason=reason)
+        lease = pulls.acquire(
+            self.client,
+            self.keys,
+            self.worker_id,
+            v.version,
+            self.cfg.max_loading,
+            self.cfg.load_lease_s,
+            reason=reason,
+        )
         if not lease.granted:
             self.stats["pull_lease_refused"] += 1
             self._lease_wanted, self._lease_retry = False, now + max(0.05, lease.retry_s)
             return
-        crash_point("rollout", "pull_leased")  # tests only (shared/runtime/faults.py)
+        # tests only (shared/runtime/faults.py)
+        crash_point("rollout", "pull_leased")
         t0 = time.monotonic()
         try:
             load(v)
@@ -158,13 +199,28 @@ class Puller:
         since = max(0.0, time.time() - announced)
         source = self.weights.sources.get(v.version, "trainer")
         self.stats["pulled"] += 1
-        self.stats["pulled_local" if source == "local" else f"pulled_from_{source}"] += 1  # local: the trainer's file
+        # local: the trainer's file
+        self.stats["pulled_local" if source == "local" else f"pulled_from_{source}"] += 1
         self.stats["pull_announced_s"] += since
         self.stats["pull_announced_max_s"] = max(self.stats["pull_announced_max_s"], since)
         self.stats["pull_paused_s"] += paused
-        pulls.release(self.client, self.keys, self.worker_id, v.version, source=source, reason=reason,
-                      announced_s=f"{since:.3f}", paused_s=f"{paused:.3f}")
+        pulls.release(
+            self.client,
+            self.keys,
+            self.worker_id,
+            v.version,
+            source=source,
+            reason=reason,
+            announced_s=f"{since:.3f}",
+            paused_s=f"{paused:.3f}",
+        )
         self.target, self._lease_wanted, self.behind = None, True, False
         self.done = {n: d for n, d in self.done.items() if n > v.version}
-        self.log.info("pulled version loaded", version=v.version, reason=reason, source=source,
-                      announced_s=round(since, 3), paused_s=round(paused, 3))
+        self.log.info(
+            "pulled version loaded",
+            version=v.version,
+            reason=reason,
+            source=source,
+            announced_s=round(since, 3),
+            paused_s=round(paused, 3),
+        )

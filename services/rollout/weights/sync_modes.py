@@ -34,7 +34,8 @@ from shared.protocol import gate
 class Commanded:
     """sync_mode global: the syncer's commands bring every version."""
 
-    relay_wait_s = 0.0  # the syncer orders fetches level by level: a relay never waits for its own copy
+    # the syncer orders fetches level by level: a relay never waits for its own copy
+    relay_wait_s = 0.0
 
     def __init__(self, host):
         self.host = host
@@ -79,7 +80,8 @@ class Rolling(Commanded):
 
     def __init__(self, host):
         super().__init__(host)
-        self._failed_for: int | None = None  # the gate version a catch-up load failed for
+        # the gate version a catch-up load failed for
+        self._failed_for: int | None = None
 
     def may_claim(self) -> bool:
         host = self.host
@@ -91,8 +93,13 @@ class Rolling(Commanded):
                 host.catch_up()
             except (OSError, EngineError, ValueError) as exc:
                 self._failed_for = complete
-                host.log.error("behind the staleness gate and the newest version does not load; claiming nothing "
-                               "until the next version", gate=complete, version=host.engine.version, error=str(exc))
+                host.log.error(
+                    "behind the staleness gate and the newest version does not load; claiming nothing "
+                    "until the next version",
+                    gate=complete,
+                    version=host.engine.version,
+                    error=str(exc),
+                )
         return complete <= host.engine.version
 
 

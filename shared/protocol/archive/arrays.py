@@ -14,8 +14,13 @@ from itertools import chain
 import numpy as np
 import pyarrow as pa
 
-NUMPY = {pa.int32(): np.int32, pa.int64(): np.int64, pa.uint32(): np.uint32, pa.float32(): np.float32,
-         pa.float64(): np.float64}
+NUMPY = {
+    pa.int32(): np.int32,
+    pa.int64(): np.int64,
+    pa.uint32(): np.uint32,
+    pa.float32(): np.float32,
+    pa.float64(): np.float64,
+}
 
 
 def _validity(values: list) -> tuple[pa.Buffer | None, int]:
@@ -41,10 +46,12 @@ def _bytes(values: list, kind: pa.DataType) -> pa.Array:
         values = [b"" if v is None else v for v in values]
     lengths = np.fromiter(map(len, values), np.int64, len(values))
     if lengths.sum() >= 1 << 31:
-        raise ValueError(f"a segment column of {kind} holds {lengths.sum()} bytes: more than 2 GB (fewer episodes "
-                         "per segment)")
-    return pa.Array.from_buffers(kind, len(values), [validity, pa.py_buffer(offsets(lengths)),
-                                                     pa.py_buffer(b"".join(values))], nulls)
+        raise ValueError(
+            f"a segment column of {kind} holds {lengths.sum()} bytes: more than 2 GB (fewer episodes per segment)"
+        )
+    return pa.Array.from_buffers(
+        kind, len(values), [validity, pa.py_buffer(offsets(lengths)), pa.py_buffer(b"".join(values))], nulls
+    )
 
 
 def _numbers(values: list, kind: pa.DataType) -> pa.Array:
@@ -71,8 +78,9 @@ def from_numpy(values: np.ndarray, kind: pa.DataType, valid: np.ndarray | None =
     if valid is None or valid.all():
         return pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(np.ascontiguousarray(values))], 0)
     bitmap = pa.py_buffer(np.packbits(valid, bitorder="little"))
-    return pa.Array.from_buffers(kind, len(values), [bitmap, pa.py_buffer(np.ascontiguousarray(values))],
-                                 len(values) - int(valid.sum()))
+    return pa.Array.from_buffers(
+        kind, len(values), [bitmap, pa.py_buffer(np.ascontiguousarray(values))], len(values) - int(valid.sum())
+    )
 
 
 def valid_values(values: pa.Array) -> np.ndarray:
@@ -84,4 +92,4 @@ def valid_values(values: pa.Array) -> np.ndarray:
     if bitmap is None or not values.null_count:
         return out
     bits = np.unpackbits(np.frombuffer(bitmap, np.uint8), count=values.offset + len(values), bitorder="little")
-    return out[bits[values.offset:].astype(bool)]
+    return out[bits[values.offset :].astype(bool)]

@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from shared.protocol.archive import arrays as segment_arrays, entries as segment_entries, summary as segment_summary
+from shared.protocol.archive import arrays as segment_arrays
+from shared.protocol.archive import entries as segment_entries
+from shared.protocol.archive import summary as segment_summary
 from shared.protocol.archive.segments import SCHEMA, flat
 
 TYPES = {f.name: f.type for f in SCHEMA}
@@ -45,22 +47,28 @@ class Builder:
     def table(self) -> pa.Table:
         c = self.columns
         cols = {"episode_id": segment_arrays.array(self.episode_ids, pa.string())}
-        cols.update({name: segment_arrays.array(values, TYPES[name])
-                     for name, values in zip(segment_summary.NAMES, self.analysis)})
+        cols.update(
+            {
+                name: segment_arrays.array(values, TYPES[name])
+                for name, values in zip(segment_summary.NAMES, self.analysis)
+            }
+        )
         cols.update({name: segment_arrays.array(values, TYPES[name]) for name, values in c.row.items()})
         per_entry = _offsets(c.entries)
         for name, values in zip(segment_entries.LISTS, c.lists):
             cols[name] = pa.ListArray.from_arrays(per_entry, segment_arrays.array(values, TYPES[name].value_type))
-        cols["others"] = pa.ListArray.from_arrays(_offsets(c.others_n),
-                                                  segment_arrays.array(c.others, TYPES["others"].value_type))
-        cols["tok_counts"] = pa.ListArray.from_arrays(_offsets(c.tok_n), segment_arrays.array(c.tok_counts,
-                                                                                              pa.int32()))
+        cols["others"] = pa.ListArray.from_arrays(
+            _offsets(c.others_n), segment_arrays.array(c.others, TYPES["others"].value_type)
+        )
+        cols["tok_counts"] = pa.ListArray.from_arrays(_offsets(c.tok_n), segment_arrays.array(c.tok_counts, pa.int32()))
         per_token = _offsets(c.tokens)
         ids = np.frombuffer(b"".join(c.ids), "<u4")
         lps = np.frombuffer(b"".join(c.lps), "<f4")
         cols["tok_ids"] = pa.ListArray.from_arrays(per_token, segment_arrays.from_numpy(ids, pa.uint32()))
-        cols["tok_logprobs"] = pa.ListArray.from_arrays(  # null: exactly +0.0
-            per_token, segment_arrays.from_numpy(lps, pa.float32(), lps.view("<u4") != 0))
+        # null: exactly +0.0
+        cols["tok_logprobs"] = pa.ListArray.from_arrays(
+            per_token, segment_arrays.from_numpy(lps, pa.float32(), lps.view("<u4") != 0)
+        )
         return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)
 
 

@@ -39,14 +39,14 @@ def join_planes(raw: bytes, width: int) -> bytes:
 
 def _bin(data: bytes, at: int) -> tuple[int, int] | None:
     """(length, start) of the msgpack bin at ``data[at]`` when its header is the one ``packb`` writes (the shortest)."""
-    tag = data[at:at + 1]
+    tag = data[at : at + 1]
     if tag == b"\xc4":
         return (data[at + 1], at + 2) if len(data) > at + 1 else None
     if tag == b"\xc5":
-        n = int.from_bytes(data[at + 1:at + 3], "big")
+        n = int.from_bytes(data[at + 1 : at + 3], "big")
         return (n, at + 3) if n >= 1 << 8 else None
     if tag == b"\xc6":
-        n = int.from_bytes(data[at + 1:at + 5], "big")
+        n = int.from_bytes(data[at + 1 : at + 5], "big")
         return (n, at + 5) if n >= 1 << 16 else None
     return None
 
@@ -61,13 +61,13 @@ def token_payload(data: bytes) -> tuple[bytes, bytes] | None:
     if head is None:
         return None
     n, at = head
-    ids, at = data[at:at + n], at + n
-    if len(ids) != n or n % 4 or data[at:at + 9] != b"\xa8logprobs":
+    ids, at = data[at : at + n], at + n
+    if len(ids) != n or n % 4 or data[at : at + 9] != b"\xa8logprobs":
         return None
     head = _bin(data, at + 9)
     if head is None or head[0] != n or head[1] + n != len(data):
         return None
-    return ids, data[head[1]:]
+    return ids, data[head[1] :]
 
 
 def movable(flat: list[bytes]) -> tuple[bytes, bytes] | None:

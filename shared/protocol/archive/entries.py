@@ -29,16 +29,17 @@ from __future__ import annotations
 
 import msgpack
 
-from shared.protocol.episode.sampling import episode_seed
-from shared.protocol.archive.columns import token_payload
 from shared.protocol.archive import templates as segment_templates
+from shared.protocol.archive.columns import token_payload
 from shared.protocol.archive.templates import Templates
+from shared.protocol.episode.sampling import episode_seed
 
 HEADERS = [b"type", b"v", b"policy", b"worker", b"seq", b"data"]
 LISTS = ("ms", "sub", "kinds", "hv", "policies", "workers", "payloads")
 INT64 = (-(1 << 63), 1 << 63)
 POSITIONS = [str(n).encode() for n in range(64)]
-_SHORT: dict[bytes, int] = {}  # decimal text -> its integer (``_int``)
+# decimal text -> its integer (``_int``)
+_SHORT: dict[bytes, int] = {}
 TERMINAL = (b"finished", b"failed")
 PLAIN = {b"started", b"tokens", b"aborted", b"resumed", b"tool_call", b"tool_result", b"finished", b"failed"}
 
@@ -49,7 +50,8 @@ def _int(raw: bytes) -> int | None:
     n = _SHORT.get(raw)
     if n is not None:
         return n
-    if raw.isdigit() and len(raw) < 19 and (raw[:1] != b"0" or len(raw) == 1):  # the usual case, checked cheaply
+    # the usual case, checked cheaply
+    if raw.isdigit() and len(raw) < 19 and (raw[:1] != b"0" or len(raw) == 1):
         n = int(raw)
         if len(raw) <= 6:
             if len(_SHORT) >= 1 << 14:
@@ -66,8 +68,12 @@ def _int(raw: bytes) -> int | None:
 def _split(position: int, entry_id: bytes, flat: list[bytes]) -> tuple | None:
     """(ms, sub, kind, v, policy, worker, data) of an entry of the usual shape, else None. (The ``_SHORT`` lookups
     are ``_int``'s first step, inlined: three calls an entry were a tenth of the archiver's CPU.)"""
-    if len(flat) != 12 or flat[::2] != HEADERS or not flat[1] or \
-            flat[9] != (POSITIONS[position] if position < len(POSITIONS) else str(position).encode()):
+    if (
+        len(flat) != 12
+        or flat[::2] != HEADERS
+        or not flat[1]
+        or flat[9] != (POSITIONS[position] if position < len(POSITIONS) else str(position).encode())
+    ):
         return None
     ms, _, sub = entry_id.partition(b"-")
     ms, sub, policy = _int(ms), _SHORT.get(sub, sub), _SHORT.get(flat[5], flat[5])
@@ -131,11 +137,15 @@ def _take_apart(episode_id: str, data: bytes, templates: Templates | None) -> tu
     index, seed, sampling, group_id = d["index"], None, d.get("sampling"), d.get("group_id")
     if not -(1 << 31) <= index < 1 << 31 or not isinstance(group_id, str):
         return None
-    seeded = isinstance(sampling, dict) and type(sampling.get("seed")) is int and INT64[0] <= sampling["seed"] < INT64[1]
+    seeded = (
+        isinstance(sampling, dict) and type(sampling.get("seed")) is int and INT64[0] <= sampling["seed"] < INT64[1]
+    )
     if templates is not None:
         c = segment_templates.cut(d, seeded, group_id)
-        if c is not None and segment_templates.match(c, data, episode_id) == (index, sampling["seed"] if seeded
-                                                                                else None):
+        if c is not None and segment_templates.match(c, data, episode_id) == (
+            index,
+            sampling["seed"] if seeded else None,
+        ):
             templates.learn(c)
             return c.template, index, sampling["seed"] if seeded else None, group_id
     d["episode_id"] = d["index"] = None
@@ -153,9 +163,12 @@ def _take_apart(episode_id: str, data: bytes, templates: Templates | None) -> tu
     return payload, index, seed, group_id
 
 
-ROW = ("index", "seed", "seed_base", "t0", "start", "end")  # one value per episode
-_KEPT = (0, 0, b"", b"", 0, b"", None)  # an entry kept whole, in each of LISTS
-_WHOLE = (None, None, None, 0, None, None)  # ROW of an episode kept whole
+# one value per episode
+ROW = ("index", "seed", "seed_base", "t0", "start", "end")
+# an entry kept whole, in each of LISTS
+_KEPT = (0, 0, b"", b"", 0, b"", None)
+# ROW of an episode kept whole
+_WHOLE = (None, None, None, 0, None, None)
 
 
 class Columns:
@@ -170,7 +183,8 @@ class Columns:
     """
 
     def __init__(self, seed_base: int | None = None, templates: Templates | None = None):
-        self.seed_base = seed_base  # the run's ``seed``
+        # the run's ``seed``
+        self.seed_base = seed_base
         self.templates = templates if templates is not None else Templates()
         self.lists: tuple[list, ...] = tuple([] for _ in LISTS)
         self.row: dict[str, list] = {name: [] for name in ROW}

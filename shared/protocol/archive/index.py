@@ -15,8 +15,10 @@ def hashes(episode_ids: list[str]) -> np.ndarray:
 
 class SegmentIndex:
     def __init__(self):
-        self.keys = np.zeros(0, np.int64)  # sorted
-        self.where = np.zeros(0, np.int32)  # the segment number of each; equal keys in the order they were added
+        # sorted
+        self.keys = np.zeros(0, np.int64)
+        # the segment number of each; equal keys in the order they were added
+        self.where = np.zeros(0, np.int32)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -25,7 +27,8 @@ class SegmentIndex:
         """Index a segment's episodes (segments are added in listing order, ``number`` rising): a merge into the
         sorted keys, one copy of them."""
         new = np.sort(hashes(episode_ids))
-        at = np.searchsorted(self.keys, new, side="right")  # after equal keys of earlier segments
+        # after equal keys of earlier segments
+        at = np.searchsorted(self.keys, new, side="right")
         self.keys = np.insert(self.keys, at, new)
         self.where = np.insert(self.where, at, np.full(len(new), number, np.int32))
 

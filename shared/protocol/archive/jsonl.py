@@ -21,7 +21,8 @@ def read(path: Path, what: str) -> list[dict]:
     """Every complete line of ``path`` (``what`` names the file in errors); [] when it does not exist."""
     if not path.exists():
         return []
-    return _parse(path.read_text().split("\n")[:-1], path, what)  # after the last newline: empty or torn
+    # after the last newline: empty or torn
+    return _parse(path.read_text().split("\n")[:-1], path, what)
 
 
 def _parse(lines, path: Path, what: str, near_end: bool = False) -> list[dict]:

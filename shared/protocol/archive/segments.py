@@ -28,11 +28,23 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shared.protocol.archive import jsonl, arrays as segment_arrays, columns as segment_columns, entries as segment_entries
+from shared.protocol.archive import (
+    arrays as segment_arrays,
+)
+from shared.protocol.archive import (
+    columns as segment_columns,
+)
+from shared.protocol.archive import (
+    entries as segment_entries,
+)
+from shared.protocol.archive import (
+    jsonl,
+)
 from shared.protocol.archive.index import SegmentIndex
 
 FOLDER = "episodes"
-MANIFEST = "_manifest.jsonl"  # "_": pyarrow, pandas and datasets skip it when reading the folder
+# "_": pyarrow, pandas and datasets skip it when reading the folder
+MANIFEST = "_manifest.jsonl"
 
 ANALYSIS = [
     ("episode_id", pa.string()),
@@ -44,37 +56,68 @@ ANALYSIS = [
     ("num_generated", pa.int32()),
     ("version", pa.int32()),
 ]
-SCHEMA = pa.schema(ANALYSIS + [
-    ("index", pa.int32()),
-    ("seed", pa.int64()),
-    ("seed_base", pa.int64()),
-    ("t0", pa.int64()),
-    ("ms", pa.list_(pa.int32())),
-    ("sub", pa.list_(pa.int32())),
-    ("kinds", pa.list_(pa.binary())),
-    ("hv", pa.list_(pa.binary())),
-    ("policies", pa.list_(pa.int32())),
-    ("workers", pa.list_(pa.binary())),
-    ("payloads", pa.list_(pa.binary())),
-    ("start", pa.binary()),  # format 4: the first started payload, templated (shared/protocol/archive/entries.py)
-    ("end", pa.binary()),  # format 4: the end entry's payload
-    ("others", pa.list_(pa.list_(pa.binary()))),
-    ("tok_counts", pa.list_(pa.int32())),
-    ("tok_ids", pa.list_(pa.uint32())),
-    ("tok_logprobs", pa.list_(pa.float32())),  # null: exactly +0.0 (a token the sampler was sure of)
-], metadata={b"streamrl.segment_format": b"4"})
+SCHEMA = pa.schema(
+    ANALYSIS
+    + [
+        ("index", pa.int32()),
+        ("seed", pa.int64()),
+        ("seed_base", pa.int64()),
+        ("t0", pa.int64()),
+        ("ms", pa.list_(pa.int32())),
+        ("sub", pa.list_(pa.int32())),
+        ("kinds", pa.list_(pa.binary())),
+        ("hv", pa.list_(pa.binary())),
+        ("policies", pa.list_(pa.int32())),
+        ("workers", pa.list_(pa.binary())),
+        ("payloads", pa.list_(pa.binary())),
+        # format 4: the first started payload, templated (shared/protocol/archive/entries.py)
+        ("start", pa.binary()),
+        # format 4: the end entry's payload
+        ("end", pa.binary()),
+        ("others", pa.list_(pa.list_(pa.binary()))),
+        ("tok_counts", pa.list_(pa.int32())),
+        ("tok_ids", pa.list_(pa.uint32())),
+        # null: exactly +0.0 (a token the sampler was sure of)
+        ("tok_logprobs", pa.list_(pa.float32())),
+    ],
+    metadata={b"streamrl.segment_format": b"4"},
+)
 FORMAT = 4
 TERMINAL = (b"finished", b"failed")
-LEVEL = 12  # zstd level: on the default run's episodes 12 costs 3 us an episode to 15's 8, for 2 % more bytes
+# zstd level: on the default run's episodes 12 costs 3 us an episode to 15's 8, for 2 % more bytes
+LEVEL = 12
 TOKENS = ["tok_ids", "tok_logprobs"]
-PLANES = [f"{c}.list.element" for c in TOKENS]  # stored in byte planes (Parquet's BYTE_STREAM_SPLIT)
-DICTIONARY = ["group_id", "worker", "status", "finish_reason", "reward", "num_generated", "version", "index",
-              "seed_base", "ms", "sub", "kinds", "hv", "policies", "workers", "payloads", "start", "end", "tok_counts"]
-DELTAS = {"t0": "DELTA_BINARY_PACKED", "episode_id": "DELTA_BYTE_ARRAY"}  # rising times, ids sharing a prefix
+# stored in byte planes (Parquet's BYTE_STREAM_SPLIT)
+PLANES = [f"{c}.list.element" for c in TOKENS]
+DICTIONARY = [
+    "group_id",
+    "worker",
+    "status",
+    "finish_reason",
+    "reward",
+    "num_generated",
+    "version",
+    "index",
+    "seed_base",
+    "ms",
+    "sub",
+    "kinds",
+    "hv",
+    "policies",
+    "workers",
+    "payloads",
+    "start",
+    "end",
+    "tok_counts",
+]
+# rising times, ids sharing a prefix
+DELTAS = {"t0": "DELTA_BINARY_PACKED", "episode_id": "DELTA_BYTE_ARRAY"}
 ENCODINGS = {**{c: "BYTE_STREAM_SPLIT" for c in PLANES}, **DELTAS}
 ENTRY_COLUMNS = [f.name for f in SCHEMA if f.name not in dict(ANALYSIS) or f.name == "episode_id"]
-RAW = ["episode_id", "entry_ids", "entries"]  # format 1 and 2: the columns an episode's entries come back from
-TOKEN_COLUMNS = ["tok_counts", "tok_ids", "tok_logprobs"]  # format 2 only
+# format 1 and 2: the columns an episode's entries come back from
+RAW = ["episode_id", "entry_ids", "entries"]
+# format 2 only
+TOKEN_COLUMNS = ["tok_counts", "tok_ids", "tok_logprobs"]
 
 
 def _b(v) -> bytes:
@@ -104,7 +147,8 @@ def token_bytes(table: pa.Table, name: str) -> tuple[np.ndarray, bytes]:
 
 def entries_of(table: pa.Table) -> list[tuple[str, list[tuple]]]:
     """(episode id, entries as XRANGE returns them) of each row of a table read with ``raw_columns``."""
-    if "kinds" not in table.column_names:  # format 1 or 2
+    # format 1 or 2
+    if "kinds" not in table.column_names:
         return [(row["episode_id"], from_row(row)) for row in table.to_pylist()]
     (offsets, ids), (_, lps) = token_bytes(table, "tok_ids"), token_bytes(table, "tok_logprobs")
     out = []
@@ -131,7 +175,8 @@ def file_format(path: Path) -> int:
 def raw_columns(path: Path) -> list[str]:
     """The columns to read an episode's entries from this file (format 1 files have no token columns)."""
     names = pq.read_schema(path).names
-    if "kinds" in names:  # format 3 (no start / end) or 4
+    # format 3 (no start / end) or 4
+    if "kinds" in names:
         return [c for c in ENTRY_COLUMNS if c in names]
     return RAW + [c for c in TOKEN_COLUMNS if c in names]
 
@@ -155,10 +200,17 @@ def write_file(folder: Path, name: str, table: pa.Table) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{name}.tmp"
     with open(tmp, "wb") as fh:
-        with pq.ParquetWriter(fh, table.schema, compression="zstd", compression_level=LEVEL,
-                              use_dictionary=DICTIONARY, column_encoding=encodings(table),
-                              write_statistics=["episode_id"],
-                              store_schema=False) as writer:  # no Arrow schema copy: the Parquet types say it all
+        with pq.ParquetWriter(
+            fh,
+            table.schema,
+            compression="zstd",
+            compression_level=LEVEL,
+            use_dictionary=DICTIONARY,
+            column_encoding=encodings(table),
+            write_statistics=["episode_id"],
+            # no Arrow schema copy: the Parquet types say it all
+            store_schema=False,
+        ) as writer:
             writer.write_table(table)
             writer.add_key_value_metadata(SCHEMA.metadata)
         fh.flush()
@@ -210,7 +262,8 @@ class SegmentStore:
 
     def __init__(self, folder: Path | str):
         self.folder = Path(folder)
-        self._names: list[str] = []  # the listed segments, in listing order
+        # the listed segments, in listing order
+        self._names: list[str] = []
         self._numbers: dict[str, int] = {}
         self._index = SegmentIndex()
         self._manifest_size = -1
@@ -265,8 +318,9 @@ class SegmentStore:
             if not wanted:
                 continue
             path = self.folder / self._names[number]
-            for episode_id, entries in entries_of(pq.read_table(path, columns=raw_columns(path),
-                                                                filters=[("episode_id", "in", wanted)])):
+            for episode_id, entries in entries_of(
+                pq.read_table(path, columns=raw_columns(path), filters=[("episode_id", "in", wanted)])
+            ):
                 out.setdefault(episode_id, entries)
         return out
 
@@ -277,18 +331,26 @@ class SegmentStore:
         """(episode id, entries) of every archived episode, segment by segment (an id in two segments once, from
         the first)."""
         self.refresh()
-        earlier: dict[int, set[str]] = {}  # ids of a segment an id's hash points back to (a duplicate, a collision)
+        # ids of a segment an id's hash points back to (a duplicate, a collision)
+        earlier: dict[int, set[str]] = {}
         for number, name in enumerate(self._names):
             path = self.folder / name
             rows = entries_of(pq.read_table(path, columns=raw_columns(path)))
             for (episode_id, entries), numbers in zip(rows, self._index.candidates([e for e, _ in rows])):
-                if any(episode_id in earlier.setdefault(n, set(self._ids_of(self._names[n])))
-                       for n in numbers if n < number):
+                if any(
+                    episode_id in earlier.setdefault(n, set(self._ids_of(self._names[n])))
+                    for n in numbers
+                    if n < number
+                ):
                     continue
                 yield episode_id, entries
 
     def sizes(self) -> dict:
         """Segments, episodes and bytes on disk (for status and metrics)."""
         records = read_manifest(self.folder)
-        return {"segments": len(records), "episodes": sum(r.get("episodes", 0) for r in records),
-                "bytes": sum(r.get("bytes", 0) for r in records), "tokens": sum(r.get("tokens", 0) for r in records)}
+        return {
+            "segments": len(records),
+            "episodes": sum(r.get("episodes", 0) for r in records),
+            "bytes": sum(r.get("bytes", 0) for r in records),
+            "tokens": sum(r.get("tokens", 0) for r in records),
+        }

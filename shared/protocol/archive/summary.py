@@ -60,5 +60,12 @@ def summary(plain: tuple | None, entries: list[tuple[bytes, list[bytes]]]) -> tu
         ep = fold((i, dict(zip(fields[::2], fields[1::2]))) for i, fields in entries)
     except EventError:
         return BLANK
-    return (ep.group_id, ep.last_worker, ep.status, ep.finish_reason, ep.reward, ep.num_generated,
-            max(ep.versions, default=-1))
+    return (
+        ep.group_id,
+        ep.last_worker,
+        ep.status,
+        ep.finish_reason,
+        ep.reward,
+        ep.num_generated,
+        max(ep.versions, default=-1),
+    )

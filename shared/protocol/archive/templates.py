@@ -17,15 +17,26 @@ import msgpack
 from shared.protocol.episode.sampling import episode_seed
 
 EPISODE, INDEX, SEED = 0, 1, 2
-_USUAL = [EPISODE, INDEX, SEED]  # the slots' order in a run's own started payloads
-_MARKS = [f"\x00streamrl-template-slot-{slot}\x00".encode() for slot in (EPISODE, INDEX, SEED)]  # as bin values
+# the slots' order in a run's own started payloads
+_USUAL = [EPISODE, INDEX, SEED]
+# as bin values
+_MARKS = [f"\x00streamrl-template-slot-{slot}\x00".encode() for slot in (EPISODE, INDEX, SEED)]
 _PACKED_MARKS = [msgpack.packb(mark, use_bin_type=True) for mark in _MARKS]
-_INTS = {0xcc: (1, False), 0xcd: (2, False), 0xce: (4, False), 0xcf: (8, False),
-         0xd0: (1, True), 0xd1: (2, True), 0xd2: (4, True), 0xd3: (8, True)}
+_INTS = {
+    0xCC: (1, False),
+    0xCD: (2, False),
+    0xCE: (4, False),
+    0xCF: (8, False),
+    0xD0: (1, True),
+    0xD1: (2, True),
+    0xD2: (4, True),
+    0xD3: (8, True),
+}
 INT32 = (-(1 << 31), 1 << 31)
 INT64 = (-(1 << 63), 1 << 63)
 _SMALL = [msgpack.packb(n) for n in range(128)]
-_STR_HEADS = [bytes([0xa0 | n]) for n in range(32)]  # msgpack's fixstr header of a string of n bytes
+# msgpack's fixstr header of a string of n bytes
+_STR_HEADS = [bytes([0xA0 | n]) for n in range(32)]
 
 
 def _packed(n: int) -> bytes:
@@ -39,12 +50,12 @@ def _int_at(data: bytes, at: int) -> int | None:
     tag = data[at]
     if tag < 0x80:
         return tag
-    if tag >= 0xe0:
+    if tag >= 0xE0:
         return tag - 0x100
     width = _INTS.get(tag)
     if width is None or at + 1 + width[0] > len(data):
         return None
-    return int.from_bytes(data[at + 1:at + 1 + width[0]], "big", signed=width[1])
+    return int.from_bytes(data[at + 1 : at + 1 + width[0]], "big", signed=width[1])
 
 
 class Cut:
@@ -101,8 +112,9 @@ def match(c: Cut, data: bytes, episode_id: str) -> tuple[int, int | None] | None
                 return None
             at += len(packed)
             continue
-        tag = data[at] if at < len(data) else 0xc0
-        if tag < 0x80:  # a positive fixint: the shortest form of 0-127
+        tag = data[at] if at < len(data) else 0xC0
+        # a positive fixint: the shortest form of 0-127
+        if tag < 0x80:
             values[slot], at = tag, at + 1
             continue
         value = _int_at(data, at)

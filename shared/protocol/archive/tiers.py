@@ -19,11 +19,18 @@ def sizes(client, run_path: Path | str | None) -> dict:
     """{redis_used_memory, redis_maxmemory, redis_keys, segments, segment_episodes, segment_bytes, segment_tokens}."""
     memory = client.info("memory")
     dbsize = client.dbsize()
-    out = {"redis_used_memory": _total(memory, "used_memory"), "redis_maxmemory": _total(memory, "maxmemory"),
-           "redis_keys": dbsize if isinstance(dbsize, int) else sum(dbsize.values())}
+    out = {
+        "redis_used_memory": _total(memory, "used_memory"),
+        "redis_maxmemory": _total(memory, "maxmemory"),
+        "redis_keys": dbsize if isinstance(dbsize, int) else sum(dbsize.values()),
+    }
     cold = segments.SegmentStore(segments.folder_of(run_path)).sizes() if run_path else {}
-    out.update(segments=cold.get("segments", 0), segment_episodes=cold.get("episodes", 0),
-               segment_bytes=cold.get("bytes", 0), segment_tokens=cold.get("tokens", 0))
+    out.update(
+        segments=cold.get("segments", 0),
+        segment_episodes=cold.get("episodes", 0),
+        segment_bytes=cold.get("bytes", 0),
+        segment_tokens=cold.get("tokens", 0),
+    )
     return out
 
 

@@ -35,11 +35,13 @@ Types used in payloads:
 
 Writing an episode by hand (redis-cli + the msgpack library only):
 
-    python -c 'import msgpack,sys; sys.stdout.buffer.write(msgpack.packb({"episode_id":"e1","group_id":"g1","index":0,"prompt_ids":[20,21,22],"sampling":{"max_tokens":8},"task":{}}))' \\
+    python -c 'import msgpack,sys;sys.stdout.buffer.write(msgpack.packb({"episode_id":"e1","group_id":"g1",\\
+      "index":0,"prompt_ids":[20,21,22],"sampling":{"max_tokens":8},"task":{}}))' \\
       | redis-cli -x XADD 'streamrl:demo:ep:{e1}' '*' type started v 2 policy 0 worker me seq 0 data
-    python -c 'import msgpack,sys; sys.stdout.buffer.write(msgpack.packb({"ids":[30,31],"logprobs":[-0.5,-1.25]}))' \\
+    python -c 'import msgpack,sys;sys.stdout.buffer.write(msgpack.packb({"ids":[30,31],"logprobs":[-0.5,-1.25]}))' \\
       | redis-cli -x XADD 'streamrl:demo:ep:{e1}' '*' type tokens v 2 policy 0 worker me seq 1 data
-    python -c 'import msgpack,sys; sys.stdout.buffer.write(msgpack.packb({"reason":"stop","reward":1.0,"details":{}}))' \\
+    python -c 'import msgpack,sys;sys.stdout.buffer.write(msgpack.packb({"reason":"stop","reward":1.0,\\
+      "details":{}}))' \\
       | redis-cli -x XADD 'streamrl:demo:ep:{e1}' '*' type finished v 2 policy 0 worker me seq 2 data
     streamrl replay e1 --run demo
 """
@@ -47,7 +49,6 @@ Writing an episode by hand (redis-cli + the msgpack library only):
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,8 @@ import msgpack
 import numpy as np
 
 SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version-1 streams still fold
+# version-1 streams still fold
+READABLE_VERSIONS = (1, 2)
 HEADER_FIELDS = ("type", "v", "policy", "worker", "seq", "data")
 
 # kind -> {payload field: (type, required, meaning)}
@@ -67,8 +69,12 @@ KINDS: dict[str, dict[str, tuple[str, bool, str]]] = {
         "prompt_ids": ("ids", True, "the prompt's token ids (chat template applied)"),
         "sampling": ("map", True, "temperature, top_p, top_k, max_tokens (response budget), stop_token_ids, seed"),
         "task": ("map", False, "task metadata, e.g. the ground truth the reward function reads"),
-        "agent": ("str", False, "v2: 'module:function' of the user agent running this episode through the gateway; "
-                                "prompt_ids is then empty and every prompt comes with a 'call' event"),
+        "agent": (
+            "str",
+            False,
+            "v2: 'module:function' of the user agent running this episode through the gateway; "
+            "prompt_ids is then empty and every prompt comes with a 'call' event",
+        ),
     },
     "tokens": {
         "ids": ("ids", True, "a chunk of generated token ids, in order"),
@@ -76,27 +82,47 @@ KINDS: dict[str, dict[str, tuple[str, bool, str]]] = {
         "call": ("int", False, "v2: the call these tokens answer (agent episodes); absent: the episode's response"),
     },
     "aborted": {
-        "reason": ("str", True, "why generation stopped: 'pause' (weight sync), 'shutdown', 'debug', 'repack' (the "
-                                "group was handed to a long-tail worker)"),
+        "reason": (
+            "str",
+            True,
+            "why generation stopped: 'pause' (weight sync), 'shutdown', 'debug', 'repack' (the "
+            "group was handed to a long-tail worker)",
+        ),
         "num_tokens": ("int", True, "response tokens in the stream at the abort (of the call, when 'call' is set)"),
         "call": ("int", False, "v2: the call whose generation stopped"),
     },
     "resumed": {
         "num_tokens": ("int", True, "response tokens replayed from the stream; generation continues after them"),
         "takeover_from": ("str", False, "the worker whose episode this was, when resumed after its crash"),
-        "repacked": ("str", False, "the worker that handed this episode over in a long-tail repack (its 'aborted' "
-                                   "event, reason 'repack', comes just before)"),
+        "repacked": (
+            "str",
+            False,
+            "the worker that handed this episode over in a long-tail repack (its 'aborted' "
+            "event, reason 'repack', comes just before)",
+        ),
         "call": ("int", False, "v2: the call whose generation continues"),
     },
     "call": {
         "call": ("int", True, "v2: index of this LLM call in the episode, 0-based, assigned by the gateway"),
-        "extends": ("int", True, "the call whose prompt + completion this prompt extends, or -1: prompt_ids is the "
-                                 "whole prompt (the first call, or a fork: the agent rewrote its history)"),
-        "prompt_ids": ("ids", True, "extends >= 0: only the tokens appended after the extended call's prompt + "
-                                    "completion (tool results, user turns, template tokens; never trained on); "
-                                    "extends = -1: the whole prompt"),
-        "digest": ("str", True, "digest of the request (messages, tools, sampling): a retry with the same digest is "
-                                "answered from this call"),
+        "extends": (
+            "int",
+            True,
+            "the call whose prompt + completion this prompt extends, or -1: prompt_ids is the "
+            "whole prompt (the first call, or a fork: the agent rewrote its history)",
+        ),
+        "prompt_ids": (
+            "ids",
+            True,
+            "extends >= 0: only the tokens appended after the extended call's prompt + "
+            "completion (tool results, user turns, template tokens; never trained on); "
+            "extends = -1: the whole prompt",
+        ),
+        "digest": (
+            "str",
+            True,
+            "digest of the request (messages, tools, sampling): a retry with the same digest is "
+            "answered from this call",
+        ),
         "sampling": ("map", True, "temperature, top_p, top_k, max_tokens (budget of this call), stop_token_ids, seed"),
         "messages": ("str", False, "the request's messages and tools as JSON text (for replay)"),
     },
@@ -146,7 +172,8 @@ class Event:
     worker: str
     seq: int
     data: dict[str, Any]
-    entry_id: str = ""  # Redis stream id once written, e.g. "1732300000000-0"
+    # Redis stream id once written, e.g. "1732300000000-0"
+    entry_id: str = ""
 
     @property
     def time_ms(self) -> int:
@@ -161,8 +188,15 @@ def pack_logprobs(logprobs) -> bytes:
     return np.asarray(logprobs, dtype="<f4").tobytes()
 
 
-_PACKED = {kind: tuple((name, pack_ids if typ == "ids" else pack_logprobs) for name, (typ, _, _) in payload.items()
-                       if typ in ("ids", "logprobs")) for kind, payload in KINDS.items()}  # kind -> fields packed as bytes
+_PACKED = {
+    kind: tuple(
+        (name, pack_ids if typ == "ids" else pack_logprobs)
+        for name, (typ, _, _) in payload.items()
+        # kind -> fields packed as bytes
+        if typ in ("ids", "logprobs")
+    )
+    for kind, payload in KINDS.items()
+}
 
 
 def encode_data(event: Event) -> bytes:
@@ -174,8 +208,14 @@ def encode_data(event: Event) -> bytes:
 
 def encode(event: Event) -> dict[str, bytes | str]:
     """Event -> stream entry fields (header strings, msgpack payload last)."""
-    return {"type": event.kind, "v": str(SCHEMA_VERSION), "policy": str(event.policy),
-            "worker": event.worker, "seq": str(event.seq), "data": encode_data(event)}
+    return {
+        "type": event.kind,
+        "v": str(SCHEMA_VERSION),
+        "policy": str(event.policy),
+        "worker": event.worker,
+        "seq": str(event.seq),
+        "data": encode_data(event),
+    }
 
 
 def _text(value: Any) -> str:
@@ -214,8 +254,11 @@ def decode(entry_id: Any, fields: dict) -> Event:
         raise EventError(entry_id, "type", f"unknown event kind {kind!r}; expected one of {', '.join(KINDS)}")
     version = _header_int(entry_id, fields, "v")
     if version not in READABLE_VERSIONS:
-        raise EventError(entry_id, "v", f"unknown schema version {version}; this build reads versions "
-                                        f"{', '.join(map(str, READABLE_VERSIONS))}")
+        raise EventError(
+            entry_id,
+            "v",
+            f"unknown schema version {version}; this build reads versions {', '.join(map(str, READABLE_VERSIONS))}",
+        )
     if version == 1 and kind in V2_KINDS:
         raise EventError(entry_id, "type", f"event kind {kind!r} needs schema version 2, the entry says 1")
     policy = _header_int(entry_id, fields, "policy")
@@ -224,7 +267,8 @@ def decode(entry_id: Any, fields: dict) -> Event:
         raise EventError(entry_id, "data", "missing msgpack payload")
     try:
         data = msgpack.unpackb(fields["data"], raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types
+    # msgpack raises several unrelated types
+    except Exception as exc:
         raise EventError(entry_id, "data", f"not decodable as msgpack ({exc.__class__.__name__}: {exc})") from None
     if not isinstance(data, dict):
         raise EventError(entry_id, "data", f"expected a msgpack map, got {type(data).__name__}")
@@ -243,14 +287,17 @@ def decode(entry_id: Any, fields: dict) -> Event:
         elif typ == "float" and not math.isfinite(value):
             raise EventError(entry_id, f"data.{name}", f"expected a finite number, got {value}")
         elif name == "sampling":
-            from shared.protocol.episode import sampling  # (it imports EventError from here)
+            # (it imports EventError from here)
+            from shared.protocol.episode import sampling
 
             sampling.check(entry_id, f"data.{name}", value)
     if kind == "tokens" and len(data["ids"]) != len(data["logprobs"]):
-        raise EventError(entry_id, "data.logprobs",
-                         f"{len(data['logprobs'])} log-probs for {len(data['ids'])} token ids")
-    return Event(kind=kind, policy=policy, worker=_text(fields.get("worker", b"")), seq=seq, data=data,
-                 entry_id=entry_id)
+        raise EventError(
+            entry_id, "data.logprobs", f"{len(data['logprobs'])} log-probs for {len(data['ids'])} token ids"
+        )
+    return Event(
+        kind=kind, policy=policy, worker=_text(fields.get("worker", b"")), seq=seq, data=data, entry_id=entry_id
+    )
 
 
 def describe() -> str:

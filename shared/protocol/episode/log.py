@@ -75,23 +75,29 @@ class Fenced(RuntimeError):
 
 @dataclass
 class _Pending:
-    next_seq: int  # seq of the first event not yet written
+    # seq of the first event not yet written
+    next_seq: int
     events: list[Event] = field(default_factory=list)
     num_tokens: int = 0
-    since: float | None = None  # clock time of the oldest unwritten event
-    inflight: int = 0  # events taken into a batch not settled yet (their seqs follow next_seq)
+    # clock time of the oldest unwritten event
+    since: float | None = None
+    # events taken into a batch not settled yet (their seqs follow next_seq)
+    inflight: int = 0
 
 
 @dataclass
 class _Taken:
-    next_seq: int  # seq of the batch's first event for this episode
+    # seq of the batch's first event for this episode
+    next_seq: int
     events: list[Event]
-    pending: _Pending  # the buffer it came from (a closed or re-opened episode has another, or none)
+    # the buffer it came from (a closed or re-opened episode has another, or none)
+    pending: _Pending
 
 
 @dataclass
 class Batch:
     """Events taken out of the buffers: ``send`` writes them, ``settle`` applies the results."""
+
     targets: list[tuple[str, _Taken]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
@@ -99,13 +105,23 @@ class Batch:
 
 
 class EpisodeLog:
-    def __init__(self, client: redis.Redis, keys: Keys, worker: str, flush_tokens: int = 16,
-                 flush_ms: float = 50.0, clock=time.monotonic, archive=None):
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        worker: str,
+        flush_tokens: int = 16,
+        flush_ms: float = 50.0,
+        clock=time.monotonic,
+        archive=None,
+    ):
         self.client, self.keys, self.worker = client, keys, worker
-        self.archive = archive  # a SegmentStore (shared/protocol/archive/segments.py): readers' cold tier, or None
+        # a SegmentStore (shared/protocol/archive/segments.py): readers' cold tier, or None
+        self.archive = archive
         self.flush_tokens, self.flush_ms, self.clock = flush_tokens, flush_ms, clock
         self._sha = client.script_load(_APPEND)
-        self._cluster = hasattr(client, "get_node_from_key")  # see shared/protocol/streams/routing.py
+        # see shared/protocol/streams/routing.py
+        self._cluster = hasattr(client, "get_node_from_key")
         self._pending: dict[str, _Pending] = {}
         self.entries_written = 0
 
@@ -146,14 +162,16 @@ class EpisodeLog:
 
     def due(self) -> bool:
         now = self.clock()
-        return any(p.num_tokens >= self.flush_tokens or
-                   (p.since is not None and (now - p.since) * 1000 >= self.flush_ms)
-                   for p in self._pending.values())
+        return any(
+            p.num_tokens >= self.flush_tokens or (p.since is not None and (now - p.since) * 1000 >= self.flush_ms)
+            for p in self._pending.values()
+        )
 
     def next_due(self) -> float | None:
         """When (on this log's clock) the oldest buffered event falls due by age; None when none is buffered."""
-        return min((p.since + self.flush_ms / 1000 for p in self._pending.values() if p.since is not None),
-                   default=None)
+        return min(
+            (p.since + self.flush_ms / 1000 for p in self._pending.values() if p.since is not None), default=None
+        )
 
     def maybe_flush(self) -> dict[str, Exception]:
         return self.flush() if self.due() else {}
@@ -187,14 +205,16 @@ class EpisodeLog:
         a pipeline of its own). ``also(pipe)`` adds the caller's other commands to the same round trip.
         Returns (one result per episode, the results of ``also``'s commands); errors are returned, not raised."""
         results = self._send(batch.targets, also)
-        return results[:len(batch.targets)], results[len(batch.targets):]
+        return results[: len(batch.targets)], results[len(batch.targets) :]
 
     def send_and_read(self, batch: Batch, episode_ids: list[str]) -> tuple[list, list[list[tuple]]]:
         """``send`` the batch and ``read_many`` these episodes in the same round trip, the reads after the writes.
         Returns (one result per episode of the batch, as ``send``; the streams read). A read error raises."""
+
         def reads(pipe):
             for episode_id in episode_ids:
                 pipe.xrange(self.keys.episode(episode_id))
+
         results, streams = self.send(batch, reads)
         for entries in streams:
             if isinstance(entries, Exception):
@@ -223,7 +243,8 @@ class EpisodeLog:
                         self.close(episode_id)
                 else:
                     errors[episode_id] = result
-                    if current:  # not written: back in front of what was appended since (same seqs)
+                    # not written: back in front of what was appended since (same seqs)
+                    if current:
                         p.events, p.inflight = taken.events + p.events, 0
                 continue
             self.entries_written += result
@@ -256,9 +277,13 @@ class EpisodeLog:
             if isinstance(reply, Exception):
                 results += [reply] * len(group)
             else:
-                results += [r if isinstance(r, int) else redis.exceptions.ResponseError(
-                    r.decode() if isinstance(r, bytes) else r) for r in reply]
-        return results + replies[len(calls):]
+                results += [
+                    r
+                    if isinstance(r, int)
+                    else redis.exceptions.ResponseError(r.decode() if isinstance(r, bytes) else r)
+                    for r in reply
+                ]
+        return results + replies[len(calls) :]
 
     def flush_or_raise(self, episode_ids: list[str] | None = None) -> None:
         errors = self.flush(episode_ids)

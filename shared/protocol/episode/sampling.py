@@ -33,15 +33,17 @@ def _int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-RULES = {  # key -> (check, what is expected)
+# key -> (check, what is expected)
+RULES = {
     "temperature": (lambda v: _number(v) and 0 <= v <= 100, "a finite number >= 0 and <= 100"),
     "top_p": (lambda v: _number(v) and 0 < v <= 1, "a finite number > 0 and <= 1"),
     "top_k": (lambda v: _int(v) and 0 <= v < 1 << 31, "an integer >= 0"),
     "max_tokens": (lambda v: _int(v) and 1 <= v <= MAX_TOKENS, f"an integer >= 1 and <= {MAX_TOKENS}"),
     "seed": (lambda v: _int(v) and SEED_RANGE[0] <= v <= SEED_RANGE[1], "a 64-bit integer"),
-    "stop_token_ids": (lambda v: isinstance(v, list) and len(v) <= 1024 and all(_int(t) and 0 <= t < 1 << 31
-                                                                                 for t in v),
-                       "a list of non-negative integers"),
+    "stop_token_ids": (
+        lambda v: isinstance(v, list) and len(v) <= 1024 and all(_int(t) and 0 <= t < 1 << 31 for t in v),
+        "a list of non-negative integers",
+    ),
 }
 
 

@@ -45,14 +45,22 @@ class CallRequest:
     prompt_ids: list[int]
     sampling: dict[str, Any]
     messages: str = ""
-    call: int = -1  # assigned by ``request``
+    # assigned by ``request``
+    call: int = -1
     entry_id: str = ""
     extra: dict = field(default_factory=dict)
 
 
 def _payload(r: CallRequest) -> bytes:
-    return msgpack.packb({"digest": r.digest, "extends": r.extends, "prompt_ids": list(r.prompt_ids),
-                          "sampling": r.sampling, "messages": r.messages})
+    return msgpack.packb(
+        {
+            "digest": r.digest,
+            "extends": r.extends,
+            "prompt_ids": list(r.prompt_ids),
+            "sampling": r.sampling,
+            "messages": r.messages,
+        }
+    )
 
 
 class Requester:
@@ -67,8 +75,9 @@ class Requester:
         return None if i is None else int(i)
 
     def request(self, r: CallRequest) -> tuple[int, bool]:
-        index, new = self._script(keys=[self.keys.call_index(r.episode_id), self.keys.calls],
-                                  args=[r.digest, r.episode_id, _payload(r)])
+        index, new = self._script(
+            keys=[self.keys.call_index(r.episode_id), self.keys.calls], args=[r.digest, r.episode_id, _payload(r)]
+        )
         r.call = int(index)
         return r.call, bool(new)
 
@@ -105,5 +114,13 @@ def decode_request(entry_id, fields: dict) -> CallRequest:
         raise EventError(entry_id, "data.messages", "expected str")
     if not isinstance(data.get("extends"), int) or not isinstance(data.get("digest"), str):
         raise EventError(entry_id, "data.extends", "expected int 'extends' and str 'digest'")
-    return CallRequest(episode_id, data["digest"], data["extends"], ids, data["sampling"],
-                       str(data.get("messages", "")), call, entry_id)
+    return CallRequest(
+        episode_id,
+        data["digest"],
+        data["extends"],
+        ids,
+        data["sampling"],
+        str(data.get("messages", "")),
+        call,
+        entry_id,
+    )

@@ -32,9 +32,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from shared.protocol.streams import once
 from shared.protocol.episode.events import EventError
 from shared.protocol.keys import Keys
+from shared.protocol.streams import once
 
 _SEND = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], '1') == 1 then
@@ -43,10 +43,12 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], '1') == 1 then
 end
 return false
 """
-MAXLEN = 10_000  # the control stream is capped (approximately)
+# the control stream is capped (approximately)
+MAXLEN = 10_000
 
 COMMANDS = ("fetch", "pause", "load", "resume")
-WITH_WEIGHTS = ("fetch", "load")  # commands that name a version's file
+# commands that name a version's file
+WITH_WEIGHTS = ("fetch", "load")
 
 
 @dataclass
@@ -58,8 +60,10 @@ class Command:
     sha256: str = ""
     entry_id: str = ""
     url: str = ""
-    targets: tuple[str, ...] = ()  # the workers that obey it; () = every worker
-    sources: dict[str, str] = field(default_factory=dict)  # fetch: worker -> relay URL to try before ``url``
+    # the workers that obey it; () = every worker
+    targets: tuple[str, ...] = ()
+    # fetch: worker -> relay URL to try before ``url``
+    sources: dict[str, str] = field(default_factory=dict)
 
     def for_worker(self, worker: str) -> bool:
         """Whether ``worker`` obeys this command (a worker not named ignores it, and does not remember it)."""
@@ -71,8 +75,14 @@ def _s(v) -> str:
 
 
 def encode_command(c: Command) -> dict:
-    fields = {"type": "cmd", "cmd": c.cmd, "sync": c.sync, "version": str(c.version), "path": c.path,
-              "sha256": c.sha256}
+    fields = {
+        "type": "cmd",
+        "cmd": c.cmd,
+        "sync": c.sync,
+        "version": str(c.version),
+        "path": c.path,
+        "sha256": c.sha256,
+    }
     if c.url:
         fields["url"] = c.url
     if c.targets:
@@ -112,8 +122,9 @@ def decode_ack(f: dict) -> Ack:
         version = int(f.get("version", "-1"))
     except ValueError:
         version = -1
-    return Ack(f.get("cmd", ""), f.get("sync", ""), f.get("worker", ""), f.get("ok") != "0", version,
-               f.get("error", ""))
+    return Ack(
+        f.get("cmd", ""), f.get("sync", ""), f.get("worker", ""), f.get("ok") != "0", version, f.get("error", "")
+    )
 
 
 def decode_entry(entry_id, fields: dict) -> Command | dict:
@@ -137,13 +148,29 @@ def decode_entry(entry_id, fields: dict) -> Command | dict:
         raise EventError(entry_id, "path", f"a {f['cmd']} command needs version >= 0 and a weights path")
     targets = tuple(_json_field(entry_id, f, "targets", list, []))
     sources = _json_field(entry_id, f, "sources", dict, {})
-    return Command(f["cmd"], f["sync"], version, f.get("path", ""), f.get("sha256", ""), entry_id, f.get("url", ""),
-                   targets, sources)
+    return Command(
+        f["cmd"],
+        f["sync"],
+        version,
+        f.get("path", ""),
+        f.get("sha256", ""),
+        entry_id,
+        f.get("url", ""),
+        targets,
+        sources,
+    )
 
 
 def ack(cmd: Command, worker: str, ok: bool, version: int, error: str = "") -> dict:
-    return {"type": "ack", "cmd": cmd.cmd, "sync": cmd.sync, "worker": worker, "ok": "1" if ok else "0",
-            "version": str(version), "error": error}
+    return {
+        "type": "ack",
+        "cmd": cmd.cmd,
+        "sync": cmd.sync,
+        "worker": worker,
+        "ok": "1" if ok else "0",
+        "version": str(version),
+        "error": error,
+    }
 
 
 def sent_field(cmd: str, worker: str = "") -> str:
@@ -153,8 +180,9 @@ def sent_field(cmd: str, worker: str = "") -> str:
 
 def _send(client, keys: Keys, marker: str, fields: dict, write: str) -> str | None:
     flat = [x for kv in fields.items() for x in kv]
-    entry_id = client.eval(_SEND, 2, keys.control_sent(fields["sync"]), keys.control, marker,
-                           once.RETRY_MARKER_TTL_S, MAXLEN, *flat)
+    entry_id = client.eval(
+        _SEND, 2, keys.control_sent(fields["sync"]), keys.control, marker, once.RETRY_MARKER_TTL_S, MAXLEN, *flat
+    )
     if entry_id is None:
         once.skipped(write, sync=fields["sync"], cmd=fields["cmd"], worker=fields.get("worker", ""))
         return None
@@ -206,7 +234,3 @@ def last_id(client, keys: Keys) -> str:
     """The id of the newest control entry ("0-0" when none): read after it to see only what comes next."""
     last = client.xrevrange(keys.control, count=1)
     return _s(last[0][0]) if last else "0-0"
-
-
-
-

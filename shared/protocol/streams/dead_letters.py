@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.protocol.streams import once
 from shared.protocol.keys import Keys
+from shared.protocol.streams import once
 
 _SEND = """
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
@@ -40,8 +40,17 @@ def _s(v) -> str:
 def send(client, keys: Keys, stream: str, entry_id, reason: str, by: str) -> bool:
     """Set (stream, entry) aside with ``reason``; False (a no-op, logged at debug) when it already was."""
     entry_id = _s(entry_id)
-    added = client.eval(_SEND, 2, keys.dead_lettered(stream, entry_id), keys.dead_letters, once.MARKER_TTL_S,
-                        stream, entry_id, reason, by)
+    added = client.eval(
+        _SEND,
+        2,
+        keys.dead_lettered(stream, entry_id),
+        keys.dead_letters,
+        once.MARKER_TTL_S,
+        stream,
+        entry_id,
+        reason,
+        by,
+    )
     if added is None:
         once.skipped("dead_letters", stream=stream, entry=entry_id)
     return added is not None

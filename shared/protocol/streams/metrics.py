@@ -11,7 +11,7 @@ worker, tests/support/fault_worker.py, just before it is killed: its counters an
 calls). The trainer also
 appends its records to ``metrics.jsonl`` in the run folder.
 
-Where the records live (issue 33): Redis keeps the last ``stream_keep_s`` seconds (and ``MAXLEN`` entries at most,
+Where the records live: Redis keeps the last ``stream_keep_s`` seconds (and ``MAXLEN`` entries at most,
 a backstop for a run with no driver); the driver moves the older head to ``<run>/streams/metrics.jsonl``
 (shared/protocol/streams/stream_head.py), all but the train records when the trainer's ``metrics.jsonl`` is in the same
 run folder (``to_head``: stored once). ``read`` and ``last`` read Redis (the recent records); ``history`` reads a
@@ -29,8 +29,8 @@ import json
 from pathlib import Path
 
 from shared.protocol.archive import jsonl
-from shared.protocol.streams import stream_head
 from shared.protocol.keys import Keys
+from shared.protocol.streams import stream_head
 
 MAXLEN = 100_000
 KINDS = ("train", "sync", "rollout", "validation", "fault_probe", "publish", "agent")
@@ -88,11 +88,20 @@ def read_file(path) -> list[dict]:
     return dedupe(rows, kind_of=lambda r: "train", data_of=lambda r: r)
 
 
-def read(client, keys: Keys, kind: str | None = None, newest_first: bool = False, count: int | None = None,
-         since_id: str = "-") -> list[tuple[str, dict]]:
+def read(
+    client,
+    keys: Keys,
+    kind: str | None = None,
+    newest_first: bool = False,
+    count: int | None = None,
+    since_id: str = "-",
+) -> list[tuple[str, dict]]:
     """[(entry id, record)] of one kind (or all), oldest first unless ``newest_first``."""
-    raw = client.xrevrange(keys.metrics, count=count) if newest_first else \
-        client.xrange(keys.metrics, min=since_id, count=count)
+    raw = (
+        client.xrevrange(keys.metrics, count=count)
+        if newest_first
+        else client.xrange(keys.metrics, min=since_id, count=count)
+    )
     out = []
     for entry_id, fields in raw:
         k, data = decode(fields)
@@ -116,8 +125,9 @@ def last(client, keys: Keys, kind: str, scan: int = 200, run_path=None, tail_byt
         rows = jsonl.tail(trainer_path(run_path), tail_bytes, "metrics file")
         if rows:
             return rows[-1]
-    older = [data for k, data in (decode(f) for _, f in stream_head.read_tail(head_path(run_path), tail_bytes))
-             if k == kind]
+    older = [
+        data for k, data in (decode(f) for _, f in stream_head.read_tail(head_path(run_path), tail_bytes)) if k == kind
+    ]
     return older[-1] if older else None
 
 

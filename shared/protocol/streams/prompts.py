@@ -1,9 +1,9 @@
 """Prompt groups: what the ``prompts`` stream holds, one entry per group.
 
-Entry fields: ``group_id`` (plain), ``n`` (plain, episodes to roll out), ``v``
-(schema version "1") and ``data``, a msgpack map with ``prompt`` (text, or chat
-messages ``[{"role", "content"}, ...]`` rendered by the model's chat template; tokenized by the worker) or ``prompt_ids`` (token ids), ``task`` (map handed to the
-reward function) and optional ``sampling`` overrides.
+Entry fields: ``group_id`` (plain), ``n`` (plain, episodes to roll out), ``v`` (schema version "1") and ``data``, a
+msgpack map with ``prompt`` (text, or chat messages ``[{"role", "content"}, ...]`` rendered by the model's chat
+template; tokenized by the worker) or ``prompt_ids`` (token ids), ``task`` (map handed to the reward function) and
+optional ``sampling`` overrides.
 
 Enqueueing is idempotent: group ids are deterministic (the driver's come from the dataset position and
 epoch, a validation round's from its version), and one script sets ``enqueued:<group id>`` NX and appends
@@ -18,12 +18,13 @@ from typing import Any
 
 import msgpack
 
-from shared.protocol.streams import once
 from shared.protocol.episode import sampling
-from shared.protocol.streams.routing import node_of
 from shared.protocol.episode.events import EventError
+from shared.protocol.streams import once
+from shared.protocol.streams.routing import node_of
 
-MAX_GROUP = 4096  # episodes in one group at most (a poison n of 10**9 would take a worker's memory)
+# episodes in one group at most (a poison n of 10**9 would take a worker's memory)
+MAX_GROUP = 4096
 
 _ENQUEUE = """
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
@@ -37,7 +38,8 @@ return false
 class PromptGroup:
     group_id: str
     n: int
-    prompt: str | list[dict] | None = None  # text, or chat messages
+    # text, or chat messages
+    prompt: str | list[dict] | None = None
     prompt_ids: list[int] | None = None
     task: dict[str, Any] = field(default_factory=dict)
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -73,7 +75,9 @@ def decode_group(entry_id, fields: dict) -> PromptGroup:
         if not 1 <= n <= MAX_GROUP:
             raise ValueError
     except ValueError:
-        raise EventError(entry_id, "n", f"expected an integer >= 1 and <= {MAX_GROUP}, got {_s(f.get('n'))!r}") from None
+        raise EventError(
+            entry_id, "n", f"expected an integer >= 1 and <= {MAX_GROUP}, got {_s(f.get('n'))!r}"
+        ) from None
     try:
         data = msgpack.unpackb(f["data"], raw=False) if "data" in f else None
     except Exception as exc:
@@ -84,10 +88,16 @@ def decode_group(entry_id, fields: dict) -> PromptGroup:
     if (prompt is None) == (ids is None):
         raise EventError(entry_id, "data.prompt", "expected exactly one of 'prompt' (text) or 'prompt_ids'")
     if prompt is not None and not isinstance(prompt, str):
-        if not isinstance(prompt, list) or not prompt or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt):
-            raise EventError(entry_id, "data.prompt", f"expected text or a non-empty list of chat messages "
-                                                      f"(maps with a 'role'), got {type(prompt).__name__}")
+        if (
+            not isinstance(prompt, list)
+            or not prompt
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt)
+        ):
+            raise EventError(
+                entry_id,
+                "data.prompt",
+                f"expected text or a non-empty list of chat messages (maps with a 'role'), got {type(prompt).__name__}",
+            )
     if ids is not None and not (isinstance(ids, list) and all(isinstance(i, int) and i >= 0 for i in ids)):
         raise EventError(entry_id, "data.prompt_ids", "expected a list of non-negative ints")
     for name in ("task", "sampling"):
@@ -97,10 +107,16 @@ def decode_group(entry_id, fields: dict) -> PromptGroup:
     if isinstance(prompt, list):
         for i, m in enumerate(prompt):
             content = m.get("content")
-            if not (content is None or isinstance(content, str) or (isinstance(content, list) and all(
-                    isinstance(part, dict) for part in content))):
-                raise EventError(entry_id, f"data.prompt[{i}].content", f"expected text, a list of parts or "
-                                                                        f"nothing, got {type(content).__name__}")
+            if not (
+                content is None
+                or isinstance(content, str)
+                or (isinstance(content, list) and all(isinstance(part, dict) for part in content))
+            ):
+                raise EventError(
+                    entry_id,
+                    f"data.prompt[{i}].content",
+                    f"expected text, a list of parts or nothing, got {type(content).__name__}",
+                )
     return PromptGroup(group_id, n, prompt, ids, data.get("task", {}), data.get("sampling", {}), entry_id)
 
 
@@ -112,12 +128,20 @@ def group_id(epoch: int, position: int) -> str:
 def enqueue(client, keys, groups: list[PromptGroup], stream: str | None = None) -> list[str | None]:
     """Add groups to ``stream`` (default: the training prompts stream), each at most once per group id:
     the entry ids, None for a group already enqueued (a no-op, logged at debug)."""
-    sha = client.script_load(_ENQUEUE)  # on every primary of a cluster; a cluster pipeline has no script cache
+    # on every primary of a cluster; a cluster pipeline has no script cache
+    sha = client.script_load(_ENQUEUE)
     pipe = client.pipeline(transaction=False)
     for g in groups:
-        pipe.execute_command("EVALSHA", sha, 2, keys.enqueued(g.group_id), stream or keys.prompts,
-                             once.MARKER_TTL_S, *(x for kv in encode_group(g).items() for x in kv),
-                             **node_of(client, keys.enqueued(g.group_id)))
+        pipe.execute_command(
+            "EVALSHA",
+            sha,
+            2,
+            keys.enqueued(g.group_id),
+            stream or keys.prompts,
+            once.MARKER_TTL_S,
+            *(x for kv in encode_group(g).items() for x in kv),
+            **node_of(client, keys.enqueued(g.group_id)),
+        )
     out = []
     for g, entry_id in zip(groups, pipe.execute()):
         if entry_id is None:
@@ -129,7 +153,7 @@ def enqueue(client, keys, groups: list[PromptGroup], stream: str | None = None) 
 def forget(pipe, keys, group_ids: list[str]) -> None:
     """Queue on ``pipe`` the deletion of the enqueue markers of ``group_ids``, for a caller whose own record now
     says they are enqueued (the driver's counter, set on the same pipeline before this): a restarted driver
-    starts after them and never enqueues them again, so their markers guard nothing any more (issue 33: one
+    starts after them and never enqueues them again, so their markers guard nothing any more (one
     marker per group grew with the run). A crash before the pipeline runs keeps them (they expire)."""
     for g in group_ids:
         pipe.delete(keys.enqueued(g))

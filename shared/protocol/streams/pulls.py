@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from shared.protocol.episode.events import EventError
 from shared.protocol.keys import Keys
 
-MAXLEN = 10_000  # entries kept (approximate trim): a record and a wake-up
+# entries kept (approximate trim): a record and a wake-up
+MAXLEN = 10_000
 EVENTS = ("fetched", "acquired", "released", "expired")
 
 _ACQUIRE = """
@@ -59,8 +60,10 @@ return redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'event', 'releas
 @dataclass(frozen=True)
 class Lease:
     granted: bool
-    holders: int  # leases held right after (with this one when granted)
-    retry_s: float = 0.0  # refused: seconds until the first held lease expires (the latest a retry is useful)
+    # leases held right after (with this one when granted)
+    holders: int
+    # refused: seconds until the first held lease expires (the latest a retry is useful)
+    retry_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,8 @@ class Pull:
     worker: str
     version: int
     holders: int = -1
-    extra: dict = field(default_factory=dict)  # the event's other fields (source, seconds, reason, ...), as text
+    # the event's other fields (source, seconds, reason, ...), as text
+    extra: dict = field(default_factory=dict)
     entry_id: str = ""
 
 
@@ -77,12 +81,21 @@ def _flat(fields: dict) -> list[str]:
     return [str(x) for kv in fields.items() for x in kv]
 
 
-def acquire(client, keys: Keys, worker: str, version: int, max_loading: int, lease_s: float,
-            **fields) -> Lease:
+def acquire(client, keys: Keys, worker: str, version: int, max_loading: int, lease_s: float, **fields) -> Lease:
     """A load lease for ``worker`` (to load ``version``), valid ``lease_s`` seconds, unless ``max_loading`` others
     hold one. ``fields`` go into the ``acquired`` entry."""
-    granted, holders, retry_ms = client.eval(_ACQUIRE, 2, keys.load_lease, keys.pulls, worker, version, max_loading,
-                                             int(lease_s * 1000), MAXLEN, *_flat(fields))
+    granted, holders, retry_ms = client.eval(
+        _ACQUIRE,
+        2,
+        keys.load_lease,
+        keys.pulls,
+        worker,
+        version,
+        max_loading,
+        int(lease_s * 1000),
+        MAXLEN,
+        *_flat(fields),
+    )
     return Lease(bool(int(granted)), int(holders), max(0.0, int(retry_ms) / 1000))
 
 
@@ -97,8 +110,14 @@ def holders(client, keys: Keys) -> list[str]:
 
 
 def fetched(client, keys: Keys, worker: str, version: int, source: str, seconds: float) -> str:
-    return _s(client.xadd(keys.pulls, {"event": "fetched", "worker": worker, "version": version, "source": source,
-                                       "seconds": f"{seconds:.3f}"}, maxlen=MAXLEN, approximate=True))
+    return _s(
+        client.xadd(
+            keys.pulls,
+            {"event": "fetched", "worker": worker, "version": version, "source": source, "seconds": f"{seconds:.3f}"},
+            maxlen=MAXLEN,
+            approximate=True,
+        )
+    )
 
 
 def _s(v) -> str:
@@ -115,8 +134,11 @@ def decode(entry_id, fields: dict) -> Pull:
     try:
         version, held = int(f.get("version", "-1")), int(f.get("holders", "-1"))
     except ValueError:
-        raise EventError(entry_id, "version", f"expected integers version and holders, got {f.get('version')!r}, "
-                                              f"{f.get('holders')!r}") from None
+        raise EventError(
+            entry_id,
+            "version",
+            f"expected integers version and holders, got {f.get('version')!r}, {f.get('holders')!r}",
+        ) from None
     extra = {k: v for k, v in f.items() if k not in ("event", "worker", "version", "holders")}
     return Pull(f["event"], f["worker"], version, held, extra, entry_id)
 

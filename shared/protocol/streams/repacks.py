@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from shared.protocol.episode.events import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
 
-MAXLEN = 10_000  # notices kept (approximate trim): the stream is a wake-up and a record, the PEL is the truth
+# notices kept (approximate trim): the stream is a wake-up and a record, the PEL is the truth
+MAXLEN = 10_000
 
 _HANDOFF = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
@@ -45,7 +46,8 @@ class Repack:
     episodes: int = 0
     tokens: int = 0
     step_ms: float = 0.0
-    notice_id: str = ""  # the notice's id in the repacks stream (set when read)
+    # the notice's id in the repacks stream (set when read)
+    notice_id: str = ""
 
 
 def _s(v) -> str:
@@ -53,8 +55,16 @@ def _s(v) -> str:
 
 
 def encode(r: Repack) -> dict[str, str]:
-    return {"stream": r.stream, "entry": r.entry, "group": r.group, "source": r.source, "target": r.target,
-            "episodes": str(r.episodes), "tokens": str(r.tokens), "step_ms": f"{r.step_ms:.3f}"}
+    return {
+        "stream": r.stream,
+        "entry": r.entry,
+        "group": r.group,
+        "source": r.source,
+        "target": r.target,
+        "episodes": str(r.episodes),
+        "tokens": str(r.tokens),
+        "step_ms": f"{r.step_ms:.3f}",
+    }
 
 
 def decode(entry_id, fields: dict) -> Repack:
@@ -67,22 +77,21 @@ def decode(entry_id, fields: dict) -> Repack:
     try:
         episodes, tokens = int(f["episodes"]), int(f["tokens"])
     except ValueError:
-        raise EventError(entry_id, "episodes/tokens", f"expected integers, got {f['episodes']!r}, "
-                                                      f"{f['tokens']!r}") from None
+        raise EventError(
+            entry_id, "episodes/tokens", f"expected integers, got {f['episodes']!r}, {f['tokens']!r}"
+        ) from None
     try:
         step_ms = float(f["step_ms"])
     except ValueError:
         raise EventError(entry_id, "step_ms", f"expected a number, got {f['step_ms']!r}") from None
-    return Repack(f["stream"], f["entry"], f["group"], f["source"], f["target"], episodes, tokens, step_ms,
-                  entry_id)
+    return Repack(f["stream"], f["entry"], f["group"], f["source"], f["target"], episodes, tokens, step_ms, entry_id)
 
 
 def handoff(client, keys: Keys, r: Repack) -> str | None:
     """Move the group's pending entry from ``r.source`` to ``r.target`` and append the notice, atomically; the
     notice's id, or None when the entry was not pending under the source (another worker holds it now)."""
     flat = [x for kv in encode(r).items() for x in kv]
-    added = client.eval(_HANDOFF, 2, r.stream, keys.repacks, ROLLOUT_GROUP, r.entry, r.source, r.target, MAXLEN,
-                        *flat)
+    added = client.eval(_HANDOFF, 2, r.stream, keys.repacks, ROLLOUT_GROUP, r.entry, r.source, r.target, MAXLEN, *flat)
     return _s(added) if added is not None else None
 
 

@@ -10,7 +10,7 @@ written by the rollout worker that finished it, read by the trainer (consumer gr
 Publishing is idempotent and atomic with the prompt's acknowledgement (one script): the XACK of the group's
 prompts entry guards the XADD. Exactly one XACK of a pending entry returns 1, so a group published twice (a
 takeover racing a slow worker, a retried command, a zombie waking up days later) has one entry, and no marker key
-is left behind per group (issue 33: the ``sampled:<group>`` markers it replaces grew with the run). A prompts
+is left behind per group (the ``sampled:<group>`` markers it replaces grew with the run). A prompts
 entry leaves the consumer group's pending list only by that XACK (or a dead letter: then it is never published).
 """
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.protocol.streams import once, stream_head
 from shared.protocol.episode.events import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
+from shared.protocol.streams import once, stream_head
 from shared.protocol.streams.routing import node_of
 
 _PUBLISH = """
@@ -47,8 +47,12 @@ def _s(v) -> str:
 
 
 def encode(s: Sample) -> dict[str, str]:
-    return {"group_id": s.group_id, "episodes": ",".join(s.episodes), "worker": s.worker,
-            "n": str(s.n or len(s.episodes))}
+    return {
+        "group_id": s.group_id,
+        "episodes": ",".join(s.episodes),
+        "worker": s.worker,
+        "n": str(s.n or len(s.episodes)),
+    }
 
 
 def decode(entry_id, fields: dict) -> Sample:
@@ -97,13 +101,27 @@ class Publisher:
         """``publish`` as one command of the caller's pipeline (no SCRIPT EXISTS round trip): its result is
         ``NoScriptError`` when the server does not have the script yet (``publish`` loads it)."""
         call = self._call(sample, samples_key, prompts_key, prompts_entry)
-        pipe.execute_command("EVALSHA", self._script.sha, len(call["keys"]), *call["keys"], *call["args"],
-                             **node_of(self._script.registered_client, call["keys"][0]))
+        pipe.execute_command(
+            "EVALSHA",
+            self._script.sha,
+            len(call["keys"]),
+            *call["keys"],
+            *call["args"],
+            **node_of(self._script.registered_client, call["keys"][0]),
+        )
 
     def _call(self, sample: Sample, samples_key: str, prompts_key: str, prompts_entry: str) -> dict:
-        return {"keys": [samples_key, prompts_key],
-                "args": [sample.group_id, ",".join(sample.episodes), sample.worker,
-                         sample.n or len(sample.episodes), ROLLOUT_GROUP, prompts_entry]}
+        return {
+            "keys": [samples_key, prompts_key],
+            "args": [
+                sample.group_id,
+                ",".join(sample.episodes),
+                sample.worker,
+                sample.n or len(sample.episodes),
+                ROLLOUT_GROUP,
+                prompts_entry,
+            ],
+        }
 
 
 def read_all(client, stream: str) -> tuple[list[Sample], list[tuple[str, str]]]:
@@ -111,8 +129,9 @@ def read_all(client, stream: str) -> tuple[list[Sample], list[tuple[str, str]]]:
     return decode_all(client.xrange(stream))
 
 
-def read_after(client, stream: str, cursor: str, count: int = 500,
-               head: Path | None = None) -> tuple[list[Sample], list[tuple[str, str]], str]:
+def read_after(
+    client, stream: str, cursor: str, count: int = 500, head: Path | None = None
+) -> tuple[list[Sample], list[tuple[str, str]], str]:
     """Entries after ``cursor``: (samples, [(entry id, error)], the new cursor). ``head``: the file the trainer moves
     the stream's old entries to (shared/protocol/streams/stream_head.py), read first while the cursor is older."""
     entries = stream_head.read_after(client, stream, head, cursor, count)

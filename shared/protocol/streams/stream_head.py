@@ -1,4 +1,4 @@
-"""A coordination stream's head, moved out of Redis once no live reader needs it (issue 33): without it a stream
+"""A coordination stream's head, moved out of Redis once no live reader needs it: without it a stream
 grows by an entry per group, per version or per report for the whole run.
 
 Each stream has one owner that trims it, by its rule (a pure function giving the MINID below which no live reader
@@ -19,19 +19,28 @@ from __future__ import annotations
 
 import bisect
 import json
-from array import array
 import os
 import time
+from array import array
 from pathlib import Path
 from typing import Callable
 
 from shared.protocol.archive import jsonl
 
-KEEP_S = 10  # entries written in the last 10 s stay (streamrl status counts samples/s over them by entry id); longer
-# only adds a rate-dependent share to Redis's level (issue 33: 60 s held ~3 MB at 10 versions/s, filled only after a minute)
-NAMES = {"prompts": "prompts", "samples": "samples", "prompts:val": "prompts_val", "samples:val": "samples_val",
-         "metrics": "metrics", "versions": "versions"}  # a run's stream (its key after the run's prefix) -> its file
-EVERY_S = 5.0  # a trim at most this often, or every keep_s / 4 when shorter (each: XINFO, XPENDING, XRANGE, XTRIM)
+# entries written in the last 10 s stay (streamrl status counts samples/s over them by entry id); keeping them
+# longer only adds a share to Redis's level that follows the rate (a minute held ~3 MB at 10 versions/s)
+KEEP_S = 10
+NAMES = {
+    "prompts": "prompts",
+    "samples": "samples",
+    "prompts:val": "prompts_val",
+    "samples:val": "samples_val",
+    # a run's stream (its key after the run's prefix) -> its file
+    "metrics": "metrics",
+    "versions": "versions",
+}
+# a trim at most this often, or every keep_s / 4 when shorter (each: XINFO, XPENDING, XRANGE, XTRIM)
+EVERY_S = 5.0
 
 
 def id_key(entry_id: str) -> tuple[int, int]:
@@ -91,12 +100,14 @@ def last_id(path: Path) -> str:
     with open(path, "rb") as fh:
         size = fh.seek(0, 2)
         fh.seek(max(0, size - 65536))
-        lines = fh.read().split(b"\n")[:-1]  # complete lines only (a torn last one has no newline)
+        # complete lines only (a torn last one has no newline)
+        lines = fh.read().split(b"\n")[:-1]
     for line in reversed(lines):
         try:
             return json.loads(line)["id"]
         except (ValueError, KeyError):
-            continue  # the tail's first line, cut
+            # the tail's first line, cut
+            continue
     head = jsonl.read(path, "stream head") if size > 65536 else []
     return head[-1]["id"] if head else "0-0"
 
@@ -121,8 +132,10 @@ class HeadIndex:
 
     def _reset(self, inode) -> None:
         self.inode, self.end, self.lines, self.last = inode, 0, 0, 0
-        self.ids, self.offsets = [], array("q")  # of lines 0, STRIDE, 2 x STRIDE, ...
-        self._resume = (-1, 0)  # (the id of the last entry ``after`` gave, the offset of the line after it)
+        # of lines 0, STRIDE, 2 x STRIDE, ...
+        self.ids, self.offsets = [], array("q")
+        # (the id of the last entry ``after`` gave, the offset of the line after it)
+        self._resume = (-1, 0)
 
     def refresh(self) -> "HeadIndex":
         try:
@@ -138,13 +151,15 @@ class HeadIndex:
                 data = fh.read(st.st_size - self.end)
             self.bytes_read += len(data)
             pos = 0
-            while (nl := data.find(b"\n", pos)) >= 0:  # complete lines only: a torn last one waits for its repair
+            # complete lines only: a torn last one waits for its repair
+            while (nl := data.find(b"\n", pos)) >= 0:
                 if data[pos:nl].strip():
                     try:
                         self.last = _packed(id_key(json.loads(data[pos:nl])["id"]))
                     except (ValueError, KeyError) as exc:
-                        raise ValueError(f"stream head {self.path}: the line at byte {self.end + pos} is not an "
-                                         f"entry ({exc})") from None
+                        raise ValueError(
+                            f"stream head {self.path}: the line at byte {self.end + pos} is not an entry ({exc})"
+                        ) from None
                     if self.lines % self.STRIDE == 0:
                         self.ids.append(self.last)
                         self.offsets.append(self.end + pos)
@@ -162,7 +177,8 @@ class HeadIndex:
         key = _packed(id_key(cursor))
         if count <= 0 or key >= self.last:
             return []
-        if self._resume[0] == key:  # a follower asking for what comes after its last batch: read on from there
+        # a follower asking for what comes after its last batch: read on from there
+        if self._resume[0] == key:
             pos = self._resume[1]
         else:
             pos = self.offsets[max(bisect.bisect_right(self.ids, key) - 1, 0)]
@@ -186,7 +202,8 @@ class HeadIndex:
         return out
 
 
-_INDEXES: dict[str, HeadIndex] = {}  # a reader process's head files, indexed once each
+# a reader process's head files, indexed once each
+_INDEXES: dict[str, HeadIndex] = {}
 
 
 def index_of(path: Path) -> HeadIndex:
@@ -214,8 +231,15 @@ def read_all(client, key: str, path: Path) -> list[tuple[bytes, dict]]:
 def for_run(client, key: str, group: str | None, cfg, name: str | None = None, **kw) -> "Trimmer":
     """The trimmer of a run's stream ``key`` (its file ``name``, by default the key's last part: ``prompts``,
     ``samples``); ``kw``: Trimmer's ``point`` and ``store``."""
-    return Trimmer(client, key, group, path_of(cfg.run_path, name or key.rsplit(":", 1)[-1]), keep_s=cfg.stream_keep_s,
-                   every_s=min(EVERY_S, max(cfg.stream_keep_s / 4, 0.5)), **kw)
+    return Trimmer(
+        client,
+        key,
+        group,
+        path_of(cfg.run_path, name or key.rsplit(":", 1)[-1]),
+        keep_s=cfg.stream_keep_s,
+        every_s=min(EVERY_S, max(cfg.stream_keep_s / 4, 0.5)),
+        **kw,
+    )
 
 
 class Trimmer:
@@ -223,15 +247,25 @@ class Trimmer:
     group ``group`` needs (``trim_point``), or ``point(now_ms)`` when given (no group: ``window_point``). ``store``:
     whether an entry's fields go to the file (False: trimmed, the record kept elsewhere; default all)."""
 
-    def __init__(self, client, key: str, group: str | None, path: Path, every_s: float = EVERY_S,
-                 keep_s: float = KEEP_S, point: Callable[[int], str | None] | None = None,
-                 store: Callable[[dict], bool] | None = None):
+    def __init__(
+        self,
+        client,
+        key: str,
+        group: str | None,
+        path: Path,
+        every_s: float = EVERY_S,
+        keep_s: float = KEEP_S,
+        point: Callable[[int], str | None] | None = None,
+        store: Callable[[dict], bool] | None = None,
+    ):
         self.client, self.key, self.group, self.path = client, key, group, Path(path)
         self.every_s, self.keep_s, self.point, self.store = every_s, keep_s, point, store
         self._last_run = 0.0
-        self._last_id: str | None = None  # the newest id moved (from the file's tail at first, then kept)
+        # the newest id moved (from the file's tail at first, then kept)
+        self._last_id: str | None = None
         self.moved = 0
-        self.approximate = True  # XTRIM MINID ~: whole nodes, cheap; readers dedupe what stays in both
+        # XTRIM MINID ~: whole nodes, cheap; readers dedupe what stays in both
+        self.approximate = True
 
     def maybe_trim(self) -> int:
         if time.monotonic() - self._last_run < self.every_s:

@@ -14,7 +14,7 @@ Publishing is idempotent: one script appends the entry only when its version is 
 so a retried publish (reply lost) or a trainer republishing after a restart adds nothing; readers get strictly
 increasing versions with no duplicate.
 
-Where the entries live (issue 33): who reads them and how far back: the syncer, the announcer and rollout workers
+Where the entries live: who reads them and how far back: the syncer, the announcer and rollout workers
 follow the newest (from a cursor, but only the newest entry matters to them: a skipped one is never loaded), the
 weight origins the newest ``KEEP_LAST`` (shared/runtime/weights/origins.py), the publish script the newest one;
 the whole history only ``streamrl check`` (no version missing or repeated) and ``replay --continue`` of an old
@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass
 
 from shared.protocol.episode.events import EventError
-from shared.protocol.streams import once, stream_head
 from shared.protocol.keys import Keys
+from shared.protocol.streams import once, stream_head
 
 _PUBLISH = """
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
@@ -45,7 +45,8 @@ end
 return {1, redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))}
 """
 
-KEEP_LAST = 16  # entries always left in Redis: the weight origins read this many (RECENT_VERSIONS, a test checks)
+# entries always left in Redis: the weight origins read this many (RECENT_VERSIONS, a test checks)
+KEEP_LAST = 16
 FIELDS = ("version", "path", "sha256", "step", "time", "url")
 
 
@@ -65,8 +66,13 @@ def _s(v) -> str:
 
 
 def encode(v: Version) -> dict[str, str]:
-    fields = {"version": str(v.version), "path": v.path, "sha256": v.sha256, "step": str(v.step),
-              "time": f"{v.time or time.time():.3f}"}
+    fields = {
+        "version": str(v.version),
+        "path": v.path,
+        "sha256": v.sha256,
+        "step": str(v.step),
+        "time": f"{v.time or time.time():.3f}",
+    }
     return {**fields, "url": v.url} if v.url else fields
 
 
@@ -87,8 +93,9 @@ def decode(entry_id, fields: dict) -> Version:
     try:
         step, at = int(f.get("step", "0")), float(f.get("time", "0"))
     except ValueError:
-        raise EventError(entry_id, "step", f"expected an integer step and a float time, got {f.get('step')!r}, "
-                                           f"{f.get('time')!r}") from None
+        raise EventError(
+            entry_id, "step", f"expected an integer step and a float time, got {f.get('step')!r}, {f.get('time')!r}"
+        ) from None
     return Version(version, f["path"], f.get("sha256", ""), step, at, entry_id, f.get("url", ""))
 
 
@@ -127,8 +134,11 @@ def head_path(run_path):
 
 def read_all(client, keys: Keys, run_path=None) -> list[Version]:
     """Every published version; with ``run_path``, those moved to its head file first."""
-    entries = stream_head.read_all(client, keys.versions, head_path(run_path)) if run_path is not None \
+    entries = (
+        stream_head.read_all(client, keys.versions, head_path(run_path))
+        if run_path is not None
         else client.xrange(keys.versions)
+    )
     return [decode(entry_id, fields) for entry_id, fields in entries]
 
 

@@ -1,4 +1,4 @@
-"""Weight deltas: version v's published file as the changes from version v-1's (issue 31). Pure functions on bytes.
+"""Weight deltas: version v's published file as the changes from version v-1's. Pure functions on bytes.
 
 At RL learning rates almost every bf16 weight is bit-identical from one version to the next, so a version is sent as
 which elements changed and their new bits. A delta is computed on the raw bytes of the two safetensors files: the
@@ -39,9 +39,25 @@ import zstandard
 MAGIC = b"SRLDELTA"
 FORMAT = 1
 CODECS = ("sparse", "values", "xor")
-LEVEL = 3  # zstd level: higher levels gain under 1 % on these planes (measured: bench/delta_sync.py) at 3-10x the time
-_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-             "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+# zstd level: higher levels gain under 1 % on these planes (measured: bench/delta_sync.py) at 3-10x the time
+LEVEL = 3
+_ITEMSIZE = {
+    "F64": 8,
+    "I64": 8,
+    "U64": 8,
+    "F32": 4,
+    "I32": 4,
+    "U32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "U16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -51,8 +67,10 @@ class DeltaError(ValueError):
 
 @dataclass(frozen=True)
 class Layout:
-    data_start: int  # bytes before the tensor data (8-byte length + JSON header)
-    word: int  # element bytes shared by every tensor (the gcd of their sizes)
+    # bytes before the tensor data (8-byte length + JSON header)
+    data_start: int
+    # element bytes shared by every tensor (the gcd of their sizes)
+    word: int
 
 
 def layout(blob: bytes, what: str = "weights") -> Layout:
@@ -63,7 +81,7 @@ def layout(blob: bytes, what: str = "weights") -> Layout:
     if 8 + n > len(blob):
         raise DeltaError(f"{what}: header length {n} runs past the file's {len(blob)} bytes (not safetensors)")
     try:
-        table = json.loads(blob[8:8 + n])
+        table = json.loads(blob[8 : 8 + n])
     except ValueError as exc:
         raise DeltaError(f"{what}: header is not JSON ({exc})") from None
     sizes = {_ITEMSIZE.get(t.get("dtype"), 1) for k, t in table.items() if k != "__metadata__"}
@@ -102,8 +120,15 @@ def changed(base: bytes, target: bytes) -> tuple[int, int]:
     return int(np.count_nonzero(old != new)), len(new)
 
 
-def encode(base: bytes, target: bytes, version: int, base_version: int, codec: str = "sparse",
-           base_sha256: str = "", sha256: str = "") -> bytes:
+def encode(
+    base: bytes,
+    target: bytes,
+    version: int,
+    base_version: int,
+    codec: str = "sparse",
+    base_sha256: str = "",
+    sha256: str = "",
+) -> bytes:
     """The delta that turns ``base`` (version ``base_version``'s file) into ``target`` (``version``'s). DeltaError
     when the two tensor data regions differ in length or element size (a new layout: publish a snapshot)."""
     if codec not in CODECS:
@@ -111,48 +136,71 @@ def encode(base: bytes, target: bytes, version: int, base_version: int, codec: s
     lb, lt = layout(base, f"v{base_version}"), layout(target, f"v{version}")
     old, new = _words(base, lb), _words(target, lt)
     if lb.word != lt.word or len(old) != len(new):
-        raise DeltaError(f"v{version}: {len(new)} words of {lt.word} bytes against v{base_version}'s {len(old)} of "
-                         f"{lb.word}: another tensor layout, no delta (a snapshot instead)")
+        raise DeltaError(
+            f"v{version}: {len(new)} words of {lt.word} bytes against v{base_version}'s {len(old)} of "
+            f"{lb.word}: another tensor layout, no delta (a snapshot instead)"
+        )
     cctx = zstandard.ZstdCompressor(level=LEVEL)
     if codec == "xor":
         idx, gap_bytes = None, 0
         planes = _planes(old ^ new)
     else:
         idx = np.flatnonzero(old != new)
-        gaps = np.diff(idx, prepend=-1)  # >= 1
-        gap_type = np.uint32 if len(idx) == 0 or int(gaps.max()) < 2 ** 32 else np.uint64
+        # >= 1
+        gaps = np.diff(idx, prepend=-1)
+        gap_type = np.uint32 if len(idx) == 0 or int(gaps.max()) < 2**32 else np.uint64
         vals = new[idx] if codec == "values" else old[idx] ^ new[idx]
         gap_bytes = np.dtype(gap_type).itemsize
         planes = _planes(gaps.astype(gap_type)) + _planes(vals)
     parts = [cctx.compress(p) for p in planes]
-    header = {"format": FORMAT, "version": version, "base": base_version,
-              "sha256": sha256 or hashlib.sha256(target).hexdigest(),
-              "base_sha256": base_sha256 or hashlib.sha256(base).hexdigest(), "size": len(target),
-              "data_start": lt.data_start, "word": lt.word, "changed": int(len(idx) if idx is not None else
-                                                                          np.count_nonzero(old != new)),
-              "codec": codec, "gap_bytes": gap_bytes,
-              "head": bytes(target[:lt.data_start]), "parts": [len(p) for p in parts]}
+    header = {
+        "format": FORMAT,
+        "version": version,
+        "base": base_version,
+        "sha256": sha256 or hashlib.sha256(target).hexdigest(),
+        "base_sha256": base_sha256 or hashlib.sha256(base).hexdigest(),
+        "size": len(target),
+        "data_start": lt.data_start,
+        "word": lt.word,
+        "changed": int(len(idx) if idx is not None else np.count_nonzero(old != new)),
+        "codec": codec,
+        "gap_bytes": gap_bytes,
+        "head": bytes(target[: lt.data_start]),
+        "parts": [len(p) for p in parts],
+    }
     packed = msgpack.packb(header, use_bin_type=True)
     return b"".join([MAGIC, struct.pack("<I", len(packed)), packed, *parts])
 
 
 def read_header(delta: bytes, what: str = "delta") -> dict:
     """The delta's header (without ``head``'s check); DeltaError naming the field when it is not a delta."""
-    if delta[:len(MAGIC)] != MAGIC:
+    if delta[: len(MAGIC)] != MAGIC:
         raise DeltaError(f"{what}: does not start with {MAGIC!r} (not a weight delta)")
     if len(delta) < len(MAGIC) + 4:
         raise DeltaError(f"{what}: truncated before its header length")
-    (n,) = struct.unpack("<I", delta[len(MAGIC):len(MAGIC) + 4])
+    (n,) = struct.unpack("<I", delta[len(MAGIC) : len(MAGIC) + 4])
     start = len(MAGIC) + 4
     try:
-        header = msgpack.unpackb(delta[start:start + n], raw=False)
+        header = msgpack.unpackb(delta[start : start + n], raw=False)
     except (ValueError, msgpack.exceptions.ExtraData) as exc:
         raise DeltaError(f"{what}: header is not msgpack ({exc})") from None
     if not isinstance(header, dict):
         raise DeltaError(f"{what}: header is a {type(header).__name__}, expected a map")
-    for field, kind in (("format", int), ("version", int), ("base", int), ("sha256", str), ("base_sha256", str),
-                        ("size", int), ("data_start", int), ("word", int), ("changed", int), ("codec", str),
-                        ("gap_bytes", int), ("head", bytes), ("parts", list)):
+    for field, kind in (
+        ("format", int),
+        ("version", int),
+        ("base", int),
+        ("sha256", str),
+        ("base_sha256", str),
+        ("size", int),
+        ("data_start", int),
+        ("word", int),
+        ("changed", int),
+        ("codec", str),
+        ("gap_bytes", int),
+        ("head", bytes),
+        ("parts", list),
+    ):
         if not isinstance(header.get(field), kind):
             raise DeltaError(f"{what}: header field {field!r} missing or not {kind.__name__}: {header.get(field)!r}")
     if header["format"] != FORMAT:
@@ -178,9 +226,11 @@ def apply_chain(base: bytes, deltas: list[bytes], what: str = "delta") -> bytear
     if h is not None:
         digest = hashlib.sha256(out).hexdigest()
         if digest != h["sha256"]:
-            raise DeltaError(f"{what} v{deltas and read_header(deltas[0])['base']}->v{h['version']}: result sha256 "
-                             f"{digest[:12]}... is not the target's {h['sha256'][:12]}... (corrupt delta, or applied "
-                             f"to another base)")
+            raise DeltaError(
+                f"{what} v{deltas and read_header(deltas[0])['base']}->v{h['version']}: result sha256 "
+                f"{digest[:12]}... is not the target's {h['sha256'][:12]}... (corrupt delta, or applied "
+                f"to another base)"
+            )
     return out
 
 
@@ -192,13 +242,15 @@ def _apply(buf: bytearray, delta: bytes, what: str) -> tuple[bytearray, dict]:
     word, start = h["word"], h["data_start"]
     count = (h["size"] - start) // word
     if lb.word != word or (len(buf) - lb.data_start) // word != count:
-        raise DeltaError(f"{what}: the base holds {(len(buf) - lb.data_start) // lb.word} words of {lb.word} bytes, "
-                         f"the delta expects {count} of {word} (applied to another version's file?)")
+        raise DeltaError(
+            f"{what}: the base holds {(len(buf) - lb.data_start) // lb.word} words of {lb.word} bytes, "
+            f"the delta expects {count} of {word} (applied to another version's file?)"
+        )
     frames, at = [], h["body_start"]
     dctx = zstandard.ZstdDecompressor()
     try:
         for length in h["parts"]:
-            frames.append(dctx.decompress(delta[at:at + length]))
+            frames.append(dctx.decompress(delta[at : at + length]))
             at += length
     except zstandard.ZstdError as exc:
         raise DeltaError(f"{what}: part {len(frames)} does not decompress ({exc}): corrupt delta") from None
@@ -207,8 +259,9 @@ def _apply(buf: bytearray, delta: bytes, what: str) -> tuple[bytearray, dict]:
     if lb.data_start == start:
         out = buf
         out[:start] = h["head"]
-    else:  # the header changed length (its metadata): the data moves
-        out = bytearray(h["head"]) + buf[lb.data_start:]
+    # the header changed length (its metadata): the data moves
+    else:
+        out = bytearray(h["head"]) + buf[lb.data_start :]
     new = np.frombuffer(out, dtype=_UINT[word], offset=start)
     if h["codec"] == "xor":
         new ^= _unplanes(frames, _UINT[word], count, what)

@@ -48,6 +48,7 @@ def depths(parent: dict[str, str | None]) -> dict[str, int]:
         if w not in out:
             out[w] = 1 if parent[w] is None else depth(parent[w]) + 1
         return out[w]
+
     for w in parent:
         depth(w)
     return out

@@ -12,9 +12,9 @@ import tomllib
 from typing import Any, Mapping
 
 from shared.runtime import secrets
-from shared.runtime.config.keys import FIELDS, Config, ConfigError
 from shared.runtime.config.checks import validate
 from shared.runtime.config.doc import add_arguments as _add_documented
+from shared.runtime.config.keys import FIELDS, Config, ConfigError
 
 
 def _coerce(key: str, value: Any, source: str) -> Any:
@@ -39,13 +39,15 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     return value
 
 
-def load(path: str | None = None, env: Mapping[str, str] | None = None,
-         overrides: Mapping[str, Any] | None = None) -> Config:
+def load(
+    path: str | None = None, env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> Config:
     return load_with_sources(path, env, overrides)[0]
 
 
-def load_with_sources(path: str | None = None, env: Mapping[str, str] | None = None,
-                      overrides: Mapping[str, Any] | None = None) -> tuple[Config, dict[str, str]]:
+def load_with_sources(
+    path: str | None = None, env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> tuple[Config, dict[str, str]]:
     """The config and, per key set by something other than its default, where it came from."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
@@ -76,7 +78,8 @@ def load_with_sources(path: str | None = None, env: Mapping[str, str] | None = N
             sources[key] = f"flag --{key.replace('_', '-')}"
     cfg = Config(**values)
     validate(cfg)
-    cfg, filled = secrets.apply(cfg)  # the run's secrets file fills the secrets nothing else gave
+    # the run's secrets file fills the secrets nothing else gave
+    cfg, filled = secrets.apply(cfg)
     for key in filled:
         sources[key] = f"file {secrets.path(cfg.run_path)}"
     return cfg, sources

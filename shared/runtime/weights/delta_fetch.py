@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 
 from shared.protocol.weights import delta as weight_delta
-from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.faults import crash_point
+from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.weights.fetch import FetchError, origin
 from shared.runtime.weights.server import delta_name, file_name
 
@@ -39,9 +39,12 @@ class DeltaMissing(FetchError):
 @dataclass(frozen=True)
 class Chained:
     path: Path
-    steps: int  # deltas applied
-    downloaded: int  # delta bytes that came over the network
-    bytes: int  # the resulting file's size
+    # deltas applied
+    steps: int
+    # delta bytes that came over the network
+    downloaded: int
+    # the resulting file's size
+    bytes: int
     fetch_s: float
     apply_s: float
 
@@ -51,14 +54,26 @@ def url_of(file_url: str, version: int) -> str:
     return f"{file_url.rsplit('/', 1)[0]}/{delta_name(version)}"
 
 
-def chain(file_url: str, base: int, base_path: Path, base_sha256: str, version: int, sha256: str, folder: Path,
-          token: str = "", timeout: float = 60.0, trusted: set[str] | None = None,
-          max_bytes: int = 0) -> Chained:
+def chain(
+    file_url: str,
+    base: int,
+    base_path: Path,
+    base_sha256: str,
+    version: int,
+    sha256: str,
+    folder: Path,
+    token: str = "",
+    timeout: float = 60.0,
+    trusted: set[str] | None = None,
+    max_bytes: int = 0,
+) -> Chained:
     """``version``'s file, made from ``base``'s verified copy and the deltas base+1 .. version served beside
     ``file_url``; every delta at most ``max_bytes`` (0: no limit; the file's size: a delta larger is refused)."""
     if token and trusted is not None and origin(file_url) not in trusted:
-        raise FetchError(f"weights deltas v{base}->v{version} from {file_url}: not an origin the run announced; the "
-                         f"weights token is not sent there")
+        raise FetchError(
+            f"weights deltas v{base}->v{version} from {file_url}: not an origin the run announced; the "
+            f"weights token is not sent there"
+        )
     if not 0 < version - base:
         raise FetchError(f"weights deltas v{base}->v{version}: nothing to chain")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -66,27 +81,33 @@ def chain(file_url: str, base: int, base_path: Path, base_sha256: str, version: 
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / file_name(version)
     with open(folder / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker on this folder making it: wait, then find it done
+        # another worker on this folder making it: wait, then find it done
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if final.exists() and sha256_file(final) == sha256:
             return Chained(final, 0, 0, final.stat().st_size, 0.0, 0.0)
         t0 = time.monotonic()
         deltas, current_sha = [], base_sha256
-        with httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), headers=headers,
-                          follow_redirects=False) as client:
+        with httpx.Client(
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), headers=headers, follow_redirects=False
+        ) as client:
             for v in range(base + 1, version + 1):
                 delta = _get(client, url_of(file_url, v), v, max_bytes)
                 h = weight_delta.read_header(delta, f"weights delta v{v}")
                 if (h["base"], h["version"], h["base_sha256"]) != (v - 1, v, current_sha):
                     raise weight_delta.DeltaError(
                         f"weights delta v{v}: made from v{h['base']} (sha256 {h['base_sha256'][:12]}...) to "
-                        f"v{h['version']}, expected from v{v - 1} (sha256 {current_sha[:12]}...) to v{v}")
+                        f"v{h['version']}, expected from v{v - 1} (sha256 {current_sha[:12]}...) to v{v}"
+                    )
                 deltas.append(delta)
                 current_sha = h["sha256"]
         if current_sha != sha256:
-            raise weight_delta.DeltaError(f"weights delta v{version}: its target sha256 {current_sha[:12]}... is not "
-                                          f"the published {sha256[:12]}...")
+            raise weight_delta.DeltaError(
+                f"weights delta v{version}: its target sha256 {current_sha[:12]}... is not "
+                f"the published {sha256[:12]}..."
+            )
         t1 = time.monotonic()
-        crash_point("rollout", "delta_fetched")  # tests only: a worker killed mid-chain (shared/runtime/faults.py)
+        # tests only: a worker killed mid-chain (shared/runtime/faults.py)
+        crash_point("rollout", "delta_fetched")
         result = weight_delta.apply_chain(Path(base_path).read_bytes(), deltas, "weights deltas")
         t2 = time.monotonic()
         _write(final, result)
@@ -105,8 +126,9 @@ def _get(client: httpx.Client, url: str, version: int, max_bytes: int) -> bytes:
     if r.status_code != 200:
         raise FetchError(f"weights delta v{version} from {url}: HTTP {r.status_code} {r.reason_phrase}")
     if max_bytes and len(r.content) > max_bytes:
-        raise FetchError(f"weights delta v{version} from {url}: {len(r.content)} bytes, more than the file's "
-                         f"{max_bytes}")
+        raise FetchError(
+            f"weights delta v{version} from {url}: {len(r.content)} bytes, more than the file's {max_bytes}"
+        )
     return r.content
 
 

@@ -24,9 +24,11 @@ import httpx
 from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.weights.server import DELTA, NAME, etag, file_name
 
-ATTEMPTS = 3  # transfers per fetch: the first, then resumes of a cut one
+# transfers per fetch: the first, then resumes of a cut one
+ATTEMPTS = 3
 CHUNK = 1 << 20
-PROGRESS_S = 5.0  # a long download logs how far it got this often
+# a long download logs how far it got this often
+PROGRESS_S = 5.0
 
 
 def origin(url: str) -> str:
@@ -48,26 +50,45 @@ class FetchError(ValueError):
 @dataclass(frozen=True)
 class Fetched:
     path: Path
-    bytes: int  # the file's size
-    downloaded: int  # bytes that came over the network in this call (0: the file was already here)
-    resumed_from: int  # bytes of a partial file a first request of this call resumed from (0: none)
-    requests: int  # HTTP requests made
+    # the file's size
+    bytes: int
+    # bytes that came over the network in this call (0: the file was already here)
+    downloaded: int
+    # bytes of a partial file a first request of this call resumed from (0: none)
+    resumed_from: int
+    # HTTP requests made
+    requests: int
     seconds: float
-    relayed: bool = False  # it came from a relay (another worker), not from the trainer
+    # it came from a relay (another worker), not from the trainer
+    relayed: bool = False
 
 
-def fetch(url: str, version: int, sha256: str, folder: str | Path, token: str = "", timeout: float = 60.0,
-          log=None, attempts: int = ATTEMPTS, relayed: bool = False, trusted: set[str] | None = None) -> Fetched:
+def fetch(
+    url: str,
+    version: int,
+    sha256: str,
+    folder: str | Path,
+    token: str = "",
+    timeout: float = 60.0,
+    log=None,
+    attempts: int = ATTEMPTS,
+    relayed: bool = False,
+    trusted: set[str] | None = None,
+) -> Fetched:
     """Version ``version``'s file from ``url``, verified against ``sha256``, at ``folder/v<NNNNNN>.safetensors``.
     ``trusted``: the origins the token may be sent to (weight_origins.announced); a URL elsewhere is refused
     before any request (None: no check, for callers that name the server themselves)."""
     if token and trusted is not None and origin(url) not in trusted:
-        raise FetchError(f"weights v{version} from {url}: not an origin the run announced (the trainer's "
-                         f"weights_url, a version event's url, a live relay's heartbeat: {', '.join(sorted(trusted))}"
-                         f"); the weights token is not sent there")
+        raise FetchError(
+            f"weights v{version} from {url}: not an origin the run announced (the trainer's "
+            f"weights_url, a version event's url, a live relay's heartbeat: {', '.join(sorted(trusted))}"
+            f"); the weights token is not sent there"
+        )
     if not url:
-        raise FetchError(f"weights v{version}: no url to fetch it from (the version event has none: the trainer "
-                         f"serves weights only with weights_port > 0)")
+        raise FetchError(
+            f"weights v{version}: no url to fetch it from (the version event has none: the trainer "
+            f"serves weights only with weights_port > 0)"
+        )
     if not sha256:
         raise FetchError(f"weights v{version} from {url}: the version event has no sha256 to check it against")
     folder = Path(folder)
@@ -75,45 +96,61 @@ def fetch(url: str, version: int, sha256: str, folder: str | Path, token: str = 
     final = folder / file_name(version)
     t0 = time.monotonic()
     with open(folder / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process on this folder fetching it: wait, then find it done
+        # another process on this folder fetching it: wait, then find it done
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if final.exists():
             if sha256_file(final) == sha256:
                 return Fetched(final, final.stat().st_size, 0, 0, 0, time.monotonic() - t0, relayed)
-            final.unlink()  # left by an older run, or damaged: fetch it again
+            # left by an older run, or damaged: fetch it again
+            final.unlink()
         part = folder / f".{final.name}.{sha256[:16]}.part"
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         state = _Transfer(url, version, sha256, part, log)
         try:
             # no redirects: the token goes to the announced origin and nowhere else
-            with httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), headers=headers,
-                              follow_redirects=False) as client:
+            with httpx.Client(
+                timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), headers=headers, follow_redirects=False
+            ) as client:
                 _download(client, state, attempts)
                 if state.hash.hexdigest() != sha256 and state.resumed_from > 0:
-                    state.restart()  # the partial file it went on from was bad: once more, from the first byte
+                    # the partial file it went on from was bad: once more, from the first byte
+                    state.restart()
                     _download(client, state, attempts)
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:  # not a cut (those are retried): a bad URL, redirects...
+        # not a cut (those are retried): a bad URL, redirects...
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise state.fail(f"{type(exc).__name__}: {exc}") from None
         digest = state.hash.hexdigest()
         if digest != sha256:
             part.unlink(missing_ok=True)
-            raise FetchError(f"weights v{version} from {url}: sha256 {digest[:12]}... does not match the published "
-                             f"{sha256[:12]}... (corrupt or truncated file); discarded")
+            raise FetchError(
+                f"weights v{version} from {url}: sha256 {digest[:12]}... does not match the published "
+                f"{sha256[:12]}... (corrupt or truncated file); discarded"
+            )
         os.replace(part, final)
-        return Fetched(final, state.have, state.downloaded, state.resumed_from, state.requests, time.monotonic() - t0,
-                       relayed)
+        return Fetched(
+            final, state.have, state.downloaded, state.resumed_from, state.requests, time.monotonic() - t0, relayed
+        )
 
 
 def _download(client: httpx.Client, state: "_Transfer", attempts: int) -> None:
     for attempt in range(1, attempts + 1):
         try:
             return state.get(client)
-        except (httpx.TransportError, _Incomplete) as exc:  # cut, reset, timed out: resume from what we have
+        # cut, reset, timed out: resume from what we have
+        except (httpx.TransportError, _Incomplete) as exc:
             if attempt == attempts:
-                raise state.fail(f"transfer failed {attempts} times, last: {exc or type(exc).__name__} "
-                                 f"({state.have} of {state.size or '?'} bytes)") from None
+                raise state.fail(
+                    f"transfer failed {attempts} times, last: {exc or type(exc).__name__} "
+                    f"({state.have} of {state.size or '?'} bytes)"
+                ) from None
             if state.log is not None:
-                state.log.warning("weights download cut; resuming", version=state.version, url=state.url,
-                                  have=state.have, error=str(exc) or type(exc).__name__)
+                state.log.warning(
+                    "weights download cut; resuming",
+                    version=state.version,
+                    url=state.url,
+                    have=state.have,
+                    error=str(exc) or type(exc).__name__,
+                )
 
 
 class _Incomplete(Exception):
@@ -128,15 +165,17 @@ class _Transfer:
         self.hash, self.have, self.size = hashlib.sha256(), 0, 0
         self.downloaded = self.requests = 0
         self.resumed_from = -1
-        if part.exists():  # a partial file from an earlier call: hash what is there and ask for the rest
+        # a partial file from an earlier call: hash what is there and ask for the rest
+        if part.exists():
             with open(part, "rb") as fh:
                 for block in iter(lambda: fh.read(CHUNK), b""):
                     self.hash.update(block)
                     self.have += len(block)
 
     def fail(self, what: str) -> FetchError:
-        return FetchError(f"weights v{self.version} from {self.url}: {what} (expected the file with sha256 "
-                          f"{self.sha256[:12]}...)")
+        return FetchError(
+            f"weights v{self.version} from {self.url}: {what} (expected the file with sha256 {self.sha256[:12]}...)"
+        )
 
     def get(self, client: httpx.Client) -> None:
         headers = {"Range": f"bytes={self.have}-", "If-Range": etag(self.sha256)} if self.have else {}
@@ -144,7 +183,8 @@ class _Transfer:
             self.resumed_from = self.have
         self.requests += 1
         with client.stream("GET", self.url, headers=headers) as r:
-            if r.status_code == 416:  # the partial file is as long as the file or longer: start over
+            # the partial file is as long as the file or longer: start over
+            if r.status_code == 416:
                 self.restart()
                 raise _Incomplete("range not satisfiable; starting over")
             if r.status_code not in (200, 206):
@@ -152,9 +192,12 @@ class _Transfer:
                 raise self.fail(f"HTTP {r.status_code} {r.reason_phrase}" + (f" ({text})" if text else ""))
             served = r.headers.get("etag", "")
             if served and served != etag(self.sha256):
-                raise self.fail(f"the server has another file under that name (ETag {served[:20]}...): not the "
-                                f"published version, or pruned and written again")
-            if r.status_code == 200 and self.have:  # the server sent the whole file: the partial one is worth nothing
+                raise self.fail(
+                    f"the server has another file under that name (ETag {served[:20]}...): not the "
+                    f"published version, or pruned and written again"
+                )
+            # the server sent the whole file: the partial one is worth nothing
+            if r.status_code == 200 and self.have:
                 self.restart()
             if r.status_code == 206 and not r.headers.get("content-range", "").startswith(f"bytes {self.have}-"):
                 raise self.fail(f"asked for bytes {self.have}- and got {r.headers.get('content-range')!r}")
@@ -162,7 +205,8 @@ class _Transfer:
             self.size = self.have + length if length >= 0 else 0
             got, next_log = 0, time.monotonic() + PROGRESS_S
             with open(self.part, "ab") as out:
-                for block in r.iter_raw():  # as it arrives: a cut loses nothing already received
+                # as it arrives: a cut loses nothing already received
+                for block in r.iter_raw():
                     out.write(block)
                     self.hash.update(block)
                     got += len(block)
@@ -170,8 +214,12 @@ class _Transfer:
                     self.downloaded += len(block)
                     if self.log is not None and time.monotonic() >= next_log:
                         next_log = time.monotonic() + PROGRESS_S
-                        self.log.info("downloading weights", version=self.version, have_mb=round(self.have / 1e6, 1),
-                                      of_mb=round(self.size / 1e6, 1) if self.size else None)
+                        self.log.info(
+                            "downloading weights",
+                            version=self.version,
+                            have_mb=round(self.have / 1e6, 1),
+                            of_mb=round(self.size / 1e6, 1) if self.size else None,
+                        )
             if length >= 0 and got < length:
                 raise _Incomplete(f"body ended after {got} of {length} bytes")
 
@@ -190,13 +238,15 @@ def prune(folder: str | Path, keep: int, loaded: int) -> list[int]:
     ``folder``; delete the rest, and the deltas of versions up to the oldest kept. The versions deleted."""
     gone = []
     older = [v for v in kept_versions(folder) if v < loaded]
-    for v in older[:max(0, len(older) - (keep - 1))]:
+    for v in older[: max(0, len(older) - (keep - 1))]:
         name = file_name(v)
-        for path in [Path(folder) / name, *Path(folder).glob(f".{name}.*")]:  # the file, its lock, a cut .part
+        # the file, its lock, a cut .part
+        for path in [Path(folder) / name, *Path(folder).glob(f".{name}.*")]:
             path.unlink(missing_ok=True)
         gone.append(v)
     oldest = min(kept_versions(folder), default=None)
-    for path in Path(folder).glob("v*.delta"):  # deltas kept for relaying: those a chain from a kept file can use
+    # deltas kept for relaying: those a chain from a kept file can use
+    for path in Path(folder).glob("v*.delta"):
         if oldest is None or DELTA.fullmatch(path.name) and int(path.name[1:].split(".")[0]) <= oldest:
             path.unlink(missing_ok=True)
     return gone

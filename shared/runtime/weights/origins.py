@@ -9,12 +9,13 @@ rollout workers (their heartbeats). A URL from a control entry alone gets no tok
 
 from __future__ import annotations
 
-from shared.protocol.streams import versions
 from shared.protocol.episode.events import EventError
+from shared.protocol.streams import versions
 from shared.runtime import heartbeat
 from shared.runtime.weights.fetch import origin
 
-RECENT_VERSIONS = 16  # version events whose url counts as announced
+# version events whose url counts as announced
+RECENT_VERSIONS = 16
 
 
 def announced(client, keys, weights_base_url: str = "") -> set[str]:

@@ -11,8 +11,8 @@ folder can be reached. With a token, a request without ``Authorization: Bearer <
 
 The transfer itself (ranges, HEAD, conditional requests) is starlette's ``FileResponse`` served by uvicorn in a
 thread. The server holds no state beyond a digest cache keyed by (name, size, mtime, inode): any process holding a
-verified copy of a version can serve it with this same class (a relay: a rollout worker that serves its neighbours in the relay tree).
-"""
+verified copy of a version can serve it with this same class (a relay: a rollout worker that serves its neighbours in
+the relay tree)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ from starlette.routing import Route
 
 from shared.runtime.weights.checksum import sha256_file
 
-NAME = re.compile(r"v\d{6,}\.safetensors")  # what publish.write_weights names a version's file
-DELTA = re.compile(r"v\d{6,}\.delta")  # a version's delta against the version before (services/trainer/deltas.py)
+# what publish.write_weights names a version's file
+NAME = re.compile(r"v\d{6,}\.safetensors")
+# a version's delta against the version before (services/trainer/deltas.py)
+DELTA = re.compile(r"v\d{6,}\.delta")
 PREFIX = "/weights/"
 
 
@@ -54,7 +56,8 @@ def etag(sha256_hex: str) -> str:
 
 
 class _File(FileResponse):
-    chunk_size = 1 << 20  # starlette's 64 KiB makes a GB file thousands of sends
+    # starlette's 64 KiB makes a GB file thousands of sends
+    chunk_size = 1 << 20
 
 
 class Digests:
@@ -65,7 +68,8 @@ class Digests:
 
     def of(self, path: Path, st) -> str:
         key = (path.name, st.st_size, st.st_mtime_ns, st.st_ino)
-        with self._lock:  # one hash per file even when every worker asks at once
+        # one hash per file even when every worker asks at once
+        with self._lock:
             if key not in self._known:
                 self._known = {k: v for k, v in self._known.items() if k[0] != path.name}
                 self._known[key] = sha256_file(path)
@@ -88,30 +92,43 @@ def make_app(directory: str | Path, token: str = "", resolve=None) -> Starlette:
     digests = Digests()
 
     async def weights(request: Request) -> Response:
-        sent = request.headers.get("authorization", "").encode("latin-1")  # as it came (any bytes: no 500)
+        # as it came (any bytes: no 500)
+        sent = request.headers.get("authorization", "").encode("latin-1")
         if token and not hmac.compare_digest(sent, f"Bearer {token}".encode()):
-            return PlainTextResponse("authorization: missing or wrong bearer token (config weights_token)\n", 401,
-                                     headers={"WWW-Authenticate": "Bearer"})
+            return PlainTextResponse(
+                "authorization: missing or wrong bearer token (config weights_token)\n",
+                401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         name = request.path_params["name"]
         if not NAME.fullmatch(name) and not DELTA.fullmatch(name):
-            return PlainTextResponse(f"{name!r} is not a published version's file name (v<NNNNNN>.safetensors, "
-                                     f"or its delta v<NNNNNN>.delta)\n", 404)
+            return PlainTextResponse(
+                f"{name!r} is not a published version's file name (v<NNNNNN>.safetensors, "
+                f"or its delta v<NNNNNN>.delta)\n",
+                404,
+            )
         # a relay's resolve may wait for a copy still on its way (sync_mode pull): in a thread, not on the loop
-        path, digest = (folder / name, None) if resolve is None else (
-            await anyio.to_thread.run_sync(resolve, name) or (None, None))
+        path, digest = (
+            (folder / name, None)
+            if resolve is None
+            else (await anyio.to_thread.run_sync(resolve, name) or (None, None))
+        )
         try:
             st = path.stat() if path is not None else None
         except OSError:
             st = None
         if st is None or not path.is_file():
             return PlainTextResponse(f"no {name} here (not published yet, or pruned)\n", 404)
-        if resolve is None and not _inside(path, folder):  # a symlink out of the folder: not served
+        # a symlink out of the folder: not served
+        if resolve is None and not _inside(path, folder):
             return PlainTextResponse(f"{name} is a link out of the served folder; not served\n", 404)
         if digest is None:
             digest = await anyio.to_thread.run_sync(digests.of, path, st)
-        headers = {"etag": etag(digest),
-                   "repr-digest": f"sha-256=:{base64.b64encode(bytes.fromhex(digest)).decode()}:",
-                   "cache-control": "no-transform"}
+        headers = {
+            "etag": etag(digest),
+            "repr-digest": f"sha-256=:{base64.b64encode(bytes.fromhex(digest)).decode()}:",
+            "cache-control": "no-transform",
+        }
         return _File(path, headers=headers, media_type="application/octet-stream", stat_result=st)
 
     return Starlette(routes=[Route(PREFIX + "{name}", weights, methods=["GET", "HEAD"])])
@@ -133,6 +150,7 @@ class _Counted:
             elif message["type"] == "http.response.body" and status in (200, 206):
                 self.sent_bytes += len(message.get("body", b""))
             await send(message)
+
         await self.app(scope, receive, counted)
 
 
@@ -140,8 +158,15 @@ class WeightServer:
     """``make_app`` served by uvicorn in a daemon thread of this process. ``start()`` binds first, so an address in
     use is a clear error at once; ``port=0`` takes a free port (``.port`` / ``.url`` say which)."""
 
-    def __init__(self, directory: str | Path, host: str = "127.0.0.1", port: int = 0, token: str = "", resolve=None,
-                 config_keys: str = "weights_host, weights_port"):
+    def __init__(
+        self,
+        directory: str | Path,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str = "",
+        resolve=None,
+        config_keys: str = "weights_host, weights_port",
+    ):
         self.directory, self.host, self.port, self.token = Path(directory), host, port, token
         self.resolve, self.config_keys = resolve, config_keys
         self._server: uvicorn.Server | None = None
@@ -169,18 +194,23 @@ class WeightServer:
             sock.bind((self.host, self.port))
         except OSError as exc:
             sock.close()
-            raise OSError(f"weight server: cannot listen on {self.host}:{self.port} (config "
-                          f"{self.config_keys}): {exc.strerror or exc}") from None
+            raise OSError(
+                f"weight server: cannot listen on {self.host}:{self.port} (config "
+                f"{self.config_keys}): {exc.strerror or exc}"
+            ) from None
         self.port = sock.getsockname()[1]
         self._app = _Counted(make_app(self.directory, self.token, self.resolve))
-        config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(
+            self._app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1
+        )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
-                                        name="weight-server")
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name="weight-server"
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout
-        while not self._server.started:  # uvicorn sets it once it accepts connections (start-up, not a sync)
+        # uvicorn sets it once it accepts connections (start-up, not a sync)
+        while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"weight server on {self.url} did not start")
             time.sleep(0.01)
@@ -191,4 +221,3 @@ class WeightServer:
             self._server.should_exit = True
             self._thread.join(10)
             self._server = None
-

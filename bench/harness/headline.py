@@ -100,6 +100,11 @@ OFF_TABLE = {
     "async_vs_sync": "STALE since 5638634: the process supervisor's restart decision changed after it ran",
     "trajectory_async": "STALE since 3e991a8: the process supervisor's restart decision changed after it ran",
     "defaults_reach": "STALE since 3e991a8: the process supervisor's restart decision changed after it ran",
+    # These three measure all of shared/: the config documentation's parser (shared/runtime/config/doc.py) now
+    # reads field docstrings. It is not on their measured path, but the rule counts every line; re-run them.
+    "gateway": "STALE since 5638634: the config documentation's parser changed after it ran",
+    "sync_pause": "STALE since 5638634: the config documentation's parser changed after it ran",
+    "rolling_sync": "STALE since 5638634: the config documentation's parser changed after it ran",
 }
 
 # History pages of the result files that are not headlines (the name is the page unless said here).
@@ -117,9 +122,10 @@ ROOT_LINE = re.compile(r"Path\(__file__\)")
 
 
 def renames(commit: str, root: Path = ROOT) -> dict[str, str]:
-    """Every file git sees as renamed (``-M``) from ``commit`` to HEAD: old path -> new path."""
+    """Every file git sees as renamed from ``commit`` to HEAD: old path -> new path. The similarity threshold is low
+    (10 %) because a module that gained its attribute docstrings and lost its trailing comments is still itself."""
     out = subprocess.run(
-        ["git", "diff", "-M", "--name-status", "-z", "--no-ext-diff", commit, "HEAD"],
+        ["git", "diff", "-M10%", "--name-status", "-z", "--no-ext-diff", commit, "HEAD"],
         cwd=root,
         capture_output=True,
         text=True,
@@ -139,8 +145,9 @@ def _under(path: str, roots: list[str]) -> bool:
 
 
 def _code(text: str, path: str) -> list[str]:
-    """The lines of ``text`` that are code: for Python, its syntax tree written back out without docstrings and
-    imports (so comments, docstrings, imports and line wrapping do not count); otherwise its non-blank lines."""
+    """The lines of ``text`` that are code: for Python, its syntax tree written back out without docstrings (a class
+    field's too) and imports (so comments, docstrings, imports and line wrapping do not count); otherwise its
+    non-blank lines."""
     if path.endswith(".py"):
         try:
             tree = ast.parse(text)
@@ -150,15 +157,17 @@ def _code(text: str, path: str) -> list[str]:
             for node in ast.walk(tree):
                 body = getattr(node, "body", None)
                 if isinstance(body, list):
-                    kept = [s for s in body if not isinstance(s, (ast.Import, ast.ImportFrom))]
-                    if (
-                        kept
-                        and isinstance(kept[0], ast.Expr)
-                        and isinstance(getattr(kept[0], "value", None), ast.Constant)
-                        and isinstance(kept[0].value.value, str)
-                    ):
-                        kept = kept[1:]
-                    node.body = kept
+                    # imports, docstrings and attribute docstrings (a bare string statement does nothing)
+                    node.body = [
+                        s
+                        for s in body
+                        if not isinstance(s, (ast.Import, ast.ImportFrom))
+                        and not (
+                            isinstance(s, ast.Expr)
+                            and isinstance(getattr(s, "value", None), ast.Constant)
+                            and isinstance(s.value.value, str)
+                        )
+                    ]
             # A package's __init__.py that is only a docstring writes back as nothing.
             return [
                 ln.strip()
@@ -189,7 +198,7 @@ def changed_lines(commit: str, paths: list[str], root: Path = ROOT) -> int | Non
     # Both sides of each rename in the pathspec, or git sees the old path deleted and the new one out of view.
     spec = list(paths) + sorted(new for old, new in moved.items() if _under(old, paths))
     status = subprocess.run(
-        ["git", "diff", "-M", "--name-status", "-z", "--no-ext-diff", commit, "HEAD", "--", *spec],
+        ["git", "diff", "-M10%", "--name-status", "-z", "--no-ext-diff", commit, "HEAD", "--", *spec],
         cwd=root,
         capture_output=True,
         text=True,

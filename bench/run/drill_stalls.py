@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from services.ops.check.checker import check, format_report, read_run  # noqa: E402
 from services.ops.launch.tiny_model import make_tiny_model  # noqa: E402
 from shared.protocol import gate  # noqa: E402
-from shared.protocol.episode.events import EventError, decode  # noqa: E402
+from shared.protocol.episode.errors import EventError
+from shared.protocol.episode.events import decode  # noqa: E402
 from shared.protocol.streams import control
 from tests.support.fault_run import LiveRun  # noqa: E402
 

@@ -14,7 +14,7 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.episode.fold import fold
 from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import Keys

@@ -26,7 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.gateway import toolparse
-from services.gateway.core import Gateway, GatewayError, Prepared
+from services.gateway.core import Gateway, Prepared
+from services.gateway.errors import GatewayError
 from services.gateway.limits import MAX_BODY, parse_body
 from shared.runtime import secrets
 

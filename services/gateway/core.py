@@ -16,8 +16,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from services.gateway import schema
 from services.gateway.chat import Renderer, RenderError, canonical, digest, find_parent
-from shared.protocol.episode.events import EventError, decode
+from services.gateway.errors import GatewayError
+from shared.protocol.episode.errors import EventError
+from shared.protocol.episode.events import decode
 from shared.protocol.episode.fold import TRANSFORM, Call, Episode, fold
 from shared.protocol.keys import Keys
 from shared.protocol.streams.calls import CallRequest, Requester
@@ -28,16 +31,6 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 def same_transform(a: dict, b: dict) -> bool:
     """Whether two calls sample under the same transform (one row trains under one)."""
     return all(float(a.get(k) or 0) == float(b.get(k) or 0) for k in TRANSFORM)
-
-
-class GatewayError(Exception):
-    """An OpenAI-style error: HTTP status, message, the offending parameter."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers or {}
 
 
 @dataclass
@@ -73,9 +66,6 @@ def _named_function(item) -> bool:
         and isinstance(item.get("function"), dict)
         and isinstance(item["function"].get("name"), str)
     )
-
-
-from services.gateway import schema  # noqa: E402 (it imports GatewayError from here)
 
 
 class Gateway:

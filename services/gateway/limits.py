@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from services.gateway.core import GatewayError
+from services.gateway.errors import GatewayError
 
 # bytes of one request body (413 beyond)
 MAX_BODY = 8 << 20

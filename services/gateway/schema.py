@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from services.gateway.core import GatewayError
+from services.gateway.errors import GatewayError
 
 
 class _Open(BaseModel):

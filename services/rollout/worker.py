@@ -27,7 +27,7 @@ from services.rollout.jobs import rewards, tools
 from services.rollout.jobs.tool_jobs import ToolJobs
 from services.rollout.weights import sync_modes
 from services.rollout.weights.local import LocalWeights
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import Keys
 from shared.protocol.streams import control, metrics, versions

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 from shared.protocol import gate
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.streams import metrics, pulls, versions
 
 # longest blocking read; any entry on either stream ends it

@@ -13,7 +13,7 @@ from __future__ import annotations
 from services.trainer.batch import trained_reward
 from shared.protocol import gate
 from shared.protocol.archive import ledger
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.episode.fold import Episode, fold
 from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import TRAINER_GROUP as GROUP

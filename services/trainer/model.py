@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM
 
 from services.trainer import kl as klmod
 from shared.protocol.episode.logprobs import token_logprobs
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 from shared.runtime.models import resolve_model
 
 

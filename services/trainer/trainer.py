@@ -40,7 +40,8 @@ from shared.protocol.keys import Keys
 from shared.protocol.staleness import staleness_histogram, version_spans
 from shared.protocol.streams import stream_head
 from shared.protocol.streams.metrics import record as record_metrics
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 from shared.runtime.faults import crash_point
 from shared.runtime.folders import private_folder
 from shared.runtime.runstate import bind

@@ -8,7 +8,7 @@ import os
 import stat
 from pathlib import Path
 
-from shared.runtime.config.keys import ConfigError
+from shared.runtime.config.errors import ConfigError
 
 SHM = Path("/dev/shm")
 

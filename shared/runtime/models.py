@@ -12,7 +12,7 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
-from shared.runtime.config.keys import ConfigError
+from shared.runtime.config.errors import ConfigError
 
 DEFAULT_MODEL_DIR = "models/tiny"
 

@@ -17,8 +17,8 @@ import redis
 
 from shared.protocol.keys import Keys
 from shared.runtime import logs, runstate, secrets
-from shared.runtime.config import keys as configmod
 from shared.runtime.config import sources as config_sources
+from shared.runtime.config.errors import ConfigError
 from shared.runtime.connection import connect, redact
 from shared.runtime.heartbeat import Heartbeat
 
@@ -41,7 +41,7 @@ class Service:
         self.args = parser.parse_args(argv)
         try:
             self.cfg = config_sources.from_args(self.args)
-        except configmod.ConfigError as exc:
+        except ConfigError as exc:
             print(f"{name}: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
         logs.setup(self.cfg.log_level)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 from shared.runtime.wandb_sink import WandbSink
 
 

@@ -6,7 +6,8 @@ them locally only (``wandb sync`` uploads them later)."""
 
 from __future__ import annotations
 
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 
 
 class WandbSink:

@@ -11,7 +11,7 @@ from shared.protocol.archive import entries as segment_entries
 from shared.protocol.archive import segments
 from shared.protocol.episode.fold import fold
 from shared.protocol.episode.log import EpisodeLog
-from shared.runtime.config.keys import ConfigError
+from shared.runtime.config.errors import ConfigError
 from shared.runtime.config.sources import load
 from tests.archiver.tiers_support import row_of
 

@@ -28,6 +28,7 @@ from services.ops.check.checker import check, format_report, read_run
 from services.ops.launch.redis_server import find_binary
 from services.ops.launch.tiny_model import make_tiny_model
 from shared.protocol.episode import events
+from shared.protocol.episode.errors import EventError
 from shared.protocol.episode.fold import fold
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP
 from shared.protocol.streams import control, dead_letters, prompts
@@ -370,7 +371,7 @@ def _episode_entries(run: LiveRun) -> dict[str, list[tuple[str, int]]]:
         for entry_id, f in run.client.xrange(key):
             try:
                 ev = events.decode(entry_id, f)
-            except events.EventError:
+            except EventError:
                 # a garbage entry this drill wrote: no policy tokens
                 ev = None
             entries.append((entry_id.decode(), len(ev.data["ids"]) if ev is not None and ev.kind == "tokens" else 0))

@@ -121,12 +121,12 @@ def _cli_parser():
 
 
 def _check_config(flags: dict, env: dict[str, str]) -> str:
-    from shared.runtime.config import keys as configmod
     from shared.runtime.config import sources as config_sources
+    from shared.runtime.config.errors import ConfigError
 
     try:
         config_sources.load_with_sources(None, env=env, overrides=flags)
-    except configmod.ConfigError as exc:
+    except ConfigError as exc:
         return f"config: {exc}"
     return ""
 

@@ -8,7 +8,8 @@ import redis
 
 from services.ops.launch.redis_server import EmbeddedRedis
 from shared.runtime.config.checks import validate
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 from shared.runtime.service import out_of_memory_line
 
 

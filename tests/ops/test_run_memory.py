@@ -17,7 +17,8 @@ from services.ops.inspect.runs import list_runs
 from services.ops.launch.runner import archive_ended_run
 from shared.protocol.keys import Keys
 from shared.runtime import folders, runstate
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 from shared.runtime.connection import connect
 
 

@@ -88,7 +88,7 @@ def test_the_users_own_server_must_answer_before_anything_starts(redis_url):
     import pytest
 
     from services.ops.launch.runner import reachable
-    from shared.runtime.config.keys import ConfigError
+    from shared.runtime.config.errors import ConfigError
 
     # the session's server answers
     reachable(redis_url)

@@ -22,6 +22,7 @@ from shared.protocol.keys import PREFIX, ROLLOUT_GROUP, Keys
 from shared.protocol.streams import calls, control, dead_letters, prompts, samples, versions
 from shared.runtime.config import keys as configmod
 from shared.runtime.config import sources as config_sources
+from shared.runtime.config.errors import ConfigError
 from shared.runtime.connection import connect, is_cluster, is_cluster_client, redact
 from shared.runtime.heartbeat import Heartbeat, alive, alive_of
 from tests.ops import test_checker
@@ -187,13 +188,13 @@ def test_heartbeats_are_listed_from_every_shard(cluster_client, keys):
 
 
 def test_rq_gets_a_single_server_of_its_own_when_the_run_is_on_a_cluster(redis_cluster, redis_url):
-    with pytest.raises(configmod.ConfigError, match="rq_redis_url.*Redis Cluster.*set rq_redis_url"):
+    with pytest.raises(ConfigError, match="rq_redis_url.*Redis Cluster.*set rq_redis_url"):
         config_sources.load(env={"REDIS_URL": redis_cluster.url})
-    with pytest.raises(configmod.ConfigError, match="rq_redis_url.*single Redis server"):
+    with pytest.raises(ConfigError, match="rq_redis_url.*single Redis server"):
         config_sources.load(env={"REDIS_URL": redis_cluster.url, "STREAMRL_RQ_REDIS_URL": redis_cluster.url})
     cfg = config_sources.load(env={"REDIS_URL": redis_cluster.url, "STREAMRL_RQ_REDIS_URL": redis_url})
     assert configmod.rq_url(cfg) == redis_url and "cluster-secret" not in str(
-        pytest.raises(configmod.ConfigError, config_sources.load, env={"REDIS_URL": redis_cluster.url}).value
+        pytest.raises(ConfigError, config_sources.load, env={"REDIS_URL": redis_cluster.url}).value
     )
     assert configmod.rq_url(config_sources.load(env={"REDIS_URL": redis_url})) == redis_url
 
@@ -203,5 +204,5 @@ def test_keys_stay_readable_and_name_their_hash_tags():
     assert k.prompts.split(":") == [PREFIX, "{demo}", "prompts"]
     assert k.episode("q000-000003-0").split(":") == [PREFIX, "demo", "ep", "{q000-000003-0}"]
     assert [p.split(":") for p in k.patterns] == [[PREFIX, "{demo}", "*"], [PREFIX, "demo", "ep", "{*}"]]
-    with pytest.raises(configmod.ConfigError, match="run.*braces"):
+    with pytest.raises(ConfigError, match="run.*braces"):
         config_sources.load(env={"STREAMRL_RUN": "a{b}"})

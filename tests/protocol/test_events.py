@@ -3,7 +3,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.protocol.episode.events import KINDS, SCHEMA_VERSION, Event, EventError, decode, describe, encode
+from shared.protocol.episode.errors import EventError
+from shared.protocol.episode.events import KINDS, SCHEMA_VERSION, Event, decode, describe, encode
 from tests.support.helpers import raw, started, tokens
 
 u32 = st.integers(min_value=0, max_value=2**32 - 1)

@@ -1,7 +1,8 @@
 import msgpack
 import pytest
 
-from shared.protocol.episode.events import Event, EventError
+from shared.protocol.episode.errors import EventError
+from shared.protocol.episode.events import Event
 from shared.protocol.episode.fold import PROMPT_VERSION, fold
 from tests.support.helpers import finished, raw, started, tokens
 

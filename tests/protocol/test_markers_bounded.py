@@ -9,7 +9,8 @@ import pytest
 from shared.protocol.keys import ROLLOUT_GROUP
 from shared.protocol.streams import control, once, samples
 from shared.runtime.config.checks import validate
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 
 
 def _delivered(client, keys, group_id: str, consumer: str = "w1") -> str:

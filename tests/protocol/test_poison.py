@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared.protocol.episode import events
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.episode.fold import fold
 from shared.protocol.streams import calls, control, dead_letters, metrics, prompts, pulls, repacks, samples, versions
 from tests.support.fuzz import cases

@@ -19,7 +19,8 @@ from services.ops.check.report import MUST_BE_ZERO
 from services.trainer.batch import build_batch
 from shared.protocol import gate
 from shared.protocol.archive import ledger
-from shared.protocol.episode.events import Event, EventError, encode
+from shared.protocol.episode.errors import EventError
+from shared.protocol.episode.events import Event, encode
 from shared.protocol.episode.fold import Episode, fold
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
 from shared.protocol.streams import calls, control, dead_letters, metrics, prompts, samples, versions

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shared.protocol import gate
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.keys import ROLLOUT_GROUP
 from shared.protocol.streams import samples, versions
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from services.rollout.groups.repack_policy import GroupTail, capacity, choose, claim_cap, pick_target
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.streams import repacks
-from shared.runtime.config.keys import ConfigError
+from shared.runtime.config.errors import ConfigError
 from shared.runtime.config.sources import load
 
 # a worker generating 16 episodes when full

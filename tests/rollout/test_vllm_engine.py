@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from services.rollout.engine import EngineError, SamplingParams, make_engine
 from services.rollout.engine.vllm_engine import parse_vllm_args, request_seed
 from shared.runtime.config.checks import validate
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 from tests.support.rollout_harness import make_vllm_engine
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None

@@ -1,6 +1,7 @@
 import pytest
 
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 from shared.runtime.config.sources import load
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 from shared.runtime.config.sources import load
 from shared.runtime.tensorboard import TensorBoard
 from tests.support.procs import wait_until

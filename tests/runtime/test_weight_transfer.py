@@ -13,7 +13,8 @@ import pytest
 from services.rollout.weights.local import LocalWeights
 from shared.protocol.streams import versions
 from shared.runtime import logs
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 from shared.runtime.config.sources import load
 from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.weights.fetch import FetchError, fetch, prune

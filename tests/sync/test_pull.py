@@ -15,7 +15,8 @@ from services.rollout.weights.local import LocalWeights
 from shared.protocol.streams import pulls
 from shared.protocol.weights import relay_tree
 from shared.runtime import logs
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 from shared.runtime.config.sources import load
 from shared.runtime.weights.server import WeightServer
 from tests.support.models import nudged_weights

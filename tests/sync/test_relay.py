@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from services.rollout.weights.local import LocalWeights
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.streams import control
 from shared.runtime import logs
 from shared.runtime.config.keys import Config
@@ -144,7 +144,7 @@ def test_each_wave_of_a_round_is_written_once(client, keys):
     ],
 )
 def test_bad_rolling_and_relay_keys_name_the_key(flags, words):
-    from shared.runtime.config.keys import ConfigError
+    from shared.runtime.config.errors import ConfigError
     from shared.runtime.config.sources import load
 
     with pytest.raises(ConfigError) as err:

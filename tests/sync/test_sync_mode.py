@@ -16,7 +16,8 @@ from shared.protocol.episode.fold import fold
 from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.runtime import logs
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 from shared.runtime.config.sources import load
 from shared.runtime.connection import connect
 from tests.support.procs import wait_until

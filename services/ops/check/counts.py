@@ -6,7 +6,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from services.ops.check.data import ConsumerGroup, RunData
-from shared.protocol.episode.events import TERMINAL_KINDS, EventError, decode
+from shared.protocol.episode.errors import EventError
+from shared.protocol.episode.events import TERMINAL_KINDS, decode
 from shared.protocol.episode.fold import fold
 from shared.protocol.streams import control, samples
 from shared.protocol.streams.prompts import decode_group

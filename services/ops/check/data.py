@@ -8,7 +8,7 @@ from pathlib import Path
 
 from shared.protocol.archive.ledger import read_ledger
 from shared.protocol.archive.segments import SegmentStore, folder_of
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
 from shared.protocol.streams import dead_letters, metrics, pulls, stream_head, versions
 

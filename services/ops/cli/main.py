@@ -19,10 +19,11 @@ import redis
 
 from services.ops.inspect import run_target
 from services.ops.replay.text import ReplayError
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.runtime import runstate
 from shared.runtime.config import keys as configmod
 from shared.runtime.config import sources as config_sources
+from shared.runtime.config.errors import ConfigError
 from shared.runtime.connection import connect, is_cluster, redact
 from shared.runtime.secrets import cli_auth, redacted
 
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.command in run_target.READS_A_RUN:
                 cfg = run_target.for_command(cfg, sources, args, stack)
             return args.func(cfg, args) or 0
-    except (CLIError, ReplayError, configmod.ConfigError, EventError, runstate.RunStateError) as exc:
+    except (CLIError, ReplayError, ConfigError, EventError, runstate.RunStateError) as exc:
         # a preflight finds several problems: one line each
         for line in str(exc).splitlines():
             print(f"streamrl {args.command}: {line}", file=sys.stderr)

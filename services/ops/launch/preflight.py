@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
-from shared.runtime.config.keys import FIELDS, Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import FIELDS, Config
 
 # prompts of each set encoded to check the chat template and the context (the first ones)
 ROWS_ENCODED = 64

@@ -25,7 +25,8 @@ from services.ops.launch.keep import NAME_ENV, PID_DIR_ENV, keep_server
 from services.ops.launch.keep import processes as keep_processes
 from services.ops.launch.redis_server import start_for_run
 from shared.runtime import runstate, secrets
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 from shared.runtime.connection import redact
 
 # Procfile lines started only when config 'agent' is set

@@ -30,7 +30,7 @@ from services.ops.ui.episode_view import episode_view
 from services.ops.ui.index import row_json
 from services.ops.ui.run_view import read_run_view
 from services.ops.ui.sources import NoRun, Sources
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.episode.fold import fold
 from shared.protocol.episode.log import EpisodeLog
 from shared.runtime import secrets

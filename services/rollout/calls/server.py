@@ -22,7 +22,7 @@ import redis
 from services.rollout.calls.call_log import CallLog
 from services.rollout.engine import Chunk, EngineError, SamplingParams
 from services.rollout.episodes.live import stable_seed
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.episode.fold import fold
 from shared.protocol.episode.log import Fenced
 from shared.protocol.keys import ROLLOUT_GROUP as GROUP

@@ -17,7 +17,8 @@ from services.rollout.episodes.prompting import prompt_ids
 from services.rollout.episodes.settlement import Writes
 from services.rollout.groups.claims import GroupRun, Groups
 from services.rollout.jobs.tool_jobs import Outcome, ToolJobs
-from shared.protocol.episode.events import EventError, decode
+from shared.protocol.episode.errors import EventError
+from shared.protocol.episode.events import decode
 from shared.protocol.episode.fold import fold
 from shared.protocol.episode.log import EpisodeLog
 from shared.runtime.faults import crash_point

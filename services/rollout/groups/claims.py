@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import redis
 
 from shared.protocol import gate
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.gate import Gate
 from shared.protocol.keys import ROLLOUT_GROUP as GROUP
 from shared.protocol.keys import Keys

@@ -22,7 +22,7 @@ import time
 
 from services.rollout.episodes.live import State
 from services.rollout.groups import repack_policy as repack
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.episode.fold import fold
 from shared.protocol.streams import repacks
 from shared.runtime.faults import crash_point

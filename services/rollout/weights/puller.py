@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 
 from services.rollout.weights import load_policy
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.streams import pulls, versions
 from shared.protocol.weights import relay_tree
 from shared.runtime import heartbeat

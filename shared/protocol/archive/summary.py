@@ -11,7 +11,7 @@ import functools
 
 import msgpack
 
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.episode.fold import fold
 
 NAMES = ("group_id", "worker", "status", "finish_reason", "reward", "num_generated", "version")

@@ -55,6 +55,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from shared.protocol.episode import sampling
+from shared.protocol.episode.errors import EventError
+
 SCHEMA_VERSION = 2
 # version-1 streams still fold
 READABLE_VERSIONS = (1, 2)
@@ -155,14 +158,6 @@ KINDS: dict[str, dict[str, tuple[str, bool, str]]] = {
 
 TERMINAL_KINDS = ("finished", "failed")
 V2_KINDS = ("call", "call_done")
-
-
-class EventError(ValueError):
-    """An entry that does not follow the schema. Names the entry and the field."""
-
-    def __init__(self, entry_id: str, field: str, problem: str):
-        self.entry_id, self.field, self.problem = entry_id, field, problem
-        super().__init__(f"entry {entry_id}: field {field!r}: {problem}")
 
 
 @dataclass(slots=True)
@@ -287,9 +282,6 @@ def decode(entry_id: Any, fields: dict) -> Event:
         elif typ == "float" and not math.isfinite(value):
             raise EventError(entry_id, f"data.{name}", f"expected a finite number, got {value}")
         elif name == "sampling":
-            # (it imports EventError from here)
-            from shared.protocol.episode import sampling
-
             sampling.check(entry_id, f"data.{name}", value)
     if kind == "tokens" and len(data["ids"]) != len(data["logprobs"]):
         raise EventError(

@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from shared.protocol.episode.events import TERMINAL_KINDS, Event, EventError, decode
+from shared.protocol.episode.errors import EventError
+from shared.protocol.episode.events import TERMINAL_KINDS, Event, decode
 
 # version tag of tokens no policy generated (tool output)
 PROMPT_VERSION = -1

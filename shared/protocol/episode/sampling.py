@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import zlib
 
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 
 MAX_TOKENS = 1 << 20
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)

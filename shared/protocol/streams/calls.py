@@ -23,7 +23,7 @@ from typing import Any
 import msgpack
 
 from shared.protocol.episode import sampling
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.keys import Keys
 
 _REQUEST = """

@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 
 from shared.protocol.episode import sampling
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.streams import once
 from shared.protocol.streams.routing import node_of
 

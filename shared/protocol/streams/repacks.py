@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
 
 # notices kept (approximate trim): the stream is a wake-up and a record, the PEL is the truth

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
 from shared.protocol.streams import once, stream_head
 from shared.protocol.streams.routing import node_of

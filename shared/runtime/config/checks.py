@@ -10,7 +10,8 @@ import json
 import re
 
 from shared.protocol.streams.once import RETRY_MARKER_TTL_S
-from shared.runtime.config.keys import Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import Config
 from shared.runtime.connection import is_cluster, redact
 
 

@@ -13,10 +13,6 @@ from pathlib import Path
 from typing import Any
 
 
-class ConfigError(ValueError):
-    pass
-
-
 @dataclass
 class Config:
     # where

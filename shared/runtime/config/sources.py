@@ -14,7 +14,8 @@ from typing import Any, Mapping
 from shared.runtime import secrets
 from shared.runtime.config.checks import validate
 from shared.runtime.config.doc import add_arguments as _add_documented
-from shared.runtime.config.keys import FIELDS, Config, ConfigError
+from shared.runtime.config.errors import ConfigError
+from shared.runtime.config.keys import FIELDS, Config
 
 
 def _coerce(key: str, value: Any, source: str) -> Any:

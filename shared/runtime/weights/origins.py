@@ -9,7 +9,7 @@ rollout workers (their heartbeats). A URL from a control entry alone gets no tok
 
 from __future__ import annotations
 
-from shared.protocol.episode.events import EventError
+from shared.protocol.episode.errors import EventError
 from shared.protocol.streams import versions
 from shared.runtime import heartbeat
 from shared.runtime.weights.fetch import origin

@@ -38,7 +38,7 @@ from shared.protocol.episode.fold import Episode
 from shared.protocol.keys import TRAINER_GROUP as GROUP
 from shared.protocol.keys import Keys
 from shared.protocol.staleness import staleness_histogram, version_spans
-from shared.protocol.streams import stream_head
+from shared.protocol.streams import codec, stream_head
 from shared.protocol.streams.metrics import record as record_metrics
 from shared.runtime.config.errors import ConfigError
 from shared.runtime.config.keys import Config
@@ -121,11 +121,7 @@ class Trainer:
         self.intake.consumed = set((state or {}).get("consumed", ())) | {
             g for rec in ledger.read_ledger(self.ckpt_dir) for g in rec["groups"] + rec["skipped"]
         }
-        try:
-            self.client.xgroup_create(self.keys.samples, GROUP, id="0", mkstream=True)
-        except redis.exceptions.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        codec.ensure_group(self.client, self.keys.samples, GROUP)
         self.log.info("groups already consumed, from the ledger", groups=len(self.intake.consumed))
         self._republish_if_needed()
         pages = self.intake.read_pending()

@@ -10,16 +10,12 @@ from shared.protocol.archive.ledger import read_ledger
 from shared.protocol.archive.segments import SegmentStore, folder_of
 from shared.protocol.episode.errors import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
-from shared.protocol.streams import dead_letters, metrics, pulls, stream_head, versions
-
-
-def _s(v) -> str:
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+from shared.protocol.streams import codec, dead_letters, metrics, pulls, stream_head, versions
 
 
 def _entries(raw) -> list[tuple[str, dict]]:
     """XRANGE reply -> [(entry id, {str field: bytes value})]."""
-    return [(_s(i), {_s(k): v for k, v in f.items()}) for i, f in raw]
+    return [(codec.text(i), {codec.text(k): v for k, v in f.items()}) for i, f in raw]
 
 
 def id_key(entry_id: str) -> tuple[int, int]:
@@ -89,19 +85,19 @@ def staleness_bound(cfg) -> int | None:
 def _consumer_group(client, stream: str, name: str) -> ConsumerGroup:
     if not client.exists(stream):
         return ConsumerGroup()
-    info = {_s(g["name"]): g for g in client.xinfo_groups(stream)}
+    info = {codec.text(g["name"]): g for g in client.xinfo_groups(stream)}
     if name not in info:
         return ConsumerGroup()
     pending = set()
     start = "-"
     while True:
         batch = client.xpending_range(stream, name, min=start, max="+", count=1000)
-        pending |= {_s(p["message_id"]) for p in batch}
+        pending |= {codec.text(p["message_id"]) for p in batch}
         if len(batch) < 1000:
             break
-        ms, seq = id_key(_s(batch[-1]["message_id"]))
+        ms, seq = id_key(codec.text(batch[-1]["message_id"]))
         start = f"{ms}-{seq + 1}"
-    return ConsumerGroup(_s(info[name]["last-delivered-id"]), pending)
+    return ConsumerGroup(codec.text(info[name]["last-delivered-id"]), pending)
 
 
 def _agents_busy(client, keys: Keys, rq_client=None) -> set[str]:
@@ -111,7 +107,7 @@ def _agents_busy(client, keys: Keys, rq_client=None) -> set[str]:
 
     from rq import Queue
 
-    busy = {_s(e) for e in client.hkeys(keys.agents_running)}
+    busy = {codec.text(e) for e in client.hkeys(keys.agents_running)}
     prefix = f"{keys.run}-"
     for job_id in Queue(keys.agent_queue, connection=rq_client or client).get_job_ids():
         if job_id.startswith(prefix):

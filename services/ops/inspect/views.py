@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 import redis
 
 from shared.protocol.episode.fold import Episode
 from shared.protocol.keys import Keys
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+from shared.protocol.streams import codec
 
 
 def run_streams(client: redis.Redis, keys: Keys) -> list[dict]:
@@ -21,10 +17,10 @@ def run_streams(client: redis.Redis, keys: Keys) -> list[dict]:
     found = {k for pattern in keys.patterns for k in client.scan_iter(match=pattern, count=1000, _type="stream")}
     for key in sorted(found):
         groups = [
-            {"name": _s(g["name"]), "consumers": g["consumers"], "pending": g["pending"], "lag": g.get("lag")}
+            {"name": codec.text(g["name"]), "consumers": g["consumers"], "pending": g["pending"], "lag": g.get("lag")}
             for g in client.xinfo_groups(key)
         ]
-        out.append({"key": _s(key), "length": client.xlen(key), "groups": groups})
+        out.append({"key": codec.text(key), "length": client.xlen(key), "groups": groups})
     return out
 
 

@@ -27,7 +27,7 @@ from shared.protocol.episode.fold import fold
 from shared.protocol.episode.log import Fenced
 from shared.protocol.keys import ROLLOUT_GROUP as GROUP
 from shared.protocol.keys import Keys
-from shared.protocol.streams import dead_letters
+from shared.protocol.streams import codec, dead_letters
 from shared.protocol.streams.calls import CallRequest, decode_request
 
 # engine request ids of calls: call:<episode>:<index>
@@ -81,11 +81,7 @@ class CallServer:
         self.stats = {"calls": 0, "call_tokens": 0, "call_takeovers": 0, "call_resumes": 0}
 
     def start(self) -> None:
-        try:
-            self.client.xgroup_create(self.keys.calls, GROUP, id="0", mkstream=True)
-        except redis.exceptions.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        codec.ensure_group(self.client, self.keys.calls, GROUP)
         last = self.client.xrevrange(self.keys.calls, count=1)
         self.cursor = last[0][0].decode() if last else "0-0"
 

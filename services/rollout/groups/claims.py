@@ -17,7 +17,7 @@ from shared.protocol.episode.errors import EventError
 from shared.protocol.gate import Gate
 from shared.protocol.keys import ROLLOUT_GROUP as GROUP
 from shared.protocol.keys import Keys
-from shared.protocol.streams import dead_letters
+from shared.protocol.streams import codec, dead_letters
 from shared.protocol.streams.prompts import PromptGroup, decode_group
 from shared.protocol.streams.samples import Publisher, Sample
 from shared.runtime.faults import crash_point
@@ -73,11 +73,7 @@ class Groups:
 
     def create_consumer_groups(self) -> None:
         for stream in (self.keys.val_prompts, self.keys.prompts):
-            try:
-                self.client.xgroup_create(stream, GROUP, id="0", mkstream=True)
-            except redis.exceptions.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
+            codec.ensure_group(self.client, stream, GROUP)
 
     def slots_used(self, also=()) -> float:
         """In-flight capacity is ``max_groups_in_flight`` training groups; a validation group (one or ``val_k``

@@ -57,6 +57,7 @@ import numpy as np
 
 from shared.protocol.episode import sampling
 from shared.protocol.episode.errors import EventError
+from shared.protocol.streams import codec
 
 SCHEMA_VERSION = 2
 # version-1 streams still fold
@@ -213,16 +214,12 @@ def encode(event: Event) -> dict[str, bytes | str]:
     }
 
 
-def _text(value: Any) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-
-
 def _header_int(entry_id: str, fields: dict, name: str) -> int:
     raw = fields.get(name)
     if raw is None:
         raise EventError(entry_id, name, "missing header field")
     try:
-        return int(_text(raw))
+        return int(codec.text(raw))
     except ValueError:
         raise EventError(entry_id, name, f"expected a decimal integer, got {raw!r}") from None
 
@@ -242,9 +239,9 @@ _CHECKS = {"str": str, "int": int, "float": (int, float), "bool": bool, "map": d
 
 def decode(entry_id: Any, fields: dict) -> Event:
     """Stream entry (as returned by XRANGE, bytes or str) -> Event, or EventError."""
-    entry_id = _text(entry_id)
-    fields = {_text(k): v for k, v in fields.items()}
-    kind = _text(fields.get("type", b""))
+    entry_id = codec.text(entry_id)
+    fields = {codec.text(k): v for k, v in fields.items()}
+    kind = codec.text(fields.get("type", b""))
     if kind not in KINDS:
         raise EventError(entry_id, "type", f"unknown event kind {kind!r}; expected one of {', '.join(KINDS)}")
     version = _header_int(entry_id, fields, "v")
@@ -288,7 +285,7 @@ def decode(entry_id: Any, fields: dict) -> Event:
             entry_id, "data.logprobs", f"{len(data['logprobs'])} log-probs for {len(data['ids'])} token ids"
         )
     return Event(
-        kind=kind, policy=policy, worker=_text(fields.get("worker", b"")), seq=seq, data=data, entry_id=entry_id
+        kind=kind, policy=policy, worker=codec.text(fields.get("worker", b"")), seq=seq, data=data, entry_id=entry_id
     )
 
 

@@ -25,6 +25,7 @@ import msgpack
 from shared.protocol.episode import sampling
 from shared.protocol.episode.errors import EventError
 from shared.protocol.keys import Keys
+from shared.protocol.streams import codec
 
 _REQUEST = """
 local i = redis.call('HGET', KEYS[1], ARGV[1])
@@ -82,22 +83,18 @@ class Requester:
         return r.call, bool(new)
 
 
-def _s(v) -> str:
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
-
-
 def decode_request(entry_id, fields: dict) -> CallRequest:
-    entry_id = _s(entry_id)
-    f = {_s(k): v for k, v in fields.items()}
-    if _s(f.get("v", "")) != "1":
-        raise EventError(entry_id, "v", f"unknown call request version {_s(f.get('v'))!r}; expected '1'")
-    episode_id = _s(f.get("episode_id", ""))
+    entry_id = codec.text(entry_id)
+    f = {codec.text(k): v for k, v in fields.items()}
+    if codec.text(f.get("v", "")) != "1":
+        raise EventError(entry_id, "v", f"unknown call request version {codec.text(f.get('v'))!r}; expected '1'")
+    episode_id = codec.text(f.get("episode_id", ""))
     if not episode_id:
         raise EventError(entry_id, "episode_id", "missing")
     try:
-        call = int(_s(f.get("call", "")))
+        call = int(codec.text(f.get("call", "")))
     except ValueError:
-        raise EventError(entry_id, "call", f"expected an integer, got {_s(f.get('call'))!r}") from None
+        raise EventError(entry_id, "call", f"expected an integer, got {codec.text(f.get('call'))!r}") from None
     try:
         data = msgpack.unpackb(f["data"], raw=False)
     except Exception as exc:

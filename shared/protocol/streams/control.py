@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from shared.protocol.episode.errors import EventError
 from shared.protocol.keys import Keys
-from shared.protocol.streams import once
+from shared.protocol.streams import codec, once
 
 _SEND = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], '1') == 1 then
@@ -68,10 +68,6 @@ class Command:
     def for_worker(self, worker: str) -> bool:
         """Whether ``worker`` obeys this command (a worker not named ignores it, and does not remember it)."""
         return not self.targets or worker in self.targets
-
-
-def _s(v) -> str:
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 
 def encode_command(c: Command) -> dict:
@@ -129,8 +125,8 @@ def decode_ack(f: dict) -> Ack:
 
 def decode_entry(entry_id, fields: dict) -> Command | dict:
     """A command, or an ack as a dict of strings (``decode_ack`` makes it an Ack). EventError when malformed."""
-    entry_id = _s(entry_id)
-    f = {_s(k): _s(v) for k, v in fields.items()}
+    entry_id = codec.text(entry_id)
+    f = {codec.text(k): codec.text(v) for k, v in fields.items()}
     kind = f.get("type")
     if kind == "ack":
         return f
@@ -186,7 +182,7 @@ def _send(client, keys: Keys, marker: str, fields: dict, write: str) -> str | No
     if entry_id is None:
         once.skipped(write, sync=fields["sync"], cmd=fields["cmd"], worker=fields.get("worker", ""))
         return None
-    return _s(entry_id)
+    return codec.text(entry_id)
 
 
 def send_command(client, keys: Keys, c: Command, part: str = "") -> str | None:
@@ -206,9 +202,9 @@ def read_after(client, keys: Keys, cursor: str, count: int = 100, block_ms: int 
     for _, entries in client.xread({keys.control: cursor}, count=count, block=block_ms) or []:
         for entry_id, fields in entries:
             try:
-                out.append((_s(entry_id), decode_entry(entry_id, fields)))
+                out.append((codec.text(entry_id), decode_entry(entry_id, fields)))
             except EventError as exc:
-                out.append((_s(entry_id), exc))
+                out.append((codec.text(entry_id), exc))
     return out
 
 
@@ -233,4 +229,4 @@ class Seen:
 def last_id(client, keys: Keys) -> str:
     """The id of the newest control entry ("0-0" when none): read after it to see only what comes next."""
     last = client.xrevrange(keys.control, count=1)
-    return _s(last[0][0]) if last else "0-0"
+    return codec.text(last[0][0]) if last else "0-0"

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.protocol.keys import Keys
-from shared.protocol.streams import once
+from shared.protocol.streams import codec, once
 
 _SEND = """
 if redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then
@@ -33,13 +33,9 @@ class DeadLetter:
     by: str = ""
 
 
-def _s(v) -> str:
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
-
-
 def send(client, keys: Keys, stream: str, entry_id, reason: str, by: str) -> bool:
     """Set (stream, entry) aside with ``reason``; False (a no-op, logged at debug) when it already was."""
-    entry_id = _s(entry_id)
+    entry_id = codec.text(entry_id)
     added = client.eval(
         _SEND,
         2,
@@ -57,7 +53,7 @@ def send(client, keys: Keys, stream: str, entry_id, reason: str, by: str) -> boo
 
 
 def decode(fields: dict) -> DeadLetter:
-    f = {_s(k): _s(v) for k, v in fields.items()}
+    f = {codec.text(k): codec.text(v) for k, v in fields.items()}
     return DeadLetter(f.get("stream", ""), f.get("entry", ""), f.get("reason", ""), f.get("by", ""))
 
 

@@ -30,14 +30,10 @@ from pathlib import Path
 
 from shared.protocol.archive import jsonl
 from shared.protocol.keys import Keys
-from shared.protocol.streams import stream_head
+from shared.protocol.streams import codec, stream_head
 
 MAXLEN = 100_000
 KINDS = ("train", "sync", "rollout", "validation", "fault_probe", "publish", "agent")
-
-
-def _s(v) -> str:
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
 
 def record(client, keys: Keys, kind: str, data: dict) -> None:
@@ -48,7 +44,7 @@ def record(client, keys: Keys, kind: str, data: dict) -> None:
 
 def decode(fields: dict) -> tuple[str, dict]:
     """(kind, record); a record that is not JSON decodes as {} (the stream is informational)."""
-    f = {_s(k): _s(v) for k, v in fields.items()}
+    f = {codec.text(k): codec.text(v) for k, v in fields.items()}
     try:
         data = json.loads(f.get("json", "{}"))
     except ValueError:
@@ -106,7 +102,7 @@ def read(
     for entry_id, fields in raw:
         k, data = decode(fields)
         if kind is None or k == kind:
-            out.append((_s(entry_id), k, data))
+            out.append((codec.text(entry_id), k, data))
     if newest_first:
         out.reverse()
     out = dedupe(out, kind_of=lambda r: r[1], data_of=lambda r: r[2])

@@ -23,8 +23,3 @@ RETRY_MARKER_TTL_S = 120
 def skipped(write: str, **context) -> None:
     """Log the no-op of a repeated write (a retried command whose first execution's reply was lost)."""
     structlog.get_logger().debug("duplicate_write_skipped", write=write, **context)
-
-
-def s(v) -> str:
-    """A reply or field value as text."""
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)

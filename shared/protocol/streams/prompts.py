@@ -20,7 +20,7 @@ import msgpack
 
 from shared.protocol.episode import sampling
 from shared.protocol.episode.errors import EventError
-from shared.protocol.streams import once
+from shared.protocol.streams import codec, once
 from shared.protocol.streams.routing import node_of
 
 # episodes in one group at most (a poison n of 10**9 would take a worker's memory)
@@ -58,25 +58,21 @@ def encode_group(g: PromptGroup) -> dict:
     return {"group_id": g.group_id, "n": str(g.n), "v": "1", "data": msgpack.packb(data)}
 
 
-def _s(v) -> str:
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
-
-
 def decode_group(entry_id, fields: dict) -> PromptGroup:
-    entry_id = _s(entry_id)
-    f = {_s(k): v for k, v in fields.items()}
-    group_id = _s(f.get("group_id", ""))
+    entry_id = codec.text(entry_id)
+    f = {codec.text(k): v for k, v in fields.items()}
+    group_id = codec.text(f.get("group_id", ""))
     if not group_id or any(c in group_id for c in " :*"):
         raise EventError(entry_id, "group_id", f"expected a non-empty id without spaces, ':' or '*', got {group_id!r}")
-    if _s(f.get("v", "1")) != "1":
-        raise EventError(entry_id, "v", f"unknown prompt schema version {_s(f['v'])!r}; expected '1'")
+    if codec.text(f.get("v", "1")) != "1":
+        raise EventError(entry_id, "v", f"unknown prompt schema version {codec.text(f['v'])!r}; expected '1'")
     try:
-        n = int(_s(f.get("n", "")))
+        n = int(codec.text(f.get("n", "")))
         if not 1 <= n <= MAX_GROUP:
             raise ValueError
     except ValueError:
         raise EventError(
-            entry_id, "n", f"expected an integer >= 1 and <= {MAX_GROUP}, got {_s(f.get('n'))!r}"
+            entry_id, "n", f"expected an integer >= 1 and <= {MAX_GROUP}, got {codec.text(f.get('n'))!r}"
         ) from None
     try:
         data = msgpack.unpackb(f["data"], raw=False) if "data" in f else None
@@ -146,7 +142,7 @@ def enqueue(client, keys, groups: list[PromptGroup], stream: str | None = None) 
     for g, entry_id in zip(groups, pipe.execute()):
         if entry_id is None:
             once.skipped("prompts", group_id=g.group_id)
-        out.append(None if entry_id is None else _s(entry_id))
+        out.append(None if entry_id is None else codec.text(entry_id))
     return out
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from shared.protocol.episode.errors import EventError
 from shared.protocol.keys import Keys
+from shared.protocol.streams import codec
 
 # entries kept (approximate trim): a record and a wake-up
 MAXLEN = 10_000
@@ -110,7 +111,7 @@ def holders(client, keys: Keys) -> list[str]:
 
 
 def fetched(client, keys: Keys, worker: str, version: int, source: str, seconds: float) -> str:
-    return _s(
+    return codec.text(
         client.xadd(
             keys.pulls,
             {"event": "fetched", "worker": worker, "version": version, "source": source, "seconds": f"{seconds:.3f}"},
@@ -120,13 +121,9 @@ def fetched(client, keys: Keys, worker: str, version: int, source: str, seconds:
     )
 
 
-def _s(v) -> str:
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
-
-
 def decode(entry_id, fields: dict) -> Pull:
-    entry_id = _s(entry_id)
-    f = {_s(k): _s(v) for k, v in fields.items()}
+    entry_id = codec.text(entry_id)
+    f = {codec.text(k): codec.text(v) for k, v in fields.items()}
     if f.get("event") not in EVENTS:
         raise EventError(entry_id, "event", f"expected one of {', '.join(EVENTS)}, got {f.get('event')!r}")
     if not f.get("worker"):
@@ -160,7 +157,7 @@ def read_all(client, keys: Keys) -> list[Pull]:
 
 def last_id(client, keys: Keys) -> str:
     last = client.xrevrange(keys.pulls, count=1)
-    return _s(last[0][0]) if last else "0-0"
+    return codec.text(last[0][0]) if last else "0-0"
 
 
 def most_holders(records: list[Pull]) -> int:

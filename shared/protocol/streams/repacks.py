@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from shared.protocol.episode.errors import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
+from shared.protocol.streams import codec
 
 # notices kept (approximate trim): the stream is a wake-up and a record, the PEL is the truth
 MAXLEN = 10_000
@@ -50,10 +51,6 @@ class Repack:
     notice_id: str = ""
 
 
-def _s(v) -> str:
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
-
-
 def encode(r: Repack) -> dict[str, str]:
     return {
         "stream": r.stream,
@@ -69,8 +66,8 @@ def encode(r: Repack) -> dict[str, str]:
 
 def decode(entry_id, fields: dict) -> Repack:
     """A notice from its stream entry; EventError naming the entry and the field when malformed."""
-    entry_id = _s(entry_id)
-    f = {_s(k): _s(v) for k, v in fields.items()}
+    entry_id = codec.text(entry_id)
+    f = {codec.text(k): codec.text(v) for k, v in fields.items()}
     for name in FIELDS:
         if not f.get(name):
             raise EventError(entry_id, name, "missing (a repack notice needs " + ", ".join(FIELDS) + ")")
@@ -92,13 +89,13 @@ def handoff(client, keys: Keys, r: Repack) -> str | None:
     notice's id, or None when the entry was not pending under the source (another worker holds it now)."""
     flat = [x for kv in encode(r).items() for x in kv]
     added = client.eval(_HANDOFF, 2, r.stream, keys.repacks, ROLLOUT_GROUP, r.entry, r.source, r.target, MAXLEN, *flat)
-    return _s(added) if added is not None else None
+    return codec.text(added) if added is not None else None
 
 
 def last_id(client, keys: Keys) -> str:
     """The newest notice's id ("0-0" when none): a reader starting now reads only what comes after."""
     last = client.xrevrange(keys.repacks, count=1)
-    return _s(last[0][0]) if last else "0-0"
+    return codec.text(last[0][0]) if last else "0-0"
 
 
 def read_all(client, keys: Keys) -> tuple[list[Repack], list[tuple[str, str]]]:

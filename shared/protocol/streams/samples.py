@@ -21,7 +21,7 @@ from pathlib import Path
 
 from shared.protocol.episode.errors import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, Keys
-from shared.protocol.streams import once, stream_head
+from shared.protocol.streams import codec, once, stream_head
 from shared.protocol.streams.routing import node_of
 
 _PUBLISH = """
@@ -42,10 +42,6 @@ class Sample:
     entry_id: str = ""
 
 
-def _s(v) -> str:
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
-
-
 def encode(s: Sample) -> dict[str, str]:
     return {
         "group_id": s.group_id,
@@ -57,8 +53,8 @@ def encode(s: Sample) -> dict[str, str]:
 
 def decode(entry_id, fields: dict) -> Sample:
     """A samples entry; EventError naming the entry and field when malformed."""
-    entry_id = _s(entry_id)
-    f = {_s(k): _s(v) for k, v in fields.items()}
+    entry_id = codec.text(entry_id)
+    f = {codec.text(k): codec.text(v) for k, v in fields.items()}
     if not f.get("group_id"):
         raise EventError(entry_id, "group_id", "samples entry needs a group id")
     if not f.get("episodes"):
@@ -78,7 +74,7 @@ def decode_all(entries) -> tuple[list[Sample], list[tuple[str, str]]]:
         try:
             good.append(decode(entry_id, fields))
         except EventError as exc:
-            bad.append((_s(entry_id), str(exc)))
+            bad.append((codec.text(entry_id), str(exc)))
     return good, bad
 
 
@@ -136,7 +132,7 @@ def read_after(
     the stream's old entries to (shared/protocol/streams/stream_head.py), read first while the cursor is older."""
     entries = stream_head.read_after(client, stream, head, cursor, count)
     good, bad = decode_all(entries)
-    return good, bad, (_s(entries[-1][0]) if entries else cursor)
+    return good, bad, (codec.text(entries[-1][0]) if entries else cursor)
 
 
 def read_since(client, stream: str, since_ms: int) -> list[Sample]:

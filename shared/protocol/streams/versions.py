@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from shared.protocol.episode.errors import EventError
 from shared.protocol.keys import Keys
-from shared.protocol.streams import once, stream_head
+from shared.protocol.streams import codec, once, stream_head
 
 _PUBLISH = """
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
@@ -61,10 +61,6 @@ class Version:
     url: str = ""
 
 
-def _s(v) -> str:
-    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
-
-
 def encode(v: Version) -> dict[str, str]:
     fields = {
         "version": str(v.version),
@@ -78,8 +74,8 @@ def encode(v: Version) -> dict[str, str]:
 
 def decode(entry_id, fields: dict) -> Version:
     """A versions entry as a Version; EventError naming the entry and field when malformed."""
-    entry_id = _s(entry_id)
-    f = {_s(k): _s(v) for k, v in fields.items()}
+    entry_id = codec.text(entry_id)
+    f = {codec.text(k): codec.text(v) for k, v in fields.items()}
     try:
         version = int(f["version"])
     except KeyError:
@@ -105,8 +101,8 @@ def publish(client, keys: Keys, v: Version) -> str:
     flat = [x for kv in encode(v).items() for x in kv]
     added, entry_id = client.eval(_PUBLISH, 1, keys.versions, "", v.version, *flat)
     if not int(added):
-        once.skipped("versions", version=v.version, newest_entry=_s(entry_id))
-    return _s(entry_id)
+        once.skipped("versions", version=v.version, newest_entry=codec.text(entry_id))
+    return codec.text(entry_id)
 
 
 def latest(client, keys: Keys) -> Version | None:

@@ -359,6 +359,7 @@ class Trainer:
                 if groups is None:
                     break
                 self.record(self.train_step(groups))
+                crash_point("trainer", "stepped")
                 if self.step % self.cfg.steps_per_version == 0:
                     t0 = time.monotonic()
                     self.commit()

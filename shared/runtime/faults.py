@@ -7,7 +7,9 @@ one process, lets it die exactly there, restarts the service and counts with ``s
 
 The points, in the order each service passes them:
 
-    trainer  before_checkpoint, after_checkpoint, after_ledger, after_ack, after_publish  (its commit path)
+    trainer  stepped    a training step's groups are in the model and its metrics line is written; nothing of
+                        it committed (its groups delivered, unacknowledged)
+             before_checkpoint, after_checkpoint, after_ledger, after_ack, after_publish  (its commit path)
     rollout  opened     a group's episodes have their 'started' events in their streams, nothing generated
              flushed    an engine step's tokens were written to their streams
              finished   every episode of a group has its end in its stream; the group is not published yet
@@ -30,7 +32,7 @@ from collections import Counter
 
 ENV = "FAULT_INJECT_STREAMRL_CRASH"
 POINTS = {
-    "trainer": ("before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish"),
+    "trainer": ("stepped", "before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish"),
     "rollout": (
         "opened",
         "flushed",

@@ -59,8 +59,11 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(scope="session", autouse=True)
 def run_dir_outside_the_checkout(tmp_path_factory):
     """Service processes a test starts without a run folder of its own write under this session's temp folder,
-    never under the checkout's runs/."""
+    never under the checkout's runs/; the gateway stacks' run folders go under it too, not loose in the temp dir."""
+    from tests.support.gateway_stack import SCRATCH_ENV
+
     os.environ.setdefault("STREAMRL_RUN_DIR", str(tmp_path_factory.mktemp("runs")))
+    os.environ[SCRATCH_ENV] = str(tmp_path_factory.mktemp("stacks"))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -4,7 +4,7 @@ check) → episodes filtered to aborted ones → an episode whose token colours 
 markers are those of `streamrl replay --json`. A screenshot of each page goes to $UI_SCREENSHOTS (default: the
 test's temp folder).
 
-Chromium: /usr/bin/chromium (Debian's `chromium` package; .ci/run installs it). Missing, the test skips with the
+Chromium: /usr/bin/chromium (Debian's `chromium` package; ./dev test installs it with apt-get where it can). Missing, the test skips with the
 reason, except under CI (CI=true), where it fails."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def chromium() -> str:
     path = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if path:
         return path
-    why = "no chromium on PATH (apt-get install chromium; .ci/run does)"
+    why = "no chromium on PATH (apt-get install chromium; ./dev test does where it can)"
     if os.environ.get("CI") == "true":
         pytest.fail(f"browser tests under CI: {why}")
     pytest.skip(why)

@@ -16,6 +16,9 @@ from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import Keys
 from tests.support.procs import ROOT, wait_until
 
+# where a test session's stacks make their run folders (set by tests/conftest.py; not STREAMRL_*: those are config keys)
+SCRATCH_ENV = "TESTS_STACK_SCRATCH"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -32,8 +35,9 @@ def env_for(redis_url: str, keys: Keys, model_dir: str, **cfg) -> dict:
         "STREAMRL_LOG_LEVEL": "warning",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": ROOT,
-        # the run's folder is the test's own: a run name reused by another test session meets no old state
-        "STREAMRL_RUN_DIR": tempfile.mkdtemp(prefix=f"streamrl-{keys.run}-"),
+        # the run's folder is the test's own: a run name reused by another test session meets no old state. It is
+        # made under the session's temp folder (pytest's, kept for the last few sessions), not loose in /tmp.
+        "STREAMRL_RUN_DIR": tempfile.mkdtemp(prefix=f"streamrl-{keys.run}-", dir=os.environ.get(SCRATCH_ENV)),
     }
     for k, v in cfg.items():
         env[f"STREAMRL_{k.upper()}"] = str(v)

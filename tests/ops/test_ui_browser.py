@@ -4,8 +4,8 @@ check) → episodes filtered to aborted ones → an episode whose token colours 
 markers are those of `streamrl replay --json`. A screenshot of each page goes to $UI_SCREENSHOTS (default: the
 test's temp folder).
 
-Chromium: /usr/bin/chromium (Debian's `chromium` package; ./dev test installs it with apt-get where it can). Missing, the test skips with the
-reason, except under CI (CI=true), where it fails."""
+Chromium: /usr/bin/chromium (Debian's `chromium` package; ./dev test installs it with apt-get where it can). Missing,
+the test skips with the reason, except under CI (CI=true), where it fails."""
 
 from __future__ import annotations
 

@@ -19,14 +19,13 @@ commit's collectives (the full weights for the version file, the sharded checkpo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 
 import redis
 import torch
 
-from services.trainer import checkpoint, distributed, export, publish, sharded_checkpoint
+from services.trainer import checkpoint, distributed, export, publish, topology
 from services.trainer import commit as commit_path
 from services.trainer.batch import Batch, build_batch
 from services.trainer.deltas import DeltaWriter
@@ -40,7 +39,6 @@ from shared.protocol.keys import Keys
 from shared.protocol.staleness import staleness_histogram, version_spans
 from shared.protocol.streams import codec, stream_head
 from shared.protocol.streams.metrics import record as record_metrics
-from shared.runtime.config.errors import ConfigError
 from shared.runtime.config.keys import Config
 from shared.runtime.faults import crash_point
 from shared.runtime.folders import private_folder
@@ -71,30 +69,16 @@ class Trainer:
         self.metrics_path = cfg.run_path / "metrics.jsonl"
         # acked and committed: out
         self.samples_head = stream_head.for_run(client, self.keys.samples, GROUP, cfg)
-        # under torchrun: one of WORLD_SIZE ranks (distributed.py)
-        self.launched = distributed.launched()
-        if self.launched and cfg.lora_rank > 0:
-            raise ConfigError(
-                "config key 'lora_rank': LoRA is not supported under torchrun yet (the published "
-                "version merges adapters from unsharded weights); run one trainer process"
-            )
-        self.shard = distributed.init(torch.device(cfg.device_of("trainer"))) if self.launched else distributed.LOCAL
-        if self.launched:
-            self.log = log = log.bind(rank=self.shard.rank, world_size=self.shard.size)
-            # each rank on its own GPU (LOCAL_RANK), whatever cuda:N says
-            if self.shard.device.type == "cuda":
-                cfg = self.cfg = dataclasses.replace(cfg, trainer_device=str(self.shard.device))
+        # one process, or one of WORLD_SIZE ranks under torchrun (topology.py), chosen once
+        self.topology = topology.choose(cfg)
+        self.shard = self.topology.shard
+        cfg, log = self.cfg, self.log = self.topology.bind(cfg, log)
         self.tensorboard = TensorBoard(cfg, "trainer") if self.shard.main else None
         torch.manual_seed(cfg.seed)
         # device, bf16 autocast, grad checkpointing, LoRA, KL reference: model.py
         self.policy = load_policy(cfg)
         self.model = self.policy.model
-        # the same initial weights on every rank (same seed, same files), then sharded
-        if self.launched:
-            self.tied = distributed.tied_names(self.model)
-            distributed.shard_model(self.model)
-        # when rank 0 last sent the other ranks a command
-        self._told = time.monotonic()
+        self.topology.prepare(self.model)
         self.pad_id = self.model.config.pad_token_id or 0
         self.opt = torch.optim.AdamW(self.policy.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.step, self.version = 0, 0
@@ -129,21 +113,7 @@ class Trainer:
 
     def _load_checkpoint(self) -> dict | None:
         """Model, optimizer, RNG, step and version from the last commit (every rank, under torchrun)."""
-        single, sharded = (self.ckpt_dir / "checkpoint.pt").exists(), sharded_checkpoint.latest(self.ckpt_dir)
-        if self.launched and single and sharded is None or not self.launched and sharded is not None:
-            have, need = ("checkpoint.pt (one process)", "torchrun") if single else ("dcp/ (torchrun)", "one process")
-            raise RuntimeError(
-                f"trainer: {self.ckpt_dir} holds a {have} checkpoint, which a trainer run as {need} "
-                f"cannot restore; restart it the way it was run"
-            )
-        if self.launched:
-            state = sharded_checkpoint.load(self.ckpt_dir, self.model, self.opt)
-            state = state and state | {"optimizer_version": state["version"]}
-        elif (state := checkpoint.load(self.ckpt_dir)) is not None:
-            self.model.load_state_dict(state["model"])
-            if state["optimizer"] is not None:
-                self.opt.load_state_dict(state["optimizer"])
-            torch.set_rng_state(state["rng"])
+        state = self.topology.load(self.ckpt_dir, self.model, self.opt)
         if state is not None:
             # killed before the background write landed
             if state["optimizer_version"] != state["version"]:
@@ -157,16 +127,12 @@ class Trainer:
         return state
 
     def _tell(self, message: dict) -> None:
-        """Rank 0: send the other ranks their next command (nothing when not under torchrun, nor on the others)."""
-        if self.launched and self.shard.main:
-            distributed.broadcast(self.shard, message)
-            self._told = time.monotonic()
+        """Rank 0: send the other ranks their next command (nothing when alone, nor on the other ranks)."""
+        self.topology.tell(message)
 
     def _publish_state(self) -> dict:
         """The full weights a version publishes; under torchrun gathered to rank 0 (every rank calls this)."""
-        if not self.launched:
-            return self.policy.publish_state()
-        return distributed.full_state(self.model, self.tied)
+        return self.topology.publish_state(self.policy)
 
     def _republish_if_needed(self) -> None:
         """A crash between checkpoint and publish leaves the version unpublished."""
@@ -205,20 +171,14 @@ class Trainer:
         """No new samples for 200 ms."""
         self.intake.settle_skipped(self.ckpt_dir, self.version, self.step)
         self._republish_if_lost()
-        if time.monotonic() - self._told > distributed.IDLE_EVERY_S:
-            # the other ranks wait in a collective: keep it short of TIMEOUT
-            self._tell({"op": "idle"})
+        self.topology.keep_alive()
 
     # --- learning
     def train_step(self, groups: list[tuple[str, str, list[Episode]]]) -> dict:
         t0 = time.monotonic()
         batch = build_batch([eps for _, _, eps in groups], self.pad_id, self.version, self.cfg.hard_max_staleness)
-        # every rank gets the batch's ids and tensors (distributed.py)
-        if self.launched:
-            ids = [(e, g, [ep.episode_id for ep in eps]) for e, g, eps in groups]
-            message = distributed.step_message(ids, batch)
-            self._tell(message)
-            distributed.broadcast_batch(self.shard, message, batch)
+        # every rank gets the batch's ids and tensors (nothing to share when alone)
+        self.topology.share_batch(groups, batch)
         stats = self._train(batch)
         # benchmarks: a SIMULATED GPU's training time, not real work
         if self.cfg.simulated_train_us_per_token:
@@ -324,15 +284,8 @@ class Trainer:
         # the groups trained so far are the ledger's lines plus this commit's (restore rebuilds the set from
         # them), so the checkpoint does not grow with the run
         meta = {"step": self.step, "version": self.version, "counts": dict(self.counts), "ledger_record": line}
-        # sharded: each rank writes its part (sharded_checkpoint.py)
-        if self.launched:
-            sharded_checkpoint.save(
-                self.ckpt_dir, self.model, self.opt, meta | {"world_size": self.shard.size}, self.shard.main
-            )
-        else:
-            checkpoint.save(self.ckpt_dir, {"model": self.model.state_dict(), "rng": torch.get_rng_state(), **meta})
-            # in the background
-            checkpoint.save_optimizer(self.ckpt_dir, self.version, self.opt.state_dict())
+        # alone: checkpoint.pt, its optimizer in the background; ranks: each writes its part (sharded_checkpoint.py)
+        self.topology.save(self.ckpt_dir, self.model, self.opt, meta)
         fault("after_checkpoint")
         if not self.shard.main:
             return

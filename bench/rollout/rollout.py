@@ -121,9 +121,9 @@ def groups(n: int, size: int) -> list[PromptGroup]:
 def rollout_once(client, engine, tok, cfg: Config, sink: str, n_groups: int, log) -> dict:
     keys = Keys(f"bench{uuid.uuid4().hex[:8]}")
     cfg = cfg.replace(run=keys.run)
-    worker = RolloutWorker(cfg, client, f"bench-{sink}", engine, tok, log)
-    if sink == "memory":
-        worker.events = MemoryLog(client, keys, worker.worker_id, cfg.flush_tokens, cfg.flush_ms)
+    worker_id = f"bench-{sink}"
+    memory = MemoryLog(client, keys, worker_id, cfg.flush_tokens, cfg.flush_ms) if sink == "memory" else None
+    worker = RolloutWorker(cfg, client, worker_id, engine, tok, log, events=memory)
     enqueue(client, keys, groups(n_groups, cfg.group_size))
     worker.start()
     server0, t0, cpu0 = server_cpu(client), time.perf_counter(), time.process_time()

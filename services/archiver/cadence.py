@@ -1,11 +1,11 @@
 """When the archiver steps (pure): once the newest published version is ``every_versions`` past the one of its last
 step, or ``every_s`` after that step whatever the versions (a slow run still moves). Stepping by versions bounds what
 Redis holds at retention + ``every_versions`` versions of episodes at any rate; stepping by time alone held retention
-+ ``every_s`` seconds of versions, so the level followed the rate (bench/tiers_memory.py)."""
++ ``every_s`` seconds of versions, so the level followed the rate (bench/log/tiers_memory.py)."""
 
 from __future__ import annotations
 
-# Valkey's hz 10 rounds a shorter blocking timeout up to ~100 ms anyway (bench/redis_hz.py)
+# Valkey's hz 10 rounds a shorter blocking timeout up to ~100 ms anyway (bench/log/redis_hz.py)
 MIN_BLOCK_MS = 100
 # one blocking read (or rest) at most: the loop looks at the stop flag at least this often
 MAX_BLOCK_MS = 1000

@@ -125,7 +125,7 @@ class Mover:
     def step(self) -> int:
         """Move every episode due now, a segment per ``batch`` episodes; returns the episodes moved. Python's cycle
         collector waits meanwhile: a step makes ~100 objects per episode and no cycles, and the collections they
-        would set off walk every object the process holds (~20 % of the step's CPU, bench/archiver_cpu.py)."""
+        would set off walk every object the process holds (~20 % of the step's CPU, bench/log/archiver_cpu.py)."""
         was = gc.isenabled()
         gc.disable()
         try:

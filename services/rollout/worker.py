@@ -45,7 +45,18 @@ CLAIM_RECHECK_S = 1.0
 
 
 class RolloutWorker:
-    def __init__(self, cfg: Config, client: redis.Redis, worker_id: str, engine: Engine, tokenizer, log):
+    def __init__(
+        self,
+        cfg: Config,
+        client: redis.Redis,
+        worker_id: str,
+        engine: Engine,
+        tokenizer,
+        log,
+        events: EpisodeLog | None = None,
+    ):
+        """``events``: where episodes' events go; the run's Redis streams unless given (a benchmark gives an
+        in-memory sink to measure what the log costs)."""
         self.cfg, self.client, self.worker_id, self.engine = cfg, client, worker_id, engine
         self.log = log.bind(worker=worker_id)
         self.keys = Keys(cfg.run)
@@ -67,7 +78,7 @@ class RolloutWorker:
         agent = Agent(tokenizer, registry, cfg.max_tool_calls, engine.max_model_len)
         self.episodes = Episodes(
             cfg,
-            EpisodeLog(client, self.keys, worker_id, cfg.flush_tokens, cfg.flush_ms),
+            events or EpisodeLog(client, self.keys, worker_id, cfg.flush_tokens, cfg.flush_ms),
             engine,
             tokenizer,
             agent,
@@ -111,11 +122,6 @@ class RolloutWorker:
     @property
     def events(self) -> EpisodeLog:
         return self.episodes.events
-
-    @events.setter
-    # bench/rollout.py swaps in an in-memory log
-    def events(self, log: EpisodeLog) -> None:
-        self.episodes.events = log
 
     # group id -> GroupRun
     groups = property(lambda self: self.claims.held)

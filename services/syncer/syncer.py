@@ -72,7 +72,7 @@ def groups_per_version(cfg: Config) -> int:
 
 
 class Syncer:
-    # the phases of a sync, in order; bench/fetch_pause.py drops "fetch" to measure a download inside the pause
+    # the phases of a sync, in order; bench/weights/fetch_pause.py drops "fetch" to measure a download inside the pause
     phases = ("fetch", "pause", "load", "resume")
 
     def __init__(self, cfg: Config, client: redis.Redis, log, heartbeat=lambda: None):

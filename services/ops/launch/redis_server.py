@@ -95,7 +95,7 @@ class EmbeddedRedis:
             "warning",
             "--protected-mode",
             "yes",
-            # blocking timeouts fire within ~10 ms instead of ~100 (bench/redis_hz.py: 0.3% of a core idle)
+            # blocking timeouts fire within ~10 ms instead of ~100 (bench/log/redis_hz.py: 0.3% of a core idle)
             "--hz",
             "100",
             "--maxmemory",

@@ -44,17 +44,12 @@ class Episodes:
         self.live: dict[str, LiveEpisode] = {}
         self.paused = False
         self.stats = {"tokens": 0, "episodes": 0, "resumed": 0}
-        # when writes travel (writes.py)
+        # when writes travel (settlement.py)
         self.writes = Writes(events, groups, self._closed, self._fenced)
 
     @property
     def events(self) -> EpisodeLog:
         return self.writes.events
-
-    @events.setter
-    # bench/rollout.py swaps in an in-memory log
-    def events(self, log: EpisodeLog) -> None:
-        self.writes.events = log
 
     def owns(self, live: LiveEpisode) -> bool:
         return self.live.get(live.episode_id) is live

@@ -12,7 +12,7 @@ worker). It runs as an rq job (``run_reward``, JSON serializer) on the run's too
 never blocks decoding or heartbeats; an error becomes the episode's ``failed`` event.
 
 A function marked ``@inline`` (the built-in ``arithmetic``: a regex, microseconds) is called in the rollout
-worker instead: an rq round trip costs milliseconds (bench/rewards.py).
+worker instead: an rq round trip costs milliseconds (bench/learning/rewards.py).
 
 The default task is integer arithmetic: the episode's response must contain ``answer: N`` (or end with the
 number) equal to ``task["answer"]``.

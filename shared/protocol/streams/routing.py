@@ -2,7 +2,7 @@
 
 On a Redis Cluster client, a pipelined raw command (``EVALSHA``, which a cluster pipeline only takes raw) is
 routed by asking a server which keys it touches: one ``COMMAND GETKEYS`` round trip per command in redis-py
-8.1 (64 of them per 64-episode flush, measured with ``bench/redis_capacity.py``). Naming the key's node up
+8.1 (64 of them per 64-episode flush, measured with ``bench/log/redis_capacity.py``). Naming the key's node up
 front skips that; a single server needs nothing.
 """
 

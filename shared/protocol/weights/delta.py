@@ -13,7 +13,7 @@ and, by the caller, the published one) before anyone may load it.
             file's bytes), data_start (where its tensor data starts), word (element bytes), changed (elements),
             codec, head (the target's bytes before data_start), parts (compressed length of each part)
 
-Codecs (``encode(..., codec=)``; ``bench/delta_sync.py`` measures them side by side):
+Codecs (``encode(..., codec=)``; ``bench/weights/delta_sync.py`` measures them side by side):
     sparse   the gaps between changed elements' indices and the XOR of their old and new bits, each split into
              byte planes (all low bytes, then the next ...) and each plane one zstd frame: the default, the smallest
     values   the same gaps, with the new bits themselves instead of the XOR
@@ -39,7 +39,7 @@ import zstandard
 MAGIC = b"SRLDELTA"
 FORMAT = 1
 CODECS = ("sparse", "values", "xor")
-# zstd level: higher levels gain under 1 % on these planes (measured: bench/delta_sync.py) at 3-10x the time
+# zstd level: higher levels gain under 1 % on these planes (measured: bench/weights/delta_sync.py) at 3-10x the time
 LEVEL = 3
 _ITEMSIZE = {
     "F64": 8,

@@ -103,14 +103,6 @@ class Config:
     marked @rewards.inline"""
     reward_timeout: float = 60.0
     """seconds one reward job may run; past it the episode fails (where: reward)"""
-    simulated_train_us_per_token: float = 0.0
-    """benchmarks only: the trainer also sleeps this long per trained token, a SIMULATED stand-in for GPU training
-    time on a CPU box (bench/async_vs_sync.py --simulate-gpu)"""
-    step_delay_ms: float = 0.0
-    """drills and benchmarks: wrap the engine in a simulated slow one (engine/slow.py) sleeping this long per step"""
-    simulated_load_ms: float = 0.0
-    """benchmarks only: that simulated engine also sleeps this long per weight load, a SIMULATED stand-in for loading
-    a large model's weights on a GPU (bench/trajectory_async.py --simulated-load-ms)"""
     heartbeat_ttl: float = 5.0
     """seconds after its last heartbeat a worker counts as dead"""
     max_calls_in_flight: int = 64
@@ -313,6 +305,15 @@ class Config:
     """`streamrl ui` listens here (loopback by default; it shows every run under run_dir)"""
     ui_port: int = 8322
     """... on this port (`streamrl ui --port P`); the gateway_api_key, when set, is its key too (docs/security.md)"""
+    # simulation (drills and benchmarks only: a GPU's cost stood in for on a CPU box; 0 in every real run)
+    simulated_train_us_per_token: float = 0.0
+    """benchmarks only: the trainer also sleeps this long per trained token, a SIMULATED stand-in for GPU training
+    time on a CPU box (bench/learning/async_vs_sync.py --simulate-gpu)"""
+    step_delay_ms: float = 0.0
+    """drills and benchmarks: wrap the engine in a simulated slow one (engine/slow.py) sleeping this long per step"""
+    simulated_load_ms: float = 0.0
+    """benchmarks only: that simulated engine also sleeps this long per weight load, a SIMULATED stand-in for loading
+    a large model's weights on a GPU (bench/learning/trajectory_async.py --simulated-load-ms)"""
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)

@@ -10,7 +10,6 @@ episode's call index, and is answered from the stream without generating.
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -46,26 +45,15 @@ class Prepared:
     token_ids: bool = False
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    value = body.get(name)
+def _in_range(name: str, value: float | None, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    """A parsed number (finite: the schema said so) within its range, or its default when the body had none."""
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise GatewayError(400, f"{name}: expected a finite number, got {json.dumps(value)}", name, "invalid_type")
     if value < lo or value > hi or (lo_open and value == lo):
         raise GatewayError(
             400, f"{name}: expected {'>' if lo_open else '>='} {lo:g} and <= {hi:g}, got {value}", name, "invalid_value"
         )
     return float(value)
-
-
-def _named_function(item) -> bool:
-    """A tool or a tool call: an object whose ``function`` is an object with a string ``name``."""
-    return (
-        isinstance(item, dict)
-        and isinstance(item.get("function"), dict)
-        and isinstance(item["function"].get("name"), str)
-    )
 
 
 class Gateway:
@@ -96,30 +84,25 @@ class Gateway:
             raise GatewayError(409, f"episode {episode_id!r}: stream unreadable ({exc})", None, "episode_unreadable")
         return ep
 
-    def _common(self, body: Any) -> dict:
-        if not isinstance(body, dict):
-            raise GatewayError(400, "request body: expected a JSON object", None, "invalid_type")
-        model = body.get("model")
-        if model is not None and model not in self.model_names:
+    def _common(self, req: schema.Chat | schema.Completion) -> dict:
+        """The call's sampling from a parsed request: only ranges and meanings are left to check."""
+        if req.model is not None and req.model not in self.model_names:
             raise GatewayError(
                 404,
-                f"model: unknown model {model!r}; this gateway serves {', '.join(map(repr, self.model_names))}",
+                f"model: unknown model {req.model!r}; this gateway serves {', '.join(map(repr, self.model_names))}",
                 "model",
                 "model_not_found",
             )
-        if body.get("n", 1) != 1:
-            raise GatewayError(400, f"n: only 1 choice per call is supported, got {body.get('n')!r}", "n")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        if req.n is not None and req.n != 1:
+            raise GatewayError(400, f"n: only 1 choice per call is supported, got {req.n!r}", "n")
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = self.cfg.max_tokens
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise GatewayError(
-                400, f"{name}: expected an integer >= 1, got {json.dumps(max_tokens)}", name, "invalid_value"
-            )
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else (stop or [])
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > 4:
+        if max_tokens < 1:
+            raise GatewayError(400, f"{name}: expected an integer >= 1, got {max_tokens}", name, "invalid_value")
+        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stops) > 4:
             raise GatewayError(400, "stop: expected a string or a list of at most 4 strings", "stop")
         stop_ids = list(self.renderer.stop_ids)
         for s in stops:
@@ -132,50 +115,44 @@ class Gateway:
                     "invalid_value",
                 )
             stop_ids.append(ids[0])
-        for flag in ("stream", "return_token_ids"):
-            if not isinstance(body.get(flag, False), bool):
-                raise GatewayError(400, f"{flag}: expected true or false, got {json.dumps(body.get(flag))}", flag)
         return {
-            "temperature": _number(body, "temperature", self.cfg.temperature, 0.0, 2.0),
-            "top_p": _number(body, "top_p", self.cfg.top_p, 0.0, 1.0, lo_open=True),
+            "temperature": _in_range("temperature", req.temperature, self.cfg.temperature, 0.0, 2.0),
+            "top_p": _in_range("top_p", req.top_p, self.cfg.top_p, 0.0, 1.0, lo_open=True),
             "top_k": self.cfg.top_k,
             "max_tokens": max_tokens,
             "stop_token_ids": sorted(set(stop_ids)),
         }
 
-    def _messages(self, body: dict) -> tuple[list[dict], list | None]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
+    def _messages(self, req: schema.Chat) -> tuple[list[dict], list | None]:
+        if not req.messages:
             raise GatewayError(400, "messages: expected a non-empty array of messages", "messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES:
+        for i, m in enumerate(req.messages):
+            if m.role not in ROLES:
                 raise GatewayError(
                     400,
-                    f"messages[{i}].role: expected one of {', '.join(ROLES)}, got "
-                    f"{json.dumps(m.get('role') if isinstance(m, dict) else m)}",
+                    f"messages[{i}].role: expected one of {', '.join(ROLES)}, got {json.dumps(m.role)}",
                     f"messages[{i}].role",
                 )
-            calls = m.get("tool_calls")
-            if calls is not None and not (isinstance(calls, list) and all(_named_function(c) for c in calls)):
-                raise GatewayError(
-                    400,
-                    f"messages[{i}].tool_calls: expected an array of objects with function.name",
-                    f"messages[{i}].tool_calls",
-                )
-        tools = body.get("tools")
-        if tools is not None and not (isinstance(tools, list) and all(_named_function(t) for t in tools)):
-            raise GatewayError(400, "tools: expected an array of {type: function, function: {name, ...}}", "tools")
-        return messages, tools or None
+        # as sent: the chat template and the call's digest read the messages the client wrote
+        return [schema.raw(m) for m in req.messages], [schema.raw(t) for t in req.tools] if req.tools else None
+
+    def _prepared(self, episode_id: str, index: int, req: schema.Chat | schema.Completion, logprobs: bool) -> Prepared:
+        return Prepared(
+            episode_id,
+            index,
+            0,
+            logprobs,
+            bool(req.stream),
+            bool((req.stream_options or {}).get("include_usage")),
+            req.model or self.model_names[0],
+            bool(req.return_token_ids),
+        )
 
     # --- making the call
     def prepare_chat(self, episode_id: str, body: Any) -> Prepared:
-        schema.check(body, schema.Chat)
-        sampling = self._common(body)
-        if not isinstance(body.get("logprobs", False), bool):
-            raise GatewayError(
-                400, f"logprobs: expected true or false, got {json.dumps(body.get('logprobs'))}", "logprobs"
-            )
-        messages, tools = self._messages(body)
+        req = schema.parse(body, schema.Chat)
+        sampling = self._common(req)
+        messages, tools = self._messages(req)
         dg = digest("chat", {"messages": [canonical(m) for m in messages], "tools": tools, "sampling": sampling})
         ep = self._episode(episode_id)
 
@@ -197,21 +174,12 @@ class Gateway:
             return -1, self.renderer.full(messages, tools)
 
         index = self._call(ep, dg, build, sampling, json.dumps({"messages": messages, "tools": tools}))
-        return Prepared(
-            episode_id,
-            index,
-            0,
-            bool(body.get("logprobs")),
-            bool(body.get("stream")),
-            bool((body.get("stream_options") or {}).get("include_usage")),
-            body.get("model") or self.model_names[0],
-            bool(body.get("return_token_ids")),
-        )
+        return self._prepared(episode_id, index, req, bool(req.logprobs))
 
     def prepare_completion(self, episode_id: str, body: Any) -> Prepared:
-        schema.check(body, schema.Completion)
-        sampling = self._common(body)
-        top = body.get("logprobs")
+        req = schema.parse(body, schema.Completion)
+        sampling = self._common(req)
+        top = req.logprobs
         if top is not None and not isinstance(top, bool) and top != 0:
             raise GatewayError(
                 400,
@@ -220,14 +188,10 @@ class Gateway:
                 "logprobs",
                 "invalid_value",
             )
-        prompt = body.get("prompt")
+        prompt = req.prompt
         if isinstance(prompt, str) and prompt:
             ids = self.tok.encode(prompt, add_special_tokens=False)
-        elif (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(self.tok) for i in prompt)
-        ):
+        elif isinstance(prompt, list) and prompt and all(0 <= i < len(self.tok) for i in prompt):
             ids = list(prompt)
         else:
             raise GatewayError(
@@ -249,16 +213,7 @@ class Gateway:
             return -1, ids
 
         index = self._call(ep, dg, build, sampling, json.dumps({"prompt": prompt if isinstance(prompt, str) else None}))
-        return Prepared(
-            episode_id,
-            index,
-            0,
-            top is not None and top is not False,
-            bool(body.get("stream")),
-            bool((body.get("stream_options") or {}).get("include_usage")),
-            body.get("model") or self.model_names[0],
-            bool(body.get("return_token_ids")),
-        )
+        return self._prepared(episode_id, index, req, top is not None and top is not False)
 
     def _call(self, ep: Episode, dg: str, build, sampling: dict, messages: str) -> int:
         for call in ep.calls.values():

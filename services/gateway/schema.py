@@ -1,12 +1,13 @@
 """The shape of a request body, checked with pydantic before any field is used: each field the gateway reads
 has its JSON type (strict: true is not a number, "1" is not an integer; numbers finite), every other field is
-let through as OpenAI clients send many. The first problem is a 400 naming the field
-(``messages[0].tool_calls``); ranges and meanings are checked after (``core.py``)."""
+let through as OpenAI clients send many. ``parse`` is the one parse of a body: the first problem is a 400 naming
+the field (``messages[0].tool_calls``), and what comes back is the typed request the handlers read; what pydantic
+cannot say (ranges, meanings: a known model, one-token stop strings) is checked after, in ``core.py``."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -58,6 +59,14 @@ class Completion(_Common):
     logprobs: bool | int | None = None
 
 
+R = TypeVar("R", bound="_Common")
+
+
+def raw(model: BaseModel) -> dict:
+    """The part of the body a request came from, as sent: the fields it set (extras included), nothing added."""
+    return model.model_dump(exclude_unset=True)
+
+
 _TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none")
 
 
@@ -74,12 +83,12 @@ def _param(loc: tuple) -> str:
     return out or "body"
 
 
-def check(body: Any, kind: type[_Open]) -> None:
-    """GatewayError 400 naming the first field of ``body`` whose type is wrong for a ``kind`` request."""
+def parse(body: Any, kind: type[R]) -> R:
+    """``body`` as a ``kind`` request, or GatewayError 400 naming the first field whose type is wrong."""
     if not isinstance(body, dict):
         raise GatewayError(400, "request body: expected a JSON object", None, "invalid_type")
     try:
-        kind.model_validate(body)
+        return kind.model_validate(body)
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         param = _param(err["loc"])

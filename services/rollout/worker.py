@@ -192,6 +192,19 @@ class RolloutWorker:
         command, a new prompt group, a gateway call or a finished rq job: no short polls. Busy, that read is
         non-blocking and rides with the step's writes (``writes.send_step``): one round trip per engine step,
         made while the next step runs; its reply is obeyed after that step."""
+        self._read_control(block_ms)
+        now = time.monotonic()
+        self._take_work(now)
+        self._serve_jobs_and_calls()
+        if not self.paused and self.engine.has_unfinished():
+            self._step_engine()
+        else:
+            self.episodes.flush(due_only=True)
+        self._after_tick(now)
+
+    # --- the tick's phases, in order
+    def _read_control(self, block_ms: int) -> None:
+        """Control commands and wake-ups; skipped when busy and the last step's write already carried the read."""
         busy = self.engine.has_unfinished() and not self.paused
         if not (busy and self._wake_sent):
             # the reply of a read in flight first: the cursors move in order
@@ -199,35 +212,42 @@ class RolloutWorker:
             self._on_replies()
             self._handle_control(block_ms=0 if busy else self._idle_block_ms(block_ms))
         self._wake_sent = False
-        now = time.monotonic()
-        if not self.paused:
-            self.sync.before_claims()
-            self._claim(now)
-            # pull: load a downloaded version at a cheap point
-            self.sync.between_steps()
+
+    def _take_work(self, now: float) -> None:
+        """Claims (and takeovers) under the sync mode's rules; pulled syncs load at this cheap point."""
+        if self.paused:
+            return
+        self.sync.before_claims()
+        self._claim(now)
+        self.sync.between_steps()
+
+    def _serve_jobs_and_calls(self) -> None:
+        """Gateway calls to open or resume, finished rq jobs (tools, rewards) back into their episodes."""
         self.calls.tick(self.paused)
         for outcome in self.jobs.poll():
             self.episodes.on_job(outcome)
-        if not self.paused and self.engine.has_unfinished():
-            t0 = time.monotonic()
-            # every episode that ends in this step: in the step's one round trip
-            with self.episodes.writes.one_flush():
-                # chunks are routed by request id (= episode id)
-                for chunk in self.engine.step():
-                    if self.calls.owns(chunk.request_id):
-                        self.calls.on_chunk(chunk)
-                    else:
-                        self.episodes.on_chunk(chunk)
-            self.busy_s += time.monotonic() - t0
-            # the previous step's writes, made while this step ran
-            self.episodes.writes.settle(publish_later=True)
-            # may pause: that writes everything now
-            self._on_replies()
-            self._wake_sent = self.engine.has_unfinished() and not self.paused
-            self.episodes.writes.send_step(self._wake_read() if self._wake_sent else None)
-        else:
-            self.episodes.flush(due_only=True)
-        # long-tail repack: policy, handoff (services/rollout/groups/repacker.py)
+
+    def _step_engine(self) -> None:
+        """One engine step; its writes (and the next wake read) travel in one round trip while the next step runs."""
+        t0 = time.monotonic()
+        # every episode that ends in this step: in the step's one round trip
+        with self.episodes.writes.one_flush():
+            # chunks are routed by request id (= episode id)
+            for chunk in self.engine.step():
+                if self.calls.owns(chunk.request_id):
+                    self.calls.on_chunk(chunk)
+                else:
+                    self.episodes.on_chunk(chunk)
+        self.busy_s += time.monotonic() - t0
+        # the previous step's writes, made while this step ran
+        self.episodes.writes.settle(publish_later=True)
+        # may pause: that writes everything now
+        self._on_replies()
+        self._wake_sent = self.engine.has_unfinished() and not self.paused
+        self.episodes.writes.send_step(self._wake_read() if self._wake_sent else None)
+
+    def _after_tick(self, now: float) -> None:
+        """Long-tail repack (services/rollout/groups/repacker.py), the heartbeat, the periodic report."""
         self.repack.after_tick(self.busy_s)
         self.beat()
         if now >= self._next_report:

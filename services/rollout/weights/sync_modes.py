@@ -19,16 +19,53 @@ The ways (config ``mode`` and ``sync_mode``):
 - ``Lockstep`` (mode sync, the synchronous baseline): commanded, and a worker that missed a sync catches up to the
   gate's version before it claims.
 
-The worker it serves (``host``) gives: ``client``, ``keys``, ``cfg``, ``log``, ``engine`` (its ``version``),
-``claims`` (``slots_used()``, ``gated``), ``weights`` (``LocalWeights``), ``worker_id``, ``catch_up()`` (load the
-newest published version) and ``load_pulled(version)`` (pause, load, resume, heartbeat).
+What a way may use of the worker it serves is typed: ``SyncHost`` below, and nothing else of the worker.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
+import redis
+
 from services.rollout.engine import EngineError
+from services.rollout.weights.local import LocalWeights
 from services.rollout.weights.puller import Puller
 from shared.protocol import gate
+from shared.protocol.keys import Keys
+from shared.protocol.streams.versions import Version
+from shared.runtime.config.keys import Config
+
+
+class HostEngine(Protocol):
+    # the policy version the engine runs
+    version: int
+
+
+class HostClaims(Protocol):
+    # whether the staleness gate refused this worker's last claim
+    gated: bool
+
+    def slots_used(self) -> float: ...
+
+
+class SyncHost(Protocol):
+    """What a sync mode needs from the rollout worker it serves."""
+
+    client: redis.Redis
+    keys: Keys
+    cfg: Config
+    log: object
+    worker_id: str
+    engine: HostEngine
+    claims: HostClaims
+    weights: LocalWeights
+
+    def catch_up(self) -> None:
+        """Load the newest published version."""
+
+    def load_pulled(self, v: Version) -> None:
+        """Pause, load a pulled version, resume, beat."""
 
 
 class Commanded:
@@ -37,7 +74,7 @@ class Commanded:
     # the syncer orders fetches level by level: a relay never waits for its own copy
     relay_wait_s = 0.0
 
-    def __init__(self, host):
+    def __init__(self, host: SyncHost):
         self.host = host
         self.stats: dict = {}
 
@@ -78,7 +115,7 @@ class Rolling(Commanded):
     (once per version, logged). A worker behind only while a rolling sync is under way claims under its own
     version's limit (the gate's rule), and waits for its wave."""
 
-    def __init__(self, host):
+    def __init__(self, host: SyncHost):
         super().__init__(host)
         # the gate version a catch-up load failed for
         self._failed_for: int | None = None
@@ -107,7 +144,7 @@ class Pulling(Commanded):
     """sync_mode pull: announced versions are downloaded while generating and loaded between engine steps, under the
     load lease (``puller.py``)."""
 
-    def __init__(self, host):
+    def __init__(self, host: SyncHost):
         super().__init__(host)
         self.puller = Puller(host.cfg, host.client, host.keys, host.worker_id, host.weights, host.log)
         self.stats = self.puller.stats
@@ -136,7 +173,7 @@ class Pulling(Commanded):
         self.puller.tick(host.engine.version, host_claims.slots_used(), host_claims.gated, host.load_pulled)
 
 
-def choose(cfg, host) -> Commanded:
+def choose(cfg: Config, host: SyncHost) -> Commanded:
     """The way this worker takes new versions, from its config (validated: ``shared/runtime/config/checks.py``)."""
     if cfg.mode == "sync":
         return Lockstep(host)

@@ -7,7 +7,9 @@ from enum import Enum
 
 from services.rollout.engine import SamplingParams
 from shared.protocol.episode.fold import Episode
-from shared.protocol.episode.sampling import episode_seed, stable_seed  # noqa: F401 - the rule lives in shared (segments use it)
+
+# re-exported: the rule lives in shared (segments use it)
+from shared.protocol.episode.sampling import episode_seed, stable_seed  # noqa: F401
 
 
 class State(Enum):

@@ -296,11 +296,16 @@ def table(results: dict[str, dict], changed=changed_lines, headlines=HEADLINES, 
         when = f"{r.get('date', '?')[:10]}, `{(r.get('commit') or '?')[:7]}`"
         lines.append(f"| {_cell(what)} | {figure} | {when} | {link} |")
     listed = [n for n in off if n in results]
+
+    def page_of(name: str) -> str:
+        # a headline names its page; another result file is its own page unless PAGES says otherwise
+        return defaults[name][2] if name in defaults else PAGES.get(name, name)
+
     if listed:
         lines += [
             "",
             "Kept off the table: "
-            + "; ".join(f"`{n}` ({_cell(off[n])}, see [its history](history/{PAGES.get(n, n)}.md))" for n in listed)
+            + "; ".join(f"`{n}` ({_cell(off[n])}, see [its history](history/{page_of(n)}.md))" for n in listed)
             + ".",
         ]
     return "\n".join(lines)

@@ -81,7 +81,8 @@ def test_rows_kept_off_the_table_are_listed_under_it_with_why():
     )
     assert "| figure a |" not in out
     assert "| c: overhead | **0.95x** |" in out
-    assert out.splitlines()[-1] == "Kept off the table: `a` (takes 3 hours, see [its history](history/a.md))."
+    # a headline kept off links the page its row names, not a page named after the result
+    assert out.splitlines()[-1] == "Kept off the table: `a` (takes 3 hours, see [its history](history/page_a.md))."
 
 
 def test_the_real_table_keeps_stale_rows_off_and_links_pages_that_exist():

@@ -3,7 +3,7 @@ import random
 import pytest
 
 from shared.protocol.episode.events import Event
-from shared.protocol.episode.log import EpisodeLog, Fenced
+from shared.protocol.episode.log import Ended, EpisodeLog, Fenced
 from shared.runtime.connection import is_cluster_client
 from tests.support.helpers import started
 
@@ -244,3 +244,66 @@ def test_send_and_read_writes_starts_only_into_empty_streams_and_reads_after_the
     assert log.replay("new").events[0].worker == "w" and log.written("new")
     assert [e.worker for e in log.replay("held").events] == ["other", "other"]
     assert log.replay("held").tokens == [4, 5] and "held" not in log._pending
+
+
+def test_nothing_is_appended_after_a_terminal_event_whoever_writes_it(client, keys):
+    """A writer that re-read the stream (its seq is right) is still refused once the episode ended, and so is a
+    batch holding events after its own terminal one; the stream folds afterwards."""
+    runner, worker = EpisodeLog(client, keys, "runner"), EpisodeLog(client, keys, "rw1")
+    _start(runner)
+    runner.open("e1", 1)
+    runner.append("e1", "failed", {"error": "agent raised", "where": "agent"}, 0)
+    runner.flush_or_raise()
+    # the worker read the stream after the end: its seq is the stream's length, yet it is refused
+    worker.open("e1", 2)
+    worker.append("e1", "resumed", {"num_tokens": 0}, 1)
+    errors = worker.flush()
+    assert isinstance(errors["e1"], Ended) and "failed at seq 1" in str(errors["e1"])
+    assert worker.written("e1")
+    _start(worker, "e2")
+    worker.open("e2", 1)
+    worker.append("e2", "finished", {"reason": "stop", "reward": 1.0}, 0)
+    worker.append("e2", "resumed", {"num_tokens": 0}, 0)
+    with pytest.raises(Ended, match="after its finished"):
+        worker.flush_or_raise()
+    assert client.xlen(keys.episode("e2")) == 1
+    assert runner.replay("e1").status == "failed" and client.xlen(keys.episode("e1")) == 2
+
+
+def test_writers_racing_an_end_never_write_after_it(client, keys):
+    """Threads append to one episode at the stream's tail (as a writer that rebases on the stream's length does,
+    without folding it first) while one of them ends it: the end is the stream's last event, the only terminal
+    one, and the stream folds."""
+    import threading
+
+    from shared.protocol.episode.fold import fold
+
+    for round_ in range(5):
+        eid = f"race{round_}"
+        _start(EpisodeLog(client, keys, "starter"), eid)
+        go = threading.Barrier(4)
+        refused: list[Exception] = []
+
+        def write(name: str, ending: bool) -> None:
+            log = EpisodeLog(client, keys, name)
+            go.wait()
+            for k in range(40):
+                log.open(eid, client.xlen(keys.episode(eid)))
+                if ending and k >= 10:
+                    log.append(eid, "failed", {"error": "cut", "where": "agent"}, 0)
+                    if not log.flush():
+                        # its end landed
+                        return
+                else:
+                    log.append_tokens(eid, [k], [0.0], 0)
+                    refused.extend(e for e in log.flush().values() if isinstance(e, Ended))
+
+        threads = [threading.Thread(target=write, args=(f"w{i}", i == 0)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        ep = fold(client.xrange(keys.episode(eid)))
+        assert ep.status == "failed" and ep.events[-1].kind == "failed"
+        assert sum(e.kind in ("finished", "failed") for e in ep.events) == 1
+        assert refused, "no writer came after the end: the race was not run"

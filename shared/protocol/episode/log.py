@@ -14,6 +14,14 @@ one episode (a worker presumed dead that wakes up, say), and a writer ahead of
 the stream (the server lost its tail) cannot append either: the loser gets
 ``Fenced`` and must drop the episode.
 
+An ended episode takes nothing more: the script also refuses a batch when the
+stream's last entry is terminal (``finished``/``failed``), or when the batch
+itself has events after a terminal one. The writer gets ``Ended`` (a
+``Fenced``: it drops the episode the same way), whoever wrote the terminal
+event: a rollout worker, the agent runner, a takeover. So every writer's
+``resumed``, ``tokens`` or second terminal that loses a race with an end is
+refused by the server, and an episode stream always folds.
+
 On one server a batch is one script call for all its episodes (the fence is
 per episode: a fenced one leaves the others written); on a cluster, where the
 streams live in different slots, one call per episode, routed to its node.
@@ -43,6 +51,7 @@ from shared.protocol.streams.routing import node_of
 
 _APPEND = """
 local v, worker, out, a = ARGV[1], ARGV[2], {}, 3
+local function terminal(kind) return kind == 'finished' or kind == 'failed' end
 for k = 1, #KEYS do
   local seq, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
   a = a + 2
@@ -52,12 +61,25 @@ for k = 1, #KEYS do
   elseif len ~= seq then
     out[k] = 'FENCED stream holds ' .. len .. ' entries (next seq ' .. len .. '), writer expected seq ' .. seq
   else
-    for i = 0, n - 1 do
-      local j = a + 3 * i
-      redis.call('XADD', KEYS[k], '*', 'type', ARGV[j], 'v', v, 'policy', ARGV[j + 1], 'worker', worker,
-                 'seq', seq + i, 'data', ARGV[j + 2])
+    if len > 0 then
+      local last = redis.call('XREVRANGE', KEYS[k], '+', '-', 'COUNT', 1)[1][2]
+      if last[1] == 'type' and terminal(last[2]) then
+        out[k] = 'ENDED the stream ends with ' .. last[2] .. ' at seq ' .. (len - 1)
+      end
     end
-    out[k] = n
+    for i = 0, n - 2 do
+      if not out[k] and terminal(ARGV[a + 3 * i]) then
+        out[k] = 'ENDED the batch has events after its ' .. ARGV[a + 3 * i] .. ' (seq ' .. (seq + i) .. ')'
+      end
+    end
+    if not out[k] then
+      for i = 0, n - 1 do
+        local j = a + 3 * i
+        redis.call('XADD', KEYS[k], '*', 'type', ARGV[j], 'v', v, 'policy', ARGV[j + 1], 'worker', worker,
+                   'seq', seq + i, 'data', ARGV[j + 2])
+      end
+      out[k] = n
+    end
   end
   a = a + 3 * n
 end
@@ -71,6 +93,10 @@ class Fenced(RuntimeError):
     def __init__(self, episode_id: str, detail: str):
         self.episode_id = episode_id
         super().__init__(f"episode {episode_id}: {detail}")
+
+
+class Ended(Fenced):
+    """The episode's stream already ends with its terminal event; nothing may follow it."""
 
 
 @dataclass
@@ -237,8 +263,8 @@ class EpisodeLog:
             p = taken.pending
             current = self._pending.get(episode_id) is p
             if isinstance(result, Exception):
-                if "FENCED" in str(result):
-                    errors[episode_id] = Fenced(episode_id, str(result))
+                if "FENCED" in str(result) or "ENDED" in str(result):
+                    errors[episode_id] = (Ended if "ENDED" in str(result) else Fenced)(episode_id, str(result))
                     if current:
                         self.close(episode_id)
                 else:

@@ -221,7 +221,11 @@ def test_bad_input_must_be_dead_lettered_once_a_service_read_it():
         {"stream": "ep:g1-1", "entry": "998-0", "reason": "x"},
     ]
     r = check(data)
-    assert r.bad_input_not_dead_lettered == 0 and r.ok
+    assert r.bad_input_not_dead_lettered == 0
+    # dead-lettered or not, an episode stream that does not fold cannot be replayed or trained: not ok
+    assert r.episodes_unreadable == 1 and r.details["episodes_unreadable"][0].startswith("g1-1 (") and not r.ok
+    data.episodes["g1-1"] = data.episodes["g1-1"][:-1]
+    assert check(data).ok
     # a dead letter for another entry does not cover this one
     data.dead[0]["entry"] = "2-0"
     assert check(data).details["bad_input_not_dead_lettered"] == ["prompts 3-0"]
@@ -426,3 +430,22 @@ def test_a_repack_hand_over_must_name_its_source():
     data.reports["w"]["tokens"] = 3
     r = check(data)
     assert r.repacks_unmarked == 1 and r.details["repacks_unmarked"] == ["g1-0"] and not r.ok
+
+
+def test_an_episode_the_platform_failed_fails_the_check_and_one_the_agent_failed_does_not():
+    """A failed event's ``where`` tells the agent's own error (the episode's outcome) from the gateway lost for
+    good (the platform's): only the second fails the check."""
+    data = _finished_run()
+
+    def failed_with(where: str):
+        ep = _episode("g2-0")[:-1]
+        return ep + checker._entries(raw([Event("failed", 0, "agents", len(ep), {"error": "x", "where": where})]))
+
+    data.episodes["g2-0"] = failed_with("agent")
+    r = check(data)
+    assert r.ok and r.episodes_failed_by_infrastructure == 0
+    data.episodes["g2-0"] = failed_with("gateway")
+    r = check(data)
+    assert r.episodes_failed_by_infrastructure == 1 and not r.ok
+    assert r.details["episodes_failed_by_infrastructure"] == ["g2-0"]
+    assert "episodes the platform failed" in checker.format_report(r, "x") and "FAILED" in checker.format_report(r, "x")

@@ -531,7 +531,8 @@ def inject(data: RunData, fault: str, group: str, amount: int) -> dict[str, int]
         entries = data.episodes[f"{group}-0"]
         data.episodes[f"{group}-0"] = entries + [("999-0", {**entries[-1][1], "seq": str(len(entries)).encode()})]
         data.dead.append({"stream": f"ep:{group}-0", "entry": "", "reason": "after the episode finished"})
-        return {"episodes_finished_twice": 1}
+        # and the stream no longer folds
+        return {"episodes_finished_twice": 1, "episodes_unreadable": 1}
     if fault == "version published twice":
         data.versions.append(data.versions[-1] if data.versions else 0)
         return {"versions_repeated": 1}
@@ -583,9 +584,14 @@ def inject(data: RunData, fault: str, group: str, amount: int) -> dict[str, int]
             + [(entries[2][0], {**entries[2][1], "seq": b"4"})]
         )
         return {"repacks_unmarked": 1}
+    if fault == "episode failed by the platform":
+        entries = data.episodes[f"{group}-0"]
+        failed = Event("failed", 0, "agents", len(entries) - 1, {"error": "lost the gateway", "where": "gateway"})
+        data.episodes[f"{group}-0"] = entries[:-1] + [(entries[-1][0], f) for _, f in _entries(raw([failed]))]
+        return {"episodes_failed_by_infrastructure": 1}
     assert fault == "unreadable episode entry"
     data.episodes[f"{group}-0"] = data.episodes[f"{group}-0"] + [("998-0", {"type": b"tokens", "v": b"9"})]
-    return {"bad_input_not_dead_lettered": 1}
+    return {"bad_input_not_dead_lettered": 1, "episodes_unreadable": 1}
 
 
 FAULTS = (
@@ -603,6 +609,7 @@ FAULTS = (
     "bad samples entry, read",
     "bad prompts entry, delivered",
     "unreadable episode entry",
+    "episode failed by the platform",
     "tokens trained stale",
     "repack hand-over unmarked",
 )

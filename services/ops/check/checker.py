@@ -55,6 +55,14 @@ tokens_past_staleness_bound
     ``stale_tokens_masked``); without either there is no bound ("no bound":
     the admission gate bounds groups in start order only, docs/training.md)
     and the row only shows the stalest token trained.
+episodes_unreadable
+    episode streams that fold refuses (an undecodable entry, a gap, an event
+    after the terminal one), whatever became of them: dead-lettered or not,
+    such an episode cannot be replayed, trained or browsed.
+episodes_failed_by_infrastructure
+    episodes whose ``failed`` event names a part of the platform as the
+    cause (``where`` in events.INFRASTRUCTURE_FAILURES: an agent that lost
+    the gateway for good), not the episode's prompt, model, reward or agent.
 repacks_unmarked
     long-tail repacks whose hand-over ``resumed`` (the event right after the
     source's ``aborted`` with reason ``repack``) does not name the source in
@@ -95,6 +103,7 @@ from services.ops.check.counts import (
 )
 from services.ops.check.data import ConsumerGroup, RunData, _entries, id_key, read_run
 from services.ops.check.report import MUST_BE_ZERO, Report, format_report
+from shared.protocol.episode.events import INFRASTRUCTURE_FAILURES
 
 __all__ = [
     "ConsumerGroup",
@@ -162,6 +171,10 @@ def check(data: RunData) -> Report:
     r.loads_backwards = len(backwards)
     r.staleness_bound = data.staleness_bound
     r.tokens_past_staleness_bound, r.oldest_trained, past = trained_past_bound(data, stats)
+    unreadable = sorted(eid for eid, st in stats.items() if st.status == "unreadable")
+    r.episodes_unreadable = len(unreadable)
+    infra = sorted(eid for eid, st in stats.items() if st.failed_where in INFRASTRUCTURE_FAILURES)
+    r.episodes_failed_by_infrastructure = len(infra)
     unmarked = sorted(eid for eid, st in stats.items() if st.repack_unmarked)
     r.repacks_unmarked = sum(stats[eid].repack_unmarked for eid in unmarked)
     r.takeovers = sum(s.takeovers for s in stats.values())
@@ -181,6 +194,8 @@ def check(data: RunData) -> Report:
         "loads_backwards": backwards[:50],
         "tokens_past_staleness_bound": past[:50],
         "repacks_unmarked": unmarked[:50],
+        "episodes_unreadable": [f"{eid} ({stats[eid].error[:200]})" for eid in unreadable[:50]],
+        "episodes_failed_by_infrastructure": infra[:50],
         "workers_without_final_report": no_report,
         "tokens_generated": {w: int(rep.get("tokens", 0)) for w, rep in sorted(data.reports.items())},
     }

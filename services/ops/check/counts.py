@@ -106,6 +106,8 @@ class EpisodeStats:
     # fold's status, or 'unreadable' when fold refuses the stream
     status: str = "unreadable"
     error: str = ""
+    # the ``where`` of its failed event, when it failed
+    failed_where: str = ""
 
 
 def episode_stats(entries: list[tuple[str, dict]]) -> EpisodeStats:
@@ -120,6 +122,8 @@ def episode_stats(entries: list[tuple[str, dict]]) -> EpisodeStats:
             continue
         if ev.kind in TERMINAL_KINDS:
             st.terminal_events += 1
+            if ev.kind == "failed":
+                st.failed_where = str(ev.data.get("where") or "")
         elif ev.kind == "tokens":
             st.policy_tokens += len(ev.data["ids"])
         elif ev.kind == "resumed":

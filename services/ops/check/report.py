@@ -14,6 +14,8 @@ MUST_BE_ZERO = (
     "loads_backwards",
     "tokens_past_staleness_bound",
     "repacks_unmarked",
+    "episodes_unreadable",
+    "episodes_failed_by_infrastructure",
 )
 
 
@@ -43,6 +45,8 @@ class Report:
     # versions behind, the stalest token trained
     oldest_trained: int = 0
     repacks_unmarked: int = 0
+    episodes_unreadable: int = 0
+    episodes_failed_by_infrastructure: int = 0
     dead_letters: int = 0
     takeovers: int = 0
     tail_resumes: int = 0
@@ -78,6 +82,8 @@ def format_report(r: Report, run: str) -> str:
             r.tokens_past_staleness_bound is not None,
         ),
         ("repack hand-overs not marked", r.repacks_unmarked, True),
+        ("episodes unreadable", r.episodes_unreadable, True),
+        ("episodes the platform failed", r.episodes_failed_by_infrastructure, True),
     ]
     lines = [
         f"run {run!r}: {r.groups_enqueued} groups enqueued, {r.groups_published} finished, "

@@ -153,11 +153,19 @@ KINDS: dict[str, dict[str, tuple[str, bool, str]]] = {
     },
     "failed": {
         "error": ("str", True, "what went wrong, for a person"),
-        "where": ("str", False, "component that failed: 'engine', 'reward', 'prompt', ..."),
+        "where": (
+            "str",
+            False,
+            "component that failed: 'engine', 'reward', 'prompt', 'agent' (the user's agent raised), 'gateway' "
+            "(the agent lost the gateway and it did not come back: an infrastructure failure), ...",
+        ),
     },
 }
 
 TERMINAL_KINDS = ("finished", "failed")
+# the ``where`` of a failure the platform caused, not the episode's input, model, reward or agent: `streamrl check`
+# counts these, and a run with any is not ok
+INFRASTRUCTURE_FAILURES = ("gateway",)
 V2_KINDS = ("call", "call_done")
 
 

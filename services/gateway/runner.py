@@ -11,6 +11,16 @@ the job again (``agents_worker`` reaps jobs whose worker's heartbeat lapsed).
 Every call the agent makes again is matched to the call already in the stream
 by its digest and answered from it, so no completed call is generated twice;
 a call still in flight is waited on.
+
+The same holds when the gateway is what broke: an agent that raises a connection
+error (any SDK's: the gateway restarted under a streamed call, which no client
+retries, or a framework's client gave up after its own few retries) or a 5xx
+from the gateway is run again in the same job, once the gateway answers again,
+up to ``GATEWAY_RERUNS`` times within the episode's timeout. Its completed calls
+are answered from the log and a call cut mid-stream is answered whole from its
+stream. Only when the gateway stays away is the episode failed, with ``where``
+``gateway``: an infrastructure failure, which ``streamrl check`` counts apart
+from the agent's own errors.
 """
 
 from __future__ import annotations
@@ -42,6 +52,57 @@ if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[3]) then
 end
 return 0
 """
+
+
+# runs of one agent episode after the first, each after the gateway broke under it
+GATEWAY_RERUNS = 20
+# the class names, across the SDKs agents use, of "the connection to the server broke": builtins
+# (ConnectionError, http.client's IncompleteRead), httpx (TransportError), openai and anthropic
+# (APIConnectionError), requests (ConnectionError, ChunkedEncodingError), urllib3 (ProtocolError), aiohttp
+# (ClientConnectionError, ServerDisconnectedError)
+_CONNECTION_ERRORS = {
+    "ConnectionError",
+    "IncompleteRead",
+    "TransportError",
+    "APIConnectionError",
+    "ChunkedEncodingError",
+    "ProtocolError",
+    "ClientConnectionError",
+    "ServerDisconnectedError",
+}
+
+
+def lost_gateway(exc: BaseException) -> bool:
+    """Whether an agent's exception says its connection to the gateway broke, or the gateway answered 5xx: the
+    exception or one it was raised from (frameworks wrap the SDK's) is a connection error of any SDK, or carries
+    an HTTP status of 500 or more."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if any(c.__name__ in _CONNECTION_ERRORS for c in type(exc).__mro__):
+            return True
+        status = getattr(exc, "status_code", None) or getattr(getattr(exc, "response", None), "status_code", None)
+        if isinstance(status, int) and status >= 500:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def wait_for_gateway(url: str, deadline: float) -> bool:
+    """Poll the gateway's health route until it answers (True) or the deadline (a monotonic time) passes. An
+    HTTP server, not Redis: nothing to block on, so a short poll with a growing pause."""
+    import httpx
+
+    pause = 0.1
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, 2.0)
+    return False
 
 
 def load_agent(spec: str):
@@ -99,8 +160,44 @@ def _record_metrics(client, keys: Keys, episode_id: str) -> None:
     )
 
 
-def run_episode(spec: dict) -> dict:
+def _run_agent(spec: dict, events: EpisodeLog, log) -> dict:
+    """Run the user's agent to its end (re-running it while the gateway is what broke) and append the episode's
+    terminal event. Returns what the job reports: reward or error, and the gateway reruns."""
     import openai
+
+    eid = spec["episode_id"]
+    t0 = time.monotonic()
+    deadline = t0 + float(spec.get("timeout", 600.0))
+    url, key = GATEWAY if GATEWAY[0] else (spec["gateway_url"], "")
+    rerun = 0
+    while True:
+        # the agent holds its episode's own key, never the gateway's: it can call into this episode only
+        oai = openai.OpenAI(
+            base_url=f"{url}/ep/{eid}/v1",
+            api_key=secrets.episode_key(key, eid) if key else "streamrl",
+            max_retries=100,
+            timeout=spec.get("timeout", 600.0),
+        )
+        try:
+            reward, details = normalise(load_agent(spec["agent"])(oai, dict(spec["task"])))
+        # a user's agent can raise anything: an error on the episode, not a lost group
+        except Exception as exc:
+            error = f"agent {spec['agent']} raised {exc.__class__.__name__}: {exc}"
+            gateway = lost_gateway(exc)
+            if gateway and rerun < GATEWAY_RERUNS and wait_for_gateway(url, deadline):
+                rerun += 1
+                log.warning("agent lost the gateway; running it again, its calls answered from the log", error=error)
+                continue
+            log.warning("agent episode failed", error=error, gateway=gateway)
+            where = "gateway" if gateway else "agent"
+            _append_last(events, eid, "failed", {"error": error[:2000], "where": where})
+            return {"error": error, "gateway_reruns": rerun}
+        _append_last(events, eid, "finished", {"reason": "stop", "reward": reward, "details": details})
+        log.info("agent episode finished", reward=reward, seconds=round(time.monotonic() - t0, 3), reruns=rerun)
+        return {"reward": reward, "gateway_reruns": rerun}
+
+
+def run_episode(spec: dict) -> dict:
     from rq import get_current_job
 
     job = get_current_job()
@@ -139,26 +236,7 @@ def run_episode(spec: dict) -> dict:
     ep = fold(events.read(eid))
     result = {"episode_id": eid, "rerun": bool(ep.calls) or ep.done}
     if not ep.done:
-        t0 = time.monotonic()
-        url, key = GATEWAY if GATEWAY[0] else (spec["gateway_url"], "")
-        # the agent holds its episode's own key, never the gateway's: it can call into this episode only
-        oai = openai.OpenAI(
-            base_url=f"{url}/ep/{eid}/v1",
-            api_key=secrets.episode_key(key, eid) if key else "streamrl",
-            max_retries=100,
-            timeout=spec.get("timeout", 600.0),
-        )
-        try:
-            reward, details = normalise(load_agent(spec["agent"])(oai, dict(spec["task"])))
-            _append_last(events, eid, "finished", {"reason": "stop", "reward": reward, "details": details})
-            result.update(reward=reward)
-            log.info("agent episode finished", reward=reward, seconds=round(time.monotonic() - t0, 3))
-        # a user's agent can raise anything: an error on the episode, not a lost group
-        except Exception as exc:
-            error = f"agent {spec['agent']} raised {exc.__class__.__name__}: {exc}"
-            log.warning("agent episode failed", error=error)
-            _append_last(events, eid, "failed", {"error": error[:2000], "where": "agent"})
-            result.update(error=error)
+        result.update(_run_agent(spec, events, log))
     _record_metrics(client, keys, eid)
     published = client.eval(
         _PUBLISH,

@@ -50,21 +50,19 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
 
     app = FastAPI(title="streamrl gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
 
-    def authorized(path: str, header: str) -> bool:
-        """The gateway's key anywhere; an episode's own key (secrets.episode_key) on that episode's routes."""
-        given = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
-        if secrets.same(given, api_key):
-            return True
+    def authorized(path: str, headers) -> bool:
+        """The gateway's key anywhere; an episode's own key (secrets.episode_key) on that episode's routes. Either
+        as ``Authorization: Bearer <key>`` (OpenAI's clients) or as ``x-api-key: <key>`` (Anthropic's)."""
+        bearer = headers.get("authorization", "")
+        given = [bearer.removeprefix("Bearer ").strip() if bearer.startswith("Bearer ") else ""]
+        given.append(headers.get("x-api-key", "").strip())
         parts = path.split("/")
-        return len(parts) > 3 and parts[1] == "ep" and secrets.same(given, secrets.episode_key(api_key, parts[2]))
+        mine = secrets.episode_key(api_key, parts[2]) if len(parts) > 3 and parts[1] == "ep" else None
+        return any(key and (secrets.same(key, api_key) or (mine and secrets.same(key, mine))) for key in given)
 
     @app.middleware("http")
     async def _guard(request: Request, call_next):
-        if (
-            api_key
-            and request.url.path != "/healthz"
-            and not authorized(request.scope["path"], request.headers.get("authorization", ""))
-        ):
+        if api_key and request.url.path != "/healthz" and not authorized(request.scope["path"], request.headers):
             gw.log.warning(
                 "request refused: wrong key",
                 path=request.scope["path"][:200],
@@ -73,7 +71,7 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
             return _error(
                 GatewayError(
                     401,
-                    "authorization: missing or wrong API key (Bearer token; an agent "
+                    "authorization: missing or wrong API key (a Bearer token or an x-api-key header; an agent "
                     "episode's key is good for its own episode only)",
                     None,
                     "invalid_api_key",

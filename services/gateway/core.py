@@ -123,6 +123,30 @@ class Gateway:
             "stop_token_ids": sorted(set(stop_ids)),
         }
 
+    @staticmethod
+    def _honoured(req: schema.Chat) -> None:
+        """Refuse, naming the field, what would change the answer and that the policy cannot do: it samples
+        freely, and its tool calls are parsed from its text, so nothing can force or forbid a tool call or
+        constrain the output to JSON. What changes nothing (``auto``, ``text``, ``none`` with no tools) passes."""
+        choice = req.tool_choice
+        if choice is not None and choice != "auto" and not (choice == "none" and not req.tools):
+            raise GatewayError(
+                400,
+                f"tool_choice: only 'auto' can be honoured (the model decides whether to call a tool; nothing forces "
+                f"or forbids one), got {json.dumps(choice)[:80]}",
+                "tool_choice",
+                "unsupported_value",
+            )
+        fmt = req.response_format
+        if fmt is not None and fmt.get("type") != "text":
+            raise GatewayError(
+                400,
+                f"response_format: only {{'type': 'text'}} can be honoured (the policy samples freely: no JSON "
+                f"mode or schema-constrained decoding), got {json.dumps(fmt)[:80]}",
+                "response_format",
+                "unsupported_value",
+            )
+
     def _messages(self, req: schema.Chat) -> tuple[list[dict], list | None]:
         if not req.messages:
             raise GatewayError(400, "messages: expected a non-empty array of messages", "messages")
@@ -151,6 +175,7 @@ class Gateway:
     # --- making the call
     def prepare_chat(self, episode_id: str, body: Any) -> Prepared:
         req = schema.parse(body, schema.Chat)
+        self._honoured(req)
         sampling = self._common(req)
         messages, tools = self._messages(req)
         dg = digest("chat", {"messages": [canonical(m) for m in messages], "tools": tools, "sampling": sampling})

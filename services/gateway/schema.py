@@ -51,6 +51,9 @@ class _Common(_Open):
 class Chat(_Common):
     messages: list[Message]
     tools: list[Named] | None = None
+    # read only to refuse what the gateway cannot honour (core.py): it never silently drops them
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class Completion(_Common):

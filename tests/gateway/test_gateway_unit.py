@@ -10,7 +10,7 @@ from services.gateway import toolparse
 from services.gateway.app import make_app
 from services.gateway.chat import Renderer, canonical, template_messages
 from services.gateway.core import Gateway
-from shared.runtime import logs
+from shared.runtime import logs, secrets
 from shared.runtime.config.keys import Config
 from tests.support.chat_models import CALC_TOOL, calc_conversation, make_chat_model, tool_call_message
 from tests.support.gateway_stack import start_agent_episode
@@ -97,6 +97,31 @@ def _post(http, body, episode="g-0", raw=None):
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools[0].function"),
         # over the 160-token context
         ({"messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
+        # what would change the answer and cannot be honoured is refused, never dropped
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [CALC_TOOL], "tool_choice": "required"},
+            400,
+            "tool_choice",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [CALC_TOOL], "tool_choice": "none"},
+            400,
+            "tool_choice",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "tool_choice": {"type": "function", "function": {"name": "calc"}},
+            },
+            400,
+            "tool_choice",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "response_format": "json"}, 400, "response_format"),
     ],
 )
 def test_bad_requests_name_the_field(http, client, keys, body, status, param):
@@ -123,3 +148,63 @@ def test_api_key_is_required_when_set(chat_dir, tok, client, keys):
     http = TestClient(make_app(gw, api_key="sesame"))
     assert http.get("/v1/models").status_code == 401
     assert http.get("/v1/models", headers={"authorization": "Bearer sesame"}).status_code == 200
+    # Anthropic's clients send the key as x-api-key; a wrong Bearer beside it does not hide it
+    assert http.get("/v1/models", headers={"x-api-key": "sesame"}).status_code == 200
+    assert http.get("/v1/models", headers={"x-api-key": "sesame", "authorization": "Bearer no"}).status_code == 200
+    assert http.get("/v1/models", headers={"x-api-key": "no"}).status_code == 401
+    episode = secrets.episode_key("sesame", "g-0")
+    assert http.get("/ep/g-0/v1/models", headers={"x-api-key": episode}).status_code == 200
+    assert http.get("/ep/g-1/v1/models", headers={"x-api-key": episode}).status_code == 401
+
+
+def test_what_changes_nothing_passes_tool_choice_auto_and_text_format(chat_dir, tok, client, keys):
+    """``auto``, ``none`` without tools and ``{'type': 'text'}`` are what the gateway does anyway: the call is made."""
+    gw = Gateway(Config(run=keys.run, model_dir=chat_dir), client, tok, 160, ["chat"], logs.get("gateway-test"))
+    start_agent_episode(client, keys, "g-1")
+    extras = (
+        {"tool_choice": "auto", "tools": [CALC_TOOL]},
+        {"tool_choice": "none"},
+        {"response_format": {"type": "text"}},
+    )
+    for k, extra in enumerate(extras):
+        prep = gw.prepare_chat("g-1", {"messages": [{"role": "user", "content": f"hi {k}"}], "max_tokens": 4, **extra})
+        assert prep.call == k and client.xlen(keys.calls) == k + 1
+
+
+def test_an_agent_that_lost_the_gateway_is_told_from_one_that_failed_on_its_own():
+    """Connection errors of any SDK, raised directly or wrapped by a framework, and 5xx answers are the gateway's;
+    the agent's own errors (and 4xx: a bad request is the agent's) are not."""
+    import http.client
+
+    import httpx
+    import openai
+
+    from services.gateway.runner import lost_gateway
+
+    request = httpx.Request("POST", "http://127.0.0.1:1/ep/e/v1/chat/completions")
+
+    def wrapped(inner: BaseException, outer: type[Exception] = RuntimeError) -> Exception:
+        try:
+            try:
+                raise inner
+            except BaseException as exc:
+                raise outer("the framework's own error") from exc
+        except Exception as exc:
+            return exc
+
+    def status(code: int) -> openai.APIStatusError:
+        return openai.APIStatusError("x", response=httpx.Response(code, request=request), body=None)
+
+    lost = [
+        openai.APIConnectionError(request=request),
+        httpx.RemoteProtocolError("peer closed connection without sending complete message body"),
+        httpx.ConnectError("refused"),
+        http.client.RemoteDisconnected("gone"),
+        ConnectionResetError(104, "reset"),
+        wrapped(httpx.ReadError("gone")),
+        status(503),
+        wrapped(status(500), ValueError),
+    ]
+    own = [ValueError("bad answer"), KeyError("e"), status(400), status(404), wrapped(ZeroDivisionError())]
+    assert [lost_gateway(e) for e in lost] == [True] * len(lost)
+    assert [lost_gateway(e) for e in own] == [False] * len(own)

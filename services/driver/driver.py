@@ -226,6 +226,10 @@ class Driver:
                     flush=True,
                 )
                 break
+            asked = runstate.end_requested(self.client, self.keys)
+            if asked:
+                print(f"driver: asked to end the run ({asked}) at version {version}; ending the run", flush=True)
+                break
             if self.cfg.max_versions and version >= self.cfg.max_versions:
                 print(f"driver: reached version {version}; ending the run", flush=True)
                 break

@@ -196,6 +196,19 @@ def mark_ended(client: redis.Redis, keys: Keys, version: int) -> None:
     )
 
 
+def request_end(client: redis.Redis, keys: Keys, by: str) -> None:
+    """Ask the run's driver to end the run at its next turn, as when it reaches ``max_versions``: it stops the
+    run's processes and the end-of-run check runs (``streamrl stop``). Ctrl-C instead interrupts a run, which
+    continues when started again."""
+    client.hset(keys.meta, "end_requested", f"{by} at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
+
+
+def end_requested(client: redis.Redis, keys: Keys) -> str | None:
+    """Who asked the run to end, and when; None when nobody has."""
+    found = client.hget(keys.meta, "end_requested")
+    return found.decode() if isinstance(found, bytes) else found
+
+
 def ended(meta: dict | None) -> str | None:
     """'at version V on T' when the run was ended by its driver."""
     if not meta or not meta.get("ended"):

@@ -111,3 +111,20 @@ def test_inspect_lists_streams_groups_and_pending(cli_env, client, keys):
     assert "2 streams, 2 entries" in text
     listed = json.loads(streamrl(cli_env, "inspect", "--json").stdout)
     assert {s["key"] for s in listed} == {keys.prompts, keys.episode("a"), keys.episode("b")}
+
+
+def test_stop_asks_a_live_run_to_end_and_says_in_one_line_when_there_is_nothing_to_stop(
+    cli_env, client, keys, redis_url, tmp_path
+):
+    from shared.runtime import runstate
+
+    runstate.bind(client, keys, tmp_path / "runs" / keys.run, redis_url)
+    assert runstate.end_requested(client, keys) is None
+    out = streamrl(cli_env, "stop")
+    assert out.returncode == 0 and b"asked to end" in out.stdout, out.stderr
+    assert runstate.end_requested(client, keys).startswith("streamrl stop at ")
+    # (the driver ending on it, with the check: tests/ops/test_ui_browser.py ends its live run so)
+    runstate.mark_ended(client, keys, 7)
+    out = streamrl(cli_env, "stop")
+    lines = out.stderr.decode().strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "has ended at version 7" in lines[0], out.stderr

@@ -113,8 +113,9 @@ def test_the_pages_of_a_live_then_ended_run(tmp_path, tiny_model_dir, browser):
             str(runs),
             "--weights-dir",
             str(tmp_path / "weights"),
+            # a bound for a test gone wrong: the test ends the run itself (streamrl stop) once it saw it live
             "--max-minutes",
-            "1",
+            "4",
             "--max-versions",
             "0",
             "--group-size",
@@ -174,8 +175,18 @@ def test_the_pages_of_a_live_then_ended_run(tmp_path, tiny_model_dir, browser):
         assert page.evaluate("document.getElementById('chart-reward').data[0].x.length") > before
         assert "(live)" in page.inner_text("#state")
         _shot(page, shots, "run-live")
+        stop = subprocess.run(
+            [sys.executable, "-m", "services.ops.cli.main", "stop", "--run", "live", "--run-dir", str(runs)],
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert stop.returncode == 0 and "asked to end" in stop.stdout, stop.stdout + stop.stderr
         run.wait(timeout=240)
-        assert run.returncode == 0, (tmp_path / "run.log").read_text()[-3000:]
+        log = (tmp_path / "run.log").read_text()
+        assert run.returncode == 0 and "driver: asked to end the run (streamrl stop" in log, log[-3000:]
 
         page.goto(base + "/")
         page.wait_for_selector("table a")

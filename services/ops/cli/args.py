@@ -114,6 +114,12 @@ def build_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--procfile", default="Procfile")
     chaos_arguments(p)
     add("drive", commands.cmd_drive, "steer a run (the Procfile's driver line) and end it", ("where", "driver"))
+    add(
+        "stop",
+        commands.cmd_stop,
+        "end a live run now, as if it had reached max_versions: its driver stops it and the end-of-run check "
+        "runs (Ctrl-C instead interrupts it, to be continued)",
+    )
     p = add(
         "config",
         commands.cmd_config,

@@ -256,6 +256,21 @@ def cmd_status(cfg, args) -> int:
         time.sleep(args.interval)
 
 
+def cmd_stop(cfg, args) -> int:
+    client = _run_client(cfg, args)
+    ended = runstate.ended(runstate.read_meta(client, args.keys))
+    if ended:
+        raise CLIError(f"run {cfg.run!r} has ended {ended}: nothing to stop")
+    if args.served:
+        raise CLIError(
+            f"run {cfg.run!r} is not running (no server holds it: it was interrupted); "
+            f"`streamrl run --run {cfg.run}` continues it"
+        )
+    runstate.request_end(client, args.keys, "streamrl stop")
+    print(f"streamrl stop: run {cfg.run!r} asked to end; its driver ends it at its next turn, then the check runs")
+    return 0
+
+
 def cmd_make_model(cfg, args) -> int:
     from services.ops.launch.tiny_model import ensure_default_model
 

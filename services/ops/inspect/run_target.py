@@ -16,7 +16,7 @@ from shared.runtime.config.keys import FIELDS, Config
 from shared.runtime.connection import is_cluster, redact
 
 # ended or archived too
-READS_A_RUN = ("inspect", "replay", "check", "status", "export", "redis-cli", "episodes")
+READS_A_RUN = ("inspect", "replay", "check", "status", "export", "redis-cli", "episodes", "stop")
 # keys that say where the command runs, not what the run was made of: never taken from the record
 WHERE = ("run", "run_id", "redis_url", "rq_redis_url", "run_dir", "redis_wait", "log_level")
 

@@ -206,3 +206,29 @@ sys.exit(1 if len(open({str(seen)!r}).read().split()) < 2 else 0)
     _keep(cmd).communicate(timeout=60)
     first, second = seen.read_text().split()
     assert first == second and t0 - 5 < float(first) <= time.time()
+
+
+def test_kills_chaos_made_are_restarted_however_often_and_never_taken_for_a_crash_loop(tmp_path):
+    """Seven kill -9s in a row, each seconds after the start, each marked as injected (as --chaos marks its
+    victims): all restarted, no crash loop, and the marks are consumed. Unmarked, the sixth would stop the run."""
+    count, pids = tmp_path / "count", tmp_path / "procs"
+    cmd = _script(
+        tmp_path,
+        f"""
+import os, sys
+sys.path.insert(0, {str(keep.__file__.rsplit("/services/", 1)[0])!r})
+from services.ops.launch.keep import mark_injected
+p = {str(count)!r}
+n = int(open(p).read()) if os.path.exists(p) else 0
+open(p, "w").write(str(n + 1))
+if n < 7:
+    mark_injected({str(pids)!r}, os.getpid())
+    os.kill(os.getpid(), 9)
+print("came up", flush=True)
+""",
+    )
+    p = _keep(cmd, env={**os.environ, keep.PID_DIR_ENV: str(pids)})
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0, out
+    assert count.read_text() == "8" and "restart 7 in 0.1 s" in out and "crashed" not in out
+    assert not list(pids.glob("*.chaos"))

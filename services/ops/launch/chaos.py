@@ -46,9 +46,13 @@ class Chaos:
         allowed = sorted(c for c in candidates if not self.only or c.split(".")[0] in self.only)
         return rng.choice(allowed) if allowed else None
 
-    def start(self, stop: threading.Event, processes, server=None, ended=lambda: False, out=None) -> threading.Thread:
+    def start(
+        self, stop: threading.Event, processes, server=None, ended=lambda: False, out=None, mark=lambda pid: None
+    ) -> threading.Thread:
         """The killing thread: every ``every_s`` until ``stop`` is set or ``ended()``. ``processes()`` gives
-        {name: (pid, restarts)} (``keep.processes``); ``server``: the run's EmbeddedRedis, a victim named redis."""
+        {name: (pid, restarts)} (``keep.processes``); ``server``: the run's EmbeddedRedis, a victim named redis;
+        ``mark(pid)`` is called before a process is killed (``keep.mark_injected``: its keeper does not take a
+        kill every few seconds for a crash loop)."""
         rng = random.Random(self.seed)
 
         def loop() -> None:
@@ -62,6 +66,7 @@ class Chaos:
                     if victim == "redis":
                         os.kill(server.proc.pid, signal.SIGKILL)
                     else:
+                        mark(procs[victim])
                         os.killpg(procs[victim], signal.SIGKILL)
                 except ProcessLookupError:
                     # it was between restarts: pick again next time

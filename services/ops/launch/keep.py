@@ -10,7 +10,8 @@ end). What it does when its process exits (``decide``, a pure rule over the rece
 - anything else (a crash, kill -9, Redis gone for longer than ``redis_wait``): starts it again after a backoff
   (0.1 s, doubling up to 10 s, counted over the last minute), one log line per restart;
 - more than ``MAX_RESTARTS`` crashes in a row within ``WINDOW_S``, each within ``STABLE_S`` of its start (it
-  never came up): a crash loop; it exits with the process's code and its last line, and the run stops.
+  never came up): a crash loop; it exits with the process's code and its last line, and the run stops. A kill
+  that ``--chaos`` made (``mark_injected``) is not the process failing to come up and never counts towards one.
 
 SIGTERM / SIGINT (honcho stopping the run) is passed to the process once and nothing is restarted after it.
 The process runs in its own process group (``--chaos`` and drills kill it with its children), and dies with
@@ -73,6 +74,23 @@ def decide(
     if len(recent) > MAX_RESTARTS:
         return "loop", 0.0, recent
     return "restart", min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (len(recent) - 1)), recent
+
+
+def mark_injected(pid_dir, pid: int) -> None:
+    """Say, before killing process ``pid``, that its death is injected (``--chaos``), not its own failure."""
+    Path(pid_dir, f"{pid}.chaos").touch()
+
+
+def _injected(pid: int) -> bool:
+    """Whether ``mark_injected`` named this process (the mark is consumed)."""
+    pid_dir = os.environ.get(PID_DIR_ENV)
+    if not pid_dir:
+        return False
+    try:
+        os.unlink(os.path.join(pid_dir, f"{pid}.chaos"))
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def describe(code: int) -> str:
@@ -178,7 +196,9 @@ class Keeper:
                 os.kill(self.child.pid, signal.SIGTERM)
             code = self._relay()
             now = time.monotonic()
-            action, delay, self.history.crashes = decide(code, self.stopping, self.history.crashes, now, now - began)
+            # an injected kill counts as the death of a process that had come up
+            ran = STABLE_S if _injected(self.child.pid) else now - began
+            action, delay, self.history.crashes = decide(code, self.stopping, self.history.crashes, now, ran)
             # a clean exit, or the run stopping: a signal's own exit is clean too
             if action == "end":
                 return 0 if code in (0, -signal.SIGTERM, -signal.SIGINT) else (code if code > 0 else 1)

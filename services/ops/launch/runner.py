@@ -21,7 +21,7 @@ from honcho.printer import Printer
 
 from services.driver.driver import ENDED
 from services.ops.launch import starter_client
-from services.ops.launch.keep import NAME_ENV, PID_DIR_ENV, keep_server
+from services.ops.launch.keep import NAME_ENV, PID_DIR_ENV, keep_server, mark_injected
 from services.ops.launch.keep import processes as keep_processes
 from services.ops.launch.redis_server import start_for_run
 from shared.runtime import runstate, secrets
@@ -290,7 +290,14 @@ def _run(cfg: Config, entries: dict, warm_path: str | None, extra_env: dict | No
         watcher = keep_server(server, stop_watch)
     ended = lambda: (cfg.run_path / ENDED).exists() and (cfg.run_path / ENDED).stat().st_mtime >= started  # noqa: E731
     if chaos is not None:
-        chaos.start(stop_watch, lambda: keep_processes(pid_dir), server, ended, out=sys.stderr)
+        chaos.start(
+            stop_watch,
+            lambda: keep_processes(pid_dir),
+            server,
+            ended,
+            out=sys.stderr,
+            mark=lambda pid: mark_injected(pid_dir, pid),
+        )
     try:
         manager.loop()
         if ended():

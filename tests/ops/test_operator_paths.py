@@ -23,7 +23,7 @@ from services.ops.launch.redis_server import free_port
 from shared.protocol.keys import Keys
 from shared.runtime import runstate
 from shared.runtime.config.keys import Config
-from tests.support.procs import WARM, starter_pid, wait_until
+from tests.support.procs import WARM, run_module, starter_pid, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -163,24 +163,29 @@ def reads_run(env: dict, folder_name: str, run_name: str, run_path: Path, out: P
     """inspect, replay, check and export of a run no server serves, as `--run <folder name>`, with no model_dir
     given: each works and the run's folder is byte-for-byte what it was."""
     env = {k: v for k, v in env.items() if k not in ("STREAMRL_MODEL_DIR", "STREAMRL_RUN")}
-    cli = [sys.executable, "-m", "services.ops.cli.main"]
     before = tree_hash(run_path)
-    inspect = run(cli + ["inspect", "--run", folder_name, "--json"], env, timeout=120)
+
+    # each a `streamrl` process of its own (forked from the test worker's warm starter)
+    def cli(*argv: str) -> subprocess.CompletedProcess:
+        done = run_module("services.ops.cli.main", *argv, env=env, timeout=120)
+        return subprocess.CompletedProcess(argv, done.returncode, done.stdout.decode(), done.stderr.decode())
+
+    inspect = cli("inspect", "--run", folder_name, "--json")
     assert inspect.returncode == 0 and "serving a copy of" in inspect.stderr, inspect.stderr
     episode = next(s["key"] for s in json.loads(inspect.stdout) if ":ep:" in s["key"])
-    replay = run(cli + ["replay", "--run", folder_name, Keys(run_name).episode_id(episode)], env, timeout=120)
+    replay = cli("replay", "--run", folder_name, Keys(run_name).episode_id(episode))
     assert replay.returncode == 0 and "status finished" in replay.stdout, replay.stderr
-    dbsize = run(cli + ["redis-cli", "--run", folder_name, "--", "DBSIZE"], env, timeout=120)
+    dbsize = cli("redis-cli", "--run", folder_name, "--", "DBSIZE")
     assert dbsize.returncode == 0 and int(dbsize.stdout.split()[-1]) > 0, dbsize.stdout + dbsize.stderr
-    status = run(cli + ["status", "--run", folder_name], env, timeout=120)
+    status = cli("status", "--run", folder_name)
     assert status.returncode == 0 and "reward" in status.stdout, status.stderr
     # the tiers: Redis memory, keys
     assert re.search(r"redis [\d.]+ MB.*, [\d,]+ keys", status.stdout), status.stdout
-    check = run(cli + ["check", "--run", folder_name], env, timeout=120)
+    check = cli("check", "--run", folder_name)
     assert check.returncode == 0 and re.search(r"^ok$", check.stdout, re.M), check.stdout + check.stderr
     # the oldest kept (the newest is exported)
     version = int(min(weights.glob("v*.safetensors")).name[1:7])
-    export = run(cli + ["export", "--run", folder_name, "--version", str(version), "--out", str(out)], env, timeout=120)
+    export = cli("export", "--run", folder_name, "--version", str(version), "--out", str(out))
     assert export.returncode == 0, export.stderr
     assert json.loads((out / "streamrl.json").read_text())["version"] == version and (out / "config.json").exists()
     assert tree_hash(run_path) == before

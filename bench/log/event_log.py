@@ -57,7 +57,8 @@ def server_usec(client, command: str) -> tuple[int, int]:
 
 # --------------------------------------------------------------------------- write
 def write_episodelog(client, keys: Keys, tag: str, n_eps: int, rounds: int, ids, lps) -> dict:
-    log = EpisodeLog(client, keys, worker=WORKER, flush_tokens=10**9, flush_ms=1e12)
+    # as the rollout worker writes its plain episodes (no end guard: shared/protocol/episode/log.py)
+    log = EpisodeLog(client, keys, worker=WORKER, flush_tokens=10**9, flush_ms=1e12, guard_end=False)
     eps = [f"{tag}-{i}" for i in range(n_eps)]
     for e in eps:
         log.open(e)

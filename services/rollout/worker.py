@@ -78,7 +78,8 @@ class RolloutWorker:
         agent = Agent(tokenizer, registry, cfg.max_tool_calls, engine.max_model_len)
         self.episodes = Episodes(
             cfg,
-            events or EpisodeLog(client, self.keys, worker_id, cfg.flush_tokens, cfg.flush_ms),
+            # the only writer of its plain episodes, which end with its own last event: no end guard to pay for
+            events or EpisodeLog(client, self.keys, worker_id, cfg.flush_tokens, cfg.flush_ms, guard_end=False),
             engine,
             tokenizer,
             agent,

@@ -307,3 +307,15 @@ def test_writers_racing_an_end_never_write_after_it(client, keys):
         assert ep.status == "failed" and ep.events[-1].kind == "failed"
         assert sum(e.kind in ("finished", "failed") for e in ep.events) == 1
         assert refused, "no writer came after the end: the race was not run"
+
+
+def test_a_writer_made_without_the_end_guard_still_refuses_events_after_its_own_end(client, keys):
+    """The rollout worker's own writer (guard_end=False: the only writer of its plain episodes) skips reading the
+    stream's last entry, and still never writes past an end in its own batch."""
+    log = EpisodeLog(client, keys, "rw", guard_end=False)
+    _start(log)
+    log.append("e1", "finished", {"reason": "stop", "reward": 1.0}, 0)
+    log.append("e1", "tokens", {"ids": [1], "logprobs": [0.0]}, 0)
+    with pytest.raises(Ended, match="after its finished"):
+        log.flush_or_raise()
+    assert client.xlen(keys.episode("e1")) == 1

@@ -14,13 +14,18 @@ one episode (a worker presumed dead that wakes up, say), and a writer ahead of
 the stream (the server lost its tail) cannot append either: the loser gets
 ``Fenced`` and must drop the episode.
 
-An ended episode takes nothing more: the script also refuses a batch when the
-stream's last entry is terminal (``finished``/``failed``), or when the batch
-itself has events after a terminal one. The writer gets ``Ended`` (a
-``Fenced``: it drops the episode the same way), whoever wrote the terminal
-event: a rollout worker, the agent runner, a takeover. So every writer's
-``resumed``, ``tokens`` or second terminal that loses a race with an end is
-refused by the server, and an episode stream always folds.
+An ended episode takes nothing more: the script refuses a batch that has
+events after its own terminal one (``finished``/``failed``), and, for a
+writer made with ``guard_end`` (the default), a batch for a stream whose last
+entry is terminal, whoever wrote it. The writer gets ``Ended`` (a ``Fenced``:
+it drops the episode the same way). Agent episodes have several writers
+appending at the tail (the agent runner, each worker serving a call), so a
+``resumed`` or ``tokens`` that loses a race with the runner's end is refused by
+the server and an episode stream always folds. Reading the last entry doubles
+the server's time per appended entry, so the rollout worker's own writer of
+plain episodes is made without it: it is their only writer (the seq fence
+keeps out any other), writes their end last, and a takeover folds the stream
+before it opens it.
 
 On one server a batch is one script call for all its episodes (the fence is
 per episode: a fenced one leaves the others written); on a cluster, where the
@@ -50,7 +55,7 @@ from shared.protocol.keys import Keys
 from shared.protocol.streams.routing import node_of
 
 _APPEND = """
-local v, worker, out, a = ARGV[1], ARGV[2], {}, 3
+local v, worker, guard, out, a = ARGV[1], ARGV[2], ARGV[3] == '1', {}, 4
 local function terminal(kind) return kind == 'finished' or kind == 'failed' end
 for k = 1, #KEYS do
   local seq, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
@@ -61,7 +66,7 @@ for k = 1, #KEYS do
   elseif len ~= seq then
     out[k] = 'FENCED stream holds ' .. len .. ' entries (next seq ' .. len .. '), writer expected seq ' .. seq
   else
-    if len > 0 then
+    if guard and len > 0 then
       local last = redis.call('XREVRANGE', KEYS[k], '+', '-', 'COUNT', 1)[1][2]
       if last[1] == 'type' and terminal(last[2]) then
         out[k] = 'ENDED the stream ends with ' .. last[2] .. ' at seq ' .. (len - 1)
@@ -140,8 +145,11 @@ class EpisodeLog:
         flush_ms: float = 50.0,
         clock=time.monotonic,
         archive=None,
+        guard_end: bool = True,
     ):
         self.client, self.keys, self.worker = client, keys, worker
+        # refuse appends to a stream that already ends with its terminal event (see the module's docstring)
+        self.guard_end = guard_end
         # a SegmentStore (shared/protocol/archive/segments.py): readers' cold tier, or None
         self.archive = archive
         self.flush_tokens, self.flush_ms, self.clock = flush_tokens, flush_ms, clock
@@ -289,7 +297,7 @@ class EpisodeLog:
         calls = [targets] if targets and not self._cluster else [[t] for t in targets]
         for group in calls:
             keys = [self.keys.episode(episode_id) for episode_id, _ in group]
-            args: list = [str(SCHEMA_VERSION), self.worker]
+            args: list = [str(SCHEMA_VERSION), self.worker, "1" if self.guard_end else "0"]
             for _, t in group:
                 args += (t.next_seq, len(t.events))
                 for ev in t.events:

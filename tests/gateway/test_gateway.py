@@ -34,7 +34,7 @@ from tests.support.gateway_stack import (
     wait_alive,
     wait_http,
 )
-from tests.support.procs import kill9, spawn, stop, wait_until
+from tests.support.procs import kill9, run_module, spawn, stop, wait_until
 from tests.support.rollout_harness import acks, send
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -489,9 +489,6 @@ def test_replay_continue_reruns_an_agent_from_a_chosen_call_and_writes_nothing_t
     from the copied stream, calls 1 and 2 are generated again with v0 (greedy; the stack's worker holds the same
     weights under whatever version earlier tests loaded: the same tokens), the reward comes back, and the run's own
     streams are untouched."""
-    import subprocess
-    import sys
-
     client, keys, gw = stack["client"], stack["keys"], stack["gw"]
     start_agent_episode(client, keys, "again-0", TASK, agent="tests.support.gateway_agents:calc_agent")
     assert calc_agent(oai(gw.base_url("again-0")), TASK)["reward"] == 1.0
@@ -499,26 +496,9 @@ def test_replay_continue_reruns_an_agent_from_a_chosen_call_and_writes_nothing_t
     before = {k: client.xlen(k) for k in (keys.episode("again-0"), keys.calls)}
     original = episode(client, keys, "again-0")
     env = {**stack["env"], "STREAMRL_RUN_DIR": str(tmp_path / "runs")}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.ops.cli.main",
-            "replay",
-            "again-0",
-            "--continue",
-            "--from-call",
-            "1",
-            "--version",
-            "0",
-            "--json",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    replay = ("services.ops.cli.main", "replay", "again-0", "--continue")
+    out = run_module(*replay, "--from-call", "1", "--version", "0", "--json", env=env, timeout=600)
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
     r = json.loads(out.stdout)
     assert r["from_call"] == 1 and r["reward"] == 1.0 and not r["error"]
     assert sorted(map(int, r["calls"])) == [0, 1, 2]
@@ -530,14 +510,8 @@ def test_replay_continue_reruns_an_agent_from_a_chosen_call_and_writes_nothing_t
     assert r["calls"]["1"]["extends"] == 0
     # nothing written to the run
     assert {k: client.xlen(k) for k in before} == before
-    bad = subprocess.run(
-        [sys.executable, "-m", "services.ops.cli.main", "replay", "again-0", "--continue", "--from-call", "9"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert bad.returncode != 0 and "--from-call 9" in bad.stderr and "calls 0..2" in bad.stderr
+    bad = run_module(*replay, "--from-call", "9", env=env, timeout=120)
+    assert bad.returncode != 0 and b"--from-call 9" in bad.stderr and b"calls 0..2" in bad.stderr
 
 
 def test_rollout_worker_killed_minus_9_mid_call_another_takes_the_call_over(chat_dir, redis_server, client):

@@ -35,31 +35,34 @@ def agent(client, task: dict) -> dict:
     return {"reward": float(bool(numbers) and numbers[-1] == str(task["answer"])), "details": {"turns": len(messages)}}
 
 
+def gather(stream) -> dict:
+    """The assistant message a streamed chat completion adds up to: its content and its tool calls, from deltas."""
+    content, calls = "", {}
+    for chunk in stream:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        content += (delta and delta.content) or ""
+        for c in (delta and delta.tool_calls) or []:
+            call = calls.setdefault(
+                c.index, {"id": c.id, "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            call["function"]["name"] += c.function.name or ""
+            call["function"]["arguments"] += c.function.arguments or ""
+    return {"role": "assistant", "content": content, **({"tool_calls": list(calls.values())} if calls else {})}
+
+
 def stream_agent(client, task: dict) -> dict:
     """`agent` with every call streamed (``stream=True``), deltas gathered as a chat UI would: the same episodes,
     trained the same way. Train it: `streamrl run --agent examples.calc:stream_agent`."""
     messages = [{"role": "user", "content": task["prompt"]}]
-    content = ""
     for _ in range(4):
-        content, calls = "", {}
-        for chunk in client.chat.completions.create(
-            model="policy", messages=messages, tools=TOOLS, max_tokens=96, stream=True
-        ):
-            delta = chunk.choices[0].delta if chunk.choices else None
-            content += (delta and delta.content) or ""
-            for c in (delta and delta.tool_calls) or []:
-                call = calls.setdefault(
-                    c.index, {"id": c.id, "type": "function", "function": {"name": "", "arguments": ""}}
-                )
-                call["function"]["name"] += c.function.name or ""
-                call["function"]["arguments"] += c.function.arguments or ""
-        messages.append(
-            {"role": "assistant", "content": content, **({"tool_calls": list(calls.values())} if calls else {})}
+        message = gather(
+            client.chat.completions.create(model="policy", messages=messages, tools=TOOLS, max_tokens=96, stream=True)
         )
-        if not calls:
+        messages.append(message)
+        if not message.get("tool_calls"):
             break
-        for call in calls.values():
+        for call in message["tool_calls"]:
             expr = json.loads(call["function"]["arguments"] or "{}").get("e", "")
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": calc(str(expr))})
-    numbers = re.findall(r"-?\d+", content)
+    numbers = re.findall(r"-?\d+", message["content"])
     return {"reward": float(bool(numbers) and numbers[-1] == str(task["answer"])), "details": {"turns": len(messages)}}

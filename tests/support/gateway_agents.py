@@ -53,29 +53,20 @@ def held_agent(client, task: dict) -> float:
 def streamed_calc_agent(client, task: dict) -> dict:
     """``calc_agent`` with every call streamed (``stream=True``), as a raw openai agent writes it: the client
     does not retry a stream that breaks, so a gateway that dies under a call raises APIConnectionError here."""
+    from examples.calc import gather
+
     messages = [{"role": "user", "content": task["question"]}]
-    content = ""
     for turn in range(4):
-        stream = client.chat.completions.create(
-            model="policy", messages=messages, tools=[CALC_TOOL], temperature=0, max_tokens=96, stream=True
+        message = gather(
+            client.chat.completions.create(
+                model="policy", messages=messages, tools=[CALC_TOOL], temperature=0, max_tokens=96, stream=True
+            )
         )
-        content, calls = "", {}
-        for chunk in stream:
-            delta = chunk.choices[0].delta if chunk.choices else None
-            if delta is None:
-                continue
-            content += delta.content or ""
-            for c in delta.tool_calls or []:
-                calls.setdefault(c.index, {"id": c.id, "name": c.function.name, "arguments": ""})
-                calls[c.index]["arguments"] += c.function.arguments or ""
-        tool_calls = [
-            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for c in calls.values()
-        ]
-        messages.append({"role": "assistant", "content": content, **({"tool_calls": tool_calls} if tool_calls else {})})
-        if not tool_calls:
+        messages.append(message)
+        if not message.get("tool_calls"):
             break
-        for c in tool_calls:
+        for c in message["tool_calls"]:
             expr = json.loads(c["function"]["arguments"])["e"]
             messages.append({"role": "tool", "tool_call_id": c["id"], "content": str(eval(expr, {}, {}))})
-    return {"reward": 1.0 if content.strip() == f"answer: {task['answer']}" else 0.0, "details": {"answer": content}}
+    answer = message["content"]
+    return {"reward": 1.0 if answer.strip() == f"answer: {task['answer']}" else 0.0, "details": {"answer": answer}}

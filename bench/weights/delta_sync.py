@@ -268,7 +268,7 @@ def main() -> int:
         [
             "shared/protocol/weights/delta.py",
             "shared/runtime/weights/delta_fetch.py",
-            "services/trainer/deltas.py",
+            "services/trainer/publisher.py",
             "services/rollout/weights",
         ],
         quick=args.quick,

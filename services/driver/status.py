@@ -84,7 +84,21 @@ def snapshot(client, keys: Keys, run_path=None) -> dict:
         "dead_letters": client.xlen(keys.dead_letters),
         "weights": weights_wire(published[::-1], rollout[::-1]),
         "tiers": tiers.sizes(client, run_path),
+        "trainer_snapshot": next(
+            (r for _, r in metrics.read(client, keys, "snapshot", newest_first=True, count=1)), None
+        ),
+        "now": time.time(),
     }
+
+
+def snapshot_words(snap: dict | None, version: int, now: float) -> str:
+    """``snapshot v25 41 s ago, a crash re-trains 3 versions`` (pure): the trainer's newest snapshot on disk and how
+    many versions a restart would train again from the log; '' before the first."""
+    if not snap:
+        return ""
+    behind = max(0, version - int(snap.get("version", 0)))
+    age = max(0.0, now - float(snap.get("time", now)))
+    return f"snapshot v{snap.get('version')} {age:.0f} s ago, a crash re-trains {behind} version{'s' * (behind != 1)}"
 
 
 def format_line(s: dict) -> str:
@@ -117,6 +131,8 @@ def format_line(s: dict) -> str:
             f"workers got {w['delta_versions']} versions in {w['delta_bytes'] / 1e6:.1f} MB for "
             f"{w['delta_full_bytes'] / 1e6:.1f} MB, {w['delta_fallbacks']} fallbacks"
         )
+    if words := snapshot_words(s.get("trainer_snapshot"), s["version"], s.get("now", time.time())):
+        parts.append(words)
     parts.append(f"rollout workers {s['alive'].get('rollout', 0)}")
     if s.get("tiers"):
         parts.append(tiers.describe(s["tiers"]))

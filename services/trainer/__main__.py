@@ -12,7 +12,8 @@ from shared.runtime.weights.server import WeightServer
 def serve_weights(cfg, log, resolve=None) -> WeightServer | None:
     """With weights_port > 0, the published folder over HTTP from a thread of this process (rank 0's under
     torchrun): the server is up exactly while versions are published, on the host that holds the files.
-    ``resolve``: the delta writer's lookup (a delta being written is waited for: services/trainer/deltas.py)."""
+    ``resolve``: the publisher's lookup (a version being written is waited for, a full file not written is made from
+    the deltas: services/trainer/publisher.py)."""
     if not cfg.weights_port:
         return None
     cfg.weights_path.mkdir(parents=True, exist_ok=True)
@@ -40,7 +41,7 @@ def main(argv=None) -> None:
             clean = True
             return
         try:
-            server = serve_weights(svc.cfg, svc.log, resolve=trainer.deltas.resolve)
+            server = serve_weights(svc.cfg, svc.log, resolve=trainer.publisher.resolve)
         # address in use, or not an address of this host
         except OSError as exc:
             print(f"trainer: {exc}", file=sys.stderr, flush=True)

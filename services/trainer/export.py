@@ -15,6 +15,7 @@ from pathlib import Path
 
 from shared.runtime.config.keys import Config
 from shared.runtime.models import resolve_model
+from shared.runtime.weights import chain
 
 
 class ExportError(ValueError):
@@ -30,8 +31,10 @@ def weights_file(cfg: Config, version: int) -> Path:
 
 
 def kept_versions(cfg: Config) -> list[int]:
+    """Versions whose file is here or can be made from the deltas here, and versions exported."""
     out = set()
-    for path in list(cfg.weights_path.glob("v*.safetensors")) + list((cfg.run_path / "export").glob("v*")):
+    paths = [*cfg.weights_path.glob("v*.safetensors"), *cfg.weights_path.glob("v*.delta")]
+    for path in paths + list((cfg.run_path / "export").glob("v*")):
         try:
             out.add(int(path.name.split(".")[0][1:]))
         except ValueError:
@@ -82,6 +85,9 @@ def export_version(cfg: Config, version: int, out: Path | None = None) -> Path:
         state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
         return save_folder(model_dir, state, out, {"run": cfg.run, "version": 0})
     path = weights_file(cfg, version)
+    # a version the trainer published as a delta: its file made from the chain
+    if not path.is_file() and cfg.weights_path.is_dir() and chain.can_make(cfg.weights_path, version):
+        path = chain.make(cfg.weights_path, version)
     if not path.is_file():
         if export_path(cfg, version).is_dir() and out == export_path(cfg, version):
             # exported before; its file has been pruned since
@@ -112,7 +118,7 @@ def export_last_of(config: dict) -> str | None:
 
 def export_last(cfg: Config) -> Path | None:
     """The newest published version as an HF folder (`streamrl run`, after every process stopped)."""
-    files = [v for v in kept_versions(cfg) if weights_file(cfg, v).is_file()]
+    files = [v for v in kept_versions(cfg) if cfg.weights_path.is_dir() and chain.can_make(cfg.weights_path, v)]
     if not files:
         return None
     if export_path(cfg, files[-1]).is_dir():

@@ -6,6 +6,8 @@ anything else waits in ``buffer``. ``replay`` folds a group's episode streams (o
 finished episode, or a constant reward under ``filter_constant_groups``, is not trained: it gives its gate slot
 back and is acknowledged with the next commit. ``uncommitted`` holds every group read since the last commit with
 whether it trained; the commit (services/trainer/trainer.py) writes them to the ledger, then acknowledges them.
+``refold`` reads a committed step's groups again, from either tier of the log, for a restore's re-training
+(services/trainer/state/replay.py): the same episodes, with no count and no dead letter a second time.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ CONSUMER = "trainer"
 
 
 class Intake:
-    def __init__(self, client, keys, counts: dict, filter_constant_groups: bool, log):
+    def __init__(self, client, keys, counts: dict, filter_constant_groups: bool, log, archive=None):
         self.client, self.keys, self.counts, self.log = client, keys, counts, log
         self.filter_constant_groups = filter_constant_groups
-        self.episodes = EpisodeLog(client, keys, "trainer")
+        # ``archive``: the run's segments (a SegmentStore), where a committed group's streams may have moved
+        self.episodes = EpisodeLog(client, keys, "trainer", archive=archive)
         # group ids trained or judged untrainable (the ledger's)
         self.consumed: set[str] = set()
         # (samples entry, group id, trained?) since the last commit
@@ -36,6 +39,8 @@ class Intake:
         self.buffer: list[tuple[str, str, list[str]]] = []
         # group id -> samples entry, for groups read but not yet committed
         self.taken: dict[str, str] = {}
+        # episodes a re-training found in neither tier of the log
+        self.missing: list[str] = []
 
     def read_pending(self) -> int:
         """Entries delivered before a crash come back first: all of them, page by page; the pages read."""
@@ -122,6 +127,27 @@ class Intake:
             gate.refund_group(self.client, self.keys, group_id)
             return None
         return episodes
+
+    def refold(self, step: list[tuple[str, list[str]]]) -> list[tuple[str, str, list[Episode]]]:
+        """A committed step's groups ((group id, episode ids), in the order they trained) as the step had them: each
+        group's finished episodes; an unreadable stream is left out as it was then. Episodes not in the log at all
+        are left out too, and counted in ``missing``."""
+        out = []
+        for group_id, eids in step:
+            episodes = []
+            for eid, entries in zip(eids, self.episodes.read_many(eids)):
+                if not entries:
+                    self.missing.append(eid)
+                    continue
+                try:
+                    ep = fold(entries)
+                except EventError:
+                    continue
+                if ep.status == "finished":
+                    episodes.append(ep)
+            if episodes:
+                out.append(("", group_id, episodes))
+        return out
 
     def trained(self, groups, trained: bool) -> None:
         """A training step took ``groups`` ((entry, group id, episodes)); acknowledged with the next commit."""

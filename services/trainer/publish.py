@@ -1,6 +1,7 @@
-"""Publishing a policy version: safetensors file (atomic rename, sha256) and a
-version event on the ``versions`` stream (plain fields: version, path, sha256,
-step, time, and url when the trainer serves its weights over HTTP)."""
+"""Publishing a policy version: its weights as safetensors bytes (in the publish dtype), the sha256 of those bytes,
+and a version event on the ``versions`` stream (plain fields: version, path, sha256, step, time, and url when the
+trainer serves its weights over HTTP). The file the event names may be made later from deltas
+(``shared/runtime/weights/chain.py``); its bytes, and so its sha256, are these."""
 
 from __future__ import annotations
 
@@ -8,26 +9,37 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as save_bytes
 
-from services.trainer.checkpoint import atomic_write
+from services.trainer.state.files import atomic_write
 from shared.protocol.keys import Keys
 from shared.protocol.streams import versions
 from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.weights.server import PREFIX
 
 
-def write_weights(state, directory: Path, version: int, dtype: str = "") -> tuple[Path, str]:
-    """``state``: the policy's weights under the base model's names (``Policy.publish_state``), or a model.
-    ``dtype`` (config publish_dtype): floating tensors are written in it (the serving dtype); empty: as they are."""
-    path = directory / f"v{version:06d}.safetensors"
+def frozen(state, dtype: str = "") -> dict[str, torch.Tensor]:
+    """``state`` (``Policy.publish_state``, or a model) copied now, on the CPU, in ``dtype`` (config publish_dtype:
+    floating tensors only; empty: as they are): training may change its own tensors while this copy is written."""
     state = state.state_dict() if hasattr(state, "state_dict") else state
     cast = getattr(torch, dtype) if dtype else None
-    state = {
-        k: v.detach().to("cpu", dtype=cast if cast is not None and v.is_floating_point() else None).contiguous()
-        for k, v in state.items()
-    }
-    atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata={"version": str(version)}))
+    out = {}
+    for k, v in state.items():
+        copy = v.detach().to("cpu", dtype=cast if cast is not None and v.is_floating_point() else None).contiguous()
+        out[k] = copy.clone() if copy.data_ptr() == v.data_ptr() else copy
+    return out
+
+
+def serialize(weights: dict[str, torch.Tensor], version: int) -> bytes:
+    """The version's file, as bytes (deterministic: the same weights give the same bytes and sha256)."""
+    return save_bytes(weights, metadata={"version": str(version)})
+
+
+def write_weights(state, directory: Path, version: int, dtype: str = "") -> tuple[Path, str]:
+    """Write ``state`` as version ``version``'s full file; (path, sha256)."""
+    path = directory / f"v{version:06d}.safetensors"
+    data = serialize(frozen(state, dtype), version)
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
     return path, sha256(path)
 
 
@@ -46,10 +58,21 @@ def latest_version(client, keys: Keys) -> int:
 
 
 def prune(directory: Path, keep_from: int) -> None:
-    """Delete published files (and deltas) older than ``keep_from`` (no worker can still need them)."""
-    for path in [*directory.glob("v*.safetensors"), *directory.glob("v*.delta")]:
-        try:
-            if int(path.stem[1:]) < keep_from:
-                path.unlink(missing_ok=True)
-        except ValueError:
-            continue
+    """Delete what no worker can need: files, deltas and lock files of versions before the newest full file at or
+    before ``keep_from`` (the base every later version can be made from: ``shared/runtime/weights/chain.py``)."""
+    files = sorted(_version(p.name) for p in directory.glob("v*.safetensors") if _version(p.name) is not None)
+    bases = [v for v in files if v <= keep_from]
+    if not bases:
+        return
+    cut = bases[-1]
+    for path in [*directory.glob("v*.safetensors"), *directory.glob("v*.delta"), *directory.glob(".v*")]:
+        version = _version(path.name.lstrip("."))
+        if version is not None and version < cut:
+            path.unlink(missing_ok=True)
+
+
+def _version(name: str) -> int | None:
+    try:
+        return int(name[1:].split(".")[0])
+    except ValueError:
+        return None

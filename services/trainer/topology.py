@@ -3,7 +3,7 @@
 
 The training loop calls the same methods on either and never asks which it runs: binding the process (log context,
 device), preparing the model, telling the other ranks a command, sharing a step's batch, gathering the weights a
-version publishes, and saving and loading the checkpoint.
+version publishes, and taking and loading a snapshot (services/trainer/state/).
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ from pathlib import Path
 
 import torch
 
-from services.trainer import checkpoint, distributed, sharded_checkpoint
+from services.trainer import distributed
 from services.trainer.batch import Batch
+from services.trainer.state import sharded, snapshot
 from shared.runtime.config.errors import ConfigError
 from shared.runtime.config.keys import Config
 
 
 class Alone:
-    """One trainer process: the whole model, ``checkpoint.pt`` (its optimizer written in the background), no ranks
-    to tell anything."""
+    """One trainer process: the whole model, snapshots copied in memory and written in the background, no ranks to
+    tell anything."""
 
     name = "one process"
     shard = distributed.LOCAL
@@ -45,14 +46,12 @@ class Alone:
     def publish_state(self, policy) -> dict[str, torch.Tensor]:
         return policy.publish_state()
 
-    def save(self, ckpt_dir: Path, model, opt, meta: dict) -> None:
-        checkpoint.save(ckpt_dir, {"model": model.state_dict(), "rng": torch.get_rng_state(), **meta})
-        # the optimizer state (twice the model) in the background: a restore warns when it is older than the model
-        checkpoint.save_optimizer(ckpt_dir, meta["version"], opt.state_dict())
+    def snapshot(self, snaps: snapshot.Snapshots, model, opt, meta: dict) -> float:
+        return snaps.take(meta["version"], meta["step"], model, opt, meta["counts"])
 
     def load(self, ckpt_dir: Path, model, opt) -> dict | None:
         _refuse_the_other_kind(ckpt_dir, self)
-        state = checkpoint.load(ckpt_dir)
+        state = snapshot.load(ckpt_dir)
         if state is not None:
             model.load_state_dict(state["model"])
             if state["optimizer"] is not None:
@@ -110,13 +109,27 @@ class Ranks:
         # gathered to rank 0; every rank takes part
         return distributed.full_state(policy.model, self.tied)
 
-    def save(self, ckpt_dir: Path, model, opt, meta: dict) -> None:
-        sharded_checkpoint.save(ckpt_dir, model, opt, meta | {"world_size": self.shard.size}, self.shard.main)
+    def snapshot(self, snaps: snapshot.Snapshots, model, opt, meta: dict) -> float:
+        # DCP's save is a collective: every rank writes its shards now
+        t0 = time.monotonic()
+        path = sharded.save(snaps.directory, model, opt, meta | {"world_size": self.shard.size}, self.shard.main)
+        snaps.restored(meta["version"])
+        if self.shard.main and snaps.on_landed is not None:
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            snaps.on_landed(
+                {
+                    "version": meta["version"],
+                    "step": meta["step"],
+                    "bytes": size,
+                    "seconds": round(time.monotonic() - t0, 3),
+                    "time": time.time(),
+                }
+            )
+        return time.monotonic() - t0
 
     def load(self, ckpt_dir: Path, model, opt) -> dict | None:
         _refuse_the_other_kind(ckpt_dir, self)
-        state = sharded_checkpoint.load(ckpt_dir, model, opt)
-        return state and state | {"optimizer_version": state["version"]}
+        return sharded.load(ckpt_dir, model, opt)
 
 
 def choose(cfg: Config) -> Alone | Ranks:
@@ -125,14 +138,15 @@ def choose(cfg: Config) -> Alone | Ranks:
 
 
 def _refuse_the_other_kind(ckpt_dir: Path, topology: Alone | Ranks) -> None:
-    """A checkpoint written by the other kind of trainer cannot be restored: say so in one line."""
-    single, sharded = (ckpt_dir / "checkpoint.pt").exists(), sharded_checkpoint.latest(ckpt_dir) is not None
+    """A snapshot written by the other kind of trainer cannot be restored: say so in one line."""
+    single = snapshot.newest(ckpt_dir) is not None or (ckpt_dir / "checkpoint.pt").exists()
+    shards = sharded.latest(ckpt_dir) is not None
     if isinstance(topology, Ranks):
-        wrong, have = single and not sharded, "checkpoint.pt (one process)"
+        wrong, have = single and not shards, "snapshots/ (one process)"
     else:
-        wrong, have = sharded, "dcp/ (torchrun)"
+        wrong, have = shards, "dcp/ (torchrun)"
     if wrong:
         raise RuntimeError(
-            f"trainer: {ckpt_dir} holds a {have} checkpoint, which a trainer run as {topology.name} "
+            f"trainer: {ckpt_dir} holds a {have} snapshot, which a trainer run as {topology.name} "
             f"cannot restore; restart it the way it was run"
         )

@@ -1,43 +1,49 @@
 """The trainer loop, top to bottom:
 
-    restore checkpoint (and repair the ledger) -> re-read every pending entry -> loop {
+    restore: the newest snapshot, then re-train the ledger's commits after it from the episode log
+      (services/trainer/state/replay.py) -> re-read every pending entry -> loop {
       collect groups, replay their streams (services/trainer/intake.py) -> build batch
-      -> step (services/trainer/step.py) -> every N steps commit (services/trainer/commit.py) }
+      -> step (services/trainer/step.py) -> every N steps commit (services/trainer/state/commit.py) }
 
 Staleness is bounded at admission (the gate: shared/protocol/staleness.py ``group_capacity``); a
 finished group is not dropped for being stale: its tokens train with the importance weight of the
 decoupled loss, and only tokens past ``hard_max_staleness`` (0: none) are masked out, counted.
-A commit writes the weights (new version), the checkpoint (with the ids of the groups it includes
-and its ledger line), the ledger line, then acknowledges those samples and publishes the version.
-A crash anywhere replays from the last commit: groups acknowledged are in the checkpoint, groups
-not acknowledged come back.
+A commit appends the version's ledger line (fsynced: the groups each step trained, in order), acknowledges those
+samples, hands the version's weights to the publisher's thread (a delta against the version before, then the version
+event: services/trainer/publisher.py) and, every ``snapshot_every_versions``, snapshots model, optimizer and RNG in the
+background. A crash anywhere restores the newest snapshot and trains the commits after it again, from the log: groups
+in the ledger are trained once, groups not in it come back.
 
 Under torchrun (services/trainer/distributed.py) this loop runs on rank 0, which sends each step's batch and
 each commit to the other ranks; they ``follow``: train their share of each batch (FSDP2) and join the
-commit's collectives (the full weights for the version file, the sharded checkpoint).
+commit's collectives (the full weights a version publishes, the sharded snapshot).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 
 import redis
 import torch
 
-from services.trainer import checkpoint, distributed, export, publish, topology
-from services.trainer import commit as commit_path
+from services.trainer import distributed, publish, topology
 from services.trainer.batch import Batch, build_batch
-from services.trainer.deltas import DeltaWriter
 from services.trainer.intake import Intake
 from services.trainer.model import load_policy
+from services.trainer.publisher import Publisher
+from services.trainer.state import commit as commit_path
+from services.trainer.state import replay
+from services.trainer.state.snapshot import Snapshots
 from services.trainer.step import StepConfig, train_on_batch
-from shared.protocol.archive import ledger
+from shared.protocol.archive import jsonl, ledger, segments
 from shared.protocol.episode.fold import Episode
 from shared.protocol.keys import TRAINER_GROUP as GROUP
 from shared.protocol.keys import Keys
 from shared.protocol.staleness import staleness_histogram, version_spans
-from shared.protocol.streams import codec, stream_head
+from shared.protocol.streams import codec, stream_head, versions
 from shared.protocol.streams.metrics import record as record_metrics
 from shared.runtime.config.keys import Config
 from shared.runtime.faults import crash_point
@@ -74,6 +80,10 @@ class Trainer:
         self.shard = self.topology.shard
         cfg, log = self.cfg, self.log = self.topology.bind(cfg, log)
         self.tensorboard = TensorBoard(cfg, "trainer") if self.shard.main else None
+        # a re-trained version hashes as it was published (docs/faults.md: what it costs on a GPU)
+        if cfg.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(cfg.seed)
         # device, bf16 autocast, grad checkpointing, LoRA, KL reference: model.py
         self.policy = load_policy(cfg)
@@ -84,47 +94,118 @@ class Trainer:
         self.step, self.version = 0, 0
         self._next_version_check = 0.0
         self.counts = dict.fromkeys(COUNTERS, 0)
-        # samples, exactly once
-        self.intake = Intake(client, self.keys, self.counts, cfg.filter_constant_groups, log)
+        # samples, exactly once; a committed group's episodes from either tier of the log
+        archive = segments.SegmentStore(segments.folder_of(cfg.run_path))
+        self.intake = Intake(client, self.keys, self.counts, cfg.filter_constant_groups, log, archive=archive)
+        # each step's groups since the last commit, as its ledger line keeps them
+        self.batches: list[list] = []
         self.wait_s = 0.0
         # time in commits since the last metrics record (reported with the next step)
         self.commit_s = 0.0
-        # each version's delta, in a thread
-        self.deltas = DeltaWriter(cfg, client, self.keys, self.weights_dir, log)
+        # model, optimizer, RNG every snapshot_every_versions, in the background
+        self.snapshots = Snapshots(
+            self.ckpt_dir, cfg.snapshot_every_versions, cfg.snapshot_every_s, log, on_landed=self._snapshot_landed
+        )
+        # each version's delta (or full file) and version event, in a thread
+        self.publisher = Publisher(cfg, client, self.keys, self.weights_dir, log)
 
     # --- startup
     def restore(self) -> None:
-        # this folder's checkpoint and the Redis are the same run, or RunStateError (one line) before anything is mixed
+        # this folder's snapshots and the Redis are the same run, or RunStateError (one line) before anything is mixed
         bind(self.client, self.keys, self.cfg.run_path, self.cfg.redis_url)
-        state = self._load_checkpoint()
-        commit_path.restore_ledger(self.ckpt_dir, state, self.log)
-        if state is not None:
-            self.counts.update(state.get("counts", {}))
-        # every group trained or judged untrainable: the ledger's lines (now level with the checkpoint), plus the
-        # list older checkpoints carried themselves
+        commit_path.repair(self.ckpt_dir, self.log)
+        state = self._load_snapshot()
+        records = ledger.read_ledger(self.ckpt_dir)
+        # every group trained or judged untrainable: the ledger's lines (plus the list a checkpoint of the oldest
+        # format carried itself)
         self.intake.consumed = set((state or {}).get("consumed", ())) | {
-            g for rec in ledger.read_ledger(self.ckpt_dir) for g in rec["groups"] + rec["skipped"]
+            g for rec in records for g in rec["groups"] + rec["skipped"]
         }
         codec.ensure_group(self.client, self.keys.samples, GROUP)
         self.log.info("groups already consumed, from the ledger", groups=len(self.intake.consumed))
-        self._republish_if_needed()
+        self._replay(records)
+        # a run's first start, or a crash before its first snapshot landed: the state a restore starts from
+        if state is None:
+            self._tell({"op": "snapshot"})
+            self._snapshot()
         pages = self.intake.read_pending()
         self.log.info("pending entries re-read", pages=pages, buffered=len(self.intake.buffer))
 
-    def _load_checkpoint(self) -> dict | None:
-        """Model, optimizer, RNG, step and version from the last commit (every rank, under torchrun)."""
+    def _load_snapshot(self) -> dict | None:
+        """Model, optimizer, RNG, step, version and counters from the newest snapshot (every rank, under torchrun)."""
         state = self.topology.load(self.ckpt_dir, self.model, self.opt)
         if state is not None:
-            # killed before the background write landed
-            if state["optimizer_version"] != state["version"]:
+            if state.get("optimizer", True) is None:
                 self.log.warning(
-                    "optimizer state older than the model: AdamW moments from an earlier version",
-                    model_version=state["version"],
-                    optimizer_version=state["optimizer_version"],
+                    "snapshot without optimizer state: AdamW moments start from zero", version=state["version"]
                 )
             self.step, self.version = state["step"], state["version"]
-            self.log.info("restored checkpoint", step=self.step, version=self.version)
+            self.counts.update(state.get("counts", {}))
+            self.snapshots.restored(self.version)
+            self.log.info("restored snapshot", step=self.step, version=self.version)
         return state
+
+    def _replay(self, records: list[dict]) -> None:
+        """Rank 0: train the ledger's commits after the snapshot again, from the log; hash each re-derived version
+        against the sha256 its version event holds; publish the versions the stream never got."""
+        lines = replay.commits_after(records, self.version)
+        if not lines:
+            return
+        t0, since = time.monotonic(), self.version
+        self.log.info(
+            "re-training the versions after the snapshot from the episode log", snapshot=since, versions=len(lines)
+        )
+        published = {v.version: v.sha256 for v in versions.read_all(self.client, self.keys, self.cfg.run_path)}
+        latest = max(published, default=0)
+        replayed, differing, republished = [], [], []
+        for line in lines:
+            for step in replay.steps_of(line):
+                self._learn(self.intake.refold(step))
+            if self.step != line["step"]:
+                self.log.warning(
+                    "re-trained commit ends at another step",
+                    version=line["version"],
+                    step=self.step,
+                    ledger_step=line["step"],
+                )
+            self.version = line["version"]
+            self._tell({"op": "gather", "version": self.version})
+            weights = publish.frozen(self._publish_state(), self.cfg.publish_dtype)
+            replayed.append(self.version)
+            if self.version > latest:
+                # never published (a crash before its event): published now
+                self.publisher.submit(self.version, self.step, weights)
+                republished.append(self.version)
+                continue
+            data = publish.serialize(weights, self.version)
+            digest = hashlib.sha256(data).hexdigest()
+            if published.get(self.version) == digest:
+                self.publisher.adopt(self.version, data, digest)
+                continue
+            # a non-deterministic kernel, an episode gone from the log, a version event trimmed away: the trainer goes
+            # on from its own weights, and the next version is a full file (no worker holds these bytes)
+            differing.append(self.version)
+            self.publisher.forget()
+            self.log.warning(
+                "version re-derived differently from the published one; training goes on from the re-derived weights",
+                version=self.version,
+                published=(published.get(self.version) or "none kept")[:12],
+                rederived=digest[:12],
+            )
+        self.counts.update(lines[-1].get("counts", {}))
+        rec = replay.summary(since, replayed, differing, republished) | {
+            "missing_episodes": len(self.intake.missing),
+            "seconds": round(time.monotonic() - t0, 3),
+            "time": time.time(),
+        }
+        jsonl.append(self.ckpt_dir / ledger.REPLAYS, rec)
+        self.log.info(
+            "versions re-trained",
+            snapshot=since,
+            version=self.version,
+            differing=len(differing),
+            seconds=rec["seconds"],
+        )
 
     def _tell(self, message: dict) -> None:
         """Rank 0: send the other ranks their next command (nothing when alone, nor on the other ranks)."""
@@ -134,29 +215,15 @@ class Trainer:
         """The full weights a version publishes; under torchrun gathered to rank 0 (every rank calls this)."""
         return self.topology.publish_state(self.policy)
 
-    def _republish_if_needed(self) -> None:
-        """A crash between checkpoint and publish leaves the version unpublished."""
-        if self.version > 0 and publish.latest_version(self.client, self.keys) < self.version:
-            self._tell({"op": "gather"})
-            path, digest = publish.write_weights(
-                self._publish_state(), self.weights_dir, self.version, self.cfg.publish_dtype
-            )
-            publish.publish(self.client, self.keys, self.version, path, digest, self.step, self.cfg.weights_base_url)
-            self.log.info("republished version after restart", version=self.version)
-
     def _republish_if_lost(self) -> None:
         """While idle, every 2 s: a Redis restart that lost its last second can lose the newest version
         event, and then nobody syncs it (the staleness gate stays at the old version and rollout waits for
-        a version that never comes). Publish the committed file again when the stream is behind."""
+        a version that never comes). Send the last event again when the stream is behind."""
         now = time.monotonic()
         if now < self._next_version_check or self.version == 0:
             return
         self._next_version_check = now + 2.0
-        path = self.weights_dir / f"v{self.version:06d}.safetensors"
-        if publish.latest_version(self.client, self.keys) < self.version and path.exists():
-            publish.publish(
-                self.client, self.keys, self.version, path, publish.sha256(path), self.step, self.cfg.weights_base_url
-            )
+        if self.publisher.republish_last(publish.latest_version(self.client, self.keys)):
             self.log.warning("version event lost by Redis; published again", version=self.version)
 
     # --- reading samples (services/trainer/intake.py)
@@ -174,8 +241,8 @@ class Trainer:
         self.topology.keep_alive()
 
     # --- learning
-    def train_step(self, groups: list[tuple[str, str, list[Episode]]]) -> dict:
-        t0 = time.monotonic()
+    def _learn(self, groups: list[tuple[str, str, list[Episode]]]) -> tuple[Batch, dict]:
+        """One optimizer step on ``groups`` (every rank gets the batch); a restore's re-training takes the same path."""
         batch = build_batch([eps for _, _, eps in groups], self.pad_id, self.version, self.cfg.hard_max_staleness)
         # every rank gets the batch's ids and tensors (nothing to share when alone)
         self.topology.share_batch(groups, batch)
@@ -184,6 +251,13 @@ class Trainer:
         if self.cfg.simulated_train_us_per_token:
             time.sleep(batch.num_tokens * self.cfg.simulated_train_us_per_token / 1e6)
         self.step += 1
+        return batch, stats
+
+    def train_step(self, groups: list[tuple[str, str, list[Episode]]]) -> dict:
+        t0 = time.monotonic()
+        batch, stats = self._learn(groups)
+        # what a restore trains again, in this order
+        self.batches.append(commit_path.batch_of([(g, [ep.episode_id for ep in eps]) for _, g, eps in groups]))
         # every optimizer step non-finite: the groups count as not trained
         trained = stats["ppo_steps"] > 0
         self.intake.trained(groups, trained)
@@ -264,43 +338,44 @@ class Trainer:
         )
 
     # --- committing
-    def commit(self) -> None:
-        """New version: weights, checkpoint, ledger, ack, publish — in that order (services/trainer/commit.py).
-        Under torchrun every rank runs it (rank 0 sends ``commit``) up to the checkpoint; the rest is rank 0's."""
-        self._tell({"op": "commit"})
+    def commit(self, told: dict | None = None) -> None:
+        """New version: ledger line, acknowledgements, hand-over to the publisher, maybe a snapshot, in that order
+        (services/trainer/state/commit.py). Under torchrun every rank runs it (rank 0 sends ``commit``): the weights'
+        gather and the snapshot are collectives; the ledger and the samples are rank 0's."""
+        if told is None:
+            # rank 0 decides (a snapshot falls due by time too, and ranks' clocks differ) and tells the others
+            told = {"op": "commit", "version": self.version + 1, "snapshot": self.snapshots.due(self.version + 1)}
+            self._tell(told)
         if not distributed.all_finite(self.model, self.shard):
-            raise RuntimeError("non-finite model weights: refusing to checkpoint or publish them")
-        self.version += 1
+            raise RuntimeError("non-finite model weights: refusing to commit or publish them")
+        self.version = told["version"]
         fault = lambda point: crash_point("trainer", point)  # noqa: E731 (tests only: shared/runtime/faults.py)
-        weights = self._publish_state()
-        trained, skipped = self.intake.to_commit()
+        # the version's weights, copied now: training goes on while the publisher's thread writes them
+        weights = publish.frozen(self._publish_state(), self.cfg.publish_dtype)
         if self.shard.main:
-            path, digest = publish.write_weights(weights, self.weights_dir, self.version, self.cfg.publish_dtype)
-            # off the critical path: workers may fetch deltas
-            self.deltas.submit(self.version, path, digest)
-        self.intake.committed(trained + skipped)
-        line = commit_path.record(self.version, self.step, trained, skipped)
-        fault("before_checkpoint")
-        # the groups trained so far are the ledger's lines plus this commit's (restore rebuilds the set from
-        # them), so the checkpoint does not grow with the run
-        meta = {"step": self.step, "version": self.version, "counts": dict(self.counts), "ledger_record": line}
-        # alone: checkpoint.pt, its optimizer in the background; ranks: each writes its part (sharded_checkpoint.py)
-        self.topology.save(self.ckpt_dir, self.model, self.opt, meta)
-        fault("after_checkpoint")
-        if not self.shard.main:
-            return
-        ledger.append_ledger(self.ckpt_dir, line)
-        fault("after_ledger")
-        self.intake.acknowledge()
-        fault("after_ack")
-        publish.publish(self.client, self.keys, self.version, path, digest, self.step, self.cfg.weights_base_url)
-        fault("after_publish")
-        # what no commit can need again leaves Redis
-        self.samples_head.maybe_trim()
-        publish.prune(self.weights_dir, keep_from=self.version - self.cfg.max_staleness - 2)
-        # every export_every versions: an HF folder
-        export.maybe_export(self.cfg, self.version, self.log)
-        self.log.info("version published", version=self.version, path=str(path), sha256=digest[:12])
+            trained, skipped = self.intake.to_commit()
+            line = commit_path.record(self.version, self.step, trained, skipped, self.batches, self.counts)
+            fault("before_ledger")
+            ledger.append_ledger(self.ckpt_dir, line)
+            self.batches = []
+            fault("after_ledger")
+            self.intake.committed(trained + skipped)
+            self.intake.acknowledge()
+            fault("after_ack")
+            self.publisher.submit(self.version, self.step, weights)
+            # what no commit can need again leaves Redis
+            self.samples_head.maybe_trim()
+        if told["snapshot"]:
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        meta = {"step": self.step, "version": self.version, "counts": dict(self.counts)}
+        self.topology.snapshot(self.snapshots, self.model, self.opt, meta)
+
+    def _snapshot_landed(self, record: dict) -> None:
+        """From the snapshot's thread (rank 0's commit under torchrun): ``streamrl status`` shows the newest."""
+        if self.shard.main:
+            record_metrics(self.client, self.keys, "snapshot", record)
 
     def run(self, should_stop=lambda: False) -> None:
         if not self.shard.main:
@@ -320,19 +395,25 @@ class Trainer:
             # a warm stop: the other ranks return too
             self._tell({"op": "stop"})
         finally:
-            # the last optimizer write lands before a warm stop returns
-            checkpoint.wait()
+            # the last version is published and the last snapshot lands before a warm stop returns
+            self.publisher.close()
+            self.snapshots.close()
 
     def follow(self) -> None:
-        """A rank other than 0 under torchrun: restore from the last commit, then do what rank 0 says."""
-        self._load_checkpoint()
+        """A rank other than 0 under torchrun: restore from the newest snapshot, then do what rank 0 says (a restore's
+        re-training comes as the same steps and gathers as training's)."""
+        self._load_snapshot()
         while (message := distributed.broadcast(self.shard))["op"] != "stop":
             if message["op"] == "step":
                 self._train(distributed.broadcast_batch(self.shard, message))
                 self.step += 1
             elif message["op"] == "commit":
-                self.commit()
+                self.commit(message)
             elif message["op"] == "gather":
+                # a restore's re-trained version: hashed on rank 0
+                self.version = message.get("version", self.version)
                 self._publish_state()
+            elif message["op"] == "snapshot":
+                self._snapshot()
             # "idle": rank 0 is waiting for samples
         self.log.info("rank 0 stopped; this rank stops with it", step=self.step, version=self.version)

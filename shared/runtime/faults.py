@@ -9,7 +9,9 @@ The points, in the order each service passes them:
 
     trainer  stepped    a training step's groups are in the model and its metrics line is written; nothing of
                         it committed (its groups delivered, unacknowledged)
-             before_checkpoint, after_checkpoint, after_ledger, after_ack, after_publish  (its commit path)
+             before_ledger, after_ledger, after_ack  (its commit path: services/trainer/state/commit.py)
+             after_publish   the publisher's thread sent a version event
+             snapshot_write  the snapshot's thread wrote a snapshot's temporary file, not renamed into place
     rollout  opened     a group's episodes have their 'started' events in their streams, nothing generated
              flushed    an engine step's tokens were written to their streams
              finished   every episode of a group has its end in its stream; the group is not published yet
@@ -32,7 +34,7 @@ from collections import Counter
 
 ENV = "FAULT_INJECT_STREAMRL_CRASH"
 POINTS = {
-    "trainer": ("stepped", "before_checkpoint", "after_checkpoint", "after_ledger", "after_ack", "after_publish"),
+    "trainer": ("stepped", "before_ledger", "after_ledger", "after_ack", "after_publish", "snapshot_write"),
     "rollout": (
         "opened",
         "flushed",

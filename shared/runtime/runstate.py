@@ -1,12 +1,12 @@
 """A run's identity, so that one run's state is never mixed with another's.
 
 A run's state is in two places: its Redis data (streams, consumer groups) and its folder ``<run_dir>/<run>/``
-(trainer checkpoint and ledger, metrics, plots; by default the Redis data too, in ``redis/``). Both carry the same
+(trainer snapshots and ledger, metrics, plots; by default the Redis data too, in ``redis/``). Both carry the same
 identity: Redis holds ``streamrl:<run>:meta`` {run, id, created, config, ended?}, the folder holds ``run.json`` {run,
 id, created, redis, config}: ``config`` is the effective config the run was made with (secrets left out), which
 commands naming ``--run`` start from. Every process binds to the run when it has connected (``bind``): the first one
 creates the identity, the others find it, and a process that finds the two disagreeing (another run's data, or a
-folder whose Redis is gone: a trainer checkpoint ahead of an empty server) stops with one line that says what
+folder whose Redis is gone: a trainer ledger ahead of an empty server) stops with one line that says what
 disagrees and how to continue or start afresh."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def recorded_config(meta: dict | None) -> dict:
 
 def write_marker(run_path: Path, meta: dict, redis_url: str) -> None:
     """Atomic (several processes of one run write the same content at once)."""
-    # 0700: the run's Redis data, checkpoints and secrets are in it
+    # 0700: the run's Redis data, snapshots and secrets are in it
     run_path = private_dir(run_path)
     tmp = run_path / f".{MARKER}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
     body = {k: meta[k] for k in ("run", "id", "created") if k in meta}
@@ -97,7 +97,7 @@ def local_state(run_path: Path) -> str | None:
     records = read_ledger(Path(run_path) / "trainer")
     if not records:
         return None
-    return f"a trainer checkpoint at version {max(int(r.get('version', 0)) for r in records)}"
+    return f"a trainer ledger at version {max(int(r.get('version', 0)) for r in records)}"
 
 
 def _has_data(client: redis.Redis, keys: Keys) -> bool:

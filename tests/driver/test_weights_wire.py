@@ -59,3 +59,12 @@ def test_the_plot_is_written_only_with_deltas(tmp_path):
     assert plot_weights_wire(PUBLISHED[:1], tmp_path / "none.png") is None
     path = plot_weights_wire(PUBLISHED, tmp_path / "wire.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_status_line_says_the_trainers_last_snapshot_and_what_a_crash_would_re_train():
+    from services.driver.status import snapshot_words
+
+    assert snapshot_words(None, 7, 100.0) == ""
+    snap = {"version": 25, "time": 59.0}
+    assert snapshot_words(snap, 28, 100.0) == "snapshot v25 41 s ago, a crash re-trains 3 versions"
+    assert snapshot_words(snap, 26, 100.0).endswith("re-trains 1 version")

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from services.driver.agents import group_specs
-from services.trainer import checkpoint
-from shared.runtime import runstate, secrets
+from services.trainer.state import snapshot
+from shared.runtime import logs, runstate, secrets
 from shared.runtime.config.keys import Config
 from shared.runtime.weights.server import WeightServer, file_name
 from tests.support.procs import ROOT
@@ -48,22 +48,25 @@ def test_streamrl_config_redacts_secrets_unless_asked(tmp_path):
     assert shown["weights_token"]["value"] == "tok-given"
 
 
-def test_run_folder_0700_checkpoint_0600_loaded_without_pickle_code(tmp_path, client, keys):
+def test_run_folder_0700_snapshot_0600_loaded_without_pickle_code(tmp_path, client, keys):
     run_path = tmp_path / "runs" / keys.run
     runstate.bind(client, keys, run_path, "redis://127.0.0.1:1/0")
     assert stat.S_IMODE(run_path.stat().st_mode) == 0o700
-    checkpoint.save(run_path / "trainer", {"model": {"w": torch.ones(2)}, "version": 1, "rng": torch.get_rng_state()})
-    assert stat.S_IMODE((run_path / "trainer" / "checkpoint.pt").stat().st_mode) == 0o600
-    assert checkpoint.load(run_path / "trainer")["version"] == 1
+    model = torch.nn.Linear(2, 2)
+    snaps = snapshot.Snapshots(run_path / "trainer", 1, 0.0, logs.get("secrets-test"))
+    snaps.take(1, 1, model, torch.optim.AdamW(model.parameters()), {})
+    snaps.close()
+    assert stat.S_IMODE(snapshot.file_of(run_path / "trainer", 1).stat().st_mode) == 0o600
+    assert snapshot.load(run_path / "trainer")["version"] == 1
 
-    # what a pickle-code checkpoint does on load: call anything
+    # what a pickle-code snapshot does on load: call anything
     class Evil:
         def __reduce__(self):
             return (os.system, (f"touch {tmp_path / 'pwned'}",))
 
-    torch.save({"x": Evil(), "version": 2}, run_path / "trainer" / "checkpoint.pt")
+    torch.save({"x": Evil(), "version": 2}, snapshot.file_of(run_path / "trainer", 2))
     with pytest.raises(Exception, match="Weights only load failed|Unsupported global"):
-        checkpoint.load(run_path / "trainer")
+        snapshot.load(run_path / "trainer")
     assert not (tmp_path / "pwned").exists()
 
 

@@ -331,6 +331,7 @@ def test_metrics_records_read_back_equal_and_one_written_again_reads_once_in_its
         "publish": "version",
         "rollout": "i",
         "agent": "episode",
+        "snapshot": "version",
     }
     records = [(kind, {**data, identity_field.get(kind, "i"): i}) for i, (kind, data) in enumerate(records)]
     for kind, data in records:

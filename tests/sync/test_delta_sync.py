@@ -1,7 +1,8 @@
-"""Versions as deltas over the wire, with the real parts: the trainer's delta writer (its thread, its
-``publish`` metrics records in real Redis), the real weight server over loopback HTTP with the writer's lookup, and a
-rollout worker's ``LocalWeights`` (its own folder, weights_fetch always). Each version is a real model's bf16 file
-after an AdamW step at a low learning rate (most bf16 elements keep their bits)."""
+"""Versions as deltas over the wire, with the real parts: the trainer's publisher (its thread, its version events
+and ``publish`` metrics records in real Redis), the real weight server over loopback HTTP with the publisher's lookup
+(a full file it never wrote made from the chain on demand), and a rollout worker's ``LocalWeights`` (its own folder,
+weights_fetch always). Each version is a real model's bf16 weights after an AdamW step at a low learning rate (most
+bf16 elements keep their bits)."""
 
 from __future__ import annotations
 
@@ -14,37 +15,39 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.rollout.weights.local import LocalWeights
-from services.trainer.deltas import DeltaWriter
-from services.trainer.publish import write_weights
+from services.trainer.publish import frozen
+from services.trainer.publisher import Publisher
 from shared.protocol.streams import metrics
+from shared.protocol.streams import versions as pversions
 from shared.runtime import logs
 from shared.runtime.config.keys import Config
+from shared.runtime.weights import chain
 from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.weights.server import WeightServer, delta_name, file_name
 
 
 @pytest.fixture
 def published(client, keys, tiny_model_dir, tmp_path):
-    """Versions 1..5 in the trainer's folder, each one AdamW step (lr 1e-5) from the one before, bf16; deltas by the
-    real writer (v1 has none: the first); the folder served with the writer's lookup."""
+    """Versions 1..5 published by the real publisher, each one AdamW step (lr 1e-5) from the one before, bf16: v1 a
+    full file (the first), v2..v5 deltas only; the folder served with the publisher's lookup. ``files[v]``: the path
+    the version event names (made on demand) and its sha256."""
     folder = tmp_path / "trainer"
     folder.mkdir()
-    cfg = Config(run=keys.run, delta_max_chain=4)
-    writer = DeltaWriter(cfg, client, keys, folder, logs.get("delta-test"), serving=True)
+    cfg = Config(run=keys.run, delta_max_chain=4, max_staleness=100)
+    writer = Publisher(cfg, client, keys, folder, logs.get("delta-test"))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     torch.manual_seed(0)
-    files = {}
     for v in range(1, 6):
         ids = torch.randint(0, model.config.vocab_size, (2, 16))
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-        files[v] = write_weights(model, folder, v, "bfloat16")
-        writer.submit(v, *files[v])
+        writer.submit(v, v, frozen(model, "bfloat16"))
+    writer.wait_idle()
+    files = {v.version: (folder / file_name(v.version), v.sha256) for v in pversions.read_all(client, keys)}
+    assert sorted(p.name for p in folder.glob("v*")) == [file_name(1)] + [delta_name(v) for v in range(2, 6)]
     server = WeightServer(folder, resolve=writer.resolve).start()
-    for v in files:
-        writer.wait(v)
     yield files, server
     server.stop()
     writer.close()
@@ -66,7 +69,10 @@ def test_versions_come_as_deltas_bit_identical_and_too_far_behind_as_the_file(pu
     files, server = published
     records = {r["version"]: r for _, r in metrics.read(client, keys, "publish")}
     assert [records[v]["snapshot"] for v in range(1, 6)] == [True, False, False, False, False]
-    assert records[1]["reason"] == "first version" and not (server.directory / delta_name(1)).exists()
+    assert (
+        records[1]["reason"] == "first version since the trainer started"
+        and not (server.directory / delta_name(1)).exists()
+    )
     for v in (2, 3, 4, 5):
         r = records[v]
         assert 0 < r["changed"] < r["elements"] and r["floor_bytes"] <= r["delta_bytes"] < r["full_bytes"] / 2
@@ -89,6 +95,8 @@ def test_a_corrupt_delta_is_caught_never_loaded_and_the_file_downloaded(publishe
     files, server = published
     w = _worker(tmp_path, keys)
     _get(w, files, server, 1)
+    # v2's file made (as a worker too far behind would have had it made), then its delta damaged on disk
+    chain.make(server.directory, 2)
     delta = server.directory / delta_name(2)
     data = bytearray(delta.read_bytes())
     # one bit of one changed element's new value
@@ -109,6 +117,7 @@ import sys
 from services.rollout.weights.local import LocalWeights
 from shared.runtime import logs
 from shared.runtime.config.keys import Config
+from shared.runtime.weights import chain
 folder, path, digest, url = sys.argv[1:]
 w = LocalWeights(Config(run="t", weights_fetch="always", rollout_weights_dir=folder, delta_max_chain=4),
                  logs.get("dying"))
@@ -188,6 +197,23 @@ def test_a_relay_forwards_the_deltas_it_applied(published, tmp_path, keys):
         assert sha256_file(got) == digest and child.sources[3] == "relay"
         assert child.stats["delta_steps"] == 2 and child.stats["delta_fallbacks"] == 0
         # deltas, from the relay
-        assert 0 < relay.sent_bytes == child.stats["delta_bytes"] < path.stat().st_size / 2
+        assert 0 < relay.sent_bytes == child.stats["delta_bytes"] < got.stat().st_size / 2
     finally:
         relay.stop()
+
+
+def test_a_worker_on_the_trainers_host_makes_a_delta_versions_file_from_the_chain_there(published, tmp_path, keys):
+    """weights_fetch auto, no server: the version event's file is not in the trainer's folder (v3 was published as a
+    delta), so the worker makes it there from v1's file and the deltas, checks it against the published sha256 and
+    loads it; a second worker finds it made."""
+    files, server = published
+    path, digest = files[3]
+    assert not path.exists()
+    cfg = Config(run=keys.run, weights_fetch="auto", rollout_weights_dir=str(tmp_path / "mine"))
+    first, second = LocalWeights(cfg, logs.get("local-a")), LocalWeights(cfg, logs.get("local-b"))
+    assert first.local(3, str(path), digest) == path and sha256_file(path) == digest
+    made = path.stat().st_mtime_ns
+    assert second.local(3, str(path), digest) == path and path.stat().st_mtime_ns == made
+    # a wrong published sha256: the made file is refused, never loaded
+    with pytest.raises(ValueError, match="made from v3 and 1 deltas, its sha256 is not the published 000000000000"):
+        LocalWeights(cfg, logs.get("local-c")).local(4, str(files[4][0]), "0" * 64)

@@ -14,8 +14,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from services.ops.check.checker import check, read_run
-from services.trainer import distributed, sharded_checkpoint
+from services.trainer import distributed
 from services.trainer.batch import build_batch
+from services.trainer.state import sharded
 from services.trainer.step import StepConfig, plan
 from shared.protocol.archive.ledger import read_ledger
 from shared.protocol.keys import TRAINER_GROUP
@@ -126,6 +127,8 @@ def _torchrun_trainer(redis_url, cfg, log: Path, crash: dict | None = None):
         "2",
         "--steps-per-version",
         "2",
+        "--snapshot-every-versions",
+        "2",
         "--max-staleness",
         "100",
         "--log-level",
@@ -172,9 +175,11 @@ def _alive(pid: int) -> bool:
 def test_a_rank_killed_9_takes_the_job_down_and_the_restart_trains_nothing_twice(
     client, keys, redis_url, tiny_model_dir, tmp_path
 ):
-    """Three jobs of 2 ranks on one run: the first dies at a crash point (every rank kills itself after the
-    sharded checkpoint, before the ledger line), in the second rank 1 is killed -9 after a commit while rank 0
-    holds delivered groups it has not committed, the third finishes; every group is trained exactly once."""
+    """Three jobs of 2 ranks on one run (a sharded snapshot every 2 versions): the first dies at a crash point (rank 0
+    kills itself after its first ledger line, before anything is published), the second re-trains that version from
+    the log on both ranks and publishes it, then rank 1 is killed -9 after a commit while rank 0 holds delivered groups
+    it has not committed; the third finishes. Every group is trained exactly once, every re-trained version hashes as
+    published."""
     cfg = _cfg(keys, tiny_model_dir, tmp_path)
     ledger_dir, logs = cfg.run_path / "trainer", tmp_path / "logs"
     logs.mkdir()
@@ -182,17 +187,17 @@ def test_a_rank_killed_9_takes_the_job_down_and_the_restart_trains_nothing_twice
     groups = [f"g{i:02d}" for i in range(16)]
     for g in groups[:8]:
         _write_group(client, keys, g, length=16)
-    job = _torchrun_trainer(redis_url, cfg, logs / "first.log", faults.spec("trainer", "after_checkpoint"))
+    job = _torchrun_trainer(redis_url, cfg, logs / "first.log", faults.spec("trainer", "after_ledger"))
     ranks = {}
     try:
         ranks.update(wait_until(lambda: len(r := _ranks(job.pid)) == 2 and r, "two ranks started", 60, [job]))
         assert job.wait(180) != 0
     finally:
         _stop(job, ranks)
-    meta = json.loads((sharded_checkpoint.latest(ledger_dir) / "meta.json").read_text())
-    assert read_ledger(ledger_dir) == [] and meta["version"] == 1 and meta["world_size"] == 2
-    # the sharded checkpoint, not the single-process one
-    assert not (ledger_dir / "checkpoint.pt").exists()
+    meta = json.loads((sharded.latest(ledger_dir) / "meta.json").read_text())
+    # the snapshot a run starts with, sharded; version 1 is its ledger line only
+    assert [r["commit"] for r in read_ledger(ledger_dir)] == [1] and meta["version"] == 0 and meta["world_size"] == 2
+    assert not (ledger_dir / "snapshots").exists() and pversions.latest_number(client, keys) == 0
     for g in groups[8:12]:
         _write_group(client, keys, g, length=16)
     job = _torchrun_trainer(redis_url, cfg, logs / "second.log")
@@ -213,9 +218,9 @@ def test_a_rank_killed_9_takes_the_job_down_and_the_restart_trains_nothing_twice
     finally:
         _stop(job, ranks)
     second = read_ledger(ledger_dir)
-    # the restart appended the line the checkpoint held
-    assert second[0] == meta["ledger_record"]
     assert 4 < len(_committed(ledger_dir)) < 12
+    # the restart re-trained version 1 on both ranks and published it
+    assert 1 in [v.version for v in pversions.read_all(client, keys)]
     trained = [g for rec in second for g in rec["groups"]]
     assert len(trained) == len(set(trained))
     for g in groups[12:]:

@@ -1,12 +1,14 @@
 """The trainer's topology, chosen once (services/trainer/topology.py): alone unless torchrun started the process,
-and a checkpoint written by the other kind refused in one line."""
+and a snapshot written by the other kind refused in one line."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.trainer import checkpoint, sharded_checkpoint, topology
+from services.trainer import topology
+from services.trainer.state import sharded, snapshot
+from shared.runtime import logs
 from shared.runtime.config.keys import Config
 
 
@@ -19,19 +21,35 @@ def test_alone_without_torchrun(monkeypatch):
     assert cfg.run == "x" and log == "log"
 
 
-def test_alone_saves_and_loads_its_checkpoint_and_refuses_a_sharded_one(tmp_path):
+def test_alone_snapshots_in_the_background_loads_the_newest_and_refuses_a_sharded_one(tmp_path):
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
     alone = topology.Alone()
-    meta = {"step": 4, "version": 2, "counts": {}, "ledger_record": {}}
-    alone.save(tmp_path, model, opt, meta)
-    checkpoint.wait()
+    landed = []
+    snaps = snapshot.Snapshots(tmp_path, 2, 0.0, logs.get("snapshot-test"), on_landed=landed.append)
+    alone.snapshot(snaps, model, opt, {"step": 4, "version": 2, "counts": {"x": 1}})
+    taken = model.weight.detach().clone()
+    # training goes on while the copy is written: the snapshot keeps the weights it was taken with
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    snaps.wait()
+    alone.snapshot(snaps, model, opt, {"step": 8, "version": 4, "counts": {"x": 2}})
+    snaps.close()
+    # the older one pruned once the newer landed
+    assert [p.name for p in (tmp_path / "snapshots").iterdir()] == ["v000004.pt"]
+    assert [r["version"] for r in landed] == [2, 4] and not snaps.due(5) and snaps.due(6)
     other = torch.nn.Linear(3, 2)
-    state = alone.load(tmp_path, other, torch.optim.AdamW(other.parameters()))
-    assert state["version"] == 2 and torch.equal(other.weight, model.weight)
-    done = sharded_checkpoint.folder(tmp_path) / "v000002"
+    other_opt = torch.optim.AdamW(other.parameters())
+    state = alone.load(tmp_path, other, other_opt)
+    assert state["version"] == 4 and state["counts"] == {"x": 2} and torch.equal(other.weight, model.weight)
+    assert not torch.equal(other.weight, taken) and other_opt.state_dict()["state"][0]["step"] == 1
+    with pytest.raises(RuntimeError, match=r"holds a snapshots/ \(one process\) snapshot, which a trainer run as"):
+        topology._refuse_the_other_kind(tmp_path, topology.Ranks.__new__(topology.Ranks))
+    done = sharded.folder(tmp_path) / "v000002"
     done.mkdir(parents=True)
     (done / "meta.json").write_text("{}")
-    (tmp_path / "checkpoint.pt").unlink()
-    with pytest.raises(RuntimeError, match=r"holds a dcp/ \(torchrun\) checkpoint, which a trainer run as one process"):
+    (tmp_path / "snapshots" / "v000004.pt").unlink()
+    with pytest.raises(RuntimeError, match=r"holds a dcp/ \(torchrun\) snapshot, which a trainer run as one process"):
         alone.load(tmp_path, other, torch.optim.AdamW(other.parameters()))

@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from services.ops.check.checker import check, read_run
-from services.trainer import checkpoint
 from services.trainer.batch import build_batch
 from services.trainer.publish import sha256
 from services.trainer.trainer import Trainer
-from shared.protocol.archive.ledger import read_ledger
+from shared.protocol.archive.ledger import last_commit, read_ledger
 from shared.protocol.episode.fold import fold
 from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import TRAINER_GROUP
@@ -24,6 +23,7 @@ from shared.protocol.streams import dead_letters, samples
 from shared.protocol.streams import versions as pversions
 from shared.runtime import faults, logs
 from shared.runtime.config.keys import Config
+from shared.runtime.weights import chain
 from tests.support.helpers import finished, raw, started, tokens
 from tests.support.procs import kill9, spawn, stop, wait_until
 
@@ -87,7 +87,8 @@ def test_batch_positions_match_the_stream():
 
 
 def test_trains_publishes_and_acks(client, keys, tiny_model_dir, tmp_path):
-    cfg = _cfg(keys, tiny_model_dir, tmp_path)
+    # bf16 at a low learning rate: most elements keep their bits, so version 2 is published as its delta
+    cfg = _cfg(keys, tiny_model_dir, tmp_path, publish_dtype="bfloat16", lr=1e-5)
     for g in ("a", "b", "c", "d"):
         _write_group(client, keys, g)
     trainer = Trainer(cfg, client, logs.get("trainer-test"))
@@ -96,8 +97,12 @@ def test_trains_publishes_and_acks(client, keys, tiny_model_dir, tmp_path):
     trainer.run(should_stop=lambda: trainer.version >= stop_after["versions"])
     versions = pversions.read_all(client, keys)
     assert [v.version for v in versions] == [1, 2]
+    # v1 a full file (the first), v2 its delta: the file the event names is made from the chain, bit-exact
+    folder = tmp_path / "weights"
+    assert (folder / "v000001.safetensors").is_file() and (folder / "v000002.delta").is_file()
+    assert not (folder / "v000002.safetensors").exists()
     for v in versions:
-        assert sha256(__import__("pathlib").Path(v.path)) == v.sha256
+        assert sha256(chain.make(folder, v.version)) == v.sha256
     assert client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0
     ledger = read_ledger(cfg.run_path / "trainer")
     assert sorted(g for rec in ledger for g in rec["groups"]) == ["a", "b", "c", "d"]
@@ -168,12 +173,26 @@ def test_a_non_finite_step_is_skipped_counted_and_never_published(client, keys, 
     line = json.loads((cfg.run_path / "metrics.jsonl").read_text().splitlines()[0])
     # both minibatches (ppo_minibatches = 2)
     assert line["nonfinite_skipped"] == 2 and line["ppo_steps"] == 0
-    assert read_ledger(cfg.run_path / "trainer") == [
-        {"commit": 1, "version": 1, "step": 1, "groups": [], "skipped": ["nan"]}
-    ]
+    (line,) = read_ledger(cfg.run_path / "trainer")
+    assert {k: line[k] for k in ("commit", "step", "groups", "skipped", "batches")} == {
+        "commit": 1,
+        "step": 1,
+        "groups": [],
+        "skipped": ["nan"],
+        "batches": [[["nan", 2]]],
+    }
+    assert line["counts"]["nonfinite_skipped"] == 2
 
 
-def _trainer_proc(redis_url, cfg: Config, crash_at: str | None = None, nth: int = 1):
+def _trainer_proc(
+    redis_url,
+    cfg: Config,
+    crash_at: str | None = None,
+    nth: int = 1,
+    snapshot_every: int = 2,
+    batch_groups: int = 2,
+    steps_per_version: int = 2,
+):
     env = {k: v for k, v in os.environ.items() if k != faults.ENV}
     if crash_at:
         # the trainer kills itself there, the nth time it passes (shared/runtime/faults.py)
@@ -191,9 +210,11 @@ def _trainer_proc(redis_url, cfg: Config, crash_at: str | None = None, nth: int 
         "--weights-dir",
         cfg.weights_dir,
         "--batch-groups",
-        "2",
+        str(batch_groups),
         "--steps-per-version",
-        "2",
+        str(steps_per_version),
+        "--snapshot-every-versions",
+        str(snapshot_every),
         "--max-staleness",
         "100",
         "--log-level",
@@ -256,17 +277,20 @@ def _trainer_thread(cfg: Config, client):
 def test_an_idle_trainer_publishes_again_a_version_redis_lost_and_keeps_only_weights_a_worker_may_load(
     client, keys, tiny_model_dir, tmp_path
 ):
-    # a worker may still load the last 3 versions
-    cfg = _cfg(keys, tiny_model_dir, tmp_path, max_staleness=0)
+    # a worker may still load the last 3 versions; a full file every 2 versions, deltas between (bf16, low lr)
+    cfg = _cfg(keys, tiny_model_dir, tmp_path, max_staleness=0, publish_full_every=2, publish_dtype="bfloat16", lr=1e-5)
     for i in range(8):
         _write_group(client, keys, f"w{i}")
     trainer, stop_it = _trainer_thread(cfg, client)
     try:
         wait_until(lambda: pversions.latest_number(client, keys) == 4, "version 4 published", 120)
-        files = lambda: sorted(p.name for p in (tmp_path / "weights").glob("v*.safetensors"))  # noqa: E731
+        folder = tmp_path / "weights"
+        files = lambda: sorted(p.name for p in folder.glob("v*"))  # noqa: E731
         # the prune follows the publish: wait for it rather than read the folder at the publish's instant
         wait_until(lambda: "v000001.safetensors" not in files(), "version 1's weights pruned", 30)
-        assert files() == ["v000002.safetensors", "v000003.safetensors", "v000004.safetensors"]
+        # v2 the base every version a worker may load is made from (v3 from its delta)
+        assert files() == ["v000002.safetensors", "v000003.delta", "v000004.safetensors"]
+        assert all(chain.can_make(folder, v) for v in (2, 3, 4))
         newest = pversions.latest(client, keys)
         # a Redis restart lost its last second: the event is gone
         client.xdel(keys.versions, newest.entry_id)
@@ -413,9 +437,11 @@ def test_a_torn_last_ledger_line_is_ignored_and_repaired(tmp_path):
 def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothing_twice(
     client, keys, redis_url, tiny_model_dir, tmp_path
 ):
-    """One trainer after another on the same run, each killed (SIGKILL, by the test-only hook) at the next point
-    of its first commit; after each kill the ledger has no group twice; a last trainer finishes the run, then
-    the checker and the checkpoint count every group trained exactly once."""
+    """One trainer after another on the same run (a snapshot every 2 versions), each killed (SIGKILL, by the
+    test-only hook) at the next point of its commit path, the publisher's thread or the snapshot's; each restart
+    re-trains the commits after the newest snapshot. After each kill the ledger has no group twice; a last trainer
+    finishes the run, then every version is published once, every re-derived version hashed as published, and the
+    checker counts every group trained exactly once."""
     cfg = _cfg(keys, tiny_model_dir, tmp_path)
     ledger_dir = cfg.run_path / "trainer"
     groups = []
@@ -428,7 +454,7 @@ def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothi
         groups += new
         proc = _trainer_proc(redis_url, cfg, crash_at=point)
         try:
-            # killed itself at this point of its first commit
+            # killed itself at this point
             assert proc.wait(180) == -signal.SIGKILL, point
         finally:
             if proc.poll() is None:
@@ -445,47 +471,62 @@ def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothi
             180,
             [proc],
         )
-        state = checkpoint.load(ledger_dir)
-        wait_until(
-            lambda: pversions.latest_number(client, keys) >= state["version"], "the last version published", 60, [proc]
-        )
+        last = last_commit(read_ledger(ledger_dir))
+        wait_until(lambda: pversions.latest_number(client, keys) >= last, "the last version published", 60, [proc])
     finally:
         stop(proc)
     records = read_ledger(ledger_dir)
     # every group trained, none twice
     assert sorted(g for rec in records for g in rec["groups"]) == sorted(groups)
-    # the ledger agrees with the checkpoint: one line per commit, nothing behind, nothing beyond
     commits = [rec["commit"] for rec in records if "commit" in rec]
-    assert commits == list(range(1, state["version"] + 1)) and records[-1] == state["ledger_record"]
+    assert commits == list(range(1, last + 1))
+    # restores re-trained versions, and each one hashed as it was published
+    replays = [json.loads(x) for x in (ledger_dir / "replays.jsonl").read_text().splitlines()]
+    assert sum(len(r["replayed"]) for r in replays) > 0 and all(r["differing"] == [] for r in replays)
     again = Trainer(cfg, client, logs.get("trainer-test"))
     # the set of consumed groups a restart rebuilds (from the ledger) is every group, once
     again.restore()
     assert sorted(again.intake.consumed) == sorted(groups) and not again.intake.buffer
+    assert again.version == last
     published = [v.version for v in pversions.read_all(client, keys)]
-    # every version published
-    assert sorted(set(published)) == list(range(1, state["version"] + 1))
+    # every version published, once
+    assert published == list(range(1, last + 1))
     report = check(read_run(client, keys, cfg.run_path))
     assert report.groups_lost == 0 and report.samples_trained_twice == 0 and report.groups_trained == len(groups)
+    assert report.versions_rederived_differently == 0 and report.versions_replayed > 0
 
 
-def test_the_optimizer_state_is_written_in_the_background_and_an_older_one_is_reported(tmp_path):
-    """checkpoint.pt (model, groups) is written at commit; optimizer.pt follows from a background thread. A
-    checkpoint whose optimizer file is a version behind (killed before it landed) loads, saying so."""
-    model = torch.nn.Linear(3, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.ones(1, 3)).sum().backward()
-    opt.step()
-    checkpoint.save(tmp_path, {"model": model.state_dict(), "version": 1})
-    checkpoint.save_optimizer(tmp_path, 1, opt.state_dict())
-    checkpoint.wait()
-    state = checkpoint.load(tmp_path)
-    assert state["optimizer_version"] == 1
-    assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
-    opt.step()
-    # the next optimizer write never lands
-    checkpoint.save(tmp_path, {"model": model.state_dict(), "version": 2})
-    state = checkpoint.load(tmp_path)
-    assert (state["version"], state["optimizer_version"]) == (2, 1)
-    fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
-    # loads: the moments are one version old, the groups exact
-    fresh.load_state_dict(state["optimizer"])
+def test_a_restore_re_trains_the_versions_after_the_snapshot_to_the_published_bytes(
+    client, keys, tiny_model_dir, tmp_path
+):
+    """In one process: a trainer commits 5 versions (a snapshot at 0 and 4); a second one on the same run loads
+    snapshot 4, re-trains version 5 from the log and ends with the first one's weights and optimizer, bit for bit;
+    a version whose published sha256 differs is reported, recorded, and training goes on from the re-derived one."""
+    cfg = _cfg(keys, tiny_model_dir, tmp_path, snapshot_every_versions=4)
+    for i in range(10):
+        _write_group(client, keys, f"r{i}")
+    first = Trainer(cfg, client, logs.get("trainer-test"))
+    first.run(should_stop=lambda: first.version >= 5)
+    assert sorted(p.name for p in (cfg.run_path / "trainer" / "snapshots").iterdir()) == ["v000004.pt"]
+    second = Trainer(cfg, client, logs.get("trainer-test"))
+    second.restore()
+    second.publisher.close()
+    assert (second.version, second.step) == (5, 5)
+    for (k, a), b in zip(first.model.state_dict().items(), second.model.state_dict().values()):
+        assert torch.equal(a, b), k
+    moments = lambda t: [s["exp_avg"] for s in t.opt.state_dict()["state"].values()]  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(moments(first), moments(second)))
+    assert second.counts == first.counts
+    (rec,) = [json.loads(x) for x in (cfg.run_path / "trainer" / "replays.jsonl").read_text().splitlines()]
+    assert (rec["snapshot"], rec["replayed"], rec["differing"], rec["published"]) == (4, [5], [], [])
+    # version 5's event says another sha256 (as a non-deterministic kernel would leave it)
+    newest = pversions.latest(client, keys)
+    client.xdel(keys.versions, newest.entry_id)
+    pversions.publish(client, keys, pversions.Version(5, newest.path, "0" * 64, newest.step, newest.time))
+    third = Trainer(cfg, client, logs.get("trainer-test"))
+    third.restore()
+    third.publisher.close()
+    lines = [json.loads(x) for x in (cfg.run_path / "trainer" / "replays.jsonl").read_text().splitlines()]
+    assert lines[-1]["differing"] == [5] and third.version == 5
+    report = check(read_run(client, keys, cfg.run_path))
+    assert report.versions_rederived_differently == 1 and report.versions_replayed == 2

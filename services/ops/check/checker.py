@@ -63,6 +63,12 @@ episodes_failed_by_infrastructure
     episodes whose ``failed`` event names a part of the platform as the
     cause (``where`` in events.INFRASTRUCTURE_FAILURES: an agent that lost
     the gateway for good), not the episode's prompt, model, reward or agent.
+versions_rederived_differently
+    versions a restore of the trainer trained again from the log (its newest
+    snapshot, then the ledger's commits after it) whose weights' sha256 is
+    not the one their version event holds: a non-deterministic kernel, or an
+    episode gone from the log. Training goes on from the re-derived weights
+    (docs/faults.md); ``versions re-trained at restores`` counts them all.
 repacks_unmarked
     long-tail repacks whose hand-over ``resumed`` (the event right after the
     source's ``aborted`` with reason ``repack``) does not name the source in
@@ -180,6 +186,9 @@ def check(data: RunData) -> Report:
     r.takeovers = sum(s.takeovers for s in stats.values())
     r.tail_resumes = sum(s.tail_resumes for s in stats.values())
     r.tokens_in_streams = sum(s.policy_tokens for s in stats.values())
+    r.versions_replayed = sum(len(rec.get("replayed", [])) for rec in data.replays)
+    differing = sorted(v for rec in data.replays for v in rec.get("differing", []))
+    r.versions_rederived_differently = len(differing)
     r.details = {
         "groups_lost_in_rollout": lost_rollout[:50],
         "groups_lost_in_training": lost_training[:50],
@@ -196,6 +205,7 @@ def check(data: RunData) -> Report:
         "repacks_unmarked": unmarked[:50],
         "episodes_unreadable": [f"{eid} ({stats[eid].error[:200]})" for eid in unreadable[:50]],
         "episodes_failed_by_infrastructure": infra[:50],
+        "versions_rederived_differently": differing[:50],
         "workers_without_final_report": no_report,
         "tokens_generated": {w: int(rep.get("tokens", 0)) for w, rep in sorted(data.reports.items())},
     }

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from shared.protocol.archive.ledger import read_ledger
+from shared.protocol.archive.ledger import read_ledger, read_replays
 from shared.protocol.archive.segments import SegmentStore, folder_of
 from shared.protocol.episode.errors import EventError
 from shared.protocol.keys import ROLLOUT_GROUP, TRAINER_GROUP, Keys
@@ -44,6 +44,8 @@ class RunData:
     # episode id -> entries
     episodes: dict[str, list[tuple[str, dict]]] = field(default_factory=dict)
     ledger: list[dict] = field(default_factory=list)
+    # the trainer's restores that re-trained versions (services/trainer/state/replay.py): one record each
+    replays: list[dict] = field(default_factory=list)
     # {stream, entry, reason, by}
     dead: list[dict] = field(default_factory=list)
     # worker -> its last rollout metrics record
@@ -150,6 +152,7 @@ def read_run(client, keys: Keys, run_path: Path, rq_client=None, cfg=None) -> Ru
         if episode_id not in data.episodes:
             data.episodes[episode_id] = _entries(entries)
     data.ledger = read_ledger(Path(run_path) / "trainer")
+    data.replays = read_replays(Path(run_path) / "trainer")
     data.dead = [asdict(d) for d in dead_letters.read_all(client, keys)]
     # the run folder's files, then Redis
     records = metrics.history(client, keys, run_path, ("rollout", "train"))

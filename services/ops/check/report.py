@@ -16,6 +16,7 @@ MUST_BE_ZERO = (
     "repacks_unmarked",
     "episodes_unreadable",
     "episodes_failed_by_infrastructure",
+    "versions_rederived_differently",
 )
 
 
@@ -47,6 +48,9 @@ class Report:
     repacks_unmarked: int = 0
     episodes_unreadable: int = 0
     episodes_failed_by_infrastructure: int = 0
+    # restores: versions the trainer trained again from the log, and those whose weights hashed otherwise
+    versions_replayed: int = 0
+    versions_rederived_differently: int = 0
     dead_letters: int = 0
     takeovers: int = 0
     tail_resumes: int = 0
@@ -84,6 +88,7 @@ def format_report(r: Report, run: str) -> str:
         ("repack hand-overs not marked", r.repacks_unmarked, True),
         ("episodes unreadable", r.episodes_unreadable, True),
         ("episodes the platform failed", r.episodes_failed_by_infrastructure, True),
+        ("versions re-derived differently", r.versions_rederived_differently, True),
     ]
     lines = [
         f"run {run!r}: {r.groups_enqueued} groups enqueued, {r.groups_published} finished, "
@@ -96,6 +101,7 @@ def format_report(r: Report, run: str) -> str:
     lines.append(f"  {'stalest token trained (versions)':<32} {r.oldest_trained:>8}")
     lines.append(f"  {'takeovers after a crash':<32} {r.takeovers:>8}")
     lines.append(f"  {'resumes after a lost tail':<32} {r.tail_resumes:>8}")
+    lines.append(f"  {'versions re-trained at restores':<32} {r.versions_replayed:>8}")
     lines.append(f"  {'bad input found / dead letters':<32} {f'{r.bad_input_found}/{r.dead_letters}':>8}")
     for name, items in r.details.items():
         if items and name != "tokens_generated":

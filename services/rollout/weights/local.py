@@ -4,7 +4,8 @@ worker's own, downloaded from the trainer's weight server (``weights_fetch``: au
 A sync's ``fetch`` command starts ``prefetch`` in a thread, so the download and the sha256 check run while the worker
 goes on generating; the thread acks the fetch once a verified copy is here. The ``load`` inside the pause then only
 reads that copy (``local``): no download and no hashing in the pause. A load that no fetch preceded (by hand, or a
-worker catching up at start) gets its copy right then.
+worker catching up at start) gets its copy right then. A version the trainer published as a delta, its folder readable
+here, has its file made there from the chain (``shared/runtime/weights/chain.py``) by the first worker that needs it.
 
 A download is first tried as deltas (``delta_max_chain`` > 0): from the newest verified copy here, at most that many
 versions older, and the deltas since (``shared/runtime/weights/delta_fetch.py``), checked against the published
@@ -21,7 +22,7 @@ from pathlib import Path
 from shared.protocol.weights.delta import DeltaError
 from shared.runtime.config.keys import Config
 from shared.runtime.folders import private_folder
-from shared.runtime.weights import delta_fetch
+from shared.runtime.weights import chain, delta_fetch
 from shared.runtime.weights import fetch as weight_fetch
 from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.weights.server import DELTA, file_name
@@ -200,6 +201,15 @@ class LocalWeights:
         if ready and ready[1] == sha256 and self._unchanged(ready):
             return ready[0]
         published = Path(path)
+        # a version the trainer published as a delta, its folder on this host: the file made from the chain there
+        if self.mode != "always" and not published.is_file() and chain.can_make(published.parent, version):
+            try:
+                chain.make(published.parent, version, sha256)
+            except (chain.ChainError, OSError) as exc:
+                # nowhere else to get it from: this is why the version cannot be loaded
+                if self.mode == "never" or not (url or relay):
+                    raise ValueError(str(exc)) from None
+                self.log.warning("weights file could not be made from the deltas here", version=version, error=str(exc))
         # why the published file, readable here, is not the published version
         unusable = None
         if self.mode != "always" and published.is_file() and os.access(published, os.R_OK):

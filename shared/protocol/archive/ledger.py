@@ -1,12 +1,11 @@
 """The trainer's ledger of committed samples: ``<run_dir>/<run>/trainer/trained.jsonl``.
 
-One JSON line per commit, appended and fsynced after the checkpoint that includes it is durable:
-``{"commit": V, "version": V, "step": S, "groups": [ids trained], "skipped": [ids not trained], ...}``
-(lines written for groups judged untrainable between commits have no ``commit``). The checkpoint
-holds its commit's line too: a crash between checkpoint and ledger is repaired on restore by
-appending it again (``commit`` says which commits the ledger already has). Each group id appears in
-``groups`` at most once across crashes and restarts; ``streamrl check`` reads it to count groups
-trained twice or lost.
+One JSON line per commit, appended and fsynced before any of its samples is acknowledged: the line is the commit
+(services/trainer/state/commit.py). ``{"commit": V, "version": V, "step": S, "groups": [ids trained], "skipped": [ids
+not trained], "batches": [[[group, episodes], ...] per step, in order], "counts": {...}}`` (lines written for groups
+judged untrainable between commits have no ``commit``). A restart re-trains the commits after its newest snapshot from
+``batches``. Each group id appears in ``groups`` at most once across crashes and restarts; ``streamrl check`` reads it
+to count groups trained twice or lost.
 
 A crash mid-append leaves a torn last line (no newline, maybe not JSON): ``read_ledger`` ignores it
 and ``repair_ledger`` cuts it off before the next append.
@@ -19,11 +18,18 @@ from pathlib import Path
 from shared.protocol.archive import jsonl
 
 FILE = "trained.jsonl"
+# beside it: one line per trainer restore that re-trained versions from the log (services/trainer/state/replay.py):
+# {"snapshot": S, "replayed": [versions], "differing": [versions hashed otherwise], "published": [...], ...}
+REPLAYS = "replays.jsonl"
 
 
 def append_ledger(directory: Path, record: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     jsonl.append(directory / FILE, record)
+
+
+def read_replays(directory: Path) -> list[dict]:
+    return jsonl.read(Path(directory) / REPLAYS, "replays")
 
 
 def read_ledger(directory: Path) -> list[dict]:

@@ -2,8 +2,9 @@
 
 Kinds and who writes them: ``train`` (trainer, one per optimizer step: loss, reward, staleness, ...),
 ``sync`` (syncer, one per weight sync: per-phase durations, workers missing), ``publish`` (trainer, one per
-version once its delta is written or judged not worth it: full and delta bytes, elements changed, the entropy floor,
-services/trainer/deltas.py), ``rollout`` (each rollout
+version once it is published: full and delta bytes, bytes written, elements changed, the entropy floor,
+services/trainer/publisher.py), ``snapshot`` (trainer, one per snapshot landed on disk: version, step, bytes,
+seconds, services/trainer/state/snapshot.py), ``rollout`` (each rollout
 worker every few seconds: tokens, episodes, busy/idle seconds; ``final: true`` on its last record, whose
 counters are complete), ``validation`` (driver, one per validation round), ``fault_probe`` (a crash drill's
 worker, tests/support/fault_worker.py, just before it is killed: its counters and unflushed tokens), ``agent``
@@ -33,7 +34,7 @@ from shared.protocol.keys import Keys
 from shared.protocol.streams import codec, stream_head
 
 MAXLEN = 100_000
-KINDS = ("train", "sync", "rollout", "validation", "fault_probe", "publish", "agent")
+KINDS = ("train", "sync", "rollout", "validation", "fault_probe", "publish", "agent", "snapshot")
 
 
 def record(client, keys: Keys, kind: str, data: dict) -> None:
@@ -54,7 +55,14 @@ def decode(fields: dict) -> tuple[str, dict]:
 
 def identity(kind: str, data: dict):
     """What makes a record the same record written again; None for a record that has none."""
-    key = {"train": "step", "sync": "sync", "validation": "version", "publish": "version", "agent": "episode"}.get(kind)
+    key = {
+        "train": "step",
+        "sync": "sync",
+        "validation": "version",
+        "publish": "version",
+        "agent": "episode",
+        "snapshot": "version",
+    }.get(kind)
     if key is not None:
         return (kind, data[key]) if key in data else None
     if kind == "rollout":

@@ -228,6 +228,21 @@ def _validate_weights_transport(cfg: Config) -> None:
         raise ConfigError(
             f"config key 'delta_max_chain': expected an integer >= 0 (0: no deltas), got {cfg.delta_max_chain}"
         )
+    if cfg.publish_full_every < 0:
+        raise ConfigError(
+            f"config key 'publish_full_every': expected an integer >= 0 (0: only when a delta cannot be), got "
+            f"{cfg.publish_full_every}"
+        )
+    if (
+        cfg.snapshot_every_versions < 0
+        or cfg.snapshot_every_s < 0
+        or not (cfg.snapshot_every_versions or cfg.snapshot_every_s)
+    ):
+        raise ConfigError(
+            f"config keys snapshot_every_versions/snapshot_every_s: expected numbers >= 0, not both 0 (a restart "
+            f"re-trains every version since the last snapshot), got {cfg.snapshot_every_versions}, "
+            f"{cfg.snapshot_every_s}"
+        )
     if not 0 < cfg.delta_max_fraction <= 1:
         raise ConfigError(
             f"config key 'delta_max_fraction': expected a fraction in (0, 1], got {cfg.delta_max_fraction}"

@@ -146,6 +146,15 @@ class Config:
     """prompt groups per optimizer step"""
     steps_per_version: int = 1
     """optimizer steps between weight publishes"""
+    snapshot_every_versions: int = 25
+    """the trainer snapshots model, optimizer and RNG every this many versions, in the background; a restart loads the
+    newest snapshot and re-trains the versions after it from the episode log (docs/faults.md); 0: by
+    snapshot_every_s only"""
+    snapshot_every_s: float = 300.0
+    """... or when this many seconds have passed since the last snapshot; 0: by versions only"""
+    deterministic: bool = True
+    """torch deterministic algorithms in the trainer, so a re-trained version hashes as it was published (free on the
+    CPU; what it costs on a GPU: docs/faults.md)"""
     lr: float = 3e-4
     """AdamW learning rate"""
     loss: str = "decoupled"
@@ -255,11 +264,14 @@ class Config:
     """the dtype of a published version's file (the serving dtype): bfloat16 | float16 | float32; empty: as trained
     (float32 master weights)"""
     delta_max_chain: int = 10
-    """beside each version's file the trainer writes its delta against the version before (docs/operations.md section
+    """the trainer publishes each version as its delta against the version before (docs/operations.md section
     8); a rollout worker at most this many versions behind makes the new version from its own copy and the deltas,
     one further behind downloads the file (the snapshot); 0: no deltas"""
     delta_max_fraction: float = 0.25
     """... but no delta when it would be larger than this fraction of the file (the file is the cheaper way)"""
+    publish_full_every: int = 50
+    """the trainer writes a version's full file every this many versions (and the first after a start); the versions
+    between are deltas, and their files are made from the chain by whoever needs one; 0: only when a delta cannot be"""
     # the run (driver)
     dataset: str = "arithmetic"
     """built-in task, a .jsonl / .json / .parquet / .csv file, or a hub dataset name (local cache when offline)"""

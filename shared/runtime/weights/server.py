@@ -35,7 +35,7 @@ from shared.runtime.weights.checksum import sha256_file
 
 # what publish.write_weights names a version's file
 NAME = re.compile(r"v\d{6,}\.safetensors")
-# a version's delta against the version before (services/trainer/deltas.py)
+# a version's delta against the version before (services/trainer/publisher.py)
 DELTA = re.compile(r"v\d{6,}\.delta")
 PREFIX = "/weights/"
 

@@ -1,14 +1,17 @@
-"""Checkpoints under torchrun: ``torch.distributed.checkpoint`` (DCP), sharded (each rank writes its part).
+"""Snapshots under torchrun: ``torch.distributed.checkpoint`` (DCP), sharded (each rank writes its part).
 
-    <run>/trainer/dcp/v000007/   model + optimizer (each rank's shards, DCP's .metadata), RNG, and
-                                 meta.json: step, version, counts, this commit's ledger line (as checkpoint.pt)
+    <run>/trainer/dcp/v000025/   model + optimizer (each rank's shards, DCP's .metadata), RNG, and
+                                 meta.json: step, version, counters
 
-Atomic as ``checkpoint.pt`` is: every rank writes into ``v000007.tmp/``; ``dcp.save`` returns on rank 0 (the
+Taken when a snapshot falls due (``snapshot_every_versions`` / ``snapshot_every_s``, and version 0 at the start), as
+the single process takes its own (services/trainer/state/snapshot.py); the versions between are ledger lines only, and
+a restore re-trains them, rank 0 sending each step to the other ranks as in training. DCP's save is a collective: every
+rank writes its shards in the commit that takes the snapshot (the single process writes in the background).
+
+Atomic as a single snapshot is: every rank writes into ``v000025.tmp/``; ``dcp.save`` returns on rank 0 (the
 coordinator) once every rank's files and the metadata are written; rank 0 then writes ``meta.json`` (fsynced),
-renames the folder to ``v000007`` and fsyncs its parent, then removes older folders. A crash leaves the old
-folder or the new one complete; a ``.tmp`` folder is never read and is removed by the next save. The optimizer
-is written with the model, in the commit (no background write as the single process has): restore always
-finds both from the same version.
+renames the folder to ``v000025`` and fsyncs its parent, then removes older folders. A crash leaves the old
+folder or the new one complete; a ``.tmp`` folder is never read and is removed by the next save.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def save(directory: Path, model, opt, meta: dict, main: bool) -> Path:
             fh.write(json.dumps(meta) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
-        # a re-trained version after a crash before its ledger line
+        # the same version again (a restart that re-trained it)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         fsync_dir(final.parent)

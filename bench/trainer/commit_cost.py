@@ -121,7 +121,9 @@ def variant(label: str, tree: Path, model_dir: Path, redis_url: str, tmp: Path, 
     wait = [m["wait_s"] for m in steps]
     ledger = (run_path / "trainer" / "trained.jsonl").read_bytes()
     publish = _publish_records(redis_url, config["run"], tree)
-    full = statistics.median(r["full_bytes"] for r in publish)
+    # the tree before writes no publish record without a weight server: its newest file says the size
+    files = sorted(weights_dir.glob("v*.safetensors"))
+    full = statistics.median(r["full_bytes"] for r in publish) if publish else files[-1].stat().st_size
     deltas = [r["delta_bytes"] for r in publish if r.get("delta_bytes")]
     out = {
         "label": label,

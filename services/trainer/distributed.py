@@ -135,8 +135,13 @@ def full_state(model, drop: set[str]) -> dict[str, torch.Tensor]:
 
 
 def all_finite(model, shard: Shard) -> bool:
-    """Every weight finite, on every rank (each checks its local shard)."""
-    local = all(bool(torch.isfinite(getattr(p, "_local_tensor", p)).all()) for p in model.parameters())
+    """Every weight finite, on every rank (each checks its local shard). A NaN or an infinity makes its tensor's sum
+    non-finite: one reduction per tensor instead of a mask as large as the model; only a non-finite sum (which finite
+    weights can give only by overflowing float32's range) is checked element by element."""
+    local = all(
+        bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+        for t in (getattr(p, "_local_tensor", p).detach() for p in model.parameters())
+    )
     return shard.sum([0.0 if local else 1.0])[0] == 0.0
 
 

@@ -53,3 +53,19 @@ def test_alone_snapshots_in_the_background_loads_the_newest_and_refuses_a_sharde
     (tmp_path / "snapshots" / "v000004.pt").unlink()
     with pytest.raises(RuntimeError, match=r"holds a dcp/ \(torchrun\) snapshot, which a trainer run as one process"):
         alone.load(tmp_path, other, torch.optim.AdamW(other.parameters()))
+
+
+def test_weights_with_a_nan_or_an_infinity_anywhere_are_not_finite_and_huge_finite_ones_are():
+    from services.trainer import distributed
+
+    model = torch.nn.Linear(4, 3)
+    assert distributed.all_finite(model, distributed.LOCAL)
+    with torch.no_grad():
+        # finite weights whose float32 sum overflows: checked element by element, still finite
+        model.weight.fill_(3e38)
+    assert distributed.all_finite(model, distributed.LOCAL)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with torch.no_grad():
+            model.weight.fill_(0.5)
+            model.bias[1] = bad
+        assert not distributed.all_finite(model, distributed.LOCAL), bad

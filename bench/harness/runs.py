@@ -16,19 +16,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def streamrl_run(flags: dict, verbose: bool = False, on_start=None) -> tuple[float, list[dict]]:
+def streamrl_run(flags: dict, verbose: bool = False, on_start=None, root: Path = ROOT) -> tuple[float, list[dict]]:
     """Run ``streamrl run`` with ``flags`` (config keys -> values); (wall time the driver started, the trainer's
     metrics records). Raises SystemExit naming the run when it fails or never starts. ``on_start(process)``: called
-    once the ``streamrl run`` process exists (e.g. to watch its processes' CPU)."""
+    once the ``streamrl run`` process exists (e.g. to watch its processes' CPU). ``root``: the tree whose code runs
+    (another one: a git worktree of an earlier commit, for a before/after pair)."""
     cmd = [sys.executable, "-m", "services.ops.cli.main", "run"]
     for k, v in flags.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("STREAMRL_")}
     # the Procfile's python, streamrl
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    if root != ROOT:
+        # its modules before the editable install's
+        env["PYTHONPATH"] = str(root)
     print(f"\n== {' '.join(cmd[4:])}", flush=True)
     t_start, last_line = None, ""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if on_start is not None:
         on_start(proc)
     for line in proc.stdout:
@@ -43,7 +47,7 @@ def streamrl_run(flags: dict, verbose: bool = False, on_start=None) -> tuple[flo
         raise SystemExit(
             f"{flags['run']}: streamrl run exited {rc} (driver started: {t_start is not None}); last: {last_line}"
         )
-    run_dir = Path(flags.get("run_dir", ROOT / "runs"))
+    run_dir = Path(flags.get("run_dir", root / "runs"))
     return t_start, [json.loads(x) for x in (run_dir / flags["run"] / "metrics.jsonl").read_text().splitlines()]
 
 

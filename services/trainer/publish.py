@@ -18,14 +18,21 @@ from shared.runtime.weights.checksum import sha256_file
 from shared.runtime.weights.server import PREFIX
 
 
-def frozen(state, dtype: str = "") -> dict[str, torch.Tensor]:
+def frozen(state, dtype: str = "", into: dict | None = None) -> dict[str, torch.Tensor]:
     """``state`` (``Policy.publish_state``, or a model) copied now, on the CPU, in ``dtype`` (config publish_dtype:
-    floating tensors only; empty: as they are): training may change its own tensors while this copy is written."""
+    floating tensors only; empty: as they are): training may change its own tensors while this copy is written.
+    ``into``: an earlier copy no one reads any more, whose tensors are reused where they fit (no fresh allocation,
+    and its page faults, per version)."""
     state = state.state_dict() if hasattr(state, "state_dict") else state
     cast = getattr(torch, dtype) if dtype else None
     out = {}
     for k, v in state.items():
-        copy = v.detach().to("cpu", dtype=cast if cast is not None and v.is_floating_point() else None).contiguous()
+        want = cast if cast is not None and v.is_floating_point() else v.dtype
+        buf = (into or {}).get(k)
+        if buf is not None and buf.shape == v.shape and buf.dtype == want:
+            out[k] = buf.copy_(v.detach())
+            continue
+        copy = v.detach().to("cpu", dtype=want).contiguous()
         out[k] = copy.clone() if copy.data_ptr() == v.data_ptr() else copy
     return out
 

@@ -75,6 +75,8 @@ class Publisher:
         self.measure_floor = True
         # seconds commits waited for a full queue, over the run
         self.waited_s = 0.0
+        # copies of versions already serialized, for the next versions' copies to reuse
+        self._spare: list[dict] = []
 
     # --- the trainer's side
     def submit(self, version: int, step: int, weights: dict) -> None:
@@ -87,6 +89,11 @@ class Publisher:
         with self._lock:
             self._busy.add(version)
         self._queued.append(self._pool.submit(self._run, version, step, weights))
+
+    def spare(self) -> dict | None:
+        """A version's copy the thread is done with (``publish.frozen(..., into=)``), or None."""
+        with self._lock:
+            return self._spare.pop() if self._spare else None
 
     def adopt(self, version: int, data: bytes, digest: str) -> None:
         """A restore re-derived ``version`` with the published bytes: the next version's delta goes against them."""
@@ -151,6 +158,10 @@ class Publisher:
     def _publish(self, version: int, step: int, weights: dict) -> None:
         t0 = time.monotonic()
         data = publish.serialize(weights, version)
+        with self._lock:
+            # the copy is in ``data`` now: the next commits may copy into it (one per version that can be in flight)
+            if len(self._spare) <= QUEUE:
+                self._spare.append(weights)
         digest = hashlib.sha256(data).hexdigest()
         base = self._base
         rec = {"version": version, "full_bytes": len(data), "delta_bytes": 0, "snapshot": True}

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from services.trainer import distributed
 from services.trainer.batch import Batch
@@ -49,6 +50,11 @@ class Alone:
     def snapshot(self, snaps: snapshot.Snapshots, model, opt, meta: dict) -> float:
         return snaps.take(meta["version"], meta["step"], model, opt, meta["counts"])
 
+    def land(self, snaps: snapshot.Snapshots, wait: bool = False) -> None:
+        # the snapshot's own thread lands it
+        if wait:
+            snaps.wait()
+
     def load(self, ckpt_dir: Path, model, opt) -> dict | None:
         _refuse_the_other_kind(ckpt_dir, self)
         state = snapshot.load(ckpt_dir)
@@ -74,6 +80,9 @@ class Ranks:
             )
         self.shard = distributed.init(torch.device(cfg.device_of("trainer")))
         self.tied: set[str] = set()
+        # the sharded snapshot being written, and the process group its collectives use
+        self._writing: sharded.Writing | None = None
+        self._group = None
         # when rank 0 last sent the other ranks a command
         self._told = time.monotonic()
 
@@ -110,22 +119,35 @@ class Ranks:
         return distributed.full_state(policy.model, self.tied)
 
     def snapshot(self, snaps: snapshot.Snapshots, model, opt, meta: dict) -> float:
-        # DCP's save is a collective: every rank writes its shards now
+        # every rank, in the same commit (rank 0 said so): the shards copied now, written by DCP's thread
         t0 = time.monotonic()
-        path = sharded.save(snaps.directory, model, opt, meta | {"world_size": self.shard.size}, self.shard.main)
+        self.land(snaps, wait=True)
+        if self._group is None:
+            # the snapshots' own collectives, never interleaved with training's on the default group
+            self._group = dist.new_group(backend="gloo")
+        meta = meta | {"world_size": self.shard.size}
+        self._writing = sharded.start(snaps.directory, model, opt, meta, self.shard.main, self._group)
         snaps.restored(meta["version"])
+        return time.monotonic() - t0
+
+    def land(self, snaps: snapshot.Snapshots, wait: bool = False) -> None:
+        """The snapshot being written made the newest one once it is on disk (``wait``: until it is)."""
+        writing = self._writing
+        if writing is None or not (wait or writing.future.done()):
+            return
+        self._writing = None
+        path = sharded.finish(writing, self.shard.main)
         if self.shard.main and snaps.on_landed is not None:
             size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-            snaps.on_landed(
-                {
-                    "version": meta["version"],
-                    "step": meta["step"],
-                    "bytes": size,
-                    "seconds": round(time.monotonic() - t0, 3),
-                    "time": time.time(),
-                }
-            )
-        return time.monotonic() - t0
+            record = {
+                "version": writing.meta["version"],
+                "step": writing.meta["step"],
+                "bytes": size,
+                "seconds": round(time.monotonic() - writing.started, 3),
+                "time": time.time(),
+            }
+            snaps.log.info("snapshot written", **record)
+            snaps.on_landed(record)
 
     def load(self, ckpt_dir: Path, model, opt) -> dict | None:
         _refuse_the_other_kind(ckpt_dir, self)

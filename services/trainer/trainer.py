@@ -124,10 +124,12 @@ class Trainer:
         codec.ensure_group(self.client, self.keys.samples, GROUP)
         self.log.info("groups already consumed, from the ledger", groups=len(self.intake.consumed))
         self._replay(records)
-        # a run's first start, or a crash before its first snapshot landed: the state a restore starts from
+        # a run's first start, or a crash before its first snapshot landed: the state every later restore starts
+        # from, on disk before the first step (once per run)
         if state is None:
-            self._tell({"op": "snapshot"})
+            self._tell({"op": "snapshot", "wait": True})
             self._snapshot()
+            self.topology.land(self.snapshots, wait=True)
         pages = self.intake.read_pending()
         self.log.info("pending entries re-read", pages=pages, buffered=len(self.intake.buffer))
 
@@ -346,12 +348,13 @@ class Trainer:
             # rank 0 decides (a snapshot falls due by time too, and ranks' clocks differ) and tells the others
             told = {"op": "commit", "version": self.version + 1, "snapshot": self.snapshots.due(self.version + 1)}
             self._tell(told)
+        self.topology.land(self.snapshots)
         if not distributed.all_finite(self.model, self.shard):
             raise RuntimeError("non-finite model weights: refusing to commit or publish them")
         self.version = told["version"]
         fault = lambda point: crash_point("trainer", point)  # noqa: E731 (tests only: shared/runtime/faults.py)
         # the version's weights, copied now: training goes on while the publisher's thread writes them
-        weights = publish.frozen(self._publish_state(), self.cfg.publish_dtype)
+        weights = publish.frozen(self._publish_state(), self.cfg.publish_dtype, into=self.publisher.spare())
         if self.shard.main:
             trained, skipped = self.intake.to_commit()
             line = commit_path.record(self.version, self.step, trained, skipped, self.batches, self.counts)
@@ -397,6 +400,7 @@ class Trainer:
         finally:
             # the last version is published and the last snapshot lands before a warm stop returns
             self.publisher.close()
+            self.topology.land(self.snapshots, wait=True)
             self.snapshots.close()
 
     def follow(self) -> None:
@@ -415,5 +419,8 @@ class Trainer:
                 self._publish_state()
             elif message["op"] == "snapshot":
                 self._snapshot()
+                if message.get("wait"):
+                    self.topology.land(self.snapshots, wait=True)
             # "idle": rank 0 is waiting for samples
+        self.topology.land(self.snapshots, wait=True)
         self.log.info("rank 0 stopped; this rank stops with it", step=self.step, version=self.version)

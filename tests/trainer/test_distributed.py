@@ -250,5 +250,10 @@ def test_a_rank_killed_9_takes_the_job_down_and_the_restart_trains_nothing_twice
     assert commits == list(range(1, len(commits) + 1))
     published = [v.version for v in pversions.read_all(client, keys)]
     assert published == sorted(set(published)) and published[-1] == len(groups) // 4
+    # the sharded snapshots written in the background landed: the newest is a later one, a warm stop waited for it
+    newest = json.loads((sharded.latest(ledger_dir) / "meta.json").read_text())
+    assert newest["version"] >= 2 and newest["world_size"] == 2 and not list(sharded.folder(ledger_dir).glob("*.tmp"))
     report = check(read_run(client, keys, cfg.run_path))
     assert report.groups_lost == 0 and report.samples_trained_twice == 0 and report.groups_trained == len(groups)
+    # every restart re-trained the versions after its snapshot, each hashed as published
+    assert report.versions_replayed >= 1 and report.versions_rederived_differently == 0

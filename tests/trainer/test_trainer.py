@@ -15,7 +15,7 @@ from services.ops.check.checker import check, read_run
 from services.trainer.batch import build_batch
 from services.trainer.publish import sha256
 from services.trainer.trainer import Trainer
-from shared.protocol.archive.ledger import last_commit, read_ledger
+from shared.protocol.archive.ledger import last_commit, read_ledger, read_replays
 from shared.protocol.episode.fold import fold
 from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import TRAINER_GROUP
@@ -499,34 +499,40 @@ def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothi
 def test_a_restore_re_trains_the_versions_after_the_snapshot_to_the_published_bytes(
     client, keys, tiny_model_dir, tmp_path
 ):
-    """In one process: a trainer commits 5 versions (a snapshot at 0 and 4); a second one on the same run loads
-    snapshot 4, re-trains version 5 from the log and ends with the first one's weights and optimizer, bit for bit;
-    a version whose published sha256 differs is reported, recorded, and training goes on from the re-derived one."""
+    """In one process: a trainer commits 6 versions (snapshots at 0 and 4); the archiver moves the episodes of
+    versions up to 5 out of Redis into segments; a second trainer on the same run loads snapshot 4, re-trains versions
+    5 (from the segments) and 6 (from Redis) and ends with the first one's weights and optimizer, bit for bit; a
+    version whose published sha256 differs is reported, recorded, and training goes on from the re-derived one."""
+    from services.archiver.mover import Mover
+
     cfg = _cfg(keys, tiny_model_dir, tmp_path, snapshot_every_versions=4)
-    for i in range(10):
+    for i in range(12):
         _write_group(client, keys, f"r{i}")
     first = Trainer(cfg, client, logs.get("trainer-test"))
-    first.run(should_stop=lambda: first.version >= 5)
+    first.run(should_stop=lambda: first.version >= 6)
     assert sorted(p.name for p in (cfg.run_path / "trainer" / "snapshots").iterdir()) == ["v000004.pt"]
+    Mover(client, keys, cfg.run_path, retention=1).step()
+    (line5,) = [r for r in read_ledger(cfg.run_path / "trainer") if r.get("commit") == 5]
+    assert not any(client.exists(keys.episode(f"{g}-0")) for g in line5["groups"])
     second = Trainer(cfg, client, logs.get("trainer-test"))
     second.restore()
     second.publisher.close()
-    assert (second.version, second.step) == (5, 5)
+    assert (second.version, second.step) == (6, 6)
     for (k, a), b in zip(first.model.state_dict().items(), second.model.state_dict().values()):
         assert torch.equal(a, b), k
     moments = lambda t: [s["exp_avg"] for s in t.opt.state_dict()["state"].values()]  # noqa: E731
     assert all(torch.equal(a, b) for a, b in zip(moments(first), moments(second)))
     assert second.counts == first.counts
-    (rec,) = [json.loads(x) for x in (cfg.run_path / "trainer" / "replays.jsonl").read_text().splitlines()]
-    assert (rec["snapshot"], rec["replayed"], rec["differing"], rec["published"]) == (4, [5], [], [])
-    # version 5's event says another sha256 (as a non-deterministic kernel would leave it)
+    (rec,) = read_replays(cfg.run_path / "trainer")
+    assert (rec["snapshot"], rec["replayed"], rec["differing"], rec["published"]) == (4, [5, 6], [], [])
+    assert rec["missing_episodes"] == 0
+    # version 6's event says another sha256 (as a non-deterministic kernel would leave it)
     newest = pversions.latest(client, keys)
     client.xdel(keys.versions, newest.entry_id)
-    pversions.publish(client, keys, pversions.Version(5, newest.path, "0" * 64, newest.step, newest.time))
+    pversions.publish(client, keys, pversions.Version(6, newest.path, "0" * 64, newest.step, newest.time))
     third = Trainer(cfg, client, logs.get("trainer-test"))
     third.restore()
     third.publisher.close()
-    lines = [json.loads(x) for x in (cfg.run_path / "trainer" / "replays.jsonl").read_text().splitlines()]
-    assert lines[-1]["differing"] == [5] and third.version == 5
+    assert read_replays(cfg.run_path / "trainer")[-1]["differing"] == [6] and third.version == 6
     report = check(read_run(client, keys, cfg.run_path))
-    assert report.versions_rederived_differently == 1 and report.versions_replayed == 2
+    assert report.versions_rederived_differently == 1 and report.versions_replayed == 4

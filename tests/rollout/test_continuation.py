@@ -200,3 +200,28 @@ def test_tool_calls_run_in_process_also_from_a_pending_call(calc_model_dir):
     # without the tool enabled the call is an error result, and the episode goes on
     unknown = cont.continue_from(cont.prefix_at(raw(events)), engine, tok, reward, set())
     assert unknown.tool_calls[0]["ok"] is False and "unknown tool 'calc'" in unknown.tool_calls[0]["output"]
+
+
+def test_a_version_published_as_a_delta_is_made_from_the_chain_for_a_continuation(tmp_path):
+    import hashlib
+
+    import torch
+
+    from services.trainer.publish import frozen, serialize, write_weights
+    from shared.protocol.streams.versions import Version
+    from shared.protocol.weights import delta as weight_delta
+
+    model = torch.nn.Linear(64, 64)
+    write_weights(model, tmp_path, 1, "bfloat16")
+    base = (tmp_path / "v000001.safetensors").read_bytes()
+    with torch.no_grad():
+        model.weight[0, :4] += 1.0
+    target = serialize(frozen(model, "bfloat16"), 2)
+    (tmp_path / "v000002.delta").write_bytes(weight_delta.encode(base, target, 2, 1))
+    digest = hashlib.sha256(target).hexdigest()
+    path = tmp_path / "v000002.safetensors"
+    assert cont.resolve_version([Version(2, str(path), digest, 2, 0.0)], 2, "m") == (str(path), digest)
+    assert path.read_bytes() == target
+    with pytest.raises(cont.ContinuationError, match="--version 3: weights v3: .* not the published"):
+        (tmp_path / "v000003.delta").write_bytes(weight_delta.encode(target, target, 3, 2))
+        cont.resolve_version([Version(3, str(tmp_path / "v000003.safetensors"), "0" * 64, 3, 0.0)], 3, "m")

@@ -29,6 +29,7 @@ from services.rollout.jobs import rewards, tools
 from shared.protocol.episode.events import TERMINAL_KINDS, decode
 from shared.protocol.episode.fold import PROMPT_VERSION, Episode, fold
 from shared.protocol.streams.versions import Version
+from shared.runtime.weights import chain
 
 
 class ContinuationError(ValueError):
@@ -129,7 +130,14 @@ def resolve_version(published: list[Version], version: int, model_dir: str) -> t
         return None, ""
     for v in published:
         if v.version == version:
-            if not Path(v.path).exists():
+            path = Path(v.path)
+            # published as a delta: its file made from the chain in the trainer's folder
+            if not path.exists() and chain.can_make(path.parent, version):
+                try:
+                    chain.make(path.parent, version, v.sha256)
+                except (chain.ChainError, OSError) as exc:
+                    raise ContinuationError(f"--version {version}: {exc}") from None
+            if not path.exists():
                 raise ContinuationError(
                     f"--version {version}: its weights file {v.path} no longer exists (pruned "
                     f"by the trainer?); pass --weights PATH or another version"

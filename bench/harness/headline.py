@@ -117,7 +117,6 @@ OFF_TABLE = {
     "rollout-resume": "STALE since 2fb8106: the ledger's and metrics' codecs changed after it ran; being re-run",
     "event_log": "STALE since 2fb8106: the ledger's and metrics' codecs changed after it ran; being re-run",
     "delta_sync": "STALE since 0d65a14: versions are now published by the trainer's publisher thread; being re-run",
-    "commit_cost": "measured before the snapshot copy reused its buffers; being re-run",
 }
 
 # History pages of the result files that are not headlines (the name is the page unless said here).

@@ -275,18 +275,18 @@ def main() -> int:
     b, a = results
     rows = [
         {
-            "what": f"trainer commit on the critical path, {a['fp32_bytes'] / 1e6:.0f} MB fp32 model (mean ms, share "
-            f"of a step): before / after",
-            "value": f"{1000 * b['commit_s_mean']:.0f} ms ({100 * b['commit_share']:.1f} %) / "
-            f"{1000 * a['commit_s_mean']:.0f} ms ({100 * a['commit_share']:.2f} %)",
+            "what": f"trainer commit on the critical path, {a['fp32_bytes'] / 1e6:.0f} MB fp32 model, mean (share of a "
+            f"step): after, before",
+            "value": f"{1000 * a['commit_s_mean']:.0f} ms ({100 * a['commit_share']:.2f} %) against "
+            f"{1000 * b['commit_s_mean']:.0f} ms ({100 * b['commit_share']:.1f} %)",
         },
         {
-            "what": "bytes written on the commit's critical path per version, % of the fp32 weights: before / after",
-            "value": f"{100 * b['critical_share']:.1f} % / {100 * a['critical_share']:.4f} %",
+            "what": "bytes written on the commit's critical path per version, % of the fp32 weights: after, before",
+            "value": f"{100 * a['critical_share']:.4f} % against {100 * b['critical_share']:.1f} %",
         },
         {
-            "what": "trainer busy share, never waiting for samples: before / after",
-            "value": f"{100 * b['busy']:.1f} % / {100 * a['busy']:.1f} %",
+            "what": "trainer busy share, never waiting for samples: after, before",
+            "value": f"{100 * a['busy']:.1f} % against {100 * b['busy']:.1f} %",
         },
     ]
     record(

@@ -111,8 +111,6 @@ OFF_TABLE = {
     "staleness_agent_lr3e-4": "STALE since 2067a39: the trainer's topology moved behind one interface after it ran",
     # It measures the episode log's writer, whose codec helpers moved to one module after it ran.
     "redis_capacity": "STALE since 3e991a8: the stream codecs' shared helpers moved to one module after it ran",
-    # The trainer's publishing moved to a publisher thread after it ran; being re-run.
-    "delta_sync": "STALE since 0d65a14: versions are now published by the trainer's publisher thread; being re-run",
 }
 
 # History pages of the result files that are not headlines (the name is the page unless said here).

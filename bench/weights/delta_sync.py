@@ -64,7 +64,8 @@ def run_records(run_dir: Path, run: str) -> dict[str, list[dict]]:
 
 class Archive:
     """Copies what the trainer publishes, as it appears (the trainer prunes old versions): every delta, and the full
-    files of ``keep`` versions."""
+    files of version 1 and of the ``keep`` versions when there are any; ``make`` then makes the files of ``keep``
+    versions published as deltas from the chain (shared/runtime/weights/chain.py)."""
 
     def __init__(self, src: Path, dst: Path, keep: set[int]):
         self.src, self.dst, self.keep = src, dst, keep
@@ -80,7 +81,8 @@ class Archive:
         if not self.src.is_dir():
             return
         for p in list(self.src.glob("v*.delta")) + list(self.src.glob("v*.safetensors")):
-            if (self.dst / p.name).exists() or p.suffix == ".safetensors" and int(p.stem[1:]) not in self.keep:
+            # full files: the first version's (the base of every chain here) and the kept ones
+            if (self.dst / p.name).exists() or p.suffix == ".safetensors" and int(p.stem[1:]) not in self.keep | {1}:
                 continue
             try:
                 shutil.copy(p, self.dst / f".{p.name}.tmp")
@@ -88,6 +90,12 @@ class Archive:
             # pruned meanwhile
             except FileNotFoundError:
                 pass
+
+    def make(self) -> None:
+        from shared.runtime.weights import chain
+
+        for v in sorted(self.keep):
+            chain.make(self.dst, v)
 
 
 def variant(args, tmp: Path, model_dir: Path, label: str, lr: float, max_chain: int, keep: set[int]) -> dict:
@@ -125,6 +133,8 @@ def variant(args, tmp: Path, model_dir: Path, label: str, lr: float, max_chain: 
     finally:
         archive.stop.set()
         archive.thread.join()
+        archive.copy()
+        archive.make()
     recs = run_records(run_dir, run)
     after = lambda r: r.get("version", 0) > 10  # noqa: E731
     pub = [r for r in recs["publish"] if after(r) and r["version"] <= args.versions]

@@ -16,10 +16,9 @@ import pytest
 
 from services.ops.check.checker import check, read_run
 from shared.protocol.archive.ledger import last_commit, read_ledger, read_replays
-from shared.protocol.keys import TRAINER_GROUP
 from shared.protocol.streams import versions as pversions
-from tests.support.procs import kill9, stop, wait_until
-from tests.trainer.test_trainer import _cfg, _committed, _trainer_proc, _write_group
+from tests.support.procs import kill9
+from tests.trainer.test_trainer import _cfg, _finish, _trainer_proc, _write_group
 
 FULL = bool(os.environ.get("DRILL_FULL"))
 KILLS, SNAPSHOT_EVERY = (20, 25) if FULL else (3, 5)
@@ -52,20 +51,7 @@ def test_the_trainer_killed_at_random_versions_re_derives_every_published_versio
         killed_at.append(last_commit(read_ledger(ledger_dir)))
         trained = [g for rec in read_ledger(ledger_dir) for g in rec["groups"]]
         assert len(trained) == len(set(trained)), (point, nth)
-    proc = _trainer_proc(redis_url, cfg, **flags)
-    try:
-        wait_until(
-            lambda: (
-                _committed(ledger_dir) == set(groups) and client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0
-            ),
-            "every group committed",
-            600,
-            [proc],
-        )
-        last = last_commit(read_ledger(ledger_dir))
-        wait_until(lambda: pversions.latest_number(client, keys) >= last, "the last version published", 60, [proc])
-    finally:
-        stop(proc)
+    last = _finish(client, keys, ledger_dir, groups, _trainer_proc(redis_url, cfg, **flags), 600)
     replays = read_replays(ledger_dir)
     print(
         f"drill: {KILLS} kills (snapshot every {SNAPSHOT_EVERY}) at versions {killed_at}; "

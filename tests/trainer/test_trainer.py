@@ -260,6 +260,25 @@ def test_kill_9_trains_every_sample_exactly_once(client, keys, redis_url, tiny_m
     assert versions == sorted(set(versions)) and versions[-1] == len(groups) // 4
 
 
+def _finish(client, keys, ledger_dir, groups: list[str], proc, timeout: float) -> int:
+    """Until ``proc`` (a trainer) has committed every group and published its last version, then stop it; that
+    version."""
+    try:
+        wait_until(
+            lambda: (
+                _committed(ledger_dir) == set(groups) and client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0
+            ),
+            "every group committed",
+            timeout,
+            [proc],
+        )
+        last = last_commit(read_ledger(ledger_dir))
+        wait_until(lambda: pversions.latest_number(client, keys) >= last, "the last version published", 60, [proc])
+    finally:
+        stop(proc)
+    return last
+
+
 def _trainer_thread(cfg: Config, client):
     """A real Trainer.run loop in a thread; returns (trainer, stop): call stop() to end it."""
     trainer = Trainer(cfg, client, logs.get("trainer-test"))
@@ -461,20 +480,7 @@ def test_a_crash_at_each_point_of_the_commit_path_loses_nothing_and_trains_nothi
                 kill9(proc)
         trained = [g for rec in read_ledger(ledger_dir) for g in rec["groups"]]
         assert len(trained) == len(set(trained)), point
-    proc = _trainer_proc(redis_url, cfg)
-    try:
-        wait_until(
-            lambda: (
-                _committed(ledger_dir) == set(groups) and client.xpending(keys.samples, TRAINER_GROUP)["pending"] == 0
-            ),
-            "every group committed",
-            180,
-            [proc],
-        )
-        last = last_commit(read_ledger(ledger_dir))
-        wait_until(lambda: pversions.latest_number(client, keys) >= last, "the last version published", 60, [proc])
-    finally:
-        stop(proc)
+    last = _finish(client, keys, ledger_dir, groups, _trainer_proc(redis_url, cfg), 180)
     records = read_ledger(ledger_dir)
     # every group trained, none twice
     assert sorted(g for rec in records for g in rec["groups"]) == sorted(groups)

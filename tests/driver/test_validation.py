@@ -119,6 +119,8 @@ def test_the_requested_set_keeps_the_newest_round_and_a_restarted_driver_asks_fo
 
 def test_status_line_and_cli(client, keys, cli_env):
     versions.publish(client, keys, versions.Version(3, "/x", "0", 3))
+    # the trainer's snapshot, older than the records after it
+    metrics.record(client, keys, "snapshot", {"version": 1, "step": 1, "bytes": 10, "seconds": 0.1, "time": 1.0})
     metrics.record(client, keys, "train", {"step": 3, "reward_mean": 0.25, "staleness_max": 1, "stale_dropped": 2})
     metrics.record(client, keys, "validation", {"version": 2, "reward_mean": 0.5, "reward_greedy": 0.75})
     client.xadd(keys.samples, psamples.encode(psamples.Sample("g", ["g-0", "g-1"])))
@@ -126,6 +128,7 @@ def test_status_line_and_cli(client, keys, cli_env):
     line = format_line(snap)
     assert "version   3" in line and "reward 0.250" in line and "val@v2 0.500 (greedy 0.750)" in line
     assert "dropped 2" in line and snap["samples_per_s"] > 0 and "scored 0" not in line
+    assert "snapshot v1 " in line and "a crash re-trains 2 versions" in line
     cut = format_line({**snap, "train": {"reward_mean": 0.0, "batch_policy_failures": 60, "samples": 64}})
     assert "reward 0.000 (60/64 cut short by max_tokens, the context or max_tool_calls: scored 0)" in cut
     out = subprocess.run(

@@ -84,8 +84,8 @@ def snapshot(client, keys: Keys, run_path=None) -> dict:
         "dead_letters": client.xlen(keys.dead_letters),
         "weights": weights_wire(published[::-1], rollout[::-1]),
         "tiers": tiers.sizes(client, run_path),
-        # one every snapshot_every_versions: further back than the other kinds' newest
-        "trainer_snapshot": metrics.last(client, keys, "snapshot", scan=2000, run_path=run_path),
+        # one every snapshot_every_versions: further back than the other kinds' newest (a few records a version)
+        "trainer_snapshot": metrics.last(client, keys, "snapshot", scan=500, run_path=run_path),
         "now": time.time(),
     }
 

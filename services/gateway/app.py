@@ -119,13 +119,13 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
     @app.post("/ep/{episode_id}/v1/chat/completions")
     async def chat(episode_id: str, request: Request):
         body = await _body(request)
-        prep = await anyio.to_thread.run_sync(gw.prepare_chat, episode_id, body)
+        prep = await anyio.to_thread.run_sync(gw.prepare_chat, episode_id, body, request.headers)
         return await _respond(prep, chat=True)
 
     @app.post("/ep/{episode_id}/v1/completions")
     async def completions(episode_id: str, request: Request):
         body = await _body(request)
-        prep = await anyio.to_thread.run_sync(gw.prepare_completion, episode_id, body)
+        prep = await anyio.to_thread.run_sync(gw.prepare_completion, episode_id, body, request.headers)
         return await _respond(prep, chat=False)
 
     async def _respond(prep: Prepared, chat: bool):
@@ -136,70 +136,58 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
         return await anyio.to_thread.run_sync(_whole, prep, chat)
 
     def _whole(prep: Prepared, chat: bool):
-        for kind, value in gw.follow(prep.episode_id, prep.call, gw.cfg.gateway_timeout):
-            if kind == "timeout":
-                raise GatewayError(
-                    503,
-                    f"call {prep.call} of episode {prep.episode_id!r} is still generating "
-                    f"(a weight sync holds it); retry: the retry waits on the same call",
-                    None,
-                    "still_generating",
-                    {"x-should-retry": "true", "retry-after": "1"},
-                )
-            if kind == "stopping":
-                raise GatewayError(
-                    503,
-                    f"the gateway is stopping (the run ends, or it restarts); retry: call "
-                    f"{prep.call} of episode {prep.episode_id!r} is answered from its stream",
-                    None,
-                    "gateway_stopping",
-                    {"x-should-retry": "true", "retry-after": "1"},
-                )
-            if kind == "done":
-                return _completion(prep, value, chat)
+        done = [gw.wait_done(prep.episode_id, index) for index in prep.calls]
+        return _completion(prep, done, chat)
 
-    def _usage(call) -> dict:
-        return {
-            "prompt_tokens": len(call.prompt_ids),
-            "completion_tokens": len(call.tokens),
-            "total_tokens": len(call.prompt_ids) + len(call.tokens),
-        }
+    def _usage(calls) -> dict:
+        # n choices share one prompt: counted once, as OpenAI counts it
+        prompt, completion = len(calls[0].prompt_ids), sum(len(c.tokens) for c in calls)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _completion(prep: Prepared, call, chat: bool) -> dict:
+    def _completion(prep: Prepared, calls: list, chat: bool) -> dict:
         base = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{prep.episode_id}-{prep.call}",
             "created": int(time.time()),
             "model": prep.model,
-            "usage": _usage(call),
-            "streamrl": {"episode": prep.episode_id, "call": call.index},
+            "usage": _usage(calls),
+            "streamrl": {"episode": prep.episode_id, "call": calls[0].index, "calls": [c.index for c in calls]},
         }
         if not chat:
-            text = gw.tok.decode(call.tokens, skip_special_tokens=True)
-            reason = "stop" if call.reason == "stop" else "length"
+            choices = []
+            for j, call in enumerate(calls):
+                choice = {
+                    "index": j,
+                    "text": gw.tok.decode(call.tokens, skip_special_tokens=True),
+                    "finish_reason": "stop" if call.reason == "stop" else "length",
+                    "logprobs": gw.completion_logprobs(call) if prep.logprobs else None,
+                }
+                if prep.token_ids:
+                    choice.update(prompt_token_ids=call.prompt_ids, token_ids=call.tokens)
+                choices.append(choice)
+            return {**base, "object": "text_completion", "choices": choices}
+        choices = []
+        for j, call in enumerate(calls):
+            message, reason, problems = gw.answer(call)
+            if problems:
+                gw.log.warning(
+                    "tool call not parsed; answered as text",
+                    episode=prep.episode_id,
+                    call=call.index,
+                    problems=problems,
+                )
             choice = {
-                "index": 0,
-                "text": text,
+                "index": j,
+                "message": message,
                 "finish_reason": reason,
-                "logprobs": gw.completion_logprobs(call) if prep.logprobs else None,
+                "logprobs": gw.logprobs(call) if prep.logprobs else None,
             }
             if prep.token_ids:
-                choice.update(prompt_token_ids=call.prompt_ids, token_ids=call.tokens)
-            return {**base, "object": "text_completion", "choices": [choice]}
-        message, reason, problems = gw.answer(call)
-        if problems:
-            gw.log.warning(
-                "tool call not parsed; answered as text", episode=prep.episode_id, call=call.index, problems=problems
-            )
-        choice = {
-            "index": 0,
-            "message": message,
-            "finish_reason": reason,
-            "logprobs": gw.logprobs(call) if prep.logprobs else None,
-        }
+                choice["token_ids"] = call.tokens
+            choices.append(choice)
         # vLLM's names: the prompt's ids at the top, the completion's in the choice
         if prep.token_ids:
-            base["prompt_token_ids"], choice["token_ids"] = call.prompt_ids, call.tokens
-        return {**base, "object": "chat.completion", "choices": [choice]}
+            base["prompt_token_ids"] = calls[0].prompt_ids
+        return {**base, "object": "chat.completion", "choices": choices}
 
     def _sse(prep: Prepared, chat: bool):
         """Real streaming: deltas as the tokens land in the episode stream, across aborts and resumes."""
@@ -210,48 +198,52 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
             "object": "chat.completion.chunk" if chat else "text_completion",
         }
 
-        def event(delta: dict | None = None, reason=None, text: str | None = None, **extra) -> str:
-            choice = {"index": 0, "finish_reason": reason}
+        def event(j: int, delta: dict | None = None, reason=None, text: str | None = None, **extra) -> str:
+            choice = {"index": j, "finish_reason": reason}
             if chat:
                 choice["delta"] = delta or {}
             else:
                 choice["text"] = text or ""
             return f"data: {json.dumps({**base, 'choices': [choice], **extra})}\n\n"
 
-        sent = 0
-        if chat:
-            yield event({"role": "assistant", "content": ""})
+        done = []
         try:
-            for kind, value in gw.follow(prep.episode_id, prep.call, 24 * 3600.0):
-                if kind == "stopping":
-                    # the process is stopping: the stream ends unfinished (the client sees a broken stream)
-                    return
-                if kind == "wait":
-                    # keeps proxies and clients from timing out during a sync
-                    yield ": still generating\n\n"
-                elif kind == "tokens":
-                    text = gw.tok.decode(value, skip_special_tokens=True)
-                    upto = toolparse.safe_prefix_len(text) if chat else len(text)
-                    if upto > sent:
-                        yield event({"content": text[sent:upto]}, text=text[sent:upto])
-                        sent = upto
-                elif kind == "done":
-                    call = value
-                    text = gw.tok.decode(call.tokens, skip_special_tokens=True)
-                    if chat:
-                        message, reason, _ = gw.answer(call)
-                        if message.get("tool_calls"):
-                            calls = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
-                            yield event({"tool_calls": calls})
-                        elif len(text) > sent:
-                            yield event({"content": text[sent:]})
-                    else:
-                        reason = "stop" if call.reason == "stop" else "length"
-                        if len(text) > sent:
-                            yield event(text=text[sent:])
-                    yield event(reason=reason)
-                    if prep.include_usage:
-                        yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage(call)})}\n\n"
+            # choices were all requested at once and generate together; they are streamed one after another
+            for j, index in enumerate(prep.calls):
+                sent = 0
+                if chat:
+                    yield event(j, {"role": "assistant", "content": ""})
+                for kind, value in gw.follow(prep.episode_id, index, 24 * 3600.0):
+                    if kind == "stopping":
+                        # the process is stopping: the stream ends unfinished (the client sees a broken stream)
+                        return
+                    if kind == "wait":
+                        # keeps proxies and clients from timing out during a sync
+                        yield ": still generating\n\n"
+                    elif kind == "tokens":
+                        text = gw.tok.decode(value, skip_special_tokens=True)
+                        upto = toolparse.safe_prefix_len(text) if chat else len(text)
+                        if upto > sent:
+                            yield event(j, {"content": text[sent:upto]}, text=text[sent:upto])
+                            sent = upto
+                    elif kind == "done":
+                        call = value
+                        done.append(call)
+                        text = gw.tok.decode(call.tokens, skip_special_tokens=True)
+                        if chat:
+                            message, reason, _ = gw.answer(call)
+                            if message.get("tool_calls"):
+                                calls = [{"index": k, **c} for k, c in enumerate(message["tool_calls"])]
+                                yield event(j, {"tool_calls": calls})
+                            elif len(text) > sent:
+                                yield event(j, {"content": text[sent:]})
+                        else:
+                            reason = "stop" if call.reason == "stop" else "length"
+                            if len(text) > sent:
+                                yield event(j, text=text[sent:])
+                        yield event(j, reason=reason)
+            if prep.include_usage:
+                yield f"data: {json.dumps({**base, 'choices': [], 'usage': _usage(done)})}\n\n"
         except GatewayError as exc:
             yield f"data: {json.dumps({'error': {'message': exc.message, 'code': exc.code}})}\n\n"
         yield "data: [DONE]\n\n"

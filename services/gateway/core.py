@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from services.gateway import schema
+from services.gateway.asks import Ask, Asks
 from services.gateway.chat import Renderer, RenderError, canonical, digest, find_parent
 from services.gateway.errors import GatewayError
 from shared.protocol.episode.errors import EventError
@@ -32,9 +33,14 @@ def same_transform(a: dict, b: dict) -> bool:
     return all(float(a.get(k) or 0) == float(b.get(k) or 0) for k in TRANSFORM)
 
 
+# choices one chat call may ask for (n): each is a call of its own, sampled at once
+MAX_CHOICES = 16
+
+
 @dataclass
 class Prepared:
     episode_id: str
+    # the first choice's call; ``calls`` has every choice's, in choice order
     call: int
     prompt_len: int
     logprobs: bool
@@ -43,6 +49,11 @@ class Prepared:
     model: str
     # return_token_ids: prompt_token_ids and token_ids in the answer (vLLM's names)
     token_ids: bool = False
+    calls: list[int] | None = None
+
+    def __post_init__(self):
+        if self.calls is None:
+            self.calls = [self.call]
 
 
 def _in_range(name: str, value: float | None, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -62,6 +73,7 @@ class Gateway:
         self.keys = Keys(cfg.run)
         self.renderer = Renderer(tokenizer)
         self.requester = Requester(client, self.keys)
+        self.asks = Asks(client, self.keys)
         self.max_model_len = max_model_len
         self.model_names = model_names
         # set when the process is told to stop: calls held open answer at once
@@ -85,41 +97,65 @@ class Gateway:
         return ep
 
     def _common(self, req: schema.Chat | schema.Completion) -> dict:
-        """The call's sampling from a parsed request: only ranges and meanings are left to check."""
-        if req.model is not None and req.model not in self.model_names:
+        """The call's sampling from a parsed chat or completions request."""
+        if req.max_completion_tokens is not None:
+            max_tokens = ("max_completion_tokens", req.max_completion_tokens)
+        else:
+            max_tokens = ("max_tokens", req.max_tokens)
+        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        return self.sampling(
+            model=req.model, temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens, stop=("stop", stops)
+        )
+
+    def choices(self, n: int | None, name: str = "n") -> int:
+        if n is None:
+            return 1
+        if not 1 <= n <= MAX_CHOICES:
+            raise GatewayError(400, f"{name}: expected 1 to {MAX_CHOICES} choices, got {n!r}", name, "invalid_value")
+        return n
+
+    def sampling(
+        self,
+        *,
+        model: str | None,
+        temperature: float | None,
+        top_p: float | None,
+        max_tokens: tuple[str, int | None],
+        stop: tuple[str, list[str]],
+    ) -> dict:
+        """A call's sampling from any API's fields (each a parsed value or None; ``max_tokens`` and ``stop`` come
+        with the name the API gives them, for the error): only ranges and meanings are left to check."""
+        if model is not None and model not in self.model_names:
             raise GatewayError(
                 404,
-                f"model: unknown model {req.model!r}; this gateway serves {', '.join(map(repr, self.model_names))}",
+                f"model: unknown model {model!r}; this gateway serves {', '.join(map(repr, self.model_names))}",
                 "model",
                 "model_not_found",
             )
-        if req.n is not None and req.n != 1:
-            raise GatewayError(400, f"n: only 1 choice per call is supported, got {req.n!r}", "n")
-        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = self.cfg.max_tokens
-        if max_tokens < 1:
-            raise GatewayError(400, f"{name}: expected an integer >= 1, got {max_tokens}", name, "invalid_value")
-        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        name, limit = max_tokens
+        if limit is None:
+            limit = self.cfg.max_tokens
+        if limit < 1:
+            raise GatewayError(400, f"{name}: expected an integer >= 1, got {limit}", name, "invalid_value")
+        stop_name, stops = stop
         if len(stops) > 4:
-            raise GatewayError(400, "stop: expected a string or a list of at most 4 strings", "stop")
+            raise GatewayError(400, f"{stop_name}: expected a string or a list of at most 4 strings", stop_name)
         stop_ids = list(self.renderer.stop_ids)
         for s in stops:
             ids = self.tok.encode(s, add_special_tokens=False)
             if len(ids) != 1:
                 raise GatewayError(
                     400,
-                    f"stop: {s!r} is {len(ids)} tokens; only stop strings of one token are supported",
-                    "stop",
+                    f"{stop_name}: {s!r} is {len(ids)} tokens; only stop strings of one token are supported",
+                    stop_name,
                     "invalid_value",
                 )
             stop_ids.append(ids[0])
         return {
-            "temperature": _in_range("temperature", req.temperature, self.cfg.temperature, 0.0, 2.0),
-            "top_p": _in_range("top_p", req.top_p, self.cfg.top_p, 0.0, 1.0, lo_open=True),
+            "temperature": _in_range("temperature", temperature, self.cfg.temperature, 0.0, 2.0),
+            "top_p": _in_range("top_p", top_p, self.cfg.top_p, 0.0, 1.0, lo_open=True),
             "top_k": self.cfg.top_k,
-            "max_tokens": max_tokens,
+            "max_tokens": limit,
             "stop_token_ids": sorted(set(stop_ids)),
         }
 
@@ -160,24 +196,36 @@ class Gateway:
         # as sent: the chat template and the call's digest read the messages the client wrote
         return [schema.raw(m) for m in req.messages], [schema.raw(t) for t in req.tools] if req.tools else None
 
-    def _prepared(self, episode_id: str, index: int, req: schema.Chat | schema.Completion, logprobs: bool) -> Prepared:
+    def _prepared(
+        self, episode_id: str, calls: list[int], req: schema.Chat | schema.Completion, logprobs: bool
+    ) -> Prepared:
         return Prepared(
             episode_id,
-            index,
+            calls[0],
             0,
             logprobs,
             bool(req.stream),
             bool((req.stream_options or {}).get("include_usage")),
             req.model or self.model_names[0],
             bool(req.return_token_ids),
+            calls,
         )
 
     # --- making the call
-    def prepare_chat(self, episode_id: str, body: Any) -> Prepared:
+    def prepare_chat(self, episode_id: str, body: Any, headers=None) -> Prepared:
         req = schema.parse(body, schema.Chat)
         self._honoured(req)
         sampling = self._common(req)
+        n = self.choices(req.n)
         messages, tools = self._messages(req)
+        calls = self.chat_calls(episode_id, messages, tools, sampling, Ask.of(headers), n)
+        return self._prepared(episode_id, calls, req, bool(req.logprobs))
+
+    def chat_calls(
+        self, episode_id: str, messages: list[dict], tools: list | None, sampling: dict, ask: Ask, n: int = 1
+    ) -> list[int]:
+        """The calls (one per choice) that answer chat ``messages`` (OpenAI chat messages and tools, as any API's
+        adapter renders them), made now or found made before."""
         dg = digest("chat", {"messages": [canonical(m) for m in messages], "tools": tools, "sampling": sampling})
         ep = self._episode(episode_id)
 
@@ -198,12 +246,17 @@ class Gateway:
                 self.log.warning("template does not append the new messages; forking", episode=episode_id)
             return -1, self.renderer.full(messages, tools)
 
-        index = self._call(ep, dg, build, sampling, json.dumps({"messages": messages, "tools": tools}))
-        return self._prepared(episode_id, index, req, bool(req.logprobs))
+        logged = json.dumps({"messages": messages, "tools": tools})
+        # a choice after the first is its own ask: its own call, its own chain, its own training row
+        return [self._call(ep, self._identity(ep, dg, j, ask), build, sampling, logged) for j in range(n)]
 
-    def prepare_completion(self, episode_id: str, body: Any) -> Prepared:
+    def _identity(self, ep: Episode, dg: str, choice: int, ask: Ask) -> str:
+        return self.asks.identity(ep.episode_id, dg if choice == 0 else f"{dg}/{choice}", ask)
+
+    def prepare_completion(self, episode_id: str, body: Any, headers=None) -> Prepared:
         req = schema.parse(body, schema.Completion)
         sampling = self._common(req)
+        n = self.choices(req.n)
         top = req.logprobs
         if top is not None and not isinstance(top, bool) and top != 0:
             raise GatewayError(
@@ -237,10 +290,14 @@ class Gateway:
                     return call.index, ids
             return -1, ids
 
-        index = self._call(ep, dg, build, sampling, json.dumps({"prompt": prompt if isinstance(prompt, str) else None}))
-        return self._prepared(episode_id, index, req, top is not None and top is not False)
+        logged = json.dumps({"prompt": prompt if isinstance(prompt, str) else None})
+        ask = Ask.of(headers)
+        calls = [self._call(ep, self._identity(ep, dg, j, ask), build, sampling, logged) for j in range(n)]
+        return self._prepared(episode_id, calls, req, top is not None and top is not False)
 
     def _call(self, ep: Episode, dg: str, build, sampling: dict, messages: str) -> int:
+        """The call whose identity is ``dg``: found in the episode (made before: answered from the stream), or
+        requested of the rollout workers now."""
         for call in ep.calls.values():
             if call.digest == dg:
                 # made before: answered from the stream
@@ -324,6 +381,32 @@ class Gateway:
             elif time.monotonic() - quiet_since >= 5.0:
                 quiet_since = time.monotonic()
                 yield "wait", None
+
+    def wait_done(self, episode_id: str, index: int) -> Call:
+        """The complete call, or GatewayError 503 (retry) when it is held past ``gateway_timeout`` or the
+        process stops: the client's retry waits on the same call, answered from its stream."""
+        for kind, value in self.follow(episode_id, index, self.cfg.gateway_timeout):
+            if kind == "timeout":
+                raise GatewayError(
+                    503,
+                    f"call {index} of episode {episode_id!r} is still generating "
+                    f"(a weight sync holds it); retry: the retry waits on the same call",
+                    None,
+                    "still_generating",
+                    {"x-should-retry": "true", "retry-after": "1"},
+                )
+            if kind == "stopping":
+                raise GatewayError(
+                    503,
+                    f"the gateway is stopping (the run ends, or it restarts); retry: call "
+                    f"{index} of episode {episode_id!r} is answered from its stream",
+                    None,
+                    "gateway_stopping",
+                    {"x-should-retry": "true", "retry-after": "1"},
+                )
+            if kind == "done":
+                return value
+        raise AssertionError("follow ends with done, timeout or stopping")
 
     def answer(self, call: Call) -> tuple[dict, str, list[str]]:
         """(assistant message, finish_reason, parse problems) for a complete call."""

@@ -9,8 +9,9 @@ the group to ``samples`` exactly once when the last of its episodes ends.
 Durable: when the process running an agent dies, another agents worker runs
 the job again (``agents_worker`` reaps jobs whose worker's heartbeat lapsed).
 Every call the agent makes again is matched to the call already in the stream
-by its digest and answered from it, so no completed call is generated twice;
-a call still in flight is waited on.
+by its digest and its place among the run's identical asks (``asks.py``) and
+answered from it, so no completed call is generated twice; a call still in
+flight is waited on.
 
 The same holds when the gateway is what broke: an agent that raises a connection
 error (any SDK's: the gateway restarted under a streamed call, which no client
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import time
 
+from services.gateway.asks import Asks
 from shared.protocol.episode.fold import fold
 from shared.protocol.episode.log import EpisodeLog, Fenced
 from shared.protocol.keys import Keys
@@ -170,7 +172,11 @@ def _run_agent(spec: dict, events: EpisodeLog, log) -> dict:
     deadline = t0 + float(spec.get("timeout", 600.0))
     url, key = GATEWAY if GATEWAY[0] else (spec["gateway_url"], "")
     rerun = 0
+    asks = Asks(events.client, events.keys)
     while True:
+        # a run of the agent: its k-th ask of a request is that request's k-th call (the calls a run before this
+        # one made are answered from the log; services/gateway/asks.py)
+        asks.new_run(eid)
         # the agent holds its episode's own key, never the gateway's: it can call into this episode only
         oai = openai.OpenAI(
             base_url=f"{url}/ep/{eid}/v1",

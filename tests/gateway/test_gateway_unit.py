@@ -91,7 +91,7 @@ def _post(http, body, episode="g-0", raw=None):
         ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": ["two chars"]}, 400, "stop"),
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "n"),
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools[0].function"),

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from services.driver import agents as driver_agents
 from services.gateway.__main__ import build
+from services.gateway.asks import Asks
 from services.gateway.chat import template_messages
 from services.gateway.runner import _append_last
 from services.trainer.batch import build_batch
@@ -146,11 +147,70 @@ def test_streaming_deltas_and_a_retry_answered_from_the_stream(stack):
     assert [c.function.name for c in calls] == ["calc"] and json.loads(calls[0].function.arguments) == {"e": "2+3"}
     assert chunks[-1].usage.completion_tokens > 0
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
-    # same request: answered from the stream
-    again = api.chat.completions.create(**body)
+    # the client's retry of the same request: answered from the stream
+    again = api.chat.completions.create(**body, extra_headers={"x-stainless-retry-count": "1"})
     assert again.choices[0].message.tool_calls[0].function.arguments == calls[0].function.arguments
     assert client.hget(keys.call_index("stream-0"), "#n") == b"1"
     assert again.usage.completion_tokens == chunks[-1].usage.completion_tokens
+
+
+def _call_of(answer) -> int:
+    return answer.model_extra["streamrl"]["call"]
+
+
+def test_a_retry_is_answered_from_the_stream_a_deliberate_repeat_is_sampled_anew_and_a_rerun_finds_its_calls(stack):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "ask-0", TASK)
+    api = oai(gw.base_url("ask-0"))
+    body = dict(model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC_TOOL], max_tokens=24)
+    first = api.chat.completions.create(**body)
+    retried = api.chat.completions.create(**body, extra_headers={"x-stainless-retry-count": "2"})
+    # a second opinion: the same messages asked again on purpose
+    second = api.chat.completions.create(**body)
+    keyed = [api.chat.completions.create(**body, extra_headers={"Idempotency-Key": "k-1"}) for _ in range(2)]
+    assert [_call_of(a) for a in (first, retried, second, *keyed)] == [0, 0, 1, 2, 2]
+    assert client.hget(keys.call_index("ask-0"), "#n") == b"3"
+    # the agent runner runs the agent again (a crash): its k-th identical ask is the k-th call, from the log
+    Asks(client, keys).new_run("ask-0")
+    rerun = [api.chat.completions.create(**body) for _ in range(2)]
+    assert [_call_of(a) for a in rerun] == [0, 1] and client.hget(keys.call_index("ask-0"), "#n") == b"3"
+    assert rerun[1].choices[0].message == second.choices[0].message
+
+
+def test_n_choices_are_calls_of_their_own_and_each_chain_trains_as_its_own_row(stack):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "n-0", TASK)
+    api = oai(gw.base_url("n-0"))
+    ask = [{"role": "user", "content": "2+3?"}]
+    reply = api.chat.completions.create(model="policy", messages=ask, tools=[CALC_TOOL], n=3, temperature=1.0)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    calls = reply.model_extra["streamrl"]["calls"]
+    assert len(set(calls)) == 3
+    ep = episode(client, keys, "n-0")
+    assert all(ep.calls[i].extends == -1 and ep.calls[i].prompt_ids == ep.calls[calls[0]].prompt_ids for i in calls)
+    assert reply.usage.completion_tokens == sum(len(ep.calls[i].tokens) for i in calls)
+    # the agent goes on from the second choice: that chain extends the second choice's call
+    chosen = reply.choices[1].message
+    follow = ask + [chosen.model_dump(exclude_none=True), {"role": "tool", "content": "5"}]
+    api.chat.completions.create(model="policy", messages=follow, tools=[CALC_TOOL], temperature=1.0, max_tokens=8)
+    ep = episode(client, keys, "n-0")
+    last = max(ep.calls)
+    # (identical choices are interchangeable: the newest that answered the chosen message is the parent)
+    parent = ep.calls[last].extends
+    assert parent in calls and ep.calls[parent].tokens == ep.calls[calls[1]].tokens
+    assert len(ep.rows) == 3
+    rows = sorted(tuple(r.prompt_ids + r.tokens) for r in ep.rows)
+    chains = [ep.calls[i] for i in calls if i != parent] + [ep.calls[last]]
+    assert rows == sorted(tuple(c.prompt_ids + c.tokens) for c in chains)
+    # streamed: each choice's deltas under its index, then one usage chunk for all
+    chunks = list(
+        api.chat.completions.create(
+            model="policy", messages=ask, n=2, max_tokens=6, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"] * 2
+    assert chunks[-1].usage.completion_tokens == 12
 
 
 def test_the_example_agent_runs_unchanged_against_the_gateway(stack):
@@ -236,10 +296,12 @@ def test_token_ids_and_logprobs_when_asked_with_vllms_field_names(stack):
         model="policy",
         messages=[{"role": "user", "content": "2+3?"}],
         max_tokens=8,
-        # the same call again, from the stream
         temperature=0,
+        # the same call again (the client's retry), from the stream
+        extra_headers={"x-stainless-retry-count": "1"},
     ).model_dump()
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    assert plain["streamrl"]["call"] == 0
     cmpl = api.completions.create(
         model="policy", prompt="2+3", max_tokens=4, temperature=0, logprobs=0, extra_body={"return_token_ids": True}
     ).model_dump()

@@ -33,7 +33,7 @@ from tests.support.gateway_stack import (
 from tests.support.procs import kill9, spawn, stop, wait_until
 from tests.support.rollout_harness import acks, send
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow(seconds=15), pytest.mark.timeout(900)]
 TASK = {"question": "2+3?", "answer": "5"}
 
 
@@ -262,3 +262,16 @@ def test_the_agents_sdk_example_runs_against_the_gateway(stack):
     assert out["reward"] == 1.0, out
     ep = episode(client, keys, "sdkex-0")
     assert [ep.calls[i].extends for i in range(len(ep.calls))] == list(range(-1, len(ep.calls) - 1))
+
+
+def test_a_response_cut_by_max_output_tokens_is_incomplete(stack):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "cut-0", TASK)
+    api = oai(gw.base_url("cut-0"))
+    ask = dict(model="policy", input="2+3?", temperature=0, max_output_tokens=4)
+    whole = api.responses.create(**ask)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 4 and whole.output[0].type == "message"
+    events = list(api.responses.create(stream=True, **ask))
+    assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
+    assert events[-1].response.output_text == whole.output_text

@@ -142,7 +142,9 @@ def test_previous_response_id_extends_the_call_it_names_and_a_foreign_id_is_refu
     assert not episode(client, keys, "prev-1").calls
 
 
-def _sdk_agent(base_url: str, responses: bool):
+def _sdk_agent(base_url: str, responses: bool, sent: list):
+    """The calc agent on the Agents SDK; the bodies its client sends are appended to ``sent``."""
+    import httpx
     from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, function_tool
 
     @function_tool
@@ -150,7 +152,12 @@ def _sdk_agent(base_url: str, responses: bool):
         """evaluate"""
         return str(eval(e, {}, {}))
 
-    sdk = openai.AsyncOpenAI(base_url=base_url, api_key="test")
+    async def record(request):
+        sent.append(json.loads(request.content))
+
+    sdk = openai.AsyncOpenAI(
+        base_url=base_url, api_key="test", http_client=httpx.AsyncClient(event_hooks={"request": [record]})
+    )
     kind = OpenAIResponsesModel if responses else OpenAIChatCompletionsModel
     return Agent(
         name="calc",
@@ -160,14 +167,15 @@ def _sdk_agent(base_url: str, responses: bool):
     )
 
 
-@pytest.mark.parametrize("how", ["responses", "responses-streamed", "chat"])
+@pytest.mark.parametrize("how", ["responses", "responses-streamed", "responses-chained", "chat"])
 def test_the_openai_agents_sdk_runs_an_exact_chain(stack, how):
     from agents import RunConfig, Runner
 
     client, keys, gw = stack["client"], stack["keys"], stack["gw"]
     eid = f"sdk-{how}-0"
     start_agent_episode(client, keys, eid, TASK)
-    agent = _sdk_agent(gw.base_url(eid), responses=how != "chat")
+    sent = []
+    agent = _sdk_agent(gw.base_url(eid), responses=how != "chat", sent=sent)
     config = RunConfig(tracing_disabled=True)
     if how == "responses-streamed":
 
@@ -179,8 +187,15 @@ def test_the_openai_agents_sdk_runs_an_exact_chain(stack, how):
 
         result = asyncio.run(streamed())
     else:
-        result = Runner.run_sync(agent, "2+3?", run_config=config)
+        # chained: each call names the one before (previous_response_id) and sends only the new items
+        chained = how == "responses-chained"
+        result = Runner.run_sync(agent, "2+3?", run_config=config, auto_previous_response_id=chained)
     assert result.final_output == "answer: 5"
+    if how == "responses-chained":
+        ids = [r.response_id for r in result.raw_responses]
+        assert [int(i.split("_")[1]) for i in ids] == [0, 1, 2]
+        assert [b.get("previous_response_id") for b in sent] == [None, *ids[:2]]
+        assert [[i["type"] for i in b["input"]] for b in sent[1:]] == [["function_call_output"]] * 2
     assert_one_exact_chain(stack, eid)
 
 

@@ -6,6 +6,8 @@ The episode is named in the base URL, so a stock client needs only
     POST /ep/<episode>/v1/chat/completions   messages, tools, temperature, top_p, max_tokens, stop, logprobs, stream,
                                              return_token_ids (vLLM's: prompt_token_ids, choices[0].token_ids)
     POST /ep/<episode>/v1/completions        prompt (text or token ids), same sampling fields (logprobs: 0 or true)
+    POST /ep/<episode>/v1/responses          OpenAI's Responses API (the Agents SDK's default): input items,
+                                             instructions, function tools, previous_response_id (apis/responses.py)
     GET  /ep/<episode>/v1/models, /v1/models
     GET  /healthz
 
@@ -26,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.gateway import toolparse
+from services.gateway.apis import responses
 from services.gateway.core import Gateway, Prepared
 from services.gateway.errors import GatewayError
 from services.gateway.limits import MAX_BODY, parse_body
@@ -127,6 +130,8 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
         body = await _body(request)
         prep = await anyio.to_thread.run_sync(gw.prepare_completion, episode_id, body, request.headers)
         return await _respond(prep, chat=False)
+
+    responses.mount(app, gw, _body)
 
     async def _respond(prep: Prepared, chat: bool):
         if prep.stream:

@@ -70,3 +70,53 @@ def streamed_calc_agent(client, task: dict) -> dict:
             messages.append({"role": "tool", "tool_call_id": c["id"], "content": str(eval(expr, {}, {}))})
     answer = message["content"]
     return {"reward": 1.0 if answer.strip() == f"answer: {task['answer']}" else 0.0, "details": {"answer": answer}}
+
+
+# CALC_TOOL as the Responses API writes a function tool (no "function" wrapper)
+RESPONSES_CALC_TOOL = {"type": "function", **CALC_TOOL["function"]}
+
+
+def responses_turn(client, **kw):
+    """One ``client.responses.create``: the Response, whole or (``stream=True``) the one its stream completes with;
+    streamed, the events' types come with it in ``response.streamrl_events`` (a list)."""
+    if not kw.get("stream"):
+        return client.responses.create(**kw)
+    events = list(client.responses.create(**kw))
+    final = [e.response for e in events if e.type in ("response.completed", "response.incomplete")]
+    assert len(final) == 1, [e.type for e in events]
+    # (a pydantic model with extra fields allowed)
+    final[0].streamrl_events = events
+    return final[0]
+
+
+def responses_calc_agent(client, task: dict) -> dict:
+    """``calc_agent`` on the Responses API: the history as input items (the answer's output items sent back, a
+    function_call_output per call); ``task['stream']``: every call streamed."""
+    items: list = [{"role": "user", "content": task["question"]}]
+    responses = []
+    for turn in range(4):
+        reply = responses_turn(
+            client,
+            model="policy",
+            input=items,
+            tools=[RESPONSES_CALC_TOOL],
+            temperature=0,
+            max_output_tokens=96,
+            stream=bool(task.get("stream")),
+        )
+        responses.append(reply)
+        items += [item.model_dump(exclude_none=True) for item in reply.output]
+        calls = [item for item in reply.output if item.type == "function_call"]
+        if not calls:
+            break
+        for call in calls:
+            expr = json.loads(call.arguments)["e"]
+            items.append({"type": "function_call_output", "call_id": call.call_id, "output": str(eval(expr, {}, {}))})
+    answer = reply.output_text
+    task.get("responses", []).extend(responses)
+    return {"reward": 1.0 if answer.strip() == f"answer: {task['answer']}" else 0.0, "details": {"answer": answer}}
+
+
+def streamed_responses_calc_agent(client, task: dict) -> dict:
+    """``responses_calc_agent`` with every call streamed: a gateway that dies under one raises APIConnectionError."""
+    return responses_calc_agent(client, {**task, "stream": True})

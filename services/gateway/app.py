@@ -8,6 +8,8 @@ The episode is named in the base URL, so a stock client needs only
     POST /ep/<episode>/v1/completions        prompt (text or token ids), same sampling fields (logprobs: 0 or true)
     POST /ep/<episode>/v1/responses          OpenAI's Responses API (the Agents SDK's default): input items,
                                              instructions, function tools, previous_response_id (apis/responses.py)
+    POST /ep/<episode>/v1/messages           Anthropic Messages (apis/messages.py; the anthropic client's
+                                             base_url=http://host:port/ep/<episode>), its errors in Anthropic's shape
     GET  /ep/<episode>/v1/models, /v1/models
     GET  /healthz
 
@@ -28,10 +30,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from services.gateway import toolparse
-from services.gateway.apis import responses
+from services.gateway.apis import messages, responses
 from services.gateway.core import Gateway, Prepared
 from services.gateway.errors import GatewayError
-from services.gateway.limits import MAX_BODY, parse_body
+from services.gateway.limits import MAX_BODY, read_body
 from shared.runtime import secrets
 
 
@@ -42,6 +44,11 @@ def _error(exc: GatewayError) -> JSONResponse:
         status_code=exc.status,
         headers=exc.headers,
     )
+
+
+def _error_for(path: str, exc: GatewayError) -> JSONResponse:
+    """An error in the shape of the API the path is: Anthropic's for Messages, OpenAI's for the rest."""
+    return messages.error_response(exc) if messages.is_messages(path) else _error(exc)
 
 
 def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
@@ -71,43 +78,38 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
                 path=request.scope["path"][:200],
                 client=request.client.host if request.client else None,
             )
-            return _error(
+            return _error_for(
+                request.url.path,
                 GatewayError(
                     401,
                     "authorization: missing or wrong API key (a Bearer token or an x-api-key header; an agent "
                     "episode's key is good for its own episode only)",
                     None,
                     "invalid_api_key",
-                )
+                ),
             )
         length = request.headers.get("content-length") or "0"
         # (a length that is no number: h11 stops it first)
         if not length.isdigit() or int(length) > MAX_BODY:
-            return _error(
+            return _error_for(
+                request.url.path,
                 GatewayError(
                     413,
                     f"request body: Content-Length {length[:20]}: expected at most {MAX_BODY} bytes",
                     None,
                     "body_too_large",
-                )
+                ),
             )
         try:
             return await call_next(request)
         except GatewayError as exc:
-            return _error(exc)
+            return _error_for(request.url.path, exc)
         # never a traceback to the client; the log has it
         except Exception as exc:
             gw.log.exception("gateway request failed", path=request.url.path)
-            return _error(GatewayError(500, f"internal error: {exc.__class__.__name__}", None, "internal_error"))
-
-    async def _body(request: Request):
-        raw = bytearray()
-        # a body without a Content-Length is counted as it arrives
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY:
-                raise GatewayError(413, f"request body: more than {MAX_BODY} bytes", None, "body_too_large")
-        return parse_body(bytes(raw))
+            return _error_for(
+                request.url.path, GatewayError(500, f"internal error: {exc.__class__.__name__}", None, "internal_error")
+            )
 
     def _models() -> dict:
         return {
@@ -121,17 +123,18 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
 
     @app.post("/ep/{episode_id}/v1/chat/completions")
     async def chat(episode_id: str, request: Request):
-        body = await _body(request)
+        body = await read_body(request)
         prep = await anyio.to_thread.run_sync(gw.prepare_chat, episode_id, body, request.headers)
         return await _respond(prep, chat=True)
 
     @app.post("/ep/{episode_id}/v1/completions")
     async def completions(episode_id: str, request: Request):
-        body = await _body(request)
+        body = await read_body(request)
         prep = await anyio.to_thread.run_sync(gw.prepare_completion, episode_id, body, request.headers)
         return await _respond(prep, chat=False)
 
-    responses.mount(app, gw, _body)
+    responses.mount(app, gw)
+    messages.mount(app, gw)
 
     async def _respond(prep: Prepared, chat: bool):
         if prep.stream:

@@ -42,3 +42,14 @@ def parse_body(raw: bytes):
     if depth(body) > MAX_DEPTH:
         raise GatewayError(400, f"request body: JSON nested deeper than {MAX_DEPTH}", None, "invalid_json")
     return body
+
+
+async def read_body(request) -> object:
+    """A request's JSON body (a Starlette request), read as it arrives: 413 past ``MAX_BODY`` bytes (a body without
+    a Content-Length is counted as it comes), 400 for what ``parse_body`` refuses."""
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            raise GatewayError(413, f"request body: more than {MAX_BODY} bytes", None, "body_too_large")
+    return parse_body(bytes(raw))

@@ -86,6 +86,12 @@ def lost_gateway(exc: BaseException) -> bool:
         status = getattr(exc, "status_code", None) or getattr(getattr(exc, "response", None), "status_code", None)
         if isinstance(status, int) and status >= 500:
             return True
+        # an error event in a stream that had begun (status 200): Anthropic's overloaded or api error, which the
+        # gateway sends when it stops under a streamed Messages call
+        body = getattr(exc, "body", None)
+        error = body.get("error") if isinstance(body, dict) else None
+        if isinstance(error, dict) and error.get("type") in ("overloaded_error", "api_error"):
+            return True
         exc = exc.__cause__ or exc.__context__
     return False
 

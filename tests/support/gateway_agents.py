@@ -120,3 +120,53 @@ def responses_calc_agent(client, task: dict) -> dict:
 def streamed_responses_calc_agent(client, task: dict) -> dict:
     """``responses_calc_agent`` with every call streamed: a gateway that dies under one raises APIConnectionError."""
     return responses_calc_agent(client, {**task, "stream": True})
+
+
+ANTHROPIC_CALC_TOOL = {
+    "name": CALC_TOOL["function"]["name"],
+    "description": CALC_TOOL["function"]["description"],
+    "input_schema": CALC_TOOL["function"]["parameters"],
+}
+
+
+def anthropic_calc_agent(client, task: dict, stream: bool = False) -> dict:
+    """``calc_agent`` with the stock `anthropic` client (Messages, tool_use and tool_result blocks); ``stream``:
+    every call through ``messages.stream``, the answer its final message."""
+    from examples.calc_anthropic import anthropic_client
+
+    api = anthropic_client(client)
+    messages = [{"role": "user", "content": task["question"]}]
+    turns = 0
+    for turn in range(4):
+        # (this client has no temperature argument; the API takes it)
+        ask = dict(
+            model="policy",
+            max_tokens=96,
+            messages=messages,
+            tools=[ANTHROPIC_CALC_TOOL],
+            extra_body={"temperature": 0},
+        )
+        if stream:
+            with api.messages.stream(**ask) as events:
+                reply = events.get_final_message()
+        else:
+            reply = api.messages.create(**ask)
+        turns += 1
+        messages.append({"role": "assistant", "content": reply.content})
+        uses = [b for b in reply.content if b.type == "tool_use"]
+        if not uses:
+            break
+        results = [
+            {"type": "tool_result", "tool_use_id": b.id, "content": str(eval(b.input["e"], {}, {}))} for b in uses
+        ]
+        messages.append({"role": "user", "content": results})
+    answer = "".join(b.text for b in reply.content if b.type == "text")
+    return {
+        "reward": 1.0 if answer.strip() == f"answer: {task['answer']}" else 0.0,
+        "details": {"turns": turns, "answer": answer, "stop_reason": reply.stop_reason},
+    }
+
+
+def streamed_anthropic_calc_agent(client, task: dict) -> dict:
+    """``anthropic_calc_agent`` streamed: a gateway that dies under a stream breaks it (httpx's transport error)."""
+    return anthropic_calc_agent(client, task, stream=True)

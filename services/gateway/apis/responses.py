@@ -30,6 +30,7 @@ from services.gateway import schema, toolparse
 from services.gateway.asks import Ask
 from services.gateway.core import Gateway
 from services.gateway.errors import GatewayError
+from services.gateway.limits import read_body
 from shared.protocol.episode.fold import Call
 
 
@@ -495,9 +496,8 @@ class ResponsesApi:
             yield event("error", code=exc.code, message=exc.message, param=exc.param)
 
 
-def mount(app: FastAPI, gw: Gateway, read_body) -> None:
-    """Registers ``POST /ep/<episode>/v1/responses`` on ``app``; ``read_body`` reads a request's JSON body under the
-    gateway's limits."""
+def mount(app: FastAPI, gw: Gateway) -> None:
+    """Registers ``POST /ep/<episode>/v1/responses`` on ``app``."""
     api = ResponsesApi(gw)
 
     @app.post("/ep/{episode_id}/v1/responses")

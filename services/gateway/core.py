@@ -210,7 +210,8 @@ class Gateway:
         names = [(t.get("function") or {}).get("name") for t in tools or []]
         fn = None
         if value != "required":
-            fn = (value.get("function") or {}).get("name") if isinstance(value, dict) else None
+            function = value.get("function") if isinstance(value, dict) else None
+            fn = function.get("name") if isinstance(function, dict) else None
             if not (isinstance(value, dict) and value.get("type") == "function" and isinstance(fn, str)):
                 raise GatewayError(
                     400,

@@ -248,7 +248,7 @@ class CallServer:
             return
         ids, logprobs = chunk.token_ids, chunk.logprobs
         # the whole completion (logged prefix + new): a stop string may straddle an abort
-        hit = self._stop_at(live, live.tokens + ids, len(live.tokens))
+        hit = self._stop_at(live, live.tokens + ids, len(live.tokens)) if live.stops and ids else None
         if hit is not None:
             # nothing after the token that completes the string is logged
             keep = hit[0] + 1 - len(live.tokens)

@@ -112,10 +112,13 @@ def with_system_hint(messages: list[dict], hint: str) -> list[dict]:
     """``messages`` with ``hint`` appended to a leading system (or developer) message, or in a system message of
     its own before them (the prompt-side hint of a ``response_format``)."""
     first = messages[0] if messages else {}
-    if first.get("role") in ("system", "developer") and isinstance(first.get("content") or "", str):
-        text = first.get("content") or ""
-        return [{**first, "content": f"{text}\n\n{hint}" if text else hint}, *messages[1:]]
-    return [{"role": "system", "content": hint}, *messages]
+    if first.get("role") not in ("system", "developer"):
+        return [{"role": "system", "content": hint}, *messages]
+    content = first.get("content") or ""
+    if isinstance(content, list):
+        # content parts: one more text part (the template reads the parts' text joined)
+        return [{**first, "content": [*content, {"type": "text", "text": f"\n\n{hint}"}]}, *messages[1:]]
+    return [{**first, "content": f"{content}\n\n{hint}" if content else hint}, *messages[1:]]
 
 
 class Renderer:

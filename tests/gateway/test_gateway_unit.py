@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from services.gateway import fields, toolparse
 from services.gateway import stops as gw_stops
 from services.gateway.app import make_app
-from services.gateway.chat import Renderer, canonical, template_messages
+from services.gateway.chat import Renderer, canonical, template_messages, with_system_hint
 from services.gateway.core import Gateway
 from services.gateway.errors import GatewayError
 from shared.protocol.episode.fold import Call
@@ -268,6 +268,14 @@ def test_answers_are_cut_before_the_stop_string_and_parsed_after_the_prefill(cha
     assert r.text(kept) == tok.decode(ids)
     none = Call(1, -1, [1], [1], "d", {}, json.dumps({"tool_choice": "none", "prefill": ""}), tokens=ids, done=True)
     assert r.answer(none)[0] == {"role": "assistant", "content": tok.decode(ids)}
+
+
+def test_a_format_hint_joins_the_leading_system_message_or_comes_first():
+    user = {"role": "user", "content": "hi"}
+    assert with_system_hint([user], "H") == [{"role": "system", "content": "H"}, user]
+    assert with_system_hint([{"role": "system", "content": "S"}, user], "H")[0]["content"] == "S\n\nH"
+    parts = with_system_hint([{"role": "developer", "content": [{"type": "text", "text": "S"}]}, user], "H")
+    assert canonical(parts[0])["content"] == "S\n\nH" and parts[1] == user
 
 
 def test_stop_strings_hold_back_what_may_become_one():

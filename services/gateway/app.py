@@ -3,7 +3,8 @@
 The episode is named in the base URL, so a stock client needs only
 ``base_url=http://host:port/ep/<episode_id>/v1``:
 
-    POST /ep/<episode>/v1/chat/completions   messages, tools, temperature, top_p, max_tokens, stop, logprobs, stream,
+    POST /ep/<episode>/v1/chat/completions   messages, tools, tool_choice, parallel_tool_calls, response_format (a
+                                             hint), temperature, top_p, max_tokens, stop, seed, n, logprobs, stream,
                                              return_token_ids (vLLM's: prompt_token_ids, choices[0].token_ids)
     POST /ep/<episode>/v1/completions        prompt (text or token ids), same sampling fields (logprobs: 0 or true)
     POST /ep/<episode>/v1/responses          OpenAI's Responses API (the Agents SDK's default): input items,
@@ -29,7 +30,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from services.gateway import toolparse
+from services.gateway import stops, toolparse
 from services.gateway.apis import messages, responses
 from services.gateway.core import Gateway, Prepared
 from services.gateway.errors import GatewayError
@@ -165,7 +166,7 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
             for j, call in enumerate(calls):
                 choice = {
                     "index": j,
-                    "text": gw.tok.decode(call.tokens, skip_special_tokens=True),
+                    "text": gw.renderer.text(call),
                     "finish_reason": "stop" if call.reason == "stop" else "length",
                     "logprobs": gw.completion_logprobs(call) if prep.logprobs else None,
                 }
@@ -230,14 +231,16 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
                         yield ": still generating\n\n"
                     elif kind == "tokens":
                         text = gw.tok.decode(value, skip_special_tokens=True)
-                        upto = toolparse.safe_prefix_len(text) if chat else len(text)
+                        # never a stop string, nor what may yet become one; after the prefill the answer has
+                        text = prep.prefill + text[: stops.safe_len(text, prep.stops)]
+                        upto = toolparse.safe_prefix_len(text) if chat and prep.parse_tools else len(text)
                         if upto > sent:
                             yield event(j, {"content": text[sent:upto]}, text=text[sent:upto])
                             sent = upto
                     elif kind == "done":
                         call = value
                         done.append(call)
-                        text = gw.tok.decode(call.tokens, skip_special_tokens=True)
+                        text = prep.prefill + gw.renderer.text(call)
                         if chat:
                             message, reason, _ = gw.answer(call)
                             if message.get("tool_calls"):

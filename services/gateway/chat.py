@@ -8,6 +8,13 @@ without them, cut after its end-of-turn token: TRL's tool-suffix trick,
 verl's ContinuousTokenBuilder). Anything else renders the whole conversation
 (a fork). Messages are compared canonically: tool-call ids dropped, arguments
 parsed as JSON, ``None`` and ``""`` content equal.
+
+A call's answer is a pure function of its log: the completion ids, cut before
+the stop string that ended it (``call_done``'s ``stop``, when it is one of the
+sampling's ``stop``), after the ``prefill`` its messages JSON records (a forced
+tool call's opening, sent as prompt tokens), parsed for tool calls unless its
+``tool_choice`` was ``none``. A retry, a rerun, ``find_parent`` and a replay
+all get the same answer.
 """
 
 from __future__ import annotations
@@ -16,9 +23,11 @@ import hashlib
 import json
 from typing import Any
 
-from services.gateway import toolparse
+from services.gateway import stops, toolparse
 
 DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+# a tool call the template renders, to read its opening from (tool_call_opening)
+PROBE = "streamrl_probe_fn"
 
 
 class RenderError(ValueError):
@@ -83,6 +92,35 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def logged(call) -> dict:
+    """A call's messages JSON (messages, tools, and tool_choice and prefill when set): {} when it has none."""
+    try:
+        out = json.loads(call.messages) if call.messages else {}
+    except ValueError:
+        return {}
+    return out if isinstance(out, dict) else {}
+
+
+def cut_stop(call) -> str | None:
+    """The stop string the answer is cut before: the one that ended the call, when the client asked for it (a
+    ``stop_kept`` one, the gateway's own, stays in the answer)."""
+    s = call.stop_string
+    return s if s is not None and s in (call.sampling.get("stop") or ()) else None
+
+
+def with_system_hint(messages: list[dict], hint: str) -> list[dict]:
+    """``messages`` with ``hint`` appended to a leading system (or developer) message, or in a system message of
+    its own before them (the prompt-side hint of a ``response_format``)."""
+    first = messages[0] if messages else {}
+    if first.get("role") not in ("system", "developer"):
+        return [{"role": "system", "content": hint}, *messages]
+    content = first.get("content") or ""
+    if isinstance(content, list):
+        # content parts: one more text part (the template reads the parts' text joined)
+        return [{**first, "content": [*content, {"type": "text", "text": f"\n\n{hint}"}]}, *messages[1:]]
+    return [{**first, "content": f"{content}\n\n{hint}" if content else hint}, *messages[1:]]
+
+
 class Renderer:
     def __init__(self, tokenizer):
         self.tok = tokenizer
@@ -119,9 +157,59 @@ class Renderer:
         ids = self.encode(full[cut + len(self.end_text) :])
         return ids if parent_ended else [self.end_id, *ids]
 
-    def assistant(self, completion_ids: list[int], call_index: int) -> tuple[dict, list[str]]:
-        """The assistant message the gateway answers for a completion (deterministic: a retry gets the same)."""
-        text = self.tok.decode(completion_ids, skip_special_tokens=True)
+    def text(self, call) -> str:
+        """A complete call's completion text as answered: decoded, cut before the client's stop string."""
+        return stops.cut(self.tok.decode(call.tokens, skip_special_tokens=True), cut_stop(call))
+
+    def answer(self, call) -> tuple[dict, list[str]]:
+        """The assistant message the gateway answers for a complete call, from its log alone."""
+        opts = logged(call)
+        return self.assistant(
+            call.tokens,
+            call.index,
+            text=str(opts.get("prefill") or "") + self.text(call),
+            parse_tools=opts.get("tool_choice") != "none",
+        )
+
+    def tool_call_opening(self, name: str | None = None) -> str | None:
+        """The text the template puts before a tool call's arguments (``<tool_call>`` and whatever follows it up
+        to the JSON; with ``name``, also ``{"name": "<name>", "arguments": ``), read from a rendered tool call;
+        None when the template does not write Hermes-style ``<tool_call>`` blocks."""
+        probe = {"type": "function", "function": {"name": PROBE, "parameters": {"type": "object"}}}
+        call = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "p", **probe, "function": {"name": PROBE, "arguments": "{}"}}],
+        }
+        try:
+            text = self._apply(DUMMY[:1] + [call], [probe], False)
+        except RenderError:
+            return None
+        at = text.find(toolparse.OPEN)
+        named = text.find(json.dumps(PROBE), at)
+        if at < 0 or named < 0:
+            return None
+        head = text[at:named]
+        brace = head.rfind("{")
+        if brace < 0 or not head[brace:].replace(" ", "").startswith('{"name":'):
+            return None
+        if name is None:
+            return head[:brace]
+        after = named + len(json.dumps(PROBE))
+        args = text.find("{}", after)
+        if args < 0 or '"arguments"' not in text[after:args]:
+            return None
+        return head + json.dumps(name) + text[after:args]
+
+    def assistant(
+        self, completion_ids: list[int], call_index: int, *, text: str | None = None, parse_tools: bool = True
+    ) -> tuple[dict, list[str]]:
+        """The assistant message the gateway answers for a completion (deterministic: a retry gets the same);
+        ``text`` the answer's text when it is not the completion's (``answer``: cut, after a prefill)."""
+        if text is None:
+            text = self.tok.decode(completion_ids, skip_special_tokens=True)
+        if not parse_tools:
+            return {"role": "assistant", "content": text}, []
         parsed = toolparse.parse(text)
         message: dict = {
             "role": "assistant",
@@ -151,7 +239,7 @@ def find_parent(calls: dict, messages: list[dict], tools, renderer: Renderer):
             continue
         if logged.get("tools") != tools:
             continue
-        answer, _ = renderer.assistant(call.tokens, call.index)
+        answer, _ = renderer.answer(call)
         prev = [canonical(m) for m in logged.get("messages", [])] + [canonical(answer)]
         if len(want) > len(prev) and want[: len(prev)] == prev:
             return call, messages[len(prev) :]

@@ -12,16 +12,18 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from services.gateway import schema
+from services.gateway import schema, toolparse
 from services.gateway.asks import Ask, Asks
-from services.gateway.chat import Renderer, RenderError, canonical, digest, find_parent
+from services.gateway.chat import Renderer, RenderError, canonical, digest, find_parent, with_system_hint
 from services.gateway.errors import GatewayError
+from services.gateway.fields import check as check_fields
 from shared.protocol.episode.errors import EventError
 from shared.protocol.episode.events import decode
 from shared.protocol.episode.fold import TRANSFORM, Call, Episode, fold
+from shared.protocol.episode.sampling import MAX_STOP_CHARS, MAX_STOPS, SEED_RANGE, stable_seed
 from shared.protocol.keys import Keys
 from shared.protocol.streams.calls import CallRequest, Requester
 
@@ -50,6 +52,11 @@ class Prepared:
     # return_token_ids: prompt_token_ids and token_ids in the answer (vLLM's names)
     token_ids: bool = False
     calls: list[int] | None = None
+    # what shapes the streamed text: the client's stop strings (held back while they may be starting), the
+    # prefill the answer is parsed after, whether tool calls are parsed (tool_choice none: not)
+    stops: list[str] = field(default_factory=list)
+    prefill: str = ""
+    parse_tools: bool = True
 
     def __post_init__(self):
         if self.calls is None:
@@ -104,7 +111,12 @@ class Gateway:
             max_tokens = ("max_tokens", req.max_tokens)
         stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
         return self.sampling(
-            model=req.model, temperature=req.temperature, top_p=req.top_p, max_tokens=max_tokens, stop=("stop", stops)
+            model=req.model,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            max_tokens=max_tokens,
+            stop=("stop", stops),
+            seed=req.seed,
         )
 
     def choices(self, n: int | None, name: str = "n") -> int:
@@ -122,9 +134,13 @@ class Gateway:
         top_p: float | None,
         max_tokens: tuple[str, int | None],
         stop: tuple[str, list[str]],
+        seed: int | None = None,
     ) -> dict:
         """A call's sampling from any API's fields (each a parsed value or None; ``max_tokens`` and ``stop`` come
-        with the name the API gives them, for the error): only ranges and meanings are left to check."""
+        with the name the API gives them, for the error): only ranges and meanings are left to check.
+
+        A stop string that is one special token (``<|im_end|>``) stops as that token id (special tokens are not in
+        the decoded text); any other is matched on the decoded completion by the rollout worker (``stop``)."""
         if model is not None and model not in self.model_names:
             raise GatewayError(
                 404,
@@ -138,50 +154,126 @@ class Gateway:
         if limit < 1:
             raise GatewayError(400, f"{name}: expected an integer >= 1, got {limit}", name, "invalid_value")
         stop_name, stops = stop
-        if len(stops) > 4:
-            raise GatewayError(400, f"{stop_name}: expected a string or a list of at most 4 strings", stop_name)
-        stop_ids = list(self.renderer.stop_ids)
+        if len(stops) > MAX_STOPS:
+            raise GatewayError(
+                400, f"{stop_name}: expected a string or a list of at most {MAX_STOPS} strings", stop_name
+            )
+        stop_ids, strings = list(self.renderer.stop_ids), []
+        special = set(self.tok.all_special_ids)
         for s in stops:
-            ids = self.tok.encode(s, add_special_tokens=False)
-            if len(ids) != 1:
+            if not s or len(s) > MAX_STOP_CHARS:
                 raise GatewayError(
                     400,
-                    f"{stop_name}: {s!r} is {len(ids)} tokens; only stop strings of one token are supported",
+                    f"{stop_name}: expected non-empty strings of at most {MAX_STOP_CHARS} characters, got "
+                    f"{json.dumps(s)[:80]}",
                     stop_name,
                     "invalid_value",
                 )
-            stop_ids.append(ids[0])
-        return {
+            ids = self.tok.encode(s, add_special_tokens=False)
+            if len(ids) == 1 and ids[0] in special:
+                stop_ids.append(ids[0])
+            elif special.intersection(ids):
+                raise GatewayError(
+                    400,
+                    f"{stop_name}: {s!r} mixes special tokens and text; a stop string is matched on the text "
+                    f"without special tokens (a special token alone stops as that token)",
+                    stop_name,
+                    "invalid_value",
+                )
+            elif s not in strings:
+                strings.append(s)
+        out = {
             "temperature": _in_range("temperature", temperature, self.cfg.temperature, 0.0, 2.0),
             "top_p": _in_range("top_p", top_p, self.cfg.top_p, 0.0, 1.0, lo_open=True),
             "top_k": self.cfg.top_k,
             "max_tokens": limit,
             "stop_token_ids": sorted(set(stop_ids)),
         }
+        # absent when unused: a call's digest (its identity for retries and reruns) is as it was
+        if strings:
+            out["stop"] = strings
+        if seed is not None:
+            if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+                raise GatewayError(400, f"seed: expected a 64-bit integer, got {seed}", "seed", "invalid_value")
+            out["seed"] = seed
+        return out
+
+    def tool_choice(self, value: Any, tools: list | None, name: str = "tool_choice") -> Any:
+        """The tool choice a call logs (None for auto) for an OpenAI-style ``tool_choice``. The policy cannot be
+        constrained by a grammar here: ``none`` answers its text unparsed (no tool calls); ``required`` and a named
+        function put the template's tool-call opening (``<tool_call>`` and, named, ``{"name": ..., "arguments": ``)
+        after the generation prompt as prompt tokens (``prefill``), so the completion is that call's rest."""
+        if value is None or value == "auto":
+            return None
+        if value == "none":
+            return "none"
+        names = [(t.get("function") or {}).get("name") for t in tools or []]
+        fn = None
+        if value != "required":
+            function = value.get("function") if isinstance(value, dict) else None
+            fn = function.get("name") if isinstance(function, dict) else None
+            if not (isinstance(value, dict) and value.get("type") == "function" and isinstance(fn, str)):
+                raise GatewayError(
+                    400,
+                    f"{name}: expected 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": "
+                    f'{{"name": ...}}}}, got {json.dumps(value, default=str)[:80]}',
+                    name,
+                    "invalid_value",
+                )
+            if fn not in names:
+                raise GatewayError(
+                    400,
+                    f"{name}.function.name: {fn!r} is not one of the request's tools "
+                    f"({', '.join(map(repr, names)) or 'none sent'})",
+                    f"{name}.function.name",
+                    "invalid_value",
+                )
+        if not names:
+            raise GatewayError(400, f"{name}: {json.dumps(value)[:80]} needs tools; the request has none", name)
+        if self.renderer.tool_call_opening(fn) is None:
+            raise GatewayError(
+                400,
+                f"{name}: {json.dumps(value)[:80]} cannot be honoured: a tool call is forced by prefilling its "
+                f"opening, and the model's chat template does not write Hermes-style {toolparse.OPEN} blocks",
+                name,
+                "unsupported_value",
+            )
+        return value if fn is None else {"type": "function", "function": {"name": fn}}
+
+    def prefill(self, tool_choice: Any) -> str:
+        """The text a call's prompt ends with after the generation prompt: a forced tool call's opening."""
+        if tool_choice in (None, "none"):
+            return ""
+        name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+        return self.renderer.tool_call_opening(name) or ""
 
     @staticmethod
-    def _honoured(req: schema.Chat) -> None:
-        """Refuse, naming the field, what would change the answer and that the policy cannot do: it samples
-        freely, and its tool calls are parsed from its text, so nothing can force or forbid a tool call or
-        constrain the output to JSON. What changes nothing (``auto``, ``text``, ``none`` with no tools) passes."""
-        choice = req.tool_choice
-        if choice is not None and choice != "auto" and not (choice == "none" and not req.tools):
-            raise GatewayError(
-                400,
-                f"tool_choice: only 'auto' can be honoured (the model decides whether to call a tool; nothing forces "
-                f"or forbids one), got {json.dumps(choice)[:80]}",
-                "tool_choice",
-                "unsupported_value",
-            )
-        fmt = req.response_format
-        if fmt is not None and fmt.get("type") != "text":
-            raise GatewayError(
-                400,
-                f"response_format: only {{'type': 'text'}} can be honoured (the policy samples freely: no JSON "
-                f"mode or schema-constrained decoding), got {json.dumps(fmt)[:80]}",
-                "response_format",
-                "unsupported_value",
-            )
+    def format_hint(fmt: dict | None, name: str = "response_format") -> str | None:
+        """The system line a ``response_format`` puts in the prompt (None for text): a hint the policy may ignore,
+        never enforced (no constrained decoding)."""
+        kind = (fmt or {}).get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return "Answer with a single JSON object and nothing else."
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise GatewayError(
+                    400,
+                    f"{name}.json_schema: expected an object with a 'schema' object, got "
+                    f"{json.dumps(spec, default=str)[:80]}",
+                    f"{name}.json_schema",
+                    "invalid_value",
+                )
+            schema_text = json.dumps(spec.get("schema", {}), sort_keys=True)
+            return f"Answer with a single JSON object and nothing else, following this JSON schema: {schema_text}"
+        raise GatewayError(
+            400,
+            f"{name}.type: expected 'text', 'json_object' or 'json_schema', got {json.dumps(kind, default=str)[:80]}",
+            f"{name}.type",
+            "invalid_value",
+        )
 
     def _messages(self, req: schema.Chat) -> tuple[list[dict], list | None]:
         if not req.messages:
@@ -197,7 +289,14 @@ class Gateway:
         return [schema.raw(m) for m in req.messages], [schema.raw(t) for t in req.tools] if req.tools else None
 
     def _prepared(
-        self, episode_id: str, calls: list[int], req: schema.Chat | schema.Completion, logprobs: bool
+        self,
+        episode_id: str,
+        calls: list[int],
+        req: schema.Chat | schema.Completion,
+        logprobs: bool,
+        sampling: dict,
+        prefill: str = "",
+        parse_tools: bool = True,
     ) -> Prepared:
         return Prepared(
             episode_id,
@@ -209,25 +308,51 @@ class Gateway:
             req.model or self.model_names[0],
             bool(req.return_token_ids),
             calls,
+            list(sampling.get("stop") or ()),
+            prefill,
+            parse_tools,
         )
 
     # --- making the call
     def prepare_chat(self, episode_id: str, body: Any, headers=None) -> Prepared:
         req = schema.parse(body, schema.Chat)
-        self._honoured(req)
+        check_fields(body)
         sampling = self._common(req)
         n = self.choices(req.n)
         messages, tools = self._messages(req)
-        calls = self.chat_calls(episode_id, messages, tools, sampling, Ask.of(headers), n)
-        return self._prepared(episode_id, calls, req, bool(req.logprobs))
+        hint = self.format_hint(req.response_format)
+        if hint is not None:
+            messages = with_system_hint(messages, hint)
+        choice = self.tool_choice(req.tool_choice, tools)
+        if req.parallel_tool_calls is False and tools and choice != "none":
+            # one tool call at most: the call ends at the first call's closing tag, kept in the answer's parse
+            sampling = {**sampling, "stop_kept": [toolparse.CLOSE]}
+        calls = self.chat_calls(episode_id, messages, tools, sampling, Ask.of(headers), n, choice)
+        return self._prepared(
+            episode_id, calls, req, bool(req.logprobs), sampling, self.prefill(choice), choice != "none"
+        )
 
     def chat_calls(
-        self, episode_id: str, messages: list[dict], tools: list | None, sampling: dict, ask: Ask, n: int = 1
+        self,
+        episode_id: str,
+        messages: list[dict],
+        tools: list | None,
+        sampling: dict,
+        ask: Ask,
+        n: int = 1,
+        tool_choice: Any = None,
     ) -> list[int]:
         """The calls (one per choice) that answer chat ``messages`` (OpenAI chat messages and tools, as any API's
-        adapter renders them), made now or found made before."""
-        dg = digest("chat", {"messages": [canonical(m) for m in messages], "tools": tools, "sampling": sampling})
+        adapter renders them), made now or found made before. ``tool_choice``: what ``tool_choice()`` returned
+        (None: auto); a forced tool call's prefill goes into the prompt and the call's log."""
+        prefill = self.prefill(tool_choice)
+        payload = {"messages": [canonical(m) for m in messages], "tools": tools, "sampling": sampling}
+        # only when set: the digest of an auto call is as it always was
+        if tool_choice is not None:
+            payload["tool_choice"] = tool_choice
+        dg = digest("chat", payload)
         ep = self._episode(episode_id)
+        forced = self.renderer.encode(prefill) if prefill else []
 
         def build() -> tuple[int, list[int]]:
             found = find_parent(ep.calls, messages, tools, self.renderer)
@@ -242,19 +367,36 @@ class Gateway:
                 ended = bool(parent.tokens) and parent.tokens[-1] in self.renderer.stop_ids
                 bridge = self.renderer.bridge(ended, new, tools)
                 if bridge is not None:
-                    return parent.index, parent.prompt_ids + parent.tokens + bridge
+                    return parent.index, parent.prompt_ids + parent.tokens + bridge + forced
                 self.log.warning("template does not append the new messages; forking", episode=episode_id)
-            return -1, self.renderer.full(messages, tools)
+            return -1, self.renderer.full(messages, tools) + forced
 
-        logged = json.dumps({"messages": messages, "tools": tools})
+        record: dict = {"messages": messages, "tools": tools}
+        if tool_choice is not None:
+            record["tool_choice"] = tool_choice
+        if prefill:
+            record["prefill"] = prefill
+        logged = json.dumps(record)
         # a choice after the first is its own ask: its own call, its own chain, its own training row
-        return [self._call(ep, self._identity(ep, dg, j, ask), build, sampling, logged) for j in range(n)]
+        return [
+            self._call(ep, self._identity(ep, dg, j, ask), build, self._choice_sampling(sampling, j), logged)
+            for j in range(n)
+        ]
+
+    @staticmethod
+    def _choice_sampling(sampling: dict, choice: int) -> dict:
+        """A choice's sampling: a client's seed is the first choice's; each other choice samples with its own
+        seed made from it (the same seed for every choice would draw the same answer n times)."""
+        if choice == 0 or "seed" not in sampling:
+            return sampling
+        return {**sampling, "seed": stable_seed(sampling["seed"], choice)}
 
     def _identity(self, ep: Episode, dg: str, choice: int, ask: Ask) -> str:
         return self.asks.identity(ep.episode_id, dg if choice == 0 else f"{dg}/{choice}", ask)
 
     def prepare_completion(self, episode_id: str, body: Any, headers=None) -> Prepared:
         req = schema.parse(body, schema.Completion)
+        check_fields(body)
         sampling = self._common(req)
         n = self.choices(req.n)
         top = req.logprobs
@@ -292,8 +434,11 @@ class Gateway:
 
         logged = json.dumps({"prompt": prompt if isinstance(prompt, str) else None})
         ask = Ask.of(headers)
-        calls = [self._call(ep, self._identity(ep, dg, j, ask), build, sampling, logged) for j in range(n)]
-        return self._prepared(episode_id, calls, req, top is not None and top is not False)
+        calls = [
+            self._call(ep, self._identity(ep, dg, j, ask), build, self._choice_sampling(sampling, j), logged)
+            for j in range(n)
+        ]
+        return self._prepared(episode_id, calls, req, top is not None and top is not False, sampling)
 
     def _call(self, ep: Episode, dg: str, build, sampling: dict, messages: str) -> int:
         """The call whose identity is ``dg``: found in the episode (made before: answered from the stream), or
@@ -410,7 +555,7 @@ class Gateway:
 
     def answer(self, call: Call) -> tuple[dict, str, list[str]]:
         """(assistant message, finish_reason, parse problems) for a complete call."""
-        message, problems = self.renderer.assistant(call.tokens, call.index)
+        message, problems = self.renderer.answer(call)
         reason = "tool_calls" if message.get("tool_calls") else ("stop" if call.reason == "stop" else "length")
         return message, reason, problems
 

@@ -2,7 +2,8 @@
 has its JSON type (strict: true is not a number, "1" is not an integer; numbers finite), every other field is
 let through as OpenAI clients send many. ``parse`` is the one parse of a body: the first problem is a 400 naming
 the field (``messages[0].tool_calls``), and what comes back is the typed request the handlers read; what pydantic
-cannot say (ranges, meanings: a known model, one-token stop strings) is checked after, in ``core.py``."""
+cannot say (ranges, meanings: a known model, stop strings) is checked after, in ``core.py``; the fields the gateway
+refuses or takes as no-ops are listed in ``fields.py``."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ class _Common(_Open):
     logprobs: bool | None = None
     stop: str | list[str] | None = None
     stream_options: dict[str, Any] | None = None
+    # the call's sampling seed (default: one of the episode, the call and its request)
+    seed: int | None = None
     # vLLM's: the prompt's and the completion's token ids in the answer
     return_token_ids: bool | None = None
 
@@ -51,8 +54,11 @@ class _Common(_Open):
 class Chat(_Common):
     messages: list[Message]
     tools: list[Named] | None = None
-    # read only to refuse what the gateway cannot honour (core.py): it never silently drops them
+    # none / auto / required / a named function (core.Gateway.tool_choice)
     tool_choice: str | dict[str, Any] | None = None
+    # false: the call stops after its first complete tool call
+    parallel_tool_calls: bool | None = None
+    # text / json_object / json_schema: a hint in the prompt, not enforced (core.Gateway.format_hint)
     response_format: dict[str, Any] | None = None
 
 

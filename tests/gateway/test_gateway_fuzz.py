@@ -41,6 +41,21 @@ FIELDS = [
     "tools",
     "stream_options",
     "prompt",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "top_logprobs",
+    "modalities",
+    "audio",
+    "reasoning_effort",
+    "user",
+    "metadata",
+    "store",
+    "echo",
 ]
 BASE = {"messages": [{"role": "user", "content": "hi"}]}
 MESSAGE_FIELDS = ["role", "content", "tool_calls", "tool_call_id", "name"]

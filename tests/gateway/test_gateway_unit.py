@@ -1,15 +1,20 @@
 """Gateway pieces without processes: tool-call parsing, template diffs, canonical matching, bad requests."""
 
+import copy
 import json
 
 import pytest
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
-from services.gateway import toolparse
+from services.gateway import fields, toolparse
+from services.gateway import stops as gw_stops
 from services.gateway.app import make_app
-from services.gateway.chat import Renderer, canonical, template_messages
+from services.gateway.chat import Renderer, canonical, template_messages, with_system_hint
 from services.gateway.core import Gateway
+from services.gateway.errors import GatewayError
+from shared.protocol.episode.fold import Call
+from shared.protocol.streams import calls as calls_codec
 from shared.runtime import logs, secrets
 from shared.runtime.config.keys import Config
 from tests.support.chat_models import CALC_TOOL, calc_conversation, make_chat_model, tool_call_message
@@ -90,7 +95,11 @@ def _post(http, body, episode="g-0", raw=None):
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400, "top_p"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
-        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["two chars"]}, 400, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, 400, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["x" * 257]}, 400, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a<|im_end|>"]}, 400, "stop"),
+        ({"messages": [{"role": "user", "content": "hi"}], "seed": 1 << 64}, 400, "seed"),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "n"),
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
@@ -98,30 +107,45 @@ def _post(http, body, episode="g-0", raw=None):
         # over the 160-token context
         ({"messages": [{"role": "user", "content": "x" * 200}]}, 400, "messages"),
         # what would change the answer and cannot be honoured is refused, never dropped
-        (
-            {"messages": [{"role": "user", "content": "hi"}], "tools": [CALC_TOOL], "tool_choice": "required"},
-            400,
-            "tool_choice",
-        ),
-        (
-            {"messages": [{"role": "user", "content": "hi"}], "tools": [CALC_TOOL], "tool_choice": "none"},
-            400,
-            "tool_choice",
-        ),
+        # a tool call cannot be forced without tools, nor one the request does not offer
+        ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
         (
             {
                 "messages": [{"role": "user", "content": "hi"}],
-                "tool_choice": {"type": "function", "function": {"name": "calc"}},
+                "tools": [CALC_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "search"}},
             },
+            400,
+            "tool_choice.function.name",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [CALC_TOOL], "tool_choice": "any"},
             400,
             "tool_choice",
         ),
         (
-            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "grammar"}},
             400,
-            "response_format",
+            "response_format.type",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}},
+            400,
+            "response_format.json_schema",
         ),
         ({"messages": [{"role": "user", "content": "hi"}], "response_format": "json"}, 400, "response_format"),
+        ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -1}, 400, "frequency_penalty"),
+        ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 10}}, 400, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "x"}}, 400, "audio"),
+        ({"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}, 400, "modalities"),
+        ({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}, 400, "reasoning_effort"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"chunk_size": 3}},
+            400,
+            "stream_options.chunk_size",
+        ),
     ],
 )
 def test_bad_requests_name_the_field(http, client, keys, body, status, param):
@@ -158,17 +182,106 @@ def test_api_key_is_required_when_set(chat_dir, tok, client, keys):
 
 
 def test_what_changes_nothing_passes_tool_choice_auto_and_text_format(chat_dir, tok, client, keys):
-    """``auto``, ``none`` without tools and ``{'type': 'text'}`` are what the gateway does anyway: the call is made."""
+    """``auto``, ``none`` without tools, ``{'type': 'text'}``, platform bookkeeping (``user``, ``metadata``,
+    ``store``...) and no-op values of what the gateway refuses otherwise: the call is made, its sampling and
+    prompt as without them."""
     gw = Gateway(Config(run=keys.run, model_dir=chat_dir), client, tok, 160, ["chat"], logs.get("gateway-test"))
     start_agent_episode(client, keys, "g-1")
     extras = (
         {"tool_choice": "auto", "tools": [CALC_TOOL]},
         {"tool_choice": "none"},
         {"response_format": {"type": "text"}},
+        {"user": "u", "metadata": {"a": "b"}, "store": False, "service_tier": "auto", "prediction": {"x": 1}},
+        {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "top_logprobs": 0, "modalities": ["text"]},
+        {"stream_options": {"include_usage": True, "include_obfuscation": False}, "parallel_tool_calls": True},
     )
+    plain = None
     for k, extra in enumerate(extras):
-        prep = gw.prepare_chat("g-1", {"messages": [{"role": "user", "content": f"hi {k}"}], "max_tokens": 4, **extra})
+        prep = gw.prepare_chat("g-1", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra})
         assert prep.call == k and client.xlen(keys.calls) == k + 1
+        req = _request(client, keys, -1)
+        if "tools" not in extra:
+            plain = plain or req
+            assert (req.prompt_ids, req.sampling) == (plain.prompt_ids, plain.sampling)
+    assert set(fields.NOOP) & set(fields.REFUSED) == set()
+
+
+def _request(client, keys, at: int):
+    entry_id, data = client.xrange(keys.calls)[at]
+    return calls_codec.decode_request(entry_id, data)
+
+
+def test_tool_choice_response_format_stops_and_seed_shape_the_call(chat_dir, tok, client, keys):
+    """What each honoured field puts in the call the workers get: a forced tool call's opening as prompt tokens
+    (logged with the call), ``stop_kept`` for ``parallel_tool_calls: false``, the stop strings and seed in the
+    sampling (a special token's text as its id), the JSON hint in the prompt."""
+    gw = Gateway(Config(run=keys.run, model_dir=chat_dir), client, tok, 160, ["chat"], logs.get("gateway-test"))
+    start_agent_episode(client, keys, "g-2")
+    user = [{"role": "user", "content": "hi"}]
+    plain = gw.renderer.full(user, [CALC_TOOL])
+
+    def made(**extra):
+        gw.prepare_chat("g-2", {"messages": user, "tools": [CALC_TOOL], "max_tokens": 4, **extra})
+        req = _request(client, keys, -1)
+        return req, json.loads(req.messages)
+
+    req, logged = made(tool_choice="required")
+    opening = gw.renderer.tool_call_opening()
+    assert opening.startswith(toolparse.OPEN) and logged["prefill"] == opening
+    assert req.prompt_ids == plain + gw.renderer.encode(opening) and logged["tool_choice"] == "required"
+    req, logged = made(tool_choice={"type": "function", "function": {"name": "calc"}})
+    assert logged["prefill"].startswith(opening) and logged["prefill"].endswith('"arguments": ')
+    assert '"calc"' in logged["prefill"] and req.prompt_ids == plain + gw.renderer.encode(logged["prefill"])
+    req, logged = made(tool_choice="none")
+    assert req.prompt_ids == plain and logged["tool_choice"] == "none" and "prefill" not in logged
+    req, _ = made(parallel_tool_calls=False)
+    assert req.sampling["stop_kept"] == [toolparse.CLOSE] and req.prompt_ids == plain
+    req, _ = made(stop=["ab c", "<|im_end|>", "ab c"], seed=7)
+    assert req.sampling["stop"] == ["ab c"] and req.sampling["seed"] == 7
+    assert tok.convert_tokens_to_ids("<|im_end|>") in req.sampling["stop_token_ids"]
+    req, logged = made(
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
+    )
+    assert logged["messages"][0]["role"] == "system" and '{"type": "object"}' in logged["messages"][0]["content"]
+    assert tok.decode(req.prompt_ids).count("JSON schema") == 1
+    # a template that writes no <tool_call> blocks cannot be prefilled: refused, naming the field
+    other = copy.deepcopy(tok)
+    other.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    gw2 = Gateway(Config(run=keys.run, model_dir=chat_dir), client, other, 160, ["chat"], logs.get("gateway-test"))
+    with pytest.raises(GatewayError) as err:
+        gw2.prepare_chat("g-2", {"messages": user, "tools": [CALC_TOOL], "tool_choice": "required"})
+    assert err.value.param == "tool_choice" and "<tool_call>" in err.value.message
+
+
+def test_answers_are_cut_before_the_stop_string_and_parsed_after_the_prefill(chat_dir, tok):
+    """The answer from a call's log alone: cut before the client's stop string (a kept one stays), the logged
+    prefill before the completion, tool calls left unparsed under tool_choice none."""
+    r = Renderer(tok)
+    ids = tok.encode('{"e": "1"}}</tool_call> and more', add_special_tokens=False)
+    named = r.tool_call_opening("calc")
+    call = Call(0, -1, [1], [1], "d", {"stop": ["and"]}, json.dumps({"prefill": named}), tokens=ids, done=True)
+    call.stop_string = "and"
+    message, problems = r.answer(call)
+    assert not problems and message["tool_calls"][0]["function"] == {"name": "calc", "arguments": '{"e": "1"}'}
+    assert r.text(call) == '{"e": "1"}}</tool_call> '
+    kept = Call(0, -1, [1], [1], "d", {"stop_kept": ["and"]}, "", tokens=ids, done=True, stop_string="and")
+    assert r.text(kept) == tok.decode(ids)
+    none = Call(1, -1, [1], [1], "d", {}, json.dumps({"tool_choice": "none", "prefill": ""}), tokens=ids, done=True)
+    assert r.answer(none)[0] == {"role": "assistant", "content": tok.decode(ids)}
+
+
+def test_a_format_hint_joins_the_leading_system_message_or_comes_first():
+    user = {"role": "user", "content": "hi"}
+    assert with_system_hint([user], "H") == [{"role": "system", "content": "H"}, user]
+    assert with_system_hint([{"role": "system", "content": "S"}, user], "H")[0]["content"] == "S\n\nH"
+    parts = with_system_hint([{"role": "developer", "content": [{"type": "text", "text": "S"}]}, user], "H")
+    assert canonical(parts[0])["content"] == "S\n\nH" and parts[1] == user
+
+
+def test_stop_strings_hold_back_what_may_become_one():
+    assert gw_stops.safe_len("hello wor", ["world"]) == 6 and gw_stops.safe_len("hello world!", ["world"]) == 6
+    assert gw_stops.safe_len("abc", []) == 3 and gw_stops.safe_len("ab", ["abc", "b"]) == 1
+    assert gw_stops.cut("a STOP b STOP", "STOP") == "a " and gw_stops.cut("abc", None) == "abc"
 
 
 def test_an_agent_that_lost_the_gateway_is_told_from_one_that_failed_on_its_own():

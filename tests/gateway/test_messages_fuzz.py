@@ -164,9 +164,10 @@ def test_fuzzed_messages_requests_get_4xx_naming_the_field_never_5xx(http):
         ({"top_k": 5}, "top_k"),
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
         ({"tool_choice": {"type": "any"}}, "tool_choice"),
-        ({"tool_choice": {"type": "auto", "disable_parallel_tool_use": True}}, "tool_choice.disable_parallel_tool_use"),
+        ({"tool_choice": {"type": "tool"}}, "tool_choice.name"),
+        ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
-        ({"stop_sequences": ["no such single token"]}, "stop_sequences"),
+        ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences"),
         ({"messages": [{"role": "user", "content": [BLOCKS["image"]]}]}, "messages[0].content[0].type"),
         (
             {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [{"type": "thinking"}]}]},

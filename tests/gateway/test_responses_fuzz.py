@@ -169,7 +169,7 @@ def test_fuzzed_responses_requests_get_4xx_naming_the_field_never_5xx(http):
         ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
         ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
         ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format"),
-        ({"input": "hi", "parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"input": "hi", "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
         ({"input": "hi", "previous_response_id": "resp_0_0000000000000000"}, "previous_response_id"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "hi", "temperature": True}, "temperature"),

@@ -77,6 +77,17 @@ def test_linear_chain_is_one_sequence_with_bridges_masked_and_versions_per_token
     assert ep.prompt_ids + ep.tokens == ep.calls[1].prompt_ids + ep.calls[1].tokens
 
 
+def test_the_stop_string_that_ended_a_call_is_kept_and_older_streams_have_none():
+    ended = Event("call_done", 0, "w", 3, {"call": 0, "reason": "stop", "num_tokens": 2, "stop": "ab"})
+    ep = fold(raw([agent_started(), call(1, 0, -1, [1, 2]), toks(2, 0, [10, 11]), ended]))
+    assert ep.calls[0].stop_string == "ab" and ep.calls[0].reason == "stop"
+    ep = fold(raw([agent_started(), call(1, 0, -1, [1, 2]), toks(2, 0, [10, 11]), done(3, 0, 2)]))
+    assert ep.calls[0].stop_string is None
+    bad = Event("call_done", 0, "w", 3, {"call": 0, "reason": "stop", "num_tokens": 2, "stop": 5})
+    with pytest.raises(EventError, match=r"data\.stop"):
+        fold(raw([agent_started(), call(1, 0, -1, [1, 2]), toks(2, 0, [10, 11]), bad]))
+
+
 def test_a_fork_trains_each_chain_as_its_own_row_with_the_episode_reward():
     evs = [
         agent_started(),

@@ -162,6 +162,18 @@ def test_a_prompt_or_call_with_bad_temperature_is_an_error_naming_the_field(bad)
         )
 
 
+@pytest.mark.parametrize("key", ["stop", "stop_kept"])
+@pytest.mark.parametrize("bad", ["abc", [""], ["x" * 257], ["a", "b", "c", "d", "e"], [1], None])
+def test_a_call_with_bad_stop_strings_is_an_error_naming_the_field(key, bad):
+    def request(value) -> dict:
+        data = {"digest": "d", "extends": -1, "prompt_ids": [1], "sampling": {"max_tokens": 4, key: value}}
+        return {"episode_id": "e-0", "call": "0", "v": "1", "data": msgpack.packb(data)}
+
+    with pytest.raises(EventError, match=rf"data\.sampling\.{key}"):
+        calls.decode_request("1-1", request(bad))
+    assert calls.decode_request("1-2", request(["</tool_call>", "x" * 256])).sampling[key][1] == "x" * 256
+
+
 def test_an_episode_with_a_nan_reward_does_not_fold():
     ev = events.Event(
         "started",

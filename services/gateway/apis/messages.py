@@ -17,7 +17,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from services.gateway import toolparse
+from services.gateway import stops, toolparse
 from services.gateway.apis import messages_request
 from services.gateway.asks import Ask
 from services.gateway.core import Gateway
@@ -59,8 +59,10 @@ def error_response(exc: GatewayError) -> JSONResponse:
 class Answer:
     """A Messages request's call and what its answer needs: the model named, the stop sequences asked for."""
 
-    def __init__(self, gw: Gateway, episode_id: str, chat: messages_request.Chat, call: int):
+    def __init__(self, gw: Gateway, episode_id: str, chat: messages_request.Chat, call: int, prefill: str = ""):
         self.gw, self.episode_id, self.chat, self.call = gw, episode_id, chat, call
+        # a forced tool call's opening: the streamed text starts with it
+        self.prefill = prefill
         self.id = f"msg_{episode_id}_{call}"
 
     def _stop_sequence(self, call) -> str | None:
@@ -151,7 +153,9 @@ class Answer:
                         yield start(len(opened.prompt_ids) if opened else 0)
                         started = True
                     text = gw.tok.decode(value, skip_special_tokens=True)
-                    # short of a tool call's opening, and of a character whose bytes are still arriving
+                    # short of a stop sequence (never shown), of a tool call's opening, and of a character whose
+                    # bytes are still arriving
+                    text = self.prefill + text[: stops.safe_len(text, self.chat.stops)]
                     upto = min(toolparse.safe_prefix_len(text), len(text.rstrip("\ufffd")))
                     if upto > len(sent) and text.startswith(sent):
                         if not text_open:
@@ -219,8 +223,12 @@ def prepare(gw: Gateway, episode_id: str, body, headers) -> Answer:
         max_tokens=("max_tokens", chat.max_tokens),
         stop=("stop_sequences", chat.stops),
     )
-    calls = gw.chat_calls(episode_id, chat.messages, chat.tools, sampling, Ask.of(headers))
-    return Answer(gw, episode_id, chat, calls[0])
+    choice = gw.tool_choice(chat.tool_choice, chat.tools, "tool_choice")
+    if chat.one_tool_call and chat.tools and choice != "none":
+        # one tool call at most: the call ends at the first call's closing tag, kept in the answer's parse
+        sampling = {**sampling, "stop_kept": [toolparse.CLOSE]}
+    calls = gw.chat_calls(episode_id, chat.messages, chat.tools, sampling, Ask.of(headers), 1, choice)
+    return Answer(gw, episode_id, chat, calls[0], gw.prefill(choice))
 
 
 def mount(app: FastAPI, gw: Gateway) -> None:

@@ -116,6 +116,9 @@ class Chat:
     temperature: float | None
     top_p: float | None
     stops: list[str]
+    # chat's tool_choice ("none", "required", a named function; None: auto) and whether one tool call at most
+    tool_choice: Any = None
+    one_tool_call: bool = False
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> GatewayError:
@@ -218,26 +221,25 @@ def _tools(tools: list[dict]) -> list[dict]:
     return out
 
 
-def _tool_choice(choice: dict | None, tools: list | None) -> None:
-    """The chat path's rule (core.Gateway._honoured): the policy samples freely and its tool calls are parsed from
-    its text, so only what changes nothing passes: ``auto``, or ``none`` with no tools."""
+def _tool_choice(choice: dict | None) -> tuple[Any, bool]:
+    """Anthropic's ``tool_choice`` as chat's (``auto``: None, ``any``: "required", ``tool``: a named function,
+    ``none``) and whether ``disable_parallel_tool_use`` asks for one tool call at most; the gateway honours chat's
+    (``Gateway.tool_choice``: a forced call is prefilled, none answers text only)."""
     if choice is None:
-        return
+        return None, False
     parsed = _at("tool_choice", choice, ToolChoice)
-    if parsed.disable_parallel_tool_use:
-        raise _bad(
-            "tool_choice.disable_parallel_tool_use",
-            "cannot be honoured (the model decides how many tools it calls)",
-            "unsupported_value",
-        )
-    if parsed.type == "auto" or (parsed.type == "none" and not tools):
-        return
-    raise _bad(
-        "tool_choice",
-        f"only {{'type': 'auto'}} can be honoured (the model decides whether to call a tool; nothing forces or "
-        f"forbids one), got {json.dumps(choice)[:80]}",
-        "unsupported_value",
-    )
+    one = bool(parsed.disable_parallel_tool_use)
+    if parsed.type == "auto":
+        return None, one
+    if parsed.type == "none":
+        return "none", one
+    if parsed.type == "any":
+        return "required", one
+    if parsed.type == "tool":
+        if not isinstance(parsed.name, str):
+            raise _bad("tool_choice.name", "expected the name of one of the request's tools")
+        return {"type": "function", "function": {"name": parsed.name}}, one
+    raise _bad("tool_choice.type", f"expected 'auto', 'any', 'tool' or 'none', got {json.dumps(parsed.type)[:40]}")
 
 
 def read(body: Any, top_k: int) -> Chat:
@@ -275,7 +277,7 @@ def read(body: Any, top_k: int) -> Chat:
             "answers in a new assistant turn)",
         )
     tools = _tools(req.tools) if req.tools else None
-    _tool_choice(req.tool_choice, tools)
+    choice, one = _tool_choice(req.tool_choice)
     return Chat(
         messages,
         tools,
@@ -285,4 +287,6 @@ def read(body: Any, top_k: int) -> Chat:
         req.temperature,
         req.top_p,
         list(req.stop_sequences or []),
+        choice,
+        one,
     )

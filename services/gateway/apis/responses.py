@@ -241,12 +241,6 @@ def refuse_unservable(req: Responses, body: dict) -> None:
             )
         if req.text.verbosity is not None:
             raise _bad("text.verbosity", "verbosity cannot be honoured", "unsupported_value")
-    if req.parallel_tool_calls is False:
-        raise _bad(
-            "parallel_tool_calls",
-            "false cannot be honoured (the model may write several tool calls; nothing limits it to one)",
-            "unsupported_value",
-        )
 
 
 @dataclass
@@ -257,6 +251,8 @@ class Prepared:
     stream: bool
     # what the response echoes of its request
     echo: dict
+    # a forced tool call's opening, which the streamed text starts with (Gateway.tool_choice)
+    prefill: str = ""
 
 
 class ResponsesApi:
@@ -272,9 +268,12 @@ class ResponsesApi:
         if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
             # Responses' {"type": "function", "name"} is chat's {"type": "function", "function": {"name"}}
             choice = {"type": "function", "function": {"name": choice.get("name")}}
-        self.gw._honoured(
-            schema.Chat.model_construct(messages=[], tools=tools, tool_choice=choice, response_format=None)
-        )
+            if choice["function"]["name"] not in [t["function"]["name"] for t in tools or []]:
+                raise _bad(
+                    "tool_choice.name",
+                    f"{json.dumps(choice['function']['name'])[:60]} is not one of the request's function tools",
+                )
+        choice = self.gw.tool_choice(choice, tools)
         sampling = self.gw.sampling(
             model=req.model,
             temperature=req.temperature,
@@ -291,7 +290,10 @@ class ResponsesApi:
             ) + given
         if not messages:
             raise _bad("input", "expected at least one input item")
-        [index] = self.gw.chat_calls(episode_id, messages, tools, sampling, Ask.of(headers))
+        if req.parallel_tool_calls is False and tools and choice != "none":
+            # one tool call at most: the call ends at the first call's closing tag, kept in the answer's parse
+            sampling = {**sampling, "stop_kept": [toolparse.CLOSE]}
+        [index] = self.gw.chat_calls(episode_id, messages, tools, sampling, Ask.of(headers), 1, choice)
         echo = {
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
@@ -307,7 +309,9 @@ class ResponsesApi:
             "truncation": "disabled",
             "user": req.user,
         }
-        return Prepared(episode_id, index, req.model or self.gw.model_names[0], bool(req.stream), echo)
+        return Prepared(
+            episode_id, index, req.model or self.gw.model_names[0], bool(req.stream), echo, self.gw.prefill(choice)
+        )
 
     def _continued(self, episode_id: str, previous: str, instructions: str | None) -> list[dict]:
         """The conversation up to and including the answer of the response ``previous`` names, from the log.
@@ -443,7 +447,7 @@ class ResponsesApi:
                     # keeps proxies and clients from timing out during a sync
                     yield ": still generating\n\n"
                 elif kind == "tokens":
-                    text = self.gw.tok.decode(value, skip_special_tokens=True)
+                    text = prep.prefill + self.gw.tok.decode(value, skip_special_tokens=True)
                     upto = toolparse.safe_prefix_len(text)
                     if upto > len(sent):
                         if not opened:

@@ -10,6 +10,12 @@ answers the agent. A weight sync aborts the calls like every other request
 logged so far, with the budget left (``max_tokens`` - logged). A call whose
 worker died is claimed by another worker (pending entries idle for a
 heartbeat TTL whose owner's heartbeat key is gone) and continues the same way.
+
+Stop strings (the call's sampling ``stop`` and ``stop_kept``) are matched here,
+on the decoded completion, for every engine alike (``engine.stops``): the
+tokens logged end at the token that completes one, the engine request is
+aborted, and ``call_done`` names the string. A resumed call matches over its
+logged prefix + the new tokens, so a string straddling the abort still stops it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import redis
 
 from services.rollout.calls.call_log import CallLog
 from services.rollout.engine import Chunk, EngineError, SamplingParams
+from services.rollout.engine.stops import first_stop
 from services.rollout.episodes.live import stable_seed
 from shared.protocol.episode.errors import EventError
 from shared.protocol.episode.fold import fold
@@ -54,6 +61,10 @@ class LiveCall:
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.tokens)
 
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return self.params.stop + self.params.stop_kept
+
 
 # claims follow the wake read; this only bounds the wait for a call it could not see
 CLAIM_RECHECK_S = 1.0
@@ -64,6 +75,7 @@ class CallServer:
         self.cfg, self.client, self.worker_id, self.engine = cfg, client, worker_id, engine
         # token ids at or above it would crash the engine
         self.vocab = len(tokenizer)
+        self.tok = tokenizer
         self.log = log.bind(part="calls")
         self.keys = Keys(cfg.run)
         self.events = CallLog(client, self.keys, worker_id, cfg.flush_tokens, cfg.flush_ms)
@@ -152,6 +164,8 @@ class CallServer:
             max_tokens=int(s["max_tokens"]),
             stop_token_ids=tuple(int(t) for t in s.get("stop_token_ids", self.stop_token_ids)),
             seed=int(s.get("seed", call_seed(req.episode_id, req.call, req.digest))),
+            stop=tuple(s.get("stop", ())),
+            stop_kept=tuple(s.get("stop_kept", ())),
         )
         live = LiveCall(req, params)
         if live.request_id in self.live:
@@ -203,6 +217,10 @@ class CallServer:
             live.paused = True
             return
         context = live.req.prompt_ids + live.tokens
+        # logged up to a stop string's last token by a worker that died before its call_done
+        hit = self._stop_at(live, live.tokens, len(live.tokens) - 1)
+        if hit is not None:
+            return self._done(live, "stop", hit[1])
         if live.remaining <= 0 or len(context) >= self.engine.max_model_len:
             return self._done(live, "length")
         try:
@@ -217,26 +235,47 @@ class CallServer:
             self.log.error("call refused by the engine", call=live.request_id, error=str(exc))
             return self._done(live, "length")
 
+    def _decode(self, ids: list[int]) -> str:
+        # the text the answer is made of (the gateway decodes the same way)
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def _stop_at(self, live: LiveCall, ids: list[int], start: int) -> tuple[int, str] | None:
+        return first_stop(self._decode, ids, start, live.stops) if live.stops and ids else None
+
     def on_chunk(self, chunk: Chunk) -> None:
         live = self.live.get(chunk.request_id)
         if live is None:
             return
-        if chunk.token_ids:
-            self.events.append_tokens(
-                live.req.episode_id, chunk.token_ids, chunk.logprobs, chunk.version, call=live.req.call
-            )
-            live.tokens += chunk.token_ids
-            self.stats["call_tokens"] += len(chunk.token_ids)
+        ids, logprobs = chunk.token_ids, chunk.logprobs
+        # the whole completion (logged prefix + new): a stop string may straddle an abort
+        hit = self._stop_at(live, live.tokens + ids, len(live.tokens)) if live.stops and ids else None
+        if hit is not None:
+            # nothing after the token that completes the string is logged
+            keep = hit[0] + 1 - len(live.tokens)
+            ids, logprobs = ids[:keep], logprobs[:keep]
+        if ids:
+            self.events.append_tokens(live.req.episode_id, ids, logprobs, chunk.version, call=live.req.call)
+            live.tokens += ids
+            self.stats["call_tokens"] += len(ids)
+        if hit is not None:
+            if chunk.finish_reason is None:
+                self.engine.abort(chunk.request_id)
+            return self._done(live, "stop", hit[1])
         if chunk.finish_reason is not None and chunk.finish_reason != "abort":
             reason = "stop" if chunk.finish_reason == "stop" else "length"
             self._done(live, reason)
 
-    def _done(self, live: LiveCall, reason: str) -> None:
+    def _done(self, live: LiveCall, reason: str, stop: str | None = None) -> None:
         eid = live.req.episode_id
         self.events.append(
             eid,
             "call_done",
-            {"call": live.req.call, "reason": reason, "num_tokens": len(live.tokens)},
+            {
+                "call": live.req.call,
+                "reason": reason,
+                "num_tokens": len(live.tokens),
+                **({"stop": stop} if stop is not None else {}),
+            },
             self.engine.version,
         )
         errors = self.events.flush([eid])

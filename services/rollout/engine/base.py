@@ -31,9 +31,13 @@ class SamplingParams:
     max_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    # stop strings, matched on the decoded text by the caller (``stops.first_stop``; the calls server), not by
+    # the engines, which stop on token ids only: "stop" ones are cut from the answer, "stop_kept" ones stay
+    stop: tuple[str, ...] = ()
+    stop_kept: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -41,6 +45,12 @@ class SamplingParams:
             "stop_token_ids": list(self.stop_token_ids),
             "seed": self.seed,
         }
+        # absent when unused: the logged sampling of a call without stop strings is as it always was
+        if self.stop:
+            out["stop"] = list(self.stop)
+        if self.stop_kept:
+            out["stop_kept"] = list(self.stop_kept)
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
@@ -51,6 +61,8 @@ class SamplingParams:
             max_tokens=int(d.get("max_tokens", 64)),
             stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())),
             seed=int(d.get("seed", 0)),
+            stop=tuple(str(x) for x in d.get("stop", ())),
+            stop_kept=tuple(str(x) for x in d.get("stop_kept", ())),
         )
 
 

@@ -127,13 +127,31 @@ KINDS: dict[str, dict[str, tuple[str, bool, str]]] = {
             "digest of the request (messages, tools, sampling): a retry with the same digest is "
             "answered from this call",
         ),
-        "sampling": ("map", True, "temperature, top_p, top_k, max_tokens (budget of this call), stop_token_ids, seed"),
-        "messages": ("str", False, "the request's messages and tools as JSON text (for replay)"),
+        "sampling": (
+            "map",
+            True,
+            "temperature, top_p, top_k, max_tokens (budget of this call), stop_token_ids, seed; stop and "
+            "stop_kept (optional: stop strings matched on the decoded completion; the answer is cut before a "
+            "'stop' one, a 'stop_kept' one stays in it)",
+        ),
+        "messages": (
+            "str",
+            False,
+            "the request's messages and tools as JSON text (for replay); with 'tool_choice' when it is not "
+            "'auto' and 'prefill', the text put after the generation prompt (a forced tool call's opening), "
+            "which the answer is parsed with",
+        ),
     },
     "call_done": {
         "call": ("int", True, "v2: the call that is complete"),
-        "reason": ("str", True, "'stop' (stop token), 'length' (budget or context spent)"),
+        "reason": ("str", True, "'stop' (stop token or stop string), 'length' (budget or context spent)"),
         "num_tokens": ("int", True, "completion tokens of the call"),
+        "stop": (
+            "str",
+            False,
+            "the stop string (of the call's sampling stop or stop_kept) whose decoded text the last token "
+            "completed; absent: no stop string ended the call",
+        ),
     },
     "tool_call": {
         "call_id": ("str", True, "id unique within the episode, pairs the call with its result"),

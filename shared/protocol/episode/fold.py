@@ -110,6 +110,8 @@ class Call:
     resumes: list[dict] = field(default_factory=list)
     done: bool = False
     reason: str | None = None
+    # the stop string that ended it (call_done's "stop"; None: a stop token, the budget, or an older stream)
+    stop_string: str | None = None
     # of its 'call' event
     seq: int = -1
     # the last worker that wrote for it
@@ -231,7 +233,7 @@ def _apply_call_event(ep: Episode, ev: Event) -> None:
                 "data.num_tokens",
                 f"call {call.index} done at {d['num_tokens']} tokens but the stream holds {len(call.tokens)}",
             )
-        call.done, call.reason = True, d["reason"]
+        call.done, call.reason, call.stop_string = True, d["reason"], d.get("stop")
 
 
 def _chain(ep: Episode, last: "Call") -> list["Call"]:

@@ -11,6 +11,8 @@ import zlib
 from shared.protocol.episode.errors import EventError
 
 MAX_TOKENS = 1 << 20
+# stop strings of one call: how many, and how long each may be (characters)
+MAX_STOPS, MAX_STOP_CHARS = 4, 256
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
@@ -33,6 +35,14 @@ def _int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _stops(value) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_STOPS
+        and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in value)
+    )
+
+
 # key -> (check, what is expected)
 RULES = {
     "temperature": (lambda v: _number(v) and 0 <= v <= 100, "a finite number >= 0 and <= 100"),
@@ -44,6 +54,11 @@ RULES = {
         lambda v: isinstance(v, list) and len(v) <= 1024 and all(_int(t) and 0 <= t < 1 << 31 for t in v),
         "a list of non-negative integers",
     ),
+    # matched on the decoded completion (the rollout worker's calls server): the call ends at the token that
+    # completes one; "stop" strings are cut from the answer's text (OpenAI's), "stop_kept" ones stay in it (the
+    # gateway's own, e.g. "</tool_call>" for parallel_tool_calls=false)
+    "stop": (_stops, f"a list of at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters"),
+    "stop_kept": (_stops, f"a list of at most {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters"),
 }
 
 

@@ -206,3 +206,38 @@ def test_a_gateway_killed_under_a_streamed_messages_call_reruns_the_agent_and_th
     finally:
         stop(agents)
         stop(gateway)
+
+
+def test_a_named_tool_choice_is_prefilled_and_a_multi_token_stop_sequence_ends_the_answer(stack):
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    start_agent_episode(client, keys, "msg-choice-0", TASK)
+    api = messages_api(gw.base_url("msg-choice-0"))
+    ask = [{"role": "user", "content": "2+3?"}]
+    forced = api.messages.create(
+        model="policy",
+        max_tokens=96,
+        messages=ask,
+        tools=[ANTHROPIC_CALC_TOOL],
+        tool_choice={"type": "tool", "name": "calc"},
+        extra_body={"temperature": 0},
+    )
+    assert forced.stop_reason == "tool_use" and [b.name for b in forced.content if b.type == "tool_use"] == ["calc"]
+    call = episode(client, keys, "msg-choice-0").calls[0]
+    # the forced opening is prompt-side: logged as the call's prompt, never sampled
+    tok = AutoTokenizer.from_pretrained(stack["dir"])
+    assert tok.decode(call.prompt_ids).endswith('"name": "calc", "arguments": ')
+    assert '"name"' not in tok.decode(call.tokens)
+    # a stop sequence of several tokens: the call ends at the token completing it, the text is cut before it
+    cut = api.messages.create(
+        model="policy",
+        max_tokens=96,
+        messages=ask,
+        tools=[ANTHROPIC_CALC_TOOL],
+        stop_sequences=['"calc"'],
+        extra_body={"temperature": 0},
+    )
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == '"calc"'
+    text = "".join(b.text for b in cut.content if b.type == "text")
+    call = episode(client, keys, "msg-choice-0").calls[1]
+    full = tok.decode(call.tokens, skip_special_tokens=True)
+    assert full.endswith('"calc"') and text == full[: -len('"calc"')]

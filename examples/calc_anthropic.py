@@ -24,11 +24,16 @@ def anthropic_client(client) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=base, api_key=client.api_key)
 
 
-def agent(client, task: dict) -> dict:
+def agent(client, task: dict, stream: bool = False) -> dict:
     api = anthropic_client(client)
     messages = [{"role": "user", "content": task["prompt"]}]
     for _ in range(4):
-        reply = api.messages.create(model="policy", max_tokens=96, messages=messages, tools=TOOLS)
+        ask = dict(model="policy", max_tokens=96, messages=messages, tools=TOOLS)
+        if stream:
+            with api.messages.stream(**ask) as events:
+                reply = events.get_final_message()
+        else:
+            reply = api.messages.create(**ask)
         messages.append({"role": "assistant", "content": reply.content})
         if reply.stop_reason != "tool_use":
             break
@@ -41,3 +46,9 @@ def agent(client, task: dict) -> dict:
     text = "".join(block.text for block in reply.content if block.type == "text")
     numbers = re.findall(r"-?\d+", text)
     return {"reward": float(bool(numbers) and numbers[-1] == str(task["answer"])), "details": {"turns": len(messages)}}
+
+
+def stream_agent(client, task: dict) -> dict:
+    """`agent` with every call streamed (``messages.stream``). Train it:
+    `streamrl run --agent examples.calc_anthropic:stream_agent`."""
+    return agent(client, task, stream=True)

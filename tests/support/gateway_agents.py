@@ -74,7 +74,7 @@ def streamed_calc_agent(client, task: dict) -> dict:
 
 def wrong_api_agent(client, task: dict) -> float:
     """Written against an API the gateway does not serve: every episode fails with the gateway's 404."""
-    client.post("/nonexistent", body={"model": "policy", "input": task["question"]}, cast_to=object)
+    client.post("/nonexistent", body={"model": "policy", "input": str(task)}, cast_to=object)
     return 1.0
 
 

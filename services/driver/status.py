@@ -72,13 +72,13 @@ def weights_wire(published: list[dict], rollout: list[dict]) -> dict:
 
 def agent_failures(client, keys: Keys, scan: int = 2000) -> dict | None:
     """Agent runs: episodes ended so far (``agents:ended``: finished, failed) and, among the ``agent`` records in the
-    newest ``scan`` metrics entries, how many failed and their most common error (its first 80 characters); None
+    newest ``scan`` metrics entries, how many failed and their most common error (``short_error``); None
     when no agent episode has ended."""
     ended = {codec.text(k): int(v) for k, v in client.hgetall(keys.agents_ended).items()}
     if not ended:
         return None
     recent = [r for _, r in metrics.read(client, keys, "agent", newest_first=True, count=scan)]
-    errors = Counter(r["error"][:80] for r in recent if r.get("status") == "failed" and r.get("error"))
+    errors = Counter(short_error(r["error"]) for r in recent if r.get("status") == "failed" and r.get("error"))
     top, count = errors.most_common(1)[0] if errors else ("", 0)
     return {
         "finished": ended.get("finished", 0),
@@ -90,8 +90,16 @@ def agent_failures(client, keys: Keys, scan: int = 2000) -> dict | None:
     }
 
 
+def short_error(error: str, width: int = 80) -> str:
+    """An episode's error on one line, its first ``width`` characters, without the runner's ``agent <spec> raised``
+    (the same on every line of a run)."""
+    if error.startswith("agent ") and " raised " in error:
+        error = error.split(" raised ", 1)[1]
+    return " ".join(error.split())[:width]
+
+
 def failures_words(a: dict | None) -> str:
-    """``failed 812/812 episodes (recent 500 of 500: 500x agent x raised NotFoundError: ...)`` (pure); '' when no
+    """``failed 812/812 episodes (recent 500 of 500, most: 500x NotFoundError: ...)`` (pure); '' when no
     agent episode failed."""
     if not a or not a["failed"]:
         return ""

@@ -167,6 +167,8 @@ def test_an_agent_run_that_cannot_train_stops_with_its_error_in_one_line_and_exi
     line = lines[0]
     assert "the first 3 groups" in line and "NotFoundError" in line and "/v1/nonexistent" in line, line
     # the progress line counted the failures and showed the error
-    assert re.search(r"failed (\d+)/\1 episodes \(recent \d+ of \d+, most: \d+x agent tests", text), text[-3000:]
+    assert re.search(
+        r"failed (\d+)/\1 episodes \(recent \d+ of \d+, most: \d+x NotFoundError: Error code: 404", text
+    ), text[-3000:]
     # the driver was not started again
     assert text.count("driver: run 'kept' started") == 1, text[-3000:]

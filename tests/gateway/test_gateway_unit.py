@@ -234,3 +234,29 @@ def test_an_unknown_path_is_a_json_404_naming_it_and_what_is_served(http):
     oai = openai.OpenAI(base_url="http://testserver/ep/g-0/v1", api_key="x", http_client=http, max_retries=0)
     with pytest.raises(openai.NotFoundError, match="no such API"):
         oai.post("/nonexistent", body={}, cast_to=object)
+
+
+def test_the_gateways_stopping_answer_and_errors_inside_exception_groups_are_told():
+    """A framework's task group wraps the SDK's connection error in an ExceptionGroup: still the gateway's. The
+    gateway's 503 ``gateway_stopping`` is the run's end (the runner cuts the episode short), another 503 is not."""
+    import httpx
+    import openai
+
+    from services.gateway.runner import gateway_stopping, lost_gateway
+
+    request = httpx.Request("POST", "http://127.0.0.1:1/ep/e/v1/chat/completions")
+    grouped = ExceptionGroup("task group", [ValueError("other"), openai.APIConnectionError(request=request)])
+    assert lost_gateway(grouped) and not lost_gateway(ExceptionGroup("task group", [ValueError("mine")]))
+
+    def answer(body: dict) -> openai.APIStatusError:
+        return openai.APIStatusError("x", response=httpx.Response(503, json=body, request=request), body=body)
+
+    stopping = answer({"error": {"message": "the gateway is stopping", "code": "gateway_stopping"}})
+    try:
+        try:
+            raise stopping
+        except openai.APIStatusError as exc:
+            raise RuntimeError("the framework's own error") from exc
+    except RuntimeError as wrapped:
+        assert gateway_stopping(wrapped)
+    assert not gateway_stopping(answer({"error": {"message": "busy", "code": "overloaded"}}))

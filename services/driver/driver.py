@@ -14,6 +14,7 @@ import signal
 import time
 
 from services.driver import agents, heads, tasks
+from services.driver.failfast import CANNOT_TRAIN, FailFast
 from services.driver.status import alive_services, format_line, snapshot
 from services.driver.validation import Validator, split
 from shared.protocol.archive import segments
@@ -197,6 +198,9 @@ class Driver:
         t0 = time.monotonic() - max(0.0, time.time() - float(os.environ.get(SINCE_ENV, time.time())))
         depth = queue_depth(self.cfg, alive_services(self.client, self.keys).get("rollout", 1))
         next_print = 0.0
+        fail_fast = FailFast(
+            self.client, self.keys, self.cfg.fail_fast_groups if self.cfg.agent else 0, self.cfg.group_size
+        )
         wake = {self.keys.samples: "$", self.keys.val_samples: "$", self.keys.versions: "$"}
         for stream in wake:
             last = self.client.xrevrange(stream, count=1)
@@ -210,6 +214,10 @@ class Driver:
                 print(self.progress_line(t0), flush=True)
                 next_print = now + 2.0
             version = latest_version(self.client, self.keys)
+            if why := fail_fast.poll(version):
+                print(self.progress_line(t0), flush=True)
+                print(why, flush=True)
+                return CANNOT_TRAIN
             self.validator.maybe_request(version)
             for r in self.validator.poll():
                 k = self.cfg.val_k

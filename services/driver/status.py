@@ -8,10 +8,11 @@ timestamps), so any process, started at any time, shows the same view.
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from shared.protocol.archive import tiers
 from shared.protocol.keys import Keys
-from shared.protocol.streams import metrics, samples, versions
+from shared.protocol.streams import codec, metrics, samples, versions
 
 _last = metrics.last
 
@@ -69,6 +70,45 @@ def weights_wire(published: list[dict], rollout: list[dict]) -> dict:
     return out
 
 
+def agent_failures(client, keys: Keys, scan: int = 2000) -> dict | None:
+    """Agent runs: episodes ended so far (``agents:ended``: finished, failed) and, among the ``agent`` records in the
+    newest ``scan`` metrics entries, how many failed and their most common error (``short_error``); None
+    when no agent episode has ended."""
+    ended = {codec.text(k): int(v) for k, v in client.hgetall(keys.agents_ended).items()}
+    if not ended:
+        return None
+    recent = [r for _, r in metrics.read(client, keys, "agent", newest_first=True, count=scan)]
+    errors = Counter(short_error(r["error"]) for r in recent if r.get("status") == "failed" and r.get("error"))
+    top, count = errors.most_common(1)[0] if errors else ("", 0)
+    return {
+        "finished": ended.get("finished", 0),
+        "failed": ended.get("failed", 0),
+        "recent": len(recent),
+        "recent_failed": sum(r.get("status") == "failed" for r in recent),
+        "top_error": top,
+        "top_count": count,
+    }
+
+
+def short_error(error: str, width: int = 80) -> str:
+    """An episode's error on one line, its first ``width`` characters, without the runner's ``agent <spec> raised``
+    (the same on every line of a run)."""
+    if error.startswith("agent ") and " raised " in error:
+        error = error.split(" raised ", 1)[1]
+    return " ".join(error.split())[:width]
+
+
+def failures_words(a: dict | None) -> str:
+    """``failed 812/812 episodes (recent 500 of 500, most: 500x NotFoundError: ...)`` (pure); '' when no
+    agent episode failed."""
+    if not a or not a["failed"]:
+        return ""
+    words = f"failed {a['failed']}/{a['failed'] + a['finished']} episodes"
+    if a["top_error"]:
+        words += f" (recent {a['recent_failed']} of {a['recent']}, most: {a['top_count']}x {a['top_error']})"
+    return words
+
+
 def snapshot(client, keys: Keys, run_path=None) -> dict:
     """The numbers of the view; ``run_path`` (the run's folder): where its segments are, if on this machine."""
     published = [r for _, r in metrics.read(client, keys, "publish", newest_first=True, count=2000)]
@@ -82,6 +122,7 @@ def snapshot(client, keys: Keys, run_path=None) -> dict:
         "samples_per_s": samples_per_s(client, keys),
         "alive": alive_services(client, keys),
         "dead_letters": client.xlen(keys.dead_letters),
+        "agents": agent_failures(client, keys),
         "weights": weights_wire(published[::-1], rollout[::-1]),
         "tiers": tiers.sizes(client, run_path),
         # one every snapshot_every_versions: further back than the other kinds' newest (a few records a version)
@@ -117,6 +158,7 @@ def format_line(s: dict) -> str:
         parts.append(f"val@v{val['version']} {val['reward_mean']:.3f} (greedy {val['reward_greedy']:.3f})")
     parts += [
         f"samples/s {s['samples_per_s']:5.1f}",
+        *filter(None, [failures_words(s.get("agents"))]),
         f"staleness max {m.get('staleness_max', 0)}",
         f"dropped {m.get('stale_dropped', 0)}",
     ]

@@ -181,6 +181,9 @@ class MainWorker(SimpleWorker):
     others: list = []
 
     def request_stop(self, signum, frame):
+        # an agent whose call breaks from now on was cut by the run's end, not failed (runner.STOPPING)
+        runner.STOPPING.set()
+
         def cut_short() -> None:
             running = [w.get_current_job_id() for w in [self, *self.others]]
             running = [j for j in running if j]

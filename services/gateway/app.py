@@ -14,6 +14,10 @@ The episode is named in the base URL, so a stock client needs only
     GET  /ep/<episode>/v1/models, /v1/models
     GET  /healthz
 
+Any other path gets a JSON 404 naming it (under ``/ep/<episode>/``: with the APIs served, ``SERVED``), and a
+served path asked with another method a 405, so an agent written against an API the gateway does not serve
+fails at once with a message that says so.
+
 Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``
 with a 4xx naming the field; a call held longer than ``gateway_timeout`` is
 answered 503 with ``x-should-retry: true`` (the SDK retries it, and the retry
@@ -36,6 +40,44 @@ from services.gateway.core import Gateway, Prepared
 from services.gateway.errors import GatewayError
 from services.gateway.limits import MAX_BODY, read_body
 from shared.runtime import secrets
+
+# every API under /ep/<episode>: (method, path under the episode's base URL); the one list the routes, the 404's
+# message and the docs agree on (/v1/responses and /v1/messages: services/gateway/apis/)
+SERVED = (
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("GET", "/v1/models"),
+    ("POST", "/v1/responses"),
+    ("POST", "/v1/messages"),
+)
+ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+def unknown_path(method: str, path: str) -> GatewayError:
+    """The 404 (or 405: a served path, another method) for a request no route answers, naming what was asked and
+    what is served."""
+    parts = path.split("/", 3)
+    served = ", ".join(f"{m} {p}" for m, p in SERVED)
+    if len(parts) > 2 and parts[1] == "ep" and parts[2]:
+        rest = "/" + (parts[3] if len(parts) > 3 else "")
+        methods = [m for m, p in SERVED if p == rest.rstrip("/")]
+        if methods and method not in methods:
+            return GatewayError(
+                405, f"{method} {path[:200]}: {rest} is served as {' or '.join(methods)}", None, "method_not_allowed"
+            )
+        return GatewayError(
+            404,
+            f"{method} {path[:200]}: no such API on this gateway; it serves, under /ep/<episode>: {served}",
+            None,
+            "unknown_url",
+        )
+    return GatewayError(
+        404,
+        f"{method} {path[:200]}: no such path; agents call /ep/<episode>/v1/... ({served}); also GET /v1/models, "
+        f"GET /healthz",
+        None,
+        "unknown_url",
+    )
 
 
 def _error(exc: GatewayError) -> JSONResponse:
@@ -258,5 +300,10 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
         except GatewayError as exc:
             yield f"data: {json.dumps({'error': {'message': exc.message, 'code': exc.code}})}\n\n"
         yield "data: [DONE]\n\n"
+
+    # last: whatever no route above answers
+    @app.api_route("/{path:path}", methods=ALL_METHODS, include_in_schema=False)
+    async def _unknown(path: str, request: Request):
+        raise unknown_path(request.method, request.url.path)
 
     return app

@@ -22,11 +22,18 @@ are answered from the log and a call cut mid-stream is answered whole from its
 stream. Only when the gateway stays away is the episode failed, with ``where``
 ``gateway``: an infrastructure failure, which ``streamrl check`` counts apart
 from the agent's own errors.
+
+Cut short, not failed: a call broken by the run's end (this worker is stopping:
+``STOPPING``, set by the agents worker's SIGTERM; or the gateway said
+``gateway_stopping`` and did not come back) is no error of the agent. The
+episode gets no terminal event and stays in ``agents:running``: a reaper runs
+it again if the run goes on, as it does an episode the worker's grace cut.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 from services.gateway.asks import Asks
@@ -42,6 +49,8 @@ WORKER_ID = "agents-inline"
 CLIENT = None
 # set by the agents worker process from its config: (gateway URL, gateway key); never from a job
 GATEWAY = ("", "")
+# set by the agents worker when it is told to stop (the run ends): a broken call is then the run's end, not a failure
+STOPPING = threading.Event()
 
 _PUBLISH = """
 redis.call('SADD', KEYS[1], ARGV[1])
@@ -78,22 +87,48 @@ def lost_gateway(exc: BaseException) -> bool:
     """Whether an agent's exception says its connection to the gateway broke, or the gateway answered 5xx: the
     exception or one it was raised from (frameworks wrap the SDK's) is a connection error of any SDK, or carries
     an HTTP status of 500 or more."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if any(c.__name__ in _CONNECTION_ERRORS for c in type(exc).__mro__):
+    for e in _causes(exc):
+        if any(c.__name__ in _CONNECTION_ERRORS for c in type(e).__mro__):
             return True
-        status = getattr(exc, "status_code", None) or getattr(getattr(exc, "response", None), "status_code", None)
+        status = getattr(e, "status_code", None) or getattr(getattr(e, "response", None), "status_code", None)
         if isinstance(status, int) and status >= 500:
             return True
         # an error event in a stream that had begun (status 200): Anthropic's overloaded or api error, which the
         # gateway sends when it stops under a streamed Messages call
-        body = getattr(exc, "body", None)
+        body = getattr(e, "body", None)
         error = body.get("error") if isinstance(body, dict) else None
         if isinstance(error, dict) and error.get("type") in ("overloaded_error", "api_error"):
             return True
-        exc = exc.__cause__ or exc.__context__
     return False
+
+
+def gateway_stopping(exc: BaseException) -> bool:
+    """Whether the gateway's last answer in the exception's chain was its 503 ``gateway_stopping`` (the run ends, or
+    it restarts)."""
+    for e in _causes(exc):
+        response = getattr(e, "response", None)
+        if getattr(response, "status_code", None) == 503:
+            try:
+                if "gateway_stopping" in response.text:
+                    return True
+            # a streamed response not read: no body to tell
+            except Exception:
+                pass
+    return False
+
+
+def _causes(exc: BaseException | None):
+    """The exception, those it was raised from or during (frameworks wrap the SDK's), and the members of exception
+    groups (anyio's task groups wrap them so), each once."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__ or e.__context__, *getattr(e, "exceptions", ())]
 
 
 def wait_for_gateway(url: str, deadline: float) -> bool:
@@ -102,7 +137,8 @@ def wait_for_gateway(url: str, deadline: float) -> bool:
     import httpx
 
     pause = 0.1
-    while time.monotonic() < deadline:
+    # a stopping worker waits for nothing: its episode is cut short
+    while time.monotonic() < deadline and not STOPPING.is_set():
         try:
             if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
                 return True
@@ -164,6 +200,9 @@ def _record_metrics(client, keys: Keys, episode_id: str) -> None:
             "linear": int(bool(calls) and not ep.branches),
             "aborted_calls": sum(bool(c.aborts) for c in calls),
             "generated": ep.num_generated,
+            "group": ep.group_id,
+            # why it failed, the episode's own id taken out (the same cause reads the same: the driver counts them)
+            **({"error": (ep.error or "")[:300].replace(episode_id, "<episode>")} if ep.status == "failed" else {}),
         },
     )
 
@@ -196,15 +235,20 @@ def _run_agent(spec: dict, events: EpisodeLog, log) -> dict:
         except Exception as exc:
             error = f"agent {spec['agent']} raised {exc.__class__.__name__}: {exc}"
             gateway = lost_gateway(exc)
-            if gateway and rerun < GATEWAY_RERUNS and wait_for_gateway(url, deadline):
+            if gateway and not STOPPING.is_set() and rerun < GATEWAY_RERUNS and wait_for_gateway(url, deadline):
                 rerun += 1
                 log.warning("agent lost the gateway; running it again, its calls answered from the log", error=error)
                 continue
+            if gateway and (STOPPING.is_set() or gateway_stopping(exc)):
+                log.warning("agent episode cut short by the run's end; left for a reaper", error=error[:300])
+                return {"cut_short": error, "gateway_reruns": rerun}
             log.warning("agent episode failed", error=error, gateway=gateway)
             where = "gateway" if gateway else "agent"
-            _append_last(events, eid, "failed", {"error": error[:2000], "where": where})
+            if _append_last(events, eid, "failed", {"error": error[:2000], "where": where}):
+                events.client.hincrby(events.keys.agents_ended, "failed", 1)
             return {"error": error, "gateway_reruns": rerun}
-        _append_last(events, eid, "finished", {"reason": "stop", "reward": reward, "details": details})
+        if _append_last(events, eid, "finished", {"reason": "stop", "reward": reward, "details": details}):
+            events.client.hincrby(events.keys.agents_ended, "finished", 1)
         log.info("agent episode finished", reward=reward, seconds=round(time.monotonic() - t0, 3), reruns=rerun)
         return {"reward": reward, "gateway_reruns": rerun}
 
@@ -249,6 +293,9 @@ def run_episode(spec: dict) -> dict:
     result = {"episode_id": eid, "rerun": bool(ep.calls) or ep.done}
     if not ep.done:
         result.update(_run_agent(spec, events, log))
+    if "cut_short" in result:
+        # no end, no publish: it stays in agents:running for a reaper
+        return result
     _record_metrics(client, keys, eid)
     published = client.eval(
         _PUBLISH,

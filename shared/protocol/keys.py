@@ -97,6 +97,8 @@ class Keys:
     calls = property(lambda self: f"{self.base}calls")
     # episode -> JSON {worker, job args}
     agents_running = property(lambda self: f"{self.base}agents:running")
+    # agent episodes ended so far, by how: finished, failed (the progress line's count)
+    agents_ended = property(lambda self: f"{self.base}agents:ended")
 
     @property
     def agent_queue(self) -> str:
@@ -240,6 +242,13 @@ CATALOG = (
     ),
     ("agents_done", ("<group id>",), "set", "services/gateway/runner.py", "a group's agent episodes that ended"),
     ("agents_running", (), "hash", "services/gateway/agents_worker.py", "agent episode -> JSON {worker, job args}"),
+    (
+        "agents_ended",
+        (),
+        "hash",
+        "services/gateway/runner.py",
+        "agent episodes ended so far: finished, failed -> count",
+    ),
     (
         "tool_queue",
         (),

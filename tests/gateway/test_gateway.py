@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import openai
@@ -675,3 +676,37 @@ def test_a_stopping_agents_worker_gives_running_episodes_a_grace_then_exits_0(st
     assert "1 agent episode(s) cut short" in text and "stopping-0" in text and "Traceback" not in text
     # left for a reaper
     assert client.hexists(keys.agents_running, "stopping-0")
+
+
+def test_a_call_broken_while_the_agents_worker_stops_cuts_the_episode_short_not_failed(stack, chat_dir, tmp_path):
+    """At the run's end the gateway and the agents workers stop together: an agent call that breaks then (a
+    connection error, here after the worker's SIGTERM) is the run's end, not the agent failing. The episode gets no
+    terminal event and stays in agents:running for a reaper; the worker exits 0."""
+    import os
+    import signal
+
+    client, keys, gw = stack["client"], stack["keys"], stack["gw"]
+    cfg = Config(run=keys.run, agent="tests.support.gateway_agents:cut_by_stop_agent", gateway_port=gw.port)
+    log = tmp_path / "agents.log"
+    a = spawn(
+        "services.gateway.agents_worker",
+        "--worker-id",
+        "ag-cut",
+        log=log,
+        env=env_for(stack["url"], keys, chat_dir, agent=cfg.agent, gateway_port=gw.port),
+    )
+    hold = tmp_path / "go"
+    task = {**TASK, "hold": str(hold), "closed_url": f"http://127.0.0.1:{free_port()}/v1"}
+    driver_agents.enqueue_group(cfg.replace(group_size=1), client, keys, "cut", task, 1)
+    wait_until(lambda: client.hexists(keys.agents_running, "cut-0"), what="the episode running")
+    os.killpg(a.pid, signal.SIGTERM)
+    # the signal's handler runs in the agent's thread within its next 50 ms poll; then the call breaks
+    time.sleep(1.0)
+    hold.touch()
+    assert a.wait(15) == 0
+    text = log.read_text()
+    assert "cut short by the run's end" in text and "Traceback" not in text, text
+    ep = episode(client, keys, "cut-0")
+    assert not ep.done and ep.status == "running"
+    assert client.hexists(keys.agents_running, "cut-0")
+    assert not client.hget(keys.agents_ended, "failed")

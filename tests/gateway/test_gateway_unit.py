@@ -321,3 +321,55 @@ def test_an_agent_that_lost_the_gateway_is_told_from_one_that_failed_on_its_own(
     own = [ValueError("bad answer"), KeyError("e"), status(400), status(404), wrapped(ZeroDivisionError())]
     assert [lost_gateway(e) for e in lost] == [True] * len(lost)
     assert [lost_gateway(e) for e in own] == [False] * len(own)
+
+
+def test_an_unknown_path_is_a_json_404_naming_it_and_what_is_served(http):
+    """An agent written against an API the gateway does not serve is told so at once, in OpenAI's error shape."""
+    import openai
+
+    from services.gateway.app import SERVED
+
+    for method in ("POST", "GET", "DELETE"):
+        r = http.request(method, "/ep/g-0/v1/nonexistent", json={})
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert error["code"] == "unknown_url" and error["type"] == "invalid_request_error"
+        assert f"{method} /ep/g-0/v1/nonexistent" in error["message"]
+        assert all(f"{m} {p}" in error["message"] for m, p in SERVED)
+        assert "/v1/responses" in error["message"] and "/v1/messages" in error["message"]
+    # a served path asked with another method
+    r = http.get("/ep/g-0/v1/chat/completions")
+    assert r.status_code == 405 and "POST" in r.json()["error"]["message"]
+    # outside /ep/
+    r = http.post("/v2/whatever")
+    assert r.status_code == 404 and "POST /v2/whatever" in r.json()["error"]["message"]
+    # a stock client raises NotFoundError with the gateway's message
+    oai = openai.OpenAI(base_url="http://testserver/ep/g-0/v1", api_key="x", http_client=http, max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="no such API"):
+        oai.post("/nonexistent", body={}, cast_to=object)
+
+
+def test_the_gateways_stopping_answer_and_errors_inside_exception_groups_are_told():
+    """A framework's task group wraps the SDK's connection error in an ExceptionGroup: still the gateway's. The
+    gateway's 503 ``gateway_stopping`` is the run's end (the runner cuts the episode short), another 503 is not."""
+    import httpx
+    import openai
+
+    from services.gateway.runner import gateway_stopping, lost_gateway
+
+    request = httpx.Request("POST", "http://127.0.0.1:1/ep/e/v1/chat/completions")
+    grouped = ExceptionGroup("task group", [ValueError("other"), openai.APIConnectionError(request=request)])
+    assert lost_gateway(grouped) and not lost_gateway(ExceptionGroup("task group", [ValueError("mine")]))
+
+    def answer(body: dict) -> openai.APIStatusError:
+        return openai.APIStatusError("x", response=httpx.Response(503, json=body, request=request), body=body)
+
+    stopping = answer({"error": {"message": "the gateway is stopping", "code": "gateway_stopping"}})
+    try:
+        try:
+            raise stopping
+        except openai.APIStatusError as exc:
+            raise RuntimeError("the framework's own error") from exc
+    except RuntimeError as wrapped:
+        assert gateway_stopping(wrapped)
+    assert not gateway_stopping(answer({"error": {"message": "busy", "code": "overloaded"}}))

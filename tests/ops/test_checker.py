@@ -71,6 +71,27 @@ def test_clean_run_counts_zero():
     assert r.tokens_in_streams == 12
 
 
+def test_a_whole_run_that_trained_nothing_is_not_ok():
+    """Episodes rolled out (all failed, say: every group judged untrainable) and no version published: a whole
+    run's check (read with its config) says the trainer trained nothing instead of ok."""
+    from services.ops.check.checker import format_report
+
+    data = _finished_run()
+    data.ledger = [{"version": 0, "groups": [], "skipped": ["g1", "g2"]}]
+    assert check(data).ok, "a component's streams read alone are not held to training"
+    data.expect_training = True
+    r = check(data)
+    assert r.trained_nothing == 1 and not r.ok
+    text = format_report(r, "x")
+    assert "the trainer trained nothing: 0 versions published, 4 episodes attempted" in text
+    assert text.endswith("FAILED: a count that must be 0 is not")
+    # a version published, or nothing attempted: not flagged
+    data.versions = [1]
+    assert check(data).trained_nothing == 0
+    empty = RunData(expect_training=True)
+    assert check(empty).trained_nothing == 0
+
+
 def test_group_delivered_never_published_nor_pending_is_lost():
     data = _finished_run(("g1", "g2", "g3"))
     data.samples = data.samples[:2]

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+from services.driver.failfast import CANNOT_TRAIN
 from services.ops.launch import keep
 from services.ops.launch.keep import BACKOFF_MAX_S, BACKOFF_S, MAX_RESTARTS, WINDOW_S, History, decide
 from services.ops.launch.redis_server import EmbeddedRedis
@@ -45,6 +46,8 @@ def test_the_rule_restarts_crashes_with_backoff_and_stops_a_loop():
     assert decide_on(History(), 0, 0.0) == ("end", 0.0)
     # a config or run-identity error
     assert decide_on(History(), 2, 0.0) == ("fatal", 0.0)
+    # the driver found the run cannot train (services/driver/failfast.py)
+    assert decide_on(History(), CANNOT_TRAIN, 0.0) == ("fatal", 0.0)
     # the run is stopping: nothing restarts
     assert decide_on(History(), -9, 0.0, stopping=True) == ("end", 0.0)
     assert decide(1, False, [0.0, 1.0], 2.0)[2] == [0.0, 1.0, 2.0]

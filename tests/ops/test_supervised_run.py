@@ -131,3 +131,44 @@ def test_a_process_that_keeps_crashing_stops_the_run_with_its_last_line(tmp_path
         "crashed 6 times within 60 s (exit code 1); stopping the run. Its last line: crasher: config key x: "
         "expected y" in log
     ), log[-3000:]
+
+
+def test_an_agent_run_that_cannot_train_stops_with_its_error_in_one_line_and_exit_1(tmp_path, tiny_model_dir):
+    """An agent written against an API the gateway does not serve: every episode fails with the gateway's 404.
+    The run does not go on failing episodes until max_minutes: once the first fail_fast_groups groups all failed
+    for that one reason with nothing trained, the driver stops it with the error in one line, and `streamrl run`
+    exits 1 (the driver is not started again)."""
+    started = time.monotonic()
+    out = subprocess.run(
+        _run_args(
+            tmp_path,
+            tiny_model_dir,
+            "--agent",
+            "tests.support.gateway_agents:wrong_api_agent",
+            "--agent-workers",
+            "1",
+            "--fail-fast-groups",
+            "3",
+            "--group-size",
+            "2",
+        ),
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text[-3000:]
+    # well before --max-minutes 4
+    assert time.monotonic() - started < 150, text[-3000:]
+    lines = [line for line in text.splitlines() if "episodes all failed and nothing trained" in line]
+    assert len(lines) == 1, text[-3000:]
+    line = lines[0]
+    assert "the first 3 groups" in line and "NotFoundError" in line and "/v1/nonexistent" in line, line
+    # the progress line counted the failures and showed the error
+    assert re.search(
+        r"failed (\d+)/\1 episodes \(recent \d+ of \d+, most: \d+x NotFoundError: Error code: 404", text
+    ), text[-3000:]
+    # the driver was not started again
+    assert text.count("driver: run 'kept' started") == 1, text[-3000:]

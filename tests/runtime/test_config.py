@@ -30,6 +30,7 @@ def test_redis_url_env_with_password():
         ({"flags": {"flush_tokens": "1.5"}}, "'flush_tokens' (from flag --flush-tokens): expected int"),
         ({"flags": {"flush_tokens": "0"}}, "'flush_tokens': expected an integer >= 1, got 0"),
         ({"flags": {"rollout_workers": "0"}}, "'rollout_workers': expected an integer >= 1, got 0"),
+        ({"flags": {"fail_fast_groups": "-1"}}, "config key 'fail_fast_groups': expected an integer >= 0"),
         ({"flags": {"longtail_workers": "2"}}, "'longtail_workers': expected 0 to rollout_workers (1), got 2"),
         ({"flags": {"run": "a b"}}, "config key 'run'"),
         ({"file": "not toml ===\n"}, "not valid TOML"),

@@ -170,3 +170,19 @@ def anthropic_calc_agent(client, task: dict, stream: bool = False) -> dict:
 def streamed_anthropic_calc_agent(client, task: dict) -> dict:
     """``anthropic_calc_agent`` streamed: a gateway that dies under a stream breaks it (httpx's transport error)."""
     return anthropic_calc_agent(client, task, stream=True)
+
+
+def wrong_api_agent(client, task: dict) -> float:
+    """Written against an API the gateway does not serve: every episode fails with the gateway's 404."""
+    client.post("/nonexistent", body={"model": "policy", "input": str(task)}, cast_to=object)
+    return 1.0
+
+
+def cut_by_stop_agent(client, task: dict) -> float:
+    """Waits until the file ``task['hold']`` exists (the test stops the worker first), then its next call breaks:
+    a connection error while the worker stops, as a call in flight at the run's end (its base URL: a closed port)."""
+    while not os.path.exists(task["hold"]):
+        time.sleep(0.05)
+    broken = client.with_options(base_url=task["closed_url"], max_retries=0, timeout=5)
+    broken.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    return 1.0

@@ -74,6 +74,11 @@ repacks_unmarked
     source's ``aborted`` with reason ``repack``) does not name the source in
     ``repacked`` (and is not a takeover from a dead target).
 
+trained_nothing
+    1 when a whole run (read with its config) has episodes but the trainer
+    published no version and trained no group: a run that could not train
+    (every episode failed, say) is not ``ok``.
+
 loads_backwards
     a worker reporting an older version than it reported before: the
     version each control ack carries (what the worker runs after the
@@ -189,6 +194,9 @@ def check(data: RunData) -> Report:
     r.versions_replayed = sum(len(rec.get("replayed", [])) for rec in data.replays)
     differing = sorted(v for rec in data.replays for v in rec.get("differing", []))
     r.versions_rederived_differently = len(differing)
+    r.trained_nothing = int(
+        data.expect_training and r.episodes > 0 and not trained and not any(v > 0 for v in data.versions)
+    )
     r.details = {
         "groups_lost_in_rollout": lost_rollout[:50],
         "groups_lost_in_training": lost_training[:50],

@@ -68,6 +68,9 @@ class RunData:
     agents_busy: set[str] = field(default_factory=set)
     # sync_mode pull: (worker, version) loaded, in order
     pull_loads: list[tuple[str, int]] = field(default_factory=list)
+    # a whole run's check (read with its config: `streamrl check`, the end of `streamrl run`), whose trainer was
+    # to train; a component's streams read alone (a test's rollout worker with no trainer) are not held to it
+    expect_training: bool = False
     # versions a trained token may lag (staleness_bound(cfg)); None: no bound
     staleness_bound: int | None = None
     # the trainer's count of tokens it masked out as past hard_max_staleness
@@ -131,6 +134,7 @@ def read_run(client, keys: Keys, run_path: Path, rq_client=None, cfg=None) -> Ru
         episode_key_prefix=keys.episode_prefix,
         episode_key_suffix=keys.episode("").removeprefix(keys.episode_prefix),
         staleness_bound=staleness_bound(cfg),
+        expect_training=cfg is not None,
     )
     data.prompts = _entries(stream_head.read_all(client, keys.prompts, stream_head.path_of(run_path, "prompts")))
     data.rollout = _consumer_group(client, keys.prompts, ROLLOUT_GROUP)

@@ -17,6 +17,7 @@ MUST_BE_ZERO = (
     "episodes_unreadable",
     "episodes_failed_by_infrastructure",
     "versions_rederived_differently",
+    "trained_nothing",
 )
 
 
@@ -51,6 +52,8 @@ class Report:
     # restores: versions the trainer trained again from the log, and those whose weights hashed otherwise
     versions_replayed: int = 0
     versions_rederived_differently: int = 0
+    # 1: episodes were rolled out and the trainer published no version nor trained a group (a run that cannot train)
+    trained_nothing: int = 0
     dead_letters: int = 0
     takeovers: int = 0
     tail_resumes: int = 0
@@ -89,6 +92,7 @@ def format_report(r: Report, run: str) -> str:
         ("episodes unreadable", r.episodes_unreadable, True),
         ("episodes the platform failed", r.episodes_failed_by_infrastructure, True),
         ("versions re-derived differently", r.versions_rederived_differently, True),
+        ("trainer trained nothing", r.trained_nothing, True),
     ]
     lines = [
         f"run {run!r}: {r.groups_enqueued} groups enqueued, {r.groups_published} finished, "
@@ -106,5 +110,7 @@ def format_report(r: Report, run: str) -> str:
     for name, items in r.details.items():
         if items and name != "tokens_generated":
             lines.append(f"  {name}: {', '.join(map(str, items))}")
+    if r.trained_nothing:
+        lines.append(f"  the trainer trained nothing: 0 versions published, {r.episodes} episodes attempted")
     lines.append("ok" if r.ok else "FAILED: a count that must be 0 is not")
     return "\n".join(lines)

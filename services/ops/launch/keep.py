@@ -5,8 +5,8 @@ Every Procfile line runs under it, so a crash does not end the run, under `strea
 end). What it does when its process exits (``decide``, a pure rule over the recent crash times):
 
 - exit 0 (the driver ended the run, a warm stop): exits 0 too, and the run ends as before;
-- exit 2 (a bad config value, a run-identity mismatch: the process already said why, in one line): starting it
-  again cannot help, so it exits 2 and the run stops;
+- exit 2 (a bad config value, a run-identity mismatch: the process already said why, in one line) or 78 (the
+  driver found the run cannot train): starting it again cannot help, so it exits with that code and the run stops;
 - anything else (a crash, kill -9, Redis gone for longer than ``redis_wait``): starts it again after a backoff
   (0.1 s, doubling up to 10 s, counted over the last minute), one log line per restart;
 - more than ``MAX_RESTARTS`` crashes in a row within ``WINDOW_S``, each within ``STABLE_S`` of its start (it
@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.driver.failfast import CANNOT_TRAIN
 from services.ops.launch import starter_client
 
 WINDOW_S = 60.0
@@ -40,8 +41,9 @@ MAX_RESTARTS = 5
 STABLE_S = 10.0
 # systemd's RestartSec default; measured: 0.5 cost --chaos 5 about 9 s a run
 BACKOFF_S, BACKOFF_MAX_S = 0.1, 10.0
-# the process refused its config or its run: the same again would fail the same way
-FATAL_CODES = (2,)
+# the process refused its config or its run, or the driver found the run cannot train (services/driver/failfast.py):
+# the same again would fail the same way
+FATAL_CODES = (2, CANNOT_TRAIN)
 # given to the process: when keep first started it (the driver's max_minutes clock)
 SINCE_ENV = "KEEP_SINCE"
 # the process's name in the run (honcho's: rollout.2), for its lines and its pid file

@@ -20,6 +20,7 @@ from honcho.manager import Manager
 from honcho.printer import Printer
 
 from services.driver.driver import ENDED
+from services.driver.failfast import CANNOT_TRAIN
 from services.ops.launch import starter_client
 from services.ops.launch.keep import NAME_ENV, PID_DIR_ENV, keep_server, mark_injected
 from services.ops.launch.keep import processes as keep_processes
@@ -315,7 +316,9 @@ def _run(cfg: Config, entries: dict, warm_path: str | None, extra_env: dict | No
         stop_watch.set()
         if server:
             server.stop()
-    return manager.returncode or 0
+    code = manager.returncode or 0
+    # the driver said why in one line (services/driver/failfast.py): the run failed
+    return 1 if code == CANNOT_TRAIN else code
 
 
 def print_chaos(cfg: Config, redis_url: str, chaos, restarts: dict[str, int], seconds: float) -> None:

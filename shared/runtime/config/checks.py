@@ -143,6 +143,10 @@ def validate(cfg: Config) -> None:
             f"a port 1-65535 and seconds > 0, got {cfg.max_calls_in_flight}, {cfg.gateway_port}, "
             f"{cfg.agent_timeout}"
         )
+    if cfg.fail_fast_groups < 0:
+        raise ConfigError(
+            f"config key 'fail_fast_groups': expected an integer >= 0 (0: never stop early), got {cfg.fail_fast_groups}"
+        )
     if not 0 < cfg.ui_port < 65536:
         raise ConfigError(f"config key 'ui_port': expected a port 1-65535, got {cfg.ui_port}")
     if ":" not in cfg.reward_fn:

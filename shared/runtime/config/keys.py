@@ -130,6 +130,9 @@ class Config:
     """agent episodes each agents worker runs at once (threads: agents mostly wait on the LLM and their tools)"""
     agent_timeout: float = 600.0
     """seconds one agent episode may run (rq job timeout)"""
+    fail_fast_groups: int = 32
+    """agent runs: when the first this many groups' episodes all failed with the same error and nothing has trained,
+    the driver stops the run with that error (exit 1) instead of failing episodes until max_minutes; 0: never"""
     gateway_host: str = "127.0.0.1"
     """the gateway listens here (loopback by default)"""
     gateway_port: int = 8321

@@ -8,18 +8,13 @@ from __future__ import annotations
 import openai
 import pytest
 
-from services.gateway.__main__ import build
 from services.gateway.runner import _append_last
 from services.ops.check.checker import _entries, episode_stats
 from services.trainer.batch import build_batch
 from shared.protocol.episode.log import EpisodeLog
-from shared.protocol.keys import Keys
-from shared.runtime import logs
-from shared.runtime.config.keys import Config
 from tests.support import framework_agents
 from tests.support.chat_models import CALC_TOOL, calc_conversation, scripted_chat_model
-from tests.support.gateway_stack import InProcessGateway, env_for, episode, start_agent_episode, wait_alive
-from tests.support.procs import spawn, stop
+from tests.support.gateway_stack import episode, live_stack, start_agent_episode
 
 pytestmark = [pytest.mark.slow(seconds=30), pytest.mark.timeout(600)]
 TASK = {"prompt": "2+3?", "answer": "5"}
@@ -28,24 +23,9 @@ TASK = {"prompt": "2+3?", "answer": "5"}
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, redis_server):
     """One run: a rollout worker and an in-process gateway serving the scripted calculator model, greedy."""
-    from shared.runtime.connection import connect
-
     chat_dir = scripted_chat_model(tmp_path_factory.mktemp("chat"), [(calc_conversation(2, 3), [CALC_TOOL])])
-    client = connect(redis_server.url)
-    keys = Keys("gw-frameworks")
-    worker = spawn("services.rollout", "--worker-id", "fw1", env=env_for(redis_server.url, keys, chat_dir))
-    cfg = Config(
-        run=keys.run,
-        model_dir=chat_dir,
-        redis_url=redis_server.url,
-        gateway_timeout=120,
-        temperature=0.0,
-        max_tokens=96,
-    )
-    with InProcessGateway(build(cfg, client, logs.get("gateway-test"))) as gw:
-        wait_alive(client, keys, "rollout", "fw1")
-        yield {"client": client, "keys": keys, "gw": gw}
-    stop(worker)
+    with live_stack(redis_server.url, chat_dir, "gw-frameworks", "fw1", step_delay_ms=0) as stack:
+        yield stack
 
 
 @pytest.mark.parametrize(

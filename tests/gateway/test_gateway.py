@@ -32,6 +32,7 @@ from tests.support.gateway_stack import (
     env_for,
     episode,
     free_port,
+    live_stack,
     start_agent_episode,
     wait_alive,
     wait_http,
@@ -51,25 +52,8 @@ def chat_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(chat_dir, redis_server):
     """One run: a rollout worker (slowed a little, so a sync can land mid-call) and an in-process gateway."""
-    from shared.runtime.connection import connect
-
-    client = connect(redis_server.url)
-    keys = Keys("gw-stack")
-    env = env_for(redis_server.url, keys, chat_dir, heartbeat_ttl=2, step_delay_ms=20, temperature=0)
-    worker = spawn("services.rollout", "--worker-id", "rw1", env=env)
-    cfg = Config(
-        run=keys.run,
-        model_dir=chat_dir,
-        redis_url=redis_server.url,
-        gateway_timeout=120,
-        # the server's policy: greedy unless a request says otherwise
-        temperature=0.0,
-        max_tokens=96,
-    )
-    with InProcessGateway(build(cfg, client, logs.get("gateway-test"))) as gw:
-        wait_alive(client, keys, "rollout", "rw1")
-        yield {"client": client, "keys": keys, "gw": gw, "env": env, "dir": chat_dir, "url": redis_server.url}
-    stop(worker)
+    with live_stack(redis_server.url, chat_dir, "gw-stack", "rw1", step_delay_ms=20) as stack:
+        yield stack
 
 
 def oai(base_url: str, **kw) -> openai.OpenAI:

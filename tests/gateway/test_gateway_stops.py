@@ -12,14 +12,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from services.gateway.__main__ import build
 from services.gateway.chat import template_messages
-from shared.protocol.keys import Keys
-from shared.runtime import logs
-from shared.runtime.config.keys import Config
 from tests.support.chat_models import CALC_TOOL, calc_conversation, scripted_chat_model
-from tests.support.gateway_stack import InProcessGateway, env_for, episode, start_agent_episode, wait_alive
-from tests.support.procs import spawn, stop, wait_until
+from tests.support.gateway_stack import episode, live_stack, start_agent_episode
+from tests.support.procs import wait_until
 from tests.support.rollout_harness import acks, send
 
 pytestmark = [pytest.mark.slow(seconds=90), pytest.mark.timeout(600)]
@@ -34,30 +30,8 @@ def chat_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(chat_dir, redis_server):
     """One run: a rollout worker (slowed, so that a sync lands mid-call) and an in-process gateway, greedy."""
-    from shared.runtime.connection import connect
-
-    client = connect(redis_server.url)
-    keys = Keys("gw-stops")
-    env = env_for(redis_server.url, keys, chat_dir, heartbeat_ttl=2, step_delay_ms=40, temperature=0)
-    worker = spawn("services.rollout", "--worker-id", "rs1", env=env)
-    cfg = Config(
-        run=keys.run,
-        model_dir=chat_dir,
-        redis_url=redis_server.url,
-        gateway_timeout=120,
-        temperature=0.0,
-        max_tokens=96,
-    )
-    with InProcessGateway(build(cfg, client, logs.get("gateway-stops-test"))) as gw:
-        wait_alive(client, keys, "rollout", "rs1")
-        yield {
-            "client": client,
-            "keys": keys,
-            "gw": gw,
-            "dir": chat_dir,
-            "tok": AutoTokenizer.from_pretrained(chat_dir),
-        }
-    stop(worker)
+    with live_stack(redis_server.url, chat_dir, "gw-stops", "rs1", step_delay_ms=40) as stack:
+        yield {**stack, "tok": AutoTokenizer.from_pretrained(chat_dir)}
 
 
 def api(stack, eid: str) -> openai.OpenAI:

@@ -12,22 +12,18 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.driver import agents as driver_agents
-from services.gateway.__main__ import build
 from services.gateway.chat import template_messages
-from shared.protocol.keys import Keys
 from shared.protocol.streams import calls as calls_codec
-from shared.runtime import logs
 from shared.runtime.config.keys import Config
 from tests.gateway.test_gateway import call_tokens, describe, in_thread
 from tests.support.chat_models import CALC_TOOL, calc_conversation, scripted_chat_model
 from tests.support.gateway_agents import ANTHROPIC_CALC_TOOL, anthropic_calc_agent
 from tests.support.gateway_stack import (
-    InProcessGateway,
     env_for,
     episode,
     free_port,
+    live_stack,
     start_agent_episode,
-    wait_alive,
     wait_http,
 )
 from tests.support.procs import kill9, spawn, stop, wait_until
@@ -45,24 +41,8 @@ def chat_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(chat_dir, redis_server):
     """One run: a rollout worker (slowed a little, so a sync can land mid-call) and an in-process gateway."""
-    from shared.runtime.connection import connect
-
-    client = connect(redis_server.url)
-    keys = Keys("gw-messages")
-    env = env_for(redis_server.url, keys, chat_dir, heartbeat_ttl=2, step_delay_ms=20, temperature=0)
-    worker = spawn("services.rollout", "--worker-id", "rwm", env=env)
-    cfg = Config(
-        run=keys.run,
-        model_dir=chat_dir,
-        redis_url=redis_server.url,
-        gateway_timeout=120,
-        temperature=0.0,
-        max_tokens=96,
-    )
-    with InProcessGateway(build(cfg, client, logs.get("gateway-test"))) as gw:
-        wait_alive(client, keys, "rollout", "rwm")
-        yield {"client": client, "keys": keys, "gw": gw, "env": env, "dir": chat_dir, "url": redis_server.url}
-    stop(worker)
+    with live_stack(redis_server.url, chat_dir, "gw-messages", "rwm", step_delay_ms=20) as stack:
+        yield stack
 
 
 class _Base:

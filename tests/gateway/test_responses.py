@@ -11,23 +11,19 @@ import openai
 import pytest
 
 from services.driver import agents as driver_agents
-from services.gateway.__main__ import build
 from services.gateway.runner import _append_last
 from services.trainer.batch import build_batch
 from shared.protocol.episode.log import EpisodeLog
-from shared.protocol.keys import Keys
 from shared.protocol.streams import calls as calls_codec
-from shared.runtime import logs
 from shared.runtime.config.keys import Config
 from tests.support.chat_models import CALC_TOOL, calc_conversation, scripted_chat_model
 from tests.support.gateway_agents import RESPONSES_CALC_TOOL, responses_calc_agent, responses_turn
 from tests.support.gateway_stack import (
-    InProcessGateway,
     env_for,
     episode,
     free_port,
+    live_stack,
     start_agent_episode,
-    wait_alive,
     wait_http,
 )
 from tests.support.procs import kill9, spawn, stop, wait_until
@@ -45,24 +41,8 @@ def chat_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(chat_dir, redis_server):
     """One run: a rollout worker (slowed a little, so a sync can land mid-call) and an in-process gateway."""
-    from shared.runtime.connection import connect
-
-    client = connect(redis_server.url)
-    keys = Keys("gw-responses")
-    env = env_for(redis_server.url, keys, chat_dir, heartbeat_ttl=2, step_delay_ms=20, temperature=0)
-    worker = spawn("services.rollout", "--worker-id", "rr1", env=env)
-    cfg = Config(
-        run=keys.run,
-        model_dir=chat_dir,
-        redis_url=redis_server.url,
-        gateway_timeout=120,
-        temperature=0.0,
-        max_tokens=96,
-    )
-    with InProcessGateway(build(cfg, client, logs.get("gateway-test"))) as gw:
-        wait_alive(client, keys, "rollout", "rr1")
-        yield {"client": client, "keys": keys, "gw": gw, "env": env, "dir": chat_dir, "url": redis_server.url}
-    stop(worker)
+    with live_stack(redis_server.url, chat_dir, "gw-responses", "rr1", step_delay_ms=20) as stack:
+        yield stack
 
 
 def oai(base_url: str, **kw) -> openai.OpenAI:

@@ -7,6 +7,7 @@ import os
 import socket
 import tempfile
 import threading
+from contextlib import contextmanager
 
 import httpx
 import uvicorn
@@ -106,3 +107,29 @@ class InProcessGateway:
 
     def base_url(self, episode_id: str) -> str:
         return f"http://127.0.0.1:{self.port}/ep/{episode_id}/v1"
+
+
+@contextmanager
+def live_stack(redis_url: str, chat_dir, run: str, worker_id: str, step_delay_ms: int = 20):
+    """One run for a gateway test module: a rollout worker subprocess (``step_delay_ms`` per decode step, so a sync
+    can land mid-call) and an in-process gateway, both greedy unless a request says otherwise. Yields what the tests
+    read: client, keys, gw (the InProcessGateway), env (the worker's), dir and url."""
+    from services.gateway.__main__ import build
+    from shared.runtime import logs
+    from shared.runtime.config.keys import Config
+    from shared.runtime.connection import connect
+    from tests.support.procs import spawn, stop
+
+    client = connect(redis_url)
+    keys = Keys(run)
+    env = env_for(redis_url, keys, chat_dir, heartbeat_ttl=2, step_delay_ms=step_delay_ms, temperature=0)
+    worker = spawn("services.rollout", "--worker-id", worker_id, env=env)
+    cfg = Config(
+        run=keys.run, model_dir=chat_dir, redis_url=redis_url, gateway_timeout=120, temperature=0.0, max_tokens=96
+    )
+    try:
+        with InProcessGateway(build(cfg, client, logs.get("gateway-test"))) as gw:
+            wait_alive(client, keys, "rollout", worker_id)
+            yield {"client": client, "keys": keys, "gw": gw, "env": env, "dir": chat_dir, "url": redis_url}
+    finally:
+        stop(worker)

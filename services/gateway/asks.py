@@ -1,11 +1,14 @@
 """Which call a request is: a retry of a call already made, or a new ask to be sampled.
 
 A client retries a request it lost (the openai and anthropic clients send ``x-stainless-retry-count: 1`` and
-up; any client may send an ``Idempotency-Key``). A deliberate second identical request (a retry of a malformed
-answer, a second opinion) is a new ask and is sampled anew. The durable agent rerun after a crash sends the
-same requests again from its start; the agent runner counts its runs (``#attempt`` in the episode's call
-index), and within each run the k-th ask of a request is that request's k-th call, so a rerun's asks find the
-calls the earlier runs made and are answered from the log.
+up; any client may send an ``Idempotency-Key``). A client that says neither and sends the same request again
+after the gateway that took the first one went away (a restart) before answering it is retrying too: the ask
+records which gateway process took it, and the gateway marks a call answered as it hands the answer out. Any
+other second identical request (a retry of a malformed answer, a second opinion) is a new ask, sampled anew.
+
+The durable agent rerun after a crash sends the same requests again from its start; the agent runner counts its
+runs (``#attempt`` in the episode's call index), and within each run the k-th ask of a request is that request's
+k-th call, so a rerun's asks find the calls the earlier runs made and are answered from the log.
 
 So a call's identity is the request's digest plus one of: the idempotency key, or the ask's ordinal among
 this run's identical requests (a retry takes the newest ordinal instead of the next one). Counted atomically in
@@ -15,22 +18,31 @@ Redis, in the episode's call index hash, so concurrent gateways agree.
 from __future__ import annotations
 
 import hashlib
+import uuid
 from dataclasses import dataclass
 from typing import Mapping
 
 from shared.protocol.keys import Keys
 
-# the ordinal of this ask among the run's identical requests: the next one, or (a retry) the newest one
+# the ordinal of this ask among the run's identical requests: the next one, or the newest one when this is a
+# retry (said so, or the newest was taken by another gateway process and never answered)
 _ORDINAL = """
 local attempt = redis.call('HGET', KEYS[1], '#attempt') or '0'
 local field = '#ask:' .. attempt .. ':' .. ARGV[1]
-if ARGV[2] == '1' then
-  local n = tonumber(redis.call('HGET', KEYS[1], field) or '0')
-  if n > 0 then return n - 1 end
+local n = tonumber(redis.call('HGET', KEYS[1], field) or '0')
+if n > 0 then
+  if ARGV[2] == '1' then return n - 1 end
+  local prev = ARGV[1] .. ':' .. (n - 1)
+  local owner = redis.call('HGET', KEYS[1], '#own:' .. prev)
+  if owner and owner ~= ARGV[3] then
+    local index = redis.call('HGET', KEYS[1], prev)
+    if not index or not redis.call('HGET', KEYS[1], '#ans:' .. index) then return n - 1 end
+  end
 end
-local n = redis.call('HINCRBY', KEYS[1], field, 1)
+redis.call('HSET', KEYS[1], '#own:' .. ARGV[1] .. ':' .. n, ARGV[3])
+redis.call('HINCRBY', KEYS[1], field, 1)
 redis.call('EXPIRE', KEYS[1], 604800)
-return n - 1
+return n
 """
 
 
@@ -52,13 +64,19 @@ class Asks:
     def __init__(self, client, keys: Keys):
         self.client, self.keys = client, keys
         self._ordinal = client.register_script(_ORDINAL)
+        # this gateway process: an unanswered ask another one took is a retry when it comes again
+        self.boot = uuid.uuid4().hex[:16]
 
     def identity(self, episode_id: str, digest: str, ask: Ask) -> str:
         """The call identity (the key of the episode's call index) of a request with ``digest``."""
         if ask.idempotency_key:
             return f"{digest}:k{hashlib.sha256(ask.idempotency_key.encode()).hexdigest()[:16]}"
-        n = self._ordinal(keys=[self.keys.call_index(episode_id)], args=[digest, "1" if ask.retry else "0"])
+        n = self._ordinal(keys=[self.keys.call_index(episode_id)], args=[digest, "1" if ask.retry else "0", self.boot])
         return f"{digest}:{int(n)}"
+
+    def answered(self, episode_id: str, index: int) -> None:
+        """The gateway hands call ``index``'s answer out: an identical request from now on is a new ask."""
+        self.client.hset(self.keys.call_index(episode_id), f"#ans:{index}", 1)
 
     def new_run(self, episode_id: str) -> int:
         """The agent runner starts a run of the agent (the first or a rerun): ordinals count again from 0."""

@@ -507,6 +507,7 @@ class Gateway:
                     raise GatewayError(
                         409, f"episode {episode_id!r} ended before call {index} was answered", None, "episode_ended"
                     )
+                self.asks.answered(episode_id, index)
                 yield "done", call
                 return
             if grew:

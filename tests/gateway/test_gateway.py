@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
@@ -324,6 +325,43 @@ def test_gateway_killed_mid_call_the_clients_retry_is_answered_without_generatin
         ep = episode(client, keys, "gwkill-0")
         assert len([e for e in ep.events if e.kind == "call"]) == 1
         assert reply.usage.completion_tokens == len(ep.calls[0].tokens)
+    finally:
+        stop(gateway)
+
+
+def test_a_client_that_says_nothing_and_sends_again_after_the_gateway_died_is_answered_from_the_call(stack, chat_dir):
+    """No retry header, no idempotency key: the same request again, to the gateway that replaced the one that took
+    it and died before answering, is that call's retry; once answered, the same request is a new ask."""
+    client, keys = stack["client"], stack["keys"]
+    port = free_port()
+    env = env_for(stack["url"], keys, chat_dir, gateway_port=port, gateway_timeout=120)
+    gateway = spawn("services.gateway", env=env)
+    wait_http(port)
+    start_agent_episode(client, keys, "gwplain-0", TASK)
+    url = f"http://127.0.0.1:{port}/ep/gwplain-0/v1/chat/completions"
+    body = dict(
+        model="policy", messages=[{"role": "user", "content": "2+3?"}], tools=[CALC_TOOL], temperature=0, max_tokens=96
+    )
+
+    def plain():
+        try:
+            return httpx.post(url, json=body, timeout=120)
+        except httpx.TransportError as exc:
+            return exc
+
+    t, out = in_thread(plain)
+    wait_until(lambda: call_tokens(client, keys, "gwplain-0", 0) >= 4, what="call generating")
+    kill9(gateway)
+    t.join(timeout=30)
+    assert isinstance(out["result"], httpx.TransportError)
+    gateway = spawn("services.gateway", env=env)
+    try:
+        wait_http(port)
+        again = httpx.post(url, json=body, timeout=120).json()
+        assert again["streamrl"]["call"] == 0 and client.hget(keys.call_index("gwplain-0"), "#n") == b"1"
+        assert again["usage"]["completion_tokens"] == len(episode(client, keys, "gwplain-0").calls[0].tokens)
+        # answered now: the same request once more is a second opinion
+        assert httpx.post(url, json=body, timeout=120).json()["streamrl"]["call"] == 1
     finally:
         stop(gateway)
 

@@ -5,7 +5,16 @@ import asyncio
 import re
 
 import openai
-from agents import Agent, MaxTurnsExceeded, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
+from agents import (
+    Agent,
+    MaxTurnsExceeded,
+    ModelBehaviorError,
+    ModelSettings,
+    OpenAIResponsesModel,
+    RunConfig,
+    Runner,
+    function_tool,
+)
 
 from examples.calc import calc as evaluate
 
@@ -31,8 +40,9 @@ def agent(client, task: dict, stream: bool = False) -> dict:
         result = (
             asyncio.run(_streamed(bot, task["prompt"], run)) if stream else Runner.run_sync(bot, task["prompt"], **run)
         )
-    except MaxTurnsExceeded:
-        return {"reward": 0.0, "details": {"turns": 4}}
+    # out of turns, or (the SDK raises it) an answer cut at max_tokens: a wrong answer, trained as one
+    except (MaxTurnsExceeded, ModelBehaviorError) as exc:
+        return {"reward": 0.0, "details": {"turns": 4, "ended": exc.__class__.__name__}}
     numbers = re.findall(r"-?\d+", str(result.final_output or ""))
     reward = float(bool(numbers) and numbers[-1] == str(task["answer"]))
     return {"reward": reward, "details": {"turns": len(result.raw_responses)}}

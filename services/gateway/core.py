@@ -275,7 +275,7 @@ class Gateway:
             "invalid_value",
         )
 
-    def _messages(self, req: schema.Chat) -> tuple[list[dict], list | None]:
+    def _messages(self, req: schema.Chat, body: dict) -> tuple[list[dict], list | None]:
         if not req.messages:
             raise GatewayError(400, "messages: expected a non-empty array of messages", "messages")
         for i, m in enumerate(req.messages):
@@ -285,8 +285,9 @@ class Gateway:
                     f"messages[{i}].role: expected one of {', '.join(ROLES)}, got {json.dumps(m.role)}",
                     f"messages[{i}].role",
                 )
-        # as sent: the chat template and the call's digest read the messages the client wrote
-        return [schema.raw(m) for m in req.messages], [schema.raw(t) for t in req.tools] if req.tools else None
+        # as sent, keys in the client's order (the parsed models put declared fields first): the chat template
+        # renders the tools as JSON, and a model learns the layout it was trained on
+        return list(body["messages"]), list(body["tools"]) if req.tools else None
 
     def _prepared(
         self,
@@ -319,7 +320,7 @@ class Gateway:
         check_fields(body)
         sampling = self._common(req)
         n = self.choices(req.n)
-        messages, tools = self._messages(req)
+        messages, tools = self._messages(req, body)
         hint = self.format_hint(req.response_format)
         if hint is not None:
             messages = with_system_hint(messages, hint)

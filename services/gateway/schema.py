@@ -72,7 +72,8 @@ R = TypeVar("R", bound="_Common")
 
 
 def raw(model: BaseModel) -> dict:
-    """The part of the body a request came from, as sent: the fields it set (extras included), nothing added."""
+    """The part of the body a request came from: the fields it set (extras included), nothing added; declared
+    fields come first, so where the order of keys matters (what a template renders) read the body itself."""
     return model.model_dump(exclude_unset=True)
 
 

@@ -373,3 +373,24 @@ def test_the_gateways_stopping_answer_and_errors_inside_exception_groups_are_tol
     except RuntimeError as wrapped:
         assert gateway_stopping(wrapped)
     assert not gateway_stopping(answer({"error": {"message": "busy", "code": "overloaded"}}))
+
+
+def test_the_prompt_renders_tools_and_messages_with_their_keys_in_the_order_the_client_sent(
+    chat_dir, tok, client, keys
+):
+    """The chat template writes the tools as JSON: a model warm-started on one layout must see that layout, so
+    the typed request (declared fields first) is not what is rendered; the body is."""
+    from services.ops.launch.tiny_model import CHAT_TEMPLATE
+
+    # the default model's template: it lists each tool as JSON
+    tok = copy.deepcopy(tok)
+    tok.chat_template = CHAT_TEMPLATE
+    gw = Gateway(Config(run=keys.run, model_dir=chat_dir), client, tok, 400, ["chat"], logs.get("gateway-test"))
+    start_agent_episode(client, keys, "g-order")
+    user = [{"role": "user", "content": "hi"}]
+    for tool in ({"type": "function", **CALC_TOOL}, {"function": CALC_TOOL["function"], "type": "function"}):
+        gw.prepare_chat("g-order", {"messages": user, "tools": [tool], "max_tokens": 4})
+        assert _request(client, keys, -1).prompt_ids == gw.renderer.full(user, [tool])
+    first, second = (_request(client, keys, i).prompt_ids for i in (-2, -1))
+    assert tok.decode(first).index('"type"') < tok.decode(first).index('"function"')
+    assert tok.decode(second).index('"function"') < tok.decode(second).index('"type"')

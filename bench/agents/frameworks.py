@@ -4,7 +4,7 @@ versions trained, and the end-of-run check's verdict. Run one after another on a
 
     python bench/agents/frameworks.py [--minutes 2] [--only langgraph,anthropic]
 
-Writes bench/results/agents_frameworks.json and prints the table (a markdown table, for docs/agents.md).
+Writes bench/results/agents_frameworks.json (bench/harness/record.py) and prints the matrix as a markdown table.
 """
 
 from __future__ import annotations
@@ -77,6 +77,11 @@ def one(name: str, spec: str, minutes: float, run_dir: Path) -> dict:
         records = []
         print(f"   could not read the run's agent records: {exc}")
     statuses = collections.Counter(r.get("status") for r in records)
+    # the mean reward of the first and the last fifth of the ended episodes
+    fifth = max(1, len(records) // 5)
+    rewards = [
+        round(sum(r.get("reward") or 0 for r in part) / len(part), 3) for part in (records[:fifth], records[-fifth:])
+    ]
     errors = collections.Counter()
     versions = 0
     metrics_file = run_dir / run / "metrics.jsonl"
@@ -96,6 +101,7 @@ def one(name: str, spec: str, minutes: float, run_dir: Path) -> dict:
         "statuses": dict(statuses),
         "top_error": errors.most_common(1)[0][0] if errors else "",
         "versions": versions,
+        "reward_first_last_fifth": rewards if records else None,
         "check": verdict,
         "tail": lines[-30:],
     }
@@ -122,22 +128,35 @@ def main() -> None:
                 **one(name, spec, args.minutes, Path(args.run_dir)),
             }
         )
-    out = ROOT / "bench" / "results" / "agents_frameworks.json"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    old = json.loads(out.read_text())["rows"] if out.exists() else []
-    kept = [r for r in old if r["name"] not in {x["name"] for x in rows}]
-    out.write_text(
-        json.dumps(
-            {"date": time.strftime("%Y-%m-%d"), "commit": commit.strip(), "minutes": args.minutes, "rows": kept + rows},
-            indent=1,
-        )
+    from bench.harness.record import RESULTS, record
+
+    old = RESULTS / "agents_frameworks.json"
+    kept = json.loads(old.read_text()).get("extra", {}).get("matrix", []) if old.exists() else []
+    # a partial run (--only) replaces its rows and keeps the others
+    kept = [r for r in kept if r["name"] not in {x["name"] for x in rows}]
+    matrix = [r for name, *_ in MATRIX for r in kept + rows if r["name"] == name]
+    trained = [r for r in matrix if r["versions"] > 0 and r["check"].startswith("ok")]
+    failed, ended = sum(r["failed"] for r in matrix), sum(r["finished"] + r["failed"] for r in matrix)
+    record(
+        "agents_frameworks",
+        [
+            {
+                "what": f"stock agents trained with streamrl run --agent, {args.minutes:g} min each",
+                "value": f"{len(trained)} of {len(matrix)} trained, check ok; {failed} of {ended:,} episodes failed",
+            }
+        ],
+        ["services/gateway", "services/rollout/calls", "examples", "tests/support/framework_agents.py"],
+        extra={"minutes": args.minutes, "matrix": matrix},
     )
-    print("\n| framework | API | streamed | episodes finished | failed | versions | check |")
-    print("|---|---|---|---|---|---|---|")
-    for r in kept + rows:
+    print(
+        "\n| framework | API | streamed | episodes finished | failed | versions | reward (first / last fifth) | check |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in matrix:
         print(
             f"| {r['framework']} | {r['api']} | {'yes' if r['streamed'] else 'no'} | {r['finished']:,} | "
-            f"{r['failed']:,} | {r['versions']} | {r['check']} |"
+            f"{r['failed']:,} | {r['versions']} | {' / '.join(map(str, r.get('reward_first_last_fifth') or []))} | "
+            f"{r['check']} |"
         )
 
 

@@ -183,6 +183,7 @@ class MainWorker(SimpleWorker):
     def request_stop(self, signum, frame):
         # an agent whose call breaks from now on was cut by the run's end, not failed (runner.STOPPING)
         runner.STOPPING.set()
+        self.log.warning("stopping: an agent call that breaks from now on cuts its episode short, not failed")
 
         def cut_short() -> None:
             running = [w.get_current_job_id() for w in [self, *self.others]]

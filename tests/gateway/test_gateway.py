@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -722,8 +721,8 @@ def test_a_call_broken_while_the_agents_worker_stops_cuts_the_episode_short_not_
     driver_agents.enqueue_group(cfg.replace(group_size=1), client, keys, "cut", task, 1)
     wait_until(lambda: client.hexists(keys.agents_running, "cut-0"), what="the episode running")
     os.killpg(a.pid, signal.SIGTERM)
-    # the signal's handler runs in the agent's thread within its next 50 ms poll; then the call breaks
-    time.sleep(1.0)
+    # the call breaks once the worker's signal handler has run (it says so)
+    wait_until(lambda: log.exists() and "stopping: an agent call" in log.read_text(), what="the worker stopping")
     hold.touch()
     assert a.wait(15) == 0
     text = log.read_text()

@@ -1,0 +1,1 @@
+"""Benchmarks of agents trained through the gateway: the stock-agent framework matrix."""

@@ -32,6 +32,7 @@ from tests.support.gateway_stack import (
     env_for,
     episode,
     free_port,
+    gateway_killed_under_a_streamed_agent,
     live_stack,
     start_agent_episode,
     wait_alive,
@@ -419,44 +420,9 @@ def test_a_gateway_killed_under_a_streamed_call_reruns_the_agent_and_the_episode
     """A raw openai agent streams its calls; the gateway is killed -9 while one streams (the client does not retry
     a broken stream: the agent raises APIConnectionError). The runner runs the agent again once a gateway answers:
     the cut call is answered whole from its stream, nothing is generated twice, the episode finishes and folds."""
-    client, keys = stack["client"], stack["keys"]
-    port = free_port()
-    gateway_env = env_for(stack["url"], keys, chat_dir, gateway_port=port, gateway_timeout=120)
-    gateway = spawn("services.gateway", env=gateway_env)
-    wait_http(port)
-    cfg = Config(
-        run=keys.run,
-        agent="tests.support.gateway_agents:streamed_calc_agent",
-        gateway_port=port,
-        temperature=0,
-        heartbeat_ttl=2,
-        group_size=1,
+    gateway_killed_under_a_streamed_agent(
+        stack, chat_dir, "tests.support.gateway_agents:streamed_calc_agent", "sgw", TASK
     )
-    env = env_for(stack["url"], keys, chat_dir, heartbeat_ttl=2, agent=cfg.agent, gateway_port=port)
-    agents = spawn("services.gateway.agents_worker", "--worker-id", "ags", env=env)
-    try:
-        driver_agents.enqueue_group(cfg, client, keys, "sgw", TASK, 1)
-        wait_until(
-            lambda: client.exists(keys.episode("sgw-0")) and 4 <= call_tokens(client, keys, "sgw-0", 0),
-            what="the first call streaming",
-        )
-        assert not episode(client, keys, "sgw-0").calls[0].done
-        kill9(gateway)
-        gateway = spawn("services.gateway", env=gateway_env)
-        wait_until(lambda: client.exists(keys.sampled("sgw")), timeout=120, what="group published")
-        ep = episode(client, keys, "sgw-0")
-        assert ep.status == "finished" and ep.reward == 1.0, describe(ep)
-        assert not [e for e in ep.events if e.kind == "failed"]
-        # each call made once: the rerun's calls were answered from the stream, the cut one whole
-        made = sorted(e.data["call"] for e in ep.events if e.kind == "call")
-        assert made == list(range(len(made))) and len(made) >= 2
-        requests = [r for r in (calls_codec.decode_request(i, f) for i, f in client.xrange(keys.calls))]
-        assert len([r for r in requests if r.episode_id == "sgw-0"]) == len(made)
-        job = driver_agents.queue(client, keys).fetch_job(driver_agents.job_id(keys.run, "sgw-0"))
-        assert job.return_value()["gateway_reruns"] >= 1
-    finally:
-        stop(agents)
-        stop(gateway)
 
 
 def test_an_agents_worker_killed_as_it_takes_a_job_is_found_in_rqs_books_and_the_episode_runs(stack, chat_dir):

@@ -11,22 +11,17 @@ import anthropic
 import pytest
 from transformers import AutoTokenizer
 
-from services.driver import agents as driver_agents
 from services.gateway.chat import template_messages
-from shared.protocol.streams import calls as calls_codec
-from shared.runtime.config.keys import Config
 from tests.gateway.test_gateway import call_tokens, describe, in_thread
 from tests.support.chat_models import CALC_TOOL, calc_conversation, scripted_chat_model
 from tests.support.gateway_agents import ANTHROPIC_CALC_TOOL, anthropic_calc_agent
 from tests.support.gateway_stack import (
-    env_for,
     episode,
-    free_port,
+    gateway_killed_under_a_streamed_agent,
     live_stack,
     start_agent_episode,
-    wait_http,
 )
-from tests.support.procs import kill9, spawn, stop, wait_until
+from tests.support.procs import wait_until
 from tests.support.rollout_harness import acks, send
 
 pytestmark = [pytest.mark.slow(seconds=90), pytest.mark.timeout(900)]
@@ -149,43 +144,10 @@ def test_the_anthropic_example_agent_runs_against_the_gateway(stack):
 def test_a_gateway_killed_under_a_streamed_messages_call_reruns_the_agent_and_the_episode_finishes(stack, chat_dir):
     """The anthropic client does not retry a stream that breaks: the agent raises, the runner sees a lost gateway
     (httpx's transport error) and runs the agent again once a gateway answers; nothing is generated twice."""
-    client, keys = stack["client"], stack["keys"]
-    port = free_port()
-    gateway_env = env_for(stack["url"], keys, chat_dir, gateway_port=port, gateway_timeout=120)
-    gateway = spawn("services.gateway", env=gateway_env)
-    wait_http(port)
-    cfg = Config(
-        run=keys.run,
-        agent="tests.support.gateway_agents:streamed_anthropic_calc_agent",
-        gateway_port=port,
-        temperature=0,
-        heartbeat_ttl=2,
-        group_size=1,
+    ep = gateway_killed_under_a_streamed_agent(
+        stack, chat_dir, "tests.support.gateway_agents:streamed_anthropic_calc_agent", "msgkill", TASK
     )
-    env = env_for(stack["url"], keys, chat_dir, heartbeat_ttl=2, agent=cfg.agent, gateway_port=port)
-    agents = spawn("services.gateway.agents_worker", "--worker-id", "agm", env=env)
-    try:
-        driver_agents.enqueue_group(cfg, client, keys, "msgkill", TASK, 1)
-        wait_until(
-            lambda: client.exists(keys.episode("msgkill-0")) and 4 <= call_tokens(client, keys, "msgkill-0", 0),
-            what="the first call streaming",
-        )
-        assert not episode(client, keys, "msgkill-0").calls[0].done
-        kill9(gateway)
-        gateway = spawn("services.gateway", env=gateway_env)
-        wait_until(lambda: client.exists(keys.sampled("msgkill")), timeout=120, what="group published")
-        ep = episode(client, keys, "msgkill-0")
-        assert ep.status == "finished" and ep.reward == 1.0, describe(ep)
-        assert not [e for e in ep.events if e.kind == "failed"]
-        made = sorted(e.data["call"] for e in ep.events if e.kind == "call")
-        assert made == [0, 1, 2]
-        requests = [r for r in (calls_codec.decode_request(i, f) for i, f in client.xrange(keys.calls))]
-        assert len([r for r in requests if r.episode_id == "msgkill-0"]) == len(made)
-        job = driver_agents.queue(client, keys).fetch_job(driver_agents.job_id(keys.run, "msgkill-0"))
-        assert job.return_value()["gateway_reruns"] >= 1
-    finally:
-        stop(agents)
-        stop(gateway)
+    assert sorted(ep.calls) == [0, 1, 2]
 
 
 def test_a_named_tool_choice_is_prefilled_and_a_multi_token_stop_sequence_ends_the_answer(stack):

@@ -10,23 +10,18 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.driver import agents as driver_agents
 from services.gateway.runner import _append_last
 from services.trainer.batch import build_batch
 from shared.protocol.episode.log import EpisodeLog
-from shared.protocol.streams import calls as calls_codec
-from shared.runtime.config.keys import Config
 from tests.support.chat_models import CALC_TOOL, calc_conversation, scripted_chat_model
 from tests.support.gateway_agents import RESPONSES_CALC_TOOL, responses_calc_agent, responses_turn
 from tests.support.gateway_stack import (
-    env_for,
     episode,
-    free_port,
+    gateway_killed_under_a_streamed_agent,
     live_stack,
     start_agent_episode,
-    wait_http,
 )
-from tests.support.procs import kill9, spawn, stop, wait_until
+from tests.support.procs import wait_until
 from tests.support.rollout_harness import acks, send
 
 pytestmark = [pytest.mark.slow(seconds=15), pytest.mark.timeout(900)]
@@ -206,46 +201,10 @@ def test_a_weight_sync_under_a_streamed_response_gives_one_complete_answer_and_e
 
 
 def test_a_gateway_killed_under_a_streamed_response_reruns_the_agent_and_the_episode_finishes(stack, chat_dir):
-    client, keys = stack["client"], stack["keys"]
-    port = free_port()
-    gateway_env = env_for(stack["url"], keys, chat_dir, gateway_port=port, gateway_timeout=120)
-    gateway = spawn("services.gateway", env=gateway_env)
-    wait_http(port)
-    cfg = Config(
-        run=keys.run,
-        agent="tests.support.gateway_agents:streamed_responses_calc_agent",
-        gateway_port=port,
-        temperature=0,
-        heartbeat_ttl=2,
-        group_size=1,
+    ep = gateway_killed_under_a_streamed_agent(
+        stack, chat_dir, "tests.support.gateway_agents:streamed_responses_calc_agent", "rgw", TASK
     )
-    env = env_for(stack["url"], keys, chat_dir, heartbeat_ttl=2, agent=cfg.agent, gateway_port=port)
-    agents = spawn("services.gateway.agents_worker", "--worker-id", "ags-r", env=env)
-    try:
-        driver_agents.enqueue_group(cfg, client, keys, "rgw", TASK, 1)
-        wait_until(
-            lambda: (
-                client.exists(keys.episode("rgw-0"))
-                and 4 <= len(getattr(episode(client, keys, "rgw-0").calls.get(0), "tokens", []))
-            ),
-            what="the first call streaming",
-        )
-        assert not episode(client, keys, "rgw-0").calls[0].done
-        kill9(gateway)
-        gateway = spawn("services.gateway", env=gateway_env)
-        wait_until(lambda: client.exists(keys.sampled("rgw")), timeout=120, what="group published")
-        ep = episode(client, keys, "rgw-0")
-        assert ep.status == "finished" and ep.reward == 1.0
-        made = sorted(e.data["call"] for e in ep.events if e.kind == "call")
-        assert made == [0, 1, 2]
-        requests = [r for r in (calls_codec.decode_request(i, f) for i, f in client.xrange(keys.calls))]
-        assert len([r for r in requests if r.episode_id == "rgw-0"]) == 3
-        job = driver_agents.queue(client, keys).fetch_job(driver_agents.job_id(keys.run, "rgw-0"))
-        assert job.return_value()["gateway_reruns"] >= 1
-        assert [ep.calls[i].extends for i in range(3)] == [-1, 0, 1]
-    finally:
-        stop(agents)
-        stop(gateway)
+    assert [ep.calls[i].extends for i in range(3)] == [-1, 0, 1]
 
 
 def test_the_agents_sdk_example_runs_against_the_gateway(stack):

@@ -133,3 +133,49 @@ def live_stack(redis_url: str, chat_dir, run: str, worker_id: str, step_delay_ms
             yield {"client": client, "keys": keys, "gw": gw, "env": env, "dir": chat_dir, "url": redis_url}
     finally:
         stop(worker)
+
+
+def gateway_killed_under_a_streamed_agent(stack: dict, chat_dir, agent: str, group: str, task: dict):
+    """The drill every API's streamed route takes: an agents worker runs ``agent`` (whose calls stream) for one
+    episode of ``group``; the gateway is killed -9 while the first call streams and another starts. Asserts that
+    the episode finishes with reward 1, nothing failed, each call made and requested once, and the runner ran the
+    agent again; returns the episode for the caller's own checks."""
+    from services.driver import agents as driver_agents
+    from shared.protocol.streams import calls as calls_codec
+    from shared.runtime.config.keys import Config
+    from tests.support.procs import kill9, spawn, stop
+
+    client, keys, eid = stack["client"], stack["keys"], f"{group}-0"
+    port = free_port()
+    gateway_env = env_for(stack["url"], keys, chat_dir, gateway_port=port, gateway_timeout=120)
+    gateway = spawn("services.gateway", env=gateway_env)
+    wait_http(port)
+    cfg = Config(run=keys.run, agent=agent, gateway_port=port, temperature=0, heartbeat_ttl=2, group_size=1)
+    env = env_for(stack["url"], keys, chat_dir, heartbeat_ttl=2, agent=cfg.agent, gateway_port=port)
+    agents = spawn("services.gateway.agents_worker", "--worker-id", f"ag-{group}", env=env)
+    try:
+        driver_agents.enqueue_group(cfg, client, keys, group, task, 1)
+
+        def streaming() -> bool:
+            call = episode(client, keys, eid).calls.get(0) if client.exists(keys.episode(eid)) else None
+            return call is not None and len(call.tokens) >= 4
+
+        wait_until(streaming, what="the first call streaming")
+        assert not episode(client, keys, eid).calls[0].done
+        kill9(gateway)
+        gateway = spawn("services.gateway", env=gateway_env)
+        wait_until(lambda: client.exists(keys.sampled(group)), timeout=120, what="group published")
+        ep = episode(client, keys, eid)
+        assert ep.status == "finished" and ep.reward == 1.0, [(e.kind, e.data.get("call")) for e in ep.events]
+        assert not [e for e in ep.events if e.kind == "failed"]
+        # each call made once: the rerun's calls were answered from the stream, the cut one whole
+        made = sorted(e.data["call"] for e in ep.events if e.kind == "call")
+        assert made == list(range(len(made))) and len(made) >= 2
+        requests = [calls_codec.decode_request(i, f) for i, f in client.xrange(keys.calls)]
+        assert len([r for r in requests if r.episode_id == eid]) == len(made)
+        job = driver_agents.queue(client, keys).fetch_job(driver_agents.job_id(keys.run, eid))
+        assert job.return_value()["gateway_reruns"] >= 1
+        return ep
+    finally:
+        stop(agents)
+        stop(gateway)

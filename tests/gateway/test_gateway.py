@@ -686,6 +686,13 @@ def test_a_call_broken_while_the_agents_worker_stops_cuts_the_episode_short_not_
     task = {**TASK, "hold": str(hold), "closed_url": f"http://127.0.0.1:{free_port()}/v1"}
     driver_agents.enqueue_group(cfg.replace(group_size=1), client, keys, "cut", task, 1)
     wait_until(lambda: client.hexists(keys.agents_running, "cut-0"), what="the episode running")
+
+    def warmed() -> bool:
+        call = episode(client, keys, "cut-0").calls.get(0) if client.exists(keys.episode("cut-0")) else None
+        return call is not None and call.done
+
+    # the agent's first (real) call answered: it waits on the hold file now
+    wait_until(warmed, what="the agent's first call")
     os.killpg(a.pid, signal.SIGTERM)
     # the call breaks once the worker's signal handler has run (it says so)
     wait_until(lambda: log.exists() and "stopping: an agent call" in log.read_text(), what="the worker stopping")

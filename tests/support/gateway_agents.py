@@ -181,8 +181,11 @@ def wrong_api_agent(client, task: dict) -> float:
 def cut_by_stop_agent(client, task: dict) -> float:
     """Waits until the file ``task['hold']`` exists (the test stops the worker first), then its next call breaks:
     a connection error while the worker stops, as a call in flight at the run's end (its base URL: a closed port)."""
+    broken = client.with_options(base_url=task["closed_url"], max_retries=0, timeout=5)
+    # one real call first: the client's lazy imports and first request cost seconds on a loaded box, and the broken
+    # call must land within the worker's stop grace
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     while not os.path.exists(task["hold"]):
         time.sleep(0.05)
-    broken = client.with_options(base_url=task["closed_url"], max_retries=0, timeout=5)
     broken.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     return 1.0

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from rq import Queue
+from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.results import Result
 from rq.serializers import JSONSerializer
@@ -123,11 +124,26 @@ class ToolJobs:
         for episode_id in episode_ids:
             self.pending.pop(episode_id, None)
 
+    def _fetch(self, job_ids: list[str]) -> list[Job | None]:
+        """The jobs, None for each one gone. A Redis that crashed can come back with a job's hash holding only what
+        its worker wrote after (a heartbeat): rq cannot read that job, and it counts as gone (failed, its episode
+        told so), not as a reason for this worker to die."""
+        try:
+            return Job.fetch_many(job_ids, connection=self.client, serializer=JSONSerializer)
+        except NoSuchJobError:
+            jobs = []
+            for job_id in job_ids:
+                try:
+                    jobs.append(Job.fetch(job_id, connection=self.client, serializer=JSONSerializer))
+                except NoSuchJobError:
+                    jobs.append(None)
+            return jobs
+
     def poll(self) -> list[Outcome]:
         if not self.pending:
             return []
         items = list(self.pending.items())
-        jobs = Job.fetch_many([p.job_id for _, p in items], connection=self.client, serializer=JSONSerializer)
+        jobs = self._fetch([p.job_id for _, p in items])
         out = []
         for (episode_id, p), job in zip(items, jobs):
             status = job.get_status(refresh=False) if job is not None else None

@@ -16,7 +16,9 @@ Resumability rests on two promises:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+from shared.protocol.episode.routes import RouteShape
 
 
 @dataclass(slots=True)
@@ -78,6 +80,9 @@ class Chunk:
     version: int = 0
     # None while running; "stop", "length" or "abort" when done
     finish_reason: str | None = None
+    # a mixture-of-experts policy with routing_replay on: each token's experts per MoE layer, [n, layers, top_k]
+    # uint8/uint16 sorted within a layer (shared/protocol/episode/routes.py); None when the engine records none
+    routes: Any = None
 
 
 class EngineError(Exception):
@@ -111,6 +116,8 @@ class Engine(Protocol):
     version: int
     # prompt + response tokens one request may hold
     max_model_len: int
+    # the routes its chunks carry (a mixture-of-experts model, routing_replay on); None: it records none
+    route_shape: RouteShape | None
 
     def add_request(
         self, request_id: str, token_ids: list[int], params: SamplingParams, max_new_tokens: int, start_index: int = 0

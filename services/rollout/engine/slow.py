@@ -29,6 +29,10 @@ class SlowEngine:
     def max_model_len(self) -> int:
         return self.inner.max_model_len
 
+    @property
+    def route_shape(self):
+        return self.inner.route_shape
+
     def add_request(
         self, request_id: str, token_ids: list[int], params: SamplingParams, max_new_tokens: int, start_index: int = 0
     ) -> None:

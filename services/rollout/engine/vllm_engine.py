@@ -142,6 +142,7 @@ class VLLMEngine:
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.max_model_len = int(self.llm.model_config.max_model_len)
         self.version = 0
+        self.route_shape = None
         self._running: set[str] = set()
         # running requests sampled at temperature 0
         self._greedy: set[str] = set()

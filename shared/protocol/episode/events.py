@@ -31,6 +31,8 @@ Types used in payloads:
     logprobs  msgpack bin of little-endian float32 ("<f4"), or an array of floats;
               natural-log probability of each sampled token under the sampling
               distribution, same length as the ids it belongs to
+    routes    msgpack map {layers, k, planes}: for each token, the experts each MoE layer chose for it,
+              as layer-major byte planes (shared/protocol/episode/routes.py)
     str, int, float, bool, map, any: the msgpack types of those names
 
 Writing an episode by hand (redis-cli + the msgpack library only):
@@ -55,7 +57,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from shared.protocol.episode import sampling
+from shared.protocol.episode import routes, sampling
 from shared.protocol.episode.errors import EventError
 from shared.protocol.streams import codec
 
@@ -84,6 +86,12 @@ KINDS: dict[str, dict[str, tuple[str, bool, str]]] = {
         "ids": ("ids", True, "a chunk of generated token ids, in order"),
         "logprobs": ("logprobs", True, "behaviour log-prob of each token in ids"),
         "call": ("int", False, "v2: the call these tokens answer (agent episodes); absent: the episode's response"),
+        "routes": (
+            "routes",
+            False,
+            "v2: a mixture-of-experts policy's expert choices for each token in ids (see routes.py): the routes "
+            "the trainer replays; absent for a dense policy or with routing_replay off",
+        ),
     },
     "aborted": {
         "reason": (
@@ -210,13 +218,10 @@ def pack_logprobs(logprobs) -> bytes:
     return np.asarray(logprobs, dtype="<f4").tobytes()
 
 
+_PACKERS = {"ids": pack_ids, "logprobs": pack_logprobs, "routes": routes.pack}
+# kind -> fields packed as bytes
 _PACKED = {
-    kind: tuple(
-        (name, pack_ids if typ == "ids" else pack_logprobs)
-        for name, (typ, _, _) in payload.items()
-        # kind -> fields packed as bytes
-        if typ in ("ids", "logprobs")
-    )
+    kind: tuple((name, _PACKERS[typ]) for name, (typ, _, _) in payload.items() if typ in _PACKERS)
     for kind, payload in KINDS.items()
 }
 
@@ -300,6 +305,8 @@ def decode(entry_id: Any, fields: dict) -> Event:
             data[name] = _unpack_array(entry_id, f"data.{name}", value, "<u4", int)
         elif typ == "logprobs":
             data[name] = _unpack_array(entry_id, f"data.{name}", value, "<f4", float)
+        elif typ == "routes":
+            data[name] = routes.unpack(entry_id, f"data.{name}", value, len(data["ids"]))
         elif not isinstance(value, _CHECKS[typ]) or (typ in ("int", "float") and isinstance(value, bool)):
             raise EventError(entry_id, f"data.{name}", f"expected {typ}, got {type(value).__name__}")
         elif typ == "float" and not math.isfinite(value):

@@ -204,6 +204,10 @@ class Config:
     """modules that get adapters: all-linear, or comma-separated names (q_proj,v_proj)"""
     kl_coef: float = 0.0
     """> 0: add kl_coef x KL(policy || frozen reference = the initial model) to the loss"""
+    routing_replay: bool = True
+    """a mixture-of-experts policy: the rollout engine logs each sampled token's experts and the trainer's forward
+    routes it through them (R3, docs/models.md); false: the trainer's router chooses again. No effect on a dense
+    model"""
     kl_estimator: str = "k3"
     """k1 (log ratio) | k3 (Schulman's unbiased, always >= 0)"""
     weights_dir: str = ""

@@ -25,6 +25,7 @@ def main(argv=None) -> None:
             vllm_args=svc.cfg.vllm_args,
             step_delay_ms=svc.cfg.step_delay_ms,
             load_delay_ms=svc.cfg.simulated_load_ms,
+            routing_replay=svc.cfg.routing_replay,
         )
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (EngineError, OSError, ModelNotFound) as exc:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.trainer.loss import grpo_advantages
 from shared.protocol.episode.fold import Episode
+from shared.protocol.episode.routes import RouteShape
 
 POLICY_FAILURE_REASONS = ("length", "context", "tool_limit")
 MALFORMED_CALL = "malformed tool call"
@@ -60,6 +62,9 @@ class Batch:
     stale_tokens_masked: int = 0
     # the trainer's version the batch was built for (staleness = version - token version)
     version: int = 0
+    # [B, L-1, layers, top_k] a mixture-of-experts policy's logged routes at each target's input position, -1
+    # where the router chooses (prompt, tool output, a token logged without routes); None: no routing replay
+    routes: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +92,7 @@ class Batch:
             self.top_p[idx],
             self.rewards[idx],
             [self.episode_ids[i] for i in idx.tolist()],
+            routes=None if self.routes is None else self.routes[idx, : width - 1],
         )
 
 
@@ -99,9 +105,14 @@ def trained_reward(ep: Episode) -> tuple[float, bool]:
 
 
 def build_batch(
-    groups: list[list[Episode]], pad_id: int, trainer_version: int = 0, hard_max_staleness: int = 0
+    groups: list[list[Episode]],
+    pad_id: int,
+    trainer_version: int = 0,
+    hard_max_staleness: int = 0,
+    route_shape: RouteShape | None = None,
 ) -> Batch:
-    """One row per finished episode; advantages normalised within each group, on the trained rewards."""
+    """One row per finished episode; advantages normalised within each group, on the trained rewards.
+    ``route_shape``: replay the routes of a mixture-of-experts policy of that shape (None: no replay)."""
     episodes = [ep for group in groups for ep in group]
     if not episodes:
         raise ValueError("build_batch: no episodes")
@@ -120,6 +131,9 @@ def build_batch(
     loss_mask = torch.zeros((n, width - 1))
     behav = torch.zeros((n, width - 1))
     versions = torch.full((n, width - 1), -1, dtype=torch.long)
+    routes = None
+    if route_shape is not None and any(ep.routes for ep in episodes):
+        routes = torch.full((n, width - 1, route_shape.layers, route_shape.top_k), -1, dtype=torch.int16)
     greedy_tokens = stale = 0
     for i, ep in enumerate(episodes):
         ids = ep.prompt_ids + ep.tokens
@@ -140,6 +154,11 @@ def build_batch(
         loss_mask[i, start:end] = mask
         behav[i, start:end] = torch.tensor(ep.logprobs)
         versions[i, start:end] = vers
+        if routes is not None and ep.routes:
+            held = [j for j, r in enumerate(ep.routes) if r is not None]
+            if held:
+                rows = torch.from_numpy(np.stack([ep.routes[j] for j in held]).astype(np.int16))
+                routes[i, torch.tensor(held) + start] = rows
     sampling = [ep.sampling for ep in episodes]
     return Batch(
         input_ids,
@@ -158,4 +177,5 @@ def build_batch(
         greedy_tokens,
         stale,
         trainer_version,
+        routes,
     )

@@ -182,6 +182,8 @@ def step_message(groups: list[tuple[str, str, list[str]]], batch: Batch) -> dict
         "groups": [list(g) for g in groups],
         "episode_ids": batch.episode_ids,
         "shape": list(batch.input_ids.shape),
+        # routing replay: [layers, top_k] of the batch's routes, sent after the other tensors
+        "routes": None if batch.routes is None else list(batch.routes.shape[2:]),
         **{k: getattr(batch, k) for k in _COUNTS},
     }
 
@@ -189,13 +191,16 @@ def step_message(groups: list[tuple[str, str, list[str]]], batch: Batch) -> dict
 def broadcast_batch(shard: Shard, message: dict, batch: Batch | None = None) -> Batch:
     """After a ``step`` message: rank 0 sends ``batch``'s tensors, every rank returns the batch."""
     b, width = message["shape"]
-    dims = {"BL": (b, width), "BT": (b, width - 1), "B": (b,)}
-    sizes = [int(torch.Size(dims[kind]).numel()) for _, _, kind in _FIELDS]
+    routed = message.get("routes")
+    dims = {"BL": (b, width), "BT": (b, width - 1), "B": (b,), "BTR": (b, width - 1, *(routed or (0, 0)))}
+    fields = _FIELDS + ((("routes", torch.int16, "BTR"),) if routed else ())
+    sizes = [int(torch.Size(dims[kind]).numel()) for _, _, kind in fields]
     if shard.main:
-        flat = torch.cat([getattr(batch, name).reshape(-1).double() for name, _, _ in _FIELDS]).to(shard.device)
+        flat = torch.cat([getattr(batch, name).reshape(-1).double() for name, _, _ in fields]).to(shard.device)
     else:
         flat = torch.empty(sum(sizes), dtype=torch.float64, device=shard.device)
     dist.broadcast(flat, 0)
     parts = flat.cpu().split(sizes)
-    tensors = [part.to(dtype).reshape(dims[kind]) for part, (_, dtype, kind) in zip(parts, _FIELDS)]
-    return Batch(*tensors, list(message["episode_ids"]), *(int(message[k]) for k in _COUNTS))
+    tensors = [part.to(dtype).reshape(dims[kind]) for part, (_, dtype, kind) in zip(parts, fields)]
+    routes = tensors.pop() if routed else None
+    return Batch(*tensors, list(message["episode_ids"]), *(int(message[k]) for k in _COUNTS), routes=routes)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from services.trainer.batch import trained_reward
 from shared.protocol import gate
 from shared.protocol.archive import ledger
+from shared.protocol.episode import routes
 from shared.protocol.episode.errors import EventError
 from shared.protocol.episode.fold import Episode, fold
 from shared.protocol.episode.log import EpisodeLog
@@ -26,8 +27,10 @@ CONSUMER = "trainer"
 
 
 class Intake:
-    def __init__(self, client, keys, counts: dict, filter_constant_groups: bool, log, archive=None):
+    def __init__(self, client, keys, counts: dict, filter_constant_groups: bool, log, archive=None, route_shape=None):
         self.client, self.keys, self.counts, self.log = client, keys, counts, log
+        # routing replay: the shape every logged route must have (shared/protocol/episode/routes.py), else None
+        self.route_shape = route_shape
         self.filter_constant_groups = filter_constant_groups
         # ``archive``: the run's segments (a SegmentStore), where a committed group's streams may have moved
         self.episodes = EpisodeLog(client, keys, "trainer", archive=archive)
@@ -102,6 +105,7 @@ class Intake:
         for eid, entries in zip(eids, self.episodes.read_many(eids)):
             try:
                 ep = fold(entries)
+                self._check_routes(ep)
             # set aside with its reason (loses nothing); the group trains without it
             except EventError as exc:
                 self.log.error("episode stream unreadable; episode skipped", episode=eid, error=str(exc))
@@ -128,6 +132,15 @@ class Intake:
             return None
         return episodes
 
+    def _check_routes(self, ep: Episode) -> None:
+        """EventError naming the first ``tokens`` entry whose routes do not fit the policy (routing replay)."""
+        if self.route_shape is None:
+            return
+        for ev in ep.events:
+            held = ev.data.get("routes") if ev.kind == "tokens" else None
+            if held is not None and (problem := routes.mismatch(ev.entry_id, "data.routes", held, self.route_shape)):
+                raise problem
+
     def refold(self, step: list[tuple[str, list[str]]]) -> list[tuple[str, str, list[Episode]]]:
         """A committed step's groups ((group id, episode ids), in the order they trained) as the step had them: each
         group's finished episodes; an unreadable stream is left out as it was then. Episodes not in the log at all
@@ -141,6 +154,7 @@ class Intake:
                     continue
                 try:
                     ep = fold(entries)
+                    self._check_routes(ep)
                 except EventError:
                     continue
                 if ep.status == "finished":

@@ -7,6 +7,9 @@
 - ``lora_rank > 0``: PEFT LoRA adapters on ``lora_targets``; only they train. A version publishes merged
   weights (base + B·A·alpha/r) under the base model's parameter names, so both engines load it like any
   other version and nothing else in the pipeline knows LoRA is on;
+- ``routing_replay`` on a mixture of experts: the forwards route each sampled token through the experts its
+  behaviour policy chose (the episode log's routes, shared/runtime/routers.py); the router still trains through
+  the chosen experts' probabilities;
 - ``kl_coef > 0``: a frozen reference (the initial model) for a KL term: with LoRA, the same model with its
   adapters switched off (no second copy); without, a second copy with ``requires_grad`` off (bf16 when
   ``dtype`` is bfloat16).
@@ -25,6 +28,7 @@ from shared.protocol.episode.logprobs import token_logprobs
 from shared.runtime.config.errors import ConfigError
 from shared.runtime.config.keys import Config
 from shared.runtime.models import resolve_model
+from shared.runtime.routers import Routers, RoutingUnsupported
 
 
 def autocast_context(device: torch.device, dtype: str):
@@ -66,11 +70,30 @@ class Policy:
         if cfg.dtype == "bfloat16":
             model.forward = _autocast(model.forward, self.device, cfg.dtype)
         self.model = model
+        # a mixture of experts with routing_replay on: the forwards route the logged routes (step.policy_logprobs)
+        self.routers = self._routers(model, cfg)
+        self.route_shape = self.routers.shape if self.routers is not None else None
         self.reference = None
         if cfg.kl_coef > 0 and not self.lora:
             ref_dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
             self.reference = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=ref_dtype).to(self.device)
             self.reference.eval().requires_grad_(False)
+
+    @staticmethod
+    def _routers(model, cfg: Config) -> Routers | None:
+        """The model's routers, hooked for replay and proven to reproduce its own routing; None for a dense model
+        or with routing_replay off. A router replay does not know is refused in one line."""
+        if not cfg.routing_replay:
+            return None
+        try:
+            routers = Routers.of(model)
+            if routers is not None:
+                routers.check_replay(model, model.config.get_text_config().vocab_size)
+        except RoutingUnsupported as exc:
+            raise ConfigError(f"config key 'routing_replay': model {cfg.model_dir}: {exc}") from None
+        if routers is not None:
+            model.route_replay = routers
+        return routers
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]

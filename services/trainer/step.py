@@ -80,7 +80,12 @@ class StepConfig:
 
 
 def policy_logprobs(model, mb: Batch, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs [b, L-1] of the targets under each row's sampling transform, logits [b, L-1, V])."""
+    """(log-probs [b, L-1] of the targets under each row's sampling transform, logits [b, L-1, V]). A model with
+    routing replay (``model.route_replay``, shared/runtime/routers.py) routes the batch's logged routes."""
+    routers = getattr(model, "route_replay", None)
+    if routers is not None:
+        # the last input position predicts no target: its router chooses
+        routers.force(None if mb.routes is None else torch.nn.functional.pad(mb.routes, (0, 0, 0, 0, 0, 1), value=-1))
     logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device)).logits[:, :-1]
     logp = token_logprobs(
         logits, mb.targets.to(device), mb.temperature.to(device), mb.top_k.to(device), mb.top_p.to(device)

@@ -96,7 +96,15 @@ class Trainer:
         self.counts = dict.fromkeys(COUNTERS, 0)
         # samples, exactly once; a committed group's episodes from either tier of the log
         archive = segments.SegmentStore(segments.folder_of(cfg.run_path))
-        self.intake = Intake(client, self.keys, self.counts, cfg.filter_constant_groups, log, archive=archive)
+        self.intake = Intake(
+            client,
+            self.keys,
+            self.counts,
+            cfg.filter_constant_groups,
+            log,
+            archive=archive,
+            route_shape=self.policy.route_shape,
+        )
         # each step's groups since the last commit, as its ledger line keeps them
         self.batches: list[list] = []
         self.wait_s = 0.0
@@ -245,7 +253,13 @@ class Trainer:
     # --- learning
     def _learn(self, groups: list[tuple[str, str, list[Episode]]]) -> tuple[Batch, dict]:
         """One optimizer step on ``groups`` (every rank gets the batch); a restore's re-training takes the same path."""
-        batch = build_batch([eps for _, _, eps in groups], self.pad_id, self.version, self.cfg.hard_max_staleness)
+        batch = build_batch(
+            [eps for _, _, eps in groups],
+            self.pad_id,
+            self.version,
+            self.cfg.hard_max_staleness,
+            self.policy.route_shape,
+        )
         # every rank gets the batch's ids and tensors (nothing to share when alone)
         self.topology.share_batch(groups, batch)
         stats = self._train(batch)

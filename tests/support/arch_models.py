@@ -54,9 +54,19 @@ def bpe_tokenizer(bos: bool):
 
 
 def make_arch_model(kind: str, out_dir: str | Path, seed: int = 0) -> str:
-    """``kind``: llama | qwen2 | mistral | mistral-sliding (a sliding-window cache the torch engine refuses)."""
+    """``kind``: llama | qwen2 | mistral | mistral-sliding (a sliding-window cache the torch engine refuses); the
+    mixtures of experts qwen3-moe | mixtral | olmoe (8 experts, top-2; qwen3-moe with one dense layer between)."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (
+        AutoModelForCausalLM,
+        GenerationConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2Config,
+        Qwen3MoeConfig,
+    )
 
     tok = bpe_tokenizer(bos=kind == "llama")
     ids = dict(
@@ -78,6 +88,13 @@ def make_arch_model(kind: str, out_dir: str | Path, seed: int = 0) -> str:
         config = MistralConfig(**dims, **ids, sliding_window=None)
     elif kind == "mistral-sliding":
         config = MistralConfig(**dims, **ids, sliding_window=32)
+    elif kind == "qwen3-moe":
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        config = Qwen3MoeConfig(**{**dims, "num_hidden_layers": 3}, **ids, **moe, head_dim=16, mlp_only_layers=[1])
+    elif kind == "mixtral":
+        config = MixtralConfig(**dims, **ids, num_local_experts=8, num_experts_per_tok=2, sliding_window=None)
+    elif kind == "olmoe":
+        config = OlmoeConfig(**dims, **ids, num_experts=8, num_experts_per_tok=2)
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)

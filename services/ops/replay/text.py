@@ -111,7 +111,12 @@ def continue_text(cfg, args, log, entries, ep, decode_text) -> int:
         reward_fn = rewards.load(cfg.reward_fn)
         try:
             engine = make_engine(
-                cfg.engine, model_dir(cfg), device=cfg.device_of("rollout"), max_batch_size=1, vllm_args=cfg.vllm_args
+                cfg.engine,
+                model_dir(cfg),
+                device=cfg.device_of("rollout"),
+                max_batch_size=1,
+                vllm_args=cfg.vllm_args,
+                routing_replay=cfg.routing_replay,
             )
         except EngineError as exc:
             raise cont.ContinuationError(f"model_dir {cfg.model_dir}: {exc}") from None

@@ -18,21 +18,6 @@ MAX_REBASES = 8
 
 
 class CallLog(EpisodeLog):
-    def append_tokens(
-        self, episode_id: str, ids: list[int], logprobs: list[float], policy: int, call: int | None = None
-    ) -> None:
-        if not ids:
-            return
-        p = self._pending[episode_id]
-        last = p.events[-1] if p.events else None
-        if last is not None and last.kind == "tokens" and last.policy == policy and last.data.get("call") == call:
-            last.data["ids"] += ids
-            last.data["logprobs"] += logprobs
-        else:
-            data = {"ids": list(ids), "logprobs": list(logprobs), **({"call": call} if call is not None else {})}
-            self.append(episode_id, "tokens", data, policy)
-        p.num_tokens += len(ids)
-
     def flush(self, episode_ids: list[str] | None = None) -> dict[str, Exception]:
         held = {
             e: list(p.events)

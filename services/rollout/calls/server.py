@@ -246,15 +246,16 @@ class CallServer:
         live = self.live.get(chunk.request_id)
         if live is None:
             return
-        ids, logprobs = chunk.token_ids, chunk.logprobs
+        ids, logprobs, routes = chunk.token_ids, chunk.logprobs, chunk.routes
         # the whole completion (logged prefix + new): a stop string may straddle an abort
         hit = self._stop_at(live, live.tokens + ids, len(live.tokens)) if live.stops and ids else None
         if hit is not None:
             # nothing after the token that completes the string is logged
             keep = hit[0] + 1 - len(live.tokens)
             ids, logprobs = ids[:keep], logprobs[:keep]
+            routes = None if routes is None else routes[:keep]
         if ids:
-            self.events.append_tokens(live.req.episode_id, ids, logprobs, chunk.version, call=live.req.call)
+            self.events.append_tokens(live.req.episode_id, ids, logprobs, chunk.version, routes, call=live.req.call)
             live.tokens += ids
             self.stats["call_tokens"] += len(ids)
         if hit is not None:

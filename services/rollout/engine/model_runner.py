@@ -12,12 +12,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from services.rollout.engine.base import EngineError
+from shared.protocol.episode.routes import canonical
+from shared.runtime.routers import Routers, RoutingUnsupported
 
 
 def resolve_device(device: str) -> torch.device:
@@ -28,7 +31,9 @@ def resolve_device(device: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.float32, routing_replay: bool = False
+    ):
         self.device = resolve_device(device)
         try:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -36,6 +41,16 @@ class ModelRunner:
             raise EngineError(f"cannot load model from {model_dir!r}: {exc}") from exc
         self._check_servable(model.config, model_dir)
         self.model = model.to(self.device).eval()
+        # a mixture of experts with routing_replay on: every forward records its routers' choices
+        self.routers = None
+        if routing_replay:
+            try:
+                self.routers = Routers.of(self.model)
+            except RoutingUnsupported as exc:
+                raise EngineError(f"model at {model_dir!r}: {exc}") from None
+        if self.routers is not None:
+            self.routers.recording = True
+        self.route_shape = self.routers.shape if self.routers is not None else None
         # the KV cache's name, in and out: `cache` from transformers 5.24, `past_key_values` before (deprecated
         # in 5.24, gone in 5.40; vLLM 0.32 pins transformers < 5.20, so both are in use)
         self.cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -86,6 +101,13 @@ class ModelRunner:
         )
         self.cache, self.mask, self.positions = getattr(out, self.cache_name), mask, self.positions + 1
         return out.logits[:, -1]
+
+    def last_routes(self, rows: int) -> np.ndarray | None:
+        """The last forward's routes at each of its ``rows`` rows' last position, [rows, layers, top_k] in the log's
+        form (shared/protocol/episode/routes.py); None when this runner records none."""
+        if self.routers is None:
+            return None
+        return canonical(self.routers.last_rows(rows).cpu().numpy(), self.route_shape)
 
     def remove(self, request_ids: Iterable[str]) -> None:
         gone = set(request_ids) & set(self.rows)

@@ -25,6 +25,8 @@ class Sequence:
     start_index: int = 0
     prompt_len: int = field(init=False)
     logprobs: list[float] = field(default_factory=list)
+    # a mixture-of-experts model recording routes: each generated token's [layers, top_k] experts
+    routes: list = field(default_factory=list)
     # generated tokens already handed out in a chunk
     num_returned: int = 0
     status: Status = Status.WAITING
@@ -46,13 +48,16 @@ class Sequence:
     def last_token(self) -> int:
         return self.token_ids[-1]
 
-    def append(self, token: int, logprob: float) -> None:
+    def append(self, token: int, logprob: float, route=None) -> None:
         self.token_ids.append(token)
         self.logprobs.append(logprob)
+        if route is not None:
+            self.routes.append(route)
 
-    def take_new(self) -> tuple[list[int], list[float]]:
-        """Generated tokens (and log-probs) not yet returned; marks them returned."""
+    def take_new(self) -> tuple[list[int], list[float], list]:
+        """Generated tokens (with log-probs, and routes when recorded) not yet returned; marks them returned."""
         start = self.prompt_len + self.num_returned
         tokens, logprobs = self.token_ids[start:], self.logprobs[self.num_returned :]
+        routes = self.routes[self.num_returned :]
         self.num_returned = self.num_generated
-        return tokens, logprobs
+        return tokens, logprobs, routes

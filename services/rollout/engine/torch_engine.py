@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from services.rollout.engine.base import Chunk, EngineError, SamplingParams, check_request
 from services.rollout.engine.model_runner import ModelRunner
 from services.rollout.engine.sampler import sample
@@ -12,10 +14,18 @@ from services.rollout.engine.sequence import Sequence
 
 
 class TorchEngine:
-    def __init__(self, model_dir: str, device: str = "cpu", max_batch_size: int = 32, max_model_len: int | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        device: str = "cpu",
+        max_batch_size: int = 32,
+        max_model_len: int | None = None,
+        routing_replay: bool = False,
+    ):
         if max_batch_size < 1:
             raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.runner = ModelRunner(model_dir, device)
+        self.runner = ModelRunner(model_dir, device, routing_replay=routing_replay)
+        self.route_shape = self.runner.route_shape
         self.max_model_len = max_model_len or self.runner.max_position_embeddings
         if not self.max_model_len:
             raise EngineError(f"model at {model_dir!r} has no max_position_embeddings: pass max_model_len")
@@ -65,13 +75,16 @@ class TorchEngine:
 
     def _sample(self, seqs: list[Sequence], logits) -> None:
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.position for s in seqs])
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            seq.append(token, logprob)
+        # the experts each row's last position went through: the route of the token sampled from its logits
+        routes = self.runner.last_routes(len(seqs))
+        for i, (seq, token, logprob) in enumerate(zip(seqs, tokens, logprobs)):
+            seq.append(token, logprob, None if routes is None else routes[i])
             self.scheduler.check_finished(seq)
 
     def _chunk(self, seq: Sequence) -> Chunk:
-        tokens, logprobs = seq.take_new()
-        return Chunk(seq.request_id, tokens, logprobs, self.version, seq.finish_reason)
+        tokens, logprobs, routes = seq.take_new()
+        stacked = np.stack(routes) if routes else None
+        return Chunk(seq.request_id, tokens, logprobs, self.version, seq.finish_reason, stacked)
 
 
 def _read_safetensors(path: Path) -> dict:

@@ -238,7 +238,7 @@ class Episodes:
 
     def _record(self, live: LiveEpisode, chunk: Chunk) -> None:
         if chunk.token_ids:
-            self.events.append_tokens(live.episode_id, chunk.token_ids, chunk.logprobs, chunk.version)
+            self.events.append_tokens(live.episode_id, chunk.token_ids, chunk.logprobs, chunk.version, chunk.routes)
             self.agent.add_generated(live, chunk.token_ids)
             self.stats["tokens"] += len(chunk.token_ids)
 

@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import redis
 
 from shared.protocol.episode.events import SCHEMA_VERSION, Event, encode_data
@@ -174,16 +175,33 @@ class EpisodeLog:
         if p.since is None:
             p.since = self.clock()
 
-    def append_tokens(self, episode_id: str, ids: list[int], logprobs: list[float], policy: int) -> None:
+    def append_tokens(
+        self, episode_id: str, ids: list[int], logprobs: list[float], policy: int, routes=None, call: int | None = None
+    ) -> None:
+        """Buffer generated tokens (with their routes [n, layers, top_k] when the policy records them; of ``call``
+        in an agent episode), joined to the pending ``tokens`` event when it is of the same version and call."""
         if not ids:
             return
         p = self._pending[episode_id]
         last = p.events[-1] if p.events else None
-        if last is not None and last.kind == "tokens" and last.policy == policy:
+        if (
+            last is not None
+            and last.kind == "tokens"
+            and last.policy == policy
+            and last.data.get("call") == call
+            and ("routes" in last.data) == (routes is not None)
+        ):
             last.data["ids"] += ids
             last.data["logprobs"] += logprobs
+            if routes is not None:
+                last.data["routes"] = np.concatenate([last.data["routes"], routes])
         else:
-            self.append(episode_id, "tokens", {"ids": list(ids), "logprobs": list(logprobs)}, policy)
+            data = {"ids": list(ids), "logprobs": list(logprobs)}
+            if call is not None:
+                data["call"] = call
+            if routes is not None:
+                data["routes"] = routes
+            self.append(episode_id, "tokens", data, policy)
         p.num_tokens += len(ids)
 
     def pending_tokens(self, episode_id: str) -> int:

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from services.ops.cli.main import main
-from services.ops.launch import tiny_model
+from services.ops.launch import preflight, tiny_model
 from services.ops.launch.runner import check_continuation
 from shared.runtime import runstate
 from shared.runtime.config.checks import MOE_FAMILIES, validate
@@ -52,6 +52,8 @@ def test_make_model_moe_makes_that_family_which_loads_and_generates(family, tmp_
     dense_recipe = tiny_model.default_recipe(Config(), warm_steps=3)
     assert recipe == {**dense_recipe, "moe": family} and "moe" not in dense_recipe
     assert runstate.model_shape(str(out)) == {"moe": True, "layers": 2, "top_k": 2, "experts": 8}
+    # `streamrl run` takes it: it loads, the torch engine can serve it, the task's prompts fit
+    assert preflight.problems(Config(model_dir=str(out), run_dir=str(tmp_path / "runs"))) == []
 
 
 def test_a_run_wanting_the_dense_model_remakes_an_moe_one_and_back(tmp_path, capsys):

@@ -93,7 +93,10 @@ def build_parser(commands) -> argparse.ArgumentParser:
         ("where", "model"),
     )
     p.add_argument(
-        "--warm-steps", type=int, default=None, help="supervised steps of 32 examples (default 150; 400 with --agent)"
+        "--warm-steps",
+        type=int,
+        default=None,
+        help="supervised steps of 32 examples (default 150, 100 with --moe qwen3; 400 with --agent)",
     )
     p.add_argument(
         "--moe",

@@ -2,11 +2,13 @@
 
 A run's state is in two places: its Redis data (streams, consumer groups) and its folder ``<run_dir>/<run>/``
 (trainer snapshots and ledger, metrics, plots; by default the Redis data too, in ``redis/``). Both carry the same
-identity: Redis holds ``streamrl:<run>:meta`` {run, id, created, config, ended?}, the folder holds ``run.json`` {run,
-id, created, redis, config}: ``config`` is the effective config the run was made with (secrets left out), which
-commands naming ``--run`` start from. Every process binds to the run when it has connected (``bind``): the first one
-creates the identity, the others find it, and a process that finds the two disagreeing (another run's data, or a
-folder whose Redis is gone: a trainer ledger ahead of an empty server) stops with one line that says what
+identity: Redis holds ``streamrl:<run>:meta`` {run, id, created, config, model_shape, ended?}, the folder holds
+``run.json`` {run, id, created, redis, config, model_shape}: ``config`` is the effective config the run was made with
+(secrets left out), which commands naming ``--run`` start from; ``model_shape`` is how its model routes tokens
+(:func:`model_shape`: dense, or a mixture of experts of so many MoE layers, experts and top-k), which a continuation's
+model must keep (`streamrl run`'s preflight). Every process binds to the run when it has connected (``bind``): the
+first one creates the identity, the others find it, and a process that finds the two disagreeing (another run's data,
+or a folder whose Redis is gone: a trainer ledger ahead of an empty server) stops with one line that says what
 disagrees and how to continue or start afresh."""
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from pathlib import Path
 import redis
 
 from shared.protocol.archive.ledger import read_ledger
+from shared.protocol.episode.routes import RouteShape
 from shared.protocol.keys import Keys
+from shared.runtime.config.errors import ConfigError
 from shared.runtime.config.keys import Config
 from shared.runtime.connection import redact
 from shared.runtime.secrets import private_dir
@@ -74,16 +78,72 @@ def recorded_config(meta: dict | None) -> dict:
     return raw if isinstance(raw, dict) else {}
 
 
+def _route_shape_of(config: dict) -> RouteShape | None:
+    """The routes of a model whose config.json holds ``config``; None for a dense model. Its MoE layers are every
+    decoder layer but those a Qwen-MoE-style config keeps dense (``mlp_only_layers``, and off the
+    ``decoder_sparse_step`` beat) or a DeepSeek-style one leaves dense first (``first_k_dense_replace``)."""
+    config = config.get("text_config") or config
+    experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(k)), 0)
+    top_k = config.get("num_experts_per_tok") or 0
+    if not (isinstance(experts, int) and isinstance(top_k, int) and experts > 0 and top_k > 0):
+        return None
+    dense = set(config.get("mlp_only_layers") or ())
+    step = config.get("decoder_sparse_step") or 1
+    first = config.get("first_k_dense_replace") or 0
+    layers = sum(
+        1
+        for i in range(int(config.get("num_hidden_layers") or 0))
+        if i not in dense and (i + 1) % step == 0 and i >= first
+    )
+    return RouteShape(layers, top_k, experts) if layers else None
+
+
+def model_shape(model_dir: str) -> dict | None:
+    """How the model at ``model_dir`` (a folder or a cached hub id) routes tokens, as a run records it:
+    ``{"moe": false}``, or ``{"moe": true, "layers": L, "top_k": k, "experts": E}``; None when its config.json cannot
+    be read (nothing to record or compare)."""
+    from shared.runtime.models import resolve_model
+
+    try:
+        config = json.loads((Path(resolve_model(model_dir)) / "config.json").read_text())
+    except (ConfigError, OSError, ValueError):
+        return None
+    shape = _route_shape_of(config) if isinstance(config, dict) else None
+    return {"moe": True, **shape.to_dict()} if shape else {"moe": False}
+
+
+def recorded_shape(meta: dict | None) -> dict | None:
+    """The model shape a run recorded (:func:`model_shape`); None for a run from before shapes were recorded."""
+    raw = (meta or {}).get("model_shape")
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            return None
+    return raw if isinstance(raw, dict) else None
+
+
+def describe_shape(shape: dict) -> str:
+    """A recorded model shape in words: "a dense model", "a mixture of experts (2 MoE layers, top-2 of 8 experts)"."""
+    if not shape.get("moe"):
+        return "a dense model"
+    return f"a mixture of experts ({RouteShape(shape['layers'], shape['top_k'], shape['experts']).describe()})"
+
+
 def write_marker(run_path: Path, meta: dict, redis_url: str) -> None:
     """Atomic (several processes of one run write the same content at once)."""
     # 0700: the run's Redis data, snapshots and secrets are in it
     run_path = private_dir(run_path)
     tmp = run_path / f".{MARKER}.{os.getpid()}.{uuid.uuid4().hex[:6]}"
     body = {k: meta[k] for k in ("run", "id", "created") if k in meta}
-    config = recorded_config(meta)
-    tmp.write_text(
-        json.dumps({**body, "redis": redact(redis_url), **({"config": config} if config else {})}, indent=1) + "\n"
-    )
+    config, shape = recorded_config(meta), recorded_shape(meta)
+    body = {
+        **body,
+        "redis": redact(redis_url),
+        **({"config": config} if config else {}),
+        **({"model_shape": shape} if shape else {}),
+    }
+    tmp.write_text(json.dumps(body, indent=1) + "\n")
     os.replace(tmp, run_path / MARKER)
 
 
@@ -126,7 +186,8 @@ def bind(
     client: redis.Redis, keys: Keys, run_path: Path, redis_url: str, create: bool = True, config: dict | None = None
 ) -> dict | None:
     """The run's identity once folder and Redis agree (created when neither has one and ``create``, with
-    ``config``: :func:`recordable`, the effective config the run records); RunStateError when they disagree.
+    ``config``: :func:`recordable`, the effective config the run records, and the :func:`model_shape` of its
+    ``model_dir``); RunStateError when they disagree.
     Read-only callers (``create=False``) get None for a run not yet named."""
     run_path, where, run = Path(run_path), redact(redis_url), keys.run
     fresh = f"start afresh: move {run_path} aside (or pick another --run)"
@@ -158,8 +219,9 @@ def bind(
         # data of the run from before its name was recorded: adopt it
         if has_data:
             adopted = {k: local[k] for k in ("run", "id", "created") if k in local}
-            if local.get("config"):
-                adopted["config"] = json.dumps(local["config"])
+            for field in ("config", "model_shape"):
+                if local.get(field):
+                    adopted[field] = json.dumps(local[field])
             return _create(client, keys, adopted) if create else local
         state = local_state(run_path)
         raise RunStateError(
@@ -176,6 +238,7 @@ def bind(
         )
     if not create:
         return None
+    shape = model_shape(config["model_dir"]) if config and isinstance(config.get("model_dir"), str) else None
     meta = _create(
         client,
         keys,
@@ -184,6 +247,7 @@ def bind(
             "id": uuid.uuid4().hex[:12],
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             **({"config": json.dumps(config)} if config else {}),
+            **({"model_shape": json.dumps(shape)} if shape else {}),
         },
     )
     write_marker(run_path, meta, redis_url)

@@ -11,6 +11,7 @@ import pytest
 
 from services.ops.cli.main import main
 from services.ops.launch.preflight import lora_problems, split_problems
+from shared.protocol.keys import Keys
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW = {"prompt": "1+1=", "answer": "2"}
@@ -198,3 +199,65 @@ def test_specs_import_from_the_working_directory_as_the_services_do():
     )
     out = subprocess.run([sys.executable, "-I", "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_continued_run_whose_model_changed_from_dense_to_moe_is_refused(
+    client, redis_url, keys, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """The run records its model's routing shape when it is created (Redis meta and run.json); continued on a model
+    that routes otherwise (here the same folder, now a mixture of experts) it is refused at preflight, one line."""
+    from services.ops.launch import preflight
+    from services.ops.launch.tiny_model import make_tiny_model
+    from shared.runtime import runstate
+    from shared.runtime.config.keys import Config
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = Config(run=keys.run, run_dir=str(tmp_path / "runs"), model_dir=str(model))
+    meta = runstate.bind(client, keys, cfg.run_path, redis_url, config=runstate.recordable(cfg))
+    dense = {"moe": False}
+    assert runstate.recorded_shape(meta) == dense == runstate.recorded_shape(runstate.read_marker(cfg.run_path))
+    assert preflight.problems(cfg) == []
+    shutil.rmtree(model)
+    make_tiny_model(model, moe="qwen3")
+    line = (
+        f"config key 'model_dir': run {keys.run!r} was interrupted; it was made on a dense model "
+        f"({cfg.run_path / 'run.json'}), and {str(model)!r} is a mixture of experts (2 MoE layers, top-2 of 8 "
+        f"experts): continue it with the model it was made with, or start another with --run NAME"
+    )
+    assert preflight.problems(cfg) == [line]
+    # `streamrl run` says it and starts nothing
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    # the checks run in a child: this checkout's
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    before = sorted(p.name for p in cfg.run_path.iterdir())
+    capsys.readouterr()
+    rc = main(
+        [
+            "run",
+            "--run",
+            keys.run,
+            "--run-dir",
+            cfg.run_dir,
+            "--model-dir",
+            str(model),
+            "--procfile",
+            str(ROOT / "Procfile"),
+        ]
+    )
+    assert rc == 2 and capsys.readouterr().err.strip().splitlines() == [f"streamrl run: {line}"]
+    assert sorted(p.name for p in cfg.run_path.iterdir()) == before
+    # a run made on the mixture of experts, continued on it with another top-k: refused the same way
+    moe_keys = Keys(f"{keys.run}-moe")
+    moe = cfg.replace(run=moe_keys.run)
+    runstate.bind(client, moe_keys, moe.run_path, redis_url, config=runstate.recordable(moe))
+    assert preflight.problems(moe) == []
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 4}))
+    assert preflight.problems(moe) == [
+        f"config key 'model_dir': run {moe_keys.run!r} was interrupted; it was made on a mixture of experts (2 MoE "
+        f"layers, top-2 of 8 experts) ({moe.run_path / 'run.json'}), and {str(model)!r} is a mixture of experts "
+        f"(2 MoE layers, top-4 of 8 experts): continue it with the model it was made with, or start another with "
+        f"--run NAME"
+    ]

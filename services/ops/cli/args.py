@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from shared.runtime.config import sources as config_sources
+from shared.runtime.config.checks import MOE_FAMILIES
 
 
 def build_parser(commands) -> argparse.ArgumentParser:
@@ -88,11 +89,20 @@ def build_parser(commands) -> argparse.ArgumentParser:
         commands.cmd_make_model,
         "create the default tiny model at model_dir: random init + a short "
         "supervised warm start on the task (calc-tool format with --tools calc; chat episodes with the "
-        "calc tool and a 1,024 context with --agent)",
+        "calc tool and a 1,024 context with --agent; a mixture of experts with --moe)",
         ("where", "model"),
     )
     p.add_argument(
-        "--warm-steps", type=int, default=None, help="supervised steps of 32 examples (default 150; 400 with --agent)"
+        "--warm-steps",
+        type=int,
+        default=None,
+        help="supervised steps of 32 examples (default 150, 100 with --moe qwen3; 400 with --agent)",
+    )
+    p.add_argument(
+        "--moe",
+        choices=MOE_FAMILIES,
+        help="a mixture of experts of that family (8 experts, top-2) instead of the dense Llama: the same as "
+        "--model-moe, which a run asks for its default model with",
     )
     p.add_argument("--force", action="store_true", help="replace a model already at model_dir")
     p = add(

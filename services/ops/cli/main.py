@@ -274,6 +274,9 @@ def cmd_stop(cfg, args) -> int:
 def cmd_make_model(cfg, args) -> int:
     from services.ops.launch.tiny_model import ensure_default_model
 
+    # --moe is model_moe's own flag here: the recipe a run with that model_moe wants, so the run takes the model
+    if args.moe:
+        cfg = cfg.replace(model_moe=args.moe)
     if not ensure_default_model(cfg, warm_steps=args.warm_steps, force=args.force):
         print(f"streamrl make-model: {cfg.model_dir} exists; --force replaces it", file=sys.stderr)
     return 0

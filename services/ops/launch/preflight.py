@@ -3,8 +3,9 @@
 ``config_checks`` rules on values alone; the checks here need files and imports: the model and tokenizer load
 (and the engine can serve the model), the dataset and eval set load with every named column, their first rows
 parse and their prompts encode (a chat template when the rows are chat messages) and fit the model's context,
-the reward / tool / agent specs import and are callable, LoRA targets name modules of the model. Nothing is
-written anywhere: a run that fails here leaves no trace under ``run_dir``."""
+the reward / tool / agent specs import and are callable, LoRA targets name modules of the model, and a run that
+continues keeps the routing shape its model was recorded with (dense, or so many experts, top-k and MoE layers).
+Nothing is written anywhere: a run that fails here leaves no trace under ``run_dir``."""
 
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def problems(cfg: Config) -> list[str]:
     out += _specs(cfg)
     if model is not None:
         tokenizer, config, names = model
+        out += shape_problems(cfg)
         if cfg.lora_rank > 0:
             out += lora_problems(cfg.lora_targets, names, cfg.model_dir)
         # an agent writes its own messages from the task
@@ -108,6 +110,31 @@ def _model(cfg: Config, out: list[str]):
         except Exception as exc:  # noqa: BLE001 - a config transformers' cache cannot be built for
             out.append(f"config key 'model_dir': {cfg.model_dir!r}: its KV cache cannot be built ({_first_line(exc)})")
     return tokenizer, config, [name for name, _ in model.named_modules()]
+
+
+def shape_problems(cfg: Config) -> list[str]:
+    """A run that continues (its folder names it and it has not ended) on a model that routes tokens otherwise than
+    the one it recorded (``runstate.model_shape``: dense or a mixture of experts, its MoE layers, experts and top-k):
+    one line. Its checkpoint and episode log are of the recorded model (the routes logged to replay have its shape)."""
+    from services.driver.driver import ENDED
+    from shared.runtime import runstate
+
+    # an ended run is moved aside: this one starts afresh
+    if (cfg.run_path / ENDED).exists():
+        return []
+    try:
+        was = runstate.recorded_shape(runstate.read_marker(cfg.run_path))
+    # the runner reads run.json first and says what is wrong with it
+    except runstate.RunStateError:
+        return []
+    now = runstate.model_shape(cfg.model_dir)
+    if was is None or now is None or was == now:
+        return []
+    return [
+        f"config key 'model_dir': run {cfg.run!r} was interrupted; it was made on {runstate.describe_shape(was)} "
+        f"({cfg.run_path / runstate.MARKER}), and {cfg.model_dir!r} is {runstate.describe_shape(now)}: continue it "
+        f"with the model it was made with, or start another with --run NAME"
+    ]
 
 
 def lora_problems(targets: str, module_names: list[str], model_dir: str) -> list[str]:

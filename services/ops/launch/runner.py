@@ -104,7 +104,9 @@ def check_continuation(cfg: Config) -> None:
 
     # the default model is remade for another recipe: not here
     if made and not lines and is_default(cfg.model_dir):
-        was = default_recipe(cfg.replace(**{k: made[k] for k in ("agent", "tools", "dataset", "seed") if k in made}))
+        # a run recorded before model_moe was a key was made on the dense model
+        kept = {k: made[k] for k in ("agent", "tools", "dataset", "seed") if k in made}
+        was = default_recipe(cfg.replace(**kept, model_moe=made.get("model_moe", "")))
         if {**was, "warm_steps": None} != {**default_recipe(cfg), "warm_steps": None}:
             lines.append(
                 f"config key 'model_dir': run {cfg.run!r} was interrupted; it was made on the default model "

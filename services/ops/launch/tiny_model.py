@@ -1,5 +1,5 @@
-"""A tiny random-init Llama with a character-level tokenizer, built locally
-(no model hub), for tests and smoke runs."""
+"""A tiny random-init Llama (or a mixture of experts of the same size class: Qwen3-MoE, Mixtral, OLMoE) with a
+character-level tokenizer, built locally (no model hub), for tests and smoke runs."""
 
 from __future__ import annotations
 
@@ -59,6 +59,84 @@ def load_tokenizer(model_dir: str | Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+# the mixture-of-experts variants: model_moe's value -> the family's name in messages
+MOE_NAMES = {"qwen3": "Qwen3-MoE", "mixtral": "Mixtral", "olmoe": "OLMoE"}
+MOE_EXPERTS = 8
+MOE_TOP_K = 2
+
+
+def model_config(
+    tok,
+    moe: str = "",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 512,
+    experts: int = MOE_EXPERTS,
+    top_k: int = MOE_TOP_K,
+):
+    """The transformers config of a tiny model for tokenizer ``tok``: a Llama (``moe`` empty), else every layer's MLP
+    a mixture of ``experts`` experts of which a token takes ``top_k``, each expert ``intermediate_size // top_k``
+    wide so that a token's active parameters are the dense model's."""
+    from transformers import LlamaConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+
+    if moe and moe not in MOE_NAMES:
+        raise ValueError(f"moe: expected one of {', '.join(MOE_NAMES)} or '' (dense), got {moe!r}")
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    expert = intermediate_size // top_k
+    # the router's load-balancing loss stays off (output_router_logits false, each family's default): the warm
+    # start and the trainer see the task's loss alone
+    if moe == "qwen3":
+        return Qwen3MoeConfig(
+            head_dim=hidden_size // num_heads,
+            # the MLP of a dense layer (mlp_only_layers): none here
+            intermediate_size=intermediate_size,
+            moe_intermediate_size=expert,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            norm_topk_prob=True,
+            output_router_logits=False,
+            **common,
+        )
+    if moe == "mixtral":
+        return MixtralConfig(
+            head_dim=hidden_size // num_heads,
+            intermediate_size=expert,
+            num_local_experts=experts,
+            num_experts_per_tok=top_k,
+            output_router_logits=False,
+            **common,
+        )
+    if moe == "olmoe":
+        return OlmoeConfig(
+            intermediate_size=expert,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            output_router_logits=False,
+            **common,
+        )
+    return LlamaConfig(intermediate_size=intermediate_size, **common)
+
+
+def describe(moe: str = "", num_layers: int = 2) -> str:
+    """The model in words: "2-layer Llama", "2-layer Qwen3-MoE (8 experts, top-2)"."""
+    if not moe:
+        return f"{num_layers}-layer Llama"
+    return f"{num_layers}-layer {MOE_NAMES[moe]} ({MOE_EXPERTS} experts, top-{MOE_TOP_K})"
+
+
 def make_tiny_model(
     out_dir: str | Path,
     hidden_size: int = 64,
@@ -67,27 +145,25 @@ def make_tiny_model(
     intermediate_size: int = 256,
     max_position_embeddings: int = 512,
     seed: int = 0,
+    moe: str = "",
 ) -> str:
-    """Save a random-init LlamaForCausalLM (safetensors) and its tokenizer into ``out_dir``."""
+    """Save a random-init causal LM (safetensors) and its tokenizer into ``out_dir``: a LlamaForCausalLM, or with
+    ``moe`` (qwen3 | mixtral | olmoe) that family's mixture of experts (:func:`model_config`)."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     tok = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok),
+    config = model_config(
+        tok,
+        moe,
         hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
+        num_layers=num_layers,
+        num_heads=num_heads,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     # generation ends at <eos> (plain-text prompts) or at the end of the assistant's turn (chat prompts)
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id,
@@ -104,6 +180,10 @@ def make_tiny_model(
 
 DEFAULT_MODEL = dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=256, max_position_embeddings=256)
 DEFAULT_WARM_STEPS = 150
+# Qwen3-MoE learns the plain task faster than the others (its q/k norms and normalized top-k weights): at 150 steps
+# its greedy answers were ~90% right where the dense model's were 40-70% and Mixtral's and OLMoE's 55-80% (2 seeds);
+# 100 steps brings it to the same range, leaving RL as much room as on the others
+MOE_WARM_STEPS = {"qwen3": 100}
 # Chat episodes take longer to learn: the model must copy the task's expression into its tool call across a
 # ~330-token prompt. Measured on the 2-core box (seed 0): 0% exact tool calls at 200 steps, ~36% at 400, 100% at
 # 600; 400 leaves RL room to lift it (and takes ~2.5 min, once).
@@ -256,17 +336,19 @@ def make_default_model(
     seed: int = 0,
     log=None,
     agent: bool = False,
+    moe: str = "",
 ) -> str:
     """The default model of ``streamrl run``: :func:`make_tiny_model` plus a short supervised warm
     start (``warm_steps`` steps of 32) on the built-in task's response format. Brief on purpose: the
     model writes answers in the right shape but gets most of them wrong, so the reward has room to
     rise, and it is RL that lifts it. ``tools`` warm-starts on the worker's calculator-tool format
     instead; ``agent`` on ``examples/calc.py``'s chat episodes (native tool calls through the chat
-    template), with a 1,024-token context."""
+    template), with a 1,024-token context. ``moe``: the model is that family's mixture of experts
+    (:func:`model_config`)."""
     from services.driver.tasks import builtin
 
     shape = dict(DEFAULT_MODEL, max_position_embeddings=AGENT_CONTEXT) if agent else DEFAULT_MODEL
-    make_tiny_model(out_dir, **shape, seed=seed)
+    make_tiny_model(out_dir, **shape, seed=seed, moe=moe)
     if warm_steps > 0:
         # another draw than the run's prompts (seeded by cfg.seed)
         rows = builtin(dataset, 4096, seed=seed + 12345)
@@ -278,15 +360,19 @@ def make_default_model(
 
 def default_recipe(cfg, warm_steps: int | None = None) -> dict:
     """What ``cfg`` wants the default model made for: its task, its format (plain text, the worker's
-    calc tool, or chat episodes through the gateway), its seed and warm start."""
+    calc tool, or chat episodes through the gateway), its seed and warm start, and for a mixture of experts
+    (``model_moe``) its family under "moe" (no entry for the dense model: markers made before there were MoE
+    variants stay equal)."""
     from services.driver.tasks import BUILTIN
 
     tools = "calc" in {t.strip() for t in cfg.tools.split(",")}
+    steps = AGENT_WARM_STEPS if cfg.agent else MOE_WARM_STEPS.get(cfg.model_moe, DEFAULT_WARM_STEPS)
     return {
         "dataset": cfg.dataset if cfg.dataset in BUILTIN else "arithmetic",
         "format": "agent" if cfg.agent else "tools" if tools else "plain",
         "seed": cfg.seed,
-        "warm_steps": warm_steps if warm_steps is not None else AGENT_WARM_STEPS if cfg.agent else DEFAULT_WARM_STEPS,
+        "warm_steps": warm_steps if warm_steps is not None else steps,
+        **({"moe": cfg.model_moe} if cfg.model_moe else {}),
     }
 
 
@@ -294,7 +380,8 @@ def ensure_default_model(cfg, warm_steps: int | None = None, force: bool = False
     """Create the default model at ``cfg.model_dir`` unless one made for the same recipe
     (:func:`default_recipe`) is there, or ``force``: warm-started on ``cfg.dataset`` when it is a
     built-in task (else on arithmetic), on the calculator-tool format when ``cfg.tools`` names ``calc``,
-    on chat episodes with the calc tool when ``cfg.agent`` is set. A default model made for another
+    on chat episodes with the calc tool when ``cfg.agent`` is set; a mixture of experts when ``cfg.model_moe``
+    names a family. A default model made for another
     recipe is remade (it is the project's own, made in seconds; say so). Returns whether it made one."""
     import json
     import shutil
@@ -328,8 +415,9 @@ def ensure_default_model(cfg, warm_steps: int | None = None, force: bool = False
         "plain": "",
     }[recipe["format"]]
     print(
-        f"streamrl: creating the default model at {cfg.model_dir}: random-init {DEFAULT_MODEL['num_layers']}-layer "
-        f"Llama + {recipe['warm_steps']} supervised warm-start steps on {recipe['dataset']}{fmt}",
+        f"streamrl: creating the default model at {cfg.model_dir}: random-init "
+        f"{describe(recipe.get('moe', ''), DEFAULT_MODEL['num_layers'])} + {recipe['warm_steps']} supervised "
+        f"warm-start steps on {recipe['dataset']}{fmt}",
         file=sys.stderr,
         flush=True,
     )
@@ -341,6 +429,7 @@ def ensure_default_model(cfg, warm_steps: int | None = None, force: bool = False
         warm_steps=recipe["warm_steps"],
         seed=cfg.seed,
         agent=recipe["format"] == "agent",
+        moe=recipe.get("moe", ""),
         log=lambda line: print(f"streamrl: {line}", file=sys.stderr, flush=True),
     )
     marker.write_text(json.dumps(recipe, sort_keys=True) + "\n")

@@ -14,6 +14,9 @@ from shared.runtime.config.errors import ConfigError
 from shared.runtime.config.keys import Config
 from shared.runtime.connection import is_cluster, redact
 
+# the mixture-of-experts families the default tiny model comes in (model_moe; services/ops/launch/tiny_model.py)
+MOE_FAMILIES = ("qwen3", "mixtral", "olmoe")
+
 
 def validate(cfg: Config) -> None:
     if is_cluster(cfg.rq_redis_url):
@@ -61,6 +64,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key {key!r}: expected an integer >= 1, got {getattr(cfg, key)}")
     if cfg.engine not in ("torch", "vllm"):
         raise ConfigError(f"config key 'engine': expected 'torch' or 'vllm', got {cfg.engine!r}")
+    if cfg.model_moe not in ("", *MOE_FAMILIES):
+        raise ConfigError(
+            f"config key 'model_moe': expected {', '.join(map(repr, MOE_FAMILIES))} or '' (the dense default "
+            f"model), got {cfg.model_moe!r}"
+        )
     if cfg.vllm_args:
         try:
             vllm_args = json.loads(cfg.vllm_args)

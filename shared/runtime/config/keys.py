@@ -63,6 +63,9 @@ class Config:
     models/tiny is created when missing"""
     tokenizer: str = ""
     """folder for decoding text in `streamrl replay`; empty means model_dir"""
+    model_moe: str = ""
+    """the default tiny model (model_dir models/tiny) as a mixture of experts: qwen3 | mixtral | olmoe (8 experts,
+    top-2, about the dense model's active parameters); empty: the dense Llama. Another model_dir ignores it"""
     stop: str = ""
     """extra stop tokens beside EOS and generation_config's EOS ids: comma-separated token ids or one-token strings"""
     # rollout

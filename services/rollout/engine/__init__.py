@@ -23,10 +23,14 @@ def make_engine(
     vllm_args: str = "",
     step_delay_ms: float = 0.0,
     load_delay_ms: float = 0.0,
+    routing_replay: bool = False,
     **kw,
 ) -> Engine:
     """``vllm_args`` (the config key: a JSON object of extra vllm.EngineArgs) only reaches the vLLM engine;
-    ``step_delay_ms`` or ``load_delay_ms`` > 0 wraps the engine in ``slow.SlowEngine`` (drills and benchmarks)."""
+    ``step_delay_ms`` or ``load_delay_ms`` > 0 wraps the engine in ``slow.SlowEngine`` (drills and benchmarks);
+    ``routing_replay``: a mixture-of-experts model's chunks carry their tokens' routes (vLLM refuses it)."""
+    if routing_replay and kind == "vllm":
+        kw["routing_replay"] = True
     engine = _make(kind, model_dir, device, vllm_args, **kw)
     if step_delay_ms > 0 or load_delay_ms > 0:
         from services.rollout.engine.slow import SlowEngine

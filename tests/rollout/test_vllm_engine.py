@@ -4,6 +4,7 @@ and the adapter's own behaviour on a real vLLM (CI's vLLM step, CPU build)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from services.rollout.engine.vllm_engine import parse_vllm_args, request_seed
 from shared.runtime.config.checks import validate
 from shared.runtime.config.errors import ConfigError
 from shared.runtime.config.keys import Config
-from tests.support.rollout_harness import make_vllm_engine
+from tests.support.rollout_harness import VLLM_TEST_ARGS
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm not installed (CI runs it in its own venv)")
@@ -64,7 +65,8 @@ def test_request_seed_depends_on_seed_and_resume_position():
 def vllm(tiny_model_dir_hd32):
     if not HAVE_VLLM:
         pytest.skip("vllm not installed (CI runs it in its own venv)")
-    engine = make_vllm_engine(tiny_model_dir_hd32, max_batch_size=4)
+    # routing_replay on, as the config's default is: a dense model ignores it
+    engine = make_engine("vllm", tiny_model_dir_hd32, max_batch_size=4, vllm_args=VLLM_TEST_ARGS, routing_replay=True)
     yield engine
     engine.close()
 
@@ -178,3 +180,85 @@ def test_weight_loads_tag_versions_and_bad_weights_keep_the_old(vllm, tiny_model
     vllm.load_weights(tiny_model_dir_hd32, 0)
     vllm.add_request("v0-again", prompt, GREEDY, 10)
     assert _drain(vllm)["v0-again"][0] == v0[0]
+
+
+# --- a mixture of experts: routing replay refused, the model served without it ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory) -> str:
+    """A random-init Qwen3-MoE (2 MoE layers, top-2 of 8 experts, head size 32 for the CPU attention) with the
+    project's tiny tokenizer."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from services.ops.launch.tiny_model import build_tokenizer
+
+    tok = build_tokenizer()
+    config = Qwen3MoeConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("tiny-moe")
+    Qwen3MoeForCausalLM(config).save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
+@needs_vllm
+def test_the_dense_model_records_no_routes(vllm):
+    assert vllm.route_shape is None
+    vllm.add_request("dense", [1, 20, 21], GREEDY, 3)
+    chunks = []
+    while vllm.has_unfinished():
+        chunks += vllm.step()
+    assert chunks and all(c.routes is None for c in chunks)
+
+
+@needs_vllm
+def test_routing_replay_on_a_moe_model_is_refused_in_one_line(tiny_moe_dir):
+    import vllm as vllm_module
+
+    with pytest.raises(EngineError) as err:
+        make_engine("vllm", tiny_moe_dir, vllm_args=VLLM_TEST_ARGS, routing_replay=True)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("routing replay needs each sampled token's expert routes from the engine")
+    assert "(2 MoE layers, top-2 of 8 experts)" in message
+    assert f"vLLM {vllm_module.__version__} returns routed experts for a request's finished output only" in message
+    assert message.endswith("set routing_replay = false, or engine = 'torch'")
+
+
+@needs_vllm
+@pytest.mark.slow(seconds=20)
+def test_a_moe_model_without_routing_replay_samples_what_transformers_does(tiny_moe_dir):
+    from transformers import AutoModelForCausalLM
+
+    prompt = [1, 20, 21, 22, 23]
+    # its engine core in its own process: vLLM's in-process parallel state is the dense fixture's, without the
+    # expert-parallel group a MoE model needs
+    args = json.loads(VLLM_TEST_ARGS) | {"multiprocessing": True}
+    engine = make_engine("vllm", tiny_moe_dir, max_batch_size=2, vllm_args=args, routing_replay=False)
+    try:
+        assert engine.route_shape is None
+        engine.add_request("moe", prompt, GREEDY, 8)
+        out = _drain(engine)["moe"]
+    finally:
+        engine.close()
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :].tolist()
+    assert out[2] == "length" and out[0] == want

@@ -28,8 +28,9 @@ def make_engine(
 ) -> Engine:
     """``vllm_args`` (the config key: a JSON object of extra vllm.EngineArgs) only reaches the vLLM engine;
     ``step_delay_ms`` or ``load_delay_ms`` > 0 wraps the engine in ``slow.SlowEngine`` (drills and benchmarks);
-    ``routing_replay``: a mixture-of-experts model's chunks carry their tokens' routes (the torch engine)."""
-    if routing_replay and kind == "torch":
+    ``routing_replay``: a mixture-of-experts model's chunks carry their tokens' routes (the torch engine; vLLM
+    refuses it, docs/vllm.md)."""
+    if routing_replay:
         kw["routing_replay"] = True
     engine = _make(kind, model_dir, device, vllm_args, **kw)
     if step_delay_ms > 0 or load_delay_ms > 0:

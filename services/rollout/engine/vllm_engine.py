@@ -77,7 +77,9 @@ class VLLMEngine:
     """``Engine`` on vLLM. ``vllm_args`` are passed to ``vllm.EngineArgs`` as
     they are (``dtype``, ``gpu_memory_utilization``, ``tensor_parallel_size``,
     ``kv_cache_memory_bytes``, ``enforce_eager``...); ``multiprocessing=True``
-    moves the engine core into its own process (vLLM's default elsewhere)."""
+    moves the engine core into its own process (vLLM's default elsewhere).
+    ``routing_replay=True`` on a mixture-of-experts model is refused (see
+    ``_refuse_routing_replay``); a dense model ignores it."""
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class VLLMEngine:
         max_model_len: int | None = None,
         vllm_args: str | dict | None = None,
         multiprocessing: bool = False,
+        routing_replay: bool = False,
     ):
         if max_batch_size < 1:
             raise EngineError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -105,6 +108,8 @@ class VLLMEngine:
             ) from exc
         self.model_dir = str(model_dir)
         self.device = device
+        if routing_replay:
+            _refuse_routing_replay(Path(model_dir), vllm.__version__, current_platform.is_cpu())
         self._reference = _checkpoint_shapes(Path(model_dir))
         args = {
             "model": self.model_dir,
@@ -251,6 +256,35 @@ class VLLMEngine:
         shutdown = getattr(self.llm.engine_core, "shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+def _refuse_routing_replay(model_dir: Path, version: str, cpu: bool) -> None:
+    """Routing replay needs every sampled token's experts in the chunk that carries the token. This vLLM attaches
+    ``routed_experts`` (``enable_return_routed_experts``) to a request's finished output only: the polled
+    ``LLMEngine`` hands none back for a request aborted midway, which the rollout does at every weight sync. On
+    the CPU build it returns none at all: the option needs Model Runner V2, which needs Triton's CPU backend.
+    So a mixture-of-experts model with routing replay on is refused before vLLM starts; a dense model passes."""
+    from shared.runtime.moe import route_shape_of
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        # no readable config: vLLM names what is wrong when it starts
+        return
+    try:
+        shape = route_shape_of(config)
+    except ValueError as exc:
+        raise EngineError(f"model at {str(model_dir)!r}: {exc}") from None
+    if shape is None:
+        return
+    why = "a request's finished output only, none while it streams and none for a request aborted midway"
+    if cpu:
+        why += " (and its CPU build none at all: enable_return_routed_experts needs Model Runner V2, i.e. triton-cpu)"
+    raise EngineError(
+        f"routing replay needs each sampled token's expert routes from the engine; model at {str(model_dir)!r} "
+        f"is a mixture of experts ({shape.describe()}) and vLLM {version} returns routed experts for {why}: "
+        "set routing_replay = false, or engine = 'torch'"
+    )
 
 
 def _check_cpu_head_size(model_dir: Path) -> None:

@@ -18,6 +18,11 @@ def _field(config: Any, name: str, default: Any = None) -> Any:
     return getattr(config, name, default)
 
 
+def _text(config: Any) -> Any:
+    """The language model's config: a multimodal config keeps it in ``text_config``."""
+    return _field(config, "text_config") or config
+
+
 def _positive_int(config: Any, name: str) -> int:
     value = _field(config, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -28,8 +33,9 @@ def _positive_int(config: Any, name: str) -> int:
 def _experts(config: Any) -> int:
     """Experts per MoE layer; 0 for a dense model (no expert count, or Qwen-MoE's num_experts=0)."""
     experts = _field(config, "num_experts")
-    if experts is None:
-        experts = _field(config, "num_local_experts")
+    for other in ("num_local_experts", "n_routed_experts"):
+        if experts is None:
+            experts = _field(config, other)
     if not experts:
         return 0
     return _positive_int({"num_experts": experts}, "num_experts")
@@ -39,7 +45,9 @@ def moe_layers(config: Any) -> tuple[int, ...]:
     """Indices of the decoder layers whose MLP is a mixture of experts, in order (route layer j is the j-th of
     them); empty for a dense model. A layer is a MoE layer unless ``mlp_only_layers`` names it or it falls between
     ``decoder_sparse_step`` strides (Qwen-MoE: layer i is sparse when (i + 1) % step == 0); configs without those
-    fields (Mixtral, OLMoE) have every layer sparse."""
+    fields (Mixtral, OLMoE) have every layer sparse; a DeepSeek-style config keeps its first
+    ``first_k_dense_replace`` layers dense."""
+    config = _text(config)
     if not _experts(config):
         return ()
     num_layers = _positive_int(config, "num_hidden_layers")
@@ -49,7 +57,8 @@ def moe_layers(config: Any) -> tuple[int, ...]:
     if not isinstance(dense_only, (list, tuple, set)) or not all(isinstance(i, int) for i in dense_only):
         raise ValueError(f"model config field 'mlp_only_layers': expected a list of layer indices, got {dense_only!r}")
     dense_only = set(dense_only)
-    return tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    first = _field(config, "first_k_dense_replace", 0) or 0
+    return tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0 and i >= first)
 
 
 def route_shape_of(config: Any) -> RouteShape | None:
@@ -61,6 +70,7 @@ def route_shape_of(config: Any) -> RouteShape | None:
     layers = moe_layers(config)
     if not layers:
         return None
+    config = _text(config)
     experts = _experts(config)
     top_k = _positive_int(config, "num_experts_per_tok")
     if top_k > experts:

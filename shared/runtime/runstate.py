@@ -28,6 +28,7 @@ from shared.protocol.keys import Keys
 from shared.runtime.config.errors import ConfigError
 from shared.runtime.config.keys import Config
 from shared.runtime.connection import redact
+from shared.runtime.moe import route_shape_of
 from shared.runtime.secrets import private_dir
 
 # in the run's folder: which run (id) this folder's state belongs to
@@ -78,26 +79,6 @@ def recorded_config(meta: dict | None) -> dict:
     return raw if isinstance(raw, dict) else {}
 
 
-def _route_shape_of(config: dict) -> RouteShape | None:
-    """The routes of a model whose config.json holds ``config``; None for a dense model. Its MoE layers are every
-    decoder layer but those a Qwen-MoE-style config keeps dense (``mlp_only_layers``, and off the
-    ``decoder_sparse_step`` beat) or a DeepSeek-style one leaves dense first (``first_k_dense_replace``)."""
-    config = config.get("text_config") or config
-    experts = next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if config.get(k)), 0)
-    top_k = config.get("num_experts_per_tok") or 0
-    if not (isinstance(experts, int) and isinstance(top_k, int) and experts > 0 and top_k > 0):
-        return None
-    dense = set(config.get("mlp_only_layers") or ())
-    step = config.get("decoder_sparse_step") or 1
-    first = config.get("first_k_dense_replace") or 0
-    layers = sum(
-        1
-        for i in range(int(config.get("num_hidden_layers") or 0))
-        if i not in dense and (i + 1) % step == 0 and i >= first
-    )
-    return RouteShape(layers, top_k, experts) if layers else None
-
-
 def model_shape(model_dir: str) -> dict | None:
     """How the model at ``model_dir`` (a folder or a cached hub id) routes tokens, as a run records it:
     ``{"moe": false}``, or ``{"moe": true, "layers": L, "top_k": k, "experts": E}``; None when its config.json cannot
@@ -108,7 +89,11 @@ def model_shape(model_dir: str) -> dict | None:
         config = json.loads((Path(resolve_model(model_dir)) / "config.json").read_text())
     except (ConfigError, OSError, ValueError):
         return None
-    shape = _route_shape_of(config) if isinstance(config, dict) else None
+    try:
+        shape = route_shape_of(config) if isinstance(config, dict) else None
+    # a malformed expert config: the engine refuses it, with the field, when it loads the model
+    except ValueError:
+        return None
     return {"moe": True, **shape.to_dict()} if shape else {"moe": False}
 
 

@@ -91,14 +91,3 @@ def test_an_interrupted_run_on_the_dense_default_model_is_not_remade_as_moe_unde
     with pytest.raises(ConfigError) as exc:
         check_continuation(cfg.replace(model_moe="qwen3"))
     assert "it was made on the default model for" in str(exc.value) and "'moe': 'qwen3'" in str(exc.value)
-
-
-def test_the_route_shape_counts_only_the_moe_layers():
-    shape = runstate._route_shape_of
-    moe = {"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2}
-    assert shape(moe).to_dict() == {"layers": 4, "top_k": 2, "experts": 8}
-    assert shape({**moe, "mlp_only_layers": [0]}).layers == 3
-    assert shape({**moe, "decoder_sparse_step": 2}).layers == 2
-    assert shape({**moe, "first_k_dense_replace": 1}).layers == 3
-    assert shape({"num_hidden_layers": 4, "intermediate_size": 256}) is None
-    assert shape({"text_config": moe, "model_type": "some_vlm"}).layers == 4

@@ -66,3 +66,9 @@ def test_a_malformed_moe_config_names_its_field(patch, field):
     with pytest.raises(ValueError, match=f"field '{field}'") as err:
         route_shape_of(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_deepseek_style_dense_first_layers_and_a_nested_text_config():
+    moe = {"num_hidden_layers": 4, "n_routed_experts": 8, "num_experts_per_tok": 2}
+    assert route_shape_of({**moe, "first_k_dense_replace": 1}).to_dict() == {"layers": 3, "top_k": 2, "experts": 8}
+    assert route_shape_of({"text_config": moe, "model_type": "some_vlm"}).layers == 4

@@ -127,3 +127,17 @@ def mismatch(prox: Tensor, behav: Tensor, keep: Tensor, versions: Tensor, traine
         if eta >= 0 and sel.any():
             by[str(int(eta))] = float(k3[sel].mean())
     return {"mismatch_kl": by.get("0"), "mismatch_kl_by_staleness": by}
+
+
+def route_mismatch(moved: Tensor, routed: Tensor, versions: Tensor, trainer_version: int) -> dict:
+    """Routing replay: the share of replayed tokens (``routed``) whose router, left to itself, would have sent them
+    through other experts in at least one layer (``moved``): ``route_mismatch``, and per staleness η
+    (``route_mismatch_by_staleness``). Empty when no token was replayed."""
+    if not bool(routed.any()):
+        return {}
+    stale = trainer_version - versions
+    by = {
+        str(int(eta)): float(moved[routed & (stale == eta)].float().mean())
+        for eta in sorted(set(stale[routed].unique().tolist()))
+    }
+    return {"route_mismatch": float(moved[routed].float().mean()), "route_mismatch_by_staleness": by}

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from services.trainer.batch import Batch
-from services.trainer.corrections import mismatch
+from services.trainer.corrections import mismatch, route_mismatch
 from services.trainer.distributed import LOCAL, Shard, as_float
 from services.trainer.loss import aggregate_denominator, decoupled_ppo_loss, ppo_clip_loss
 from shared.protocol.episode.logprobs import token_logprobs
@@ -169,6 +169,9 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=No
     no_dropout(model)
     steps = plan(batch, sc, shard)
     prox = torch.zeros_like(batch.behav_logp)
+    # routing replay: targets whose router would have chosen other experts than the logged ones
+    moved = torch.zeros_like(batch.loss_mask, dtype=torch.bool)
+    routers = getattr(model, "route_replay", None)
     ent_sum = ent_n = 0
     with torch.no_grad():
         for rows, micros in steps:
@@ -177,11 +180,16 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=No
                 logp, logits = policy_logprobs(model, mb, device)
                 if micro:
                     prox[micro, : logp.shape[1]] = logp.float().cpu()
+                    if routers is not None and routers.moved is not None:
+                        moved[micro, : logp.shape[1]] = routers.moved.view(len(micro), -1)[:, :-1]
                     s, n = entropy(logits, mb.temperature.to(device), mb.loss_mask.to(device))
                     ent_sum, ent_n = ent_sum + s, ent_n + n
     # rows whose prox this rank has
     own = sorted(r for _, micros in steps for micro in micros for r in micro)
     drift = mismatch(prox[own], batch.behav_logp[own], batch.loss_mask[own].bool(), batch.versions[own], batch.version)
+    if batch.routes is not None:
+        routed = batch.loss_mask[own].bool() & (batch.routes[own][..., 0, 0] >= 0)
+        drift |= route_mismatch(moved[own], routed, batch.versions[own], batch.version)
     sums = dict.fromkeys(WEIGHTED_STATS, 0.0)
     weight_max, losses, norms, skipped, counted, kl_sum = 0.0, [], [], 0, 0, 0.0
     for rows, micros in steps:

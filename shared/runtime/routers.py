@@ -8,7 +8,8 @@ hook per router serves both uses:
 - recording keeps each router's ``indices`` of the last forward (the rollout engine takes the rows it sampled);
 - forcing replaces ``indices`` with the logged ones where a row has a route, and recomputes ``scores`` from the
   router's own logits at those experts, so the gate weights still train (their gradient flows through the
-  chosen experts' probabilities) while the choice stays the behaviour policy's.
+  chosen experts' probabilities) while the choice stays the behaviour policy's. It also notes where the router's
+  own choice differs (``moved``): the route mismatch replay removes, measured on the same forward.
 
 A model with another router is refused where routing replay is asked for (``RoutingUnsupported``), and
 ``Routers.check_replay`` proves on a real forward that forcing a model's own choices reproduces its logits.
@@ -66,6 +67,8 @@ class Routers:
         self.recording = False
         # [tokens, L, k] long, -1 where the router chooses itself; flattened like the routers' input (forcing)
         self.forced: torch.Tensor | None = None
+        # [tokens] whether the router would have chosen other experts than the forced ones in some layer
+        self.moved: torch.Tensor | None = None
         self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(found)]
 
     @classmethod
@@ -87,6 +90,7 @@ class Routers:
         None: every router chooses. Stays set until changed, so a backward that recomputes the forward
         (activation checkpointing) routes as the forward did."""
         self.forced = None if routes is None else routes.reshape(-1, *routes.shape[-2:])
+        self.moved = None if routes is None else torch.zeros(self.forced.shape[0], dtype=torch.bool)
 
     def _hook(self, layer: int):
         def hook(module, args, output):
@@ -101,6 +105,8 @@ class Routers:
                     f"routing replay: routes for {forced.shape[0]} positions, the router saw {indices.shape[0]}"
                 )
             use = forced[:, :1] >= 0
+            own = indices.detach().sort(dim=-1).values != forced.sort(dim=-1).values
+            self.moved |= (use[:, 0] & own.any(dim=-1)).cpu()
             chosen = torch.where(use, forced, indices)
             probs = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
             if getattr(module, "norm_topk_prob", True):

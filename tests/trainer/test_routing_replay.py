@@ -12,7 +12,7 @@ from services.rollout.engine import SamplingParams
 from services.rollout.engine.torch_engine import TorchEngine
 from services.trainer.batch import build_batch
 from services.trainer.model import Policy
-from services.trainer.step import policy_logprobs
+from services.trainer.step import StepConfig, policy_logprobs, train_on_batch
 from services.trainer.trainer import Trainer
 from shared.protocol.archive.ledger import read_ledger
 from shared.protocol.episode.fold import fold
@@ -128,3 +128,18 @@ def test_an_moe_policy_trains_and_a_route_that_does_not_fit_is_dead_lettered(cli
     assert sorted(g for r in records for g in r["groups"]) == ["bad", "ok"]
     assert trainer.counts["episodes_failed"] == 1
     assert (cfg.weights_path / "v000001.safetensors").exists()
+
+
+def test_the_step_reports_where_the_router_would_have_chosen_other_experts(client, keys, moe_dir, tmp_path):
+    cfg = cfg_for(keys, moe_dir, tmp_path, lr=0.0)
+    policy = Policy(cfg)
+    opt = torch.optim.SGD(policy.trainable_parameters(), lr=0.0)
+    batch = batch_of(client, keys, write_group(client, keys, "g", rollout(moe_dir, seed=3)), policy.route_shape)
+    fresh = train_on_batch(policy.model, opt, batch, StepConfig.from_config(cfg))
+    assert fresh["route_mismatch"] == 0.0 and fresh["route_mismatch_by_staleness"] == {"0": 0.0}
+    # logged routes the router would never choose: every replayed token moved
+    held = batch.routes >= 0
+    batch.routes[held] = ((batch.routes[held] + 3) % 8).to(torch.int16)
+    batch.routes = batch.routes.sort(dim=-1).values
+    moved = train_on_batch(policy.model, opt, batch, StepConfig.from_config(cfg))
+    assert moved["route_mismatch"] == 1.0

@@ -140,3 +140,21 @@ def test_the_log_joins_routed_chunks_of_one_version_and_keeps_unrouted_ones_apar
     assert [decode(*e).kind for e in entries] == ["started", "tokens", "tokens"]
     ep = fold(entries)
     assert np.array_equal(np.stack(ep.routes[:5]), np.concatenate([a, b])) and ep.routes[5] is None
+
+
+def test_a_segment_row_gives_a_routed_episode_back_byte_for_byte(client, keys, tmp_path):
+    from shared.protocol.archive import builder, segments
+
+    log = EpisodeLog(client, keys, "w")
+    log.open("e1")
+    log.append("e1", "started", started().data, 0)
+    log.append_tokens("e1", [1, 2, 3], [-0.5] * 3, 0, random_routes(3, seed=7))
+    log.append("e1", "finished", finished(3).data, 0)
+    assert log.flush() == {}
+    entries = log.read("e1")
+    segments.write_file(tmp_path, "s1", builder.table_of([("e1", entries)]))
+    store = segments.SegmentStore(tmp_path)
+    store.add("s1", ["e1"])
+    back = store.read("e1")
+    assert [(i, dict(f)) for i, f in back] == [(i, dict(f)) for i, f in entries]
+    assert np.array_equal(np.stack(fold(back).routes), np.stack(fold(entries).routes))

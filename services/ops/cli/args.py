@@ -50,6 +50,11 @@ def build_parser(commands) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-text", action="store_true", help="do not decode tokens to text")
     p.add_argument(
+        "--routes",
+        action="store_true",
+        help="a mixture-of-experts policy: each response token's logged experts, layer by layer",
+    )
+    p.add_argument(
         "--continue",
         dest="cont",
         action="store_true",

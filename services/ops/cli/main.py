@@ -132,9 +132,9 @@ def cmd_replay(cfg, args) -> int:
     if args.from_seq is not None or args.version is not None or args.weights or args.from_call is not None:
         raise CLIError("--from-seq, --from-call, --version and --weights go with --continue")
     if args.json:
-        print(json.dumps(timeline_json(ep, decode_text), default=str))
+        print(json.dumps(timeline_json(ep, decode_text, routes=args.routes), default=str))
     else:
-        print(format_timeline(ep, decode_text))
+        print(format_timeline(ep, decode_text, routes=args.routes))
     return 0
 
 

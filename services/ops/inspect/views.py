@@ -83,7 +83,7 @@ def _describe(ev, decode_text) -> str:
     return f"{d['error']} ({d.get('where', '?')})"
 
 
-def format_timeline(ep: Episode, decode_text=None) -> str:
+def format_timeline(ep: Episode, decode_text=None, routes: bool = False) -> str:
     t0 = ep.events[0].time_ms
     by_version = Counter(v for v, m in zip(ep.versions, ep.mask) if m)
     lines = [
@@ -106,7 +106,25 @@ def format_timeline(ep: Episode, decode_text=None) -> str:
         lines += format_calls(ep, decode_text)
     if decode_text:
         lines.append(f"text: {decode_text(ep.prompt_ids)!r} + {decode_text(ep.tokens)!r}")
+    lines += format_routes(ep, decode_text, routes)
     return "\n".join(lines)
+
+
+def format_routes(ep: Episode, decode_text=None, each: bool = False) -> list[str]:
+    """A line on the episode's expert routes (a mixture-of-experts policy); ``each``: a line per routed token, its
+    experts layer by layer (``|`` between layers)."""
+    held = [(j, r) for j, r in enumerate(ep.routes) if r is not None]
+    if not held:
+        return ["routes: none logged (a dense policy, or routing_replay off)"] if each else []
+    layers, k = held[0][1].shape
+    lines = [f"routes: {len(held)} of {len(ep.tokens)} response tokens, {layers} MoE layers x top-{k}"]
+    if each:
+        lines.append(f"{'token':>6}  {'id':>6}  {'policy':>6}  {'text':<10}  experts per layer")
+        for j, r in held:
+            text = repr(decode_text([ep.tokens[j]])) if decode_text else ""
+            experts = " | ".join(",".join(str(int(e)) for e in layer) for layer in r)
+            lines.append(f"{j:>6}  {ep.tokens[j]:>6}  {'v' + str(ep.versions[j]):>6}  {text[:10]:<10}  {experts}")
+    return lines
 
 
 def format_calls(ep: Episode, decode_text=None) -> list[str]:
@@ -136,7 +154,15 @@ def format_calls(ep: Episode, decode_text=None) -> list[str]:
     return lines
 
 
-def timeline_json(ep: Episode, decode_text=None) -> dict:
+def _json_data(data: dict) -> dict:
+    """An event's payload as JSON has it: routes as their shape (``routes``: the per-token list, on request)."""
+    if "routes" not in data:
+        return dict(data)
+    n, layers, k = data["routes"].shape
+    return {**data, "routes": {"tokens": n, "layers": layers, "k": k}}
+
+
+def timeline_json(ep: Episode, decode_text=None, routes: bool = False) -> dict:
     out = {
         k: getattr(ep, k)
         for k in (
@@ -185,10 +211,12 @@ def timeline_json(ep: Episode, decode_text=None) -> dict:
             "policy": ev.policy,
             "worker": ev.worker,
             "time_ms": ev.time_ms,
-            "data": {k: v for k, v in ev.data.items()},
+            "data": _json_data(ev.data),
         }
         for ev in ep.events
     ]
+    if routes:
+        out["routes"] = [None if r is None else r.tolist() for r in ep.routes]
     if decode_text:
         out["prompt_text"], out["response_text"] = decode_text(ep.prompt_ids), decode_text(ep.tokens)
     return out

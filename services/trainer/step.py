@@ -82,15 +82,26 @@ class StepConfig:
 def policy_logprobs(model, mb: Batch, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs [b, L-1] of the targets under each row's sampling transform, logits [b, L-1, V]). A model with
     routing replay (``model.route_replay``, shared/runtime/routers.py) routes the batch's logged routes."""
+    logp, logits, _ = forward(model, mb, device)
+    return logp, logits
+
+
+def forward(model, mb: Batch, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``policy_logprobs`` and the model's own router loss: a mixture of experts whose config asks for it
+    (``output_router_logits``) returns its load-balancing loss, weighted by its ``router_aux_loss_coef``; else None."""
     routers = getattr(model, "route_replay", None)
     if routers is not None:
         # the last input position predicts no target: its router chooses
         routers.force(None if mb.routes is None else torch.nn.functional.pad(mb.routes, (0, 0, 0, 0, 0, 1), value=-1))
-    logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device)).logits[:, :-1]
+    out = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device))
+    logits = out.logits[:, :-1]
     logp = token_logprobs(
         logits, mb.targets.to(device), mb.temperature.to(device), mb.top_k.to(device), mb.top_p.to(device)
     )
-    return logp, logits
+    aux = getattr(out, "aux_loss", None)
+    if aux is not None:
+        aux = getattr(model.config, "router_aux_loss_coef", 0.0) * aux
+    return logp, logits, aux
 
 
 def minibatches(batch: Batch, n: int) -> list[list[int]]:
@@ -192,6 +203,7 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=No
         drift |= route_mismatch(moved[own], routed, batch.versions[own], batch.version)
     sums = dict.fromkeys(WEIGHTED_STATS, 0.0)
     weight_max, losses, norms, skipped, counted, kl_sum = 0.0, [], [], 0, 0, 0.0
+    aux_sum, has_aux = 0.0, False
     for rows, micros in steps:
         denom = aggregate_denominator(batch.loss_mask[rows], sc.agg)
         opt.zero_grad(set_to_none=True)
@@ -221,6 +233,7 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=No
                 sums[k] += stats.get(k, 0.0) * n
             weight_max = max(weight_max, stats.get("is_weight_max", 0.0))
             kl_sum += stats.get("kl", 0.0) * n
+            aux_sum, has_aux = aux_sum + stats.get("router_aux_loss", 0.0) * n, has_aux or "router_aux_loss" in stats
         loss_total = shard.sum([loss_total])[0]
         grad_norm = as_float(torch.nn.utils.clip_grad_norm_(model.parameters(), sc.max_grad_norm))
         if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
@@ -230,7 +243,9 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=No
             opt.step()
         losses.append(loss_total)
         norms.append(grad_norm)
-    counted, kl_sum, ent_sum, ent_n, *weighted = shard.sum([counted, kl_sum, ent_sum, ent_n, *sums.values()])
+    counted, kl_sum, aux_sum, ent_sum, ent_n, *weighted = shard.sum(
+        [counted, kl_sum, aux_sum, ent_sum, ent_n, *sums.values()]
+    )
     weight_max = shard.max(weight_max)
     out = {k: v / max(counted, 1) for k, v in zip(sums, weighted)}
     return (
@@ -246,6 +261,7 @@ def train_on_batch(model, opt, batch: Batch, sc: StepConfig, device="cpu", kl=No
         }
         | drift
         | ({"kl": kl_sum / max(counted, 1)} if kl else {})
+        | ({"router_aux_loss": aux_sum / max(counted, 1)} if has_aux else {})
     )
 
 
@@ -256,7 +272,7 @@ def _mean(xs: list[float]) -> float:
 def _micro_loss(
     model, mb: Batch, prox: torch.Tensor, sc: StepConfig, denom: float, device, kl=None, share: float = 1.0
 ):
-    logp, _ = policy_logprobs(model, mb, device)
+    logp, _, aux = forward(model, mb, device)
     mask, behav, adv = mb.loss_mask.to(device), mb.behav_logp.to(device), mb.advantages.to(device)
     if sc.loss == "decoupled":
         loss, stats = decoupled_ppo_loss(
@@ -281,4 +297,6 @@ def _micro_loss(
     if kl is not None:
         term = kl(mb, logp, device)
         loss, stats = loss + share * term, {**stats, "kl": float(term.detach())}
+    if aux is not None:
+        loss, stats = loss + share * aux, {**stats, "router_aux_loss": float(aux.detach())}
     return loss, stats

@@ -143,3 +143,23 @@ def test_the_step_reports_where_the_router_would_have_chosen_other_experts(clien
     batch.routes = batch.routes.sort(dim=-1).values
     moved = train_on_batch(policy.model, opt, batch, StepConfig.from_config(cfg))
     assert moved["route_mismatch"] == 1.0
+
+
+def test_a_models_own_load_balancing_loss_keeps_training_under_replay(client, keys, moe_dir, tmp_path):
+    import json
+    from pathlib import Path
+
+    balanced = tmp_path / "balanced"
+    import shutil
+
+    shutil.copytree(moe_dir, balanced)
+    config = json.loads(Path(balanced, "config.json").read_text())
+    Path(balanced, "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+    cfg = cfg_for(keys, str(balanced), tmp_path)
+    policy = Policy(cfg)
+    batch = batch_of(client, keys, write_group(client, keys, "g", rollout(moe_dir, seed=5)), policy.route_shape)
+    opt = torch.optim.SGD(policy.trainable_parameters(), lr=0.0)
+    stats = train_on_batch(policy.model, opt, batch, StepConfig.from_config(cfg))
+    assert stats["router_aux_loss"] > 0 and stats["route_mismatch"] == 0.0
+    plain = Policy(cfg_for(keys, moe_dir, tmp_path))
+    assert "router_aux_loss" not in train_on_batch(plain.model, opt, batch, StepConfig.from_config(cfg))

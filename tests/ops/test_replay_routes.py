@@ -7,8 +7,8 @@ import numpy as np
 from services.ops.inspect.views import format_timeline, timeline_json
 from shared.protocol.episode.events import Event
 from shared.protocol.episode.fold import fold
-from tests.protocol.test_routes import random_routes, routed_tokens
 from tests.support.helpers import finished, raw, started
+from tests.support.moe_episodes import random_routes, routed_tokens
 
 
 def episode():
@@ -41,3 +41,21 @@ def test_a_dense_episode_says_it_has_no_routes():
     assert "routes:" not in format_timeline(ep)
     assert "routes: none logged" in format_timeline(ep, routes=True)
     assert timeline_json(ep, routes=True)["routes"] == []
+
+
+def test_routes_under_a_version_are_computed_beside_the_logged_ones(client, keys, redis_url, tmp_path, capsys):
+    from services.ops.cli.main import main
+    from tests.support.arch_models import make_arch_model
+    from tests.support.moe_episodes import rollout, write_group
+
+    moe_dir = make_arch_model("qwen3-moe", tmp_path / "moe")
+    eid = write_group(client, keys, "g", rollout(moe_dir, n=1, max_tokens=6))[0]
+    where = ["--run", keys.run, "--run-dir", str(tmp_path / "runs"), "--redis-url", redis_url, "--model-dir", moe_dir]
+    assert main(["replay", eid, "--routes", "--version", "0", "--json", *where]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # the weights that sampled route every token as logged
+    assert out["routes_under"]["routes"] == out["routes"] and set(out["routes_under"]["layers_changed"]) == {0}
+    assert main(["replay", eid, "--routes", "--version", "0", *where]) == 0
+    assert "routes under v0" in capsys.readouterr().out
+    assert main(["replay", eid, "--version", "0", *where]) != 0
+    assert "--version and --weights go with --continue or --routes" in capsys.readouterr().err

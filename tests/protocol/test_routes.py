@@ -12,21 +12,7 @@ from shared.protocol.episode.fold import fold
 from shared.protocol.episode.log import EpisodeLog
 from tests.protocol.test_fold_calls import agent_started, call, done
 from tests.support.helpers import finished, raw, started
-
-SHAPE = routes.RouteShape(layers=3, top_k=2, experts=8)
-
-
-def random_routes(n: int, shape: routes.RouteShape = SHAPE, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    picks = np.stack([rng.choice(shape.experts, shape.top_k, replace=False) for _ in range(n * shape.layers)])
-    return routes.canonical(picks.reshape(n, shape.layers, shape.top_k), shape)
-
-
-def routed_tokens(seq: int, ids, r: np.ndarray, policy: int = 0, call_index: int | None = None) -> Event:
-    data = {"ids": list(ids), "logprobs": [-0.5] * len(ids), "routes": r}
-    if call_index is not None:
-        data["call"] = call_index
-    return Event("tokens", policy, "w", seq, data)
+from tests.support.moe_episodes import SHAPE, random_routes, routed_tokens
 
 
 @pytest.mark.parametrize("experts", [8, 256, 300])

@@ -8,8 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from services.rollout.engine import SamplingParams
-from services.rollout.engine.torch_engine import TorchEngine
 from services.trainer.batch import build_batch
 from services.trainer.model import Policy
 from services.trainer.step import StepConfig, policy_logprobs, train_on_batch
@@ -22,42 +20,12 @@ from shared.protocol.streams import dead_letters
 from shared.runtime import logs
 from shared.runtime.config.keys import Config
 from tests.support.arch_models import make_arch_model
-
-PROMPT = [5, 6, 7, 8, 9, 10]
+from tests.support.moe_episodes import rollout, write_group
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
     return make_arch_model("qwen3-moe", tmp_path_factory.mktemp("qwen3-moe"))
-
-
-def rollout(model_dir: str, n: int = 4, max_tokens: int = 12, seed: int = 0) -> list[tuple[list, list, np.ndarray]]:
-    engine = TorchEngine(model_dir, max_batch_size=n, routing_replay=True)
-    for i in range(n):
-        engine.add_request(f"r{i}", PROMPT, SamplingParams(max_tokens=max_tokens, seed=seed + i), max_tokens)
-    out = {f"r{i}": ([], [], []) for i in range(n)}
-    while engine.has_unfinished():
-        for c in engine.step():
-            out[c.request_id][0].extend(c.token_ids)
-            out[c.request_id][1].extend(c.logprobs)
-            out[c.request_id][2].extend(c.routes)
-    return [(t, lp, np.stack(r)) for t, lp, r in out.values()]
-
-
-def write_group(client, keys, group_id: str, results, version: int = 0, routes_of=lambda i, r: r) -> list[str]:
-    log = EpisodeLog(client, keys, "writer")
-    eids = []
-    for i, (toks, lps, routes) in enumerate(results):
-        eid = f"{group_id}-{i}"
-        eids.append(eid)
-        log.open(eid)
-        started = {"episode_id": eid, "group_id": group_id, "index": i, "prompt_ids": PROMPT, "sampling": {}}
-        log.append(eid, "started", {**started, "task": {}}, version)
-        log.append_tokens(eid, toks, lps, version, routes_of(i, routes))
-        log.append(eid, "finished", {"reason": "stop", "reward": float(i % 2)}, version)
-    log.flush_or_raise()
-    client.xadd(keys.samples, {"group_id": group_id, "episodes": ",".join(eids), "worker": "w", "n": str(len(eids))})
-    return eids
 
 
 def cfg_for(keys, model_dir, tmp_path, **kw) -> Config:

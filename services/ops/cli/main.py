@@ -129,12 +129,20 @@ def cmd_replay(cfg, args) -> int:
         if args.from_call is not None:
             raise CLIError(f"--from-call: episode {args.episode} is not an agent episode; use --from-seq N")
         return continue_text(cfg, args, log, entries, ep, decode_text)
-    if args.from_seq is not None or args.version is not None or args.weights or args.from_call is not None:
-        raise CLIError("--from-seq, --from-call, --version and --weights go with --continue")
+    if args.from_seq is not None or args.from_call is not None:
+        raise CLIError("--from-seq and --from-call go with --continue")
+    if (args.version is not None or args.weights) and not args.routes:
+        raise CLIError("--version and --weights go with --continue or --routes")
+    under = None
+    if args.routes and (args.version is not None or args.weights):
+        from services.ops.replay import routes
+
+        label, other = routes.routes_under(cfg, args, log, ep)
+        under = (label, other, routes.changed(ep, other))
     if args.json:
-        print(json.dumps(timeline_json(ep, decode_text, routes=args.routes), default=str))
+        print(json.dumps(timeline_json(ep, decode_text, routes=args.routes, under=under), default=str))
     else:
-        print(format_timeline(ep, decode_text, routes=args.routes))
+        print(format_timeline(ep, decode_text, routes=args.routes, under=under))
     return 0
 
 

@@ -83,7 +83,7 @@ def _describe(ev, decode_text) -> str:
     return f"{d['error']} ({d.get('where', '?')})"
 
 
-def format_timeline(ep: Episode, decode_text=None, routes: bool = False) -> str:
+def format_timeline(ep: Episode, decode_text=None, routes: bool = False, under=None) -> str:
     t0 = ep.events[0].time_ms
     by_version = Counter(v for v, m in zip(ep.versions, ep.mask) if m)
     lines = [
@@ -106,25 +106,35 @@ def format_timeline(ep: Episode, decode_text=None, routes: bool = False) -> str:
         lines += format_calls(ep, decode_text)
     if decode_text:
         lines.append(f"text: {decode_text(ep.prompt_ids)!r} + {decode_text(ep.tokens)!r}")
-    lines += format_routes(ep, decode_text, routes)
+    lines += format_routes(ep, decode_text, routes, under)
     return "\n".join(lines)
 
 
-def format_routes(ep: Episode, decode_text=None, each: bool = False) -> list[str]:
+def format_routes(ep: Episode, decode_text=None, each: bool = False, under=None) -> list[str]:
     """A line on the episode's expert routes (a mixture-of-experts policy); ``each``: a line per routed token, its
-    experts layer by layer (``|`` between layers)."""
+    experts layer by layer (``|`` between layers); ``under``: (label, routes, layers changed per token) of another
+    version's routers (services/ops/replay/routes.py), shown after the logged ones."""
     held = [(j, r) for j, r in enumerate(ep.routes) if r is not None]
     if not held:
         return ["routes: none logged (a dense policy, or routing_replay off)"] if each else []
     layers, k = held[0][1].shape
     lines = [f"routes: {len(held)} of {len(ep.tokens)} response tokens, {layers} MoE layers x top-{k}"]
     if each:
-        lines.append(f"{'token':>6}  {'id':>6}  {'policy':>6}  {'text':<10}  experts per layer")
+        head = f"{'token':>6}  {'id':>6}  {'policy':>6}  {'text':<10}  experts per layer"
+        lines.append(head + (f"  ->  under {under[0]} (layers changed)" if under else ""))
         for j, r in held:
             text = repr(decode_text([ep.tokens[j]])) if decode_text else ""
-            experts = " | ".join(",".join(str(int(e)) for e in layer) for layer in r)
-            lines.append(f"{j:>6}  {ep.tokens[j]:>6}  {'v' + str(ep.versions[j]):>6}  {text[:10]:<10}  {experts}")
+            row = f"{j:>6}  {ep.tokens[j]:>6}  {'v' + str(ep.versions[j]):>6}  {text[:10]:<10}  {_experts(r)}"
+            lines.append(row + (f"  ->  {_experts(under[1][j])} ({under[2][j]})" if under else ""))
+    if under:
+        from services.ops.replay.routes import summary
+
+        lines.append(summary(under[0], under[2]))
     return lines
+
+
+def _experts(route) -> str:
+    return " | ".join(",".join(str(int(e)) for e in layer) for layer in route)
 
 
 def format_calls(ep: Episode, decode_text=None) -> list[str]:
@@ -162,7 +172,7 @@ def _json_data(data: dict) -> dict:
     return {**data, "routes": {"tokens": n, "layers": layers, "k": k}}
 
 
-def timeline_json(ep: Episode, decode_text=None, routes: bool = False) -> dict:
+def timeline_json(ep: Episode, decode_text=None, routes: bool = False, under=None) -> dict:
     out = {
         k: getattr(ep, k)
         for k in (
@@ -217,6 +227,13 @@ def timeline_json(ep: Episode, decode_text=None, routes: bool = False) -> dict:
     ]
     if routes:
         out["routes"] = [None if r is None else r.tolist() for r in ep.routes]
+    if under:
+        label, other, moved = under
+        out["routes_under"] = {
+            "version": label,
+            "routes": [None if r is None else r.tolist() for r in other],
+            "layers_changed": moved,
+        }
     if decode_text:
         out["prompt_text"], out["response_text"] = decode_text(ep.prompt_ids), decode_text(ep.tokens)
     return out

@@ -48,12 +48,14 @@ def tools_worker(redis_url, keys):
 
 
 def make_worker(cfg: Config, client, worker_id: str = "w1", engine=None) -> RolloutWorker:
+    # the engine a rollout process makes from ``cfg`` (services/rollout/__main__.py), routes included on an MoE model
     engine = engine or make_engine(
         cfg.engine,
         cfg.model_dir,
         max_batch_size=cfg.max_batch_size,
         vllm_args=cfg.vllm_args,
         step_delay_ms=cfg.step_delay_ms,
+        routing_replay=cfg.routing_replay,
     )
     tok = AutoTokenizer.from_pretrained(cfg.model_dir)
     worker = RolloutWorker(cfg, client, worker_id, engine, tok, logs.get("rollout-test"))

@@ -23,8 +23,17 @@ from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.runtime.config.keys import Config
 from shared.runtime.routers import Routers
 from tests.support.models import nudged_weights
-from tests.support.procs import kill9, spawn, stop, wait_until
-from tests.support.rollout_harness import acks, episodes, make_worker, samples, send, snapshot, tick_until
+from tests.support.procs import kill9, stop, wait_until
+from tests.support.rollout_harness import (
+    acks,
+    episodes,
+    make_worker,
+    samples,
+    send,
+    snapshot,
+    tick_until,
+    worker_proc,
+)
 
 GROUPS = [(f"g{i}", 2) for i in range(4)]
 
@@ -164,33 +173,7 @@ def test_a_weight_sync_mid_episode_keeps_every_tokens_route_and_routes_the_rest_
 
 def _worker_proc(redis_url, keys, model_dir, worker_id):
     # routing_replay is on by default: the MoE model's worker records routes without being asked
-    return spawn(
-        "services.rollout",
-        "--worker-id",
-        worker_id,
-        "--run",
-        keys.run,
-        "--redis-url",
-        redis_url,
-        "--model-dir",
-        model_dir,
-        "--max-tokens",
-        "40",
-        "--tools",
-        "",
-        "--flush-tokens",
-        "4",
-        "--flush-ms",
-        "20",
-        "--heartbeat-ttl",
-        "1.5",
-        "--step-delay-ms",
-        "15",
-        "--max-groups-in-flight",
-        "6",
-        "--log-level",
-        "warning",
-    )
+    return worker_proc(redis_url, keys, model_dir, worker_id, max_tokens=40, log_level="warning")
 
 
 @pytest.mark.slow(seconds=15)

@@ -7,41 +7,22 @@ import pytest
 from shared.protocol.keys import ROLLOUT_GROUP
 from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.runtime.config.keys import Config
-from tests.support.procs import kill9, spawn, stop, wait_until
-from tests.support.rollout_harness import episodes, make_worker, samples, snapshot, tick_until, wait_claimable
+from tests.support.procs import kill9, stop, wait_until
+from tests.support.rollout_harness import (
+    episodes,
+    make_worker,
+    samples,
+    snapshot,
+    tick_until,
+    wait_claimable,
+    worker_proc,
+)
 
 GROUPS = [(f"g{i}", 2) for i in range(6)]
 
 
 def _worker_proc(redis_url, keys, model_dir, worker_id, log=None):
-    return spawn(
-        "services.rollout",
-        "--worker-id",
-        worker_id,
-        "--run",
-        keys.run,
-        "--redis-url",
-        redis_url,
-        "--model-dir",
-        model_dir,
-        "--max-tokens",
-        "48",
-        "--tools",
-        "",
-        "--flush-tokens",
-        "4",
-        "--flush-ms",
-        "20",
-        "--heartbeat-ttl",
-        "1.5",
-        "--step-delay-ms",
-        "15",
-        "--max-groups-in-flight",
-        "6",
-        "--log-level",
-        "info",
-        log=log,
-    )
+    return worker_proc(redis_url, keys, model_dir, worker_id, log=log)
 
 
 def _snapshot(client, keys):

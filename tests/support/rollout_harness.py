@@ -136,3 +136,38 @@ def make_vllm_engine(model_dir: str, max_batch_size: int = 32):
     from services.rollout.engine import make_engine
 
     return make_engine("vllm", model_dir, max_batch_size=max_batch_size, vllm_args=VLLM_TEST_ARGS)
+
+
+def worker_proc(redis_url, keys, model_dir, worker_id, log=None, max_tokens: int = 48, log_level: str = "info"):
+    """A rollout worker subprocess for the takeover drills: flushing every 4 tokens or 20 ms, a 1.5 s heartbeat TTL,
+    15 ms per decode step (so a kill lands mid-episode), six groups in flight, no tools."""
+    from tests.support.procs import spawn
+
+    return spawn(
+        "services.rollout",
+        "--worker-id",
+        worker_id,
+        "--run",
+        keys.run,
+        "--redis-url",
+        redis_url,
+        "--model-dir",
+        model_dir,
+        "--max-tokens",
+        str(max_tokens),
+        "--tools",
+        "",
+        "--flush-tokens",
+        "4",
+        "--flush-ms",
+        "20",
+        "--heartbeat-ttl",
+        "1.5",
+        "--step-delay-ms",
+        "15",
+        "--max-groups-in-flight",
+        "6",
+        "--log-level",
+        log_level,
+        log=log,
+    )

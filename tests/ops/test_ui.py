@@ -229,3 +229,26 @@ def test_the_index_and_the_episode_page_read_episodes_the_archiver_moved(client,
     for eid in eids:
         assert http.get(f"/api/run/{keys.run}/ep/{eid}").json() == pages[eid], eid
     assert "replay" in pages[moved[0]]
+
+
+def test_an_moe_episode_page_has_its_routes_and_another_versions_on_request(client, keys, tmp_path):
+    from tests.support.arch_models import make_arch_model
+    from tests.support.moe_episodes import rollout, write_group
+
+    moe_dir = make_arch_model("qwen3-moe", tmp_path / "moe")
+    eid = write_group(client, keys, "g", rollout(moe_dir, n=1, max_tokens=6))[0]
+    runs = tmp_path / "runs"
+    (runs / keys.run).mkdir(parents=True)
+    sources = Sources(Config(run_dir=str(runs)), {})
+    target = Target(Config(run=keys.run, model_dir=moe_dir), keys, runs / keys.run, None)
+    sources.runs[keys.run] = RunSource(keys.run, target, client, served=True, stack=sources.stack)
+    http = TestClient(make_app(sources, ""))
+    page = http.get(f"/api/run/{keys.run}/ep/{eid}").json()
+    assert len(page["routes"]) == len(page["replay"]["tokens"]) and "routes_under" not in page
+    under = http.get(f"/api/run/{keys.run}/ep/{eid}", params={"routes_under": 0}).json()["routes_under"]
+    # the weights that sampled: nothing moved
+    assert under["routes"] == page["routes"] and set(under["layers_changed"]) == {0}
+    assert under["summary"].startswith("routes under v0") and "0 of 6 routed tokens" in under["summary"]
+    _write(client, keys, STREAMS)
+    dense = http.get(f"/api/run/{keys.run}/ep/g1-1", params={"routes_under": 0})
+    assert dense.status_code == 422 and "no routes logged" in dense.json()["error"]

@@ -4,6 +4,8 @@ the version that sampled (what routing replay holds fixed in training). Reads th
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
 from services.ops.replay.text import ReplayError, _replay_version, model_dir
@@ -20,13 +22,13 @@ def routes_under(cfg, args, log, ep: Episode) -> tuple[str, list]:
     from services.rollout.episodes import continuation as cont
 
     if not any(r is not None for r in ep.routes):
-        raise ReplayError(f"episode {args.episode}: no routes logged (a dense policy, or routing_replay off)")
+        raise ReplayError(f"episode {ep.episode_id}: no routes logged (a dense policy, or routing_replay off)")
     try:
         path, sha, label = _replay_version(cfg, args, log, args.version)
         engine = make_engine("torch", model_dir(cfg), device="cpu", max_batch_size=1, routing_replay=True)
         cont.load_version(engine, args.version, path, sha)
-    except (cont.ContinuationError, EngineError) as exc:
-        raise ReplayError(f"episode {args.episode}: {exc}") from None
+    except (cont.ContinuationError, EngineError, ValueError) as exc:
+        raise ReplayError(f"episode {ep.episode_id}: {exc}") from None
     runner = engine.runner
     ids = ep.prompt_ids + ep.tokens
     with torch.inference_mode():
@@ -34,6 +36,20 @@ def routes_under(cfg, args, log, ep: Episode) -> tuple[str, list]:
     every = canonical(torch.stack(runner.routers.recorded, dim=1).numpy(), runner.route_shape)
     start = len(ep.prompt_ids) - 1
     return label, [None if r is None else every[start + j] for j, r in enumerate(ep.routes)]
+
+
+def compare(cfg, log, ep: Episode, version: int) -> dict:
+    """What the UI's episode page colours by: the logged routes beside version ``version``'s, per response token
+    (``layers_changed``: None where a token has no route), with the summary line."""
+    args = SimpleNamespace(version=version, weights=None)
+    label, other = routes_under(cfg, args, log, ep)
+    moved = changed(ep, other)
+    return {
+        "version": label,
+        "routes": [None if r is None else r.tolist() for r in other],
+        "layers_changed": moved,
+        "summary": summary(label, moved),
+    }
 
 
 def changed(ep: Episode, other: list) -> list[int | None]:

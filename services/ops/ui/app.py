@@ -194,7 +194,7 @@ def make_app(sources: Sources, api_key: str = "", is_live=None) -> FastAPI:
         }
 
     @app.get("/api/run/{run}/ep/{episode}")
-    def api_episode(run: str, episode: str):
+    def api_episode(run: str, episode: str, routes_under: int | None = None):
         src = sources.get(run)
         if src.client is None:
             return _error(404, f"run {run!r}: no server holds it and its folder has no Redis data")
@@ -205,7 +205,18 @@ def make_app(sources: Sources, api_key: str = "", is_live=None) -> FastAPI:
             ep = fold(entries)
         except EventError as exc:
             return _error(422, f"episode {episode}: {exc}")
-        return episode_view(ep, run, _decoder(src))
+        view = episode_view(ep, run, _decoder(src))
+        if routes_under is not None:
+            # a mixture-of-experts episode: the routes another version's routers choose (a forward on this machine)
+            from services.ops.replay import routes
+            from services.ops.replay.text import ReplayError
+
+            log_ = EpisodeLog(src.client, src.keys, worker="ui", archive=src.archive)
+            try:
+                view["routes_under"] = routes.compare(src.target.cfg, log_, ep, routes_under)
+            except ReplayError as exc:
+                return _error(422, str(exc))
+        return view
 
     def _decoder(src):
         if not hasattr(src, "decode_text"):

@@ -106,6 +106,9 @@ def episode_view(ep: Episode, run: str, decode_text=None) -> dict:
         ),
         "command": replay_command(run, ep.episode_id, agent),
         "commands": {},
+        # a mixture-of-experts episode's logged experts per response token (the page colours by how many layers
+        # another version's routers would change: ``?routes_under=V``)
+        "routes": [None if r is None else r.tolist() for r in ep.routes] if ep.routes else None,
     }
     if agent:
         view["calls"] = [

@@ -152,7 +152,11 @@ async function episodesPage() {
 }
 
 // ---- episode
-function tokensHtml(pieces, ids, versions, logprobs, mask, marks) {
+// a token's experts, layer by layer ("1,5 | 0,3")
+const expertsText = (route) => route.map((layer) => layer.join(",")).join(" | ");
+// how many MoE layers another version routes a token differently: white (none) to red (every layer)
+function routeColour(k, layers) { return k === null ? "" : k === 0 ? "#f3f4f6" : `hsl(0, 85%, ${88 - (40 * k) / layers}%)`; }
+function tokensHtml(pieces, ids, versions, logprobs, mask, marks, routes) {
   const byAt = {};
   for (const m of marks) (byAt[m.at] = byAt[m.at] || []).push(m);
   const markHtml = (m) => `<span class="marker m-${m.kind}" data-kind="${m.kind}" data-at="${m.at}" data-worker="${esc(m.worker)}" data-version="${m.version}" data-seq="${m.seq}" title="seq ${m.seq}: ${esc(m.kind)} at token ${m.at} by ${esc(m.worker)} under v${m.version}${m.why ? " (" + esc(m.why) + ")" : ""}">${m.kind === "aborted" ? "■" : m.kind.startsWith("tool") ? "◆" : "▶"} ${esc(m.kind)} · ${esc(m.worker)} · v${m.version}</span>`;
@@ -161,7 +165,8 @@ function tokensHtml(pieces, ids, versions, logprobs, mask, marks) {
     for (const m of byAt[i] || []) out += markHtml(m);
     if (i === ids.length) break;
     const masked = mask && !mask[i];
-    const tip = masked ? `masked (tool output): token ${ids[i]}` : `v${versions[i]} · logprob ${Number(logprobs[i]).toFixed(4)} · token ${ids[i]}`;
+    const experts = routes && routes[i] ? ` · experts ${expertsText(routes[i])}` : "";
+    const tip = masked ? `masked (tool output): token ${ids[i]}` : `v${versions[i]} · logprob ${Number(logprobs[i]).toFixed(4)} · token ${ids[i]}${experts}`;
     out += `<span class="tok${masked ? " masked" : ""}" data-i="${i}" data-version="${versions[i]}" data-masked="${masked ? 1 : 0}" data-logprob="${logprobs[i]}" title="${tip}" style="background:${versionColour(masked ? -1 : versions[i])}">${esc(pieces[i])}</span>`;
   }
   return out;
@@ -188,12 +193,29 @@ async function episodePage() {
     }).join("");
   } else {
     body += `<h3>Prompt (${r.prompt_ids.length} tokens)</h3><div class="tokens" id="prompt">${v.prompt_pieces.map((p) => `<span class="tok prompt">${esc(p)}</span>`).join("")}</div>
-      <h3>Response (${r.tokens.length} tokens)</h3><div class="tokens response" id="response">${tokensHtml(v.pieces, r.tokens, r.versions, r.logprobs, r.mask, v.markers)}</div>`;
+      <h3>Response (${r.tokens.length} tokens)</h3><div class="tokens response" id="response">${tokensHtml(v.pieces, r.tokens, r.versions, r.logprobs, r.mask, v.markers, v.routes)}</div>`;
+    if (v.routes) body += `<p id="routes-ctl">expert routes: colour each token by how many layers version <input id="routes-v" type="number" min="0" value="${seen.length ? seen[seen.length - 1] : 0}"> routes differently <button id="routes-go">compare</button> <span id="routes-sum" class="muted"></span></p>`;
   }
   body += `<h3>Events</h3>` + table(["seq", "+ms", "worker", "policy", "event", "continue from here"], r.events.map((e) => [e.seq, e.time_ms - r.events[0].time_ms, esc(e.worker), "v" + e.policy, esc(e.kind),
     v.commands[String(e.seq)] ? `<code>${esc(v.commands[String(e.seq)])}</code>` : ""]));
   main.innerHTML = body;
   main.dataset.loaded = "1";
+  const go = document.getElementById("routes-go");
+  if (go) go.onclick = () => compareRoutes(eid, v).catch(fail);
+}
+async function compareRoutes(eid, v) {
+  const version = document.getElementById("routes-v").value;
+  const w = await api(`/api/run/${encodeURIComponent(RUN)}/ep/${encodeURIComponent(eid)}?routes_under=${encodeURIComponent(version)}`);
+  const under = w.routes_under;
+  const layers = v.routes.find((x) => x) ? v.routes.find((x) => x).length : 1;
+  for (const span of document.querySelectorAll("#response .tok")) {
+    const i = Number(span.dataset.i), k = under.layers_changed[i];
+    if (k === null || k === undefined) continue;
+    span.style.background = routeColour(k, layers);
+    span.dataset.layersChanged = k;
+    span.title += ` · under ${under.version}: ${expertsText(under.routes[i])} (${k} layer${k === 1 ? "" : "s"} changed)`;
+  }
+  document.getElementById("routes-sum").textContent = under.summary;
 }
 
 const PAGES = {runs: runsPage, run: runPage, episodes: episodesPage, episode: episodePage};

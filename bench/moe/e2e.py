@@ -1,17 +1,29 @@
 """The end-to-end pair of the routing-replay benchmark: ``streamrl run`` on the default MoE model (``--model-moe
-qwen3``, routing replay on) and on the dense default, the same minutes each, one after the other; for each the
-version and seconds at which the 20-step mean reward first reaches 0.9 (bench/learning/defaults_reach.py's rule),
-and the end-of-run check."""
+qwen3``, routing replay on) and on the dense default, the same minutes (or versions) each, one after the other; for
+each the version and seconds at which the 20-step mean reward first reaches 0.7, 0.8 and 0.9
+(bench/learning/defaults_reach.py's rule), and the end-of-run check. bench/moe/routing.py --e2e runs the pair for
+its record; run alone, this prints the same for longer runs:
+
+    python bench/moe/e2e.py --max-versions 1300                 # both to 1,300 versions
+    python bench/moe/e2e.py --models qwen3 --max-versions 1300  # the MoE alone
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
 import tempfile
 import uuid
 from pathlib import Path
 
-from bench.harness.runs import streamrl_run
-from bench.learning.defaults_reach import reached
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.harness.runs import streamrl_run  # noqa: E402
+from bench.learning.defaults_reach import reached  # noqa: E402
 
 # the end-of-run check's heading in streamrl run's output (services/ops/launch/runner.py)
 CHECK = "streamrl check at the end of the run"
@@ -19,13 +31,14 @@ CHECK = "streamrl check at the end of the run"
 TARGETS = (0.7, 0.8, 0.9)
 
 
-def one_run(moe: str, minutes: float, seed: int, folder: Path) -> dict:
-    """One ``streamrl run`` of ``minutes`` on the default model (``moe``: its MoE family, "" the dense one)."""
+def one_run(moe: str, minutes: float, seed: int, folder: Path, max_versions: int = 0) -> dict:
+    """One ``streamrl run`` of ``minutes`` (or ``max_versions``, when given) on the default model (``moe``: its MoE
+    family, "" the dense one)."""
     name = f"bench-moe-{uuid.uuid4().hex[:6]}-{moe or 'dense'}"
     flags = {
         "run": name,
         "seed": seed,
-        "max_minutes": minutes,
+        **({"max_versions": max_versions} if max_versions else {"max_minutes": minutes}),
         "run_dir": folder / "runs",
         "log_level": "warning",
         **({"model_moe": moe} if moe else {}),
@@ -64,17 +77,38 @@ def one_run(moe: str, minutes: float, seed: int, folder: Path) -> dict:
     }
 
 
-def run_pair(minutes: float = 2.0, seed: int = 0) -> dict:
+def run_pair(
+    minutes: float = 2.0, seed: int = 0, max_versions: int = 0, models: tuple[str, ...] = ("qwen3", "")
+) -> dict:
     """The MoE run, then the dense one, each in a scratch folder of its own."""
-    out = {"minutes": minutes, "seed": seed, "runs": []}
-    for moe in ("qwen3", ""):
+    out = {"minutes": minutes, "max_versions": max_versions, "seed": seed, "runs": []}
+    for moe in models:
         with tempfile.TemporaryDirectory() as tmp:
-            r = one_run(moe, minutes, seed, Path(tmp))
+            r = one_run(moe, minutes, seed, Path(tmp), max_versions)
         reach = ", ".join(f"{t} at version {x['version']} ({x['seconds']} s)" for t, x in r["reach"].items())
         print(
-            f"   {r['model']}: 20-step mean reward {reach}; {r['versions']} versions in {minutes} min, "
+            f"   {r['model']}: 20-step mean reward {reach}; {r['versions']} versions in {r['seconds']} s, "
             f"check {'ok' if r['check_ok'] else 'FAILED'}",
             flush=True,
         )
         out["runs"].append(r)
     return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="qwen3,dense", help="comma-separated: qwen3 | mixtral | olmoe | dense")
+    p.add_argument("--minutes", type=float, default=2.0)
+    p.add_argument("--max-versions", type=int, default=0, help="run each to this many versions instead of minutes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="", help="write the runs' figures here (JSON)")
+    args = p.parse_args(argv)
+    models = tuple("" if m == "dense" else m for m in args.models.split(","))
+    out = run_pair(args.minutes, args.seed, args.max_versions, models)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -162,23 +162,24 @@ def run_cell(
     probe_groups: int = 4,
     eval_rows: list[dict] | None = None,
     on_step=None,
+    probe_etas: tuple[int, ...] = PROBE_ETAS,
 ) -> dict:
     """Train ``setup.steps`` versions at staleness exactly η with ``mode``; return the reward curve, the per-step
     route mismatch (replay on) and mismatch KL, the final greedy accuracy on ``eval_rows``, and every
-    ``probe_every`` versions (from version max(PROBE_ETAS)) the probes of each η of PROBE_ETAS, replay on and off.
+    ``probe_every`` versions (from version max(``probe_etas``)) the probes of each of those η, replay on and off.
     ``on_step(version, groups, stats)``: called after each step with the episodes it trained on."""
     tok, model, _, opt, sc, _, rows, snapshots = start_cell(model_dir, "default", seed, setup, pool)
     routers = Routers.of(model)
     routers.check_replay(model, model.config.get_text_config().vocab_size)
     engine = make_engine(model_dir, mode.engine_dtype, setup.batch_groups * setup.group_size)
-    keep = max(PROBE_ETAS + (eta,))
+    keep = max(probe_etas + (eta,))
     probe_rows = iter(rows[::-1])
-    curve, route_mismatch, kl, probes = [], [], [], []
+    curve, behaviour, route_mismatch, kl, probes = [], [], [], [], []
     for v in range(setup.steps):
         if probe_every and v >= keep and (v - keep) % probe_every == 0:
             probe = {"version": v}
             chunk = [next(probe_rows) for _ in range(probe_groups)]
-            for e in PROBE_ETAS:
+            for e in probe_etas:
                 load_version(engine, snapshots[v - e], v - e)
                 groups = sample_engine(engine, tok, chunk, setup.group_size, setup, seed + 7919 * (v + 1) + e)
                 probe[str(e)] = {
@@ -198,6 +199,7 @@ def run_cell(
         snapshots[v + 1] = copy.deepcopy(model.state_dict())
         snapshots.pop(v + 1 - keep - 1, None)
         curve.append(float(batch.rewards.mean()))
+        behaviour.append(int(batch.versions[batch.loss_mask > 0].unique().item()))
         route_mismatch.append(stats.get("route_mismatch"))
         kl.append(only(stats["mismatch_kl_by_staleness"]))
         if on_step:
@@ -208,6 +210,7 @@ def run_cell(
         "mode": mode.name,
         "seed": seed,
         "curve": [round(r, 4) for r in curve],
+        "behaviour_versions": behaviour,
         "route_mismatch": route_mismatch,
         "mismatch_kl": kl,
         "eval": greedy_eval(model.eval(), tok, eval_rows, setup.eval_tokens) if eval_rows else None,

@@ -79,7 +79,7 @@ HEADLINES = [
     (
         "moe_routing",
         "routing replay on the tiny Qwen3-MoE: route mismatch without replay at η = 1 / 4 / 8",
-        "python bench/moe/routing.py --e2e",
+        "python bench/moe/routing.py --e2e --e2e-versions 1000",
         "moe_routing",
     ),
     (
@@ -129,7 +129,8 @@ OFF_TABLE = {
     "event_log": "STALE since 3b1d609 (1.09x the entries/s): the episode log learned expert routes after it ran",
     "tiers": "STALE since 2fb8106 (546 -> 4.6 B/token): the episode log learned expert routes after it ran",
     "commit_cost": "STALE since 8b1a2d7 (133 ms): the trainer learned routing replay after it ran",
-    "agents_frameworks": "STALE since 3b98d26 (9 of 9 trained): the call server learned to log expert routes after it ran",
+    "agents_frameworks": "STALE since 3b98d26 (9 of 9 trained): the call server learned to log expert routes after "
+    "it ran",
 }
 
 # History pages of the result files that are not headlines (the name is the page unless said here).

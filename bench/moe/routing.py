@@ -14,6 +14,7 @@ fp32 engine, fresh tokens' (η = 0) IS weight must be 1 within 1e-5: asserted.
 
     python bench/moe/routing.py                                  # everything but the end-to-end pair (~10 min)
     python bench/moe/routing.py --e2e                            # and the pair (2 x 2 min runs, one after the other)
+    python bench/moe/routing.py --e2e --e2e-versions 1000        # the pair to equal versions (~7 min more)
     python bench/moe/routing.py --seeds 1 --steps 20 --no-bf16 --no-record   # a smoke run
 """
 
@@ -230,6 +231,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-bf16", action="store_true", help="leave out the bf16 rollout engine")
     p.add_argument("--e2e", action="store_true", help="also the end-to-end pair: streamrl run, MoE vs dense")
     p.add_argument("--e2e-minutes", type=float, default=2.0)
+    p.add_argument("--e2e-versions", type=int, default=0, help="run each of the pair to this many versions instead")
     p.add_argument("--png", default=str(ROOT / "bench" / "results" / "moe_routing.png"))
     p.add_argument("--no-record", action="store_true")
     args = p.parse_args(argv)
@@ -245,7 +247,7 @@ def main(argv=None) -> int:
     if args.e2e:
         from bench.moe.e2e import run_pair
 
-        pair = run_pair(args.e2e_minutes)
+        pair = run_pair(args.e2e_minutes, max_versions=args.e2e_versions)
     cells, episodes = [], []
 
     def keep_episodes(v, groups, stats):
@@ -345,7 +347,12 @@ def main(argv=None) -> int:
         moe, dense = pair["runs"]
         rows.append(
             {
-                "what": f"streamrl run {args.e2e_minutes:g} min, versions to a 20-step mean reward of 0.9, MoE / dense",
+                "what": (
+                    f"streamrl run to {args.e2e_versions} versions"
+                    if args.e2e_versions
+                    else f"streamrl run {args.e2e_minutes:g} min"
+                )
+                + ", version at a 20-step mean reward of 0.9, MoE / dense",
                 "value": f"{moe['reach']['0.9']['version'] or 'not reached'} / "
                 f"{dense['reach']['0.9']['version'] or 'not reached'} (0.8: {moe['reach']['0.8']['version']} / "
                 f"{dense['reach']['0.8']['version']}; check "

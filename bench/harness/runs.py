@@ -16,26 +16,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def streamrl_run(flags: dict, verbose: bool = False, on_start=None, root: Path = ROOT) -> tuple[float, list[dict]]:
+def streamrl_run(
+    flags: dict, verbose: bool = False, on_start=None, root: Path = ROOT, on_line=None, cwd: Path | None = None
+) -> tuple[float, list[dict]]:
     """Run ``streamrl run`` with ``flags`` (config keys -> values); (wall time the driver started, the trainer's
     metrics records). Raises SystemExit naming the run when it fails or never starts. ``on_start(process)``: called
     once the ``streamrl run`` process exists (e.g. to watch its processes' CPU). ``root``: the tree whose code runs
-    (another one: a git worktree of an earlier commit, for a before/after pair)."""
+    (another one: a git worktree of an earlier commit, for a before/after pair). ``on_line(line)``: called with every
+    line the run prints (e.g. to read its end-of-run check). ``cwd``: where it runs (default ``root``; a scratch
+    folder makes the default model there, models/tiny)."""
     cmd = [sys.executable, "-m", "services.ops.cli.main", "run"]
     for k, v in flags.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL" and not k.startswith("STREAMRL_")}
     # the Procfile's python, streamrl
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    if root != ROOT:
-        # its modules before the editable install's
+    if root != ROOT or cwd is not None:
+        # its modules before the editable install's (run from elsewhere: this tree's)
         env["PYTHONPATH"] = str(root)
     print(f"\n== {' '.join(cmd[4:])}", flush=True)
     t_start, last_line = None, ""
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=cwd or root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if on_start is not None:
         on_start(proc)
     for line in proc.stdout:
+        if on_line is not None:
+            on_line(line.rstrip())
         if "driver" in line and "started;" in line and t_start is None:
             t_start = time.time()
         if "driver" in line and ("[" in line or "ending the run" in line or "up at version" in line):

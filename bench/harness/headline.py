@@ -126,8 +126,6 @@ OFF_TABLE = {
     "gateway": "STALE since 3b1d609 (+3.6 ms on 182 ms): the rollout worker's job poll changed after it ran",
     # Routing replay (the episode log's routes, the engines' chunks, the trainer's forward) went in after they ran;
     # none of it runs for a dense model, but the rule counts every line. Re-run them to bring them back.
-    "event_log": "STALE since 3b1d609 (1.09x the entries/s): the episode log learned expert routes after it ran",
-    "tiers": "STALE since 2fb8106 (546 -> 4.6 B/token): the episode log learned expert routes after it ran",
     "commit_cost": "STALE since 8b1a2d7 (133 ms): the trainer learned routing replay after it ran",
     "agents_frameworks": "STALE since 3b98d26 (9 of 9 trained): the call server learned to log expert routes after "
     "it ran",

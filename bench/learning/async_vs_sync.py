@@ -68,7 +68,7 @@ SIMULATED_GPU = {"step_delay_ms": 20.0, "simulated_train_us_per_token": 400.0}
 
 def make_model(path: Path, warm_steps: int) -> float:
     from services.driver.tasks import chain_sum
-    from services.ops.launch.tiny_model import greedy_accuracy, make_default_model
+    from services.ops.launch.default_model import greedy_accuracy, make_default_model
 
     t0 = time.monotonic()
     make_default_model(path, dataset="chain_sum", warm_steps=warm_steps, seed=0)
@@ -83,7 +83,7 @@ def make_model(path: Path, warm_steps: int) -> float:
 def evaluate(model_dir: Path, weights: Path | None, rows: list[dict], max_tokens: int) -> float:
     """Greedy accuracy of ``model_dir`` (with ``weights`` swapped in) on ``rows``: the same problems for every
     variant, unlike the training reward, which is measured on whatever each variant happened to train."""
-    from services.ops.launch.tiny_model import greedy_accuracy
+    from services.ops.launch.default_model import greedy_accuracy
 
     if weights is None:
         return greedy_accuracy(model_dir, rows, max_tokens=max_tokens)

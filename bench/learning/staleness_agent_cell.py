@@ -41,14 +41,8 @@ def make_agent_model(
     continued, the same as made from scratch."""
     import shutil
 
-    from services.ops.launch.tiny_model import (
-        AGENT_CONTEXT,
-        DEFAULT_MODEL,
-        agent_sft_examples,
-        load_tokenizer,
-        make_tiny_model,
-        warm_start,
-    )
+    from services.ops.launch.default_model import AGENT_CONTEXT, DEFAULT_MODEL, agent_sft_examples, warm_start
+    from services.ops.launch.tiny_model import load_tokenizer, make_tiny_model
 
     done = 0
     if start:

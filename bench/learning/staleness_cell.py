@@ -93,7 +93,8 @@ def draw(pool: list[dict], n: int, seed: int) -> list[dict]:
 
 def make_model(out_dir: Path, pool: list[dict], warm_steps: int, seed: int) -> str:
     """The default model's shape and recipe (services/ops/launch/tiny_model.py), warm-started on ``pool`` only."""
-    from services.ops.launch.tiny_model import DEFAULT_MODEL, load_tokenizer, make_tiny_model, sft_examples, warm_start
+    from services.ops.launch.default_model import DEFAULT_MODEL, sft_examples, warm_start
+    from services.ops.launch.tiny_model import load_tokenizer, make_tiny_model
 
     make_tiny_model(out_dir, **DEFAULT_MODEL, seed=seed)
     if warm_steps > 0:

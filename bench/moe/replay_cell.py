@@ -37,7 +37,7 @@ class Replay:
 
 def make_moe_model(out_dir: Path, seed: int) -> str:
     """The default MoE model of ``streamrl run --model-moe qwen3``: its shape, family, task and warm start."""
-    from services.ops.launch.tiny_model import MOE_WARM_STEPS, make_default_model
+    from services.ops.launch.default_model import MOE_WARM_STEPS, make_default_model
 
     return make_default_model(out_dir, warm_steps=MOE_WARM_STEPS["qwen3"], seed=seed, moe="qwen3")
 

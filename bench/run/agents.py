@@ -94,7 +94,7 @@ def main() -> None:
     tag = uuid.uuid4().hex[:6]
     work = ROOT / "runs" / f"bench-agents-{tag}"
     model_dir = Path(args.model_dir).resolve() if args.model_dir else work / "model"
-    from services.ops.launch.tiny_model import make_default_model
+    from services.ops.launch.default_model import make_default_model
 
     t0 = time.monotonic()
     if not args.model_dir:

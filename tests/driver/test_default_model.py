@@ -7,8 +7,9 @@ import json
 
 from services.gateway import toolparse
 from services.gateway.chat import Renderer
-from services.ops.launch import tiny_model
-from services.ops.launch.tiny_model import CALC_TOOL, agent_sft_examples, build_tokenizer, ensure_default_model
+from services.ops.launch import default_model
+from services.ops.launch.default_model import CALC_TOOL, agent_sft_examples, ensure_default_model
+from services.ops.launch.tiny_model import build_tokenizer
 from shared.runtime.config.keys import Config
 
 
@@ -45,18 +46,18 @@ def test_the_default_model_is_remade_only_when_a_run_wants_another_recipe(tmp_pa
     context = lambda: json.loads((tmp_path / "tiny" / "config.json").read_text())["max_position_embeddings"]
 
     assert ensure_default_model(plain, warm_steps=0) is True
-    assert context() == tiny_model.DEFAULT_MODEL["max_position_embeddings"]
+    assert context() == default_model.DEFAULT_MODEL["max_position_embeddings"]
     # the same recipe: reused
     assert ensure_default_model(plain, warm_steps=0) is False
     # a run takes whatever warm start make-model was given
     assert ensure_default_model(plain) is False
     # an agent run needs the chat format and the context
     assert ensure_default_model(agent, warm_steps=0) is True
-    assert context() == tiny_model.AGENT_CONTEXT
+    assert context() == default_model.AGENT_CONTEXT
     assert "was made for" in capsys.readouterr().err
-    assert json.loads((tmp_path / "tiny" / tiny_model.RECIPE_FILE).read_text())["format"] == "agent"
+    assert json.loads((tmp_path / "tiny" / default_model.RECIPE_FILE).read_text())["format"] == "agent"
     # made before recipes were recorded: remade, not trusted
-    (tmp_path / "tiny" / tiny_model.RECIPE_FILE).unlink()
+    (tmp_path / "tiny" / default_model.RECIPE_FILE).unlink()
     assert ensure_default_model(agent, warm_steps=0) is True
 
 
@@ -66,14 +67,14 @@ def test_a_run_on_the_default_model_remakes_it_for_its_recipe(tmp_path, monkeypa
     own check now remakes the default model for the agent recipe, and reuses it for the same one."""
     # the default model_dir, models/tiny, is relative to where the run starts
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(tiny_model, "DEFAULT_WARM_STEPS", 0)
-    monkeypatch.setattr(tiny_model, "AGENT_WARM_STEPS", 0)
+    monkeypatch.setattr(default_model, "DEFAULT_WARM_STEPS", 0)
+    monkeypatch.setattr(default_model, "AGENT_WARM_STEPS", 0)
     context = lambda: json.loads((tmp_path / "models" / "tiny" / "config.json").read_text())["max_position_embeddings"]
-    tiny_model.ensure_model(Config(run="dm"))
-    assert context() == tiny_model.DEFAULT_MODEL["max_position_embeddings"]
-    tiny_model.ensure_model(Config(run="dm", agent="examples.calc:agent"))
-    assert context() == tiny_model.AGENT_CONTEXT
+    default_model.ensure_model(Config(run="dm"))
+    assert context() == default_model.DEFAULT_MODEL["max_position_embeddings"]
+    default_model.ensure_model(Config(run="dm", agent="examples.calc:agent"))
+    assert context() == default_model.AGENT_CONTEXT
     made = (tmp_path / "models" / "tiny" / "config.json").stat().st_mtime_ns
-    tiny_model.ensure_model(Config(run="dm", agent="examples.calc:agent"))
+    default_model.ensure_model(Config(run="dm", agent="examples.calc:agent"))
     # the same recipe: reused
     assert (tmp_path / "models" / "tiny" / "config.json").stat().st_mtime_ns == made

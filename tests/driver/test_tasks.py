@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 
 from services.driver import tasks
-from services.ops.launch.tiny_model import build_tokenizer, sft_examples
+from services.ops.launch.default_model import sft_examples
+from services.ops.launch.tiny_model import build_tokenizer
 from services.rollout.jobs.rewards import arithmetic as reward
 
 

@@ -166,18 +166,18 @@ def test_runs_lists_ended_archived_and_interrupted_runs(tmp_path):
 def test_the_readme_order_default_agent_default_gets_each_run_its_recipes_model(tmp_path, monkeypatch, capsys):
     """README's order of commands: `./dev run`, `./dev run --agent examples.calc:agent`, `./dev run` again: each run
     starts on the default model made for its own recipe (remade with one line when the last run wanted another)."""
-    from services.ops.launch import tiny_model
+    from services.ops.launch import default_model
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(tiny_model, "DEFAULT_WARM_STEPS", 0)
-    monkeypatch.setattr(tiny_model, "AGENT_WARM_STEPS", 0)
+    monkeypatch.setattr(default_model, "DEFAULT_WARM_STEPS", 0)
+    monkeypatch.setattr(default_model, "AGENT_WARM_STEPS", 0)
     context = lambda: json.loads((tmp_path / "models" / "tiny" / "config.json").read_text())["max_position_embeddings"]
     for cfg, want in [
         (Config(), 256),
-        (Config(agent="examples.calc:agent"), tiny_model.AGENT_CONTEXT),
+        (Config(agent="examples.calc:agent"), default_model.AGENT_CONTEXT),
         (Config(), 256),
     ]:
-        tiny_model.ensure_model(cfg)
+        default_model.ensure_model(cfg)
         assert context() == want
     assert capsys.readouterr().err.count("remaking it") == 2
 

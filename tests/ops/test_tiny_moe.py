@@ -9,7 +9,7 @@ import json
 import pytest
 
 from services.ops.cli.main import main
-from services.ops.launch import preflight, tiny_model
+from services.ops.launch import default_model, preflight, tiny_model
 from services.ops.launch.runner import check_continuation
 from shared.runtime import runstate
 from shared.runtime.config.checks import MOE_FAMILIES, validate
@@ -41,15 +41,15 @@ def test_make_model_moe_makes_that_family_which_loads_and_generates(family, tmp_
     # a token's active MLP parameters are the dense model's: top-2 of 8 experts each half the dense MLP's width
     experts = model.model.layers[0].mlp.experts
     per_expert = sum(p.numel() for p in experts.parameters()) // 8
-    dense = 3 * tiny_model.DEFAULT_MODEL["hidden_size"] * tiny_model.DEFAULT_MODEL["intermediate_size"]
+    dense = 3 * default_model.DEFAULT_MODEL["hidden_size"] * default_model.DEFAULT_MODEL["intermediate_size"]
     assert 2 * per_expert == dense
     tok = tiny_model.load_tokenizer(out)
     ids = torch.tensor([tok.encode("12+7=", add_special_tokens=False)])
     with torch.inference_mode():
         made = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
     assert made.shape == (1, ids.shape[1] + 4) or int(made[0, -1]) in model.generation_config.eos_token_id
-    recipe = json.loads((out / tiny_model.RECIPE_FILE).read_text())
-    dense_recipe = tiny_model.default_recipe(Config(), warm_steps=3)
+    recipe = json.loads((out / default_model.RECIPE_FILE).read_text())
+    dense_recipe = default_model.default_recipe(Config(), warm_steps=3)
     assert recipe == {**dense_recipe, "moe": family} and "moe" not in dense_recipe
     assert runstate.model_shape(str(out)) == {"moe": True, "layers": 2, "top_k": 2, "experts": 8}
     # `streamrl run` takes it: it loads, the torch engine can serve it, the task's prompts fit
@@ -58,13 +58,13 @@ def test_make_model_moe_makes_that_family_which_loads_and_generates(family, tmp_
 
 def test_a_run_wanting_the_dense_model_remakes_an_moe_one_and_back(tmp_path, capsys):
     model_dir = str(tmp_path / "tiny")
-    assert tiny_model.ensure_default_model(Config(model_dir=model_dir, model_moe="mixtral"), warm_steps=0)
+    assert default_model.ensure_default_model(Config(model_dir=model_dir, model_moe="mixtral"), warm_steps=0)
     # a run takes whatever warm start make-model was given, of its own family
-    assert not tiny_model.ensure_default_model(Config(model_dir=model_dir, model_moe="mixtral"))
-    assert tiny_model.ensure_default_model(Config(model_dir=model_dir), warm_steps=0)
+    assert not default_model.ensure_default_model(Config(model_dir=model_dir, model_moe="mixtral"))
+    assert default_model.ensure_default_model(Config(model_dir=model_dir), warm_steps=0)
     assert "remaking it" in capsys.readouterr().err
     assert runstate.model_shape(model_dir) == {"moe": False}
-    assert tiny_model.ensure_default_model(Config(model_dir=model_dir, model_moe="olmoe"), warm_steps=0)
+    assert default_model.ensure_default_model(Config(model_dir=model_dir, model_moe="olmoe"), warm_steps=0)
     assert json.loads((tmp_path / "tiny" / "config.json").read_text())["model_type"] == "olmoe"
 
 

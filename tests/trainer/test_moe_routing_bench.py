@@ -14,7 +14,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.learning.staleness_cell import Setup  # noqa: E402
 from bench.moe.replay_cell import Replay, make_engine, measure, run_cell, sample_engine, set_replay  # noqa: E402
-from services.ops.launch.tiny_model import DEFAULT_MODEL, load_tokenizer, make_tiny_model  # noqa: E402
+from services.ops.launch.default_model import DEFAULT_MODEL  # noqa: E402
+from services.ops.launch.tiny_model import load_tokenizer, make_tiny_model  # noqa: E402
 from services.trainer.step import StepConfig  # noqa: E402
 from shared.runtime.config.keys import Config  # noqa: E402
 from shared.runtime.routers import Routers  # noqa: E402

@@ -14,7 +14,8 @@ from bench.learning.staleness_agent_cell import after_call, calc_reward, generat
 from bench.learning.staleness_cell import Setup, split_task  # noqa: E402
 from examples.calc import TOOLS  # noqa: E402
 from services.gateway.chat import Renderer  # noqa: E402
-from services.ops.launch.tiny_model import AGENT_CONTEXT, DEFAULT_MODEL, load_tokenizer, make_tiny_model  # noqa: E402
+from services.ops.launch.default_model import AGENT_CONTEXT, DEFAULT_MODEL  # noqa: E402
+from services.ops.launch.tiny_model import load_tokenizer, make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

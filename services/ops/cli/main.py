@@ -280,7 +280,7 @@ def cmd_stop(cfg, args) -> int:
 
 
 def cmd_make_model(cfg, args) -> int:
-    from services.ops.launch.tiny_model import ensure_default_model
+    from services.ops.launch.default_model import ensure_default_model
 
     # --moe is model_moe's own flag here: the recipe a run with that model_moe wants, so the run takes the model
     if args.moe:

@@ -99,7 +99,7 @@ def check_continuation(cfg: Config) -> None:
         for key in MODEL_KEYS
         if key in made and made[key] != getattr(cfg, key)
     ]
-    from services.ops.launch.tiny_model import default_recipe
+    from services.ops.launch.default_model import default_recipe
     from shared.runtime.models import is_default
 
     # the default model is remade for another recipe: not here
@@ -183,7 +183,7 @@ def run(cfg: Config, procfile: str = "Procfile", extra_env: dict | None = None, 
     path = find_procfile(procfile)
     entries = parse_procfile(path.read_text()).processes
     from services.ops.launch import preflight
-    from services.ops.launch.tiny_model import ensure_model
+    from services.ops.launch.default_model import ensure_model
 
     check_continuation(cfg)
     # the run's warm starter: its processes (and their restarts) fork from it with torch already imported. Started

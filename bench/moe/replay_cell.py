@@ -18,7 +18,7 @@ from services.rollout.engine.torch_engine import TorchEngine
 from services.trainer.batch import build_batch
 from services.trainer.step import policy_logprobs, train_on_batch
 from shared.protocol.episode.fold import Episode
-from shared.runtime.routers import Routers
+from shared.runtime.moe.routers import Routers
 
 PROBE_ETAS = (0, 1, 2, 4, 8)
 

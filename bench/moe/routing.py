@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from bench.learning.staleness import mean_se  # noqa: E402
 from bench.learning.staleness_cell import Setup  # noqa: E402
 from bench.moe.replay_cell import PROBE_ETAS, Replay, make_moe_model, run_cell, task_pool  # noqa: E402
-from shared.runtime.moe import route_shape_of  # noqa: E402
+from shared.runtime.moe.shape import route_shape_of  # noqa: E402
 
 # fresh tokens' |log IS ratio| with replay and an fp32 engine: 1 within this
 FRESH_TOLERANCE = 1e-5

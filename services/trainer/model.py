@@ -8,7 +8,7 @@
   weights (base + B·A·alpha/r) under the base model's parameter names, so both engines load it like any
   other version and nothing else in the pipeline knows LoRA is on;
 - ``routing_replay`` on a mixture of experts: the forwards route each sampled token through the experts its
-  behaviour policy chose (the episode log's routes, shared/runtime/routers.py); the router still trains through
+  behaviour policy chose (the episode log's routes, shared/runtime/moe/routers.py); the router still trains through
   the chosen experts' probabilities;
 - ``kl_coef > 0``: a frozen reference (the initial model) for a KL term: with LoRA, the same model with its
   adapters switched off (no second copy); without, a second copy with ``requires_grad`` off (bf16 when
@@ -28,7 +28,7 @@ from shared.protocol.episode.logprobs import token_logprobs
 from shared.runtime.config.errors import ConfigError
 from shared.runtime.config.keys import Config
 from shared.runtime.models import resolve_model
-from shared.runtime.routers import Routers, RoutingUnsupported
+from shared.runtime.moe.routers import Routers, RoutingUnsupported
 
 
 def autocast_context(device: torch.device, dtype: str):

@@ -81,7 +81,7 @@ class StepConfig:
 
 def policy_logprobs(model, mb: Batch, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs [b, L-1] of the targets under each row's sampling transform, logits [b, L-1, V]). A model with
-    routing replay (``model.route_replay``, shared/runtime/routers.py) routes the batch's logged routes."""
+    routing replay (``model.route_replay``, shared/runtime/moe/routers.py) routes the batch's logged routes."""
     logp, logits, _ = forward(model, mb, device)
     return logp, logits
 

@@ -28,7 +28,7 @@ from shared.protocol.keys import Keys
 from shared.runtime.config.errors import ConfigError
 from shared.runtime.config.keys import Config
 from shared.runtime.connection import redact
-from shared.runtime.moe import route_shape_of
+from shared.runtime.moe.shape import route_shape_of
 from shared.runtime.secrets import private_dir
 
 # in the run's folder: which run (id) this folder's state belongs to

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared.protocol.episode.routes import canonical
-from shared.runtime.routers import Routers
+from shared.runtime.moe.routers import Routers
 from tests.support.arch_models import make_arch_model
 from tests.support.gateway_stack import episode, live_stack, start_agent_episode
 

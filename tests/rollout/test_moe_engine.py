@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from services.rollout.engine import SamplingParams
 from services.rollout.engine.torch_engine import TorchEngine
 from shared.protocol.episode.routes import canonical
-from shared.runtime.routers import Routers
+from shared.runtime.moe.routers import Routers
 from tests.support.arch_models import make_arch_model
 
 PROMPTS = {"a": [5, 6, 7, 8, 9], "b": [11, 12], "c": [20, 21, 22]}

@@ -21,7 +21,7 @@ from shared.protocol.episode.routes import canonical
 from shared.protocol.keys import ROLLOUT_GROUP
 from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.runtime.config.keys import Config
-from shared.runtime.routers import Routers
+from shared.runtime.moe.routers import Routers
 from tests.support.models import nudged_weights
 from tests.support.procs import kill9, stop, wait_until
 from tests.support.rollout_harness import (

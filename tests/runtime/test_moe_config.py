@@ -8,7 +8,7 @@ import pytest
 from transformers import LlamaConfig, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
 from shared.protocol.episode.routes import RouteShape
-from shared.runtime.moe import moe_layers, route_shape_of
+from shared.runtime.moe.shape import moe_layers, route_shape_of
 
 
 def test_qwen3_moe_counts_only_its_sparse_layers():

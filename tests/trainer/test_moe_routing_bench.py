@@ -18,7 +18,7 @@ from services.ops.launch.default_model import DEFAULT_MODEL  # noqa: E402
 from services.ops.launch.tiny_model import load_tokenizer, make_tiny_model  # noqa: E402
 from services.trainer.step import StepConfig  # noqa: E402
 from shared.runtime.config.keys import Config  # noqa: E402
-from shared.runtime.routers import Routers  # noqa: E402
+from shared.runtime.moe.routers import Routers  # noqa: E402
 
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((3, 4), (1, 2), (5, 5))]
 

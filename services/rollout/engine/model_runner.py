@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from services.rollout.engine.base import EngineError
 from shared.protocol.episode.routes import canonical
-from shared.runtime.routers import Routers, RoutingUnsupported
+from shared.runtime.moe.routers import Routers, RoutingUnsupported
 
 
 def resolve_device(device: str) -> torch.device:

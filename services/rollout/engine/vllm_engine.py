@@ -264,7 +264,7 @@ def _refuse_routing_replay(model_dir: Path, version: str, cpu: bool) -> None:
     ``LLMEngine`` hands none back for a request aborted midway, which the rollout does at every weight sync. On
     the CPU build it returns none at all: the option needs Model Runner V2, which needs Triton's CPU backend.
     So a mixture-of-experts model with routing replay on is refused before vLLM starts; a dense model passes."""
-    from shared.runtime.moe import route_shape_of
+    from shared.runtime.moe.shape import route_shape_of
 
     try:
         config = json.loads((model_dir / "config.json").read_text())

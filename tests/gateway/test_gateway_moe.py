@@ -7,13 +7,11 @@ from __future__ import annotations
 import numpy as np
 import openai
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from shared.protocol.episode.routes import canonical
-from shared.runtime.moe.routers import Routers
 from tests.support.arch_models import make_arch_model
 from tests.support.gateway_stack import episode, live_stack, start_agent_episode
+from tests.support.moe_episodes import Forward
 
 pytestmark = [pytest.mark.slow(seconds=40), pytest.mark.timeout(600)]
 CHAT = [{"role": "user", "content": "What is the sum? 3+4"}]
@@ -26,16 +24,6 @@ def stack(tmp_path_factory, redis_server):
         yield {**stack, "tok": AutoTokenizer.from_pretrained(moe_dir)}
 
 
-def forward_routes(model_dir: str, prompt: list[int], tokens: list[int]) -> np.ndarray:
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    routers = Routers.of(model)
-    routers.recording = True
-    with torch.no_grad():
-        model(input_ids=torch.tensor([prompt + tokens]))
-    every = torch.stack(routers.recorded, dim=1).numpy()
-    return canonical(every[len(prompt) - 1 : len(prompt) + len(tokens) - 1], routers.shape)
-
-
 def test_a_calls_routes_are_logged_with_its_tokens_and_cut_with_them_by_a_stop_string(stack):
     client, keys, tok = stack["client"], stack["keys"], stack["tok"]
     start_agent_episode(client, keys, "moe-0")
@@ -43,7 +31,7 @@ def test_a_calls_routes_are_logged_with_its_tokens_and_cut_with_them_by_a_stop_s
     whole = oai.chat.completions.create(model="policy", messages=CHAT, max_tokens=10)
     call = episode(client, keys, "moe-0").calls[whole.streamrl["call"]]
     assert len(call.tokens) >= 4 and len(call.routes) == len(call.tokens)
-    assert np.array_equal(np.stack(call.routes), forward_routes(stack["dir"], call.prompt_ids, call.tokens))
+    assert np.array_equal(np.stack(call.routes), Forward(stack["dir"]).routes(call.prompt_ids, call.tokens))
     # greedy: the same ask with a stop string completed by the completion's fourth token ends there
     stop = tok.decode(call.tokens[2:4], skip_special_tokens=True)
     assert stop.strip(), "the greedy completion decodes to text at tokens 2-3"

@@ -7,13 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from services.rollout.engine import SamplingParams
 from services.rollout.engine.torch_engine import TorchEngine
-from shared.protocol.episode.routes import canonical
 from shared.runtime.moe.routers import Routers
 from tests.support.arch_models import make_arch_model
+from tests.support.moe_episodes import Forward
 
 PROMPTS = {"a": [5, 6, 7, 8, 9], "b": [11, 12], "c": [20, 21, 22]}
 
@@ -52,24 +51,14 @@ def generate(engine: TorchEngine, prompts: dict, max_tokens: int = 10, abort_aft
     return {rid: (toks, np.stack(r)) for rid, (toks, r) in out.items()}
 
 
-def forward_routes(model_dir: str, ids: list[int], prompt_len: int) -> np.ndarray:
-    """Each response token's route from one forward of prompt + response: the choices at the position before it."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    routers = Routers.of(model)
-    routers.recording = True
-    with torch.no_grad():
-        model(input_ids=torch.tensor([ids]))
-    every = torch.stack(routers.recorded, dim=1).numpy()
-    return canonical(every[prompt_len - 1 : len(ids) - 1], routers.shape)
-
-
 def test_each_tokens_route_is_what_a_forward_of_the_whole_sequence_routes(moe_dir):
     engine = TorchEngine(moe_dir, max_batch_size=4, routing_replay=True)
     shape = engine.route_shape
+    forward = Forward(moe_dir)
     assert shape is not None and shape.top_k == 2 and shape.experts == 8
     for rid, (toks, routes) in generate(engine, PROMPTS).items():
         assert routes.shape == (len(toks), shape.layers, shape.top_k) and routes.dtype == np.uint8
-        expected = forward_routes(moe_dir, PROMPTS[rid] + toks, len(PROMPTS[rid]))
+        expected = forward.routes(PROMPTS[rid], toks)
         assert np.array_equal(routes, expected), rid
 
 

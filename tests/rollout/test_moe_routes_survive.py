@@ -7,22 +7,17 @@ weights."""
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from services.rollout.engine import Chunk
 from services.rollout.engine.torch_engine import TorchEngine
-from shared.protocol.episode.routes import canonical
 from shared.protocol.keys import ROLLOUT_GROUP
 from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.runtime.config.keys import Config
-from shared.runtime.moe.routers import Routers
 from tests.support.models import nudged_weights
+from tests.support.moe_episodes import Forward
 from tests.support.procs import kill9, stop, wait_until
 from tests.support.rollout_harness import (
     acks,
@@ -86,25 +81,6 @@ class RecordingEngine:
             versions += [c.version] * len(c.token_ids)
             routes += [None] * len(c.token_ids) if c.routes is None else list(c.routes)
         return tokens, versions, routes
-
-
-class Forward:
-    """One model's plain forward (batch of one, no cache) recording its routers: a token's route is the choice at
-    the position before it."""
-
-    def __init__(self, model_dir: str, weights: Path | None = None):
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-        if weights is not None:
-            self.model.load_state_dict(load_file(str(weights)), strict=True)
-        self.routers = Routers.of(self.model)
-        self.routers.recording = True
-
-    @torch.no_grad()
-    def routes(self, prompt: list[int], tokens: list[int]) -> np.ndarray:
-        ids = prompt + tokens
-        self.model(input_ids=torch.tensor([ids]))
-        every = torch.stack(self.routers.recorded, dim=1).numpy()
-        return canonical(every[len(prompt) - 1 : len(ids) - 1], self.routers.shape)
 
 
 def routes_of(ep) -> np.ndarray:

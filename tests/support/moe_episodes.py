@@ -57,3 +57,30 @@ def write_group(client, keys, group_id: str, results, version: int = 0, routes_o
     log.flush_or_raise()
     client.xadd(keys.samples, {"group_id": group_id, "episodes": ",".join(eids), "worker": "w", "n": str(len(eids))})
     return eids
+
+
+class Forward:
+    """One model's plain forward (batch of one, no cache) recording its routers: a token's route is the choice at
+    the position before it. ``weights``: a published version's safetensors file to load over ``model_dir``'s."""
+
+    def __init__(self, model_dir: str, weights=None):
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        from shared.runtime.moe.routers import Routers
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        if weights is not None:
+            self.model.load_state_dict(load_file(str(weights)), strict=True)
+        self.routers = Routers.of(self.model)
+        self.routers.recording = True
+
+    def routes(self, prompt: list[int], tokens: list[int]) -> np.ndarray:
+        """The route of each of ``tokens`` after ``prompt``: [len(tokens), layers, top_k]."""
+        import torch
+
+        ids = prompt + tokens
+        with torch.no_grad():
+            self.model(input_ids=torch.tensor([ids]))
+        every = torch.stack(self.routers.recorded, dim=1).numpy()
+        return routes.canonical(every[len(prompt) - 1 : len(ids) - 1], self.routers.shape)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from services.ops.replay.text import ReplayError, _replay_version, model_dir
+from services.ops.replay.text import ReplayError, model_dir, replay_version
 from shared.protocol.episode.fold import Episode
 from shared.protocol.episode.routes import canonical, changed_layers
 
@@ -24,7 +24,7 @@ def routes_under(cfg, args, log, ep: Episode) -> tuple[str, list]:
     if not any(r is not None for r in ep.routes):
         raise ReplayError(f"episode {ep.episode_id}: no routes logged (a dense policy, or routing_replay off)")
     try:
-        path, sha, label = _replay_version(cfg, args, log, args.version)
+        path, sha, label = replay_version(cfg, args, log, args.version)
         engine = make_engine("torch", model_dir(cfg), device="cpu", max_batch_size=1, routing_replay=True)
         cont.load_version(engine, args.version, path, sha)
     except (cont.ContinuationError, EngineError, ValueError) as exc:

@@ -32,7 +32,7 @@ def decoder(cfg):
     return lambda ids: tok.decode(list(ids), skip_special_tokens=False)
 
 
-def _replay_version(cfg, args, log, version: int) -> tuple[str | None, str, str]:
+def replay_version(cfg, args, log, version: int) -> tuple[str | None, str, str]:
     """(weights path or None for model_dir, sha256, label) of the version a continuation runs with."""
     from services.rollout.episodes import continuation as cont
 
@@ -62,7 +62,7 @@ def continue_agent(cfg, args, log, entries, ep, decode_text) -> int:
             if args.version is not None
             else max((v for c in ep.calls.values() for v in c.versions), default=0)
         )
-        path, sha, _ = _replay_version(cfg, args, log, version)
+        path, sha, _ = replay_version(cfg, args, log, version)
         result = agent_replay.continue_agent(
             cfg,
             entries,
@@ -107,7 +107,7 @@ def continue_text(cfg, args, log, entries, ep, decode_text) -> int:
     try:
         prefix = cont.prefix_at(entries, args.from_seq)
         version = prefix.policy if args.version is None else args.version
-        path, sha, label = _replay_version(cfg, args, log, version)
+        path, sha, label = replay_version(cfg, args, log, version)
         reward_fn = rewards.load(cfg.reward_fn)
         try:
             engine = make_engine(

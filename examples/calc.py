@@ -17,7 +17,14 @@ TOOLS = [
 
 
 def calc(expr: str) -> str:
-    return str(eval(expr, {}, {})) if re.fullmatch(r"[\d+\-* ()]{1,40}", expr) else "error: bad expression"
+    # + - * only ("**" is a power: 9**9**9 would not end)
+    if not re.fullmatch(r"[\d+\-* ()]{1,40}", expr) or "**" in expr:
+        return "error: bad expression"
+    # the policy writes the expression: "6+" is its mistake, answered as any wrong call is, not an agent crash
+    try:
+        return str(eval(expr, {}, {}))
+    except SyntaxError:
+        return "error: bad expression"
 
 
 def agent(client, task: dict) -> dict:

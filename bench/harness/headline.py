@@ -40,6 +40,12 @@ HEADLINES = [
         "async_vs_sync",
     ),
     (
+        "agent_curve",
+        "the agent example learning as the README runs it: seconds to a 20-step mean reward of 0.8",
+        "python bench/learning/agent_curve.py",
+        "agent_curve",
+    ),
+    (
         "staleness_agent",
         "staleness tolerance of the agent (examples/calc.py's episodes in process, staleness fixed exactly)",
         "python bench/learning/staleness_agent.py",

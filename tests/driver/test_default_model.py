@@ -39,6 +39,43 @@ def test_agent_warm_start_rows_are_the_gateways_ids_and_learn_only_the_models_tu
     assert toolparse.parse(tok.decode(first, skip_special_tokens=True)).calls[0]["name"] == "calc"
 
 
+def test_the_agent_warm_start_answers_without_the_tool_on_the_share_it_is_told():
+    tok = build_tokenizer()
+    r = Renderer(tok)
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+    calls = lambda examples: sum(  # noqa: E731
+        tok.decode([i for i, l in zip(ids, labels) if l != -100]).startswith("<tool_call>") for ids, labels in examples
+    )
+    assert calls(agent_sft_examples(rows, tok)) == 100
+    assert calls(agent_sft_examples(rows, tok, tool_share=0.0)) == 0
+    half = agent_sft_examples(rows, tok, tool_share=0.5, seed=3)
+    assert 30 <= calls(half) <= 70
+    # the same draw for the same seed, another for another
+    assert (
+        half
+        == agent_sft_examples(rows, tok, tool_share=0.5, seed=3)
+        != agent_sft_examples(rows, tok, tool_share=0.5, seed=4)
+    )
+    # an answer at once: the prompt, then the answer and the end of the turn, learned
+    direct = next(
+        (ids, labels)
+        for ids, labels in half
+        if labels[-2:] == ids[-2:]
+        and r.end_id in ids[-1:]
+        and not tok.decode([i for i, l in zip(ids, labels) if l != -100]).startswith("<tool_call>")
+    )
+    prompt = r.full([{"role": "user", "content": "0+0="}], [CALC_TOOL])
+    assert len(direct[0]) - len(prompt) <= 3
+
+
+def test_calc_answers_a_broken_expression_as_an_error_not_an_exception():
+    from examples.calc import calc
+
+    assert calc("3+4") == "7"
+    # a policy's half-copied expression, a power that would not end, a division: the tool's error, the episode goes on
+    assert calc("6+") == calc("2**99") == calc("(1") == calc("8/2") == "error: bad expression"
+
+
 def test_the_default_model_is_remade_only_when_a_run_wants_another_recipe(tmp_path, capsys):
     model_dir = str(tmp_path / "tiny")
     plain = Config(run="dm", model_dir=model_dir)

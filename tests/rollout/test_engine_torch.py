@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from services.ops.launch.tiny_model import CHARACTERS, CHAT_TOKENS, SPECIAL_TOKENS, load_tokenizer, make_tiny_model
+from services.ops.launch.tiny_model import (
+    CHARACTERS,
+    CHAT_TOKENS,
+    CHAT_WORDS,
+    SPECIAL_TOKENS,
+    load_tokenizer,
+    make_tiny_model,
+)
 from services.rollout.engine import Chunk, EngineError, SamplingParams, TorchEngine, make_engine
 from services.rollout.engine.sampler import final_logprobs, sample
 
@@ -103,10 +110,21 @@ def tok(tiny_model_dir):
 
 def test_tokenizer_vocab_and_special_ids(tok):
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
-    assert len(tok) == 3 + len(CHARACTERS) + len(CHAT_TOKENS) == 103
+    assert len(tok) == 3 + len(CHARACTERS) + len(CHAT_TOKENS) + len(CHAT_WORDS) == 103 + len(CHAT_WORDS)
     assert tok.encode("a b", add_special_tokens=False) == [tok.convert_tokens_to_ids(c) for c in "a b"]
     assert tok.decode([1, *tok.encode("hi", add_special_tokens=False), 2], skip_special_tokens=True) == "hi"
     assert tok.encode("\u00e9", add_special_tokens=False) == tok.encode("?", add_special_tokens=False)
+
+
+def test_chat_words_are_one_token_each_and_plain_tasks_stay_characters(tok):
+    call = '<tool_call>{"name": "calc", "arguments": {"e": "7+1"}}</tool_call>'
+    ids = tok.encode(call, add_special_tokens=False)
+    assert [tok.decode([i]) for i in ids[:2]] == ["<tool_call>", '{"name": ']
+    assert tok.decode([ids[-1]]) == "</tool_call>"
+    assert tok.decode(ids) == call and len(ids) < len(call) / 2
+    assert all(len(tok.encode(w, add_special_tokens=False)) == 1 for w in CHAT_WORDS)
+    # the plain task and its answers: one token a character, as before the chat words
+    assert tok.encode("17+5=22", add_special_tokens=False) == [tok.convert_tokens_to_ids(c) for c in "17+5=22"]
 
 
 @settings(max_examples=60, deadline=None)
@@ -115,7 +133,8 @@ def test_tokenizer_round_trip(tok, text):
     # the text of a special token ("<eos>") encodes as that token, as with every HF tokenizer
     assume(not any(special in text for special in SPECIAL_TOKENS + CHAT_TOKENS))
     ids = tok.encode(text, add_special_tokens=False)
-    assert len(ids) == len(text)
+    # one token a character, but a chat word's characters are one token
+    assert len(ids) == len(text) or any(w in text for w in CHAT_WORDS)
     assert tok.decode(ids) == text
 
 

@@ -10,6 +10,30 @@ SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 # ChatML turn markers: ids 101 and 102, after the characters
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
 CHARACTERS = [c for c in string.printable if c not in "\x0b\x0c"]
+# Word tokens for the chat format's markup and the JSON keys of tool schemas and calls (ids 103 on), as a real
+# tokenizer's merges would have them. Character by character the tools prompt was 317 tokens and one calc call 67;
+# with these they are 102 and 25, so a chat episode costs a third of the compute and its answer tokens are not
+# drowned in the call's punctuation. Plain-text tasks (`7+5=`) contain none of them and tokenize as before.
+CHAT_WORDS = (
+    "<tool_call>",
+    "</tool_call>",
+    "You may call these tools:\n",
+    "Call one as ",
+    '{"type": "function", "function": ',
+    '{"name": ',
+    '"arguments": ',
+    '"description": ',
+    '"parameters": ',
+    '"properties": ',
+    '"required": ',
+    '"type": ',
+    '"object"',
+    '"string"',
+    "system\n",
+    "user\n",
+    "assistant\n",
+    "tool\n",
+)
 # ChatML with tools (Qwen2.5 style): a system turn lists the tools as JSON, an assistant's tool calls are written
 # <tool_call>{"name": ..., "arguments": ...}</tool_call>, a tool's result comes back in a `tool` turn.
 CHAT_TEMPLATE = (
@@ -32,9 +56,9 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer():
     """Character-level tokenizer: <pad>=0, <bos>=1, <eos>=2, then printable ASCII, then the ChatML
-    markers <|im_start|>=101, <|im_end|>=102 (special tokens) and a ChatML chat template with tool support.
-    Characters outside the vocabulary encode as "?"."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    markers <|im_start|>=101, <|im_end|>=102 (special tokens), the chat words (:data:`CHAT_WORDS`, 103 on) and a
+    ChatML chat template with tool support. Characters outside the vocabulary encode as "?"."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate([*SPECIAL_TOKENS, *CHARACTERS])}
@@ -49,6 +73,7 @@ def build_tokenizer():
         clean_up_tokenization_spaces=False,
     )
     tok.add_special_tokens({"additional_special_tokens": list(CHAT_TOKENS)})
+    tok.add_tokens([AddedToken(w, normalized=False, special=False) for w in CHAT_WORDS])
     tok.chat_template = CHAT_TEMPLATE
     return tok
 

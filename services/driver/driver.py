@@ -73,7 +73,9 @@ class Driver:
             self.client,
             self.keys,
             held_out,
-            cfg.val_every,
+            # an agent run's held-out prompts would be rolled out without the agent (its tools, its turns, its
+            # reward's reading of them): a figure about another task, so none is made
+            0 if cfg.agent else cfg.val_every,
             cfg.val_size,
             on_result=lambda r: self.tensorboard.scalars("validation", r, r["version"]),
             k=cfg.val_k,
@@ -187,6 +189,12 @@ class Driver:
             f"or {self.cfg.max_minutes or 'unlimited'} minutes",
             flush=True,
         )
+        if self.cfg.agent and self.cfg.val_every:
+            print(
+                "driver: no validation rounds in an agent run (they would run the held-out prompts without the agent); "
+                "the reward on the progress line is the agent's own",
+                flush=True,
+            )
         if self.cfg.max_versions and latest_version(self.client, self.keys) >= self.cfg.max_versions:
             print(
                 f"driver: run {self.cfg.run!r} is already at version {self.cfg.max_versions}; start another with "

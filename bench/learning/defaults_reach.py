@@ -26,10 +26,18 @@ RECIPE = "lr=5e-5,is_mode=truncate,max_staleness=8"
 def reached(records: list[dict], target: float = 0.9, window: int = 20) -> int | None:
     """The version of the first trainer step whose mean reward over the last ``window`` steps is ``target`` or
     more (pure); None when the run never got there."""
+    hit = reached_at(records, target, window)
+    return hit[0] if hit else None
+
+
+def reached_at(records: list[dict], target: float = 0.9, window: int = 20) -> tuple[int, float | None] | None:
+    """(version, seconds after the first step) of the first trainer step whose mean reward over the last ``window``
+    steps is ``target`` or more (pure; seconds None when the records carry no time); None when never."""
     steps = [r for r in records if "reward_mean" in r and "version" in r]
     for i in range(window - 1, len(steps)):
         if statistics.fmean(r["reward_mean"] for r in steps[i - window + 1 : i + 1]) >= target:
-            return int(steps[i]["version"])
+            t = steps[i].get("time"), steps[0].get("time")
+            return int(steps[i]["version"]), (t[0] - t[1] if None not in t else None)
     return None
 
 
@@ -53,6 +61,7 @@ def main() -> int:
     candidate = parse_candidate(args.candidate)
     tag = uuid.uuid4().hex[:6]
     reach: dict[str, list] = {"default": [], "candidate": []}
+    seconds: dict[str, list] = {"default": [], "candidate": []}
     final: dict[str, list] = {"default": [], "candidate": []}
     for seed in range(args.seeds):
         for name, extra in (("default", {}), ("candidate", candidate)):
@@ -64,16 +73,23 @@ def main() -> int:
                 **extra,
             }
             _, records = streamrl_run(flags)
-            v = reached(records)
+            hit = reached_at(records)
+            v = hit[0] if hit else None
+            seconds[name].append(round(hit[1], 1) if hit and hit[1] is not None else None)
             rewards = [r["reward_mean"] for r in records if "reward_mean" in r]
             reach[name].append(v)
             final[name].append(statistics.fmean(rewards[-20:]) if rewards else float("nan"))
             print(
-                f"   {name} seed {seed}: 20-step mean reward 0.9 at version {v}; last 20 steps {final[name][-1]:.3f}",
+                f"   {name} seed {seed}: 20-step mean reward 0.9 at version {v} ({seconds[name][-1]} s after the "
+                f"first step); last 20 steps {final[name][-1]:.3f}",
                 flush=True,
             )
     fmt = lambda vs: ", ".join("never" if v is None else str(v) for v in vs)  # noqa: E731
+    fmt_s = lambda vs: ", ".join("never" if v is None else f"{v:.0f} s" for v in vs)  # noqa: E731
     print(f"\nversion at which the 20-step mean reward first reaches 0.9 (seeds 0..{args.seeds - 1}):")
+    print(
+        f"  seconds after the first step: default {fmt_s(seconds['default'])}; candidate {fmt_s(seconds['candidate'])}"
+    )
     print(f"  default:   {fmt(reach['default'])}   (last 20 steps: {', '.join(f'{x:.3f}' for x in final['default'])})")
     print(
         f"  candidate {args.candidate}: {fmt(reach['candidate'])}   "
@@ -86,10 +102,15 @@ def main() -> int:
                 "what": f"default job, versions to a 20-step mean reward of 0.9, today's defaults vs {args.candidate} "
                 f"({args.seeds} seeds, interleaved)",
                 "value": f"**{fmt(reach['default'])} vs {fmt(reach['candidate'])}**",
-            }
+            },
+            {
+                "what": f"default job, seconds from the first step to a 20-step mean reward of 0.9, defaults vs "
+                f"{args.candidate}",
+                "value": f"**{fmt_s(seconds['default'])} vs {fmt_s(seconds['candidate'])}**",
+            },
         ],
         ["services", "shared", "bench/learning/defaults_reach.py", "bench/harness/runs.py"],
-        extra={"reach": reach, "final_reward": final, "candidate": candidate},
+        extra={"reach": reach, "seconds": seconds, "final_reward": final, "candidate": candidate},
     )
     return 0
 

@@ -28,3 +28,11 @@ def test_a_candidate_is_key_value_pairs_and_a_bad_part_is_named():
     assert bench.parse_candidate("lr=5e-5, is_mode=truncate,") == {"lr": "5e-5", "is_mode": "truncate"}
     with pytest.raises(SystemExit, match="got 'max_staleness'"):
         bench.parse_candidate("lr=5e-5,max_staleness")
+
+
+def test_reached_at_also_says_how_many_seconds_after_the_first_step():
+    records = [{"version": v, "time": 100.0 + v / 2, "reward_mean": 0.5 if v <= 30 else 1.0} for v in range(1, 60)]
+    assert bench.reached_at(records) == (46, 22.5)
+    # records without times: the version alone
+    assert bench.reached_at([{k: v for k, v in r.items() if k != "time"} for r in records]) == (46, None)
+    assert bench.reached_at(records[:25]) is None

@@ -9,7 +9,7 @@ from services.gateway import toolparse
 from services.gateway.chat import Renderer
 from services.ops.launch import default_model
 from services.ops.launch.default_model import CALC_TOOL, agent_sft_examples, ensure_default_model
-from services.ops.launch.tiny_model import build_tokenizer
+from services.ops.launch.tiny_model import CHAT_WORDS, build_tokenizer, load_tokenizer
 from shared.runtime.config.keys import Config
 
 
@@ -21,7 +21,7 @@ def test_the_agent_warm_start_uses_the_example_agents_tool():
 
 
 def test_agent_warm_start_rows_are_the_gateways_ids_and_learn_only_the_models_turns():
-    tok = build_tokenizer()
+    tok = build_tokenizer(chat_words=True)
     r = Renderer(tok)
     ((ids, labels),) = agent_sft_examples([{"prompt": "3+4=", "answer": "7"}], tok)
     prompt = r.full([{"role": "user", "content": "3+4="}], [CALC_TOOL])
@@ -40,7 +40,7 @@ def test_agent_warm_start_rows_are_the_gateways_ids_and_learn_only_the_models_tu
 
 
 def test_the_agent_warm_start_answers_without_the_tool_on_the_share_it_is_told():
-    tok = build_tokenizer()
+    tok = build_tokenizer(chat_words=True)
     r = Renderer(tok)
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
     calls = lambda examples: sum(  # noqa: E731
@@ -91,6 +91,8 @@ def test_the_default_model_is_remade_only_when_a_run_wants_another_recipe(tmp_pa
     # an agent run needs the chat format and the context
     assert ensure_default_model(agent, warm_steps=0) is True
     assert context() == default_model.AGENT_CONTEXT
+    # its tokenizer has the chat words; the plain model's had not
+    assert len(load_tokenizer(model_dir)) == 103 + len(CHAT_WORDS)
     assert "was made for" in capsys.readouterr().err
     assert json.loads((tmp_path / "tiny" / default_model.RECIPE_FILE).read_text())["format"] == "agent"
     # made before recipes were recorded: remade, not trusted

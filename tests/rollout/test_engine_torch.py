@@ -18,6 +18,7 @@ from services.ops.launch.tiny_model import (
     CHAT_TOKENS,
     CHAT_WORDS,
     SPECIAL_TOKENS,
+    build_tokenizer,
     load_tokenizer,
     make_tiny_model,
 )
@@ -110,13 +111,16 @@ def tok(tiny_model_dir):
 
 def test_tokenizer_vocab_and_special_ids(tok):
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
-    assert len(tok) == 3 + len(CHARACTERS) + len(CHAT_TOKENS) + len(CHAT_WORDS) == 103 + len(CHAT_WORDS)
+    assert len(tok) == 3 + len(CHARACTERS) + len(CHAT_TOKENS) == 103
     assert tok.encode("a b", add_special_tokens=False) == [tok.convert_tokens_to_ids(c) for c in "a b"]
     assert tok.decode([1, *tok.encode("hi", add_special_tokens=False), 2], skip_special_tokens=True) == "hi"
     assert tok.encode("\u00e9", add_special_tokens=False) == tok.encode("?", add_special_tokens=False)
 
 
 def test_chat_words_are_one_token_each_and_plain_tasks_stay_characters(tok):
+    # the plain model's tokenizer has none: its embedding rows, hence its random init, are what they were before
+    assert len(tok) == 103
+    tok = build_tokenizer(chat_words=True)
     call = '<tool_call>{"name": "calc", "arguments": {"e": "7+1"}}</tool_call>'
     ids = tok.encode(call, add_special_tokens=False)
     assert [tok.decode([i]) for i in ids[:2]] == ["<tool_call>", '{"name": ']
@@ -133,8 +137,7 @@ def test_tokenizer_round_trip(tok, text):
     # the text of a special token ("<eos>") encodes as that token, as with every HF tokenizer
     assume(not any(special in text for special in SPECIAL_TOKENS + CHAT_TOKENS))
     ids = tok.encode(text, add_special_tokens=False)
-    # one token a character, but a chat word's characters are one token
-    assert len(ids) == len(text) or any(w in text for w in CHAT_WORDS)
+    assert len(ids) == len(text)
     assert tok.decode(ids) == text
 
 

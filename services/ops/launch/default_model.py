@@ -193,7 +193,7 @@ def make_default_model(
     from services.driver.tasks import builtin
 
     shape = dict(DEFAULT_MODEL, max_position_embeddings=AGENT_CONTEXT) if agent else DEFAULT_MODEL
-    make_tiny_model(out_dir, **shape, seed=seed, moe=moe)
+    make_tiny_model(out_dir, **shape, seed=seed, moe=moe, chat_words=agent)
     if warm_steps > 0:
         # another draw than the run's prompts (seeded by cfg.seed)
         rows = builtin(dataset, 4096, seed=seed + 12345)

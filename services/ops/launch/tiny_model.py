@@ -11,9 +11,10 @@ SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
 CHARACTERS = [c for c in string.printable if c not in "\x0b\x0c"]
 # Word tokens for the chat format's markup and the JSON keys of tool schemas and calls (ids 103 on), as a real
-# tokenizer's merges would have them. Character by character the tools prompt was 317 tokens and one calc call 67;
-# with these they are 102 and 25, so a chat episode costs a third of the compute and its answer tokens are not
-# drowned in the call's punctuation. Plain-text tasks (`7+5=`) contain none of them and tokenize as before.
+# tokenizer's merges would have them; the chat models' tokenizer has them (the default agent model), the plain one
+# not, so the default plain model (its embedding rows, hence its random init) is what it was before them. Character
+# by character the tools prompt was 317 tokens and one calc call 67; with these they are 102 and 25, so a chat
+# episode costs a third of the compute and its answer tokens are not drowned in the call's punctuation.
 CHAT_WORDS = (
     "<tool_call>",
     "</tool_call>",
@@ -54,10 +55,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer():
+def build_tokenizer(chat_words: bool = False):
     """Character-level tokenizer: <pad>=0, <bos>=1, <eos>=2, then printable ASCII, then the ChatML
-    markers <|im_start|>=101, <|im_end|>=102 (special tokens), the chat words (:data:`CHAT_WORDS`, 103 on) and a
-    ChatML chat template with tool support. Characters outside the vocabulary encode as "?"."""
+    markers <|im_start|>=101, <|im_end|>=102 (special tokens), with ``chat_words`` the chat words (:data:`CHAT_WORDS`,
+    103 on), and a ChatML chat template with tool support. Characters outside the vocabulary encode as "?"."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -73,7 +74,8 @@ def build_tokenizer():
         clean_up_tokenization_spaces=False,
     )
     tok.add_special_tokens({"additional_special_tokens": list(CHAT_TOKENS)})
-    tok.add_tokens([AddedToken(w, normalized=False, special=False) for w in CHAT_WORDS])
+    if chat_words:
+        tok.add_tokens([AddedToken(w, normalized=False, special=False) for w in CHAT_WORDS])
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -171,13 +173,15 @@ def make_tiny_model(
     max_position_embeddings: int = 512,
     seed: int = 0,
     moe: str = "",
+    chat_words: bool = False,
 ) -> str:
     """Save a random-init causal LM (safetensors) and its tokenizer into ``out_dir``: a LlamaForCausalLM, or with
-    ``moe`` (qwen3 | mixtral | olmoe) that family's mixture of experts (:func:`model_config`)."""
+    ``moe`` (qwen3 | mixtral | olmoe) that family's mixture of experts (:func:`model_config`); ``chat_words``: the
+    tokenizer has :data:`CHAT_WORDS`."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    tok = build_tokenizer()
+    tok = build_tokenizer(chat_words)
     config = model_config(
         tok,
         moe,

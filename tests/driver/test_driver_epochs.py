@@ -79,6 +79,18 @@ def test_agent_runs_get_the_same_rows_and_group_ids_as_rq_jobs(client, keys, red
     assert [s["task"]["answer"] for s in specs[::2]] == [1, 2, 3, 1] and specs[1]["episode_id"] == f"{group_ids[0]}-1"
 
 
+def test_an_agent_run_enqueues_no_validation_round_and_a_plain_run_does(client, keys, redis_url, tmp_path):
+    """A validation round would roll the held-out prompts out without the agent (a figure about another task): an
+    agent run has none, the same config without the agent has its rounds."""
+    rows = [{"prompt": f"{i}+{j}=", "answer": i + j} for i in range(10) for j in range(10)]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    common = dict(redis_url=redis_url, run_dir=str(tmp_path / "runs"), dataset=str(tmp_path / "rows.jsonl"))
+    agent = Driver(Config(run=keys.run, val_every=5, agent="examples.calc:agent", **common))
+    assert agent.validator.maybe_request(5) is False and client.xlen(agent.keys.val_prompts) == 0
+    plain = Driver(Config(run=keys.run + "-plain", val_every=5, **common))
+    assert plain.validator.maybe_request(5) is True and client.xlen(plain.keys.val_prompts) > 0
+
+
 def test_agent_groups_pass_the_staleness_gate_and_are_recorded_once(client, keys, redis_url, tmp_path):
     """An agent group takes a gate slot before its jobs are enqueued (a closed gate enqueues nothing) and is
     recorded in ``prompts:agents`` once, so the check can count it; enqueueing it again records nothing new."""

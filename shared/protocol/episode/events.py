@@ -51,6 +51,7 @@ Writing an episode by hand (redis-cli + the msgpack library only):
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,11 +211,28 @@ class Event:
         return int(self.entry_id.split("-")[0]) if self.entry_id else 0
 
 
+# a short list packs faster through struct than through a numpy array made for it (most tokens events hold a few
+# tokens); an array, or a long list, goes through numpy
+_STRUCT_MAX = 256
+
+
 def pack_ids(ids) -> bytes:
+    if isinstance(ids, list) and len(ids) <= _STRUCT_MAX:
+        try:
+            return struct.pack(f"<{len(ids)}I", *ids)
+        except struct.error:
+            # a negative id or one past uint32: numpy's own error below names it
+            pass
     return np.asarray(ids, dtype="<u4").tobytes()
 
 
 def pack_logprobs(logprobs) -> bytes:
+    if isinstance(logprobs, list) and len(logprobs) <= _STRUCT_MAX:
+        try:
+            return struct.pack(f"<{len(logprobs)}f", *logprobs)
+        except OverflowError:
+            # a value past float32's range: numpy makes it an infinity, as for a long list
+            pass
     return np.asarray(logprobs, dtype="<f4").tobytes()
 
 
@@ -229,8 +247,13 @@ _PACKED = {
 def encode_data(event: Event) -> bytes:
     """The event's msgpack payload (the ``data`` field): ids and logprobs packed as bytes."""
     data = event.data
-    packed = [(name, pack(data[name])) for name, pack in _PACKED[event.kind] if name in data]
-    return msgpack.packb({**data, **dict(packed)} if packed else data, use_bin_type=True)
+    packers = _PACKED[event.kind]
+    if packers:
+        data = dict(data)
+        for name, pack in packers:
+            if name in data:
+                data[name] = pack(data[name])
+    return msgpack.packb(data, use_bin_type=True)
 
 
 def encode(event: Event) -> dict[str, bytes | str]:

@@ -2,7 +2,9 @@
 
 The trainer's consumer (one per run, a stable name) reads entries; a group already trained or judged untrainable
 (``consumed``: the ledger's lines, rebuilt at restore) or already in hand (``taken``) is acknowledged and dropped,
-anything else waits in ``buffer``. ``replay`` folds a group's episode streams (one round trip); a group with no
+anything else waits in ``buffer``. ``replay`` folds a group's episode streams (one round trip; once ``read_ahead``
+is on, new entries come with their streams already read and folded, by a thread that runs while the trainer trains:
+services/trainer/read_ahead.py); a group with no
 finished episode, or a constant reward under ``filter_constant_groups``, is not trained: it gives its gate slot
 back and is acknowledged with the next commit. ``uncommitted`` holds every group read since the last commit with
 whether it trained; the commit (services/trainer/trainer.py) writes them to the ledger, then acknowledges them.
@@ -13,11 +15,11 @@ whether it trained; the commit (services/trainer/trainer.py) writes them to the 
 from __future__ import annotations
 
 from services.trainer.batch import trained_reward
+from services.trainer.read_ahead import Fetched, ReadAhead, fold_all, fold_checked
 from shared.protocol import gate
 from shared.protocol.archive import ledger
-from shared.protocol.episode import routes
 from shared.protocol.episode.errors import EventError
-from shared.protocol.episode.fold import Episode, fold
+from shared.protocol.episode.fold import Episode
 from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import TRAINER_GROUP as GROUP
 from shared.protocol.streams import dead_letters, samples
@@ -40,10 +42,26 @@ class Intake:
         self.uncommitted: list[tuple[str, str, bool]] = []
         # (entry id, group id, episode ids) not yet trained
         self.buffer: list[tuple[str, str, list[str]]] = []
+        # entry id -> its group's folded streams, for a buffered entry read ahead
+        self.folded: dict[str, list] = {}
         # group id -> samples entry, for groups read but not yet committed
         self.taken: dict[str, str] = {}
         # episodes a re-training found in neither tier of the log
         self.missing: list[str] = []
+        # new entries read and folded on a thread while the trainer trains (``read_ahead``), else None
+        self.ahead: ReadAhead | None = None
+        self.archive = archive
+
+    def read_ahead(self, depth: int) -> None:
+        """From now on new entries, and their groups' streams, are read on a thread (services/trainer/read_ahead.py):
+        call after ``read_pending``."""
+        known = lambda group_id: group_id in self.consumed or group_id in self.taken  # noqa: E731
+        self.ahead = ReadAhead(self.client, self.keys, CONSUMER, known, self.route_shape, self.archive, depth)
+        self.ahead.start()
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
 
     def read_pending(self) -> int:
         """Entries delivered before a crash come back first: all of them, page by page; the pages read."""
@@ -55,30 +73,38 @@ class Intake:
     def read(self, start: str = ">", block_ms: int | None = None) -> str | None:
         """Read one page (new entries, or this consumer's pending ones after ``start``); the last entry id read."""
         reply = self.client.xreadgroup(GROUP, CONSUMER, {self.keys.samples: start}, count=100, block=block_ms)
-        last = None
+        fetched = [
+            Fetched(entry_id.decode(), fields or {}) for _, entries in reply or [] for entry_id, fields in entries
+        ]
+        self._accept(fetched)
+        return fetched[-1].entry_id if fetched else None
+
+    def _accept(self, fetched: list[Fetched]) -> None:
+        """Entries read: a bad one to the dead letters, a group already trained or in hand acknowledged and dropped
+        (exactly once), any other into ``buffer``."""
         acks = []
-        for _, entries in reply or []:
-            for entry_id, fields in entries:
-                entry_id = last = entry_id.decode()
-                try:
-                    sample = samples.decode(entry_id, fields or {})
-                except EventError as exc:
-                    self.log.error("bad samples entry sent to dead letters", entry=entry_id, reason=str(exc))
-                    dead_letters.send(self.client, self.keys, self.keys.samples, entry_id, str(exc), "trainer")
+        for item in fetched:
+            entry_id = item.entry_id
+            try:
+                sample = item.sample or samples.decode(entry_id, item.fields)
+            except EventError as exc:
+                self.log.error("bad samples entry sent to dead letters", entry=entry_id, reason=str(exc))
+                dead_letters.send(self.client, self.keys, self.keys.samples, entry_id, str(exc), "trainer")
+                acks.append(entry_id)
+                continue
+            group_id = sample.group_id
+            if group_id in self.consumed or group_id in self.taken:
+                # already trained, or in hand since the last commit: exactly once. The very entry in hand
+                # can come again when Redis restarts and forgets its delivery: it stays unacknowledged
+                if self.taken.get(group_id) != entry_id:
                     acks.append(entry_id)
-                    continue
-                group_id, eids = sample.group_id, sample.episodes
-                if group_id in self.consumed or group_id in self.taken:
-                    # already trained, or in hand since the last commit: exactly once. The very entry in hand
-                    # can come again when Redis restarts and forgets its delivery: it stays unacknowledged
-                    if self.taken.get(group_id) != entry_id:
-                        acks.append(entry_id)
-                else:
-                    self.buffer.append((entry_id, group_id, eids))
-                    self.taken[group_id] = entry_id
+            else:
+                self.buffer.append((entry_id, group_id, sample.episodes))
+                self.taken[group_id] = entry_id
+                if item.folds is not None:
+                    self.folded[entry_id] = item.folds
         if acks:
             self.client.xack(self.keys.samples, GROUP, *acks)
-        return last
 
     def collect(self, batch_groups: int, should_stop, on_idle) -> list[tuple[str, str, list[Episode]]] | None:
         """Block until ``batch_groups`` trainable groups are ready (their streams replayed); None: stopped.
@@ -88,28 +114,33 @@ class Intake:
             if not self.buffer:
                 if should_stop():
                     return None
-                if self.read(block_ms=200) is None:
+                if not self._read_more():
                     on_idle()
                 continue
             entry_id, group_id, eids = self.buffer.pop(0)
-            group = self.replay(entry_id, group_id, eids)
+            group = self.replay(entry_id, group_id, eids, self.folded.pop(entry_id, None))
             if group is not None:
                 ready.append((entry_id, group_id, group))
         return ready
 
-    def replay(self, entry_id: str, group_id: str, eids: list[str]) -> list[Episode] | None:
+    def _read_more(self) -> bool:
+        """New entries into ``buffer`` (up to 200 ms waited for the first); whether any came."""
+        if self.ahead is None:
+            return self.read(block_ms=200) is not None
+        fetched = self.ahead.take(timeout=0.2)
+        self._accept(fetched)
+        return bool(fetched)
+
+    def replay(self, entry_id: str, group_id: str, eids: list[str], folds: list | None = None) -> list[Episode] | None:
         """The group's finished episodes, or None when it is not trained (no finished episode, or a constant
-        reward with ``filter_constant_groups``): then it gives its gate slot back and is counted."""
+        reward with ``filter_constant_groups``): then it gives its gate slot back and is counted. ``folds``: the
+        streams already read and folded (read ahead), else they are read now, in one round trip."""
         episodes = []
-        # the group's streams in one round trip
-        for eid, entries in zip(eids, self.episodes.read_many(eids)):
-            try:
-                ep = fold(entries)
-                self._check_routes(ep)
+        for eid, ep in zip(eids, fold_all(self.episodes, eids, self.route_shape) if folds is None else folds):
             # set aside with its reason (loses nothing); the group trains without it
-            except EventError as exc:
-                self.log.error("episode stream unreadable; episode skipped", episode=eid, error=str(exc))
-                dead_letters.send(self.client, self.keys, self.keys.episode(eid), exc.entry_id, str(exc), "trainer")
+            if isinstance(ep, EventError):
+                self.log.error("episode stream unreadable; episode skipped", episode=eid, error=str(ep))
+                dead_letters.send(self.client, self.keys, self.keys.episode(eid), ep.entry_id, str(ep), "trainer")
                 self.counts["episodes_failed"] += 1
                 continue
             if ep.status == "finished":
@@ -132,15 +163,6 @@ class Intake:
             return None
         return episodes
 
-    def _check_routes(self, ep: Episode) -> None:
-        """EventError naming the first ``tokens`` entry whose routes do not fit the policy (routing replay)."""
-        if self.route_shape is None:
-            return
-        for ev in ep.events:
-            held = ev.data.get("routes") if ev.kind == "tokens" else None
-            if held is not None and (problem := routes.mismatch(ev.entry_id, "data.routes", held, self.route_shape)):
-                raise problem
-
     def refold(self, step: list[tuple[str, list[str]]]) -> list[tuple[str, str, list[Episode]]]:
         """A committed step's groups ((group id, episode ids), in the order they trained) as the step had them: each
         group's finished episodes; an unreadable stream is left out as it was then. Episodes not in the log at all
@@ -153,8 +175,7 @@ class Intake:
                     self.missing.append(eid)
                     continue
                 try:
-                    ep = fold(entries)
-                    self._check_routes(ep)
+                    ep = fold_checked(entries, self.route_shape)
                 except EventError:
                     continue
                 if ep.status == "finished":

@@ -398,6 +398,8 @@ class Trainer:
         if not self.shard.main:
             return self.follow()
         self.restore()
+        # the next batch is read and folded while this one trains: two batches' entries at most
+        self.intake.read_ahead(depth=2 * self.cfg.batch_groups)
         try:
             while not should_stop():
                 groups = self.collect(should_stop)
@@ -412,6 +414,7 @@ class Trainer:
             # a warm stop: the other ranks return too
             self._tell({"op": "stop"})
         finally:
+            self.intake.close()
             # the last version is published and the last snapshot lands before a warm stop returns
             self.publisher.close()
             self.topology.land(self.snapshots, wait=True)

@@ -9,20 +9,24 @@ tiny Llama + a ChatML template), on CPU, greedy.
 
 - direct: a prompt group (n=1) whose ``prompt_ids`` are the chat prompt's ids is
   added to the prompts stream; timed until the episode's ``finished`` event.
-- gateway: a stock ``openai`` client's ``chat.completions.create`` on a fresh
-  agent episode (its ``started`` event written beforehand, as the agent runner
-  does), its client on one connection pool as the agent runner's; timed until the reply is parsed.
-Both generate ``--tokens`` tokens (checked: the bench stops when they differ). Calls alternate (direct,
-gateway, gateway, direct, ...); reported: median ms of each, each pair's difference gateway - direct and their
-median (the gateway's fixed cost per call), the median of per-pair ratios, and where the time went by stage, read
-from the Redis entry ids (1 ms resolution): before the request's stream entry (prompts / calls), from it to the
-worker's first event of the episode (``started`` / ``call``), from there to the end (``finished`` /
-``call_done``), and from the end to the client's answer.
+- gateway: a stock ``openai`` client's ``chat.completions.create`` on a fresh agent episode (its ``started``
+  event written beforehand, as the agent runner does), every episode's client on one connection pool as the agent
+  runner's; timed until the reply is parsed.
+- http: the same request as a bare HTTP POST on that pool (httpx, the JSON answer parsed): the gateway's cost
+  without the SDK's own (building the request, parsing the answer into its models).
+All generate ``--tokens`` tokens (checked: the bench stops when they differ). Each pair (here a triple) runs
+its calls in turn, in an order that cycles through every permutation. Reported: median ms of each path, each
+pair's difference gateway - direct and its median; and the same less each call's generation (from the worker's
+first event of the call, ``started`` / ``call``, to its end, ``finished`` / ``call_done``, read from the Redis
+entry ids, 1 ms resolution): the fixed cost per call, the headline, as the generation's own scatter on a shared
+box (tens of ms per call) would drown it. Also by stage: before the request's stream entry (prompts / calls), from
+it to the worker's first event, the generation, and from its end to the client's answer.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
@@ -100,61 +104,77 @@ def main() -> None:
                                 "stages": (sent - wall, first - sent, stamp(entry_id) - first, end - stamp(entry_id)),
                             }
 
-        def gateway(i: int) -> dict:
-            eid = f"g{i}-0"
+        # one connection pool for every episode's client, as the agent runner keeps (services/gateway/runner.py)
+        pool = openai.DefaultHttpxClient()
+        body = {"model": "policy", "messages": MESSAGES, "max_tokens": args.tokens, "temperature": 0}
+
+        def through(i: int, sdk: bool) -> dict:
+            eid = f"{'g' if sdk else 'h'}{i}-0"
             start_agent_episode(client, keys, eid)
             started = stamp(client.xrange(keys.episode(eid))[-1][0])
+            url = f"http://127.0.0.1:{port}/ep/{eid}/v1"
+            api = openai.OpenAI(base_url=url, api_key="x", http_client=pool)
             wall, t0 = time.time() * 1000, time.perf_counter()
-            r = api(eid).chat.completions.create(
-                model="policy", messages=MESSAGES, max_tokens=args.tokens, temperature=0
-            )
+            if sdk:
+                tokens = api.chat.completions.create(**body).usage.completion_tokens
+            else:
+                tokens = pool.post(f"{url}/chat/completions", json=body).json()["usage"]["completion_tokens"]
             ms = (time.perf_counter() - t0) * 1000
             end = wall + ms
             events = [(stamp(e), decode_event(e, f)) for e, f in client.xrange(keys.episode(eid))]
             opened = next(t for t, ev in events if ev.kind == "call" and t >= started)
             done = next(t for t, ev in events if ev.kind == "call_done")
             sent = stamp(client.xrevrange(keys.calls, count=1)[0][0])
-            return {
-                "ms": ms,
-                "tokens": r.usage.completion_tokens,
-                "stages": (sent - wall, opened - sent, done - opened, end - done),
-            }
+            return {"ms": ms, "tokens": tokens, "stages": (sent - wall, opened - sent, done - opened, end - done)}
 
-        # one connection pool for every episode's client, as the agent runner keeps (services/gateway/runner.py)
-        pool = openai.DefaultHttpxClient()
+        def gateway(i: int) -> dict:
+            return through(i, True)
 
-        def api(eid: str) -> openai.OpenAI:
-            return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/ep/{eid}/v1", api_key="x", http_client=pool)
+        def http(i: int) -> dict:
+            return through(i, False)
 
-        # warm both paths (first prefill, imports, connections)
+        paths = (direct, gateway, http)
+        # warm every path (first prefill, imports, connections)
         for w in range(3):
-            direct(-1 - w), gateway(-1 - w)
-        res: dict[str, list[dict]] = {"direct": [], "gateway": []}
+            for f in paths:
+                f(-1 - w)
+        res: dict[str, list[dict]] = {f.__name__: [] for f in paths}
+        orders = list(itertools.permutations(paths))
         for i in range(args.calls):
-            order = (direct, gateway) if i % 2 == 0 else (gateway, direct)
-            for f in order:
+            for f in orders[i % len(orders)]:
                 res[f.__name__].append(f(i))
-        d_ms = [r["ms"] for r in res["direct"]]
-        g_ms = [r["ms"] for r in res["gateway"]]
-        diffs = [g - d for g, d in zip(g_ms, d_ms)]
-        ratios = [g / d for g, d in zip(g_ms, d_ms)]
-        d_tok = sorted({r["tokens"] for r in res["direct"]})
-        g_tok = sorted({r["tokens"] for r in res["gateway"]})
-        if d_tok != [args.tokens] or g_tok != [args.tokens]:
-            raise SystemExit(f"the paths generated different token counts: direct {d_tok}, gateway {g_tok}")
-        extra = statistics.median(diffs)
-        print(f"gateway overhead, {args.calls} pairs, {args.tokens} tokens per call, tiny model, CPU")
-        print(f"  tokens per call: direct {d_tok}, gateway {g_tok}")
-        print(f"  direct path  median {statistics.median(d_ms):8.1f} ms")
-        print(f"  gateway      median {statistics.median(g_ms):8.1f} ms")
-        print(f"  per pair, gateway - direct (ms): {' '.join(f'{x:+.1f}' for x in diffs)}")
-        print(f"  median of pairs: {extra:+.2f} ms, ratio {statistics.median(ratios):.3f}")
+        ms = {name: [r["ms"] for r in rs] for name, rs in res.items()}
+        # a call's fixed cost: its time less its generation (the worker's first event of it to its last)
+        fixed = {name: [r["ms"] - r["stages"][2] for r in rs] for name, rs in res.items()}
+        toks = {name: sorted({r["tokens"] for r in rs}) for name, rs in res.items()}
+        if any(t != [args.tokens] for t in toks.values()):
+            raise SystemExit(f"the paths generated different token counts: {toks}")
+
+        def pairs(name: str, of: dict) -> list[float]:
+            return [g - d for g, d in zip(of[name], of["direct"])]
+
+        extra = statistics.median(pairs("gateway", fixed))
+        bare = statistics.median(pairs("http", fixed))
+        whole = statistics.median(pairs("gateway", ms))
+        ratio = statistics.median(g / d for g, d in zip(ms["gateway"], ms["direct"]))
+        print(f"gateway overhead, {args.calls} interleaved pairs, {args.tokens} tokens per call, tiny model, CPU")
+        print(f"  tokens per call: {toks}")
+        for name in ms:
+            whole_ms, fixed_ms = statistics.median(ms[name]), statistics.median(fixed[name])
+            print(f"  {name:<8} median {whole_ms:8.1f} ms, fixed cost {fixed_ms:6.2f} ms")
+        print(f"  per pair, gateway - direct (ms): {' '.join(f'{x:+.1f}' for x in pairs('gateway', ms))}")
+        less = " ".join(f"{x:+.1f}" for x in pairs("gateway", fixed))
+        print(f"  per pair, the same less each call's generation: {less}")
+        print(f"  median of pairs, whole calls: {whole:+.2f} ms (ratio {ratio:.3f})")
+        print(
+            f"  median of pairs, fixed cost (generation excluded): {extra:+.2f} ms with the openai client, "
+            f"{bare:+.2f} ms with a bare HTTP POST"
+        )
         names = ("to the stream", "to the worker's open", "open to done", "done to the client")
-        print("  stages, median ms (Redis entry ids: 1 ms resolution)    direct   gateway   difference")
+        print("  stages, median ms (Redis entry ids: 1 ms resolution)        direct   gateway  bare http")
         for k, name in enumerate(names):
-            d = statistics.median(r["stages"][k] for r in res["direct"])
-            g = statistics.median(r["stages"][k] for r in res["gateway"])
-            print(f"    {name:<52} {d:7.1f}   {g:7.1f}   {g - d:+7.1f}")
+            row = [statistics.median(r["stages"][k] for r in res[p]) for p in ("direct", "gateway", "http")]
+            print(f"    {name:<52} {row[0]:7.1f}   {row[1]:7.1f}   {row[2]:7.1f}")
         from bench.harness.record import record
 
         record(
@@ -163,8 +183,9 @@ def main() -> None:
                 {
                     "what": f"a {args.tokens}-token call through the gateway (stock openai client) vs the same prompt "
                     f"through the prompts stream, tiny model",
-                    "value": f"{extra:+.1f} ms per call (median of {args.calls} pairs), ratio "
-                    f"{statistics.median(ratios):.3f} (calls of {statistics.median(d_ms):.0f} ms)",
+                    "value": f"{extra:+.1f} ms fixed cost per call (median of {args.calls} pairs, generation "
+                    f"excluded; {bare:+.1f} ms without the SDK), whole calls {whole:+.1f} ms, ratio {ratio:.3f} "
+                    f"(calls of {statistics.median(ms['direct']):.0f} ms)",
                 }
             ],
             ["services/gateway", "services/rollout", "shared", "bench/rollout/gateway.py"],

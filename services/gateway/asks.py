@@ -20,9 +20,10 @@ from __future__ import annotations
 import hashlib
 import uuid
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 from shared.protocol.keys import Keys
+from shared.protocol.streams.routing import node_of
 
 # the ordinal of this ask among the run's identical requests: the next one, or the newest one when this is a
 # retry (said so, or the newest was taken by another gateway process and never answered); and the index of the
@@ -64,20 +65,30 @@ class Ask:
 class Asks:
     def __init__(self, client, keys: Keys):
         self.client, self.keys = client, keys
-        self._ordinal = client.register_script(_ORDINAL)
         # this gateway process: an unanswered ask another one took is a retry when it comes again
         self.boot = uuid.uuid4().hex[:16]
 
     def identity(self, episode_id: str, digest: str, ask: Ask) -> tuple[str, int | None]:
         """The call identity (the key of the episode's call index) of a request with ``digest``, and the index of
         the call requested under it (None: none yet)."""
+        pipe = self.client.pipeline(transaction=False)
+        read = self.ask_on(pipe, episode_id, digest, ask)
+        return read(pipe.execute()[0])
+
+    def ask_on(self, pipe, episode_id: str, digest: str, ask: Ask) -> Callable[[Any], tuple[str, int | None]]:
+        """``identity`` as one command queued on ``pipe`` (to ride with the caller's reads); what it returns makes
+        that command's reply the identity and the index."""
         key = self.keys.call_index(episode_id)
         if ask.idempotency_key:
             identity = f"{digest}:k{hashlib.sha256(ask.idempotency_key.encode()).hexdigest()[:16]}"
-            index = self.client.hget(key, identity)
-            return identity, None if index is None else int(index)
-        n, index = self._ordinal(keys=[key], args=[digest, "1" if ask.retry else "0", self.boot])
-        return f"{digest}:{int(n)}", None if int(index) < 0 else int(index)
+            pipe.hget(key, identity)
+            return lambda index: (identity, None if index is None else int(index))
+        # EVAL, not EVALSHA: a pipeline (a cluster's above all) loads no script, and the server caches it by its
+        # text; raw, routed to the key's node (a cluster pipeline takes scripts no other way)
+        pipe.execute_command(
+            "EVAL", _ORDINAL, 1, key, digest, "1" if ask.retry else "0", self.boot, **node_of(self.client, key)
+        )
+        return lambda reply: (f"{digest}:{int(reply[0])}", None if int(reply[1]) < 0 else int(reply[1]))
 
     def answered(self, episode_id: str, index: int) -> None:
         """The gateway hands call ``index``'s answer out: an identical request from now on is a new ask."""

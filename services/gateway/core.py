@@ -99,7 +99,19 @@ class Gateway:
 
     # --- request checks
     def _episode(self, episode_id: str) -> Episode:
-        entries = self.client.xrange(self.keys.episode(episode_id))
+        return self._fold(episode_id, self.client.xrange(self.keys.episode(episode_id)))
+
+    def _read(self, episode_id: str, digests: list[str], ask: Ask) -> tuple[Episode, list[tuple[str, int | None]]]:
+        """The episode, and the identity of each digest's ask with the index of the call requested under it (if
+        any; ``Asks.identity``): in one round trip. (An ask to an episode with no stream is counted all the same:
+        nothing asks for that episode's calls before its runner starts it.)"""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xrange(self.keys.episode(episode_id))
+        reads = [self.asks.ask_on(pipe, episode_id, dg, ask) for dg in digests]
+        entries, *replies = pipe.execute()
+        return self._fold(episode_id, entries), [read(reply) for read, reply in zip(reads, replies)]
+
+    def _fold(self, episode_id: str, entries) -> Episode:
         if not entries:
             raise GatewayError(
                 404,
@@ -364,7 +376,7 @@ class Gateway:
         if tool_choice is not None:
             payload["tool_choice"] = tool_choice
         dg = digest("chat", payload)
-        ep = self._episode(episode_id)
+        ep, identities = self._read(episode_id, [self._choice_digest(dg, j) for j in range(n)], ask)
         forced = self.renderer.encode(prefill) if prefill else []
 
         def build() -> tuple[int, list[int]]:
@@ -391,10 +403,7 @@ class Gateway:
             record["prefill"] = prefill
         logged = json.dumps(record)
         # a choice after the first is its own ask: its own call, its own chain, its own training row
-        calls = [
-            self._call(ep, self._identity(ep, dg, j, ask), build, self._choice_sampling(sampling, j), logged)
-            for j in range(n)
-        ]
+        calls = [self._call(ep, identities[j], build, self._choice_sampling(sampling, j), logged) for j in range(n)]
         return Made(calls, ep.events)
 
     @staticmethod
@@ -405,8 +414,9 @@ class Gateway:
             return sampling
         return {**sampling, "seed": stable_seed(sampling["seed"], choice)}
 
-    def _identity(self, ep: Episode, dg: str, choice: int, ask: Ask) -> tuple[str, int | None]:
-        return self.asks.identity(ep.episode_id, dg if choice == 0 else f"{dg}/{choice}", ask)
+    @staticmethod
+    def _choice_digest(dg: str, choice: int) -> str:
+        return dg if choice == 0 else f"{dg}/{choice}"
 
     def prepare_completion(self, episode_id: str, body: Any, headers=None) -> Prepared:
         req = schema.parse(body, schema.Completion)
@@ -432,7 +442,7 @@ class Gateway:
                 400, f"prompt: expected a non-empty string or array of token ids below {len(self.tok)}", "prompt"
             )
         dg = digest("completion", {"prompt": ids, "sampling": sampling})
-        ep = self._episode(episode_id)
+        ep, identities = self._read(episode_id, [self._choice_digest(dg, j) for j in range(n)], Ask.of(headers))
 
         def build() -> tuple[int, list[int]]:
             for call in sorted(ep.calls.values(), key=lambda c: c.index, reverse=True):
@@ -447,11 +457,7 @@ class Gateway:
             return -1, ids
 
         logged = json.dumps({"prompt": prompt if isinstance(prompt, str) else None})
-        ask = Ask.of(headers)
-        calls = [
-            self._call(ep, self._identity(ep, dg, j, ask), build, self._choice_sampling(sampling, j), logged)
-            for j in range(n)
-        ]
+        calls = [self._call(ep, identities[j], build, self._choice_sampling(sampling, j), logged) for j in range(n)]
         return self._prepared(episode_id, Made(calls, ep.events), req, top is not None and top is not False, sampling)
 
     def _call(self, ep: Episode, identity: tuple[str, int | None], build, sampling: dict, messages: str) -> int:

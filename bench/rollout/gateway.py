@@ -1,7 +1,7 @@
 """Gateway overhead: a chat call through the gateway vs the same generation
 through the rollout worker's direct path, same tokens, measured side by side in one run.
 
-    python bench/rollout/gateway.py [--calls 10] [--tokens 64]
+    python bench/rollout/gateway.py [--calls 20] [--tokens 64]
 
 Starts its own EmbeddedRedis, one rollout worker process and one gateway process
 (`python -m services.gateway`) on a tiny random-init chat model (the character
@@ -9,17 +9,24 @@ tiny Llama + a ChatML template), on CPU, greedy.
 
 - direct: a prompt group (n=1) whose ``prompt_ids`` are the chat prompt's ids is
   added to the prompts stream; timed until the episode's ``finished`` event.
-- gateway: a stock ``openai`` client's ``chat.completions.create`` on a fresh
-  agent episode (its ``started`` event written beforehand, as the agent runner
-  does); timed until the reply is parsed.
-Both generate ``--tokens`` tokens (checked: the completion token counts are
-printed). Calls alternate (direct, gateway, gateway, direct, ...); reported:
-median ms of each, and the median of per-pair ratios gateway / direct.
+- gateway: a stock ``openai`` client's ``chat.completions.create`` on a fresh agent episode (its ``started``
+  event written beforehand, as the agent runner does), every episode's client on one connection pool as the agent
+  runner's; timed until the reply is parsed.
+- http: the same request as a bare HTTP POST on that pool (httpx, the JSON answer parsed): the gateway's cost
+  without the SDK's own (building the request, parsing the answer into its models).
+All generate ``--tokens`` tokens (checked: the bench stops when they differ). Each pair (here a triple) runs
+its calls in turn, in an order that cycles through every permutation. Reported: median ms of each path, each
+pair's difference gateway - direct and its median; and the same less each call's generation (from the worker's
+first event of the call, ``started`` / ``call``, to its end, ``finished`` / ``call_done``, read from the Redis
+entry ids, 1 ms resolution): the fixed cost per call, the headline, as the generation's own scatter on a shared
+box (tens of ms per call) would drown it. Also by stage: before the request's stream entry (prompts / calls), from
+it to the worker's first event, the generation, and from its end to the client's answer.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
@@ -32,6 +39,7 @@ import openai  # noqa: E402
 
 from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
 from shared.protocol.episode.events import decode as decode_event  # noqa: E402
+from shared.protocol.episode.fold import fold  # noqa: E402
 from shared.protocol.keys import Keys  # noqa: E402
 from shared.protocol.streams.prompts import PromptGroup, enqueue  # noqa: E402
 from shared.runtime.connection import connect  # noqa: E402
@@ -44,7 +52,7 @@ MESSAGES = [{"role": "user", "content": "What is 12+30? Think step by step."}]
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
@@ -66,52 +74,107 @@ def main() -> None:
         renderer = Renderer(tok)
         prompt_ids = renderer.full(MESSAGES, None)
 
-        def direct(i: int) -> tuple[float, int]:
+        def stamp(entry_id) -> float:
+            # a stream entry id's milliseconds: when Redis took the entry (the same clock as time.time here)
+            return float((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
+
+        def direct(i: int) -> dict:
             gid = f"d{i}"
             key = keys.episode(f"{gid}-0")
-            t0 = time.perf_counter()
-            enqueue(
+            wall, t0 = time.time() * 1000, time.perf_counter()
+            entry = enqueue(
                 client,
                 keys,
                 [PromptGroup(gid, 1, prompt_ids=prompt_ids, sampling={"max_tokens": args.tokens, "temperature": 0.0})],
             )
-            cursor = "0-0"
+            cursor, first = "0-0", None
             while True:
                 reply = client.xread({key: cursor}, block=5000)
                 for _, entries in reply or []:
                     for entry_id, fields in entries:
                         cursor = entry_id
+                        first = first or stamp(entry_id)
                         if decode_event(entry_id, fields).kind == "finished":
                             ms = (time.perf_counter() - t0) * 1000
-                            from shared.protocol.episode.fold import fold
+                            end = wall + ms
+                            sent = stamp(entry[0])
+                            return {
+                                "ms": ms,
+                                "tokens": len(fold(client.xrange(key)).tokens),
+                                "stages": (sent - wall, first - sent, stamp(entry_id) - first, end - stamp(entry_id)),
+                            }
 
-                            return ms, len(fold(client.xrange(key)).tokens)
+        # one connection pool for every episode's client, as the agent runner keeps (services/gateway/runner.py)
+        pool = openai.DefaultHttpxClient()
+        body = {"model": "policy", "messages": MESSAGES, "max_tokens": args.tokens, "temperature": 0}
 
-        def gateway(i: int) -> tuple[float, int]:
-            eid = f"g{i}-0"
+        def through(i: int, sdk: bool) -> dict:
+            eid = f"{'g' if sdk else 'h'}{i}-0"
             start_agent_episode(client, keys, eid)
-            api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/ep/{eid}/v1", api_key="x")
-            t0 = time.perf_counter()
-            r = api.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=args.tokens, temperature=0)
-            return (time.perf_counter() - t0) * 1000, r.usage.completion_tokens
+            started = stamp(client.xrange(keys.episode(eid))[-1][0])
+            url = f"http://127.0.0.1:{port}/ep/{eid}/v1"
+            api = openai.OpenAI(base_url=url, api_key="x", http_client=pool)
+            wall, t0 = time.time() * 1000, time.perf_counter()
+            if sdk:
+                tokens = api.chat.completions.create(**body).usage.completion_tokens
+            else:
+                tokens = pool.post(f"{url}/chat/completions", json=body).json()["usage"]["completion_tokens"]
+            ms = (time.perf_counter() - t0) * 1000
+            end = wall + ms
+            events = [(stamp(e), decode_event(e, f)) for e, f in client.xrange(keys.episode(eid))]
+            opened = next(t for t, ev in events if ev.kind == "call" and t >= started)
+            done = next(t for t, ev in events if ev.kind == "call_done")
+            sent = stamp(client.xrevrange(keys.calls, count=1)[0][0])
+            return {"ms": ms, "tokens": tokens, "stages": (sent - wall, opened - sent, done - opened, end - done)}
 
-        # warm both paths (first prefill, imports, connections)
-        direct(-1), gateway(-1)
-        d_ms, g_ms, ratios, d_tok, g_tok = [], [], [], [], []
+        def gateway(i: int) -> dict:
+            return through(i, True)
+
+        def http(i: int) -> dict:
+            return through(i, False)
+
+        paths = (direct, gateway, http)
+        # warm every path (first prefill, imports, connections)
+        for w in range(3):
+            for f in paths:
+                f(-1 - w)
+        res: dict[str, list[dict]] = {f.__name__: [] for f in paths}
+        orders = list(itertools.permutations(paths))
         for i in range(args.calls):
-            order = (direct, gateway) if i % 2 == 0 else (gateway, direct)
-            res = {f.__name__: f(i) for f in order}
-            d_ms.append(res["direct"][0]), g_ms.append(res["gateway"][0])
-            d_tok.append(res["direct"][1]), g_tok.append(res["gateway"][1])
-            ratios.append(res["gateway"][0] / res["direct"][0])
-        print(f"gateway overhead, {args.calls} calls each, {args.tokens} tokens per call, tiny model, CPU")
-        print(f"  tokens per call: direct {sorted(set(d_tok))}, gateway {sorted(set(g_tok))}")
-        print(f"  direct path  median {statistics.median(d_ms):8.1f} ms")
-        print(f"  gateway      median {statistics.median(g_ms):8.1f} ms")
+            for f in orders[i % len(orders)]:
+                res[f.__name__].append(f(i))
+        ms = {name: [r["ms"] for r in rs] for name, rs in res.items()}
+        # a call's fixed cost: its time less its generation (the worker's first event of it to its last)
+        fixed = {name: [r["ms"] - r["stages"][2] for r in rs] for name, rs in res.items()}
+        toks = {name: sorted({r["tokens"] for r in rs}) for name, rs in res.items()}
+        if any(t != [args.tokens] for t in toks.values()):
+            raise SystemExit(f"the paths generated different token counts: {toks}")
+
+        def pairs(name: str, of: dict) -> list[float]:
+            return [g - d for g, d in zip(of[name], of["direct"])]
+
+        extra = statistics.median(pairs("gateway", fixed))
+        bare = statistics.median(pairs("http", fixed))
+        whole = statistics.median(pairs("gateway", ms))
+        ratio = statistics.median(g / d for g, d in zip(ms["gateway"], ms["direct"]))
+        print(f"gateway overhead, {args.calls} interleaved pairs, {args.tokens} tokens per call, tiny model, CPU")
+        print(f"  tokens per call: {toks}")
+        for name in ms:
+            whole_ms, fixed_ms = statistics.median(ms[name]), statistics.median(fixed[name])
+            print(f"  {name:<8} median {whole_ms:8.1f} ms, fixed cost {fixed_ms:6.2f} ms")
+        print(f"  per pair, gateway - direct (ms): {' '.join(f'{x:+.1f}' for x in pairs('gateway', ms))}")
+        less = " ".join(f"{x:+.1f}" for x in pairs("gateway", fixed))
+        print(f"  per pair, the same less each call's generation: {less}")
+        print(f"  median of pairs, whole calls: {whole:+.2f} ms (ratio {ratio:.3f})")
         print(
-            f"  ratio gateway/direct (median of pairs) {statistics.median(ratios):.3f}  "
-            f"(+{statistics.median(g_ms) - statistics.median(d_ms):.1f} ms)"
+            f"  median of pairs, fixed cost (generation excluded): {extra:+.2f} ms with the openai client, "
+            f"{bare:+.2f} ms with a bare HTTP POST"
         )
+        names = ("to the stream", "to the worker's open", "open to done", "done to the client")
+        print("  stages, median ms (Redis entry ids: 1 ms resolution)        direct   gateway  bare http")
+        for k, name in enumerate(names):
+            row = [statistics.median(r["stages"][k] for r in res[p]) for p in ("direct", "gateway", "http")]
+            print(f"    {name:<52} {row[0]:7.1f}   {row[1]:7.1f}   {row[2]:7.1f}")
         from bench.harness.record import record
 
         record(
@@ -120,9 +183,9 @@ def main() -> None:
                 {
                     "what": f"a {args.tokens}-token call through the gateway (stock openai client) vs the same prompt "
                     f"through the prompts stream, tiny model",
-                    "value": f"{statistics.median(ratios):.3f}x the time, median of {args.calls} pairs "
-                    f"(+{statistics.median(g_ms) - statistics.median(d_ms):.1f} ms on "
-                    f"{statistics.median(d_ms):.0f} ms)",
+                    "value": f"{extra:+.1f} ms fixed cost per call (median of {args.calls} pairs, generation "
+                    f"excluded; {bare:+.1f} ms without the SDK), whole calls {whole:+.1f} ms, ratio {ratio:.3f} "
+                    f"(calls of {statistics.median(ms['direct']):.0f} ms)",
                 }
             ],
             ["services/gateway", "services/rollout", "shared", "bench/rollout/gateway.py"],

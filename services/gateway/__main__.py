@@ -36,6 +36,8 @@ def main(argv=None) -> None:
         host=svc.cfg.gateway_host,
         port=svc.cfg.gateway_port,
         log_level="warning",
+        # never written at warning; off, a request does not format its line for nothing
+        access_log=False,
         timeout_graceful_shutdown=3,
     )
     Server(config, gw).run()

@@ -33,6 +33,7 @@ import time
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.datastructures import Headers
 
 from services.gateway import stops, toolparse
 from services.gateway.apis import messages, responses
@@ -94,6 +95,77 @@ def _error_for(path: str, exc: GatewayError) -> JSONResponse:
     return messages.error_response(exc) if messages.is_messages(path) else _error(exc)
 
 
+def authorized(api_key: str, path: str, headers) -> bool:
+    """The gateway's key anywhere; an episode's own key (secrets.episode_key) on that episode's routes. Either
+    as ``Authorization: Bearer <key>`` (OpenAI's clients) or as ``x-api-key: <key>`` (Anthropic's)."""
+    bearer = headers.get("authorization", "")
+    given = [bearer.removeprefix("Bearer ").strip() if bearer.startswith("Bearer ") else ""]
+    given.append(headers.get("x-api-key", "").strip())
+    parts = path.split("/")
+    mine = secrets.episode_key(api_key, parts[2]) if len(parts) > 3 and parts[1] == "ep" else None
+    return any(key and (secrets.same(key, api_key) or (mine and secrets.same(key, mine))) for key in given)
+
+
+class Guard:
+    """Every request's checks before its route (the key, the body's declared size), and its errors after, in the
+    shape of the API its path is. A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` runs each request
+    in a task of its own and streams the answer through a queue, about a millisecond per call on a small box."""
+
+    def __init__(self, app, gw: Gateway, api_key: str):
+        self.app, self.gw, self.api_key = app, gw, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        refused = self._refused(scope, path, Headers(scope=scope))
+        if refused is not None:
+            return await _error_for(path, refused)(scope, receive, send)
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except GatewayError as exc:
+            # an answer under way (a stream) cannot become an error any more
+            if started:
+                raise
+            await _error_for(path, exc)(scope, receive, send)
+        # never a traceback to the client; the log has it
+        except Exception as exc:
+            if started:
+                raise
+            self.gw.log.exception("gateway request failed", path=path)
+            error = GatewayError(500, f"internal error: {exc.__class__.__name__}", None, "internal_error")
+            await _error_for(path, error)(scope, receive, send)
+
+    def _refused(self, scope, path: str, headers: Headers) -> GatewayError | None:
+        if self.api_key and path != "/healthz" and not authorized(self.api_key, path, headers):
+            client = scope.get("client")
+            self.gw.log.warning("request refused: wrong key", path=path[:200], client=client[0] if client else None)
+            return GatewayError(
+                401,
+                "authorization: missing or wrong API key (a Bearer token or an x-api-key header; an agent "
+                "episode's key is good for its own episode only)",
+                None,
+                "invalid_api_key",
+            )
+        length = headers.get("content-length") or "0"
+        # (a length that is no number: h11 stops it first)
+        if not length.isdigit() or int(length) > MAX_BODY:
+            return GatewayError(
+                413,
+                f"request body: Content-Length {length[:20]}: expected at most {MAX_BODY} bytes",
+                None,
+                "body_too_large",
+            )
+        return None
+
+
 def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
     @contextlib.asynccontextmanager
     # every waiting call holds a thread: room for many agents at once
@@ -103,56 +175,7 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
 
     app = FastAPI(title="streamrl gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
 
-    def authorized(path: str, headers) -> bool:
-        """The gateway's key anywhere; an episode's own key (secrets.episode_key) on that episode's routes. Either
-        as ``Authorization: Bearer <key>`` (OpenAI's clients) or as ``x-api-key: <key>`` (Anthropic's)."""
-        bearer = headers.get("authorization", "")
-        given = [bearer.removeprefix("Bearer ").strip() if bearer.startswith("Bearer ") else ""]
-        given.append(headers.get("x-api-key", "").strip())
-        parts = path.split("/")
-        mine = secrets.episode_key(api_key, parts[2]) if len(parts) > 3 and parts[1] == "ep" else None
-        return any(key and (secrets.same(key, api_key) or (mine and secrets.same(key, mine))) for key in given)
-
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if api_key and request.url.path != "/healthz" and not authorized(request.scope["path"], request.headers):
-            gw.log.warning(
-                "request refused: wrong key",
-                path=request.scope["path"][:200],
-                client=request.client.host if request.client else None,
-            )
-            return _error_for(
-                request.url.path,
-                GatewayError(
-                    401,
-                    "authorization: missing or wrong API key (a Bearer token or an x-api-key header; an agent "
-                    "episode's key is good for its own episode only)",
-                    None,
-                    "invalid_api_key",
-                ),
-            )
-        length = request.headers.get("content-length") or "0"
-        # (a length that is no number: h11 stops it first)
-        if not length.isdigit() or int(length) > MAX_BODY:
-            return _error_for(
-                request.url.path,
-                GatewayError(
-                    413,
-                    f"request body: Content-Length {length[:20]}: expected at most {MAX_BODY} bytes",
-                    None,
-                    "body_too_large",
-                ),
-            )
-        try:
-            return await call_next(request)
-        except GatewayError as exc:
-            return _error_for(request.url.path, exc)
-        # never a traceback to the client; the log has it
-        except Exception as exc:
-            gw.log.exception("gateway request failed", path=request.url.path)
-            return _error_for(
-                request.url.path, GatewayError(500, f"internal error: {exc.__class__.__name__}", None, "internal_error")
-            )
+    app.add_middleware(Guard, gw=gw, api_key=api_key)
 
     def _models() -> dict:
         return {
@@ -164,31 +187,32 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
     app.get("/ep/{episode_id}/v1/models")(lambda episode_id: _models())
     app.get("/healthz")(lambda: {"ok": True})
 
-    @app.post("/ep/{episode_id}/v1/chat/completions")
-    async def chat(episode_id: str, request: Request):
+    async def _served(request: Request, chat: bool):
         body = await read_body(request)
-        prep = await anyio.to_thread.run_sync(gw.prepare_chat, episode_id, body, request.headers)
-        return await _respond(prep, chat=True)
+        return await anyio.to_thread.run_sync(_answer, request.path_params["episode_id"], body, request.headers, chat)
 
-    @app.post("/ep/{episode_id}/v1/completions")
-    async def completions(episode_id: str, request: Request):
-        body = await read_body(request)
-        prep = await anyio.to_thread.run_sync(gw.prepare_completion, episode_id, body, request.headers)
-        return await _respond(prep, chat=False)
+    async def chat(request: Request):
+        return await _served(request, True)
 
-    responses.mount(app, gw)
-    messages.mount(app, gw)
+    async def completions(request: Request):
+        return await _served(request, False)
 
-    async def _respond(prep: Prepared, chat: bool):
+    def _answer(episode_id: str, body, headers, chat: bool):
+        prep = (gw.prepare_chat if chat else gw.prepare_completion)(episode_id, body, headers)
         if prep.stream:
             return StreamingResponse(
                 _sse(prep, chat), media_type="text/event-stream", headers={"cache-control": "no-cache"}
             )
-        return await anyio.to_thread.run_sync(_whole, prep, chat)
+        done = [gw.wait_done(prep.episode_id, index, prep.seen) for index in prep.calls]
+        # rendered here, off the event loop (a dict returned to FastAPI would be walked by its encoder first)
+        return JSONResponse(_completion(prep, done, chat))
 
-    def _whole(prep: Prepared, chat: bool):
-        done = [gw.wait_done(prep.episode_id, index) for index in prep.calls]
-        return _completion(prep, done, chat)
+    # plain routes (no FastAPI parameter parsing: the handler reads the request itself); a call is prepared,
+    # waited on and answered in one worker thread
+    app.add_route("/ep/{episode_id}/v1/chat/completions", chat, methods=["POST"])
+    app.add_route("/ep/{episode_id}/v1/completions", completions, methods=["POST"])
+    responses.mount(app, gw)
+    messages.mount(app, gw)
 
     def _usage(calls) -> dict:
         # n choices share one prompt: counted once, as OpenAI counts it
@@ -264,7 +288,7 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
                 sent = 0
                 if chat:
                     yield event(j, {"role": "assistant", "content": ""})
-                for kind, value in gw.follow(prep.episode_id, index, 24 * 3600.0):
+                for kind, value in gw.follow(prep.episode_id, index, 24 * 3600.0, prep.seen):
                     if kind == "stopping":
                         # the process is stopping: the stream ends unfinished (the client sees a broken stream)
                         return

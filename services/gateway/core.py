@@ -21,7 +21,7 @@ from services.gateway.chat import Renderer, RenderError, canonical, digest, find
 from services.gateway.errors import GatewayError
 from services.gateway.fields import check as check_fields
 from shared.protocol.episode.errors import EventError
-from shared.protocol.episode.events import decode
+from shared.protocol.episode.events import Event, decode
 from shared.protocol.episode.fold import TRANSFORM, Call, Episode, fold
 from shared.protocol.episode.sampling import MAX_STOP_CHARS, MAX_STOPS, SEED_RANGE, stable_seed
 from shared.protocol.keys import Keys
@@ -37,6 +37,15 @@ def same_transform(a: dict, b: dict) -> bool:
 
 # choices one chat call may ask for (n): each is a call of its own, sampled at once
 MAX_CHOICES = 16
+
+
+@dataclass
+class Made:
+    """The calls a request made or found (one per choice, in choice order), and the episode's events as read
+    before (``follow`` reads on from them)."""
+
+    calls: list[int]
+    seen: list[Event]
 
 
 @dataclass
@@ -57,6 +66,8 @@ class Prepared:
     stops: list[str] = field(default_factory=list)
     prefill: str = ""
     parse_tools: bool = True
+    # the episode's events as the request read them: following the call reads on from the last (``follow``)
+    seen: list[Event] | None = None
 
     def __post_init__(self):
         if self.calls is None:
@@ -88,7 +99,19 @@ class Gateway:
 
     # --- request checks
     def _episode(self, episode_id: str) -> Episode:
-        entries = self.client.xrange(self.keys.episode(episode_id))
+        return self._fold(episode_id, self.client.xrange(self.keys.episode(episode_id)))
+
+    def _read(self, episode_id: str, digests: list[str], ask: Ask) -> tuple[Episode, list[tuple[str, int | None]]]:
+        """The episode, and the identity of each digest's ask with the index of the call requested under it (if
+        any; ``Asks.identity``): in one round trip. (An ask to an episode with no stream is counted all the same:
+        nothing asks for that episode's calls before its runner starts it.)"""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xrange(self.keys.episode(episode_id))
+        reads = [self.asks.ask_on(pipe, episode_id, dg, ask) for dg in digests]
+        entries, *replies = pipe.execute()
+        return self._fold(episode_id, entries), [read(reply) for read, reply in zip(reads, replies)]
+
+    def _fold(self, episode_id: str, entries) -> Episode:
         if not entries:
             raise GatewayError(
                 404,
@@ -292,7 +315,7 @@ class Gateway:
     def _prepared(
         self,
         episode_id: str,
-        calls: list[int],
+        made: Made,
         req: schema.Chat | schema.Completion,
         logprobs: bool,
         sampling: dict,
@@ -301,17 +324,18 @@ class Gateway:
     ) -> Prepared:
         return Prepared(
             episode_id,
-            calls[0],
+            made.calls[0],
             0,
             logprobs,
             bool(req.stream),
             bool((req.stream_options or {}).get("include_usage")),
             req.model or self.model_names[0],
             bool(req.return_token_ids),
-            calls,
+            made.calls,
             list(sampling.get("stop") or ()),
             prefill,
             parse_tools,
+            made.seen,
         )
 
     # --- making the call
@@ -328,9 +352,9 @@ class Gateway:
         if req.parallel_tool_calls is False and tools and choice != "none":
             # one tool call at most: the call ends at the first call's closing tag, kept in the answer's parse
             sampling = {**sampling, "stop_kept": [toolparse.CLOSE]}
-        calls = self.chat_calls(episode_id, messages, tools, sampling, Ask.of(headers), n, choice)
+        made = self.chat_calls(episode_id, messages, tools, sampling, Ask.of(headers), n, choice)
         return self._prepared(
-            episode_id, calls, req, bool(req.logprobs), sampling, self.prefill(choice), choice != "none"
+            episode_id, made, req, bool(req.logprobs), sampling, self.prefill(choice), choice != "none"
         )
 
     def chat_calls(
@@ -342,7 +366,7 @@ class Gateway:
         ask: Ask,
         n: int = 1,
         tool_choice: Any = None,
-    ) -> list[int]:
+    ) -> Made:
         """The calls (one per choice) that answer chat ``messages`` (OpenAI chat messages and tools, as any API's
         adapter renders them), made now or found made before. ``tool_choice``: what ``tool_choice()`` returned
         (None: auto); a forced tool call's prefill goes into the prompt and the call's log."""
@@ -352,7 +376,7 @@ class Gateway:
         if tool_choice is not None:
             payload["tool_choice"] = tool_choice
         dg = digest("chat", payload)
-        ep = self._episode(episode_id)
+        ep, identities = self._read(episode_id, [self._choice_digest(dg, j) for j in range(n)], ask)
         forced = self.renderer.encode(prefill) if prefill else []
 
         def build() -> tuple[int, list[int]]:
@@ -379,10 +403,8 @@ class Gateway:
             record["prefill"] = prefill
         logged = json.dumps(record)
         # a choice after the first is its own ask: its own call, its own chain, its own training row
-        return [
-            self._call(ep, self._identity(ep, dg, j, ask), build, self._choice_sampling(sampling, j), logged)
-            for j in range(n)
-        ]
+        calls = [self._call(ep, identities[j], build, self._choice_sampling(sampling, j), logged) for j in range(n)]
+        return Made(calls, ep.events)
 
     @staticmethod
     def _choice_sampling(sampling: dict, choice: int) -> dict:
@@ -392,8 +414,9 @@ class Gateway:
             return sampling
         return {**sampling, "seed": stable_seed(sampling["seed"], choice)}
 
-    def _identity(self, ep: Episode, dg: str, choice: int, ask: Ask) -> str:
-        return self.asks.identity(ep.episode_id, dg if choice == 0 else f"{dg}/{choice}", ask)
+    @staticmethod
+    def _choice_digest(dg: str, choice: int) -> str:
+        return dg if choice == 0 else f"{dg}/{choice}"
 
     def prepare_completion(self, episode_id: str, body: Any, headers=None) -> Prepared:
         req = schema.parse(body, schema.Completion)
@@ -419,7 +442,7 @@ class Gateway:
                 400, f"prompt: expected a non-empty string or array of token ids below {len(self.tok)}", "prompt"
             )
         dg = digest("completion", {"prompt": ids, "sampling": sampling})
-        ep = self._episode(episode_id)
+        ep, identities = self._read(episode_id, [self._choice_digest(dg, j) for j in range(n)], Ask.of(headers))
 
         def build() -> tuple[int, list[int]]:
             for call in sorted(ep.calls.values(), key=lambda c: c.index, reverse=True):
@@ -434,21 +457,18 @@ class Gateway:
             return -1, ids
 
         logged = json.dumps({"prompt": prompt if isinstance(prompt, str) else None})
-        ask = Ask.of(headers)
-        calls = [
-            self._call(ep, self._identity(ep, dg, j, ask), build, self._choice_sampling(sampling, j), logged)
-            for j in range(n)
-        ]
-        return self._prepared(episode_id, calls, req, top is not None and top is not False, sampling)
+        calls = [self._call(ep, identities[j], build, self._choice_sampling(sampling, j), logged) for j in range(n)]
+        return self._prepared(episode_id, Made(calls, ep.events), req, top is not None and top is not False, sampling)
 
-    def _call(self, ep: Episode, dg: str, build, sampling: dict, messages: str) -> int:
-        """The call whose identity is ``dg``: found in the episode (made before: answered from the stream), or
-        requested of the rollout workers now."""
+    def _call(self, ep: Episode, identity: tuple[str, int | None], build, sampling: dict, messages: str) -> int:
+        """The call whose identity is ``identity`` (with the index of the call the episode's call index has under
+        it, if any): found in the episode (made before: answered from the stream), or requested of the rollout
+        workers now."""
+        dg, known = identity
         for call in ep.calls.values():
             if call.digest == dg:
                 # made before: answered from the stream
                 return call.index
-        known = self.requester.lookup(ep.episode_id, dg)
         if known is not None:
             # requested before, not yet opened by a worker: wait for it
             return known
@@ -480,21 +500,26 @@ class Gateway:
         return index
 
     # --- following the stream
-    def follow(self, episode_id: str, index: int, timeout: float) -> Iterator[tuple[str, Any]]:
+    def follow(
+        self, episode_id: str, index: int, timeout: float, seen: list[Event] | None = None
+    ) -> Iterator[tuple[str, Any]]:
         """Yields ("tokens", completion so far) as it grows, ("wait", None) every few quiet seconds, and finally
         ("done", Call), ("timeout", None), or ("stopping", None) within a second of ``stopping`` being set (the
-        process is stopping: the client retries against a gateway that runs, answered from the stream)."""
+        process is stopping: the client retries against a gateway that runs, answered from the stream).
+
+        ``seen``: the episode's events from its start as the request read them (``Made.seen``); the stream is
+        read on after the last (append-only: nothing is missed), and the call is folded from what was read, each
+        entry decoded once. None: the stream is read from its start."""
         key = self.keys.episode(episode_id)
-        entries = self.client.xrange(key)
-        cursor = entries[-1][0] if entries else "0-0"
+        events = list(seen) if seen is not None else [decode(e, f) for e, f in self.client.xrange(key)]
+        cursor = events[-1].entry_id if events else "0-0"
         tokens: list[int] = []
         deadline = time.monotonic() + timeout
-        batch = entries
+        batch = events
         quiet_since = time.monotonic()
         while True:
             grew, done = False, False
-            for entry_id, fields in batch:
-                ev = decode(entry_id, fields)
+            for ev in batch:
                 if ev.data.get("call") == index and ev.kind == "tokens":
                     tokens += ev.data["ids"]
                     grew = True
@@ -503,7 +528,8 @@ class Gateway:
                 elif ev.kind in ("finished", "failed"):
                     done = True
             if done:
-                call = fold(self.client.xrange(key)).calls.get(index)
+                # the events read so far end at the call's end: its fold is the stream's
+                call = fold(events).calls.get(index)
                 if call is None or not call.done:
                     raise GatewayError(
                         409, f"episode {episode_id!r} ended before call {index} was answered", None, "episode_ended"
@@ -522,17 +548,19 @@ class Gateway:
                 return
             # blocks of at most 1 s (a stop is seen within one); a quiet 5 s says "wait" (a keep-alive)
             reply = self.client.xread({key: cursor}, block=int(min(left, 1.0) * 1000), count=1000)
-            batch = [e for _, es in reply or [] for e in es]
+            batch = [decode(e, f) for _, es in reply or [] for e, f in es]
             if batch:
-                cursor, quiet_since = batch[-1][0], time.monotonic()
+                events += batch
+                cursor, quiet_since = batch[-1].entry_id, time.monotonic()
             elif time.monotonic() - quiet_since >= 5.0:
                 quiet_since = time.monotonic()
                 yield "wait", None
 
-    def wait_done(self, episode_id: str, index: int) -> Call:
+    def wait_done(self, episode_id: str, index: int, seen: list[Event] | None = None) -> Call:
         """The complete call, or GatewayError 503 (retry) when it is held past ``gateway_timeout`` or the
-        process stops: the client's retry waits on the same call, answered from its stream."""
-        for kind, value in self.follow(episode_id, index, self.cfg.gateway_timeout):
+        process stops: the client's retry waits on the same call, answered from its stream. ``seen``: as
+        ``follow``'s."""
+        for kind, value in self.follow(episode_id, index, self.cfg.gateway_timeout, seen):
             if kind == "timeout":
                 raise GatewayError(
                     503,

@@ -4,21 +4,24 @@ import copy
 import json
 
 import pytest
+import redis
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 from services.gateway import fields, toolparse
 from services.gateway import stops as gw_stops
 from services.gateway.app import make_app
+from services.gateway.asks import Ask, Asks
 from services.gateway.chat import Renderer, canonical, template_messages, with_system_hint
 from services.gateway.core import Gateway
 from services.gateway.errors import GatewayError
 from shared.protocol.episode.fold import Call
+from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.streams import calls as calls_codec
 from shared.runtime import logs, secrets
 from shared.runtime.config.keys import Config
 from tests.support.chat_models import CALC_TOOL, calc_conversation, make_chat_model, tool_call_message
-from tests.support.gateway_stack import start_agent_episode
+from tests.support.gateway_stack import free_port, start_agent_episode
 
 
 @pytest.fixture(scope="module")
@@ -394,3 +397,52 @@ def test_the_prompt_renders_tools_and_messages_with_their_keys_in_the_order_the_
     first, second = (_request(client, keys, i).prompt_ids for i in (-2, -1))
     assert tok.decode(first).index('"type"') < tok.decode(first).index('"function"')
     assert tok.decode(second).index('"function"') < tok.decode(second).index('"type"')
+
+
+def test_the_ask_ordinal_comes_with_the_call_already_requested_under_it(client, keys):
+    asks, requester = Asks(client, keys), calls_codec.Requester(client, keys)
+    assert asks.identity("o-0", "d", Ask()) == ("d:0", None)
+    index, _ = requester.request(calls_codec.CallRequest("o-0", "d:0", -1, [1, 2], {"max_tokens": 4}))
+    # a retry names the call the first ask made, found in the ordinal's own round trip
+    assert asks.identity("o-0", "d", Ask(retry=True)) == ("d:0", index)
+    assert asks.identity("o-0", "d", Ask()) == ("d:1", None)
+    keyed, known = asks.identity("o-0", "d", Ask(idempotency_key="k-1"))
+    assert known is None
+    again, _ = requester.request(calls_codec.CallRequest("o-0", keyed, -1, [1, 2], {"max_tokens": 4}))
+    assert asks.identity("o-0", "d", Ask(idempotency_key="k-1")) == (keyed, again) and again != index
+
+
+def test_a_call_followed_on_from_what_the_request_read_is_the_streams_call(chat_dir, tok, client, keys):
+    gw = Gateway(Config(run=keys.run, model_dir=chat_dir), client, tok, 160, ["chat"], logs.get("gateway-test"))
+    start_agent_episode(client, keys, "f-0")
+    before = gw._episode("f-0").events
+    log = EpisodeLog(client, keys, "w")
+    log.open("f-0", 1)
+    call = {"call": 0, "extends": -1, "prompt_ids": [5, 6], "digest": "d:0", "sampling": {"max_tokens": 8}}
+    log.append("f-0", "call", {**call, "messages": ""}, 0)
+    log.append_tokens("f-0", [7, 8, 9], [-0.1, -0.2, -0.3], 0, None, call=0)
+    log.flush_or_raise()
+    # read while the call generates: the rest lands after it
+    during = gw._episode("f-0").events
+    log.append_tokens("f-0", [10, 11], [-0.4, -0.5], 0, None, call=0)
+    log.append("f-0", "call_done", {"call": 0, "reason": "length", "num_tokens": 5}, 0)
+    log.flush_or_raise()
+    whole = gw.wait_done("f-0", 0)
+    assert whole.tokens == [7, 8, 9, 10, 11] and whole.prompt_ids == [5, 6] and whole.done
+    assert gw.wait_done("f-0", 0, before) == whole
+    assert gw.wait_done("f-0", 0, during) == whole
+    assert gw.wait_done("f-0", 0, gw._episode("f-0").events) == whole
+
+
+def test_an_internal_error_is_a_json_500_in_the_shape_of_the_api_asked(chat_dir, tok, keys):
+    # a Redis nobody serves: the episode cannot be read
+    down = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
+    gw = Gateway(Config(run=keys.run, model_dir=chat_dir), down, tok, 160, ["chat"], logs.get("gateway-test"))
+    http = TestClient(make_app(gw))
+    r = _post(http, {"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+    assert "ConnectionError" in r.json()["error"]["message"] and "Traceback" not in r.text
+    r = http.post(
+        "/ep/g-0/v1/messages", json={"model": "chat", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert r.status_code == 500 and r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"

@@ -14,6 +14,7 @@ import inspect
 import pytest
 import redis
 
+from services.gateway.asks import Ask, Asks
 from services.ops.check.data import read_run
 from services.ops.inspect.views import run_streams
 from shared.protocol import gate
@@ -177,6 +178,15 @@ def test_every_script_runs_on_a_cluster_once_per_write(cluster_client, keys):
     req = calls.Requester(c, keys)
     r = calls.CallRequest("e1", "digest-1", -1, [1, 2], {"max_tokens": 4})
     assert req.request(r) == (0, True) and req.request(r) == (0, False) and c.xlen(keys.calls) == 1
+    # the gateway's ask rides in one pipeline with the read of the episode's stream (another shard)
+    asks = Asks(c, keys)
+    pipe = c.pipeline(transaction=False)
+    pipe.xrange(keys.episode("e1"))
+    read = asks.ask_on(pipe, "e1", "d", Ask())
+    entries, reply = pipe.execute()
+    assert entries == [] and read(reply) == ("d:0", None)
+    assert req.request(calls.CallRequest("e1", "d:0", -1, [1, 2], {"max_tokens": 4})) == (1, True)
+    assert asks.identity("e1", "d", Ask(retry=True)) == ("d:0", 1)
 
 
 def test_heartbeats_are_listed_from_every_shard(cluster_client, keys):

@@ -59,10 +59,14 @@ def error_response(exc: GatewayError) -> JSONResponse:
 class Answer:
     """A Messages request's call and what its answer needs: the model named, the stop sequences asked for."""
 
-    def __init__(self, gw: Gateway, episode_id: str, chat: messages_request.Chat, call: int, prefill: str = ""):
+    def __init__(
+        self, gw: Gateway, episode_id: str, chat: messages_request.Chat, call: int, prefill: str = "", seen=None
+    ):
         self.gw, self.episode_id, self.chat, self.call = gw, episode_id, chat, call
         # a forced tool call's opening: the streamed text starts with it
         self.prefill = prefill
+        # the episode's events as the request read them (Gateway.follow reads on from them)
+        self.seen = seen
         self.id = f"msg_{episode_id}_{call}"
 
     def _stop_sequence(self, call) -> str | None:
@@ -136,7 +140,7 @@ class Answer:
             return event("message_start", message=message)
 
         try:
-            for kind, value in gw.follow(self.episode_id, self.call, 24 * 3600.0):
+            for kind, value in gw.follow(self.episode_id, self.call, 24 * 3600.0, self.seen):
                 if kind == "stopping":
                     # the process is stopping: Anthropic's overloaded error (the agent runner reruns the agent)
                     stopping = GatewayError(
@@ -227,8 +231,8 @@ def prepare(gw: Gateway, episode_id: str, body, headers) -> Answer:
     if chat.one_tool_call and chat.tools and choice != "none":
         # one tool call at most: the call ends at the first call's closing tag, kept in the answer's parse
         sampling = {**sampling, "stop_kept": [toolparse.CLOSE]}
-    calls = gw.chat_calls(episode_id, chat.messages, chat.tools, sampling, Ask.of(headers), 1, choice)
-    return Answer(gw, episode_id, chat, calls[0], gw.prefill(choice))
+    made = gw.chat_calls(episode_id, chat.messages, chat.tools, sampling, Ask.of(headers), 1, choice)
+    return Answer(gw, episode_id, chat, made.calls[0], gw.prefill(choice), made.seen)
 
 
 def mount(app: FastAPI, gw: Gateway) -> None:
@@ -243,7 +247,7 @@ def mount(app: FastAPI, gw: Gateway) -> None:
                 return StreamingResponse(
                     answer.events(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
                 )
-            call = await anyio.to_thread.run_sync(gw.wait_done, episode_id, answer.call)
+            call = await anyio.to_thread.run_sync(gw.wait_done, episode_id, answer.call, answer.seen)
             return JSONResponse(answer.whole(call))
         except GatewayError as exc:
             return error_response(exc)

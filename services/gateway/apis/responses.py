@@ -253,6 +253,8 @@ class Prepared:
     echo: dict
     # a forced tool call's opening, which the streamed text starts with (Gateway.tool_choice)
     prefill: str = ""
+    # the episode's events as the request read them (Gateway.follow reads on from them)
+    seen: list | None = None
 
 
 class ResponsesApi:
@@ -293,7 +295,8 @@ class ResponsesApi:
         if req.parallel_tool_calls is False and tools and choice != "none":
             # one tool call at most: the call ends at the first call's closing tag, kept in the answer's parse
             sampling = {**sampling, "stop_kept": [toolparse.CLOSE]}
-        [index] = self.gw.chat_calls(episode_id, messages, tools, sampling, Ask.of(headers), 1, choice)
+        made = self.gw.chat_calls(episode_id, messages, tools, sampling, Ask.of(headers), 1, choice)
+        [index] = made.calls
         echo = {
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
@@ -310,7 +313,13 @@ class ResponsesApi:
             "user": req.user,
         }
         return Prepared(
-            episode_id, index, req.model or self.gw.model_names[0], bool(req.stream), echo, self.gw.prefill(choice)
+            episode_id,
+            index,
+            req.model or self.gw.model_names[0],
+            bool(req.stream),
+            echo,
+            self.gw.prefill(choice),
+            made.seen,
         )
 
     def _continued(self, episode_id: str, previous: str, instructions: str | None) -> list[dict]:
@@ -411,7 +420,7 @@ class ResponsesApi:
         ]
 
     def whole(self, prep: Prepared) -> dict:
-        call = self.gw.wait_done(prep.episode_id, prep.index)
+        call = self.gw.wait_done(prep.episode_id, prep.index, prep.seen)
         message, status = self._answer(prep, call)
         calls = self._call_items(prep, message)
         output = [self._message_item(prep, message["content"] or "")] if message["content"] or not calls else []
@@ -439,7 +448,7 @@ class ResponsesApi:
         try:
             yield event("response.created", response=self._response(prep, "in_progress", [], None))
             yield event("response.in_progress", response=self._response(prep, "in_progress", [], None))
-            for kind, value in self.gw.follow(prep.episode_id, prep.index, 24 * 3600.0):
+            for kind, value in self.gw.follow(prep.episode_id, prep.index, 24 * 3600.0, prep.seen):
                 if kind == "stopping":
                     # the process is stopping: the stream ends unfinished (the client sees a broken stream)
                     return

@@ -133,10 +133,6 @@ OFF_TABLE = {
     # as gone (services/rollout/jobs/tool_jobs.py), not on their measured path. Re-run them to bring them back.
     "rollout-throughput": "STALE since 3b1d609 (0.913 wall): the rollout worker's job poll changed after it ran",
     "rollout-resume": "STALE since 3b1d609 (153 ms, 85x): the rollout worker's job poll changed after it ran",
-    # They measure all of services/ and shared/: the gateway's request path (services/gateway) got faster after
-    # they ran. The agent curve runs through it (about 15 minutes to re-run); the default job never calls it.
-    "agent_curve": "STALE since 8c4f630 (59, 74, 74 s): the gateway's request path changed after it ran",
-    "defaults_reach": "STALE since 7f65398 (859, 515 vs never, never): the gateway's request path changed after it ran",
     # Routing replay (the episode log's routes, the engines' chunks, the trainer's forward) went in after they ran;
     # none of it runs for a dense model, but the rule counts every line. Re-run them to bring them back.
     "commit_cost": "STALE since 8b1a2d7 (133 ms): the trainer learned routing replay after it ran",
@@ -147,11 +143,11 @@ OFF_TABLE = {
     # end-to-end pair take about 40 minutes; re-run them to bring it back.
     "moe_routing": "STALE since d1755d7 (2.8% / 12.5% / 18.7%): the tiny model's module and the agent warm start "
     "changed after it ran",
-    # Whole runs, measuring all of services/ and shared/: the rollout worker's group opening, the event codec's
-    # packing and the trainer's read-ahead changed after they ran. Re-run them (about 20 and 10 minutes on a quiet
-    # box) to bring them back.
-    "agent_curve": "STALE since 8c4f630 (59, 74, 74 s): the rollout worker's group opening and the trainer's "
-    "read-ahead changed after it ran",
+    # Whole runs, measuring all of services/ and shared/: the gateway's request path, the rollout worker's group
+    # opening, the event codec's packing and the trainer's read-ahead changed after they ran. Re-run them (about 20
+    # and 10 minutes on a quiet box) to bring them back.
+    "agent_curve": "STALE since 8c4f630 (59, 74, 74 s): the gateway's request path, the rollout worker's group "
+    "opening and the trainer's read-ahead changed after it ran",
     "defaults_reach": "STALE since 7f65398 (859, 515 versions): the rollout worker's group opening and the "
     "trainer's read-ahead changed after it ran",
 }

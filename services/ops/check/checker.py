@@ -216,11 +216,5 @@ def check(data: RunData) -> Report:
         "versions_rederived_differently": differing[:50],
         "workers_without_final_report": no_report,
         "tokens_generated": {w: int(rep.get("tokens", 0)) for w, rep in sorted(data.reports.items())},
-        # of them, dropped when a new episode's start was refused (its stream not empty: Redis lost a delivery)
-        "refused_start_tokens": {
-            w: int(rep["refused_start_tokens"])
-            for w, rep in sorted(data.reports.items())
-            if rep.get("refused_start_tokens")
-        },
     }
     return r

@@ -108,7 +108,7 @@ def format_report(r: Report, run: str) -> str:
     lines.append(f"  {'versions re-trained at restores':<32} {r.versions_replayed:>8}")
     lines.append(f"  {'bad input found / dead letters':<32} {f'{r.bad_input_found}/{r.dead_letters}':>8}")
     for name, items in r.details.items():
-        if items and name not in ("tokens_generated", "refused_start_tokens"):
+        if items and name != "tokens_generated":
             lines.append(f"  {name}: {', '.join(map(str, items))}")
     if r.trained_nothing:
         lines.append(f"  the trainer trained nothing: 0 versions published, {r.episodes} episodes attempted")

@@ -43,11 +43,9 @@ class Episodes:
         self.worker_id = events.worker
         self.live: dict[str, LiveEpisode] = {}
         self.paused = False
-        # refused_start_tokens: generated in a fresh episode's first step, then dropped with its refused start
-        self.stats = {"tokens": 0, "episodes": 0, "resumed": 0, "refused_start_tokens": 0}
+        self.stats = {"tokens": 0, "episodes": 0, "resumed": 0}
         # when writes travel (settlement.py)
         self.writes = Writes(events, groups, self._closed, self._fenced)
-        self.writes.refused = self._refused_starts
 
     @property
     def events(self) -> EpisodeLog:
@@ -63,8 +61,7 @@ class Episodes:
         A freshly claimed group (never delivered before, so its streams are empty) costs no round trip of its own:
         the ``started`` event of each of its episodes goes with the next engine step's batch, fenced at seq 0 like
         every append, and generation begins at once. Should a start be refused there after all (its stream held
-        events: Redis lost the delivery of the group's entry, not its streams), that episode is resumed from its
-        stream and what it generated meanwhile is dropped (counted in ``refused_start_tokens``).
+        events), the group is fenced out and the next take-over pass re-opens it from its streams, losing nothing.
 
         The other groups (taken over, repacked, held before and back) open in one round trip that writes the
         ``started`` events of those whose streams are guessed empty, fenced at seq 0, and reads every stream of
@@ -88,27 +85,6 @@ class Episodes:
             if self.owns(live):
                 self._generate(live)
         for run in fresh:
-            self.groups.maybe_publish(run)
-
-    def _refused_starts(self, episode_ids: list[str]) -> None:
-        """New episodes whose start the step's batch found refused: each is resumed from its stream, what it
-        generated since dropped."""
-        resuming = []
-        for episode_id in episode_ids:
-            live = self.live.get(episode_id)
-            run = self.groups.get(live.group_id) if live is not None else None
-            if run is None or not self.groups.holds(run):
-                continue
-            self.stats["refused_start_tokens"] += len(live.tokens)
-            self.engine.abort(episode_id)
-            self.events.close(episode_id)
-            del self.live[episode_id]
-            resuming.append((run, episode_id))
-        if resuming:
-            self.log.warning("starts refused: streams not empty; resuming them", episodes=[e for _, e in resuming])
-        for (run, episode_id), entries in zip(resuming, self.events.read_many([e for _, e in resuming])):
-            self._resume_from_stream(run, episode_id, entries)
-        for run in {id(run): run for run, _ in resuming}.values():
             self.groups.maybe_publish(run)
 
     def _open_read(self, runs: list[GroupRun]) -> None:

@@ -46,8 +46,6 @@ class Writes:
         self._sent: set[str] = set()
         # new episodes whose ``started`` event waits for the next step's batch
         self._starting: list[str] = []
-        # refused(episode ids): new episodes whose start the step's batch found refused (their streams not empty)
-        self.refused: Callable[[list[str]], None] = lambda episode_ids: None
 
     def close(self, live: LiveEpisode) -> None:
         """The episode has its last event (buffered): closed once that is written, now or with the step's batch."""
@@ -75,8 +73,8 @@ class Writes:
 
     def start_with_step(self, episode_ids: list[str]) -> None:
         """New episodes (of freshly claimed groups): their buffered ``started`` events go with the next step's
-        batch, not in a round trip of their own. The fence at seq 0 still guards them: a start refused there is
-        handed to ``refused`` once that batch is settled."""
+        batch, not in a round trip of their own. The fence at seq 0 still guards them: a refused start fences
+        the group out once that batch is settled."""
         self._starting += episode_ids
 
     def send_step(self, wake_read: Callable | None = None) -> None:
@@ -120,10 +118,10 @@ class Writes:
             if isinstance(reply, Exception):
                 raise reply
             self.replies.append(reply)
-        refused = [episode_id for episode_id in starts if isinstance(errors.get(episode_id), Fenced)]
-        self._written(written, {episode_id: exc for episode_id, exc in errors.items() if episode_id not in refused})
-        if refused:
-            self.refused(refused)
+        if any(episode_id in errors for episode_id in starts):
+            # a refused start: the group's entry stays pending here, for the next take-over pass to re-open
+            self.groups.recheck_pending = True
+        self._written(written, errors)
         if starts:
             # tests only (shared/runtime/faults.py): new episodes' starts are in their streams
             crash_point("rollout", "opened")

@@ -57,6 +57,9 @@ class Groups:
         self.gate = Gate(client, keys, sync_mode=cfg.mode == "sync")
         self.publisher = Publisher(client, keys)
         self.held: dict[str, GroupRun] = {}
+        # a fresh group's start was refused since the last take-over pass: nobody else holds its entry, which
+        # stays pending here until that pass re-opens it from its streams
+        self.recheck_pending = False
         self.published = 0
         # complete, to publish with the next step's writes (maybe_publish)
         self.queued: list[GroupRun] = []
@@ -171,6 +174,7 @@ class Groups:
         """Groups to re-open: pending under this worker but no longer held (dropped after a fence, or a
         publish Redis forgot), then those of workers whose heartbeat has been missing for heartbeat_ttl."""
         free, runs = self.room(), []
+        self.recheck_pending = False
         self._forget_revived()
         min_idle = int(self.cfg.heartbeat_ttl * 1000)
         for stream in (self.keys.val_prompts, self.keys.prompts):

@@ -261,7 +261,7 @@ class RolloutWorker:
         CLAIM_RECHECK_S (a gate slot given back by the trainer); never throttled, never on every engine step for
         nothing."""
         # a group repacked here: open it before new ones
-        if now >= self._next_takeover or self.repack.waiting() or self.claims.recheck_pending:
+        if now >= self._next_takeover or self.repack.waiting():
             self._next_takeover = now + self.cfg.heartbeat_ttl / 2
             runs = self.claims.take_over()
             self.takeovers += sum(run.takeover_from is not None for run in runs)

@@ -12,8 +12,7 @@ The points, in the order each service passes them:
              before_ledger, after_ledger, after_ack  (its commit path: services/trainer/state/commit.py)
              after_publish   the publisher's thread sent a version event
              snapshot_write  the snapshot's thread wrote a snapshot's temporary file, not renamed into place
-    rollout  opened     a group's episodes have their 'started' events in their streams, no token (the first engine
-                        step's, sent with the starts, are still in memory)
+    rollout  opened     a group's episodes have their 'started' events in their streams, nothing generated
              flushed    an engine step's tokens were written to their streams
              finished   every episode of a group has its end in its stream; the group is not published yet
              repack_stopped  a group chosen for a long-tail repack: its episodes' 'aborted' events are in their

@@ -12,8 +12,6 @@ import pytest
 import structlog
 
 from services.ops.check.checker import check, read_run
-from services.rollout.engine import SamplingParams
-from services.rollout.episodes.prompting import prompt_ids
 from shared.protocol.episode.events import decode
 from shared.protocol.episode.fold import fold
 from shared.protocol.episode.log import EpisodeLog
@@ -98,39 +96,6 @@ def test_a_fence_reported_a_step_later_drops_the_group_and_nothing_of_it_is_publ
     # nothing of A's after the intruder's entry
     assert decode(*intruder.read(fenced["episode"])[-1]).worker == "X"
     assert not [live for live in a.live.values() if live.group_id == fenced["group"]]
-
-
-def test_a_fresh_groups_start_refused_in_the_steps_batch_reopens_the_group_from_its_stream(
-    client, keys, tiny_model_dir
-):
-    """A freshly claimed group's starts ride its first engine step's batch, not a round trip of their own. One
-    refused there (its stream already held a start, written here by another writer) fences the group out; the
-    worker's next take-over pass re-opens it from its streams at once (not a heartbeat period later): every group
-    published once, the other writer's start kept first."""
-    groups = _groups(3)
-    cfg = Config(run=keys.run, model_dir=tiny_model_dir, max_tokens=12, tools="", heartbeat_ttl=600.0)
-    _enqueue(client, keys, groups)
-    a = make_worker(cfg, client, "A")
-    group = PromptGroup("g1", 2, prompt="g1: 3*4=")
-    other = EpisodeLog(client, keys, "X")
-    other.open("g1-0")
-    started = {
-        "episode_id": "g1-0",
-        "group_id": "g1",
-        "index": 0,
-        "prompt_ids": prompt_ids(a.episodes.tok, group),
-        "sampling": SamplingParams(max_tokens=12, seed=5).to_dict(),
-    }
-    other.append("g1-0", "started", started, 0)
-    other.flush_or_raise()
-    with structlog.testing.capture_logs() as logs:
-        tick_until(a, lambda: len(samples(client, keys)) == len(groups) and not a.groups, timeout=90)
-    assert sorted(s["group_id"] for s in samples(client, keys)) == [g for g, _ in groups]
-    assert [e["group"] for e in logs if e["event"].startswith("fenced")] == ["g1"]
-    entries = other.read("g1-0")
-    assert decode(*entries[0]).worker == "X" and fold(entries).done
-    assert [e.kind for e in fold(entries).events].count("started") == 1
-    assert client.xpending(keys.prompts, ROLLOUT_GROUP)["pending"] == 0
 
 
 def test_no_group_is_published_before_its_episodes_ends_are_in_redis(client, keys, tiny_model_dir):

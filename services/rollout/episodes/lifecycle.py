@@ -56,40 +56,11 @@ class Episodes:
 
     # --- opening a group
     def open_groups(self, runs: list[GroupRun]) -> None:
-        """Open groups claimed or taken over together.
-
-        A freshly claimed group (never delivered before, so its streams are empty) costs no round trip of its own:
-        the ``started`` event of each of its episodes goes with the next engine step's batch, fenced at seq 0 like
-        every append, and generation begins at once. Should a start be refused there after all (its stream held
-        events), the group is fenced out and the next take-over pass re-opens it from its streams, losing nothing.
-
-        The other groups (taken over, repacked, held before and back) open in one round trip that writes the
-        ``started`` events of those whose streams are guessed empty, fenced at seq 0, and reads every stream of
-        them all. A start refused there is resumed from what was read; a taken-over or repacked group's episodes
-        with empty streams are started in a second round trip."""
-        if not runs:
-            return
-        fresh = [run for run in runs if run.fresh]
-        for run in fresh:
-            self._forget_group(run.group.group_id)
-            self.groups.hold(run)
-        self._open_read([run for run in runs if not run.fresh])
-        started = []
-        for run in fresh:
-            ids = prompt_ids(self.tok, run.group)
-            for index, episode_id in enumerate(run.episodes):
-                if (live := self._start(run, index, episode_id, ids)) is not None:
-                    started.append(live)
-        self.writes.start_with_step([live.episode_id for live in started])
-        for live in started:
-            if self.owns(live):
-                self._generate(live)
-        for run in fresh:
-            self.groups.maybe_publish(run)
-
-    def _open_read(self, runs: list[GroupRun]) -> None:
-        """Open groups that may have been held before: their streams read in one round trip (see
-        ``open_groups``)."""
+        """Open groups claimed or taken over together, in one round trip: it writes the ``started`` event of every
+        episode of a newly claimed group, fenced at seq 0 (durable before generation starts), and reads every
+        episode stream of them all. A start refused there (the stream was not empty: a group held before) is
+        resumed from what was read; a taken-over or repacked group's episodes with empty streams are started in a
+        second round trip."""
         if not runs:
             return
         episode_ids = [episode_id for run in runs for episode_id in run.episodes]
@@ -100,7 +71,7 @@ class Episodes:
             # a group this worker held before (lost, now back): from its streams
             self._forget_group(run.group.group_id)
             self.groups.hold(run)
-        # orphans re-opened here (dropped after a fence): their streams are most likely empty
+        # the episodes of newly claimed groups: their streams are empty, but for a group held before
         guessed = {}
         for run in (run for run in runs if run.takeover_from is None and run.repack is None):
             ids = prompt_ids(self.tok, run.group)

@@ -44,8 +44,6 @@ class Writes:
         self.replies: list = []
         # episodes with events in the batch in flight
         self._sent: set[str] = set()
-        # new episodes whose ``started`` event waits for the next step's batch
-        self._starting: list[str] = []
 
     def close(self, live: LiveEpisode) -> None:
         """The episode has its last event (buffered): closed once that is written, now or with the step's batch."""
@@ -71,12 +69,6 @@ class Writes:
                 if (run := self.groups.get(live.group_id)) is not None:
                     run.ended.add(live.episode_id)
 
-    def start_with_step(self, episode_ids: list[str]) -> None:
-        """New episodes (of freshly claimed groups): their buffered ``started`` events go with the next step's
-        batch, not in a round trip of their own. The fence at seq 0 still guards them: a refused start fences
-        the group out once that batch is settled."""
-        self._starting += episode_ids
-
     def send_step(self, wake_read: Callable | None = None) -> None:
         """After an engine step: this step's writes leave on the writer thread in one pipeline, while the caller
         runs the next step. They are the events of every episode that ended in the step, every buffered event
@@ -85,8 +77,7 @@ class Writes:
         in ``replies`` once settled."""
         self.settle()
         ending, self.ending = self.ending, []
-        starting, self._starting = self._starting, []
-        batch = self.events.take(None if self.events.due() else [live.episode_id for live in ending] + starting)
+        batch = self.events.take(None if self.events.due() else [live.episode_id for live in ending])
         publishing = self.groups.take_queued()
         if not batch and wake_read is None and not publishing:
             # nothing of theirs is buffered or in flight: their end is in Redis already
@@ -100,8 +91,7 @@ class Writes:
                 wake_read(pipe)
 
         self._sent = {episode_id for episode_id, _ in batch.targets}
-        starts = [episode_id for episode_id in starting if episode_id in self._sent]
-        self.writer.submit(lambda: self.events.send(batch, also), (batch, ending, publishing, starts))
+        self.writer.submit(lambda: self.events.send(batch, also), (batch, ending, publishing))
 
     def settle(self, publish_later: bool = False) -> None:
         """Wait for the batch in flight, if any, and apply its results: a fenced episode drops its group (a step
@@ -110,7 +100,7 @@ class Writes:
         ``publish_later``, in the next step's pipeline)."""
         if not self.writer.in_flight:
             return
-        (results, extra), (batch, ending, publishing, starts) = self.writer.wait()
+        (results, extra), (batch, ending, publishing) = self.writer.wait()
         written = self.events.entries_written
         errors = self.events.settle(batch, results)
         self.groups.settle(publishing, extra[: len(publishing)])
@@ -118,13 +108,7 @@ class Writes:
             if isinstance(reply, Exception):
                 raise reply
             self.replies.append(reply)
-        if any(episode_id in errors for episode_id in starts):
-            # a refused start: the group's entry stays pending here, for the next take-over pass to re-open
-            self.groups.recheck_pending = True
         self._written(written, errors)
-        if starts:
-            # tests only (shared/runtime/faults.py): new episodes' starts are in their streams
-            crash_point("rollout", "opened")
         for live in ending:
             self._closed(live, publish_later)
 

@@ -43,8 +43,6 @@ class GroupRun:
     takeover_from: str | None = None
     # the notice (shared/protocol/repacks.Repack) when another worker handed it here
     repack: object | None = None
-    # read from its prompts stream for the first time (never delivered before): its episode streams are empty
-    fresh: bool = False
 
     @property
     def complete(self) -> bool:
@@ -57,9 +55,6 @@ class Groups:
         self.gate = Gate(client, keys, sync_mode=cfg.mode == "sync")
         self.publisher = Publisher(client, keys)
         self.held: dict[str, GroupRun] = {}
-        # a fresh group's start was refused since the last take-over pass: nobody else holds its entry, which
-        # stays pending here until that pass re-opens it from its streams
-        self.recheck_pending = False
         self.published = 0
         # complete, to publish with the next step's writes (maybe_publish)
         self.queued: list[GroupRun] = []
@@ -140,14 +135,11 @@ class Groups:
         if count <= 0:
             return []
         reply = self.client.xreadgroup(GROUP, self.worker_id, {stream: ">"}, count=count)
-        runs = [
+        return [
             run
             for entry_id, fields in (e for _, es in reply or [] for e in es)
             if (run := self.decode(stream, entry_id, fields)) is not None
         ]
-        for run in runs:
-            run.fresh = True
-        return runs
 
     def decode(self, stream: str, entry_id, fields, takeover_from: str | None = None) -> GroupRun | None:
         """The entry as a group to open; None (dead-lettered and acknowledged) when malformed."""
@@ -174,7 +166,6 @@ class Groups:
         """Groups to re-open: pending under this worker but no longer held (dropped after a fence, or a
         publish Redis forgot), then those of workers whose heartbeat has been missing for heartbeat_ttl."""
         free, runs = self.room(), []
-        self.recheck_pending = False
         self._forget_revived()
         min_idle = int(self.cfg.heartbeat_ttl * 1000)
         for stream in (self.keys.val_prompts, self.keys.prompts):

@@ -79,7 +79,7 @@ def main() -> None:
                 sys.executable,
                 "-c",
                 "from shared.runtime.config.keys import Config; "
-                "from services.ops.launch.tiny_model import ensure_default_model; ensure_default_model(Config())",
+                "from services.ops.launch.default_model import ensure_default_model; ensure_default_model(Config())",
             ],
             cwd=ROOT,
             check=True,

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -145,6 +146,10 @@ def test_keep_restarts_a_killed_process_through_the_starter(warm, tmp_path):
         stdout=subprocess.PIPE,
         text=True,
     )
+    # keep's output as it comes: a probe killed before it printed says nothing, so the test waits for a line
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(keep.stdout), daemon=True)
+    reader.start()
     try:
         from services.ops.launch.keep import processes
 
@@ -156,9 +161,12 @@ def test_keep_restarts_a_killed_process_through_the_starter(warm, tmp_path):
             lambda: (p := processes(tmp_path / "pids").get(NAME)) and p[0] != first and p, "the restart", 60
         )
         assert again[1] == 1 and _parent(again[0]) == warm[0].pid
+        wait_until(lambda: any('"torch_preloaded"' in line for line in lines), "the restarted probe's line", 60)
     finally:
         keep.terminate()
-        out, _ = keep.communicate(timeout=60)
+        keep.wait(timeout=60)
+        reader.join(timeout=10)
+    out = "".join(lines)
     assert keep.returncode == 0 and "restart 1" in out, out
     # its output relayed through keep
     assert '"torch_preloaded": true' in out

@@ -190,6 +190,26 @@ def test_chaos_picks_only_allowed_kinds_and_sums_up_kills_restarts_and_recovery(
     assert lines[3] == "  by process: redis median 4.0 s, max 4.0 s, rollout median 1.5 s, max 1.5 s"
 
 
+def test_chaos_reads_every_versions_time_from_the_runs_metrics_file(tmp_path):
+    """Kill-to-next-version needs every version's time: the run's metrics file has every training step (the
+    versions stream in Redis keeps only its last entries, and an early kill measured against it waited minutes)."""
+    import json
+
+    from services.ops.launch.chaos import Chaos, Kill, summary, version_times
+
+    records = [{"step": s, "time": 100.0 + s, "train_s": 0.1} for s in (4, 1, 2, 3)] + [{"kind": "other", "time": 1}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert version_times(tmp_path, 1) == [101.0, 102.0, 103.0, 104.0]
+    # two steps per version: versions come from steps 2 and 4
+    assert version_times(tmp_path, 2) == [102.0, 104.0]
+    c = Chaos(5.0, seed=0)
+    c.kills = [Kill(101.5, "trainer")]
+    assert (
+        summary(c, version_times(tmp_path, 1), {"trainer": 1}, 10.0)[3]
+        == "  by process: trainer median 0.5 s, max 0.5 s"
+    )
+
+
 def test_a_restarted_process_keeps_the_time_it_was_first_started(tmp_path):
     """The driver's max_minutes clock runs across its restarts: keep gives every start the same KEEP_SINCE."""
     from services.driver.driver import SINCE_ENV as DRIVER_READS

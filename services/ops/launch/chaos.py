@@ -24,6 +24,9 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.protocol.archive import jsonl
 
 
 @dataclass
@@ -78,6 +81,14 @@ class Chaos:
         thread = threading.Thread(target=loop, daemon=True, name="chaos")
         thread.start()
         return thread
+
+
+def version_times(run_path: Path, steps_per_version: int) -> list[float]:
+    """Unix seconds of each version the trainer made, in order, from the run's metrics file: every training step's
+    record is there (the ``versions`` stream keeps only its last entries), and a version is published right after
+    the record of the step that makes it."""
+    steps = [r for r in jsonl.read(run_path / "metrics.jsonl", "the trainer's metrics file") if "train_s" in r]
+    return sorted(float(r["time"]) for r in steps if int(r["step"]) % steps_per_version == 0)
 
 
 def summary(chaos: Chaos, version_times: list[float], restarts: dict[str, int], seconds: float) -> list[str]:

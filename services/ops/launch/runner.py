@@ -324,12 +324,14 @@ def _run(cfg: Config, entries: dict, warm_path: str | None, extra_env: dict | No
 
 
 def print_chaos(cfg: Config, redis_url: str, chaos, restarts: dict[str, int], seconds: float) -> None:
-    from services.ops.launch.chaos import summary
+    from services.ops.launch.chaos import summary, version_times
     from shared.protocol.keys import Keys
     from shared.runtime.connection import connect
 
-    client = connect(redis_url, wait=10)
-    times = [int(entry_id.decode().split("-")[0]) / 1000 for entry_id, _ in client.xrange(Keys(cfg.run).versions)]
+    times = version_times(cfg.run_path, cfg.steps_per_version)
+    if not times:
+        client = connect(redis_url, wait=10)
+        times = [int(entry_id.decode().split("-")[0]) / 1000 for entry_id, _ in client.xrange(Keys(cfg.run).versions)]
     print("streamrl run: " + "\n".join(summary(chaos, times, restarts, seconds)), file=sys.stderr, flush=True)
 
 

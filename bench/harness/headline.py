@@ -129,10 +129,6 @@ OFF_TABLE = {
     # It measures all of services/ and shared/ over three invocations (about 45 minutes): the gateway and the
     # rollout worker's call server (stop strings) changed after it ran, neither on the default run's path.
     "default_ab": "STALE since e85ec3a: the gateway and the rollout worker's call server changed after it ran",
-    # Measured at 3b1d609; then the rollout worker's job poll learned to read a job a crashed Redis left unreadable
-    # as gone (services/rollout/jobs/tool_jobs.py), not on their measured path. Re-run them to bring them back.
-    "rollout-throughput": "STALE since 3b1d609 (0.913 wall): the rollout worker's job poll changed after it ran",
-    "rollout-resume": "STALE since 3b1d609 (153 ms, 85x): the rollout worker's job poll changed after it ran",
     # Routing replay (the episode log's routes, the engines' chunks, the trainer's forward) went in after they ran;
     # none of it runs for a dense model, but the rule counts every line. Re-run them to bring them back.
     "commit_cost": "STALE since 8b1a2d7 (133 ms): the trainer learned routing replay after it ran",

@@ -22,7 +22,7 @@ from shared.protocol.episode.errors import EventError
 from shared.protocol.episode.fold import Episode
 from shared.protocol.episode.log import EpisodeLog
 from shared.protocol.keys import TRAINER_GROUP as GROUP
-from shared.protocol.streams import dead_letters, samples
+from shared.protocol.streams import dead_letters
 
 # one trainer per run: a stable name gets its own pending entries back after a restart
 CONSUMER = "trainer"
@@ -50,13 +50,13 @@ class Intake:
         self.missing: list[str] = []
         # new entries read and folded on a thread while the trainer trains (``read_ahead``), else None
         self.ahead: ReadAhead | None = None
-        self.archive = archive
 
     def read_ahead(self, depth: int) -> None:
         """From now on new entries, and their groups' streams, are read on a thread (services/trainer/read_ahead.py):
         call after ``read_pending``."""
         known = lambda group_id: group_id in self.consumed or group_id in self.taken  # noqa: E731
-        self.ahead = ReadAhead(self.client, self.keys, CONSUMER, known, self.route_shape, self.archive, depth)
+        archive = self.episodes.archive
+        self.ahead = ReadAhead(self.client, self.keys, CONSUMER, known, self.route_shape, archive, depth)
         self.ahead.start()
 
     def close(self) -> None:
@@ -86,7 +86,7 @@ class Intake:
         for item in fetched:
             entry_id = item.entry_id
             try:
-                sample = item.sample or samples.decode(entry_id, item.fields)
+                sample = item.decoded()
             except EventError as exc:
                 self.log.error("bad samples entry sent to dead letters", entry=entry_id, reason=str(exc))
                 dead_letters.send(self.client, self.keys, self.keys.samples, entry_id, str(exc), "trainer")

@@ -37,6 +37,17 @@ class Fetched:
     error: EventError | None = None
     folds: list[Episode | EventError] | None = None
 
+    def decoded(self) -> samples.Sample:
+        """The sample (decoded once); raises the ``EventError`` of an entry that does not decode."""
+        if self.sample is None and self.error is None:
+            try:
+                self.sample = samples.decode(self.entry_id, self.fields)
+            except EventError as exc:
+                self.error = exc
+        if self.error is not None:
+            raise self.error
+        return self.sample
+
 
 def fold_checked(entries, route_shape) -> Episode:
     """The stream folded, its routes checked against the policy's shape (routing replay); raises ``EventError``."""
@@ -120,9 +131,10 @@ class ReadAhead:
         ]
         for item in fetched:
             try:
-                item.sample = samples.decode(item.entry_id, item.fields)
-            except EventError as exc:
-                item.error = exc
+                item.decoded()
+            except EventError:
+                # the trainer's thread dead-letters it
+                pass
         reading = [item for item in fetched if item.sample is not None and not self.known(item.sample.group_id)]
         folds = iter(fold_all(self._log, [eid for item in reading for eid in item.sample.episodes], self.route_shape))
         for item in reading:

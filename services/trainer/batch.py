@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.trainer.loss import grpo_advantages
+from services.trainer.objective.loss import grpo_advantages
 from shared.protocol.episode.fold import Episode
 from shared.protocol.episode.routes import RouteShape
 

@@ -23,7 +23,7 @@ import functools
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.trainer import kl as klmod
+from services.trainer.objective import kl as klmod
 from shared.protocol.episode.logprobs import token_logprobs
 from shared.runtime.config.errors import ConfigError
 from shared.runtime.config.keys import Config

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from services.trainer.batch import Batch
-from services.trainer.corrections import mismatch, route_mismatch
 from services.trainer.distributed import LOCAL, Shard, as_float
-from services.trainer.loss import aggregate_denominator, decoupled_ppo_loss, ppo_clip_loss
+from services.trainer.objective.corrections import mismatch, route_mismatch
+from services.trainer.objective.loss import aggregate_denominator, decoupled_ppo_loss, ppo_clip_loss
 from shared.protocol.episode.logprobs import token_logprobs
 
 WEIGHTED_STATS = (

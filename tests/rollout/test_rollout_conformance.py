@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from services.trainer.batch import build_batch
-from services.trainer.corrections import mismatch
+from services.trainer.objective.corrections import mismatch
 from services.trainer.step import policy_logprobs
 from shared.protocol.keys import Keys
 from shared.protocol.streams.prompts import PromptGroup, enqueue

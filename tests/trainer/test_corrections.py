@@ -1,4 +1,4 @@
-"""Off-policy corrections (services/trainer/corrections.py): each level and mask on hand-made log-ratios, the
+"""Off-policy corrections (services/trainer/objective/corrections.py): each level and mask on hand-made log-ratios, the
 mismatch measure, version spans, and the loss taking them (pure torch)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.trainer.corrections import Correction, behaviour_weights, mismatch, second_moment_mask
-from services.trainer.loss import decoupled_ppo_loss
+from services.trainer.objective.corrections import Correction, behaviour_weights, mismatch, second_moment_mask
+from services.trainer.objective.loss import decoupled_ppo_loss
 from shared.protocol.staleness import version_spans
 
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.trainer.loss import (
+from services.trainer.objective.loss import (
     AGGREGATIONS,
     decoupled_ppo_loss,
     entropy_from_logits,
@@ -409,7 +409,7 @@ def test_dual_clip_bounds_a_runaway_ratio_with_negative_advantage(decoupled):
 @SETTINGS
 @given(c=cases, agg=aggs, decoupled=st.booleans(), cut=st.integers(1, 3))
 def test_micro_batches_with_the_batch_denominator_sum_to_the_batch_loss(c, agg, decoupled, cut):
-    from services.trainer.loss import aggregate_denominator
+    from services.trainer.objective.loss import aggregate_denominator
 
     b = c["logp"].shape[0]
     cut = min(cut, b)

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.trainer import kl
 from services.trainer.model import load_policy
+from services.trainer.objective import kl
 from shared.protocol.episode.logprobs import token_logprobs
 from shared.runtime.config.keys import Config
 

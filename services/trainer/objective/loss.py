@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from services.trainer.corrections import Correction, behaviour_weights
+from services.trainer.objective.corrections import Correction, behaviour_weights
 from shared.protocol.episode.logprobs import token_logprobs  # noqa: F401  (the one log-prob definition, re-exported)
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -110,7 +110,7 @@ def decoupled_ppo_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """AReaL's decoupled PPO: o = w · min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A) with
     r = exp(logp − prox_logp) (the trust region, around the proximal policy) and w the behaviour importance
-    weight, detached, from prox_logp − behav_logp (services/trainer/corrections.py: ``is_level`` token |
+    weight, detached, from prox_logp − behav_logp (services/trainer/objective/corrections.py: ``is_level`` token |
     sequence | geometric, capped at ``is_cap`` by ``is_mode``; IcePop's ``icepop_beta`` and M2PO's ``m2po_tau``
     masks). At token level:
 

@@ -148,6 +148,7 @@ class Ranks:
             }
             snaps.log.info("snapshot written", **record)
             snaps.on_landed(record)
+        snaps.wrote(time.monotonic() - writing.started)
 
     def load(self, ckpt_dir: Path, model, opt) -> dict | None:
         _refuse_the_other_kind(ckpt_dir, self)

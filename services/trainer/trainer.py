@@ -112,7 +112,12 @@ class Trainer:
         self.commit_s = 0.0
         # model, optimizer, RNG every snapshot_every_versions, in the background
         self.snapshots = Snapshots(
-            self.ckpt_dir, cfg.snapshot_every_versions, cfg.snapshot_every_s, log, on_landed=self._snapshot_landed
+            self.ckpt_dir,
+            cfg.snapshot_every_versions,
+            cfg.snapshot_every_s,
+            log,
+            on_landed=self._snapshot_landed,
+            replay_s=cfg.snapshot_replay_s,
         )
         # each version's delta (or full file) and version event, in a thread
         self.publisher = Publisher(cfg, client, self.keys, self.weights_dir, log)
@@ -203,6 +208,8 @@ class Trainer:
                 rederived=digest[:12],
             )
         self.counts.update(lines[-1].get("counts", {}))
+        # a second crash would re-train these versions again, and the ones after them
+        self.snapshots.trained(time.monotonic() - t0)
         rec = replay.summary(since, replayed, differing, republished) | {
             "missing_episodes": len(self.intake.missing),
             "seconds": round(time.monotonic() - t0, 3),
@@ -295,7 +302,9 @@ class Trainer:
             ("nonfinite_skipped", stats["nonfinite_skipped"]),
         ):
             self.counts[key] += value
-        return self._metrics(batch, groups, stats, time.monotonic() - t0)
+        seconds = time.monotonic() - t0
+        self.snapshots.trained(seconds)
+        return self._metrics(batch, groups, stats, seconds)
 
     def _train(self, batch: Batch) -> dict:
         return train_on_batch(

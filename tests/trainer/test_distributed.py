@@ -129,6 +129,9 @@ def _torchrun_trainer(redis_url, cfg, log: Path, crash: dict | None = None):
         "2",
         "--snapshot-every-versions",
         "2",
+        # snapshots by versions only: the test names the versions a restore re-trains
+        "--snapshot-replay-s",
+        "0",
         "--max-staleness",
         "100",
         "--log-level",

@@ -55,6 +55,35 @@ def test_alone_snapshots_in_the_background_loads_the_newest_and_refuses_a_sharde
         alone.load(tmp_path, other, torch.optim.AdamW(other.parameters()))
 
 
+def test_a_snapshot_falls_due_once_a_restart_would_re_train_replay_s_but_never_below_its_own_cost_times_20(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    snaps = snapshot.Snapshots(tmp_path, 1000, 0.0, logs.get("snapshot-test"), replay_s=0.5)
+    topology.Alone().snapshot(snaps, model, opt, {"step": 0, "version": 0, "counts": {}})
+    snaps.wait()
+    # its own cost measured (copy and write); then pinned, as the disk's speed is not this test's
+    assert snaps.cost_s > 0
+    snaps.wrote(0.01)
+    snaps.trained(0.3)
+    assert not snaps.due(1)
+    snaps.trained(0.3)
+    assert snaps.due(2)
+    # a snapshot (taken or restored) starts the count again
+    snaps.restored(2)
+    assert snaps.trained_s == 0 and not snaps.due(3)
+    # a snapshot that cost 0.1 s: the next one waits for 2 s of training, not 0.5
+    snaps.wrote(0.1)
+    snaps.trained(1.9)
+    assert not snaps.due(4)
+    snaps.trained(0.1)
+    assert snaps.due(5)
+    snaps.close()
+    off = snapshot.Snapshots(tmp_path, 1000, 0.0, logs.get("snapshot-test"))
+    off.restored(0)
+    off.trained(1e6)
+    assert not off.due(1)
+
+
 def test_weights_with_a_nan_or_an_infinity_anywhere_are_not_finite_and_huge_finite_ones_are():
     from services.trainer import distributed
 

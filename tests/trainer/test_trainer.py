@@ -68,6 +68,8 @@ def _cfg(keys, model_dir, tmp_path, **kw) -> Config:
         batch_groups=2,
         steps_per_version=1,
         lr=1e-3,
+        # snapshots by versions only, where a test counts what a restore re-trains
+        snapshot_replay_s=0.0,
     )
     return Config(**{**base, **kw})
 
@@ -215,6 +217,8 @@ def _trainer_proc(
         str(steps_per_version),
         "--snapshot-every-versions",
         str(snapshot_every),
+        "--snapshot-replay-s",
+        "0",
         "--max-staleness",
         "100",
         "--log-level",
@@ -542,3 +546,24 @@ def test_a_restore_re_trains_the_versions_after_the_snapshot_to_the_published_by
     assert read_replays(cfg.run_path / "trainer")[-1]["differing"] == [6] and third.version == 6
     report = check(read_run(client, keys, cfg.run_path))
     assert report.versions_rederived_differently == 1 and report.versions_replayed == 4
+
+
+def test_the_trainer_snapshots_once_its_training_since_the_last_one_took_snapshot_replay_s(
+    client, keys, tiny_model_dir, tmp_path, monkeypatch
+):
+    """By versions never (every 1,000), by the replay rule at every version: each train step counts, each commit
+    checks, and the newest snapshot is the last version (a restart would re-train nothing)."""
+    from services.trainer.state import snapshot
+
+    # the rule's floor (20x the last snapshot's own cost) off, so that any train step is enough
+    monkeypatch.setattr(snapshot, "COST_RATIO", 0)
+    cfg = _cfg(keys, tiny_model_dir, tmp_path, snapshot_every_versions=1000, snapshot_replay_s=1e-9)
+    for i in range(6):
+        _write_group(client, keys, f"s{i}")
+    trainer = Trainer(cfg, client, logs.get("trainer-test"))
+    trainer.run(should_stop=lambda: trainer.version >= 3)
+    assert [p.name for p in (cfg.run_path / "trainer" / "snapshots").iterdir()] == ["v000003.pt"]
+    again = Trainer(cfg, client, logs.get("trainer-test"))
+    again.restore()
+    again.publisher.close()
+    assert again.version == 3 and read_replays(cfg.run_path / "trainer") == []

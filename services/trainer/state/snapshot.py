@@ -1,6 +1,11 @@
 """Snapshots of one trainer process's state: model, optimizer (AdamW's two moments: twice the model), RNG, step,
-version and counters, every ``snapshot_every_versions`` versions or ``snapshot_every_s`` seconds, whichever comes
-first, and at version 0 when a run starts without one.
+version and counters, every ``snapshot_every_versions`` versions or ``snapshot_every_s`` seconds, or once the training
+since the last one took ``snapshot_replay_s`` seconds, whichever comes first, and at version 0 when a run starts
+without one.
+
+The last rule bounds a restart: it re-trains the steps since the newest snapshot, so their training time is what a
+crash costs on top of starting the process. A snapshot costs its copy and its write, so by that rule one falls due no
+more often than ``COST_RATIO`` times its own last cost: a large model's snapshots stay a small share of the time.
 
     <run>/trainer/snapshots/v000025.pt
 
@@ -27,6 +32,8 @@ from services.trainer.state.files import atomic_write
 from shared.runtime.faults import crash_point
 
 FOLDER = "snapshots"
+# the replay rule waits for at least this many times the last snapshot's cost (copy plus write) of training
+COST_RATIO = 20
 
 
 def file_of(directory: Path, version: int) -> Path:
@@ -44,8 +51,13 @@ def version_of(path: Path) -> int:
 
 
 class Snapshots:
-    def __init__(self, directory: Path, every_versions: int, every_s: float, log, on_landed=None):
+    def __init__(
+        self, directory: Path, every_versions: int, every_s: float, log, on_landed=None, replay_s: float = 0.0
+    ):
         self.directory, self.every_versions, self.every_s, self.log = Path(directory), every_versions, every_s, log
+        self.replay_s = replay_s
+        # seconds of training since the newest snapshot (what a restart would re-train), and the last snapshot's cost
+        self.trained_s, self.cost_s = 0.0, 0.0
         # called from the writer's thread with the landed snapshot's record
         self.on_landed = on_landed
         self._pool: ThreadPoolExecutor | None = None
@@ -61,18 +73,28 @@ class Snapshots:
             return True
         by_versions = self.every_versions > 0 and version - self.last_version >= self.every_versions
         by_time = self.every_s > 0 and time.monotonic() - self._last_at >= self.every_s
-        return by_versions or by_time
+        by_replay = self.replay_s > 0 and self.trained_s >= max(self.replay_s, COST_RATIO * self.cost_s)
+        return by_versions or by_time or by_replay
+
+    def trained(self, seconds: float) -> None:
+        """A training step (or a restore's re-training) took ``seconds``: a restart now would re-train them too."""
+        self.trained_s += seconds
+
+    def wrote(self, seconds: float) -> None:
+        """The snapshot just landed cost ``seconds`` from its copy to its file on disk."""
+        self.cost_s = seconds
 
     def restored(self, version: int) -> None:
-        """The state just loaded is snapshot ``version``: the next is due from there."""
-        self.last_version, self._last_at = version, time.monotonic()
+        """The state just loaded (or just copied) is snapshot ``version``: the next is due from there."""
+        self.last_version, self._last_at, self.trained_s = version, time.monotonic(), 0.0
 
     def take(self, version: int, step: int, model, opt, counts: dict) -> float:
         """Copy the state now, write it in the background; the seconds this took the caller (the copy, and any wait
         for the snapshot before)."""
         t0 = time.monotonic()
         self.wait()
-        self.waited_s += time.monotonic() - t0
+        copied_from = time.monotonic()
+        self.waited_s += copied_from - t0
         # into the previous snapshot's buffers (landed: nothing reads them), in CPU memory whatever the device
         self._buffers = copy_into({"model": model.state_dict(), "optimizer": opt.state_dict()}, self._buffers)
         state = {
@@ -82,13 +104,13 @@ class Snapshots:
             "version": version,
             "counts": dict(counts),
         }
-        self.last_version, self._last_at = version, time.monotonic()
+        self.restored(version)
         self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-writer")
-        self._pending = self._pool.submit(self._write, version, state)
+        self._pending = self._pool.submit(self._write, version, state, copied_from)
         return time.monotonic() - t0
 
-    def _write(self, version: int, state: dict) -> None:
-        t0 = time.monotonic()
+    def _write(self, version: int, state: dict, t0: float) -> None:
+        """Runs on the writer's thread; ``t0``: when the copy began (the record's seconds are the copy and the write)."""
         path = file_of(self.directory, version)
 
         def write(tmp):
@@ -107,6 +129,7 @@ class Snapshots:
             "seconds": round(time.monotonic() - t0, 3),
             "time": time.time(),
         }
+        self.wrote(record["seconds"])
         self.log.info("snapshot written", **record)
         if self.on_landed is not None:
             self.on_landed(record)

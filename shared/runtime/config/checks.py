@@ -255,6 +255,10 @@ def _validate_weights_transport(cfg: Config) -> None:
             f"re-trains every version since the last snapshot), got {cfg.snapshot_every_versions}, "
             f"{cfg.snapshot_every_s}"
         )
+    if cfg.snapshot_replay_s < 0:
+        raise ConfigError(
+            f"config key 'snapshot_replay_s': expected seconds >= 0 (0: off), got {cfg.snapshot_replay_s}"
+        )
     if not 0 < cfg.delta_max_fraction <= 1:
         raise ConfigError(
             f"config key 'delta_max_fraction': expected a fraction in (0, 1], got {cfg.delta_max_fraction}"

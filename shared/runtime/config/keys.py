@@ -158,6 +158,10 @@ class Config:
     snapshot_every_s only"""
     snapshot_every_s: float = 300.0
     """... or when this many seconds have passed since the last snapshot; 0: by versions only"""
+    snapshot_replay_s: float = 0.25
+    """... or once the train steps since the last snapshot took this many seconds, so that a restart re-trains about
+    that much (plus reading their episodes); never more often than 20x the last snapshot's own cost (its copy and
+    write); 0: off"""
     deterministic: bool = True
     """torch deterministic algorithms in the trainer, so a re-trained version hashes as it was published (free on the
     CPU; what it costs on a GPU: docs/faults.md)"""

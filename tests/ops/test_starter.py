@@ -64,8 +64,8 @@ def test_a_forked_process_is_the_module_asked_for_with_its_args_env_folder_and_e
     assert proc.wait(60) == 3
     said = _said(tmp_path)
     assert said["argv"] == ["exit", "3"] and said["probe"] == "p1" and said["cwd"] == str(tmp_path)
-    # warm, and its own session
-    assert said["torch_preloaded"] and said["sid"] == said["pid"] == proc.pid
+    # warm (a model loads without building transformers' renamings again), and its own session
+    assert said["torch_preloaded"] and said["renamings_built"] and said["sid"] == said["pid"] == proc.pid
 
 
 def test_the_process_is_in_its_own_session_when_start_returns_and_a_bad_request_is_refused(warm, tmp_path):

@@ -1,5 +1,5 @@
 """`python -m tests.support.probe_main [exit CODE | sleep | raise]`: says what it was started with (argv, folder,
-PROBE, whether torch was already imported), then exits with CODE, sleeps until killed, or raises."""
+PROBE, whether torch was already imported and transformers' checkpoint renamings already built), then exits with CODE, sleeps until killed, or raises."""
 
 import json
 import os
@@ -13,6 +13,10 @@ print(
             "cwd": os.getcwd(),
             "probe": os.environ.get("PROBE"),
             "torch_preloaded": "torch" in sys.modules,
+            "renamings_built": getattr(
+                sys.modules.get("transformers.conversion_mapping"), "_checkpoint_conversion_mapping_cache", None
+            )
+            is not None,
             "sid": os.getsid(0),
             "pid": os.getpid(),
         }

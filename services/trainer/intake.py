@@ -168,9 +168,11 @@ class Intake:
         group's finished episodes; an unreadable stream is left out as it was then. Episodes not in the log at all
         are left out too, and counted in ``missing``."""
         out = []
+        # the whole step's streams in one round trip (a restore reads many steps, one after another)
+        read = iter(self.episodes.read_many([eid for _, eids in step for eid in eids]))
         for group_id, eids in step:
             episodes = []
-            for eid, entries in zip(eids, self.episodes.read_many(eids)):
+            for eid, entries in zip(eids, read):
                 if not entries:
                     self.missing.append(eid)
                     continue

@@ -158,7 +158,7 @@ class Config:
     snapshot_every_s only"""
     snapshot_every_s: float = 300.0
     """... or when this many seconds have passed since the last snapshot; 0: by versions only"""
-    snapshot_replay_s: float = 0.25
+    snapshot_replay_s: float = 0.15
     """... or once the train steps since the last snapshot took this many seconds, so that a restart re-trains about
     that much (plus reading their episodes); never more often than 20x the last snapshot's own cost (its copy and
     write); 0: off"""

@@ -5,7 +5,9 @@ end-of-run check, and the chaos summary (the goal chaos is held to: check all ze
     python bench/run/chaos.py --agent examples.calc:agent [--minutes 3] [--every 5]
 
 Each pair runs `streamrl run` twice in fresh run folders (the default tiny model, made once), plain then
-`--chaos EVERY`; nothing else should run on the box. Prints one line per run and the ratios.
+`--chaos EVERY`; nothing else should run on the box. Prints one line per run and the ratios, and records
+(bench/results/chaos.json) the median wall-time ratio over the pairs and, per process kind, the median over the chaos
+runs of each run's median time from a kill to the next version.
 
 With ``--agent``: one agent run of ``--minutes`` under ``--chaos`` (the gateway and the agents workers are victims
 too), then every agent episode's outcome from `streamrl episodes --json`: each must have finished, or failed with
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -162,7 +165,7 @@ def main() -> int:
         check=True,
         capture_output=True,
     )
-    ok = True
+    ok, ratios, kinds = True, [], {}
     for i in range(args.pairs):
         plain = one(root, f"plain{i}", args.max_versions, [])
         chaotic = one(
@@ -185,7 +188,44 @@ def main() -> int:
             flush=True,
         )
         ok &= plain["check_ok"] and chaotic["check_ok"] and chaotic["rc"] == 0
+        ratios.append(chaotic["seconds"] / plain["seconds"])
+        for kind, median in by_process(chaotic["summary"]).items():
+            kinds.setdefault(kind, []).append(median)
+    if ok and args.pairs >= 3:
+        record_pairs(args, ratios, kinds)
     return 0 if ok else 1
+
+
+BY_PROCESS = re.compile(r"(\w+) median ([\d.]+) s")
+
+
+def by_process(summary: list[str]) -> dict[str, float]:
+    """{process kind: median seconds from a kill to the next version} from the chaos summary's "by process" line."""
+    line = next((x for x in summary if x.strip().startswith("by process:")), "")
+    return {kind: float(s) for kind, s in BY_PROCESS.findall(line)}
+
+
+def record_pairs(args, ratios: list[float], kinds: dict[str, list[float]]) -> None:
+    sys.path.insert(0, str(ROOT))
+    from bench.harness.record import record
+
+    worst = max(kinds, key=lambda k: statistics.median(kinds[k]))
+    per_kind = ", ".join(f"{k} {statistics.median(v):.1f}" for k, v in sorted(kinds.items()))
+    record(
+        "chaos",
+        [
+            {
+                "what": f"--chaos {args.every:g} wall time / plain, median of {len(ratios)} interleaved pairs",
+                "value": f"{statistics.median(ratios):.2f}x (pairs {', '.join(f'{r:.2f}' for r in ratios)})",
+            },
+            {
+                "what": "kill to the next version, median per process kind over the chaos runs (s)",
+                "value": f"worst {worst} {statistics.median(kinds[worst]):.1f} s; {per_kind}",
+            },
+        ],
+        ["services", "shared"],
+        extra={"ratios": ratios, "kill_to_next": kinds},
+    )
 
 
 if __name__ == "__main__":

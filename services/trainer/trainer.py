@@ -10,9 +10,10 @@ finished group is not dropped for being stale: its tokens train with the importa
 decoupled loss, and only tokens past ``hard_max_staleness`` (0: none) are masked out, counted.
 A commit appends the version's ledger line (fsynced: the groups each step trained, in order), acknowledges those
 samples, hands the version's weights to the publisher's thread (a delta against the version before, then the version
-event: services/trainer/publisher.py) and, every ``snapshot_every_versions``, snapshots model, optimizer and RNG in the
-background. A crash anywhere restores the newest snapshot and trains the commits after it again, from the log: groups
-in the ledger are trained once, groups not in it come back.
+event: services/trainer/publisher.py) and, when one falls due (services/trainer/state/snapshot.py: by versions, by
+seconds, or once the steps since the last took ``snapshot_replay_s`` to train), snapshots model, optimizer and RNG in
+the background. A crash anywhere restores the newest snapshot and trains the commits after it again, from the log:
+groups in the ledger are trained once, groups not in it come back.
 
 Under torchrun (services/trainer/distributed.py) this loop runs on rank 0, which sends each step's batch and
 each commit to the other ranks; they ``follow``: train their share of each batch (FSDP2) and join the

@@ -1,5 +1,6 @@
 """`python -m tests.support.probe_main [exit CODE | sleep | raise]`: says what it was started with (argv, folder,
-PROBE, whether torch was already imported and transformers' checkpoint renamings already built), then exits with CODE, sleeps until killed, or raises."""
+PROBE, whether torch was already imported and transformers' checkpoint renamings already built), then exits with
+CODE, sleeps until killed, or raises."""
 
 import json
 import os

@@ -61,8 +61,9 @@ def preload() -> None:
         except ImportError:
             pass
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (fills the lazy maps)
+
     # Every from_pretrained builds transformers' table of checkpoint renamings once per process, compiling about
-    # a thousand regular expressions (~0.7 s on a 2-core box): built here, a restarted trainer or rollout worker
+    # a thousand regular expressions, most of a small model's load: built here, a restarted trainer or rollout worker
     # inherits it and loads its model at once.
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping

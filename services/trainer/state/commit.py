@@ -7,8 +7,9 @@
                    reads)
     hand over      the version's weights, copied in memory, go to the publisher's thread (services/trainer/
                    publisher.py): delta or full file, sha256, version event; off the critical path
-    snapshot       every ``snapshot_every_versions`` (or ``snapshot_every_s``): model, optimizer and RNG copied in
-                   memory, written in the background (services/trainer/state/snapshot.py)
+    snapshot       every ``snapshot_every_versions`` (or ``snapshot_every_s``, or once the steps since the last took
+                   ``snapshot_replay_s`` to train): model, optimizer and RNG copied in memory, written in the
+                   background (services/trainer/state/snapshot.py)
 
 Crash points (``shared/runtime/faults.py``) and what the restart does (it loads the newest snapshot, then re-trains
 every commit line after it):

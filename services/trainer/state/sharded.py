@@ -3,7 +3,8 @@
     <run>/trainer/dcp/v000025/   model + optimizer (each rank's shards, DCP's .metadata), RNG, and
                                  meta.json: step, version, counters
 
-Taken when a snapshot falls due (``snapshot_every_versions`` / ``snapshot_every_s``, and version 0 at the start), as
+Taken when a snapshot falls due (``snapshot_every_versions`` / ``snapshot_every_s`` / ``snapshot_replay_s``, and version
+0 at the start), as
 the single process takes its own (services/trainer/state/snapshot.py); the versions between are ledger lines only, and
 a restore re-trains them, rank 0 sending each step to the other ranks as in training. DCP's save is a collective: every
 rank copies its shards to CPU memory in the commit that takes the snapshot, and DCP's thread writes them

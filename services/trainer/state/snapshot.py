@@ -110,7 +110,7 @@ class Snapshots:
         return time.monotonic() - t0
 
     def _write(self, version: int, state: dict, t0: float) -> None:
-        """Runs on the writer's thread; ``t0``: when the copy began (the record's seconds are the copy and the write)."""
+        """Runs on the writer's thread; ``t0``: when the copy began (the record's seconds: the copy and the write)."""
         path = file_of(self.directory, version)
 
         def write(tmp):

@@ -5,11 +5,18 @@ seconds (so two missed beats still leave it alive) and expires ``ttl`` seconds a
 processes treat a missing key as a dead process. ``stop()`` deletes it on a warm stop. Each beat also adds the
 worker to its service's registry set (``alive-registry:<service>``), so a service lists the live workers of
 another (``alive_of``) without a SCAN; a member whose key has expired is dropped from it when listed.
+
+A key that has not expired yet says nothing of a worker killed a moment ago: ``gone`` is the certain sign that comes
+sooner, for a worker of this host. Its id (``new_worker_id``) names the host and the pid, and no process has that pid
+any more (a supervisor reaps its children at once, so a dead worker is not left a zombie).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
+import uuid
 
 from shared.protocol.keys import Keys
 
@@ -81,3 +88,25 @@ def alive(client, keys: Keys, service: str = "*") -> dict[str, dict[str, str]]:
         if fields:
             out[keys.alive_name(key)] = fields
     return out
+
+
+def new_worker_id(service: str) -> str:
+    """``<service>-<host>-<pid>-<4 hex>``: unique, and it says where the process runs (``gone`` reads it)."""
+    return f"{service}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+def gone(worker_id: str) -> bool:
+    """True only when certain that the worker is dead: its id is ``new_worker_id``'s of this host and no process has
+    its pid. Any doubt (another host, an id of another form, the pid in use, perhaps by another process) is False:
+    the heartbeat's expiry decides then."""
+    rest, _, suffix = worker_id.rpartition("-")
+    head, _, pid = rest.rpartition("-")
+    if not (suffix and pid.isdigit() and head.endswith(f"-{socket.gethostname()}")):
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False

@@ -7,11 +7,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import gc
-import os
 import signal
-import socket
 import sys
-import uuid
 
 import redis
 
@@ -20,7 +17,7 @@ from shared.runtime import logs, runstate, secrets
 from shared.runtime.config import sources as config_sources
 from shared.runtime.config.errors import ConfigError
 from shared.runtime.connection import connect, redact
-from shared.runtime.heartbeat import Heartbeat
+from shared.runtime.heartbeat import Heartbeat, new_worker_id
 
 # the config sections (full-line comments in shared/runtime/config/keys.py) each service's --help lists
 SHOWN = {
@@ -46,7 +43,7 @@ class Service:
             raise SystemExit(2) from None
         logs.setup(self.cfg.log_level)
         self.name = name
-        self.worker_id = self.args.worker_id or f"{name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        self.worker_id = self.args.worker_id or new_worker_id(name)
         self.log = logs.get(name, worker=self.worker_id, run=self.cfg.run)
         self.keys = Keys(self.cfg.run)
         self.stopping = False

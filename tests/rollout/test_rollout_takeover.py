@@ -234,4 +234,60 @@ def test_a_heartbeat_miss_from_an_earlier_stall_does_not_make_a_live_worker_dead
     assert groups._dead_owners(idle, 2000) == {}
     clock.now += 1.0
     # missing for a whole heartbeat_ttl: dead
-    assert groups._dead_owners(idle, 2000) == {"X": [b"1-0"]}
+    assert groups._dead_owners(idle, 2000) == {"X": (2000, [b"1-0"])}
+
+
+def _gone_worker_id() -> str:
+    """A worker id of this host (``new_worker_id``'s form) whose process has exited and been reaped."""
+    import socket
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return f"rollout-{socket.gethostname()}-{proc.pid}-dead"
+
+
+def test_gone_is_certain_only_for_a_reaped_process_of_this_host():
+    import os
+    import socket
+
+    from shared.runtime import heartbeat
+
+    assert heartbeat.gone(_gone_worker_id())
+    host = socket.gethostname()
+    # alive; another host; another form of id: the heartbeat decides
+    assert not heartbeat.gone(heartbeat.new_worker_id("rollout"))
+    assert not heartbeat.gone(f"rollout-{host}-{os.getpid()}-abcd")
+    assert not heartbeat.gone(f"rollout-not-{host}x-999999999-abcd")
+    assert not heartbeat.gone("A") and not heartbeat.gone("rollout-replay")
+
+
+def test_the_groups_of_a_gone_worker_of_this_host_are_taken_over_at_once_while_its_heartbeat_still_lives(
+    client, keys
+):
+    """X's process exited a moment ago and its heartbeat key has a minute left: B takes X's group over on its
+    first pass, without waiting for the key to expire (heartbeat_ttl 60 s here). A live worker's group stays."""
+    import os
+    import socket
+    import time
+
+    from services.rollout.groups import claims
+    from shared.runtime import logs
+
+    groups = claims.Groups(
+        Config(run=keys.run, heartbeat_ttl=60.0, max_groups_in_flight=8), client, keys, "B", logs.get("takeover-test")
+    )
+    groups.create_consumer_groups()
+    enqueue(client, keys, [PromptGroup("gone", 2, prompt="1+1="), PromptGroup("live", 2, prompt="2+2=")])
+    gone, live = _gone_worker_id(), f"rollout-{socket.gethostname()}-{os.getpid()}-live"
+    for owner in (gone, live):
+        client.hset(keys.alive("rollout", owner), "version", 0)
+        client.expire(keys.alive("rollout", owner), 60)
+        client.xreadgroup(ROLLOUT_GROUP, owner, {keys.prompts: ">"}, count=1)
+    # idle long enough that a claim of the same entry a moment before would have reset it
+    time.sleep(claims.GONE_MIN_IDLE_MS / 1000 + 0.05)
+    runs = groups.take_over()
+    assert [(run.group.group_id, run.takeover_from) for run in runs] == [("gone", gone)]
+    owners = {p["consumer"].decode() for p in client.xpending_range(keys.prompts, ROLLOUT_GROUP, "-", "+", 10)}
+    assert owners == {"B", live}

@@ -20,7 +20,12 @@ from shared.protocol.keys import Keys
 from shared.protocol.streams import codec, dead_letters
 from shared.protocol.streams.prompts import PromptGroup, decode_group
 from shared.protocol.streams.samples import Publisher, Sample
+from shared.runtime import heartbeat
 from shared.runtime.faults import crash_point
+
+# a gone owner's entries are claimed once idle this long: a live worker's claim of the same entry a moment before
+# resets its idle time, so the second claim finds it taken
+GONE_MIN_IDLE_MS = 200
 
 
 @dataclass
@@ -164,7 +169,8 @@ class Groups:
     # --- crash takeover
     def take_over(self) -> list[GroupRun]:
         """Groups to re-open: pending under this worker but no longer held (dropped after a fence, or a
-        publish Redis forgot), then those of workers whose heartbeat has been missing for heartbeat_ttl."""
+        publish Redis forgot), then those of dead workers (``_dead_owners``: a process of this host that is gone, at
+        once; else a heartbeat missing for heartbeat_ttl)."""
         free, runs = self.room(), []
         self._forget_revived()
         min_idle = int(self.cfg.heartbeat_ttl * 1000)
@@ -199,10 +205,10 @@ class Groups:
                         self.log.warning("re-opening a group this worker no longer held", entry=entry_id.decode())
                     runs.append(run)
                     free -= 1
-            for owner, ids in self._dead_owners(pending, min_idle).items():
+            for owner, (idle_ms, ids) in self._dead_owners(pending, min_idle).items():
                 if free <= 0:
                     break
-                for entry_id, fields in self.client.xclaim(stream, GROUP, self.worker_id, min_idle, ids[:free]):
+                for entry_id, fields in self.client.xclaim(stream, GROUP, self.worker_id, idle_ms, ids[:free]):
                     if fields and (run := self.decode(stream, entry_id, fields, takeover_from=owner)) is not None:
                         runs.append(run)
                         free -= 1
@@ -225,21 +231,32 @@ class Groups:
                 if alive:
                     del self._missing_since[owner]
 
-    def _dead_owners(self, pending, min_idle: int) -> dict[str, list]:
-        """Owners of idle pending entries whose heartbeat has been missing for a whole heartbeat_ttl: after a Redis
-        restart every heartbeat key lapses at once, and live workers write theirs again within heartbeat_ttl / 3."""
+    def _dead_owners(self, pending, min_idle: int) -> dict[str, tuple[int, list]]:
+        """{owner: (the idle time its entries are claimed with, their ids)} of the dead owners of pending entries.
+        Dead: a worker of this host whose process is gone (``heartbeat.gone``: certain at once; its entries idle
+        ``GONE_MIN_IDLE_MS``, so that of two workers claiming at once only the first wins), or one whose heartbeat has
+        been missing for a whole heartbeat_ttl and whose entries are idle that long (after a Redis restart every
+        heartbeat key lapses at once, and live workers write theirs again within heartbeat_ttl / 3)."""
         idle: dict[str, list] = {}
         for p in pending:
             owner = p["consumer"].decode()
-            if owner != self.worker_id and p["time_since_delivered"] >= min_idle:
-                idle.setdefault(owner, []).append(p["message_id"])
+            if owner != self.worker_id:
+                idle.setdefault(owner, []).append((p["time_since_delivered"], p["message_id"]))
         dead = {}
-        for owner, ids in idle.items():
+        for owner, entries in idle.items():
+            if heartbeat.gone(owner):
+                ids = [entry for ms, entry in entries if ms >= GONE_MIN_IDLE_MS]
+                if ids:
+                    dead[owner] = (GONE_MIN_IDLE_MS, ids)
+                continue
+            ids = [entry for ms, entry in entries if ms >= min_idle]
+            if not ids:
+                continue
             if self.client.exists(self.keys.alive("rollout", owner)):
                 self._missing_since.pop(owner, None)
                 continue
             if time.monotonic() - self._missing_since.setdefault(owner, time.monotonic()) >= self.cfg.heartbeat_ttl:
-                dead[owner] = ids
+                dead[owner] = (min_idle, ids)
         return dead
 
     # --- publishing

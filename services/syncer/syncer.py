@@ -5,8 +5,8 @@ For every new version event: have every live rollout worker fetch the version's
 file (a download into its own folder when it cannot read the trainer's, else a
 sha256 check; either way while it goes on generating) and wait until each holds
 a verified copy (up to ``fetch_timeout``), then pause them, wait for each ack
-(a worker whose heartbeat lapses, or that stays silent past ``sync_timeout``, is
-logged and not waited on), tell them to load their copy, wait, open the gate for
+(a worker whose heartbeat lapses, whose process on this host is gone, or that stays
+silent past ``sync_timeout``, is logged and not waited on), tell them to load their copy, wait, open the gate for
 it, resume them, wait. So the pause is never lengthened by a download. Each
 phase's duration goes to the metrics stream (``paused_s``: pause + load +
 resume, what generation lost). Only generation pauses: rq tool jobs keep running
@@ -92,8 +92,10 @@ class Syncer:
         return self.cfg.sync_mode == "rolling" and self.cfg.mode != "sync"
 
     def live_workers(self) -> dict[str, dict]:
-        # the rollout registry (no SCAN of the keyspace, which holds one stream per episode)
-        return heartbeat.alive_of(self.client, self.keys, "rollout")
+        # the rollout registry (no SCAN of the keyspace, which holds one stream per episode), less the workers of this
+        # host whose process is gone while their key lives on
+        found = heartbeat.alive_of(self.client, self.keys, "rollout")
+        return {w: fields for w, fields in found.items() if not heartbeat.gone(w)}
 
     def set_gate(self, version: int, complete: bool = True) -> None:
         limit = group_capacity(version, self.cfg.max_staleness, groups_per_version(self.cfg), started_groups=0)
@@ -307,7 +309,8 @@ class Syncer:
             r.log.info("workers stopped with the run before acknowledging", cmd=cmd, workers=sorted(dead))
         elif dead:
             r.log.warning(
-                "workers died (heartbeat lapsed) before acknowledging; going on without them",
+                "workers died (heartbeat lapsed, or their process on this host gone) before acknowledging; going on "
+                "without them",
                 cmd=cmd,
                 workers=sorted(dead),
             )
@@ -344,7 +347,7 @@ class Syncer:
             self._beat()
             if now > deadline:
                 break
-            # a dead worker's heartbeat key lapses: stop waiting for it
+            # a dead worker's heartbeat key lapses, or, on this host, its process is gone (at once): stop waiting for it
             if now > next_alive_check:
                 next_alive_check = now + 0.25
                 # EXISTS per awaited worker, not a SCAN of the keyspace
@@ -352,7 +355,7 @@ class Syncer:
                 pipe = self.client.pipeline(transaction=False)
                 for w in waiting:
                     pipe.exists(self.keys.alive("rollout", w))
-                dead |= {w for w, alive in zip(waiting, pipe.execute()) if not alive}
+                dead |= {w for w, alive in zip(waiting, pipe.execute()) if not alive or heartbeat.gone(w)}
                 workers -= dead
         return acked, failed, workers - acked, dead
 

@@ -243,3 +243,32 @@ def test_corrupt_weights_refused_sync_records_it_and_goes_on(
         wait_until(lambda: any(v == 2 for _, _, v in _token_events(client, keys)), "tokens of version 2", 30, procs)
     finally:
         kill9(*procs)
+
+
+def test_a_worker_of_this_host_whose_process_is_gone_is_not_waited_for_nor_counted_live(client, keys):
+    """Its heartbeat key has a minute left, yet the syncer lets it go on its first look (the ack wait's timeout is
+    a minute too) and no longer lists it among the live workers; a named worker with a live key is still waited for
+    (here: until the wait's short timeout)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from services.syncer.syncer import Syncer
+    from shared.runtime import logs
+    from shared.runtime.config.keys import Config
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    gone = f"rollout-{socket.gethostname()}-{proc.pid}-dead"
+    for w in (gone, "A"):
+        client.hset(keys.alive("rollout", w), "version", 0)
+        client.expire(keys.alive("rollout", w), 60)
+        client.sadd(keys.alive_registry("rollout"), w)
+    syncer = Syncer(Config(run=keys.run), client, logs.get("syncer-test"))
+    assert set(syncer.live_workers()) == {"A"}
+    t0 = time.monotonic()
+    acked, failed, silent, dead = syncer._wait_acks("s1", "fetch", {gone}, control.last_id(client, keys), 60.0)
+    assert dead == {gone} and not (acked or failed or silent) and time.monotonic() - t0 < 5
+    acked, failed, silent, dead = syncer._wait_acks("s1", "fetch", {"A"}, control.last_id(client, keys), 0.6)
+    assert silent == {"A"} and not dead

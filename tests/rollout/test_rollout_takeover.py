@@ -263,9 +263,7 @@ def test_gone_is_certain_only_for_a_reaped_process_of_this_host():
     assert not heartbeat.gone("A") and not heartbeat.gone("rollout-replay")
 
 
-def test_the_groups_of_a_gone_worker_of_this_host_are_taken_over_at_once_while_its_heartbeat_still_lives(
-    client, keys
-):
+def test_the_groups_of_a_gone_worker_of_this_host_are_taken_over_at_once_while_its_heartbeat_still_lives(client, keys):
     """X's process exited a moment ago and its heartbeat key has a minute left: B takes X's group over on its
     first pass, without waiting for the key to expire (heartbeat_ttl 60 s here). A live worker's group stays."""
     import os

@@ -188,7 +188,7 @@ class Mover:
             self.log.info("episodes moved to a segment", segment=name, episodes=len(moved), bytes=size, tokens=tokens)
         return len(moved)
 
-    def _read(self, episode_ids: list[str]) -> dict[str, list[tuple[bytes, list[bytes]]]]:
+    def _read(self, episode_ids: list[str], again: bool = True) -> dict[str, list[tuple[bytes, list[bytes]]]]:
         """{episode id: its stream's entries, flat} of those that exist: one pipeline, the XRANGE replies as the
         server sends them (redis-py's dict per entry costs more than the rest of the row); on one server a script
         call per ``READ_CHUNK`` streams (a command per stream costs redis-py more than its reply)."""
@@ -198,7 +198,14 @@ class Mover:
                 self._xrange_many(
                     keys=[self.keys.episode(eid) for eid in episode_ids[at : at + READ_CHUNK]], client=pipe
                 )
-            replies = [entries for chunk in pipe.execute() for entries in chunk]
+            try:
+                replies = [entries for chunk in pipe.execute() for entries in chunk]
+            except redis.exceptions.NoScriptError:
+                # Redis restarted under the pipeline: the client's retry sent the script's EVALSHA again to a server
+                # that has not loaded it. A new pipeline loads it first; a second refusal is a real error
+                if not again:
+                    raise
+                return self._read(episode_ids, again=False)
             return {eid: entries for eid, entries in zip(episode_ids, replies) if entries}
         # a cluster's pipeline keeps its own replies' shape
         if isinstance(pipe, redis.client.Pipeline):

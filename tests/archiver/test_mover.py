@@ -202,3 +202,28 @@ def test_kill_9_at_each_move_point_loses_nothing_and_counts_nothing_twice(point,
     listed = [r["segment"] for r in segments.read_manifest(folder)]
     # no orphan left
     assert sorted(p.name for p in folder.glob("*seg-*")) == sorted(listed)
+
+
+def test_a_read_whose_script_the_server_forgot_mid_pipeline_is_read_again_not_a_crash(
+    client, keys, tmp_path, monkeypatch
+):
+    """After a Redis restart the client's retry re-sends a pipeline's EVALSHA to a server that never loaded the
+    script (NoScriptError: the archiver exited on it under --chaos). Here the script cache is flushed right after the
+    pipeline loaded it, once: the mover reads again and moves every due episode."""
+    import redis
+
+    run_path = tmp_path / keys.run
+    groups = make_run(client, keys, run_path, versions=6)
+    load = redis.client.Pipeline.load_scripts
+    flushed = []
+
+    def load_then_forget(pipe):
+        load(pipe)
+        if not flushed:
+            flushed.append(True)
+            client.script_flush()
+
+    monkeypatch.setattr(redis.client.Pipeline, "load_scripts", load_then_forget)
+    assert Mover(client, keys, run_path, retention=2).step() == 8 and flushed
+    _, cold = _tiers(client, keys, run_path / "episodes", [e for es in groups.values() for e in es])
+    assert cold == {e for g in ("g1", "g2", "g3", "g4") for e in groups[g]}

@@ -7,7 +7,7 @@ import pytest
 from shared.protocol.keys import ROLLOUT_GROUP
 from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.runtime.config.keys import Config
-from tests.support.procs import kill9, stop, wait_until
+from tests.support.procs import gone_worker_id, kill9, stop, wait_until
 from tests.support.rollout_harness import (
     episodes,
     make_worker,
@@ -237,24 +237,13 @@ def test_a_heartbeat_miss_from_an_earlier_stall_does_not_make_a_live_worker_dead
     assert groups._dead_owners(idle, 2000) == {"X": (2000, [b"1-0"])}
 
 
-def _gone_worker_id() -> str:
-    """A worker id of this host (``new_worker_id``'s form) whose process has exited and been reaped."""
-    import socket
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return f"rollout-{socket.gethostname()}-{proc.pid}-dead"
-
-
 def test_gone_is_certain_only_for_a_reaped_process_of_this_host():
     import os
     import socket
 
     from shared.runtime import heartbeat
 
-    assert heartbeat.gone(_gone_worker_id())
+    assert heartbeat.gone(gone_worker_id())
     host = socket.gethostname()
     # alive; another host; another form of id: the heartbeat decides
     assert not heartbeat.gone(heartbeat.new_worker_id("rollout"))
@@ -278,7 +267,7 @@ def test_the_groups_of_a_gone_worker_of_this_host_are_taken_over_at_once_while_i
     )
     groups.create_consumer_groups()
     enqueue(client, keys, [PromptGroup("gone", 2, prompt="1+1="), PromptGroup("live", 2, prompt="2+2=")])
-    gone, live = _gone_worker_id(), f"rollout-{socket.gethostname()}-{os.getpid()}-live"
+    gone, live = gone_worker_id(), f"rollout-{socket.gethostname()}-{os.getpid()}-live"
     for owner in (gone, live):
         client.hset(keys.alive("rollout", owner), "version", 0)
         client.expire(keys.alive("rollout", owner), 60)

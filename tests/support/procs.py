@@ -155,6 +155,16 @@ def run_module(
     return subprocess.CompletedProcess(argv, code, got[0], got[1])
 
 
+def gone_worker_id(service: str = "rollout") -> str:
+    """A worker id of this host in ``shared.runtime.heartbeat.new_worker_id``'s form whose process has exited and been
+    reaped: what ``heartbeat.gone`` calls certainly dead."""
+    import socket
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return f"{service}-{socket.gethostname()}-{proc.pid}-dead"
+
+
 def kill9(*procs) -> None:
     """kill -9 each process's group and reap it."""
     for proc in procs:

@@ -18,7 +18,7 @@ from shared.protocol.streams import versions as pversions
 from shared.protocol.streams.prompts import PromptGroup, enqueue
 from shared.runtime.heartbeat import alive_of
 from tests.support.models import nudged_weights
-from tests.support.procs import kill9, spawn, wait_until
+from tests.support.procs import gone_worker_id, kill9, spawn, wait_until
 from tests.support.rollout_harness import worker_info
 
 # real rollout worker processes
@@ -249,18 +249,13 @@ def test_a_worker_of_this_host_whose_process_is_gone_is_not_waited_for_nor_count
     """Its heartbeat key has a minute left, yet the syncer lets it go on its first look (the ack wait's timeout is
     a minute too) and no longer lists it among the live workers; a named worker with a live key is still waited for
     (here: until the wait's short timeout)."""
-    import socket
-    import subprocess
-    import sys
     import time
 
     from services.syncer.syncer import Syncer
     from shared.runtime import logs
     from shared.runtime.config.keys import Config
 
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    gone = f"rollout-{socket.gethostname()}-{proc.pid}-dead"
+    gone = gone_worker_id()
     for w in (gone, "A"):
         client.hset(keys.alive("rollout", w), "version", 0)
         client.expire(keys.alive("rollout", w), 60)

@@ -31,11 +31,13 @@ import json
 import time
 
 import anyio
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.applications import Starlette
 from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
 
-from services.gateway import stops, toolparse
+from services.gateway import stops, threads, toolparse
 from services.gateway.apis import messages, responses
 from services.gateway.core import Gateway, Prepared
 from services.gateway.errors import GatewayError
@@ -166,16 +168,15 @@ class Guard:
         return None
 
 
-def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
+def make_app(gw: Gateway, api_key: str = "") -> Starlette:
+    """The gateway's routes on a plain Starlette app (FastAPI's layers, parameter parsing and schema, serve none
+    of them: every route reads its request itself), behind ``Guard``."""
+
     @contextlib.asynccontextmanager
-    # every waiting call holds a thread: room for many agents at once
+    # a streamed answer is read from its generator in anyio's threads, one per stream: room for many at once
     async def lifespan(_app):
-        anyio.to_thread.current_default_thread_limiter().total_tokens = 512
+        anyio.to_thread.current_default_thread_limiter().total_tokens = threads.MAX_THREADS
         yield
-
-    app = FastAPI(title="streamrl gateway", docs_url=None, redoc_url=None, lifespan=lifespan)
-
-    app.add_middleware(Guard, gw=gw, api_key=api_key)
 
     def _models() -> dict:
         return {
@@ -183,19 +184,25 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
             "data": [{"id": m, "object": "model", "created": 0, "owned_by": "streamrl"} for m in gw.model_names],
         }
 
-    app.get("/v1/models")(_models)
-    app.get("/ep/{episode_id}/v1/models")(lambda episode_id: _models())
-    app.get("/healthz")(lambda: {"ok": True})
+    async def models(_request: Request):
+        return JSONResponse(_models())
+
+    async def healthz(_request: Request):
+        return JSONResponse({"ok": True})
 
     async def _served(request: Request, chat: bool):
         body = await read_body(request)
-        return await anyio.to_thread.run_sync(_answer, request.path_params["episode_id"], body, request.headers, chat)
+        return await threads.run(_answer, request.path_params["episode_id"], body, request.headers, chat)
 
     async def chat(request: Request):
         return await _served(request, True)
 
     async def completions(request: Request):
         return await _served(request, False)
+
+    # last: whatever no route above answers
+    async def unknown(request: Request):
+        raise unknown_path(request.method, request.url.path)
 
     def _answer(episode_id: str, body, headers, chat: bool):
         prep = (gw.prepare_chat if chat else gw.prepare_completion)(episode_id, body, headers)
@@ -204,15 +211,22 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
                 _sse(prep, chat), media_type="text/event-stream", headers={"cache-control": "no-cache"}
             )
         done = [gw.wait_done(prep.episode_id, index, prep.seen) for index in prep.calls]
-        # rendered here, off the event loop (a dict returned to FastAPI would be walked by its encoder first)
+        # rendered here, off the event loop
         return JSONResponse(_completion(prep, done, chat))
 
-    # plain routes (no FastAPI parameter parsing: the handler reads the request itself); a call is prepared,
-    # waited on and answered in one worker thread
-    app.add_route("/ep/{episode_id}/v1/chat/completions", chat, methods=["POST"])
-    app.add_route("/ep/{episode_id}/v1/completions", completions, methods=["POST"])
-    responses.mount(app, gw)
-    messages.mount(app, gw)
+    # a call is prepared, waited on and answered in one pool thread
+    routes = [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/ep/{episode_id}/v1/models", models, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/ep/{episode_id}/v1/chat/completions", chat, methods=["POST"]),
+        Route("/ep/{episode_id}/v1/completions", completions, methods=["POST"]),
+        responses.route(gw),
+        messages.route(gw),
+        Route("/{path:path}", unknown, methods=ALL_METHODS),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.add_middleware(Guard, gw=gw, api_key=api_key)
 
     def _usage(calls) -> dict:
         # n choices share one prompt: counted once, as OpenAI counts it
@@ -324,10 +338,5 @@ def make_app(gw: Gateway, api_key: str = "") -> FastAPI:
         except GatewayError as exc:
             yield f"data: {json.dumps({'error': {'message': exc.message, 'code': exc.code}})}\n\n"
         yield "data: [DONE]\n\n"
-
-    # last: whatever no route above answers
-    @app.api_route("/{path:path}", methods=ALL_METHODS, include_in_schema=False)
-    async def _unknown(path: str, request: Request):
-        raise unknown_path(request.method, request.url.path)
 
     return app

@@ -130,6 +130,16 @@ class Renderer:
         self.stop_ids = sorted({i for i in (self.end_id, tokenizer.eos_token_id) if i is not None})
         if not getattr(tokenizer, "chat_template", None):
             raise RenderError("the model's tokenizer has no chat template (tokenizer_config.json: chat_template)")
+        # a fast tokenizer's own encoder, called directly: the same ids without transformers' batching wrapper,
+        # which costs more than the encoding of a short prompt
+        backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        self._encode = (
+            (lambda text: backend.encode(text, add_special_tokens=False).ids)
+            if backend is not None
+            else (lambda text: tokenizer.encode(text, add_special_tokens=False))
+        )
+        # the dummy conversation a bridge is cut from, rendered once per tool list
+        self._bases: dict[str, str] = {}
 
     def _apply(self, messages, tools, generation: bool) -> str:
         try:
@@ -141,7 +151,7 @@ class Renderer:
             raise RenderError(f"the chat template refused the messages: {exc}") from None
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False)
+        return self._encode(text)
 
     def full(self, messages: list[dict], tools) -> list[int]:
         return self.encode(self._apply(messages, tools, True))
@@ -149,7 +159,14 @@ class Renderer:
     def bridge(self, parent_ended: bool, new_messages: list[dict], tools) -> list[int] | None:
         """Tokens that follow a completed assistant turn to append ``new_messages`` and open the next assistant
         turn; None when the template does not render them as an append (then the caller forks)."""
-        base = self._apply(DUMMY, tools, False)
+        known = json.dumps(tools, sort_keys=True)
+        base = self._bases.get(known)
+        if base is None:
+            # kept for a bounded number of tool lists (an agent keeps one; a client making up new ones each call
+            # costs a render each, as before)
+            if len(self._bases) >= 64:
+                self._bases.clear()
+            base = self._bases[known] = self._apply(DUMMY, tools, False)
         full = self._apply(DUMMY + new_messages, tools, True)
         cut = base.rfind(self.end_text)
         if cut < 0 or not full.startswith(base[: cut + len(self.end_text)]):

@@ -67,6 +67,25 @@ def test_bridge_appends_exactly_what_a_full_render_would(tok):
     assert not problems and canonical(message) == canonical(conv[1])
 
 
+def test_renderer_encodes_as_the_tokenizer_does_and_bridges_per_tool_list(tok):
+    r = Renderer(tok)
+    texts = [
+        "",
+        "What is 12+30? Think step by step.",
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+        "  leading and trailing spaces  \n\n",
+        'unicode: é ü 数 🙂, and <tool_call>{"name": "calc"}</tool_call>',
+    ]
+    for text in texts:
+        assert r.encode(text) == tok.encode(text, add_special_tokens=False), text
+    # the bridge's rendered dummy is kept per tool list: another list bridges as a renderer that never saw the first
+    conv = calc_conversation(2, 3)
+    with_tools = r.bridge(True, conv[2:3], [CALC_TOOL])
+    without = r.bridge(True, conv[2:3], None)
+    assert with_tools == Renderer(tok).bridge(True, conv[2:3], [CALC_TOOL])
+    assert without == Renderer(tok).bridge(True, conv[2:3], None)
+
+
 def test_canonical_ignores_ids_and_argument_formatting():
     a = tool_call_message("1+2", call_id="a")
     b = {**tool_call_message("1+2", call_id="b"), "content": None}

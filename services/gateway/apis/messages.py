@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 
-import anyio
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
 
-from services.gateway import stops, toolparse
+from services.gateway import stops, threads, toolparse
 from services.gateway.apis import messages_request
 from services.gateway.asks import Ask
 from services.gateway.core import Gateway
@@ -235,19 +235,21 @@ def prepare(gw: Gateway, episode_id: str, body, headers) -> Answer:
     return Answer(gw, episode_id, chat, made.calls[0], gw.prefill(choice), made.seen)
 
 
-def mount(app: FastAPI, gw: Gateway) -> None:
-    """Serve ``POST /ep/<episode>/v1/messages`` on ``app``."""
+def route(gw: Gateway) -> Route:
+    """The route that serves ``POST /ep/<episode>/v1/messages``."""
 
-    @app.post(ROUTE)
-    async def messages(episode_id: str, request: Request):
+    async def messages(request: Request):
+        episode_id = request.path_params["episode_id"]
         try:
             body = await read_body(request)
-            answer = await anyio.to_thread.run_sync(prepare, gw, episode_id, body, request.headers)
+            answer = await threads.run(prepare, gw, episode_id, body, request.headers)
             if answer.chat.stream:
                 return StreamingResponse(
                     answer.events(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
                 )
-            call = await anyio.to_thread.run_sync(gw.wait_done, episode_id, answer.call, answer.seen)
+            call = await threads.run(gw.wait_done, episode_id, answer.call, answer.seen)
             return JSONResponse(answer.whole(call))
         except GatewayError as exc:
             return error_response(exc)
+
+    return Route(ROUTE, messages, methods=["POST"])

@@ -21,12 +21,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-import anyio
-from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
 
-from services.gateway import schema, toolparse
+from services.gateway import schema, threads, toolparse
 from services.gateway.asks import Ask
 from services.gateway.core import Gateway
 from services.gateway.errors import GatewayError
@@ -509,16 +509,19 @@ class ResponsesApi:
             yield event("error", code=exc.code, message=exc.message, param=exc.param)
 
 
-def mount(app: FastAPI, gw: Gateway) -> None:
-    """Registers ``POST /ep/<episode>/v1/responses`` on ``app``."""
+def route(gw: Gateway) -> Route:
+    """The route that serves ``POST /ep/<episode>/v1/responses``."""
     api = ResponsesApi(gw)
 
-    @app.post("/ep/{episode_id}/v1/responses")
-    async def responses(episode_id: str, request: Request):
+    async def responses(request: Request):
+        episode_id = request.path_params["episode_id"]
         body = await read_body(request)
-        prep = await anyio.to_thread.run_sync(api.prepare, episode_id, body, request.headers)
+        prep = await threads.run(api.prepare, episode_id, body, request.headers)
         if prep.stream:
             return StreamingResponse(
                 api.events(prep), media_type="text/event-stream", headers={"cache-control": "no-cache"}
             )
-        return await anyio.to_thread.run_sync(api.whole, prep)
+        # rendered in the pool thread too, off the event loop
+        return await threads.run(lambda: JSONResponse(api.whole(prep)))
+
+    return Route("/ep/{episode_id}/v1/responses", responses, methods=["POST"])

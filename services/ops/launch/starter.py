@@ -46,6 +46,9 @@ PRELOAD = (
     "transformers.models.llama.modeling_llama",
     "transformers.models.qwen2.modeling_qwen2",
     "uvicorn",
+    "uvloop",
+    "httptools",
+    "starlette",
     "fastapi",
     "httpx",
 )

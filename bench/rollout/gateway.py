@@ -21,6 +21,12 @@ first event of the call, ``started`` / ``call``, to its end, ``finished`` / ``ca
 entry ids, 1 ms resolution): the fixed cost per call, the headline, as the generation's own scatter on a shared
 box (tens of ms per call) would drown it. Also by stage: before the request's stream entry (prompts / calls), from
 it to the worker's first event, the generation, and from its end to the client's answer.
+
+For scale, the same two clients also call a null server (``--null-server``: a Starlette route on uvicorn, as the
+gateway is served, answering a fixed chat completion at once): the round trip any OpenAI-compatible server costs
+these clients, which the direct path does not have. Each round of calls times it too, and the gateway's own cost is
+each round's fixed cost less the null server's round trip with the same client (median over rounds): what an agent
+pays for the gateway over any other OpenAI-compatible server. Both figures are recorded.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,11 +57,43 @@ from tests.support.procs import spawn, stop  # noqa: E402
 MESSAGES = [{"role": "user", "content": "What is 12+30? Think step by step."}]
 
 
+def null_server(port: int, tokens: int) -> None:
+    """Serve a fixed chat completion of ``tokens`` tokens at once, on the gateway's stack (Starlette on uvicorn)."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    answer = {
+        "id": "chatcmpl-null",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "policy",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "x" * tokens}, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 30, "completion_tokens": tokens, "total_tokens": 30 + tokens},
+    }
+
+    async def chat(request):
+        await request.body()
+        return JSONResponse(answer)
+
+    async def healthz(_request):
+        return JSONResponse({"ok": True})
+
+    app = Starlette(
+        routes=[Route("/v1/chat/completions", chat, methods=["POST"]), Route("/healthz", healthz, methods=["GET"])]
+    )
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--null-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.null_server:
+        return null_server(args.null_server, args.tokens)
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     model = make_chat_model(tmp / "model", max_len=512, seed=3)
     server = EmbeddedRedis(tmp / "redis").start()
@@ -63,9 +102,17 @@ def main() -> None:
     port = free_port()
     env = env_for(server.url, keys, model, temperature=0, gateway_port=port, max_tokens=args.tokens)
     procs = [spawn("services.rollout", "--worker-id", "bw", env=env), spawn("services.gateway", env=env)]
+    null_port = free_port()
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, __file__, "--null-server", str(null_port), "--tokens", str(args.tokens)],
+            start_new_session=True,
+        )
+    )
     try:
         wait_alive(client, keys, "rollout", "bw")
         wait_http(port)
+        wait_http(null_port)
         from transformers import AutoTokenizer
 
         from services.gateway.chat import Renderer
@@ -133,16 +180,32 @@ def main() -> None:
         def http(i: int) -> dict:
             return through(i, False)
 
+        null_api = openai.OpenAI(base_url=f"http://127.0.0.1:{null_port}/v1", api_key="x", http_client=pool)
+
+        def null(i: int) -> dict:
+            t0 = time.perf_counter()
+            tokens = null_api.chat.completions.create(**body).usage.completion_tokens
+            return {"ms": (time.perf_counter() - t0) * 1000, "tokens": tokens, "stages": (0.0, 0.0, 0.0, 0.0)}
+
+        def null_http(i: int) -> dict:
+            t0 = time.perf_counter()
+            tokens = pool.post(f"http://127.0.0.1:{null_port}/v1/chat/completions", json=body).json()["usage"]
+            return {"ms": (time.perf_counter() - t0) * 1000, "tokens": tokens["completion_tokens"], "stages": (0,) * 4}
+
         paths = (direct, gateway, http)
+        references = (null, null_http)
         # warm every path (first prefill, imports, connections)
         for w in range(3):
-            for f in paths:
+            for f in paths + references:
                 f(-1 - w)
         res: dict[str, list[dict]] = {f.__name__: [] for f in paths}
+        ref: dict[str, list[float]] = {f.__name__: [] for f in references}
         orders = list(itertools.permutations(paths))
         for i in range(args.calls):
             for f in orders[i % len(orders)]:
                 res[f.__name__].append(f(i))
+            for f in references:
+                ref[f.__name__].append(f(i)["ms"])
         ms = {name: [r["ms"] for r in rs] for name, rs in res.items()}
         # a call's fixed cost: its time less its generation (the worker's first event of it to its last)
         fixed = {name: [r["ms"] - r["stages"][2] for r in rs] for name, rs in res.items()}
@@ -170,6 +233,17 @@ def main() -> None:
             f"  median of pairs, fixed cost (generation excluded): {extra:+.2f} ms with the openai client, "
             f"{bare:+.2f} ms with a bare HTTP POST"
         )
+        null_sdk, null_bare = statistics.median(ref["null"]), statistics.median(ref["null_http"])
+        own = statistics.median(g - n for g, n in zip(pairs("gateway", fixed), ref["null"]))
+        own_bare = statistics.median(g - n for g, n in zip(pairs("http", fixed), ref["null_http"]))
+        print(
+            f"  a null server's round trip (no generation, no Redis): {null_sdk:.2f} ms with the openai client, "
+            f"{null_bare:.2f} ms with a bare HTTP POST"
+        )
+        print(
+            f"  the gateway's own cost (each round's fixed cost less its null round trip): {own:+.2f} ms with the "
+            f"openai client, {own_bare:+.2f} ms bare"
+        )
         names = ("to the stream", "to the worker's open", "open to done", "done to the client")
         print("  stages, median ms (Redis entry ids: 1 ms resolution)        direct   gateway  bare http")
         for k, name in enumerate(names):
@@ -184,7 +258,9 @@ def main() -> None:
                     "what": f"a {args.tokens}-token call through the gateway (stock openai client) vs the same prompt "
                     f"through the prompts stream, tiny model",
                     "value": f"{extra:+.1f} ms fixed cost per call (median of {args.calls} pairs, generation "
-                    f"excluded; {bare:+.1f} ms without the SDK), whole calls {whole:+.1f} ms, ratio {ratio:.3f} "
+                    f"excluded; {bare:+.1f} ms without the SDK), of which a null server's round trip is "
+                    f"{null_sdk:.1f} ms ({null_bare:.1f} ms bare): the gateway's own {own:+.1f} ms "
+                    f"({own_bare:+.1f} ms bare); whole calls {whole:+.1f} ms, ratio {ratio:.3f} "
                     f"(calls of {statistics.median(ms['direct']):.0f} ms)",
                 }
             ],

@@ -157,7 +157,7 @@ class Guard:
                 "invalid_api_key",
             )
         length = headers.get("content-length") or "0"
-        # (a length that is no number: h11 stops it first)
+        # (a length that is no number: the HTTP parser stops it first)
         if not length.isdigit() or int(length) > MAX_BODY:
             return GatewayError(
                 413,

@@ -13,7 +13,7 @@ import pytest
 from services.driver.driver import ENDED
 from services.ops.cli.main import main
 from services.ops.inspect import run_target
-from services.ops.inspect.runs import list_runs
+from services.ops.inspect.runs import format_runs, list_runs
 from services.ops.launch.runner import archive_ended_run
 from shared.protocol.keys import Keys
 from shared.runtime import folders, runstate
@@ -161,6 +161,21 @@ def test_runs_lists_ended_archived_and_interrupted_runs(tmp_path):
     ]
     assert (rows[1].model, rows[1].version, rows[1].reward) == ("models/m", 7, 0.5)
     assert list_runs(run_dir, live=lambda *_: False)[2].state == "interrupted"
+
+
+def test_runs_shows_the_mean_reward_of_the_last_steps_not_the_last_one_alone(tmp_path):
+    run_dir = tmp_path / "runs"
+    cfg = Config(run="a", run_dir=str(run_dir))
+    runstate.write_marker(cfg.run_path, {"run": "a", "id": "1", "created": "2026-01-01T00:00:00Z"}, "redis://x:1/0")
+    steps = [{"version": v, "reward_mean": 0.0 if v < 10 else 1.0, "loss": 0.1} for v in range(1, 31)]
+    # the newest step is a poor one, and the file ends half written (a trainer killed mid-line)
+    steps[-1]["reward_mean"] = 0.2
+    text = "".join(json.dumps(m) + "\n" for m in steps) + '{"version": 31, "rew'
+    (cfg.run_path / "metrics.jsonl").write_text(text)
+    (row,) = list_runs(run_dir, live=lambda *_: False)
+    # versions 11-30: nineteen steps at 1.0 and the last at 0.2
+    assert row.version == 30 and row.reward == pytest.approx((19 * 1.0 + 0.2) / 20)
+    assert "reward: the mean of each run's last 20 trainer steps" in format_runs([row], str(run_dir))
 
 
 def test_the_readme_order_default_agent_default_gets_each_run_its_recipes_model(tmp_path, monkeypatch, capsys):

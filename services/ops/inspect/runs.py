@@ -1,5 +1,5 @@
 """`streamrl runs`: every run under ``run_dir`` from its folder alone (run.json, ENDED, metrics.jsonl): live,
-interrupted, ended or archived, with its model, versions, last reward and times."""
+interrupted, ended or archived, with its model, versions, recent reward and times."""
 
 from __future__ import annotations
 
@@ -23,29 +23,39 @@ class RunRow:
     model: str
     # the last trained version (metrics.jsonl)
     version: int | None
-    # ... its training reward
+    # the mean training reward of its last RECENT_STEPS steps (one step's batch is a few prompts: noisy alone)
     reward: float | None
     created: str
     # when it ended, else when it last trained
     last: str
 
 
-def last_metrics(run_path: Path) -> dict:
-    """The last line of metrics.jsonl (the trainer's newest step), read from the file's end."""
+# steps the listed reward is the mean of
+RECENT_STEPS = 20
+
+
+def recent_metrics(run_path: Path, n: int = RECENT_STEPS) -> list[dict]:
+    """The last ``n`` lines of metrics.jsonl (the trainer's newest steps, oldest first), read from the file's end."""
     path = run_path / "metrics.jsonl"
     try:
         with open(path, "rb") as fh:
             fh.seek(0, 2)
-            fh.seek(max(0, fh.tell() - 8192))
+            fh.seek(max(0, fh.tell() - 2048 * n))
             lines = fh.read().splitlines()
     except OSError:
-        return {}
+        return []
+    out = []
     for line in reversed(lines):
         try:
-            return json.loads(line)
+            record = json.loads(line)
         except ValueError:
+            # the first line read may be cut, the last one half written
             continue
-    return {}
+        if isinstance(record, dict):
+            out.append(record)
+        if len(out) == n:
+            break
+    return out[::-1]
 
 
 def state_of(folder: Path, marker: dict, live) -> str:
@@ -61,7 +71,8 @@ def _stamp(seconds: float | None) -> str:
 
 
 def row(folder: Path, marker: dict, live) -> RunRow:
-    metrics = last_metrics(folder)
+    recent = recent_metrics(folder)
+    metrics = recent[-1] if recent else {}
     ended = folder / ENDED
     when = (
         ended.stat().st_mtime
@@ -70,14 +81,15 @@ def row(folder: Path, marker: dict, live) -> RunRow:
         if (folder / "metrics.jsonl").exists()
         else None
     )
-    reward = metrics.get("reward_mean")
+    rewards = [float(m["reward_mean"]) for m in recent if isinstance(m.get("reward_mean"), (int, float))]
+    reward = sum(rewards) / len(rewards) if rewards else None
     return RunRow(
         folder.name,
         marker.get("run", folder.name),
         state_of(folder, marker, live),
         str(runstate.recorded_config(marker).get("model_dir", "?")),
         metrics.get("version"),
-        None if reward is None else float(reward),
+        reward,
         str(marker.get("created", "")),
         _stamp(when),
     )
@@ -106,6 +118,7 @@ def format_runs(rows: list[RunRow], run_dir: str) -> str:
         version = "-" if r.version is None else str(r.version)
         reward = "-" if r.reward is None else f"{r.reward:.3f}"
         lines.append(f"{r.folder:<28} {r.state:<11} {version:>7} {reward:>6}  {r.created:<20} {r.last:<20} {r.model}")
+    lines.append(f"reward: the mean of each run's last {RECENT_STEPS} trainer steps")
     return "\n".join(lines)
 
 

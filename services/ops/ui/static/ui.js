@@ -23,7 +23,7 @@ function versionColour(v) { return v < 0 ? "#e5e7eb" : `hsl(${(v * 67) % 360}, 7
 // ---- runs
 async function runsPage() {
   const rows = await api("/api/runs");
-  main.innerHTML = `<h2>Runs</h2>` + (rows.length ? table(["run", "state", "model", "version", "last reward", "started", "ended / last step"],
+  main.innerHTML = `<h2>Runs</h2>` + (rows.length ? table(["run", "state", "model", "version", "reward (last 20 steps)", "started", "ended / last step"],
     rows.map((r) => [`<a href="${runUrl(r.folder)}">${esc(r.folder)}</a>`, esc(r.state), esc(r.model), fmt(r.version), fmt(r.reward), esc(r.created), esc(r.last)]))
     : `<p class="muted">no runs under run_dir</p>`);
 }

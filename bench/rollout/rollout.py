@@ -127,6 +127,11 @@ def rollout_once(client, engine, tok, cfg: Config, sink: str, n_groups: int, log
     enqueue(client, keys, groups(n_groups, cfg.group_size))
     worker.start()
     server0, t0, cpu0 = server_cpu(client), time.perf_counter(), time.process_time()
+    # the worker's own count while episodes run (a Redis read every tick was about a tenth of a 32-token run, and
+    # slower with the log's writes queued before it on the server: the benchmark's own cost, charged to the log);
+    # then the samples stream, until every group's sample is published
+    while worker.stats["episodes"] < n_groups * cfg.group_size:
+        worker.tick(block_ms=0)
     while client.xlen(keys.samples) < n_groups:
         worker.tick(block_ms=0)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0 + server_cpu(client) - server0

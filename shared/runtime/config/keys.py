@@ -311,8 +311,9 @@ class Config:
     """the driver ends the run at this version; 0: no limit"""
     max_minutes: float = 10.0
     """... or after this long; 0: no limit"""
-    val_every: int = 5
-    """a validation round every this many versions (held-out prompts, greedy + sampled); 0: none"""
+    val_every: int = 25
+    """a validation round every this many versions (held-out prompts, greedy + sampled); 0: none. Each round is
+    rolled out beside the training batches: on a rollout with no spare capacity it delays the next one"""
     val_size: int = 16
     """held-out prompts per validation round"""
     val_fraction: float = 0.1

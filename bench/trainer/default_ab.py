@@ -1,11 +1,13 @@
-"""The default job before and after a change of the trainer, as a user runs it: samples/s, versions/s and the time to a
-20-step mean reward of 0.9, in interleaved pairs (each pair alternates which runs first).
+"""The default job before and after a change, as a user runs it: samples/s, versions/s, the trainer's busy share and
+the time to a 20-step mean reward of 0.9, in interleaved pairs (each pair alternates which runs first).
 
     python bench/trainer/default_ab.py [--before REV] [--pairs 2]
 
 Each variant is one whole ``streamrl run`` with the defaults (the tiny model, the arithmetic task, to version 1000 or 10
 minutes), of a git tree: "before" a worktree at ``--before``, "after" this tree (bench/harness/runs.py). Rates are over
-the trainer's records: samples trained over the seconds from its first step to its last.
+the trainer's records: samples trained over the seconds from its first step to its last; the trainer's busy share is
+its training and commit time over that plus its wait for samples, from its 21st step on (the first ones wait for the
+rollout's start).
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ def rates(records: list[dict]) -> dict:
     span = max(steps[-1]["time"] - steps[0]["time"], 1e-9)
     reach = reached(records)
     at = next((r["time"] for r in steps if r["version"] == reach), None) if reach is not None else None
+    later = steps[20:] or steps
+    working = sum(r.get("train_s", 0.0) + r.get("commit_s", 0.0) for r in later)
+    waiting = sum(r.get("wait_s", 0.0) for r in later)
     return {
+        "busy": working / max(working + waiting, 1e-9),
         "samples_per_s": sum(r["samples"] for r in steps[1:]) / span,
         "versions_per_s": (steps[-1]["version"] - steps[0]["version"]) / span,
         "versions": steps[-1]["version"],
@@ -64,19 +70,30 @@ def main() -> int:
                     print(f"   {label}: {out[label][-1]}", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, capture_output=True)
-    lines = ["| variant | samples/s (each run) | versions/s | 20-step mean 0.9 at (s / version) |", "|---|---|---|---|"]
-    med = {}
+    lines = [
+        "| variant | samples/s (each run) | versions/s | trainer busy | 20-step mean 0.9 at (s / version) |",
+        "|---|---|---|---|---|",
+    ]
+    med, busy = {}, {}
     for label, runs in out.items():
         med[label] = statistics.median(r["samples_per_s"] for r in runs)
+        busy[label] = statistics.median(r["busy"] for r in runs)
         reach = ", ".join(f"{r['reach_s']:.0f} s / v{r['reach_version']}" if r["reach_s"] else "never" for r in runs)
         per_s = ", ".join("%.1f" % r["samples_per_s"] for r in runs)
         versions = ", ".join("%.2f" % r["versions_per_s"] for r in runs)
-        lines.append(f"| {label} | {per_s} | {versions} | {reach} |")
+        busy_each = ", ".join(f"{r['busy']:.1%}" for r in runs)
+        lines.append(f"| {label} | {per_s} | {versions} | {busy_each} | {reach} |")
     print("\n".join(lines) + f"\n(load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}; 2 cores)")
     ratio = med["after"] / med["before"]
     record(
         "default_ab",
-        [{"what": "default run samples/s after / before the change (median of pairs)", "value": f"{ratio:.3f}x"}],
+        [
+            {"what": "default run samples/s after / before the change (median of pairs)", "value": f"{ratio:.3f}x"},
+            {
+                "what": "the trainer's busy share of the default run, after and before (medians)",
+                "value": f"{busy['after']:.1%} after, {busy['before']:.1%} before",
+            },
+        ],
         ["services", "shared"],
         extra={"before": args.before, "runs": out},
     )

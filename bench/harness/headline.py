@@ -132,9 +132,6 @@ OFF_TABLE = {
     "staleness_agent_lr3e-4": "STALE since 2067a39: the trainer's topology moved behind one interface after it ran",
     # It measures the episode log's writer, whose codec helpers moved to one module after it ran.
     "redis_capacity": "STALE since 3e991a8: the stream codecs' shared helpers moved to one module after it ran",
-    # It measures all of services/ and shared/ over three invocations (about 45 minutes): the gateway and the
-    # rollout worker's call server (stop strings) changed after it ran, neither on the default run's path.
-    "default_ab": "STALE since e85ec3a: the gateway and the rollout worker's call server changed after it ran",
     # Routing replay (the episode log's routes, the engines' chunks, the trainer's forward) went in after they ran;
     # none of it runs for a dense model, but the rule counts every line. Re-run them to bring them back.
     "commit_cost": "STALE since 8b1a2d7 (133 ms): the trainer learned routing replay after it ran",

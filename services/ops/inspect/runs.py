@@ -3,12 +3,13 @@ interrupted, ended or archived, with its model, versions, recent reward and time
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from services.driver.driver import ENDED
+from shared.protocol.archive import jsonl
+from shared.protocol.streams import metrics
 from shared.runtime import runstate
 
 
@@ -35,27 +36,13 @@ RECENT_STEPS = 20
 
 
 def recent_metrics(run_path: Path, n: int = RECENT_STEPS) -> list[dict]:
-    """The last ``n`` lines of metrics.jsonl (the trainer's newest steps, oldest first), read from the file's end."""
-    path = run_path / "metrics.jsonl"
+    """The last ``n`` records of the trainer's metrics file (its newest steps, oldest first), read from its end;
+    [] when it is missing or unreadable (a listing shows the run without a reward rather than failing)."""
     try:
-        with open(path, "rb") as fh:
-            fh.seek(0, 2)
-            fh.seek(max(0, fh.tell() - 2048 * n))
-            lines = fh.read().splitlines()
-    except OSError:
+        records = jsonl.tail(metrics.trainer_path(run_path), 2048 * n, "metrics file")
+    except (OSError, ValueError):
         return []
-    out = []
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            # the first line read may be cut, the last one half written
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-        if len(out) == n:
-            break
-    return out[::-1]
+    return [record for record in records if isinstance(record, dict)][-n:]
 
 
 def state_of(folder: Path, marker: dict, live) -> str:
@@ -72,15 +59,10 @@ def _stamp(seconds: float | None) -> str:
 
 def row(folder: Path, marker: dict, live) -> RunRow:
     recent = recent_metrics(folder)
-    metrics = recent[-1] if recent else {}
+    newest = recent[-1] if recent else {}
     ended = folder / ENDED
-    when = (
-        ended.stat().st_mtime
-        if ended.exists()
-        else (folder / "metrics.jsonl").stat().st_mtime
-        if (folder / "metrics.jsonl").exists()
-        else None
-    )
+    trained = metrics.trainer_path(folder)
+    when = ended.stat().st_mtime if ended.exists() else trained.stat().st_mtime if trained.exists() else None
     rewards = [float(m["reward_mean"]) for m in recent if isinstance(m.get("reward_mean"), (int, float))]
     reward = sum(rewards) / len(rewards) if rewards else None
     return RunRow(
@@ -88,7 +70,7 @@ def row(folder: Path, marker: dict, live) -> RunRow:
         marker.get("run", folder.name),
         state_of(folder, marker, live),
         str(runstate.recorded_config(marker).get("model_dir", "?")),
-        metrics.get("version"),
+        newest.get("version"),
         reward,
         str(marker.get("created", "")),
         _stamp(when),

@@ -148,6 +148,8 @@ class Ranks:
             }
             snaps.log.info("snapshot written", **record)
             snaps.on_landed(record)
+        # DCP's writer threads' CPU time is not measurable from here: the wall time, the disk's wait included, stands
+        # for it (an upper bound: sharded snapshots fall due no more often than the rule asks)
         snaps.wrote(time.monotonic() - writing.started)
 
     def load(self, ckpt_dir: Path, model, opt) -> dict | None:

@@ -84,6 +84,32 @@ def test_a_snapshot_falls_due_once_a_restart_would_re_train_replay_s_but_never_b
     assert not off.due(1)
 
 
+def test_a_snapshots_cost_is_its_copy_and_its_writes_cpu_time_not_its_wait_on_a_slow_disk(tmp_path, monkeypatch):
+    import os
+    import time
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    landed = []
+    snaps = snapshot.Snapshots(tmp_path, 1000, 0.0, logs.get("snapshot-test"), on_landed=landed.append, replay_s=0.1)
+    real_fsync = os.fsync
+
+    def slow_disk_fsync(fd):
+        # a disk that takes 0.3 s to make a write durable: the writer waits, holding no core
+        time.sleep(0.3)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_disk_fsync)
+    topology.Alone().snapshot(snaps, model, opt, {"step": 0, "version": 0, "counts": {}})
+    snaps.close()
+    (record,) = landed
+    assert record["seconds"] >= 0.6
+    assert 0 < snaps.cost_s == record["cost_s"] < 0.1
+    # so the next one falls due after replay_s of training, not 20 times the disk's wait
+    snaps.trained(0.1)
+    assert snaps.due(1)
+
+
 def test_weights_with_a_nan_or_an_infinity_anywhere_are_not_finite_and_huge_finite_ones_are():
     from services.trainer import distributed
 

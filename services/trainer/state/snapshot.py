@@ -4,8 +4,11 @@ since the last one took ``snapshot_replay_s`` seconds, whichever comes first, an
 without one.
 
 The last rule bounds a restart: it re-trains the steps since the newest snapshot, so their training time is what a
-crash costs on top of starting the process. A snapshot costs its copy and its write, so by that rule one falls due no
-more often than ``COST_RATIO`` times its own last cost: a large model's snapshots stay a small share of the time.
+crash costs on top of starting the process. A snapshot costs the trainer its copy (the loop waits for it) and the
+writer's CPU time (it runs beside training, on the same cores), so by that rule one falls due no more often than
+``COST_RATIO`` times that cost: a large model's snapshots stay a small share of the time. The write's wait on the disk
+(fsync) is not counted: it holds no core, and counting it put several times more versions between snapshots than
+the rule asks for, each one re-trained at a restart.
 
     <run>/trainer/snapshots/v000025.pt
 
@@ -81,7 +84,7 @@ class Snapshots:
         self.trained_s += seconds
 
     def wrote(self, seconds: float) -> None:
-        """The snapshot just landed cost ``seconds`` from its copy to its file on disk."""
+        """The snapshot just landed cost the trainer ``seconds`` (see the module's docstring)."""
         self.cost_s = seconds
 
     def restored(self, version: int) -> None:
@@ -105,12 +108,15 @@ class Snapshots:
             "counts": dict(counts),
         }
         self.restored(version)
+        copy_s = time.monotonic() - copied_from
         self._pool = self._pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-writer")
-        self._pending = self._pool.submit(self._write, version, state, copied_from)
+        self._pending = self._pool.submit(self._write, version, state, copied_from, copy_s)
         return time.monotonic() - t0
 
-    def _write(self, version: int, state: dict, t0: float) -> None:
-        """Runs on the writer's thread; ``t0``: when the copy began (the record's seconds: the copy and the write)."""
+    def _write(self, version: int, state: dict, t0: float, copy_s: float) -> None:
+        """Runs on the writer's thread; ``t0``: when the copy began (the record's seconds: the copy and the write, the
+        disk's wait included), ``copy_s``: the copy's time (with the write's CPU time, the record's cost)."""
+        cpu0 = time.thread_time()
         path = file_of(self.directory, version)
 
         def write(tmp):
@@ -127,9 +133,10 @@ class Snapshots:
             "step": state["step"],
             "bytes": path.stat().st_size,
             "seconds": round(time.monotonic() - t0, 3),
+            "cost_s": round(copy_s + time.thread_time() - cpu0, 4),
             "time": time.time(),
         }
-        self.wrote(record["seconds"])
+        self.wrote(record["cost_s"])
         self.log.info("snapshot written", **record)
         if self.on_landed is not None:
             self.on_landed(record)

@@ -161,7 +161,7 @@ class Config:
     snapshot_replay_s: float = 0.15
     """... or once the train steps since the last snapshot took this many seconds, so that a restart re-trains about
     that much (plus reading their episodes); never more often than 20x the last snapshot's own cost (its copy and
-    write); 0: off"""
+    its write's CPU time); 0: off"""
     deterministic: bool = True
     """torch deterministic algorithms in the trainer, so a re-trained version hashes as it was published (free on the
     CPU; what it costs on a GPU: docs/faults.md)"""

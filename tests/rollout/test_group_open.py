@@ -1,6 +1,7 @@
-"""Opening a group: a newly claimed group's starts ride with the read of its streams (one round trip). A group
-claimed as new whose streams already hold events (a group held before, its prompt delivered again) is resumed from
-them: nothing written twice, nothing dropped."""
+"""Opening a group: a newly claimed group's starts ride with the read of the other opened groups' streams (one round
+trip; a started stream is not read back). A group claimed as new whose streams already hold events (a group held
+before, its prompt delivered again) is resumed from them, read in a second round trip: nothing written twice, nothing
+dropped."""
 
 from __future__ import annotations
 

@@ -57,10 +57,10 @@ class Episodes:
     # --- opening a group
     def open_groups(self, runs: list[GroupRun]) -> None:
         """Open groups claimed or taken over together, in one round trip: it writes the ``started`` event of every
-        episode of a newly claimed group, fenced at seq 0 (durable before generation starts), and reads every
-        episode stream of them all. A start refused there (the stream was not empty: a group held before) is
-        resumed from what was read; a taken-over or repacked group's episodes with empty streams are started in a
-        second round trip."""
+        episode of a newly claimed group, fenced at seq 0 (durable before generation starts), and reads the episode
+        streams of the others (taken over, repacked). A start refused there (the stream was not empty: a group held
+        before) is resumed from its stream, read in a second round trip; a taken-over or repacked group's episodes
+        with empty streams are started in a second round trip too."""
         if not runs:
             return
         episode_ids = [episode_id for run in runs for episode_id in run.episodes]
@@ -81,11 +81,18 @@ class Episodes:
                     (episode_id, self._start(run, index, episode_id, ids))
                     for index, episode_id in enumerate(run.episodes)
                 )
-        streams, refused = self.writes.start_and_read(list(guessed), episode_ids)
-        streams = iter(streams)
+        # a started episode's stream holds what was just written: only the others are read back
+        reading = [episode_id for episode_id in episode_ids if episode_id not in guessed]
+        streams, refused = self.writes.start_and_read(list(guessed), reading)
+        found = dict(zip(reading, streams))
+        if refused:
+            # rare: a newly claimed group was held before; its streams are read in a round trip of their own
+            again = sorted(refused)
+            found.update(zip(again, self.events.read_many(again)))
         fresh, unwritten = [], []
         for run in runs:
-            for index, (episode_id, entries) in enumerate(zip(run.episodes, [next(streams) for _ in run.episodes])):
+            for index, episode_id in enumerate(run.episodes):
+                entries = found.get(episode_id, [])
                 if not self.groups.holds(run):
                     # lost while opening (fenced): nothing more touches it
                     continue

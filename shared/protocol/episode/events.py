@@ -50,8 +50,10 @@ Writing an episode by hand (redis-cli + the msgpack library only):
 
 from __future__ import annotations
 
+import array
 import math
-import struct
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,27 +213,28 @@ class Event:
         return int(self.entry_id.split("-")[0]) if self.entry_id else 0
 
 
-# a short list packs faster through struct than through a numpy array made for it (most tokens events hold a few
-# tokens); an array, or a long list, goes through numpy
-_STRUCT_MAX = 256
+# a short list packs faster through the standard library's array (a C loop over the list, no format string built a
+# call) than through a numpy array made for it (most tokens events hold a few tokens); an array, a long list, or a
+# machine whose byte order is not the wire's little-endian goes through numpy
+_ARRAY_MAX = 256 if sys.byteorder == "little" else -1
 
 
 def pack_ids(ids) -> bytes:
-    if isinstance(ids, list) and len(ids) <= _STRUCT_MAX:
+    if isinstance(ids, list) and len(ids) <= _ARRAY_MAX:
         try:
-            return struct.pack(f"<{len(ids)}I", *ids)
-        except struct.error:
-            # a negative id or one past uint32: numpy's own error below names it
+            return array.array("I", ids).tobytes()
+        except (OverflowError, TypeError):
+            # a negative id, one past uint32, or not an integer: numpy's own error (or conversion) below
             pass
     return np.asarray(ids, dtype="<u4").tobytes()
 
 
 def pack_logprobs(logprobs) -> bytes:
-    if isinstance(logprobs, list) and len(logprobs) <= _STRUCT_MAX:
+    if isinstance(logprobs, list) and len(logprobs) <= _ARRAY_MAX:
         try:
-            return struct.pack(f"<{len(logprobs)}f", *logprobs)
-        except OverflowError:
-            # a value past float32's range: numpy makes it an infinity, as for a long list
+            # a value past float32's range becomes an infinity, as through numpy
+            return array.array("f", logprobs).tobytes()
+        except TypeError:
             pass
     return np.asarray(logprobs, dtype="<f4").tobytes()
 
@@ -253,7 +256,18 @@ def encode_data(event: Event) -> bytes:
         for name, pack in packers:
             if name in data:
                 data[name] = pack(data[name])
-    return msgpack.packb(data, use_bin_type=True)
+    return _packer().pack(data)
+
+
+_local = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's packer: one made per event cost as much as the packing (a Packer is not safe across threads)."""
+    packer = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    return packer
 
 
 def encode(event: Event) -> dict[str, bytes | str]:

@@ -142,11 +142,8 @@ OFF_TABLE = {
     # end-to-end pair take about 40 minutes; re-run them to bring it back.
     "moe_routing": "STALE since d1755d7 (2.8% / 12.5% / 18.7%): the tiny model's module and the agent warm start "
     "changed after it ran",
-    # Whole runs, measuring all of services/ and shared/: the gateway's request path, the rollout worker's group
-    # opening, the event codec's packing and the trainer's read-ahead changed after they ran. Re-run them (about 20
-    # and 10 minutes on a quiet box) to bring them back.
-    "agent_curve": "STALE since 8c4f630 (59, 74, 74 s): the gateway's request path, the rollout worker's group "
-    "opening and the trainer's read-ahead changed after it ran",
+    # A whole-run A/B measuring all of services/ and shared/: the rollout worker's group opening and the trainer's
+    # read-ahead changed after it ran. Re-run it (about 10 minutes on a quiet box) to bring it back.
     "defaults_reach": "STALE since 7f65398 (859, 515 versions): the rollout worker's group opening and the "
     "trainer's read-ahead changed after it ran",
     # The archiver's move now reads again when Redis forgot its script mid-pipeline (a restart under the client's

@@ -142,10 +142,6 @@ OFF_TABLE = {
     # end-to-end pair take about 40 minutes; re-run them to bring it back.
     "moe_routing": "STALE since d1755d7 (2.8% / 12.5% / 18.7%): the tiny model's module and the agent warm start "
     "changed after it ran",
-    # A whole-run A/B measuring all of services/ and shared/: the rollout worker's group opening and the trainer's
-    # read-ahead changed after it ran. Re-run it (about 10 minutes on a quiet box) to bring it back.
-    "defaults_reach": "STALE since 7f65398 (859, 515 versions): the rollout worker's group opening and the "
-    "trainer's read-ahead changed after it ran",
     # The archiver's move now reads again when Redis forgot its script mid-pipeline (a restart under the client's
     # retry): a path none of these takes, but the rule counts every line. Whole runs or an older tree's A/B; re-run
     # them to bring them back.

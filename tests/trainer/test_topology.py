@@ -105,8 +105,13 @@ def test_a_snapshots_cost_is_its_copy_and_its_writes_cpu_time_not_its_wait_on_a_
     (record,) = landed
     assert record["seconds"] >= 0.6
     assert 0 < snaps.cost_s == record["cost_s"] < 0.1
-    # so the next one falls due after replay_s of training, not 20 times the disk's wait
-    snaps.trained(0.1)
+    # so the next one falls due after replay_s (or COST_RATIO times the small cost) of training, not COST_RATIO
+    # times the disk's wait: the copy and the CPU time vary with the box, the wait is what must not count
+    falls_due_after = max(0.1, snapshot.COST_RATIO * snaps.cost_s)
+    assert falls_due_after < snapshot.COST_RATIO * record["seconds"] / 4
+    snaps.trained(falls_due_after * 0.9)
+    assert not snaps.due(1)
+    snaps.trained(falls_due_after * 0.2)
     assert snaps.due(1)
 
 

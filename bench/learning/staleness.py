@@ -279,6 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--models-dir", default="", help="keep the warm-started models here (shared by --part runs)")
     p.add_argument("--png", default=str(ROOT / "docs" / "staleness.png"))
     p.add_argument("--no-record", action="store_true")
+    p.add_argument("--record-name", default="staleness", help="bench/results/<this>.json (another setup: another name)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     etas = [int(e) for e in args.etas.split(",")]
@@ -333,7 +334,7 @@ def main(argv=None) -> int:
             a for i, a in enumerate(given) if not a.startswith("--merge") and not (i and given[i - 1] == "--merge")
         ]
         record(
-            "staleness",
+            args.record_name,
             rows,
             ["bench/learning/staleness.py", "bench/learning/staleness_cell.py", "services/trainer"],
             argv=argv_run,

@@ -1,6 +1,6 @@
 """Rollout benchmark: event-log overhead, resume time, tokens lost to a kill -9.
 
-    python bench/rollout/rollout.py [--quick] [--json] [--only throughput,resume,kill]
+    python bench/rollout/rollout.py [--quick] [--json] [--only throughput,resume,kill,simulated-gpu]
 
 Starts its own EmbeddedRedis (valkey-server, AOF everysec) in a temp dir and a
 tiny random-init model (``services.ops.launch.tiny_model``), on CPU.
@@ -30,6 +30,13 @@ tiny random-init model (``services.ops.launch.tiny_model``), on CPU.
    worker takes its groups over and finishes them; the check
    generated(A) + generated(B) - final tokens == regenerated is printed too.
    For flush_tokens 1/4/16/64, with flush_ms 50 (default) and flush_ms off.
+
+4. Simulated GPU (``--only simulated-gpu``, not in the default set). Part 1's 32-token tiny-model pairs with the
+   engine wrapped in ``services/rollout/engine/slow.py``: a fixed sleep after each step
+   (``--simulated-step-ms``, 10 and 30 ms: a GPU decode step of tens of milliseconds costs about the same whatever the
+   batch). On a GPU the engine's step holds no CPU core while the device computes, so the log's writes (its thread,
+   the Redis server) overlap it; on this CPU-only box part 1's engine computes on the very cores the writes need.
+   SIMULATED, and recorded as such: the tiny model still computes each step on the CPU, and then the sleep.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ import torch  # noqa: E402
 from services.ops.launch.redis_server import EmbeddedRedis  # noqa: E402
 from services.ops.launch.tiny_model import load_tokenizer, make_tiny_model  # noqa: E402
 from services.rollout.engine import SamplingParams  # noqa: E402
+from services.rollout.engine.slow import SlowEngine  # noqa: E402
 from services.rollout.engine.torch_engine import TorchEngine  # noqa: E402
 from services.rollout.worker import RolloutWorker  # noqa: E402
 from shared.protocol.episode.events import encode  # noqa: E402
@@ -149,7 +157,14 @@ def rollout_once(client, engine, tok, cfg: Config, sink: str, n_groups: int, log
 
 
 def bench_throughput(
-    client, model_dir: str, reps: int, n_groups: int, max_tokens: int, label: str, flush_ms: float | None = None
+    client,
+    model_dir: str,
+    reps: int,
+    n_groups: int,
+    max_tokens: int,
+    label: str,
+    flush_ms: float | None = None,
+    step_delay_ms: float = 0.0,
 ) -> dict:
     # default flush and batch
     cfg = Config(model_dir=model_dir, tools="", temperature=1.0, max_tokens=max_tokens)
@@ -158,6 +173,9 @@ def bench_throughput(
     tok = load_tokenizer(model_dir)
     engine = TorchEngine(model_dir, max_batch_size=cfg.max_batch_size)
     params = sum(p.numel() for p in engine.runner.model.parameters())
+    if step_delay_ms:
+        # SIMULATED: a GPU's decode step, time in which the engine holds no core, stood in for by a sleep
+        engine = SlowEngine(engine, step_delay_ms)
     log = logs.get("bench")
     # warm-up
     rollout_once(client, engine, tok, cfg, "redis", max(2, n_groups // 4), log)
@@ -173,6 +191,7 @@ def bench_throughput(
         "params": params,
         "flush_tokens": cfg.flush_tokens,
         "flush_ms": cfg.flush_ms,
+        "step_delay_ms": step_delay_ms,
         "groups": n_groups,
         "group_size": cfg.group_size,
         "max_tokens": cfg.max_tokens,
@@ -485,8 +504,25 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="throughput only: the episode log's flush_ms for both sinks (default: the config's default)",
     )
+    ap.add_argument(
+        "--simulated-step-ms",
+        default="10,30",
+        help="simulated-gpu only: the sleeps after each engine step that stand in for a GPU's decode step (ms, "
+        "comma-separated: one row each)",
+    )
     args = ap.parse_args(argv)
     parts = set(args.only.split(","))
+    unknown = parts - {"throughput", "resume", "kill", "simulated-gpu"}
+    if unknown:
+        ap.error(
+            f"--only: unknown part(s) {', '.join(sorted(unknown))}; expected throughput, resume, kill, simulated-gpu"
+        )
+    try:
+        step_ms = [float(ms) for ms in args.simulated_step_ms.split(",")]
+    except ValueError:
+        ap.error(f"--simulated-step-ms: expected comma-separated milliseconds, got {args.simulated_step_ms!r}")
+    if any(ms <= 0 for ms in step_ms):
+        ap.error(f"--simulated-step-ms: expected milliseconds above 0, got {args.simulated_step_ms!r}")
     logs.setup("warning")
     # one engine thread: the box is shared; CPU-time figures stay comparable
     torch.set_num_threads(1)
@@ -516,6 +552,21 @@ def main(argv: list[str] | None = None) -> int:
                     for m, label, max_tokens, groups_n, reps in scenarios
                 ]
                 print(render({"throughput": result["throughput"]}), flush=True)
+            if "simulated-gpu" in parts:
+                result["simulated_gpu"] = [
+                    bench_throughput(
+                        client,
+                        model_dir,
+                        2 if q else 10,
+                        8 if q else 96,
+                        32,
+                        f"tiny + {ms:g} ms/step",
+                        args.flush_ms,
+                        ms,
+                    )
+                    for ms in step_ms
+                ]
+                print(render({"throughput": result["simulated_gpu"]}), flush=True)
             if "resume" in parts:
                 result["resume"] = bench_resume(client, tmp, n_tokens=1024 if q else 4096, reps=3 if q else 5)
                 print(render({"resume": result["resume"]}), flush=True)
@@ -551,6 +602,25 @@ def main(argv: list[str] | None = None) -> int:
             measures,
             quick=q,
             argv=argv,
+        )
+    if "simulated_gpu" in result and args.flush_ms is None:
+        record(
+            "rollout-simulated-gpu",
+            [
+                {
+                    "what": f"rollout throughput with the Redis event log over an in-memory sink, tiny model, "
+                    f"{t['max_tokens']}-token episodes, a {t['step_delay_ms']:g}-ms sleep per engine step standing in "
+                    f"for a GPU's decode step",
+                    "value": f"{t['ratio_median']:.3f} wall ({(1 - t['ratio_median']) * 100:.1f} % overhead; "
+                    f"pairs {min(t['ratios']):.2f}-{max(t['ratios']):.2f})",
+                }
+                for t in result["simulated_gpu"]
+            ],
+            measures,
+            quick=q,
+            argv=argv,
+            simulated=f"a fixed sleep after each engine step ({', '.join(f'{ms:g}' for ms in step_ms)} ms) stands in "
+            f"for a GPU's decode step (the tiny model's CPU forward runs too)",
         )
     if "resume" in result:
         r = result["resume"]

@@ -141,21 +141,12 @@ OFF_TABLE = {
     # (services/ops/launch/keep.py) was rewritten after they ran. Re-run them to bring them back.
     "async_vs_sync": "STALE since 5638634: the process supervisor's restart decision changed after it ran",
     "trajectory_async": "STALE since 3e991a8: the process supervisor's restart decision changed after it ran",
-    # These two measure all of shared/: the config documentation's parser (shared/runtime/config/doc.py) now
-    # reads field docstrings. It is not on their measured path, but the rule counts every line; re-run them.
-    "sync_pause": "STALE since 5638634: the config documentation's parser changed after it ran",
-    "rolling_sync": "STALE since 5638634: the config documentation's parser changed after it ran",
     # The trainer's loop now asks its topology (alone or torchrun ranks) instead of branching: the same steps, but
     # the rule counts every line. The agent grid takes about an hour a learning rate; re-run it to bring it back.
     "staleness_agent": "STALE since 2067a39: the trainer's topology moved behind one interface after it ran",
     "staleness_agent_lr3e-4": "STALE since 2067a39: the trainer's topology moved behind one interface after it ran",
     # It measures the episode log's writer, whose codec helpers moved to one module after it ran.
     "redis_capacity": "STALE since 3e991a8: the stream codecs' shared helpers moved to one module after it ran",
-    # Routing replay (the episode log's routes, the engines' chunks, the trainer's forward) went in after they ran;
-    # none of it runs for a dense model, but the rule counts every line. Re-run them to bring them back.
-    "commit_cost": "STALE since 8b1a2d7 (133 ms): the trainer learned routing replay after it ran",
-    "agents_frameworks": "STALE since 3b98d26 (9 of 9 trained): the call server learned to log expert routes after "
-    "it ran",
     # The tiny model's module learned the chat models' word tokens and the agent warm start its tool share after it
     # ran; its MoE models are made as before (no chat words), but the rule counts every line. Its offline grid and
     # end-to-end pair take about 40 minutes; re-run them to bring it back.
